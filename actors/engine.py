@@ -1,0 +1,133 @@
+"""The engine: the actors wired together, requests in, pull-based streams out.
+
+    add_request -> sampler actor (registers the stream) -> scheduler actor
+    scheduler actor --SchedulerOutput--> GPU actor (own threads) --StepOutput--> sampler actor
+    sampler actor --StepUpdate--> scheduler actor;  text --> each request's RequestStream
+    scheduler actor <-> KV cache actor (one ask per step)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from actors.gpu_actor import GPUActorV1, GPUActorV2
+from actors.kv_cache_manager import KVCacheActor, KVCacheManager
+from actors.kv_client import KVActorClient
+from actors.messages import AbortRequests, AddRequest, EngineRequest, RegisterRequest
+from actors.output_stream import RequestStream
+from actors.sampler import OutputProcessor, SamplerActor
+from actors.scheduler import Scheduler
+from actors.scheduler_actor import Drain, SchedulerActor
+from actors.scheduler_config import SchedulerConfig
+from app.config import EngineConfig
+from gpu.runner_v1.runner import ModelRunnerV1
+from gpu.runner_v2.runner import ModelRunnerV2
+from gpu.worker import ModelWorker
+
+log = structlog.get_logger("tandem.engine")
+
+MAX_STEPS_IN_FLIGHT = {"v2": 2, "v1": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+
+
+class Engine:
+    def __init__(self, worker: ModelWorker, runner_name: str, config: EngineConfig | None = None
+                 ) -> None:
+        """`config` may narrow the worker's (scheduling limits, a smaller KV pool); the model,
+        device and block size are the worker's."""
+        if worker.tokenizer is None:
+            raise ValueError("the engine needs a tokenizer; dummy weights serve token ids only")
+        config = config or worker.config
+        self.worker = worker
+        self.config = config
+        self.runner_name = runner_name
+        num_blocks = min(config.num_kv_blocks or worker.kv_spec.num_blocks, worker.kv_spec.num_blocks)
+        self.kv_actor = KVCacheActor(KVCacheManager(
+            num_blocks=num_blocks, block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching))
+        max_in_flight = MAX_STEPS_IN_FLIGHT[runner_name]
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=worker.max_model_len, block_size=config.block_size,
+            max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor))
+        self.output_processor = OutputProcessor(worker.tokenizer, scheduler_sink=self._to_scheduler,
+                                                max_model_len=worker.max_model_len)
+        self.sampler_actor = SamplerActor(self.output_processor)
+        runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner_name == "v2"
+                                     else (ModelRunnerV1, GPUActorV1))
+        self.gpu_actor = gpu_actor_cls(runner_cls(worker, config),
+                                       on_step_output=self.sampler_actor.tell)
+        self.scheduler_actor = SchedulerActor(
+            self.scheduler, submit_step=self.gpu_actor.submit, tell_sampler=self.sampler_actor.tell,
+            max_steps_in_flight=max_in_flight)
+        self._stop = anyio.Event()
+        self.is_running = False
+
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        stream = RequestStream(request.request_id, num_prompt_tokens=len(request.prompt_token_ids))
+        self.sampler_actor.tell(RegisterRequest(request, stream))
+        self.scheduler_actor.tell(AddRequest(request))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.scheduler_actor.tell(AbortRequests(tuple(request_ids)))
+            self._abort_outputs(request_ids)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run every actor until `stop()`; then abort what is left and shut down in order."""
+        async with anyio.create_task_group() as tg:
+            kv_done = _start(tg, self.kv_actor.run)
+            sampler_done = _start(tg, self.sampler_actor.run)
+            gpu_done = _start(tg, self.gpu_actor.run)
+            scheduler_done = _start(tg, self.scheduler_actor.run)
+            self.is_running = True
+            task_status.started()
+            await self._stop.wait()
+            drained = anyio.Event()
+            self.scheduler_actor.tell(Drain(drained))
+            await drained.wait()
+            self.is_running = False
+            for actor, done in ((self.scheduler_actor, scheduler_done), (self.gpu_actor, gpu_done),
+                                (self.sampler_actor, sampler_done), (self.kv_actor, kv_done)):
+                actor.close()
+                await done.wait()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=self.scheduler.num_running,
+                           num_waiting=self.scheduler.num_waiting,
+                           num_preemptions_total=self.scheduler.num_preemptions_total)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _to_scheduler(self, update: object) -> None:
+        if self.is_running:
+            self.scheduler_actor.tell(update)
+
+    def _abort_outputs(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.sampler_actor.tell(AbortRequests(tuple(request_ids)))
+
+
+def _start(tg: anyio.abc.TaskGroup, run: Callable[[], Awaitable[None]]) -> anyio.Event:
+    done = anyio.Event()
+
+    async def _run() -> None:
+        try:
+            await run()
+        finally:
+            done.set()
+
+    tg.start_soon(_run)
+    return done

@@ -1,0 +1,111 @@
+"""GPU actors: the runner's loop in dedicated threads, off the event loop.
+
+Two actors, one per runner, swapped at startup rather than branched inside one loop:
+
+- `GPUActorV2` overlaps: a launcher thread enqueues step N+1 while a completion thread
+  waits for step N's event and posts its result, so the device never waits for Python.
+- `GPUActorV1` is the fallback: one thread that runs a step, waits for its tokens, posts.
+
+Results go back to the event loop with `call_soon_threadsafe`, never blocking the threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import structlog
+
+from actors.messages import SchedulerOutput, StepOutput, StepStats
+
+log = structlog.get_logger("tandem.gpu_actor")
+_STOP = object()
+
+
+class _GPUActorBase:
+    name = "gpu"
+
+    def __init__(self, runner: Any, on_step_output: Callable[[StepOutput], None]) -> None:
+        self.runner = runner
+        self._on_step_output = on_step_output
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        self._inbox.put(sched)
+
+    def close(self) -> None:
+        self._inbox.put(_STOP)
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await anyio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
+
+    def _post(self, out: StepOutput) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_step_output, out)
+
+    def _thread_main(self) -> None:
+        raise NotImplementedError
+
+
+def failed_step(step_id: int, request_ids: tuple[str, ...], exc: BaseException) -> StepOutput:
+    """A step that raised: every request in it fails; the engine keeps serving the rest."""
+    log.error("step_failed", step_id=step_id, error=repr(exc), exc_info=exc)
+    return StepOutput(step_id=step_id, request_ids=(), sampled_token_ids=np.zeros(0, np.int64),
+                      logprobs=None,
+                      stats=StepStats(step_id=step_id, num_reqs=len(request_ids), num_tokens=0,
+                                      num_prefill_tokens=0),
+                      error=f"{type(exc).__name__}: {exc}", failed_request_ids=request_ids)
+
+
+class GPUActorV2(_GPUActorBase):
+    name = "gpu_v2"
+
+    def __init__(self, runner: Any, on_step_output: Callable[[StepOutput], None]) -> None:
+        super().__init__(runner, on_step_output)
+        self._launched: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def _thread_main(self) -> None:
+        completer = threading.Thread(target=self._complete_loop, name="tandem-gpu-complete",
+                                     daemon=True)
+        completer.start()
+        try:
+            self._launch_loop()
+        finally:
+            self._launched.put(_STOP)
+            completer.join()
+
+    def _launch_loop(self) -> None:
+        while (sched := self._inbox.get()) is not _STOP:
+            try:
+                self._launched.put(self.runner.execute(sched))
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the engine
+                self._launched.put(failed_step(sched.step_id, sched.scheduled_request_ids, exc))
+
+    def _complete_loop(self) -> None:
+        while (pending := self._launched.get()) is not _STOP:
+            if isinstance(pending, StepOutput):
+                self._post(pending)
+                continue
+            try:
+                self._post(pending.result())
+            except Exception as exc:  # noqa: BLE001
+                self._post(failed_step(pending.step_id, pending.request_ids, exc))
+
+
+class GPUActorV1(_GPUActorBase):
+    name = "gpu_v1"
+
+    def _thread_main(self) -> None:
+        while (sched := self._inbox.get()) is not _STOP:
+            try:
+                out = self.runner.execute(sched)
+            except Exception as exc:  # noqa: BLE001
+                out = failed_step(sched.step_id, sched.scheduled_request_ids, exc)
+            self._post(out)

@@ -1,0 +1,100 @@
+"""Messages of the KV cache actor (asked by the scheduler, once per step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RunningAlloc:
+    """Make a running request's blocks hold `num_tokens` tokens (computed + scheduled this
+    step). Idempotent: asking again for the same or fewer tokens allocates nothing."""
+
+    request_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingAlloc:
+    """First allocation of a request entering the batch: new, or resumed after preemption
+    (then `token_ids` is the prompt plus every output token so far)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    max_num_new_tokens: int
+    """Upper bound on the tokens scheduled this step, before the step's token budget."""
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateStep:
+    """One step's allocation, applied in order:
+
+    1. free the blocks of `free_request_ids`;
+    2. allocate `running` in order, stopping at the first entry that cannot get its blocks
+       (entries before it keep theirs);
+    3. only if every running entry succeeded, admit `waiting` in order while
+       `token_budget` (tokens left for waiting requests) lasts, stopping at the first entry
+       that does not fit.
+    """
+
+    free_request_ids: tuple[str, ...]
+    running: tuple[RunningAlloc, ...]
+    waiting: tuple[WaitingAlloc, ...]
+    token_budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingGrant:
+    request_id: str
+    block_ids: tuple[int, ...]
+    """The request's whole block table: prefix-cache hits first, then new blocks."""
+    num_cached_tokens: int
+    """Tokens whose KV is already in the cache; the request computes from here."""
+    num_new_tokens: int
+    """Tokens scheduled this step."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepAllocation:
+    num_running_ok: int
+    """Running entries (a prefix of AllocateStep.running) that got their blocks."""
+    new_block_ids: tuple[tuple[int, ...], ...]
+    """Per satisfied running entry, the blocks appended to its table by this call."""
+    waiting: tuple[WaitingGrant, ...]
+    """Per admitted waiting entry, in order (a prefix of AllocateStep.waiting)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FreeRequests:
+    """Release requests' blocks outside a step (abort or finish when no step follows)."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVStats:
+    """Ask for a KVUsage snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    num_total_blocks: int
+    num_free_blocks: int
+    """Blocks no request holds (never used, or evictable cached blocks)."""
+    num_used_blocks: int
+    """Blocks held by at least one request."""
+    num_cached_blocks: int
+    """Blocks registered in the prefix cache, held or evictable."""
+    usage_perc: float
+    """num_used_blocks / num_total_blocks, in [0, 1] (Prometheus kv_cache_usage_perc)."""
+    prefix_cache_queries_tokens: int
+    """Tokens looked up in the prefix cache by admitted requests, cumulative."""
+    prefix_cache_hits_tokens: int
+    """Of those, tokens found in the cache, cumulative."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckInvariants:
+    """Ask the actor to verify its bookkeeping; the reply is None or an AssertionError."""

@@ -1,0 +1,116 @@
+"""The scheduler's per-request state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from actors.messages import EngineRequest
+from actors.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason ('stop', 'length', 'abort', 'error'), None if unfinished."""
+        return self.value if self in _FINISHED else None
+
+    @classmethod
+    def from_finish_reason(cls, reason: str) -> RequestStatus:
+        status = _BY_REASON.get(reason)
+        if status is None:
+            raise ValueError(f"unknown finish reason {reason!r}; "
+                             f"expected one of {sorted(_BY_REASON)}")
+        return status
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_BY_REASON = {status.value: status for status in _FINISHED}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_model_len: int
+    priority: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is computed or scheduled (advanced when a step is scheduled)."""
+    num_output_placeholders: int = 0
+    """Output tokens scheduled to be sampled whose values have not arrived yet."""
+    num_cached_tokens: int = -1
+    """Prefix-cache hit on first admission (-1 until then)."""
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    queued_time: float = 0.0
+    """time.monotonic() when the scheduler queued the request."""
+    first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_engine_request(cls, request: EngineRequest, max_model_len: int,
+                            queued_time: float) -> Request:
+        num_prompt_tokens = len(request.prompt_token_ids)
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of {num_prompt_tokens} "
+                             f"tokens leaves no room for output within max_model_len "
+                             f"{max_model_len}")
+        return cls(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+                   sampling_params=request.sampling_params, arrival_time=request.arrival_time,
+                   max_model_len=max_model_len, priority=request.priority,
+                   eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
+                   queued_time=queued_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus known output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return (len(self.prompt_token_ids) + len(self.output_token_ids)
+                + self.num_output_placeholders)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus max_tokens, capped at max_model_len."""
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(len(self.prompt_token_ids) + max_tokens, self.max_model_len)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

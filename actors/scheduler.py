@@ -1,0 +1,371 @@
+"""Continuous-batching scheduler: which requests run each step, and how many tokens each.
+
+One rule covers prefill and decode: each step, a request's computed tokens catch up with
+its known-or-placeholder tokens, within the step's token budget. Running requests go first
+(decodes and continuing prefill chunks, in admission order); waiting requests then fill
+what is left of the budget, a long prompt running in chunks over several steps.
+
+Scheduling is optimistic: `num_computed_tokens` advances when a step is scheduled, and a
+step whose chunk reaches the end of a request's tokens adds an output placeholder that the
+step's result resolves. So step N+1 can be built before step N's tokens are known.
+
+When a running request cannot get KV blocks, the lowest-priority, most recently admitted
+running request is preempted: its blocks and runner row are freed, and it waits at the
+front of the queue to be recomputed from prompt + outputs.
+
+The Scheduler is not re-entrant: its owner (the scheduler actor) must not call anything
+else while `schedule()` is awaiting the KV cache actor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from actors.kv_messages import (
+    AllocateStep,
+    RunningAlloc,
+    StepAllocation,
+    WaitingAlloc,
+    WaitingGrant,
+)
+from actors.messages import (
+    CachedRequestData,
+    EngineRequest,
+    NewRequestData,
+    SchedulerOutput,
+    StepUpdate,
+)
+from actors.request import Request, RequestStatus
+from actors.scheduler_config import SchedulerConfig
+
+
+class KVClient(Protocol):
+    async def allocate_step(self, msg: AllocateStep) -> StepAllocation: ...
+
+    async def free(self, request_ids: Sequence[str]) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _PlannedRun:
+    request: Request
+    num_new_tokens: int
+    alloc: RunningAlloc
+
+
+_Granted = tuple[_PlannedRun, tuple[int, ...]]
+"""A running entry that got its blocks, with the block ids appended this step."""
+
+
+@dataclass(slots=True)
+class _StepBatch:
+    """The columns of a SchedulerOutput, filled in batch order."""
+
+    request_ids: list[str]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    samples_token: list[bool]
+    sampling_requests: dict[str, Request]
+
+
+class WaitingQueue:
+    """Waiting and preempted requests, best first: lower priority value, then preempted
+    before new, then earlier arrival, then earlier push."""
+
+    def __init__(self) -> None:
+        # Sorted ascending by the negated key, so the best request sits at the end: taking
+        # it is cheap, and a new arrival (usually the worst) is inserted near the front.
+        self._entries: list[tuple[tuple[int, int, float, int], Request]] = []
+        self._keys: dict[int, tuple[int, int, float, int]] = {}
+        self._push_seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def push(self, request: Request) -> None:
+        is_new = 0 if request.status is RequestStatus.PREEMPTED else 1
+        key = (-request.priority, -is_new, -request.arrival_time, -next(self._push_seq))
+        self._keys[id(request)] = key
+        bisect.insort(self._entries, (key, request))
+
+    def remove(self, request: Request) -> None:
+        key = self._keys.pop(id(request))
+        index = bisect.bisect_left(self._entries, (key,))
+        del self._entries[index]
+
+    def best_first(self) -> Iterator[Request]:
+        for index in range(len(self._entries) - 1, -1, -1):
+            yield self._entries[index][1]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVClient) -> None:
+        self.config = config
+        self._kv = kv
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._running: dict[str, Request] = {}  # holding a runner row, in admission order
+        self._waiting = WaitingQueue()
+        self._blocks_to_free: list[str] = []  # ids whose KV blocks the manager may still hold
+        self._rows_to_free: set[str] = set()  # ids whose runner rows the next step frees
+        self._in_flight: deque[tuple[int, dict[str, Request]]] = deque()  # step id, samplers
+        self._next_step_id = 0
+        self.num_preemptions_total = 0
+
+    # ---- counts ---------------------------------------------------------------------
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- requests in and out --------------------------------------------------------
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        if engine_request.request_id in self._requests:
+            raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
+        request = Request.from_engine_request(engine_request, self.config.max_model_len,
+                                              queued_time=time.monotonic())
+        self._requests[request.request_id] = request
+        self._waiting.push(request)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort the unfinished ones among `request_ids`; returns those aborted."""
+        aborted: list[str] = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request_id)
+        return aborted
+
+    # ---- one step -------------------------------------------------------------------
+
+    async def schedule(self) -> SchedulerOutput | None:
+        """Build the next step; None when there is nothing to run or no room in flight."""
+        if len(self._in_flight) >= self.config.max_steps_in_flight:
+            return None
+        planned, token_budget = self._plan_running()
+        waiting_entries, waiting_requests = self._plan_waiting(token_budget)
+        if not planned and not waiting_entries:
+            if self._blocks_to_free:
+                await self._kv.free(self._take_blocks_to_free())
+            return None
+        satisfied, grants = await self._allocate(planned, waiting_entries, token_budget)
+        if not satisfied and not grants:
+            return None
+        return self._commit(satisfied, grants, waiting_requests)
+
+    def update_from_step(self, update: StepUpdate) -> list[Request]:
+        """Apply a step's sampled tokens and finishes; returns the requests that finished.
+
+        Steps must be reported in the order they were scheduled. A request that sampled in
+        the step but got neither a token nor a finish reason is finished with 'error'.
+        """
+        if not self._in_flight or self._in_flight[0][0] != update.step_id:
+            expected = self._in_flight[0][0] if self._in_flight else None
+            raise ValueError(f"step update {update.step_id} out of order; expected {expected}")
+        sampling = self._in_flight[0][1]
+        _check_update(update, sampling)
+        self._in_flight.popleft()
+        for request_id, token_id in zip(update.request_ids, update.sampled_token_ids):
+            request = sampling.pop(request_id)
+            if not request.is_finished:
+                request.output_token_ids.append(token_id)
+                request.num_output_placeholders -= 1
+        finished: list[Request] = []
+        for request_id, reason in update.finished.items():
+            request = sampling.get(request_id) or self._requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.from_finish_reason(reason))
+                finished.append(request)
+        for request in sampling.values():  # sampled but no token arrived
+            if not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                finished.append(request)
+        for request_id in update.request_ids:
+            request = self._requests.get(request_id)
+            if request is not None and request.num_tokens >= request.max_total_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+        return finished
+
+    # ---- planning -------------------------------------------------------------------
+
+    def _plan_running(self) -> tuple[list[_PlannedRun], int]:
+        token_budget = self.config.max_num_batched_tokens
+        planned: list[_PlannedRun] = []
+        for request in self._running.values():
+            if token_budget == 0:
+                break
+            num_pending = request.num_tokens_with_placeholders
+            if num_pending >= request.max_total_tokens:
+                continue  # every allowed output is sampled or in flight: about to finish
+            num_new = min(num_pending - request.num_computed_tokens, token_budget)
+            if num_new <= 0:
+                continue
+            alloc = RunningAlloc(request.request_id, request.num_computed_tokens + num_new)
+            planned.append(_PlannedRun(request, num_new, alloc))
+            token_budget -= num_new
+        return planned, token_budget
+
+    def _plan_waiting(self, token_budget: int) -> tuple[list[WaitingAlloc], dict[str, Request]]:
+        max_entries = min(self.config.max_num_seqs - len(self._running), token_budget)
+        entries: list[WaitingAlloc] = []
+        requests: dict[str, Request] = {}
+        if max_entries <= 0:
+            return entries, requests
+        for request in self._waiting.best_first():
+            if request.num_output_placeholders > 0:
+                continue  # preempted with tokens in flight: resume once they have arrived
+            token_ids = (request.all_token_ids if request.output_token_ids
+                         else request.prompt_token_ids)
+            entries.append(WaitingAlloc(request.request_id, token_ids, request.num_prompt_tokens,
+                                        self.config.max_num_batched_tokens, request.cache_salt))
+            requests[request.request_id] = request
+            if len(entries) == max_entries:
+                break
+        return entries, requests
+
+    async def _allocate(self, planned: list[_PlannedRun], waiting: list[WaitingAlloc],
+                        token_budget: int,
+                        ) -> tuple[list[_Granted], tuple[WaitingGrant, ...]]:
+        """Ask for blocks, preempting until every remaining running entry gets its blocks.
+
+        Waiting requests are admitted only when nothing had to be preempted.
+        """
+        satisfied: list[_Granted] = []
+        pending = planned
+        waiting_entries = tuple(waiting)
+        while True:
+            allocation = await self._kv.allocate_step(AllocateStep(
+                self._take_blocks_to_free(), tuple(run.alloc for run in pending),
+                waiting_entries, token_budget))
+            num_ok = allocation.num_running_ok
+            satisfied.extend(zip(pending[:num_ok], allocation.new_block_ids))
+            if num_ok == len(pending):
+                return satisfied, allocation.waiting
+            victim = self._pick_victim()
+            self._preempt(victim)
+            pending = [run for run in pending[num_ok:] if run.request is not victim]
+            satisfied = [item for item in satisfied if item[0].request is not victim]
+            waiting_entries = ()
+            if not pending:
+                return satisfied, ()
+
+    def _pick_victim(self) -> Request:
+        # Lowest priority (highest value) first; among equals the most recently admitted.
+        return max(enumerate(self._running.values()),
+                   key=lambda item: (item[1].priority, item[0]))[1]
+
+    # ---- committing -----------------------------------------------------------------
+
+    def _commit(self, satisfied: list[_Granted], grants: Sequence[WaitingGrant],
+                waiting_requests: dict[str, Request]) -> SchedulerOutput:
+        batch = _StepBatch([], [], [], [], {})
+        for run, new_block_ids in satisfied:
+            run.request.block_ids.extend(new_block_ids)
+            _schedule_tokens(batch, run.request, run.num_new_tokens)
+        new_requests = [self._admit(waiting_requests[grant.request_id], grant, batch)
+                        for grant in grants]
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        self._in_flight.append((step_id, batch.sampling_requests))
+        finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
+        return SchedulerOutput(
+            step_id=step_id, new_requests=tuple(new_requests),
+            cached_requests=CachedRequestData(
+                request_ids=tuple(run.request.request_id for run, _ in satisfied),
+                new_block_ids=tuple(new_block_ids for _, new_block_ids in satisfied)),
+            scheduled_request_ids=tuple(batch.request_ids),
+            num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
+            num_computed_tokens=tuple(batch.num_computed_tokens),
+            samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows)
+
+    def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
+        self._waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+        request.block_ids = list(grant.block_ids)
+        request.num_computed_tokens = grant.num_cached_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = grant.num_cached_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        new_request = NewRequestData(
+            request_id=request.request_id, token_ids=request.all_token_ids,
+            prompt_len=request.num_prompt_tokens, block_ids=grant.block_ids,
+            num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params)
+        _schedule_tokens(batch, request, grant.num_new_tokens)
+        return new_request
+
+    def _preempt(self, request: Request) -> None:
+        del self._running[request.request_id]
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.block_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._blocks_to_free.append(request.request_id)
+        self._rows_to_free.add(request.request_id)
+        self._waiting.push(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            del self._running[request.request_id]
+            self._rows_to_free.add(request.request_id)
+        else:
+            self._waiting.remove(request)
+        # Waiting requests hold no blocks, but the KV manager may keep their prompt hashes.
+        self._blocks_to_free.append(request.request_id)
+        request.status = status
+        del self._requests[request.request_id]
+
+    def _take_blocks_to_free(self) -> tuple[str, ...]:
+        request_ids, self._blocks_to_free = tuple(self._blocks_to_free), []
+        return request_ids
+
+
+def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int) -> None:
+    batch.request_ids.append(request.request_id)
+    batch.num_scheduled_tokens.append(num_new_tokens)
+    batch.num_computed_tokens.append(request.num_computed_tokens)
+    request.num_computed_tokens += num_new_tokens
+    samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
+    batch.samples_token.append(samples)
+    if samples:
+        request.num_output_placeholders += 1
+        batch.sampling_requests[request.request_id] = request
+
+
+def _check_update(update: StepUpdate, sampling: dict[str, Request]) -> None:
+    if len(update.request_ids) != len(update.sampled_token_ids):
+        raise ValueError(f"step update {update.step_id}: {len(update.request_ids)} request ids "
+                         f"but {len(update.sampled_token_ids)} sampled tokens")
+    unexpected = [rid for rid in update.request_ids if rid not in sampling]
+    if unexpected or len(set(update.request_ids)) != len(update.request_ids):
+        raise ValueError(f"step update {update.step_id}: tokens for requests that did not sample "
+                         f"in that step, or twice: {unexpected or list(update.request_ids)}")
+    for reason in update.finished.values():
+        RequestStatus.from_finish_reason(reason)

@@ -1,0 +1,30 @@
+"""The scheduler's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    """Requests holding a runner row (running) at once."""
+    max_num_batched_tokens: int
+    """Tokens computed per step, prefill and decode together."""
+    max_model_len: int
+    """Prompt plus output tokens of one request."""
+    block_size: int
+    """Tokens per KV block."""
+    max_steps_in_flight: int = 1
+    """Steps scheduled before the oldest one's results arrive (2 overlaps CPU and GPU)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "max_steps_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"SchedulerConfig.max_model_len must be at least 2 (one prompt and "
+                             f"one output token), got {self.max_model_len}")

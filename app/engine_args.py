@@ -1,0 +1,84 @@
+"""Engine flags shared by `tandem serve`, `tandem generate` and `tandem bench`.
+
+Every flag has a TANDEM_<NAME> environment equivalent (e.g. --max-model-len and
+TANDEM_MAX_MODEL_LEN); a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from app.config import EngineConfig
+
+_DEFAULTS = EngineConfig()
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get("TANDEM_" + name.upper().replace("-", "_"), default)
+
+
+def _bool_env(name: str, default: bool) -> bool:
+    value = _env(name, None)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=_env("model", _DEFAULTS.model),
+                   help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
+                        "directory, or dummy:<preset> (random weights: qwen3-0.6b, qwen3-8b, "
+                        "llama-3.1-8b, smollm2-135m, qwen2-0.5b). Env: TANDEM_MODEL")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default=_env("dtype", _DEFAULTS.dtype),
+                   help="compute dtype; auto = float32 on CPU, bfloat16 on GPU")
+    g.add_argument("--device", default=_env("device", _DEFAULTS.device),
+                   help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None),
+                   help="context length in tokens (default: the model's)")
+    g.add_argument("--block-size", type=int, default=int(_env("block_size", _DEFAULTS.block_size)),
+                   help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None),
+                   help="fix the number of KV cache blocks instead of sizing from memory")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   default=float(_env("gpu_memory_utilization", _DEFAULTS.gpu_memory_utilization)),
+                   help="fraction of GPU memory for weights, activations, graphs and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", _DEFAULTS.max_num_seqs)),
+                   help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(_env("max_num_batched_tokens", _DEFAULTS.max_num_batched_tokens)),
+                   help="most tokens in one step; longer prompts are prefilled in chunks")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   default=_bool_env("no_prefix_caching", False),
+                   help="disable reuse of cached prompt blocks across requests")
+    g.add_argument("--runner", choices=["auto", "v1", "v2"], default=_env("runner", _DEFAULTS.runner),
+                   help="model runner; auto applies the startup selection rules "
+                        "(TANDEM_USE_V2_MODEL_RUNNER=1/0 also forces one)")
+    g.add_argument("--enforce-eager", action="store_true", default=_bool_env("enforce_eager", False),
+                   help="disable CUDA graphs")
+    g.add_argument("--seed", type=int, default=int(_env("seed", _DEFAULTS.seed)),
+                   help="seed for dummy weights and for requests without a seed")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": None if args.max_model_len is None else int(args.max_model_len),
+        "block_size": args.block_size,
+        "num_kv_blocks": None if args.num_kv_blocks is None else int(args.num_kv_blocks),
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "runner": args.runner,
+        "enforce_eager": args.enforce_eager,
+        "seed": args.seed,
+    }
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,99 @@
+"""Everything a route checks before it looks at the request's meaning: the API key, the
+server's phase, the body's size, that it is a JSON object, and that it fits the schema."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from app.errors import APIError, bad_request, validation_error
+from app.server_state import ServerState
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+_LOADING_RETRY_AFTER_S = 5
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tandem
+    return state
+
+
+def check_api_key(request: Request, state: ServerState) -> None:
+    """Bearer token, compared in constant time."""
+    expected = state.settings.api_key
+    if not expected:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             expected.encode()):
+        raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+
+def require_serving(state: ServerState) -> None:
+    """503 + Retry-After unless the engine is up and the server is not draining."""
+    if state.phase == "serving" and state.admission is not None:
+        return
+    retry = state.settings.retry_after_s
+    if state.phase == "loading":
+        raise APIError(503, "The model is still loading; retry shortly",
+                       retry_after_s=_LOADING_RETRY_AFTER_S)
+    if state.phase == "draining":
+        raise APIError(503, "The server is shutting down; retry on another replica",
+                       retry_after_s=retry)
+    raise APIError(503, "The engine is not running", retry_after_s=retry)
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in _FORM_TYPES:
+        raise APIError(415, f"Unsupported Content-Type {content_type!r}; send application/json")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise bad_request("The request body is empty; send a JSON object")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got {_json_kind(data)}")
+    return data
+
+
+def parse_model(model: type[ModelT], data: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than the server's limit of "
+                         f"{max_bytes} bytes")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if value is None:
+        return "null"
+    return "a number"

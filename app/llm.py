@@ -1,0 +1,176 @@
+"""Offline Python API.
+
+    from app.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    llm = LLM(model="default")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    print(outputs[0].outputs[0].text)
+
+The same actors as `tandem serve` run underneath, on a private event loop per call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from actors.engine import Engine, EngineStats
+from actors.messages import EngineRequest
+from actors.output_stream import RequestStream
+from actors.sampling_params import SamplingParams
+from app.config import EngineConfig
+from app.startup import LoadedEngine, load_engine, reuse_engine
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: tuple[Any, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    num_cached_tokens: int
+    runner: str
+
+
+class LLM:
+    def __init__(self, model: str = "default", *, reuse: LLM | None = None,
+                 **engine_options: Any) -> None:
+        """`reuse` shares another LLM's loaded model (same weights, KV memory and device)
+        under different engine options: runner, scheduling limits, a smaller KV pool."""
+        self.config = EngineConfig(model=model, **engine_options)
+        if reuse is None:
+            self.loaded: LoadedEngine = load_engine(self.config)
+        else:
+            self.loaded = reuse_engine(reuse.loaded, self.config)
+        self.worker = self.loaded.worker
+        self.tokenizer = self.worker.tokenizer
+        self._next_id = 0
+        self.last_engine_stats: EngineStats | None = None
+
+    @property
+    def runner(self) -> str:
+        return self.loaded.runner.runner
+
+    @property
+    def runner_reason(self) -> str:
+        return self.loaded.runner.reason
+
+    def apply_chat_template(self, prompt: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt (text, or a list of token ids) and return outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        return anyio.run(self._generate, prompt_list, params_list, on_finished)
+
+    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
+                        on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        engine = Engine(self.worker, self.runner, self.config)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            async with anyio.create_task_group() as requests_tg:
+                for i, (prompt, p) in enumerate(zip(prompts, params)):
+                    requests_tg.start_soon(self._run_one, engine, i, prompt, p, results, on_finished)
+            engine.stop()
+        self.last_engine_stats = engine.stats()
+        return [r for r in results if r is not None]
+
+    async def _run_one(self, engine: Engine, index: int, prompt: Prompt, params: SamplingParams,
+                       results: list[RequestOutput | None],
+                       on_finished: Callable[[RequestOutput], None] | None) -> None:
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = tuple(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        request_id = f"offline-{self._next_id}"
+        self._next_id += 1
+        outputs: list[CompletionOutput | None] = [None] * params.n
+        num_cached = 0
+        async with anyio.create_task_group() as tg:
+            for sample in range(params.n):
+                child_params = _child_params(params, sample)
+                request = EngineRequest(
+                    request_id=f"{request_id}-{sample}", prompt_token_ids=token_ids,
+                    sampling_params=child_params, arrival_time=time.monotonic(),
+                    eos_token_ids=self.worker.eos_token_ids)
+                stream = engine.add_request(request)
+                tg.start_soon(_collect, stream, sample, outputs)
+        num_cached = max((o.num_cached_tokens for o in outputs if o), default=0)  # type: ignore[union-attr]
+        result = RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                               outputs=tuple(_strip(o) for o in outputs if o is not None),
+                               num_cached_tokens=num_cached, runner=self.runner)
+        results[index] = result
+        if on_finished is not None:
+            on_finished(result)
+
+
+@dataclass(frozen=True, slots=True)
+class _Collected:
+    output: CompletionOutput
+    num_cached_tokens: int
+
+
+async def _collect(stream: RequestStream, index: int, outputs: list[Any]) -> None:
+    text: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[Any] = []
+    finish_reason = stop_reason = None
+    num_cached = 0
+    async for delta in stream:
+        text.append(delta.text)
+        token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            logprobs.extend(delta.logprobs)
+        finish_reason = delta.finish_reason or finish_reason
+        stop_reason = delta.stop_reason if delta.stop_reason is not None else stop_reason
+        num_cached = delta.num_cached_tokens or num_cached
+    outputs[index] = _Collected(
+        CompletionOutput(index=index, text="".join(text), token_ids=tuple(token_ids),
+                         finish_reason=finish_reason, stop_reason=stop_reason,
+                         logprobs=tuple(logprobs) if logprobs else None),
+        num_cached)
+
+
+def _strip(collected: _Collected) -> CompletionOutput:
+    return collected.output
+
+
+def _child_params(params: SamplingParams, sample: int) -> SamplingParams:
+    # Parallel samples of one prompt need different noise; a user seed stays reproducible.
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + sample
+    return params.replace(n=1, seed=seed)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]

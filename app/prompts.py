@@ -1,0 +1,178 @@
+"""From a validated request to engine requests: chat template, tokenization (off the event
+loop for long inputs), context-length checks and sampling parameters."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from actors.admission import child_sampling_params
+from actors.generation_defaults import RequestDefaults, resolve_sampling_params
+from actors.messages import EngineRequest
+from actors.sampling_params import SamplingParams, SamplingParamsError
+from app.chat_template import ChatTemplateError, normalize_messages
+from app.errors import bad_request
+from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from app.server_state import ServerState
+
+OFF_LOOP_CHARS = 8192
+"""Inputs longer than this are rendered and tokenized in a worker thread."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    text: str | None
+    """The prompt text when the client sent text (echo needs it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    prompt: Prompt
+    role: str
+    """Role of the reply: assistant, or the last message's when it is continued."""
+    echo_prefix: str
+
+
+async def _off_loop_if_long(size: int, fn: Any, *args: Any) -> Any:
+    if size > OFF_LOOP_CHARS:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
+                          "set add_generation_prompt to false", "continue_final_message")
+    size = sum(len(str(m.get("content", ""))) for m in messages)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    try:
+        text = await _off_loop_if_long(size, _render, state.tokenizer, messages,
+                                       bool(req.add_generation_prompt),
+                                       bool(req.continue_final_message), kwargs)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    token_ids = await encode(state, text, bool(req.add_special_tokens))
+    role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    echo_prefix = ""
+    last = normalize_messages(messages[-1:])[0]
+    if req.echo and last.get("role") == role and isinstance(last.get("content"), str):
+        echo_prefix = last["content"]
+    return ChatPrompt(Prompt(tuple(token_ids), text), role, echo_prefix)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            continue_final: bool, kwargs: dict[str, Any]) -> str:
+    text: str = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                              **kwargs)
+    if not continue_final:
+        return text
+    # The template closes the final message; continuing it means cutting right after its text.
+    final = normalize_messages(messages[-1:])[0].get("content") or ""
+    cut = text.rfind(final) if final else -1
+    if cut < 0:
+        raise ChatTemplateError("continue_final_message: the final message's text does not "
+                                "appear in the rendered prompt")
+    return text[:cut + len(final)]
+
+
+async def encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    ids: list[int] = await _off_loop_if_long(len(text), state.tokenizer.encode, text,
+                                             add_special_tokens)
+    return ids
+
+
+async def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and all(isinstance(t, int) for t in raw):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    prompts = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = await encode(state, item, bool(req.add_special_tokens))
+            prompts.append(Prompt(tuple(ids), item))
+        else:
+            bad = next((t for t in item if t >= state.vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"prompt {i}: token id {bad} is outside the vocabulary "
+                                  f"[0, {state.vocab_size})", "prompt")
+            prompts.append(Prompt(tuple(item), None))
+        if not prompts[-1].token_ids:
+            raise bad_request(f"prompt {i} is empty", "prompt")
+    return prompts
+
+
+def truncate_and_check(prompt: Prompt, truncate_to: int | None, max_model_len: int) -> Prompt:
+    """Apply truncate_prompt_tokens (keep the last k; -1 = the context length), then refuse
+    a prompt that leaves no room for output."""
+    if truncate_to is not None:
+        keep = max_model_len - 1 if truncate_to == -1 else truncate_to
+        if keep and len(prompt.token_ids) > keep:
+            prompt = Prompt(prompt.token_ids[-keep:], None)
+    num_tokens = len(prompt.token_ids)
+    if num_tokens >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
+                          f"However, your request has {num_tokens} input tokens. Please reduce "
+                          "the length of the input messages.", "input_tokens")
+    return prompt
+
+
+def sampling_params(state: ServerState, req: SamplingFields, prompt_lens: Sequence[int]
+                    ) -> SamplingParams:
+    """SamplingParams with the model's defaults; max_tokens checked against the context of
+    the longest prompt (refused, or clamped with --clamp-max-tokens)."""
+    is_chat = isinstance(req, ChatCompletionRequest)
+    fields = req.model_dump(exclude_none=True)
+    requested = req.max_completion_tokens if is_chat else None
+    requested_name = "max_completion_tokens" if requested is not None else "max_tokens"
+    if requested is None:
+        requested = req.max_tokens
+    defaults = RequestDefaults(vocab_size=state.vocab_size,
+                               max_tokens=None if is_chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+    try:
+        params = resolve_sampling_params(fields, state.generation_config, defaults)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    room = state.max_model_len - max(prompt_lens)
+    max_tokens = requested if requested is not None else params.max_tokens
+    if max_tokens is not None and max_tokens > room:
+        if requested is not None and not state.settings.clamp_max_tokens:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {state.max_model_len} tokens and your "
+                f"request has {max(prompt_lens)} input tokens ({max_tokens} > "
+                f"{state.max_model_len} - {max(prompt_lens)}).", requested_name)
+        max_tokens = room
+    try:
+        return params.replace(max_tokens=max_tokens)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def engine_requests(base_id: str, prompts: Sequence[Prompt], params: SamplingParams,
+                    state: ServerState, req: SamplingFields) -> list[EngineRequest]:
+    """One engine request per (prompt, sample), in choice-index order: prompt-major."""
+    arrival = time.monotonic()
+    out = []
+    for p_index, prompt in enumerate(prompts):
+        for sample in range(params.n):
+            out.append(EngineRequest(
+                request_id=f"{base_id}-{p_index}-{sample}", prompt_token_ids=prompt.token_ids,
+                sampling_params=child_sampling_params(params, sample), arrival_time=arrival,
+                eos_token_ids=state.eos_token_ids, priority=req.priority or 0,
+                cache_salt=req.cache_salt))
+    return out

@@ -1,0 +1,178 @@
+"""Operational routes: /health, /version, /tokenize, /detokenize, /openapi.json."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import tomllib
+from typing import Any
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.chat_template import ChatTemplateError
+from app.errors import bad_request, model_not_found
+from app.http_input import (check_api_key, parse_model, read_json_object, require_serving,
+                            server_state)
+from app.prompts import OFF_LOOP_CHARS, encode
+from app.routes_openai import api_endpoint
+from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.server_state import ServerState
+
+_HEALTH_RETRY_AFTER_S = 5
+
+
+def admin_routes() -> list[Route]:
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/tokenize", api_endpoint(_tokenize), methods=["POST"]),
+        Route("/detokenize", api_endpoint(_detokenize), methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+
+
+async def health(request: Request) -> Response:
+    """200 while serving; 503 while loading, draining, or when the engine is dead."""
+    state = server_state(request)
+    if state.phase == "serving":
+        return _json({"status": "ok"})
+    return _json({"status": state.phase}, status=503,
+                 headers={"Retry-After": str(_HEALTH_RETRY_AFTER_S)})
+
+
+async def version(request: Request) -> Response:
+    state = server_state(request)
+    runner = state.loaded.runner if state.loaded is not None else None
+    return _json({"version": package_version(),
+                  "runner": runner.runner if runner else None,
+                  "runner_reason": runner.reason if runner else None,
+                  "runner_rule": runner.rule if runner else None})
+
+
+@functools.cache
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")
+        try:
+            with open(pyproject, "rb") as f:
+                return str(tomllib.load(f)["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+async def _tokenize(request: Request, request_id: str) -> Response:
+    state = await _ready(request)
+    req = parse_model(TokenizeRequest, await read_json_object(
+        request, state.settings.max_request_body_bytes))
+    _check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+    if req.messages is not None:
+        size = sum(len(str(m.content)) for m in req.messages)
+        if size > OFF_LOOP_CHARS:
+            text = await anyio.to_thread.run_sync(_render, state, req)
+        else:
+            text = _render(state, req)
+        add_special = bool(req.add_special_tokens)
+    else:
+        text = req.prompt or ""
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+    tokens = await encode(state, text, add_special)
+    body: dict[str, Any] = {"count": len(tokens), "max_model_len": state.max_model_len,
+                            "tokens": tokens, "token_strs": None}
+    if req.return_token_strs:
+        body["token_strs"] = [state.tokenizer.id_to_token(t) for t in tokens]
+    return _json(body)
+
+
+def _render(state: ServerState, req: TokenizeRequest) -> str:
+    messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
+    try:
+        text: str = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=bool(req.add_generation_prompt),
+            **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return text
+
+
+async def _detokenize(request: Request, request_id: str) -> Response:
+    state = await _ready(request)
+    req = parse_model(DetokenizeRequest, await read_json_object(
+        request, state.settings.max_request_body_bytes))
+    _check_model(state, req.model)
+    bad = next((t for t in req.tokens if t >= state.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                          "tokens")
+    return _json({"prompt": state.tokenizer.decode(req.tokens)})
+
+
+async def _ready(request: Request) -> ServerState:
+    state = server_state(request)
+    check_api_key(request, state)
+    require_serving(state)
+    return state
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if state.resolve_model(model) is None:
+        raise model_not_found(str(model))
+
+
+async def openapi(request: Request) -> Response:
+    return Response(_openapi_document(), media_type="application/json")
+
+
+@functools.cache
+def _openapi_document() -> bytes:
+    models = {"ChatCompletionRequest": ChatCompletionRequest,
+              "CompletionRequest": CompletionRequest, "TokenizeRequest": TokenizeRequest,
+              "DetokenizeRequest": DetokenizeRequest}
+    schemas: dict[str, Any] = {}
+    for name, model in models.items():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[name] = schema
+    paths = {
+        "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest"),
+        "/v1/completions": _post("Create a text completion", "CompletionRequest"),
+        "/tokenize": _post("Tokenize a prompt or a conversation", "TokenizeRequest"),
+        "/detokenize": _post("Turn token ids back into text", "DetokenizeRequest"),
+        "/v1/models": _get("List the served model"),
+        "/v1/models/{model_id}": _get("Describe one served model"),
+        "/health": _get("200 when serving; 503 while loading, draining or dead"),
+        "/version": _get("Version, active model runner and why it was chosen"),
+    }
+    document = {"openapi": "3.1.0",
+                "info": {"title": "tandem", "version": package_version()},
+                "paths": paths, "components": {"schemas": schemas}}
+    return orjson.dumps(document)
+
+
+def _post(summary: str, schema: str) -> dict[str, Any]:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": _responses()}}
+
+
+def _get(summary: str) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": _responses()}}
+
+
+def _responses() -> dict[str, Any]:
+    return {"200": {"description": "OK"},
+            "default": {"description": "OpenAI error: {error: {message, type, param, code}}"}}
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json",
+                    headers=headers)
+

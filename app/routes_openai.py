@@ -1,0 +1,257 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from actors.admission import AdmissionRefused, AdmittedGroup, RequestLimitError
+from actors.messages import EngineRequest
+from actors.sampling_params import SamplingParams
+from app.errors import (APIError, bad_request, error_response, internal_error, model_not_found)
+from app.http_input import (check_api_key, parse_model, read_json_object, require_serving,
+                            server_state)
+from app.prompts import (chat_prompt, completion_prompts, engine_requests, sampling_params,
+                         truncate_and_check)
+from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
+from app.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields,
+                         unsupported_field)
+from app.server_state import ServerState
+from app.sse import (ChatChunkFormatter, ChunkFormatter, CompletionChunkFormatter,
+                     EventStreamResponse, StreamOptions)
+
+log = structlog.get_logger("tandem.server")
+
+Handler = Callable[[Request, str], Awaitable[Response]]
+_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+CLIENT_CLOSED_STATUS = 499
+"""Logged for a non-stream request whose client left; nobody receives the response."""
+
+
+def openai_routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", api_endpoint(_chat_completions), methods=["POST"]),
+        Route("/v1/completions", api_endpoint(_completions), methods=["POST"]),
+        Route("/v1/models", api_endpoint(_list_models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api_endpoint(_retrieve_model), methods=["GET"]),
+    ]
+
+
+def api_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """Gives the handler a request id and turns every error into an OpenAI-shaped answer:
+    APIError as-is, anything else a logged 500 that shows no internals."""
+
+    async def endpoint(request: Request) -> Response:
+        request_id = client_request_id(request)
+        headers = {"X-Request-Id": request_id}
+        try:
+            response = await handler(request, request_id)
+        except APIError as exc:
+            log.info("request_refused", request_id=request_id, status=exc.status,
+                     param=exc.param, message=exc.message)
+            return error_response(exc, headers)
+        except Exception:  # noqa: BLE001 - logged with the id; the client sees no internals
+            log.exception("internal_error", request_id=request_id, path=request.url.path)
+            return error_response(internal_error(request_id), headers)
+        response.headers.setdefault("X-Request-Id", request_id)
+        return response
+
+    return endpoint
+
+
+def exception_handlers() -> dict[Any, Callable[..., Any]]:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: f"No route for {request.url.path}",
+                   405: f"Method {request.method} is not allowed on {request.url.path}"}
+        return error_response(APIError(exc.status_code,
+                                       message.get(exc.status_code, str(exc.detail))))
+
+    return {HTTPException: http_error}
+
+
+def client_request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+# ---- chat ----------------------------------------------------------------------------
+
+async def _chat_completions(request: Request, request_id: str) -> Response:
+    state = await _checked_state(request)
+    req = parse_model(ChatCompletionRequest, await _body(request, state))
+    model = _check_request(state, req, request_id)
+    chat = await chat_prompt(state, req)
+    prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
+    params = sampling_params(state, req, [len(prompt.token_ids)])
+    meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
+    choices = [ChoiceState(index=i) for i in range(params.n)]
+    group = await _admit(state, engine_requests(uuid.uuid4().hex, [prompt], params, state, req),
+                         params)
+    prompt_ids = prompt.token_ids if req.return_token_ids else None
+    num_prompt_tokens = len(prompt.token_ids)
+    if req.stream:
+        formatter = ChatChunkFormatter(meta, [num_prompt_tokens], choices, _continuous(req),
+                                       role=chat.role, echo_prefix=chat.echo_prefix)
+        return _stream(group, formatter, req, state, request_id)
+    if not await _collect(request, group, choices, request_id):
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    body = chat_response(meta, choices, num_prompt_tokens, role=chat.role,
+                         echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids)
+    return _json(body)
+
+
+# ---- completions ---------------------------------------------------------------------
+
+async def _completions(request: Request, request_id: str) -> Response:
+    state = await _checked_state(request)
+    req = parse_model(CompletionRequest, await _body(request, state))
+    model = _check_request(state, req, request_id)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not "
+                          "compute yet", "echo")
+    prompts = [truncate_and_check(p, req.truncate_prompt_tokens, state.max_model_len)
+               for p in await completion_prompts(state, req)]
+    prompt_lens = [len(p.token_ids) for p in prompts]
+    params = sampling_params(state, req, prompt_lens)
+    meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
+    choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
+               for p in range(len(prompts)) for s in range(params.n)]
+    echo_texts = None
+    if req.echo:
+        echo_texts = [p.text if p.text is not None else state.tokenizer.decode(list(p.token_ids))
+                      for p in prompts]
+    group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req),
+                         params)
+    if req.stream:
+        formatter = CompletionChunkFormatter(meta, prompt_lens, choices, _continuous(req),
+                                             echo_texts=echo_texts)
+        return _stream(group, formatter, req, state, request_id)
+    if not await _collect(request, group, choices, request_id):
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
+    return _json(completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
+                                     prompt_token_ids=prompt_ids))
+
+
+# ---- models --------------------------------------------------------------------------
+
+async def _list_models(request: Request, request_id: str) -> Response:
+    state = await _checked_state(request)
+    return _json({"object": "list", "data": [_model_card(state, state.model_names[0])]})
+
+
+async def _retrieve_model(request: Request, request_id: str) -> Response:
+    state = await _checked_state(request)
+    model_id = request.path_params["model_id"]
+    if model_id not in state.model_names:
+        raise model_not_found(model_id)
+    return _json(_model_card(state, model_id))
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "tandem",
+            "root": state.model_names[0], "parent": None, "max_model_len": state.max_model_len,
+            "permission": []}
+
+
+# ---- shared steps --------------------------------------------------------------------
+
+async def _checked_state(request: Request) -> ServerState:
+    state = server_state(request)
+    check_api_key(request, state)
+    require_serving(state)
+    return state
+
+
+async def _body(request: Request, state: ServerState) -> dict[str, Any]:
+    return await read_json_object(request, state.settings.max_request_body_bytes)
+
+
+def _check_request(state: ServerState, req: SamplingFields, request_id: str) -> str:
+    """The served model name; refuses unknown models and unimplemented fields."""
+    model = state.resolve_model(req.model)
+    if model is None:
+        raise model_not_found(str(req.model))
+    unsupported = unsupported_field(req)
+    if unsupported is not None:
+        raise bad_request(unsupported[1], unsupported[0])
+    if req.model_extra:
+        log.warning("request_fields_ignored", request_id=request_id,
+                    fields=sorted(req.model_extra)[:20])
+    return model
+
+
+async def _admit(state: ServerState, requests: list[EngineRequest], params: SamplingParams
+                 ) -> AdmittedGroup:
+    assert state.admission is not None
+    try:
+        return await state.admission.admit(requests, params)
+    except RequestLimitError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    except AdmissionRefused as exc:
+        raise APIError(exc.status, exc.message, retry_after_s=exc.retry_after_s) from None
+
+
+def _continuous(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+
+def _stream(group: AdmittedGroup, formatter: ChunkFormatter, req: SamplingFields,
+            state: ServerState, request_id: str) -> Response:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    options = StreamOptions(include_usage=include_usage, continuous_usage=_continuous(req),
+                            keep_alive_s=state.settings.keep_alive_interval_s)
+    return EventStreamResponse(group, formatter, options, request_id,
+                               headers={"X-Request-Id": request_id})
+
+
+async def _collect(request: Request, group: AdmittedGroup, choices: Sequence[ChoiceState],
+                   request_id: str) -> bool:
+    """Read every choice to its end, racing the client: False if it disconnected first (the
+    engine requests are then aborted). Raises a 500 APIError if a choice failed."""
+    completed = False
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            async with anyio.create_task_group() as readers:
+                for index, choice in enumerate(choices):
+                    readers.start_soon(_read_choice, group, index, choice)
+            completed = True
+            tg.cancel_scope.cancel()
+    finally:
+        group.close()
+    if not completed:
+        log.info("client_disconnected", request_id=request_id)
+        return False
+    failed = [c for c in choices if c.finish_reason == "error"]
+    if failed:
+        log.error("request_failed", request_id=request_id, error=failed[0].error)
+        raise internal_error(request_id)
+    return True
+
+
+async def _read_choice(group: AdmittedGroup, index: int, choice: ChoiceState) -> None:
+    while (delta := await group.get(index)) is not None:
+        choice.add(delta)
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")

@@ -1,0 +1,239 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+Every model accepts unknown fields (clients send vendor extensions; the server logs and
+ignores them). Fields tandem knows but does not implement yet are declared so that a
+non-default value can be refused with a 400 naming the field, never silently ignored.
+These models also generate `/openapi.json`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_TOP_LOGPROBS = 20
+
+_MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    include_usage: bool | None = None
+    """Send a usage chunk (with `choices: []`) after the last choice finishes."""
+    continuous_usage_stats: bool | None = None
+    """Put cumulative usage on every chunk (vLLM extension)."""
+
+
+class TextContentPart(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    role: str = Field(min_length=1)
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
+
+    model_config = _MODEL_CONFIG
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extra sampling fields
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: NonNegativeInt | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    return_token_ids: bool | None = None
+    # Known fields tandem does not implement yet: refused when set to a non-default value.
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logprob_token_ids: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    response_format: Any = None
+    stream_interval: Any = None
+    vllm_xargs: Any = None
+    truncation_side: Any = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    include_reasoning: bool | None = None
+    # known, not implemented
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+TokenIds = list[NonNegativeInt]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = False
+    add_special_tokens: bool | None = True
+    # known, not implemented
+    suffix: Any = None
+    best_of: Any = None
+
+
+class TokenizeRequest(BaseModel):
+    """`prompt` (raw text) or `messages` (rendered through the chat template)."""
+
+    model_config = _MODEL_CONFIG
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    # field -> values that mean "not used" (always including None)
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "allowed_token_ids": ((),),
+    "bad_words": ((),),
+    "logprob_token_ids": ((),),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "stream_interval": (1,),
+    "vllm_xargs": (),
+    "truncation_side": ("left",),
+    "spaces_between_special_tokens": (True,),
+}
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none",),
+    "functions": (),
+    "function_call": ("none",),
+    "chat_template": (),
+    "documents": (),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    "suffix": ("",),
+    "best_of": (1,),
+}
+
+
+def unsupported_field(request: SamplingFields) -> tuple[str, str] | None:
+    """The first known field whose requested behaviour tandem does not implement, as
+    (field, message); None when every field is usable."""
+    table = dict(_UNSUPPORTED_COMMON)
+    table.update(_UNSUPPORTED_CHAT if isinstance(request, ChatCompletionRequest)
+                 else _UNSUPPORTED_COMPLETION)
+    for name, unused_values in table.items():
+        value = getattr(request, name)
+        if value is None or _is_unused(value, unused_values):
+            continue
+        return name, f"'{name}' is not supported by this server yet"
+    return _special_cases(request)
+
+
+def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
+    if isinstance(value, list):
+        value = tuple(value)
+    return any(type(value) is type(u) and value == u for u in unused_values) or (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and any(isinstance(u, (int, float)) and not isinstance(u, bool) and value == u
+                for u in unused_values))
+
+
+def _special_cases(request: SamplingFields) -> tuple[str, str] | None:
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            return "response_format", (f"response_format type {kind!r} is not supported by this "
+                                       "server yet; only 'text' is")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools is not None:
+            return "tools", "'tools' (function calling) is not supported by this server yet"
+        if request.modalities is not None and list(request.modalities) != ["text"]:
+            return "modalities", "only the 'text' modality is supported"
+    if request.stream_options is not None and not request.stream:
+        return "stream_options", "stream_options is only allowed when stream is true"
+    return None
+
+
+def known_field_names(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields)

@@ -1,0 +1,160 @@
+"""`tandem serve`: the OpenAI-compatible HTTP server.
+
+Every flag has a TANDEM_<NAME> environment equivalent (--max-queued-requests and
+TANDEM_MAX_QUEUED_REQUESTS); a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from app.engine_args import add_engine_args, engine_config_from_args
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _env(name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
+    value = os.environ.get("TANDEM_" + name.upper())
+    if value is None or value == "":
+        return default
+    try:
+        return convert(value)
+    except ValueError:
+        sys.exit(f"tandem: error: environment variable TANDEM_{name.upper()}={value!r} is not "
+                 f"a valid {getattr(convert, '__name__', 'value')}")
+
+
+def _env_flag(name: str) -> bool:
+    return str(_env(name, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health, /version, /tokenize, /detokenize). "
+                    "The port opens at once; /health answers 503 until the model is loaded. "
+                    "Every flag can also be set as TANDEM_<FLAG> (e.g. TANDEM_PORT=8080).")
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default=_env("host", "127.0.0.1"),
+                     help="address to listen on (default 127.0.0.1; 0.0.0.0 for all). "
+                          "Env: TANDEM_HOST")
+    net.add_argument("--port", type=int, default=_env("port", 8000, int),
+                     help="TCP port (default 8000; 0 picks a free one). Env: TANDEM_PORT")
+    net.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                     default=_env("served_model_name", None, _split_names),
+                     help="names clients send as 'model'; the first is listed in /v1/models "
+                          "(default: the model's name). Env: TANDEM_SERVED_MODEL_NAME "
+                          "(comma-separated)")
+    net.add_argument("--api-key", default=_env("api_key", None),
+                     help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                          "/detokenize (/health and /version stay open). Env: TANDEM_API_KEY")
+    net.add_argument("--max-request-body-bytes", type=int,
+                     default=_env("max_request_body_bytes", 16 * 1024 * 1024, int),
+                     help="larger request bodies get 413 (default 16 MiB). "
+                          "Env: TANDEM_MAX_REQUEST_BODY_BYTES")
+    net.add_argument("--keep-alive-interval", type=float,
+                     default=_env("keep_alive_interval", 10.0, float),
+                     help="seconds between ': keep-alive' SSE comments while a stream waits "
+                          "(queued, long prefill); 0 disables (default 10). "
+                          "Env: TANDEM_KEEP_ALIVE_INTERVAL")
+    net.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", 30.0, float),
+                     help="on SIGTERM, seconds in-flight requests may finish before they are "
+                          "aborted (default 30). Env: TANDEM_SHUTDOWN_TIMEOUT")
+    adm = p.add_argument_group("admission")
+    adm.add_argument("--max-queued-requests", type=int,
+                     default=_env("max_queued_requests", 1024, int),
+                     help="requests that may wait beyond --max-num-seqs running ones; more get "
+                          "429 + Retry-After (default 1024). Env: TANDEM_MAX_QUEUED_REQUESTS")
+    adm.add_argument("--max-queued-prompt-tokens", type=int,
+                     default=_env("max_queued_prompt_tokens", None, int),
+                     help="prompt tokens that may wait for prefill; more get 429 (default: no "
+                          "limit). Env: TANDEM_MAX_QUEUED_PROMPT_TOKENS")
+    adm.add_argument("--max-n", type=int, default=_env("max_n", 16, int),
+                     help="largest n (samples per request) accepted (default 16). "
+                          "Env: TANDEM_MAX_N")
+    adm.add_argument("--clamp-max-tokens", action="store_true",
+                     default=_env_flag("clamp_max_tokens"),
+                     help="shorten max_tokens to fit the context instead of answering 400. "
+                          "Env: TANDEM_CLAMP_MAX_TOKENS=1")
+    log = p.add_argument_group("logging")
+    log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
+                     help="default info. Env: TANDEM_LOG_LEVEL")
+    log.add_argument("--log-format", choices=("console", "json"),
+                     default=_env("log_format", "console"),
+                     help="console (default) or json lines on stderr. Env: TANDEM_LOG_FORMAT")
+    log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
+                     help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def _split_names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from app.server_state import ServeSettings
+
+    return ServeSettings(
+        engine=engine_config_from_args(args), host=args.host, port=args.port,
+        served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_request_body_bytes=args.max_request_body_bytes,
+        keep_alive_interval_s=args.keep_alive_interval, shutdown_timeout_s=args.shutdown_timeout,
+        clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log)
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from app.cli import UserFacingError, user_errors
+    from app.server import ServerStartError, TandemServer
+
+    _check_args(args)
+    configure_logging(args.log_level, args.log_format)
+    try:
+        server = TandemServer(settings_from_args(args))
+    except (ServerStartError, *user_errors()) as exc:
+        raise UserFacingError(str(exc)) from None
+    exit_code: int = anyio.run(server.serve)
+    return exit_code
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from app.cli import UserFacingError
+
+    checks = [(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
+              (args.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
+              (args.max_queued_prompt_tokens is None or args.max_queued_prompt_tokens >= 1,
+               "--max-queued-prompt-tokens must be at least 1"),
+              (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be >= 1024"),
+              (args.keep_alive_interval >= 0, "--keep-alive-interval must be >= 0"),
+              (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
+              (args.max_n >= 1, "--max-n must be at least 1")]
+    for ok, message in checks:
+        if not ok:
+            raise UserFacingError(message)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """structlog to stderr, one line per event; stdlib loggers (Hypercorn) at the same level."""
+    import structlog
+
+    numeric = getattr(logging, level.upper())
+    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
+    renderer: Any = (structlog.processors.JSONRenderer() if fmt == "json"
+                     else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True)

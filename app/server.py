@@ -1,0 +1,182 @@
+"""`tandem serve`: the Starlette app, its lifespan and the Hypercorn server around it.
+
+Lifecycle:
+  * The listening socket is bound first, so a port clash fails at once and probes connect
+    from the first second. The ASGI lifespan startup only starts a background task, so
+    Hypercorn's startup timeout can never kill a slow model load; `/health` answers 503
+    "loading" until the engine runs.
+  * SIGTERM (or SIGINT): `/health` turns 503, new work gets 503 + Retry-After, in-flight
+    requests may finish for up to `shutdown_timeout_s`, the rest are aborted (their
+    streams end with finish_reason "abort"); then Hypercorn stops and the engine shuts down
+    in order. A second signal skips the wait. Exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from starlette.applications import Starlette
+
+from app.server_state import ServerState, ServeSettings
+
+log = structlog.get_logger("tandem.server")
+T = TypeVar("T")
+
+EXIT_OK, EXIT_ENGINE_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
+_FLUSH_AFTER_ABORT_S = 5.0
+"""After aborting what is left, how long streams get to send their final chunks."""
+_ENGINE_STOP_S = 30.0
+
+
+class ServerStartError(Exception):
+    """The server cannot start (e.g. the port is taken); the message says why."""
+
+
+def create_app(state: ServerState) -> Starlette:
+    from app.routes_admin import admin_routes
+    from app.routes_openai import openai_routes
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> Any:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(state.run_engine)
+            yield
+            state.stop_engine()
+            with anyio.move_on_after(_ENGINE_STOP_S):
+                await state.engine_stopped.wait()
+            tg.cancel_scope.cancel()
+
+    from app.routes_openai import exception_handlers
+
+    app = Starlette(routes=[*openai_routes(), *admin_routes()], lifespan=lifespan,
+                    exception_handlers=exception_handlers())
+    app.state.tandem = state
+    return app
+
+
+def hypercorn_config(settings: ServeSettings, fd: int) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"fd://{fd}"]
+    # Lifespan startup only starts the background load, so this bounds nothing slow.
+    config.startup_timeout = 60.0
+    # Lifespan shutdown stops the engine after the drain; it must not cut that short.
+    config.shutdown_timeout = _ENGINE_STOP_S + 5.0
+    # The drain already waited for in-flight requests before Hypercorn is told to stop;
+    # this only covers connections still writing their last bytes.
+    config.graceful_timeout = _FLUSH_AFTER_ABORT_S
+    # Hypercorn's read timeout fires when the client sends nothing, which is normal while a
+    # long response streams; it would cut healthy streams, so it stays off.
+    config.read_timeout = None
+    # Longer than the usual proxy idle timeouts (60 s), so the proxy closes idle
+    # connections first and never sends a request onto one the server is closing.
+    config.keep_alive_timeout = 65.0
+    config.backlog = 2048
+    config.accesslog = "-" if settings.access_log else None
+    config.errorlog = "-"
+    return config
+
+
+@dataclass(slots=True)
+class _Signals:
+    drain: anyio.Event
+    force: anyio.Event
+
+
+class TandemServer:
+    """One `tandem serve` process (or a test's server thread).
+
+        server = TandemServer(settings)     # binds the socket
+        exit_code = anyio.run(server.serve)
+    """
+
+    def __init__(self, settings: ServeSettings, state: ServerState | None = None) -> None:
+        self.settings = settings
+        self.state = state or ServerState(settings)
+        self._socket = _bind(settings.host, settings.port)
+        self.port: int = self._socket.getsockname()[1]
+        self._loop: Any = None
+        self._signals: _Signals | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        return f"http://{host}:{self.port}"
+
+    async def serve(self, handle_signals: bool = True) -> int:
+        """Serve until a shutdown completes; returns the process exit code."""
+        self._loop = asyncio.get_running_loop()
+        signals = self._signals = _Signals(anyio.Event(), anyio.Event())
+        self.state.bind_loop()
+        app = create_app(self.state)
+        config = hypercorn_config(self.settings, self._socket.detach())
+        log.info("server_listening", url=self.url, model=self.settings.engine.model)
+        async with anyio.create_task_group() as tg:
+            if handle_signals and threading.current_thread() is threading.main_thread():
+                tg.start_soon(_watch_signals, signals)
+            tg.start_soon(self._drain_when_asked, signals)
+            await hypercorn_serve(app, config, shutdown_trigger=self.state.stop_serving.wait)
+            tg.cancel_scope.cancel()
+        log.info("server_stopped", exit_code=self.state.exit_code)
+        return self.state.exit_code
+
+    def run_coroutine(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run `fn()` on the server's event loop from another thread (tests, diagnostics)."""
+        if self._loop is None:
+            raise RuntimeError("the server is not running")
+        return asyncio.run_coroutine_threadsafe(_as_coroutine(fn), self._loop)
+
+    def request_shutdown(self, force: bool = False) -> None:
+        """Start the drain from any thread (what SIGTERM does; `force` = a second signal)."""
+        signals = self._signals
+        if self._loop is None or signals is None:
+            raise RuntimeError("the server is not running")
+        self._loop.call_soon_threadsafe(signals.drain.set)
+        if force:
+            self._loop.call_soon_threadsafe(signals.force.set)
+
+    async def _drain_when_asked(self, signals: _Signals) -> None:
+        await signals.drain.wait()
+        await self.state.drain(self.settings.shutdown_timeout_s, signals.force,
+                               flush_timeout_s=_FLUSH_AFTER_ABORT_S)
+
+
+async def _as_coroutine(fn: Callable[[], Awaitable[T]]) -> T:
+    return await fn()
+
+
+async def _watch_signals(signals: _Signals) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        async for signum in received:
+            if signals.drain.is_set():
+                log.warning("second_signal_aborting_requests", signal=signal.Signals(signum).name)
+                signals.force.set()
+            else:
+                log.info("draining", signal=signal.Signals(signum).name)
+                signals.drain.set()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        # Listening now lets early connections wait in the backlog instead of being refused.
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock

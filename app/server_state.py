@@ -1,0 +1,229 @@
+"""What the routes of one server share: settings, lifecycle phase, the loaded model, the
+engine and the admission actor."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import structlog
+
+from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain
+from app.config import EngineConfig
+
+log = structlog.get_logger("tandem.server")
+
+Phase = Literal["loading", "serving", "draining", "stopped", "dead"]
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    """Names clients may send as `model`; the first is listed in /v1/models. Empty: derived
+    from the model."""
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_queued_prompt_tokens: int | None = None
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    keep_alive_interval_s: float = 10.0
+    shutdown_timeout_s: float = 30.0
+    clamp_max_tokens: bool = False
+    max_n: int = 16
+    retry_after_s: int = 1
+    access_log: bool = False
+
+    def model_names(self) -> tuple[str, ...]:
+        if self.served_model_names:
+            return self.served_model_names
+        return default_model_names(self.engine.model)
+
+
+def default_model_names(model: str) -> tuple[str, ...]:
+    """A path is served under its base name (never the full path, which would leak in
+    /v1/models), with the original string as an alias."""
+    if model == "default":
+        return (EMBEDDED_MODEL_NAME, "default")
+    base = os.path.basename(os.path.normpath(model))
+    base = base.removesuffix(".gguf") if base.endswith(".gguf") else base
+    return (base, model) if base != model else (model,)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Internal counters for tests and diagnostics."""
+
+    num_running: int
+    num_waiting: int
+    num_unfinished_admitted: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_free_rows: int | None
+    """Free runner rows (None when the runner does not expose them)."""
+    num_rows: int
+
+
+class ServerState:
+    def __init__(self, settings: ServeSettings, preloaded: Any = None) -> None:
+        """`preloaded`: an app.startup.LoadedEngine to serve instead of loading the model
+        (same model and block size; tests and benchmarks start servers in a second)."""
+        self.settings = settings
+        self._preloaded = preloaded
+        self.phase: Phase = "loading"
+        self.model_names = settings.model_names()
+        self.created = int(time.time())
+        self.exit_code = 0
+        self.loaded: Any = None
+        self.engine: Any = None
+        self.admission: AdmissionActor | None = None
+        self.tokenizer: Any = None
+        self.generation_config: dict[str, Any] = {}
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_ids: tuple[int, ...] = ()
+
+    def bind_loop(self) -> None:
+        """Create the events on the serving event loop."""
+        self.stop_serving = anyio.Event()
+        self.engine_stopped = anyio.Event()
+        self._stop_engine = anyio.Event()
+        self._load_scope = anyio.CancelScope()
+
+    # ---- engine lifecycle ---------------------------------------------------------------
+
+    async def run_engine(self) -> None:
+        """Load the model in a worker thread, run the engine until `stop_engine()`. Never
+        raises: a failure marks the server dead and asks it to stop."""
+        try:
+            await self._load_and_run()
+        except Exception as exc:  # noqa: BLE001 - reported, and the process exits non-zero
+            self._on_engine_failure(exc)
+        finally:
+            self.engine_stopped.set()
+
+    async def _load_and_run(self) -> None:
+        from actors.engine import Engine
+        from app.startup import load_engine, reuse_engine
+
+        config = self.settings.engine
+        started = time.perf_counter()
+        if self._preloaded is not None:
+            loaded = reuse_engine(self._preloaded, config)
+        else:
+            with self._load_scope:
+                loaded = await anyio.to_thread.run_sync(load_engine, config,
+                                                        abandon_on_cancel=True)
+            if self._load_scope.cancelled_caught:
+                return
+        worker = loaded.worker
+        self.loaded = loaded
+        self.tokenizer = worker.tokenizer
+        self.generation_config = dict(worker.generation_config or {})
+        self.max_model_len = worker.max_model_len
+        self.vocab_size = worker.model_config.vocab_size
+        self.eos_token_ids = worker.eos_token_ids
+        engine = Engine(worker, loaded.runner.runner, config)
+        limits = AdmissionLimits(
+            max_num_running=config.max_num_seqs,
+            max_queued_requests=self.settings.max_queued_requests,
+            max_queued_prompt_tokens=self.settings.max_queued_prompt_tokens,
+            max_n=self.settings.max_n, retry_after_s=self.settings.retry_after_s)
+        admission = AdmissionActor(engine, limits)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            tg.start_soon(admission.run)
+            self.engine, self.admission = engine, admission
+            if self.phase == "loading":
+                self.phase = "serving"
+            log.info("engine_ready", runner=loaded.runner.runner, reason=loaded.runner.reason,
+                     max_model_len=self.max_model_len,
+                     startup_s=round(time.perf_counter() - started, 3))
+            await self._stop_engine.wait()
+            admission.close()
+            engine.stop()
+
+    def _on_engine_failure(self, exc: Exception) -> None:
+        from app.cli import user_errors
+
+        if isinstance(exc, user_errors()):
+            log.error("model_load_failed", error=str(exc))
+            self.exit_code = 2
+        else:
+            log.exception("engine_failed")
+            self.exit_code = 1
+        self.phase = "dead"
+        if self.admission is not None:
+            self.admission.fail_streams("the engine stopped unexpectedly")
+        self.stop_serving.set()
+
+    def stop_engine(self) -> None:
+        self._stop_engine.set()
+        self._load_scope.cancel()  # a load still running is abandoned
+
+    async def drain(self, timeout_s: float, force: anyio.Event, flush_timeout_s: float) -> None:
+        """Refuse new work, give in-flight requests `timeout_s`, abort the rest, then ask
+        Hypercorn to stop."""
+        if self.phase in ("serving", "loading"):
+            self.phase = "draining"
+        admission = self.admission
+        if admission is not None:
+            admission.tell(BeginDrain())
+            finished = await _wait_idle_or(admission, force, timeout_s)
+            if not finished:
+                stats = await admission.stats()
+                log.warning("drain_timeout_aborting", num_requests=stats.num_unfinished)
+                admission.tell(AbortAll())
+                await _wait_idle_or(admission, anyio.Event(), flush_timeout_s)
+        self.stop_serving.set()
+
+    # ---- queries ------------------------------------------------------------------------
+
+    def resolve_model(self, requested: str | None) -> str | None:
+        """The served name for `requested`; None if this server does not serve it."""
+        if requested is None or requested in self.model_names:
+            return self.model_names[0]
+        return None
+
+    async def engine_snapshot(self) -> EngineSnapshot:
+        from actors.kv_messages import KVStats
+
+        engine, admission = self.engine, self.admission
+        if engine is None or admission is None:
+            raise RuntimeError("the engine is not running")
+        kv = await engine.kv_actor.ask(KVStats())
+        stats = engine.stats()
+        admitted = await admission.stats()
+        runner = engine.gpu_actor.runner
+        states = getattr(runner, "states", None)
+        return EngineSnapshot(
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_unfinished_admitted=admitted.num_unfinished,
+            num_free_kv_blocks=kv.num_free_blocks, num_total_kv_blocks=kv.num_total_blocks,
+            num_free_rows=getattr(states, "num_free_rows", None),
+            num_rows=self.settings.engine.max_num_seqs)
+
+
+async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s: float) -> bool:
+    """True once no admitted request is left; False on timeout or when `force` is set."""
+    idle = False
+    with anyio.move_on_after(timeout_s):
+        async with anyio.create_task_group() as tg:
+            async def wait_idle() -> None:
+                nonlocal idle
+                await admission.wait_idle()
+                idle = True
+                tg.cancel_scope.cancel()
+
+            async def wait_force() -> None:
+                await force.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(wait_idle)
+            tg.start_soon(wait_force)
+    return idle

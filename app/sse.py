@@ -1,0 +1,283 @@
+"""Server-sent events for streamed chat and text completions (vLLM's wire format).
+
+    data: {chunk}\\n\\n ... data: [DONE]\\n\\n
+
+Per choice: a role chunk once the first output exists (chat only), content chunks, then
+exactly one chunk with finish_reason. With `include_usage` a last chunk has `choices: []`
+and the usage; `continuous_usage_stats` puts cumulative usage on every chunk. An error
+after the headers is an error event followed by [DONE]. While nothing arrives for
+`keep_alive_s` seconds (queued, long prefill) an SSE comment keeps proxies from cutting the
+connection.
+
+The writer is pull-based: each read takes everything a choice accumulated since the last
+one and sends it in one write, so a slow client gets bigger chunks and never holds the
+engine back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from actors.admission import AdmittedGroup
+from actors.output_stream import StreamDelta
+from app.errors import error_body
+from app.responses import ChoiceState, ResponseMeta, chat_logprobs, completion_logprobs, usage
+
+log = structlog.get_logger("tandem.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_EVENT = b"data: [DONE]\n\n"
+KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
+
+Batch = list[tuple[int, StreamDelta]]
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage: bool = False
+    keep_alive_s: float = 10.0
+
+
+class ChunkFormatter:
+    """Turns one choice's delta into the chunks that represent it."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
+                 choices: Sequence[ChoiceState], continuous_usage: bool) -> None:
+        self.meta = meta
+        self.prompt_lens = prompt_lens
+        self.choices = choices
+        self.continuous_usage = continuous_usage
+
+    def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.meta.response_id, "object": self.object_name,
+                                "created": self.meta.created, "model": self.meta.model,
+                                "choices": [] if choice is None else [choice]}
+        if self.continuous_usage or choice is None:
+            body["usage"] = usage(self.prompt_lens, self.choices)
+        return body
+
+
+class ChatChunkFormatter(ChunkFormatter):
+    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
+                 choices: Sequence[ChoiceState], continuous_usage: bool, *,
+                 role: str = "assistant", echo_prefix: str = "") -> None:
+        super().__init__(meta, prompt_lens, choices, continuous_usage)
+        self.role = role
+        self.echo_prefix = echo_prefix
+
+    def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
+        out = []
+        if first:
+            out.append(self._choice(choice.index, {"role": self.role, "content": ""}))
+            if self.echo_prefix:
+                out.append(self._choice(choice.index, {"content": self.echo_prefix}))
+        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if delta.finished:
+            content = {"content": delta.text} if delta.text else {}
+            out.append(self._choice(choice.index, content, logprobs, delta.finish_reason,
+                                    delta.stop_reason))
+        elif delta.text or logprobs:
+            out.append(self._choice(choice.index, {"content": delta.text}, logprobs))
+        return out
+
+    def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None,
+                finish_reason: str | None = None, stop_reason: str | int | None = None
+                ) -> dict[str, Any]:
+        return self.chunk({"index": index, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": finish_reason, "stop_reason": stop_reason})
+
+
+class CompletionChunkFormatter(ChunkFormatter):
+    object_name = "text_completion"
+
+    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
+                 choices: Sequence[ChoiceState], continuous_usage: bool, *,
+                 echo_texts: Sequence[str] | None = None) -> None:
+        super().__init__(meta, prompt_lens, choices, continuous_usage)
+        self.echo_texts = echo_texts
+
+    def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
+        prefix = self.echo_texts[choice.prompt_index] if first and self.echo_texts else ""
+        text = prefix + delta.text
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = completion_logprobs(delta.logprobs, choice.text_offset + len(prefix))
+        choice.text_offset += len(text)
+        if not (text or delta.logprobs or delta.finished):
+            return []
+        return [self.chunk({"index": choice.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason,
+                            "stop_reason": delta.stop_reason})]
+
+
+class EventStreamResponse(Response):
+    """Streams one admitted request as SSE. The client going away (http.disconnect) cancels
+    the writer, and `group.close()` aborts whatever still runs in the engine."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, group: AdmittedGroup, formatter: ChunkFormatter, options: StreamOptions,
+                 request_id: str, headers: dict[str, str] | None = None) -> None:
+        # Like StreamingResponse: no body attribute, so no Content-Length header.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**SSE_HEADERS, **(headers or {})})
+        self.group = group
+        self.formatter = formatter
+        self.options = options
+        self.request_id = request_id
+        self._started = [False] * len(group.streams)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                await self._write_events(send)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:
+            log.info("client_disconnected", request_id=self.request_id)
+        finally:
+            self.group.close()
+
+    async def _write_events(self, send: Send) -> None:
+        async def send_bytes(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        try:
+            failed = await pull_batches(self.group, self.options.keep_alive_s,
+                                        lambda batch: self._on_batch(batch, send_bytes),
+                                        lambda: send_bytes(KEEP_ALIVE_COMMENT))
+        except Exception:  # noqa: BLE001 - headers are out: report in-band, keep the server up
+            log.exception("stream_failed", request_id=self.request_id)
+            failed = True
+        if failed:
+            message = f"Internal server error (request id {self.request_id})"
+            await send_bytes(sse_event(error_body(500, message)) + DONE_EVENT)
+            return
+        tail = sse_event(self.formatter.chunk(None)) if self.options.include_usage else b""
+        await send_bytes(tail + DONE_EVENT)
+
+    async def _on_batch(self, batch: Batch, send_bytes: Callable[[bytes], Awaitable[None]]
+                        ) -> bool:
+        """Send a batch; True when a choice failed (the stream then ends with an error)."""
+        out = bytearray()
+        for index, delta in batch:
+            if delta.finish_reason == "error":
+                log.error("request_failed", request_id=self.request_id, error=delta.error)
+                if out:
+                    await send_bytes(bytes(out))
+                return True
+            choice = self.formatter.choices[index]
+            _count(choice, delta)
+            first = not self._started[index]
+            self._started[index] = True
+            for chunk in self.formatter.chunks(choice, delta, first):
+                out += sse_event(chunk)
+        if out:
+            await send_bytes(bytes(out))
+        return False
+
+
+def _count(choice: ChoiceState, delta: StreamDelta) -> None:
+    choice.num_output_tokens = delta.num_output_tokens
+    choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finished:
+        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def pull_batches(group: AdmittedGroup, keep_alive_s: float,
+                       on_batch: Callable[[Batch], Awaitable[bool]],
+                       on_quiet: Callable[[], Awaitable[None]]) -> bool:
+    """Feed `on_batch` with everything the group's streams accumulated, until every stream
+    ended or `on_batch` returns True (then True is returned). `on_quiet` runs whenever
+    nothing arrived for `keep_alive_s` seconds."""
+    if len(group.streams) == 1:
+        return await _pull_single(group, keep_alive_s, on_batch, on_quiet)
+    send_stream, receive_stream = anyio.create_memory_object_stream[tuple[int, StreamDelta]](0)
+
+    async def read_choice(index: int, sender: Any) -> None:
+        async with sender:
+            while (delta := await group.get(index)) is not None:
+                await sender.send((index, delta))
+
+    async with anyio.create_task_group() as tg:
+        async with send_stream:
+            for index in range(len(group.streams)):
+                tg.start_soon(read_choice, index, send_stream.clone())
+        failed = await _drain_merged(receive_stream, keep_alive_s, on_batch, on_quiet)
+        tg.cancel_scope.cancel()
+    return failed
+
+
+async def _pull_single(group: AdmittedGroup, keep_alive_s: float,
+                       on_batch: Callable[[Batch], Awaitable[bool]],
+                       on_quiet: Callable[[], Awaitable[None]]) -> bool:
+    while True:
+        delta: StreamDelta | None = None
+        with anyio.move_on_after(_interval(keep_alive_s)) as waited:
+            delta = await group.get(0)
+        if waited.cancelled_caught:
+            await on_quiet()
+            continue
+        if delta is None:
+            return False
+        if await on_batch([(0, delta)]):
+            return True
+
+
+async def _drain_merged(receive_stream: Any, keep_alive_s: float,
+                        on_batch: Callable[[Batch], Awaitable[bool]],
+                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
+    async with receive_stream:
+        while True:
+            first = None
+            with anyio.move_on_after(_interval(keep_alive_s)) as waited:
+                try:
+                    first = await receive_stream.receive()
+                except anyio.EndOfStream:
+                    return False
+            if waited.cancelled_caught:
+                await on_quiet()
+                continue
+            batch = [first]
+            while True:
+                try:
+                    batch.append(receive_stream.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            if await on_batch(batch):
+                return True
+
+
+def _interval(keep_alive_s: float) -> float:
+    return keep_alive_s if keep_alive_s > 0 else math.inf

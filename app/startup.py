@@ -1,0 +1,55 @@
+"""Startup: probe the platform, pick the runner, load the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+
+from app.config import EngineConfig
+from gpu.models.config import ModelConfig
+from gpu.platform import Platform, probe_platform
+from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
+from gpu.worker import ModelWorker
+
+log = structlog.get_logger("tandem.startup")
+
+RUNNER_ENV = "TANDEM_USE_V2_MODEL_RUNNER"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedEngine:
+    config: EngineConfig
+    platform: Platform
+    runner: RunnerChoice
+    worker: ModelWorker
+
+
+def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) -> RunnerChoice:
+    choice = select_runner(
+        RunnerSelectionInput(
+            architecture=model.architecture,
+            env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
+            requested_runner=config.runner,
+        ),
+        platform,
+    )
+    log.info("runner_selected", runner=choice.runner, rule=choice.rule, reason=choice.reason)
+    return choice
+
+
+def load_engine(config: EngineConfig) -> LoadedEngine:
+    """Everything slow that happens once per process, before the engine's actors start."""
+    platform = probe_platform(config.device)
+    worker = ModelWorker(config, platform)
+    runner = choose_runner(config, platform, worker.model_config)
+    return LoadedEngine(config=config, platform=platform, runner=runner, worker=worker)
+
+
+def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
+    """The same loaded model under other engine options (tests, benchmarks)."""
+    if config.model != loaded.config.model or config.block_size != loaded.config.block_size:
+        raise ValueError("a reused model must keep the same model and block size")
+    runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
+    return LoadedEngine(config=config, platform=loaded.platform, runner=runner, worker=loaded.worker)

@@ -1,0 +1,66 @@
+"""Attention backend interface.
+
+The model hands every attention layer a flat batch of tokens from many requests (varlen,
+no padding to a rectangle). A backend writes the new keys and values into the paged KV
+cache through `slot_mapping`, then attends each query token to its request's cached
+history through `block_table` and `seq_lens`, causally within the request's chunk.
+
+KV cache layout, one tensor per layer:
+    kv_cache[0] = keys,   [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[1] = values, [num_blocks, block_size, num_kv_heads, head_dim]
+Token `i` of a request lives at slot `block_table[req, i // block_size] * block_size +
+i % block_size`; `slot_mapping[t]` is that slot for flat token `t` (-1 = padding, skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    num_actual_tokens: int
+    """Real tokens in the flat batch; anything after it is CUDA-graph padding."""
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device: computed tokens + this step's tokens
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32, known when the step is scheduled
+    seq_lens_cpu: np.ndarray  # [num_reqs] int32
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write key/value into kv_cache at metadata.slot_mapping, then attend."""
+        ...
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    return [
+        torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        for _ in range(num_layers)
+    ]

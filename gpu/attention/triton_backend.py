@@ -1,0 +1,41 @@
+"""Attention over the paged KV cache with the Triton kernels in `kernels/`.
+
+On CUDA tensors it launches `kv_write` and `paged_attention` (one launch each for a
+mixed batch of prefill chunks and decodes, no host sync, so it can be captured in a CUDA
+graph); on other devices the same calls run the kernels' torch references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu.attention.base import AttentionMetadata
+from kernels.kv_write import kv_write
+from kernels.paged_attention import paged_attention
+
+
+class TritonAttentionBackend:
+    """AttentionBackend on the Triton paged-attention kernels."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
+        kv_write(key, value, kv_cache, metadata.slot_mapping)
+        num_reqs = metadata.num_reqs
+        return paged_attention(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_table,
+            metadata.seq_lens[:num_reqs],
+            metadata.query_start_loc[: num_reqs + 1],
+            scale,
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+        )

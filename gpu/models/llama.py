@@ -1,0 +1,220 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a flat varlen token batch.
+
+The per-architecture differences are `ModelConfig` flags: `attention_bias` (Qwen2),
+`qk_norm` (Qwen3), `rope_scaling` (Llama 3.1) and `tie_word_embeddings`. q/k/v and
+gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
+tensor names and concatenates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.attention.base import AttentionBackend, AttentionMetadata
+from gpu.models.config import ModelConfig
+from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, empty_parameter
+
+# Buffers that some checkpoints carry but that are recomputed here.
+_IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.attn_backend = attn_backend
+        # rows: [q_proj | k_proj | v_proj]
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv_proj = empty_parameter(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            empty_parameter(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
+        )
+        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = self.q_norm(query)
+            key = self.k_norm(key)
+        query = apply_rotary(query, cos, sin)
+        key = apply_rotary(key, cos, sin)
+        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, attn_backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """A Llama-family causal LM that runs a flat batch of tokens from many requests.
+
+    `forward` returns the final-normed hidden states of every token; `compute_logits` turns
+    the rows the caller needs (usually each request's last token) into float32 logits.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attn_backend, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling_dict,
+            device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int32/int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [num_logits, hidden_size]
+    ) -> torch.Tensor:  # [num_logits, vocab_size] float32
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters.
+
+        Raises ValueError naming every missing, unexpected or mis-shaped tensor; nothing is
+        partially loaded in that case.
+        """
+        targets = self._weight_targets()
+        optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        names = [n for n in weights if not n.endswith(_IGNORED_WEIGHT_SUFFIXES)]
+        missing = sorted(set(targets) - set(names))
+        unexpected = sorted(set(names) - set(targets) - optional)
+        mis_shaped = [
+            f"{name}: expected {tuple(targets[name].shape)}, got {tuple(weights[name].shape)}"
+            for name in names
+            if name in targets and weights[name].shape != targets[name].shape
+        ]
+        problems = [
+            f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mis_shaped))
+            if items
+        ]
+        if problems:
+            raise ValueError("cannot load weights into DecoderModel: " + "; ".join(problems))
+        for name, target in targets.items():
+            target.copy_(weights[name])
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the (view of the) parameter it is copied into."""
+        targets: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens.data,
+            "model.norm.weight": self.norm.weight.data,
+        }
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head.data
+        for index, layer in enumerate(self.layers):
+            targets.update(_layer_weight_targets(f"model.layers.{index}.", layer))
+        return targets
+
+
+def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    attn = layer.self_attn
+    q_rows, kv_rows = attn.q_size, attn.kv_size
+    qkv_splits = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
+    targets = {
+        f"{prefix}input_layernorm.weight": layer.input_layernorm.weight.data,
+        f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
+        f"{prefix}self_attn.o_proj.weight": attn.o_proj.data,
+        f"{prefix}mlp.down_proj.weight": layer.mlp.down_proj.data,
+    }
+    for proj, (start, rows) in qkv_splits.items():
+        targets[f"{prefix}self_attn.{proj}.weight"] = attn.qkv_proj.data.narrow(0, start, rows)
+        if attn.qkv_bias is not None:
+            targets[f"{prefix}self_attn.{proj}.bias"] = attn.qkv_bias.data.narrow(0, start, rows)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight.data
+        targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight.data
+    intermediate = layer.mlp.intermediate_size
+    targets[f"{prefix}mlp.gate_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, 0, intermediate)
+    targets[f"{prefix}mlp.up_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, intermediate, intermediate)
+    return targets

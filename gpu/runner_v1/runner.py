@@ -1,0 +1,154 @@
+"""The V1 model runner: the fallback when V2 cannot serve a configuration.
+
+Each step the batch is rebuilt on the CPU with numpy from per-request Python state, copied
+to the device, run, and the sampled tokens are synchronised back to the CPU before the step
+returns: simple, no overlap. Same model, attention and sampling semantics as V2, so greedy
+outputs are identical.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
+from gpu.attention.base import AttentionMetadata
+from gpu.sampling.sampler import Sampler
+from gpu.sampling.state import SamplingState, unseeded_request_seed
+from app.config import EngineConfig
+from gpu.worker import ModelWorker
+
+
+@dataclass(slots=True)
+class _CachedRequest:
+    row: int
+    token_ids: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_logprobs: int
+    num_computed_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunnerV1:
+    name = "v1"
+
+    def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
+        self.worker = worker
+        self.device = worker.device
+        self.block_size = worker.config.block_size
+        config = config or worker.config
+        max_num_reqs = config.max_num_seqs
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._requests: dict[str, _CachedRequest] = {}
+        self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
+        self.sampler = Sampler(self.sampling_state)
+        self._default_seed = config.seed
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        started = time.perf_counter()
+        self._update_states(sched)
+        reqs = [self._requests[r] for r in sched.scheduled_request_ids]
+        num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
+        inputs = self._build_inputs(reqs, num_scheduled)
+        hidden = self.worker.model(inputs["input_ids"], inputs["positions"], self.worker.kv_caches,
+                                   inputs["attn_metadata"])
+        logits = self.worker.model.compute_logits(hidden[inputs["logits_indices"]])
+        max_num_logprobs = max(r.num_logprobs for r in reqs)
+        out = self.sampler(logits, inputs["rows_gpu"], inputs["rows_np"], inputs["sample_pos"],
+                           inputs["num_output"], None if max_num_logprobs < 0 else max_num_logprobs)
+        sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
+        is_real_np = self._advance(reqs, num_scheduled, sampled_np)
+        self.sampling_state.record_sampled(inputs["rows_gpu"], out.sampled_token_ids,
+                                           torch.from_numpy(is_real_np).to(self.device))
+        stats = StepStats(step_id=sched.step_id, num_reqs=len(reqs),
+                          num_tokens=int(num_scheduled.sum()),
+                          num_prefill_tokens=int(num_scheduled.sum() - is_real_np.sum()),
+                          prepare_time_s=time.perf_counter() - started)
+        return _step_output(sched, is_real_np, sampled_np, out, stats)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for request_id in sorted(sched.finished_request_ids):
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                self._free_rows.append(req.row)
+                self.sampling_state.remove_request(req.row)
+        for new in sched.new_requests:
+            row = self._free_rows.pop()
+            params = new.sampling_params
+            self._requests[new.request_id] = _CachedRequest(
+                row=row, token_ids=list(new.token_ids), prompt_len=new.prompt_len,
+                block_ids=list(new.block_ids),
+                num_logprobs=-1 if params.logprobs is None else params.logprobs,
+                num_computed_tokens=new.num_computed_tokens)
+            self.sampling_state.add_request(
+                row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
+                self.worker.eos_token_ids,
+                unseeded_request_seed(self._default_seed, new.request_id))
+        cached = sched.cached_requests
+        for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
+            self._requests[request_id].block_ids.extend(block_ids)
+        self.sampling_state.flush_to_device()
+
+    def _build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> dict:
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, num_scheduled)])
+        input_ids = np.concatenate([r.token_ids[s: s + n] for r, s, n in zip(reqs, starts, num_scheduled)])
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            block_table[i, : len(r.block_ids)] = r.block_ids
+        req_index = np.repeat(np.arange(len(reqs)), num_scheduled)
+        slots = block_table[req_index, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        seq_lens = (starts + num_scheduled).astype(np.int32)
+        rows = np.asarray([r.row for r in reqs], dtype=np.int32)
+        num_output = np.asarray([len(r.token_ids) - r.prompt_len for r in reqs], dtype=np.int32)
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(positions), num_reqs=len(reqs),
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+        return {
+            "input_ids": torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(dev),
+            "positions": torch.from_numpy(positions).to(dev),
+            "attn_metadata": metadata,
+            "logits_indices": torch.from_numpy(query_start_loc[1:].astype(np.int64) - 1).to(dev),
+            "rows_np": rows,
+            "rows_gpu": torch.from_numpy(rows).to(dev),
+            "sample_pos": torch.from_numpy(seq_lens.astype(np.int64)).to(dev),
+            "num_output": torch.from_numpy(num_output).to(dev),
+        }
+
+    @staticmethod
+    def _advance(reqs: list[_CachedRequest], num_scheduled: np.ndarray,
+                 sampled_np: np.ndarray) -> np.ndarray:
+        is_real = np.zeros(len(reqs), dtype=bool)
+        for i, (req, n) in enumerate(zip(reqs, num_scheduled)):
+            req.num_computed_tokens += int(n)
+            if req.num_computed_tokens >= len(req.token_ids):
+                req.token_ids.append(int(sampled_np[i]))
+                is_real[i] = True
+        return is_real
+
+
+def _step_output(sched: SchedulerOutput, is_real: np.ndarray, sampled_np: np.ndarray, out,
+                 stats: StepStats) -> StepOutput:
+    request_ids = tuple(r for r, k in zip(sched.scheduled_request_ids, is_real) if k)
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = LogprobsArrays(token_ids=out.logprob_token_ids.cpu().numpy()[is_real],
+                                  logprobs=out.logprobs.cpu().numpy()[is_real],
+                                  sampled_rank=out.sampled_ranks.cpu().numpy()[is_real])
+    return StepOutput(step_id=sched.step_id, request_ids=request_ids,
+                      sampled_token_ids=sampled_np[is_real], logprobs=logprobs, stats=stats)

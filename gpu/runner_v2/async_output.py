@@ -1,0 +1,74 @@
+"""How the CPU learns a step's sampled tokens without stalling the device stream.
+
+The copies run on a side stream that waits for the main stream, and an event marks their
+end; `result()` blocks on that event only, so the main stream can already be running the
+next step. Non-blocking device-to-host copies land in freshly pinned host tensors, so no
+buffer the CPU writes is ever read by an in-flight copy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actors.messages import LogprobsArrays, StepOutput, StepStats
+
+
+@dataclass(slots=True)
+class StepCopy:
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64, host
+    logprob_token_ids: torch.Tensor | None  # [num_reqs, 1 + k], host
+    logprobs: torch.Tensor | None  # [num_reqs, 1 + k] float32, host
+    sampled_ranks: torch.Tensor | None  # [num_reqs], host
+
+
+class PendingStep:
+    """A launched step; `result()` waits for its outputs and packs a StepOutput."""
+
+    def __init__(self, step_id: int, request_ids: tuple[str, ...], samples_token: np.ndarray,
+                 copy: StepCopy, event: torch.cuda.Event | None, stats: StepStats) -> None:
+        self.step_id = step_id
+        self.request_ids = request_ids
+        self._samples_token = samples_token  # [num_reqs] bool
+        self._copy = copy
+        self._event = event
+        self._stats = stats
+        self.launched_at = time.perf_counter()
+
+    def result(self) -> StepOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        keep = self._samples_token
+        request_ids = tuple(r for r, k in zip(self.request_ids, keep) if k)
+        sampled = self._copy.sampled_token_ids.numpy()[keep]
+        logprobs = None
+        if self._copy.logprobs is not None:
+            logprobs = LogprobsArrays(
+                token_ids=self._copy.logprob_token_ids.numpy()[keep],
+                logprobs=self._copy.logprobs.numpy()[keep],
+                sampled_rank=self._copy.sampled_ranks.numpy()[keep],
+            )
+        return StepOutput(step_id=self.step_id, request_ids=request_ids,
+                          sampled_token_ids=sampled, logprobs=logprobs, stats=self._stats)
+
+
+def copy_to_host(tensors: StepCopy, copy_stream: torch.cuda.Stream | None
+                 ) -> tuple[StepCopy, torch.cuda.Event | None]:
+    if copy_stream is None:  # CPU: the tensors already live on the host
+        return tensors, None
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        host = StepCopy(*(None if t is None else _to_host(t, copy_stream) for t in (
+            tensors.sampled_token_ids, tensors.logprob_token_ids, tensors.logprobs,
+            tensors.sampled_ranks)))
+        event = torch.cuda.Event()
+        event.record(copy_stream)
+    return host, event
+
+
+def _to_host(tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    tensor.record_stream(stream)  # keep the allocator from reusing it before the copy ends
+    return tensor.to("cpu", non_blocking=True)

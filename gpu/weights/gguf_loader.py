@@ -1,0 +1,97 @@
+"""GGUF file -> (`ModelConfig`, Hugging Face-named weights).
+
+Tensors are dequantized one at a time on the target device. llama.cpp's converter
+interleaves the rope pairs of q/k projection rows for the `llama` architecture; that
+permutation is undone here so the weights equal the Hugging Face checkpoint's.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.weights.dequant import dequantize
+from gpu.weights.gguf_config import ROPE_FREQS_TENSOR, gguf_model_config
+from gpu.weights.gguf_file import GGUFFile
+from gpu.weights.layout import finish_weights
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_weight_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None if it has none."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_rope_rows(
+    weight: torch.Tensor,  # [num_heads * head_dim, ...] rows in llama.cpp's rope order
+    num_heads: int,
+) -> torch.Tensor:  # same shape, rows in Hugging Face order
+    """Inverse of llama.cpp's `LlamaModel.permute` for q/k projections (weights or biases)."""
+    rows = weight.shape[0]
+    half_head_dim = rows // num_heads // 2
+    per_head = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def load_gguf(
+    gguf: GGUFFile, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of `gguf` into `dtype` on `device`, under HF names."""
+    rope_freqs = None
+    if ROPE_FREQS_TENSOR in gguf.tensors:
+        rope_freqs = _read_tensor(gguf, ROPE_FREQS_TENSOR, torch.float32, "cpu").numpy()
+    config = gguf_model_config(gguf, rope_freqs=rope_freqs)
+    weights: dict[str, torch.Tensor] = {}
+    for name in gguf.tensors:
+        if name == ROPE_FREQS_TENSOR:
+            continue
+        hf_name = hf_weight_name(name)
+        if hf_name is None:
+            raise UnsupportedModelError(
+                f"unexpected tensor {name!r} for architecture {config.architecture}"
+            )
+        weight = _read_tensor(gguf, name, torch.float32, device)
+        if config.architecture == "llama" and ".attn_q." in name:
+            weight = unpermute_rope_rows(weight, config.num_heads)
+        elif config.architecture == "llama" and ".attn_k." in name:
+            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        weights[hf_name] = weight.to(dtype)
+    return config, finish_weights(config, weights, gguf.path)
+
+
+def _read_tensor(
+    gguf: GGUFFile, name: str, dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    info = gguf.tensors[name]
+    raw_u8 = torch.from_numpy(gguf.tensor_bytes(name)).to(device)
+    try:
+        return dequantize(raw_u8, info.ggml_type, info.shape, dtype)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"tensor {name!r}: {exc}") from None

@@ -1,0 +1,88 @@
+"""Hugging Face model directory -> (`ModelConfig`, weights, generation config).
+
+Reads `config.json`, the weights from `model.safetensors` or the shards listed in
+`model.safetensors.index.json`, and `generation_config.json` when present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from gpu.models.config import ModelConfig
+from gpu.weights.layout import finish_weights
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_hf_config(model_dir: str) -> ModelConfig:
+    config_path = os.path.join(model_dir, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(
+            f"{model_dir}: no {CONFIG_FILE} (not a Hugging Face model directory)"
+        )
+    config = ModelConfig.from_hf_config(read_json(config_path))
+    if not config.name:
+        config = config.replace(name=os.path.basename(os.path.normpath(model_dir)))
+    return config
+
+
+def load_generation_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
+    return read_json(path) if os.path.isfile(path) else {}
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The weight files of a directory, single or sharded, in index order."""
+    index_path = os.path.join(model_dir, WEIGHTS_INDEX_FILE)
+    if os.path.isfile(index_path):
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: no weight_map")
+        shards = list(dict.fromkeys(weight_map.values()))
+        files = [os.path.join(model_dir, shard) for shard in shards]
+    else:
+        files = [os.path.join(model_dir, SINGLE_WEIGHTS_FILE)]
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{model_dir}: missing weights file {os.path.basename(path)} "
+                f"(supported: {SINGLE_WEIGHTS_FILE} or shards listed in {WEIGHTS_INDEX_FILE})"
+            )
+    return files
+
+
+def load_hf_dir(
+    model_dir: str, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a Hugging Face directory's config, weights (in `dtype` on `device`) and
+    generation config (`{}` when the file is absent)."""
+    config = load_hf_config(model_dir)
+    device_name = str(torch.device(device))
+    weights: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device=device_name) as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                weights[name] = f.get_tensor(name).to(dtype)
+    weights = finish_weights(config, weights, model_dir)
+    return config, weights, load_generation_config(model_dir)

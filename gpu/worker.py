@@ -1,0 +1,138 @@
+"""What both runners share: the loaded model, its KV cache and the device it lives on."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from app.config import EngineConfig
+from app.tokenizer import Tokenizer
+from gpu.attention.base import AttentionBackend, allocate_kv_cache
+from gpu.models.config import ModelConfig
+from gpu.models.llama import DecoderModel
+from gpu.platform import Platform
+from gpu.weights.loader import load_model_files
+
+log = structlog.get_logger("tandem.worker")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DUMMY_MAX_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+class WorkerConfigError(ValueError):
+    """The model and the configuration do not fit together (context length, KV memory)."""
+
+
+class ModelWorker:
+    """Loads the model once; runners borrow it (and its KV cache) for their whole life."""
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = torch.device(_resolve_device(config.device, platform))
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        started = time.perf_counter()
+        files = load_model_files(config.model, dtype=self.dtype, device=self.device)
+        self.model_config: ModelConfig = files.config
+        self.tokenizer: Tokenizer | None = files.tokenizer
+        self.generation_config = files.generation_config
+        self.model_source = files.source
+        self.max_model_len = _resolve_max_model_len(config, files.config, files.source)
+        self.attn_backend = _make_attention_backend(self.device, platform)
+        self.model = DecoderModel(files.config, self.attn_backend, self.dtype, self.device)
+        self.model.load_weights(files.weights)
+        del files
+        self.load_time_s = time.perf_counter() - started
+        self.kv_spec = self._size_kv_cache()
+        self.kv_caches = allocate_kv_cache(
+            self.model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
+            self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
+        )
+        log.info("model_loaded", source=self.model_source, device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), load_time_s=round(self.load_time_s, 3),
+                 max_model_len=self.max_model_len, kv_blocks=self.kv_spec.num_blocks,
+                 kv_tokens=self.kv_spec.num_tokens, kv_bytes=self.kv_spec.num_bytes)
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.config.block_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+
+    def _size_kv_cache(self) -> KVCacheSpec:
+        mc = self.model_config
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        bytes_per_block = mc.kv_bytes_per_token * element_size * self.config.block_size
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+            used_bytes = total_bytes - free_bytes
+            budget = int(total_bytes * self.config.gpu_memory_utilization) - used_bytes
+            num_blocks = max(budget, 0) // bytes_per_block
+        else:
+            num_blocks = self.config.cpu_kv_cache_bytes // bytes_per_block
+        # One maximal request must fit, or every long prompt would be preempted forever.
+        if num_blocks < self.max_blocks_per_req:
+            raise WorkerConfigError(
+                f"KV cache holds {num_blocks} blocks of {self.config.block_size} tokens, fewer "
+                f"than one request of max_model_len {self.max_model_len} needs "
+                f"({self.max_blocks_per_req}); lower --max-model-len or give the cache more memory"
+            )
+        return KVCacheSpec(num_blocks, self.config.block_size, bytes_per_block)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _resolve_device(name: str, platform: Platform) -> str:
+    if name == "auto":
+        return "cuda" if platform.device_type == "cuda" else "cpu"
+    return name
+
+
+def _resolve_max_model_len(config: EngineConfig, model: ModelConfig, source: str) -> int:
+    model_max = model.max_position_embeddings
+    if source.startswith("dummy:"):
+        model_max = min(model_max, _DUMMY_MAX_MODEL_LEN)
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model.max_position_embeddings:
+        raise WorkerConfigError(
+            f"max_model_len {config.max_model_len} exceeds the model's context "
+            f"length {model.max_position_embeddings}"
+        )
+    return config.max_model_len
+
+
+def _make_attention_backend(device: torch.device, platform: Platform) -> AttentionBackend:
+    if device.type == "cuda" and platform.has_triton:
+        from gpu.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from gpu.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

@@ -1,0 +1,365 @@
+"""Attention over the paged KV cache for a flat varlen batch (prefill chunks and decodes).
+
+Request r owns query rows query_start_loc[r]:query_start_loc[r + 1] (q_len rows) and
+seq_lens[r] cached tokens, the last q_len of which are this chunk's own keys. Query row i
+(absolute position seq_len - q_len + i) attends to key positions 0..seq_len - q_len + i,
+read from slot block_table[r, pos // block_size] * block_size + pos % block_size.
+Query head h reads kv head h // (num_heads // num_kv_heads) (GQA).
+
+The Triton kernel packs the query heads of one kv head, for BLOCK_Q tokens of one
+request, into the M dimension of a tile, so a decode program reads each K/V block once
+for the whole head group; online softmax with float32 accumulation. Decode-only batches
+with few (request, kv head) pairs split the context over more programs and merge the
+partial results in a second kernel.
+"""
+
+import functools
+import math
+
+import torch
+
+from kernels._triton import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+        # Request r owns q blocks [query_start_loc[r] // BLOCK_Q + r, ...): strictly increasing in r.
+        left: tl.int32 = 0
+        right = num_reqs
+        while left < right:
+            mid = (left + right) // 2
+            mid_first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if mid_first_block <= q_block:
+                left = mid + 1
+            else:
+                right = mid
+        return left - 1
+
+    @triton.jit
+    def _attend_tiles(
+        q, query_pos, row_valid, key_head_ptr, value_head_ptr, block_table_row,
+        tile_start, tile_end, kv_len, scale_log2, stride_cache_block, stride_cache_slot,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Online softmax of q [BLOCK_M, HEAD_DIM_PADDED] over KV tiles [tile_start, tile_end):
+        returns the row max (log2 units), row sum and unnormalised output, all float32."""
+        offs_d = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = offs_d < HEAD_DIM
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        for tile in range(tile_start, tile_end):
+            offs_n = tile * TILE_N + tl.arange(0, TILE_N)
+            key_valid = offs_n < kv_len
+            block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+            slot_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            kv_offs = slot_offs[:, None] + offs_d[None, :]
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k = tl.load(key_head_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(value_head_ptr + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            visible = row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= query_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+        query_ptr, key_cache_ptr, value_cache_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+        scale_log2, num_reqs, num_heads,
+        stride_query_token, stride_query_head, stride_out_token, stride_out_head,
+        stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table_req,
+        NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        if ONE_Q_BLOCK_PER_REQ:  # every query fits one block: skip the search
+            req = tl.program_id(0)
+            query_start = tl.load(query_start_loc_ptr + req)
+            q_block_in_req = 0
+        else:
+            req = _find_request(query_start_loc_ptr, tl.program_id(0), num_reqs, BLOCK_Q)
+            query_start = tl.load(query_start_loc_ptr + req)
+            q_block_in_req = tl.program_id(0) - (query_start // BLOCK_Q + req)
+        query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
+        if q_block_in_req * BLOCK_Q >= query_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - query_len
+
+        # Row m of the tile is token m // G of this q block, query head m % G of kv_head.
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PADDED)
+        token_in_chunk = q_block_in_req * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
+        head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+        row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (token_in_chunk < query_len)
+        dim_valid = offs_d < HEAD_DIM
+        token = (query_start + token_in_chunk).to(tl.int64)
+        row_offs = token[:, None] * stride_query_token + head[:, None] * stride_query_head
+        row_mask = row_valid[:, None] & dim_valid[None, :]
+        q = tl.load(query_ptr + row_offs + offs_d[None, :], mask=row_mask, other=0.0)
+        query_pos = context_len + token_in_chunk
+
+        # Keys visible to the last query row of this block; split into NUM_SPLITS tile ranges.
+        kv_len = tl.minimum(seq_len, context_len + (q_block_in_req + 1) * BLOCK_Q)
+        num_tiles = tl.cdiv(kv_len, TILE_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_start = split * tiles_per_split
+        tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+        block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table_req
+        m_i, l_i, acc = _attend_tiles(
+            q, query_pos, row_valid, key_cache_ptr + kv_head * stride_cache_head,
+            value_cache_ptr + kv_head * stride_cache_head, block_table_row, tile_start, tile_end, kv_len,
+            scale_log2, stride_cache_block, stride_cache_slot,
+            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
+        )  # fmt: skip
+
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            partial_row = (token * num_heads + head) * NUM_SPLITS + split
+            tl.store(partial_max_ptr + partial_row, m_i, mask=row_valid)
+            tl.store(partial_sum_ptr + partial_row, l_i, mask=row_valid)
+            acc_offs = partial_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
+            tl.store(partial_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
+        num_heads, stride_out_token, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, NUM_SPLITS_PADDED: tl.constexpr,
+    ):  # fmt: skip
+        req = tl.program_id(0)
+        head = tl.program_id(1)
+        token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+        if tl.load(query_start_loc_ptr + req + 1) == token:
+            return
+        offs_s = tl.arange(0, NUM_SPLITS_PADDED)
+        offs_d = tl.arange(0, HEAD_DIM_PADDED)
+        split_valid = offs_s < NUM_SPLITS
+        partial_row = (token * num_heads + head) * NUM_SPLITS + offs_s
+        split_max = tl.load(partial_max_ptr + partial_row, mask=split_valid, other=float("-inf"))
+        split_sum = tl.load(partial_sum_ptr + partial_row, mask=split_valid, other=0.0)
+        max_all = tl.max(split_max, axis=0)
+        weight = tl.math.exp2(split_max - tl.where(max_all == float("-inf"), 0.0, max_all))
+        total = tl.sum(weight * split_sum, axis=0)
+        split_acc = tl.load(
+            partial_acc_ptr + partial_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :],
+            mask=split_valid[:, None],
+            other=0.0,
+        )
+        out = tl.sum(weight[:, None] * split_acc, axis=0) / tl.where(total == 0.0, 1.0, total)
+        out_offs = token * stride_out_token + head * stride_out_head + offs_d
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
+    """Plain torch paged attention, one request at a time, in float32 (syncs on a GPU)."""
+    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    out = torch.zeros_like(query)
+    block_size = key_cache.shape[1]
+    group_size = query.shape[1] // key_cache.shape[2]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for req, seq_len in enumerate(lens):
+        start, end = starts[req], starts[req + 1]
+        if end == start:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        slots = block_table[req, positions // block_size].long() * block_size + positions % block_size
+        keys = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
+        values = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
+        query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
+        scores.masked_fill_(positions[None, :] > query_pos[:, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    kv_tile_len: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are undefined
+    """Triton launcher. max_query_len must bound every request's query length; the
+    remaining keyword arguments are tuning knobs (None = heuristic). Splitting the context
+    (num_kv_splits > 1) is only allowed when max_query_len <= 1."""
+    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, num_reqs = key_cache.shape[2], seq_lens.shape[0]
+    group_size = num_heads // num_kv_heads
+    is_decode = max_query_len <= 1
+    block_m = max(16 if is_decode else 64, triton.next_power_of_2(group_size))
+    block_q = block_m // group_size
+    tile_n = kv_tile_len or 64
+    if num_kv_splits is None:
+        num_kv_splits = _default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
+    if num_kv_splits > 1 and not is_decode:
+        raise ValueError(f"num_kv_splits={num_kv_splits} needs max_query_len <= 1, got {max_query_len}")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    partial_shape = (num_tokens, num_heads, num_kv_splits)
+    partial_max = partial_sum = partial_acc = out  # placeholders, unused with one split
+    if num_kv_splits > 1:
+        partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+        partial_acc = torch.empty((*partial_shape, head_dim_padded), dtype=torch.float32, device=query.device)
+    one_q_block_per_req = max_query_len <= block_q
+    num_q_blocks = num_reqs if one_q_block_per_req else num_tokens // block_q + num_reqs
+    grid = (num_q_blocks, num_kv_heads, num_kv_splits)
+    _paged_attention_kernel[grid](
+        out, partial_acc, partial_max, partial_sum,
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale * math.log2(math.e), num_reqs, num_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
+        NUM_QUERIES_PER_KV=group_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        NUM_SPLITS=num_kv_splits, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if is_decode else 2),
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            out, partial_acc, partial_max, partial_sum, query_start_loc,
+            num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            NUM_SPLITS=num_kv_splits, NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Paged attention: the Triton kernel on CUDA tensors, the torch reference otherwise."""
+    if HAS_TRITON and query.is_cuda:
+        return paged_attention_triton(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )  # fmt: skip
+    return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+def _default_num_kv_splits(
+    device: torch.device, num_programs: int, max_seq_len: int | None, tile_n: int
+) -> int:
+    """Enough splits to give every SM about two programs, while each split keeps >= 4 tiles."""
+    if device.type != "cuda":
+        return 1
+    wanted = math.ceil(2 * _num_sms(device) / max(num_programs, 1))
+    if max_seq_len is not None:
+        wanted = min(wanted, math.ceil(max_seq_len / (4 * tile_n)))
+    return max(1, min(wanted, 32))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    head_dim = query.shape[-1]
+    if query.dim() != 3 or query.stride(2) != 1:
+        raise ValueError(
+            "query must be [num_tokens, num_heads, head_dim] with contiguous head_dim, "
+            f"got {tuple(query.shape)} strides {query.stride()}"
+        )
+    if key_cache.dim() != 4 or key_cache.shape[3] != head_dim or key_cache.stride(3) != 1:
+        raise ValueError(
+            f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim={head_dim}] "
+            f"with contiguous head_dim, got {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
+        raise ValueError(
+            f"value_cache {tuple(value_cache.shape)} strides {value_cache.stride()} must match key_cache "
+            f"{tuple(key_cache.shape)} strides {key_cache.stride()}"
+        )
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
+    dtypes = (query.dtype, key_cache.dtype, value_cache.dtype)
+    if len(set(dtypes)) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"query/key_cache/value_cache must share one of float16/bfloat16/float32, got {dtypes}"
+        )
+    _check_index_args(query.device, block_table, seq_lens, query_start_loc)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.device != query.device:
+            raise ValueError(f"{name} is on {cache.device} but query is on {query.device}")
+
+
+def _check_index_args(
+    device: torch.device, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> None:
+    num_reqs = seq_lens.shape[0]
+    index_tensors = (
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    )
+    for name, tensor, ndim in index_tensors:
+        if tensor.dtype != torch.int32 or tensor.dim() != ndim or tensor.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be a {ndim}-d int32 tensor with a contiguous last dim, "
+                f"got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but query is on {device}")
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"query_start_loc must be [num_reqs + 1] and block_table [>= num_reqs, ...] for "
+            f"num_reqs={num_reqs} (from seq_lens), got {tuple(query_start_loc.shape)} and "
+            f"{tuple(block_table.shape)}"
+        )

@@ -1,0 +1,237 @@
+"""Post-sampling update of the runner's persistent request state, on the device.
+
+For each scheduled request b (row r = idx_mapping[b], query length q):
+
+    num_computed_tokens[r] += q
+    if num_computed_tokens[r] >= total_len[r]:      # the chunk reached the last known token
+        token_ids[r, total_len[r]] = sampled_token_ids[b]
+        total_len[r] += 1
+        last_sampled[r] = sampled_token_ids[b]
+
+A partial prefill chunk samples a token that is thrown away, so it only advances
+num_computed_tokens. This is how sampled tokens reach the next step's inputs without a
+round trip through the CPU. idx_mapping must not repeat a row within one step. A sample
+that would land at or past max_model_len is not stored in token_ids (the scheduler never
+runs such a step), but total_len and last_sampled still advance, in both implementations.
+"""
+
+import os
+
+import torch
+
+from kernels._triton import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _post_update_kernel(
+        idx_mapping_ptr,
+        query_start_loc_ptr,
+        sampled_token_ids_ptr,
+        num_computed_tokens_ptr,
+        total_len_ptr,
+        token_ids_ptr,
+        token_ids_stride,
+        last_sampled_ptr,
+        max_model_len,
+    ):
+        batch_idx = tl.program_id(0)
+        row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
+        query_len = tl.load(query_start_loc_ptr + batch_idx + 1) - tl.load(
+            query_start_loc_ptr + batch_idx
+        )
+        num_computed = tl.load(num_computed_tokens_ptr + row) + query_len
+        tl.store(num_computed_tokens_ptr + row, num_computed)
+        total = tl.load(total_len_ptr + row)
+        if num_computed >= total:
+            token = tl.load(sampled_token_ids_ptr + batch_idx)
+            tl.store(
+                token_ids_ptr + row * token_ids_stride + total,
+                token.to(tl.int32),
+                mask=total < max_model_len,
+            )
+            tl.store(total_len_ptr + row, total + 1)
+            tl.store(last_sampled_ptr + row, token)
+
+
+def _check_tensor(tensor: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+
+
+def _check_args(
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    sampled_token_ids: torch.Tensor,
+    num_computed_tokens: torch.Tensor,
+    total_len: torch.Tensor,
+    token_ids: torch.Tensor,
+    last_sampled: torch.Tensor,
+    num_reqs: int,
+) -> None:
+    _check_tensor(idx_mapping, "idx_mapping", torch.int32, 1)
+    _check_tensor(query_start_loc, "query_start_loc", torch.int32, 1)
+    _check_tensor(sampled_token_ids, "sampled_token_ids", torch.int64, 1)
+    _check_tensor(num_computed_tokens, "num_computed_tokens", torch.int32, 1)
+    _check_tensor(total_len, "total_len", torch.int32, 1)
+    _check_tensor(token_ids, "token_ids", torch.int32, 2)
+    _check_tensor(last_sampled, "last_sampled", torch.int64, 1)
+    if num_reqs < 0 or min(idx_mapping.shape[0], sampled_token_ids.shape[0]) < num_reqs:
+        raise ValueError(
+            f"num_reqs ({num_reqs}) must be >= 0 and at most "
+            f"len(idx_mapping)={idx_mapping.shape[0]} and "
+            f"len(sampled_token_ids)={sampled_token_ids.shape[0]}"
+        )
+    if query_start_loc.shape[0] < num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, has "
+            f"{query_start_loc.shape[0]}"
+        )
+    num_rows = token_ids.shape[0]
+    if not num_computed_tokens.shape[0] == total_len.shape[0] == last_sampled.shape[0] == num_rows:
+        raise ValueError(
+            "num_computed_tokens, total_len, last_sampled and token_ids must have one "
+            "entry per request row"
+        )
+    tensors = {
+        "idx_mapping": idx_mapping,
+        "query_start_loc": query_start_loc,
+        "sampled_token_ids": sampled_token_ids,
+        "num_computed_tokens": num_computed_tokens,
+        "total_len": total_len,
+        "last_sampled": last_sampled,
+    }
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+    device = devices.pop()
+    # The token history may live in pinned host memory that the GPU writes through UVA.
+    uva_history = device.type == "cuda" and token_ids.device.type == "cpu" and token_ids.is_pinned()
+    if token_ids.device != device and not uva_history:
+        raise ValueError(
+            f"token_ids is on {token_ids.device} but the other tensors are on {device}; "
+            "it must be on the same device, or pinned host memory for a CUDA step"
+        )
+
+
+def post_update_ref(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32, batch position -> request row
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32
+    sampled_token_ids: torch.Tensor,  # [>= num_reqs] int64
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32, updated in place
+    total_len: torch.Tensor,  # [max_num_reqs] int32, updated in place
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, updated in place
+    last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
+    num_reqs: int,
+) -> None:
+    """Torch reference of `post_update`; needs no host sync (masked writes, no boolean indexing)."""
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+    )
+    rows = idx_mapping[:num_reqs].long()
+    query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
+    num_computed = num_computed_tokens[rows] + query_lens
+    num_computed_tokens[rows] = num_computed
+    total = total_len[rows]
+    sampled = sampled_token_ids[:num_reqs]
+    is_real_sample = num_computed >= total
+
+    # Rows that do not take the sample rewrite the value already there.
+    history_rows = rows.to(token_ids.device)
+    write_col = total.clamp(max=token_ids.shape[1] - 1).long().to(token_ids.device)
+    fits = (is_real_sample & (total < token_ids.shape[1])).to(token_ids.device)
+    current = token_ids[history_rows, write_col]
+    token_ids[history_rows, write_col] = torch.where(
+        fits, sampled.to(device=token_ids.device, dtype=torch.int32), current
+    )
+
+    total_len[rows] = torch.where(is_real_sample, total + 1, total)
+    last_sampled[rows] = torch.where(is_real_sample, sampled, last_sampled[rows])
+
+
+def post_update_triton(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32
+    sampled_token_ids: torch.Tensor,  # [>= num_reqs] int64
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32
+    total_len: torch.Tensor,  # [max_num_reqs] int32
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, rows contiguous
+    last_sampled: torch.Tensor,  # [max_num_reqs] int64
+    num_reqs: int,
+) -> None:
+    """Triton launcher of `post_update`: one program per scheduled request."""
+    if not HAS_TRITON:
+        raise RuntimeError("post_update_triton needs Triton, which is not installed")
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+    )
+    if total_len.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"post_update_triton needs CUDA tensors, got {total_len.device}")
+    for name, tensor in (
+        ("idx_mapping", idx_mapping),
+        ("query_start_loc", query_start_loc),
+        ("sampled_token_ids", sampled_token_ids),
+        ("num_computed_tokens", num_computed_tokens),
+        ("total_len", total_len),
+        ("last_sampled", last_sampled),
+    ):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if token_ids.stride(1) != 1:
+        raise ValueError("token_ids rows must be contiguous (stride(1) == 1)")
+    if num_reqs == 0:
+        return
+    _post_update_kernel[(num_reqs,)](
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        token_ids.stride(0),
+        last_sampled,
+        token_ids.shape[1],
+    )
+
+
+def post_update(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32, batch position -> request row
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32, cumsum of query lengths
+    sampled_token_ids: torch.Tensor,  # [>= num_reqs] int64, one sample per scheduled request
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32, updated in place
+    total_len: torch.Tensor,  # [max_num_reqs] int32, updated in place
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, device or pinned host (UVA)
+    last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
+    num_reqs: int,
+) -> None:
+    """Advance the request state after sampling (see the module doc)."""
+    impl = post_update_triton if HAS_TRITON and total_len.is_cuda else post_update_ref
+    impl(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+    )

@@ -1,0 +1,275 @@
+"""Per-step model inputs (input_ids, positions, seq_lens) built on the device from the
+runner's persistent request state, so a step needs only `idx_mapping` and
+`query_start_loc` from the CPU.
+
+For each scheduled request b (row r = idx_mapping[b]) and each of its tokens i in
+[query_start_loc[b], query_start_loc[b + 1]):
+
+    pos = num_computed_tokens[r] + (i - query_start_loc[b])
+    input_ids_out[i] = token_ids[r, pos]
+    positions_out[i] = pos
+    seq_lens_out[b] = num_computed_tokens[r] + query_len[b]
+
+Entries past the real tokens / requests (CUDA-graph padding) are set to 0. Every position
+must be below max_model_len (the scheduler guarantees it); the Triton kernel masks reads
+past the row end instead of faulting, the reference raises an indexing error.
+"""
+
+import os
+
+import torch
+
+from kernels._triton import HAS_TRITON, tl, triton
+
+_BLOCK_SIZE = 256
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _prepare_inputs_kernel(
+        idx_mapping_ptr,
+        query_start_loc_ptr,
+        token_ids_ptr,
+        token_ids_stride,
+        num_computed_tokens_ptr,
+        input_ids_ptr,
+        positions_ptr,
+        seq_lens_ptr,
+        num_reqs,
+        num_tokens,
+        num_tokens_padded,
+        num_reqs_padded,
+        max_model_len,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        batch_idx = tl.program_id(0)
+        offsets = tl.arange(0, BLOCK_SIZE)
+        if batch_idx < num_reqs:
+            row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
+            start = tl.load(query_start_loc_ptr + batch_idx)
+            end = tl.load(query_start_loc_ptr + batch_idx + 1)
+            num_computed = tl.load(num_computed_tokens_ptr + row)
+            for block_start in range(start, end, BLOCK_SIZE):
+                token_idx = block_start + offsets
+                in_query = token_idx < end
+                pos = num_computed + (token_idx - start)
+                ids = tl.load(
+                    token_ids_ptr + row * token_ids_stride + pos,
+                    mask=in_query & (pos < max_model_len),
+                    other=0,
+                )
+                tl.store(input_ids_ptr + token_idx, ids, mask=in_query)
+                tl.store(positions_ptr + token_idx, pos, mask=in_query)
+            tl.store(seq_lens_ptr + batch_idx, num_computed + (end - start))
+        else:
+            # The one extra program zeroes the CUDA-graph padding.
+            for block_start in range(num_tokens, num_tokens_padded, BLOCK_SIZE):
+                token_idx = block_start + offsets
+                pad = token_idx < num_tokens_padded
+                tl.store(input_ids_ptr + token_idx, 0, mask=pad)
+                tl.store(positions_ptr + token_idx, 0, mask=pad)
+            for block_start in range(num_reqs, num_reqs_padded, BLOCK_SIZE):
+                batch_pad_idx = block_start + offsets
+                tl.store(seq_lens_ptr + batch_pad_idx, 0, mask=batch_pad_idx < num_reqs_padded)
+
+
+def _check_tensor(
+    tensor: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], ndim: int
+) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must be {allowed}, got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+
+
+def _check_args(
+    idx_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_computed_tokens: torch.Tensor,
+    input_ids_out: torch.Tensor,
+    positions_out: torch.Tensor,
+    seq_lens_out: torch.Tensor,
+    num_reqs: int,
+    num_tokens: int,
+) -> None:
+    _check_tensor(idx_mapping, "idx_mapping", (torch.int32,), 1)
+    _check_tensor(query_start_loc, "query_start_loc", (torch.int32,), 1)
+    _check_tensor(token_ids, "token_ids", (torch.int32,), 2)
+    _check_tensor(num_computed_tokens, "num_computed_tokens", (torch.int32,), 1)
+    _check_tensor(input_ids_out, "input_ids_out", (torch.int32, torch.int64), 1)
+    _check_tensor(positions_out, "positions_out", (torch.int64,), 1)
+    _check_tensor(seq_lens_out, "seq_lens_out", (torch.int32,), 1)
+    if num_reqs < 0 or num_tokens < 0:
+        raise ValueError(f"num_reqs ({num_reqs}) and num_tokens ({num_tokens}) must be >= 0")
+    if idx_mapping.shape[0] < num_reqs or query_start_loc.shape[0] < num_reqs + 1:
+        raise ValueError(
+            f"idx_mapping ({idx_mapping.shape[0]}) needs >= num_reqs ({num_reqs}) entries and "
+            f"query_start_loc ({query_start_loc.shape[0]}) >= num_reqs + 1"
+        )
+    if seq_lens_out.shape[0] < num_reqs:
+        raise ValueError(
+            f"seq_lens_out has {seq_lens_out.shape[0]} entries, fewer than num_reqs ({num_reqs})"
+        )
+    if input_ids_out.shape[0] < num_tokens or positions_out.shape[0] < num_tokens:
+        raise ValueError(
+            f"input_ids_out ({input_ids_out.shape[0]}) and positions_out "
+            f"({positions_out.shape[0]}) must hold num_tokens ({num_tokens})"
+        )
+    if input_ids_out.shape[0] != positions_out.shape[0]:
+        raise ValueError("input_ids_out and positions_out must have the same length")
+    if num_computed_tokens.shape[0] != token_ids.shape[0]:
+        raise ValueError("num_computed_tokens and token_ids must have one entry per request row")
+    devices = {
+        t.device
+        for t in (
+            idx_mapping,
+            query_start_loc,
+            num_computed_tokens,
+            input_ids_out,
+            positions_out,
+            seq_lens_out,
+        )
+    }
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    # The token history may live in pinned host memory that the GPU reads through UVA.
+    uva_history = device.type == "cuda" and token_ids.device.type == "cpu" and token_ids.is_pinned()
+    if token_ids.device != device and not uva_history:
+        raise ValueError(
+            f"token_ids is on {token_ids.device} but the other tensors are on {device}; "
+            "it must be on the same device, or pinned host memory for a CUDA step"
+        )
+
+
+def prepare_inputs_ref(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32, batch position -> request row
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32, cumsum of query lengths
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32
+    input_ids_out: torch.Tensor,  # [num_tokens_padded] int32 or int64
+    positions_out: torch.Tensor,  # [num_tokens_padded] int64
+    seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
+    num_reqs: int,
+    num_tokens: int,
+) -> None:
+    """Torch reference of `prepare_inputs` (same semantics, any device)."""
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+    )
+    device = input_ids_out.device
+    query_start = query_start_loc[: num_reqs + 1].long()
+    token_idx = torch.arange(num_tokens, device=device)
+    # searchsorted instead of repeat_interleave: no host sync for the output size.
+    batch_of_token = torch.searchsorted(query_start[1:], token_idx, right=True)
+    rows = idx_mapping[:num_reqs].long()
+    num_computed = num_computed_tokens[rows].long()
+    positions = num_computed[batch_of_token] + (token_idx - query_start[batch_of_token])
+    history_device = token_ids.device
+    token_rows = rows[batch_of_token].to(history_device)
+    ids = token_ids[token_rows, positions.to(history_device)]
+    input_ids_out[:num_tokens] = ids.to(device=device, dtype=input_ids_out.dtype)
+    positions_out[:num_tokens] = positions
+    seq_lens_out[:num_reqs] = (num_computed + query_start[1:] - query_start[:-1]).to(torch.int32)
+    input_ids_out[num_tokens:] = 0
+    positions_out[num_tokens:] = 0
+    seq_lens_out[num_reqs:] = 0
+
+
+def prepare_inputs_triton(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, rows contiguous
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32
+    input_ids_out: torch.Tensor,  # [num_tokens_padded] int32 or int64
+    positions_out: torch.Tensor,  # [num_tokens_padded] int64
+    seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
+    num_reqs: int,
+    num_tokens: int,
+) -> None:
+    """Triton launcher of `prepare_inputs`: one program per request plus one for padding."""
+    if not HAS_TRITON:
+        raise RuntimeError("prepare_inputs_triton needs Triton, which is not installed")
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+    )
+    if input_ids_out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"prepare_inputs_triton needs CUDA tensors, got {input_ids_out.device}")
+    for name, tensor in (
+        ("idx_mapping", idx_mapping),
+        ("query_start_loc", query_start_loc),
+        ("num_computed_tokens", num_computed_tokens),
+        ("input_ids_out", input_ids_out),
+        ("positions_out", positions_out),
+        ("seq_lens_out", seq_lens_out),
+    ):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if token_ids.stride(1) != 1:
+        raise ValueError("token_ids rows must be contiguous (stride(1) == 1)")
+    _prepare_inputs_kernel[(num_reqs + 1,)](
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        token_ids.stride(0),
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+        input_ids_out.shape[0],
+        seq_lens_out.shape[0],
+        token_ids.shape[1],
+        BLOCK_SIZE=_BLOCK_SIZE,
+    )
+
+
+def prepare_inputs(
+    idx_mapping: torch.Tensor,  # [>= num_reqs] int32, batch position -> request row
+    query_start_loc: torch.Tensor,  # [>= num_reqs + 1] int32, cumsum of query lengths
+    token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, device or pinned host (UVA)
+    num_computed_tokens: torch.Tensor,  # [max_num_reqs] int32
+    input_ids_out: torch.Tensor,  # [num_tokens_padded] int32 or int64
+    positions_out: torch.Tensor,  # [num_tokens_padded] int64
+    seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
+    num_reqs: int,
+    num_tokens: int,
+) -> None:
+    """Fill input_ids_out, positions_out and seq_lens_out in place (see the module doc).
+
+    Runs the Triton kernel on CUDA tensors when Triton is installed, the torch reference
+    otherwise.
+    """
+    impl = prepare_inputs_triton if HAS_TRITON and input_ids_out.is_cuda else prepare_inputs_ref
+    impl(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+    )

@@ -1,0 +1,184 @@
+"""Helpers for KV cache and scheduler tests: a synchronous KV client and a fake runner.
+
+`FakeRunner` plays the GPU actor and the sampler actor: it executes each SchedulerOutput
+as soon as it is scheduled (like the device, in submission order), keeps per-row token
+histories and block tables, writes each computed token into a simulated KV cache and
+checks that every token a step attends to is present in the blocks the request holds. The
+step's result is returned later, so up to `max_steps_in_flight` steps overlap.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from actors.kv_cache_manager import KVCacheManager
+from actors.kv_messages import AllocateStep, StepAllocation
+from actors.messages import EngineRequest, SchedulerOutput, StepUpdate
+from actors.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Drive a coroutine that never suspends to completion, without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("the coroutine suspended; run_sync only drives coroutines that never wait")
+
+
+class DirectKVClient:
+    """KVClient that calls a KVCacheManager in place and never suspends."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.messages: list[AllocateStep] = []
+
+    async def allocate_step(self, msg: AllocateStep) -> StepAllocation:
+        self.messages.append(msg)
+        return self.manager.allocate_step(msg)
+
+    async def free(self, request_ids: Iterable[str]) -> None:
+        self.manager.free(request_ids)
+
+
+def engine_request(request_id: str, prompt: Iterable[int], max_tokens: int | None = 8,
+                   arrival_time: float = 0.0, priority: int = 0,
+                   cache_salt: str | None = None) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=tuple(prompt),
+                         sampling_params=SamplingParams(max_tokens=max_tokens),
+                         arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+
+
+@dataclass(slots=True)
+class _Row:
+    history: list[int]
+    prompt_len: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeRunner:
+    """The GPU and sampler actors as one synchronous fake; see the module docstring."""
+
+    block_size: int
+    max_num_seqs: int
+    manager: KVCacheManager | None = None
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    eos_probability: float = 0.0
+    vocab_size: int = 50
+    rows: dict[str, _Row] = field(default_factory=dict)
+    kv_cache: dict[int, list[int | None]] = field(default_factory=dict)
+    pending_updates: list[StepUpdate] = field(default_factory=list)
+    max_tokens: dict[str, int] = field(default_factory=dict)
+    num_outputs: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, str] = field(default_factory=dict)
+
+    def register(self, request_id: str, max_tokens: int) -> None:
+        self.max_tokens[request_id] = max_tokens
+        self.num_outputs[request_id] = 0
+        self.outputs[request_id] = []
+        self.finished.pop(request_id, None)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.finished.setdefault(request_id, "abort")
+
+    def execute(self, out: SchedulerOutput) -> None:
+        """Run a step now; its StepUpdate is queued for `deliver_oldest`."""
+        for request_id in out.finished_request_ids:
+            assert request_id in self.rows, f"step {out.step_id} frees {request_id}'s missing row"
+            del self.rows[request_id]
+        for new in out.new_requests:
+            assert new.request_id not in self.rows, f"{new.request_id} takes a second row"
+            in_flight = any(new.request_id in update.request_ids for update in self.pending_updates)
+            assert not in_flight, f"{new.request_id} is admitted while a token is in flight"
+            if new.request_id in self.outputs:
+                assert list(new.token_ids[new.prompt_len:]) == self.outputs[new.request_id], (
+                    f"{new.request_id} resumes with outputs other than those it produced")
+            self.rows[new.request_id] = _Row(list(new.token_ids), new.prompt_len,
+                                             list(new.block_ids), new.num_computed_tokens)
+        assert len(self.rows) <= self.max_num_seqs, "more rows than max_num_seqs"
+        for request_id, new_block_ids in zip(out.cached_requests.request_ids,
+                                             out.cached_requests.new_block_ids):
+            self.rows[request_id].block_ids.extend(new_block_ids)
+        sampled: list[tuple[str, int]] = []
+        batch = list(zip(out.scheduled_request_ids, out.num_scheduled_tokens,
+                         out.num_computed_tokens, out.samples_token))
+        for request_id, num_new, num_computed, _ in batch:
+            self._write_kv(out.step_id, request_id, num_new, num_computed)
+        for request_id, num_new, num_computed, samples in batch:
+            row = self.rows[request_id]
+            self._check_attended_kv(request_id, row, num_computed + num_new)
+            row.num_computed_tokens += num_new
+            assert samples == (row.num_computed_tokens == len(row.history)), (
+                f"{request_id}: samples_token {samples} but computed {row.num_computed_tokens} "
+                f"of {len(row.history)} known tokens")
+            if samples:
+                token_id = self.rng.randrange(self.vocab_size)
+                row.history.append(token_id)
+                sampled.append((request_id, token_id))
+        self.pending_updates.append(StepUpdate(
+            step_id=out.step_id, request_ids=tuple(rid for rid, _ in sampled),
+            sampled_token_ids=tuple(token_id for _, token_id in sampled)))
+
+    def deliver_oldest(self) -> StepUpdate:
+        """The oldest step's result after the sampler's stop checks."""
+        return self._sampler_pass(self.pending_updates.pop(0))
+
+    def _write_kv(self, step_id: int, request_id: str, num_new: int, num_computed: int) -> None:
+        row = self.rows[request_id]
+        assert num_computed == row.num_computed_tokens, (
+            f"step {step_id}: scheduler says {request_id} computed {num_computed}, "
+            f"runner has {row.num_computed_tokens}")
+        assert num_new > 0 and num_computed + num_new <= len(row.history), (
+            f"step {step_id}: {request_id} runs {num_new} tokens from {num_computed} but only "
+            f"{len(row.history)} are known")
+        assert len(row.block_ids) * self.block_size >= num_computed + num_new, (
+            f"{request_id}: {len(row.block_ids)} blocks cannot hold {num_computed + num_new} "
+            f"tokens")
+        if self.manager is not None:
+            assert tuple(row.block_ids) == self.manager.block_ids(request_id), (
+                f"{request_id}: runner block table {row.block_ids} differs from the KV manager's")
+        for position in range(num_computed, num_computed + num_new):
+            block = self.kv_cache.setdefault(row.block_ids[position // self.block_size],
+                                             [None] * self.block_size)
+            block[position % self.block_size] = row.history[position]
+
+    def _check_attended_kv(self, request_id: str, row: _Row, num_tokens: int) -> None:
+        for position in range(num_tokens):
+            block = self.kv_cache.get(row.block_ids[position // self.block_size])
+            stored = None if block is None else block[position % self.block_size]
+            assert stored == row.history[position], (
+                f"{request_id}: KV at position {position} holds {stored}, "
+                f"expected token {row.history[position]}")
+
+    def _sampler_pass(self, update: StepUpdate) -> StepUpdate:
+        """Stop checks like the sampler actor: drop tokens of finished requests, finish on
+        max_tokens ('length') or on a random end of sequence ('stop')."""
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        finished: dict[str, str] = {}
+        for request_id, token_id in zip(update.request_ids, update.sampled_token_ids):
+            if request_id in self.finished:
+                continue
+            request_ids.append(request_id)
+            token_ids.append(token_id)
+            self.num_outputs[request_id] += 1
+            self.outputs[request_id].append(token_id)
+            assert self.num_outputs[request_id] <= self.max_tokens[request_id], (
+                f"{request_id} produced more than max_tokens={self.max_tokens[request_id]}")
+            if self.num_outputs[request_id] == self.max_tokens[request_id]:
+                finished[request_id] = "length"
+            elif self.rng.random() < self.eos_probability:
+                finished[request_id] = "stop"
+        self.finished.update(finished)
+        return StepUpdate(step_id=update.step_id, request_ids=tuple(request_ids),
+                          sampled_token_ids=tuple(token_ids), finished=finished)

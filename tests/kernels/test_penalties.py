@@ -1,0 +1,92 @@
+"""apply_penalties: the vLLM/OpenAI formulas by hand, Triton vs reference (interpreter, CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_interpreter import run_in_triton_interpreter
+from kernels._triton import HAS_TRITON
+from kernels.penalties import apply_penalties, apply_penalties_ref, apply_penalties_triton
+
+
+def _state(num_reqs: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros(num_reqs, vocab_size, dtype=torch.bool),
+            torch.zeros(num_reqs, vocab_size, dtype=torch.int32))
+
+
+def test_hand_computed_penalties() -> None:
+    prompt_mask, output_counts = _state(2, 5)
+    prompt_mask[1, 0] = True  # token 0 in the prompt
+    output_counts[1, 1] = 2  # token 1 generated twice
+    output_counts[1, 2] = 1  # token 2 once
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 2)
+    apply_penalties(
+        logits, torch.tensor([0, 1], dtype=torch.int32),
+        repetition_penalty=torch.tensor([1.0, 2.0]), frequency_penalty=torch.tensor([0.0, 0.5]),
+        presence_penalty=torch.tensor([0.0, 0.25]), prompt_mask=prompt_mask, output_counts=output_counts,
+    )
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # neutral row untouched
+    assert logits[1].tolist() == [
+        2.0 / 2,  # seen in the prompt, positive: divided; no output count
+        -1.0 * 2 - 0.5 * 2 - 0.25,  # seen, negative: multiplied; frequency and presence
+        0.5 / 2 - 0.5 * 1 - 0.25,
+        3.0,  # never seen
+        -2.0,
+    ]
+
+
+def test_prompt_tokens_get_repetition_but_not_frequency_or_presence() -> None:
+    prompt_mask, output_counts = _state(1, 3)
+    prompt_mask[0, 1] = True
+    logits = torch.tensor([[1.0, 1.0, 1.0]])
+    apply_penalties_ref(logits, torch.tensor([0], dtype=torch.int32), torch.tensor([1.0]),
+                        torch.tensor([1.0]), torch.tensor([1.0]), prompt_mask, output_counts)
+    assert logits.tolist() == [[1.0, 1.0, 1.0]]
+
+
+def test_bad_arguments_name_the_culprit() -> None:
+    prompt_mask, output_counts = _state(2, 5)
+    ones, zeros = torch.ones(2), torch.zeros(2)
+    with pytest.raises(ValueError, match="prompt_mask must have size 4"):
+        apply_penalties(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), ones, zeros, zeros,
+                        prompt_mask, output_counts)
+    with pytest.raises(ValueError, match="frequency_penalty has 3 request rows"):
+        apply_penalties(torch.zeros(1, 5), torch.zeros(1, dtype=torch.int32), ones, torch.zeros(3),
+                        zeros, prompt_mask, output_counts)
+
+
+def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:
+    generator = torch.Generator().manual_seed(vocab_size)
+    num_reqs = 5
+    repetition = torch.tensor([1.0, 1.3, 0.7, 1.0, 2.0]).to(device)
+    frequency = torch.tensor([0.0, 0.5, -0.4, 0.0, 2.0]).to(device)
+    presence = torch.tensor([0.0, 0.2, 0.0, 1.5, -2.0]).to(device)
+    prompt_mask = (torch.rand(num_reqs, vocab_size, generator=generator) < 0.1).to(device)
+    seen = torch.rand(num_reqs, vocab_size, generator=generator) < 0.05
+    counts = torch.randint(1, 5, (num_reqs, vocab_size), generator=generator, dtype=torch.int32)
+    output_counts = (counts * seen).to(torch.int32).to(device)
+    idx_mapping = torch.randint(0, num_reqs, (num_rows,), generator=generator, dtype=torch.int32)
+    logits = (torch.randn(num_rows, vocab_size, generator=generator) * 3).to(device)
+    expected = logits.clone()
+    args = (idx_mapping.to(device), repetition, frequency, presence, prompt_mask, output_counts)
+    apply_penalties_ref(expected, *args)
+    kwargs = {} if block_size is None else {"block_size": block_size}
+    apply_penalties_triton(logits, *args, **kwargs)
+    # The GPU may fuse a multiply-subtract, so allow one rounding step of difference.
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def interpreted_checks() -> None:
+    _compare(num_rows=5, vocab_size=300, device="cpu", block_size=128)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_triton_matches_reference_in_interpreter() -> None:
+    run_in_triton_interpreter(__file__, "interpreted_checks")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_matches_reference_on_cuda() -> None:
+    _compare(num_rows=256, vocab_size=151936, device="cuda", block_size=None)
