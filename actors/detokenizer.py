@@ -131,3 +131,20 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class NullDetokenizer:
+    """Stands in for IncrementalDetokenizer when the engine has no tokenizer (token-id-only
+    runs, such as dummy weights): every piece of text is empty."""
+
+    __slots__ = ()
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+    @property
+    def num_unread_tokens(self) -> int:
+        return 0

@@ -44,9 +44,8 @@ class Engine:
     def __init__(self, worker: ModelWorker, runner_name: str, config: EngineConfig | None = None
                  ) -> None:
         """`config` may narrow the worker's (scheduling limits, a smaller KV pool); the model,
-        device and block size are the worker's."""
-        if worker.tokenizer is None:
-            raise ValueError("the engine needs a tokenizer; dummy weights serve token ids only")
+        device and block size are the worker's. Without a tokenizer (dummy weights) the
+        engine takes and returns token ids only."""
         config = config or worker.config
         self.worker = worker
         self.config = config

@@ -20,7 +20,7 @@ import numpy as np
 import structlog
 
 from actors.base import Actor
-from actors.detokenizer import IncrementalDetokenizer, TokenDecoder
+from actors.detokenizer import IncrementalDetokenizer, NullDetokenizer, TokenDecoder
 from actors.messages import (
     AbortRequests,
     EngineRequest,
@@ -45,7 +45,7 @@ _MAX_CACHED_TOKEN_TEXTS = 1 << 16
 class _RequestState:
     request: EngineRequest
     stream: RequestStream
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NullDetokenizer
     stop_checker: StopStringChecker | None
     eos_token_ids: frozenset[int]
     """Empty with ignore_eos."""
@@ -61,15 +61,17 @@ class OutputProcessor:
     `scheduler_sink` receives the `StepUpdate` of every processed step. Requests are
     tracked from `add_request` until they finish; a token that arrives for an untracked
     request (finished or aborted while a later step was already in flight) is ignored.
+    With `tokenizer=None` outputs are token ids only (empty text), and a request with stop
+    strings finishes at once with an error.
     """
 
-    def __init__(self, tokenizer: TokenDecoder, scheduler_sink: Callable[[StepUpdate], None],
+    def __init__(self, tokenizer: TokenDecoder | None, scheduler_sink: Callable[[StepUpdate], None],
                  *, max_model_len: int | None = None) -> None:
         self._tokenizer = tokenizer
         self._scheduler_sink = scheduler_sink
         self._max_model_len = max_model_len
         self._requests: dict[str, _RequestState] = {}
-        self._token_texts = _TokenTextCache(tokenizer)
+        self._token_texts = _TokenTextCache(tokenizer) if tokenizer is not None else None
 
     @property
     def num_requests(self) -> int:
@@ -88,14 +90,17 @@ class OutputProcessor:
             max_output_tokens = room if max_output_tokens is None else min(max_output_tokens, room)
         stop_checker = (StopStringChecker(params.stop, params.include_stop_str_in_output)
                         if params.stop else None)
+        detokenizer = (NullDetokenizer() if self._tokenizer is None else
+                       IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
+                                              params.skip_special_tokens))
         self._requests[request.request_id] = _RequestState(
-            request=request, stream=stream,
-            detokenizer=IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
-                                               params.skip_special_tokens),
-            stop_checker=stop_checker,
+            request=request, stream=stream, detokenizer=detokenizer, stop_checker=stop_checker,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(request.eos_token_ids),
             stop_token_ids=frozenset(params.stop_token_ids),
             max_output_tokens=max_output_tokens)
+        if self._tokenizer is None and params.stop:
+            self.finish(request.request_id, "error", "stop strings need a tokenizer; this model "
+                        "serves token ids only")
 
     def set_num_cached_tokens(self, request_id: str, num_cached_tokens: int) -> None:
         state = self._requests.get(request_id)
@@ -211,11 +216,16 @@ class OutputProcessor:
             return ()
         ids = logprobs.token_ids[row, :num_top + 1].tolist()
         values = floor_logprobs(logprobs.logprobs[row, :num_top + 1]).tolist()
-        token, token_bytes = self._token_texts.get(token_id)
-        top = tuple(TopLogprob(top_id, *self._token_texts.get(top_id), value)
+        token, token_bytes = self._token_text(token_id)
+        top = tuple(TopLogprob(top_id, *self._token_text(top_id), value)
                     for top_id, value in zip(ids[1:], values[1:]))
         return (LogprobEntry(token_id, token, token_bytes, values[0],
                              int(logprobs.sampled_rank[row]), top),)
+
+    def _token_text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        if self._token_texts is None:  # no tokenizer: logprob entries carry ids only
+            return "", ()
+        return self._token_texts.get(token_id)
 
     def _fail(self, request_ids: tuple[str, ...], message: str, now: float,
               finished: dict[str, str]) -> None:

@@ -87,6 +87,8 @@ class LLM:
                        else [sampling_params] * len(prompt_list))
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        if self.tokenizer is None:
+            _check_token_id_only(prompt_list, params_list)
         return anyio.run(self._generate, prompt_list, params_list, on_finished)
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
@@ -105,25 +107,22 @@ class LLM:
     async def _run_one(self, engine: Engine, index: int, prompt: Prompt, params: SamplingParams,
                        results: list[RequestOutput | None],
                        on_finished: Callable[[RequestOutput], None] | None) -> None:
-        text = prompt if isinstance(prompt, str) else None
         token_ids = tuple(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         request_id = f"offline-{self._next_id}"
         self._next_id += 1
-        outputs: list[CompletionOutput | None] = [None] * params.n
-        num_cached = 0
+        collected: list[_Collected] = []
         async with anyio.create_task_group() as tg:
             for sample in range(params.n):
-                child_params = _child_params(params, sample)
                 request = EngineRequest(
                     request_id=f"{request_id}-{sample}", prompt_token_ids=token_ids,
-                    sampling_params=child_params, arrival_time=time.monotonic(),
+                    sampling_params=_child_params(params, sample), arrival_time=time.monotonic(),
                     eos_token_ids=self.worker.eos_token_ids)
-                stream = engine.add_request(request)
-                tg.start_soon(_collect, stream, sample, outputs)
-        num_cached = max((o.num_cached_tokens for o in outputs if o), default=0)  # type: ignore[union-attr]
-        result = RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
-                               outputs=tuple(_strip(o) for o in outputs if o is not None),
-                               num_cached_tokens=num_cached, runner=self.runner)
+                tg.start_soon(_collect, engine.add_request(request), sample, collected)
+        collected.sort(key=lambda c: c.output.index)
+        result = RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids, outputs=tuple(c.output for c in collected),
+            num_cached_tokens=max(c.num_cached_tokens for c in collected), runner=self.runner)
         results[index] = result
         if on_finished is not None:
             on_finished(result)
@@ -135,7 +134,7 @@ class _Collected:
     num_cached_tokens: int
 
 
-async def _collect(stream: RequestStream, index: int, outputs: list[Any]) -> None:
+async def _collect(stream: RequestStream, index: int, collected: list[_Collected]) -> None:
     text: list[str] = []
     token_ids: list[int] = []
     logprobs: list[Any] = []
@@ -149,15 +148,11 @@ async def _collect(stream: RequestStream, index: int, outputs: list[Any]) -> Non
         finish_reason = delta.finish_reason or finish_reason
         stop_reason = delta.stop_reason if delta.stop_reason is not None else stop_reason
         num_cached = delta.num_cached_tokens or num_cached
-    outputs[index] = _Collected(
+    collected.append(_Collected(
         CompletionOutput(index=index, text="".join(text), token_ids=tuple(token_ids),
                          finish_reason=finish_reason, stop_reason=stop_reason,
                          logprobs=tuple(logprobs) if logprobs else None),
-        num_cached)
-
-
-def _strip(collected: _Collected) -> CompletionOutput:
-    return collected.output
+        num_cached))
 
 
 def _child_params(params: SamplingParams, sample: int) -> SamplingParams:
@@ -174,3 +169,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _check_token_id_only(prompts: list[Prompt], params: list[SamplingParams]) -> None:
+    """A model without a tokenizer (dummy weights) takes token ids and returns token ids."""
+    if any(isinstance(p, str) for p in prompts):
+        raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+    if any(p.stop for p in params):
+        raise ValueError("this model has no tokenizer: stop strings cannot be matched")

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from _paged_kv_batch import PagedKVBook
-from _tiny_hf_models import TINY_MODEL_NAMES, build_tiny_hf_model
+from tests.gpu._paged_kv_batch import PagedKVBook
+from tests.gpu._tiny_hf_models import TINY_MODEL_NAMES, build_tiny_hf_model
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _paged_kv_batch import PagedKVBook
+from tests.gpu._paged_kv_batch import PagedKVBook
 from gpu.attention.base import AttentionBackend
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend

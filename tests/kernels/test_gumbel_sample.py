@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.gumbel_sample import gumbel_noise_ref, gumbel_sample, gumbel_sample_ref, gumbel_sample_triton
 

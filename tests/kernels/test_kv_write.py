@@ -5,7 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.kv_write import kv_write, kv_write_ref, kv_write_triton
 

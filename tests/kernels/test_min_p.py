@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.min_p import apply_min_p, apply_min_p_ref, apply_min_p_triton
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.penalties import apply_penalties, apply_penalties_ref, apply_penalties_triton
 

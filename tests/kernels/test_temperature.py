@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.temperature import apply_temperature, apply_temperature_ref, apply_temperature_triton
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.top_k_top_p import apply_top_k_top_p, apply_top_k_top_p_ref, apply_top_k_top_p_triton
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from _triton_interpreter import run_in_triton_interpreter
+from tests.kernels._triton_interpreter import run_in_triton_interpreter
 from kernels._triton import HAS_TRITON
 from kernels.topk_logprobs import topk_logprobs, topk_logprobs_ref, topk_logprobs_triton
 
