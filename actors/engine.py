@@ -17,7 +17,7 @@ import structlog
 from actors.gpu_actor import GPUActorV1, GPUActorV2
 from actors.kv_cache_manager import KVCacheActor, KVCacheManager
 from actors.kv_client import KVActorClient
-from actors.messages import AbortRequests, AddRequest, EngineRequest, RegisterRequest
+from actors.messages import AbortRequests, AddRequest, EngineRequest, RegisterRequest, StepStats
 from actors.output_stream import RequestStream
 from actors.sampler import OutputProcessor, SamplerActor
 from actors.scheduler import Scheduler
@@ -106,6 +106,11 @@ class Engine:
         return EngineStats(num_running=self.scheduler.num_running,
                            num_waiting=self.scheduler.num_waiting,
                            num_preemptions_total=self.scheduler.num_preemptions_total)
+
+    def recent_step_stats(self) -> tuple[StepStats, ...]:
+        """Stats of the most recent steps, oldest first (device step time and idle gap are
+        measured on V2 with CUDA)."""
+        return tuple(self.gpu_actor.recent_step_stats)
 
     def stop(self) -> None:
         self._stop.set()

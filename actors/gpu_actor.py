@@ -12,6 +12,7 @@ Results go back to the event loop with `call_soon_threadsafe`, never blocking th
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from actors.messages import SchedulerOutput, StepOutput, StepStats
 
 log = structlog.get_logger("tandem.gpu_actor")
 _STOP = object()
+MAX_RECENT_STEP_STATS = 100_000
+"""Steps whose stats `recent_step_stats` keeps (benchmarks read them after a run)."""
 
 
 class _GPUActorBase:
@@ -35,6 +38,8 @@ class _GPUActorBase:
         self._on_step_output = on_step_output
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.recent_step_stats: collections.deque[StepStats] = collections.deque(
+            maxlen=MAX_RECENT_STEP_STATS)
 
     def submit(self, sched: SchedulerOutput) -> None:
         self._inbox.put(sched)
@@ -48,6 +53,7 @@ class _GPUActorBase:
 
     def _post(self, out: StepOutput) -> None:
         assert self._loop is not None
+        self.recent_step_stats.append(out.stats)
         self._loop.call_soon_threadsafe(self._on_step_output, out)
 
     def _thread_main(self) -> None:

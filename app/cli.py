@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app import generate_cmd, serve_cmd
+from app import bench_cmd, generate_cmd, serve_cmd
+from app.cli_errors import UserFacingError
 
 EXIT_USAGE = 2
 
@@ -19,12 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _log_to_stderr()
     try:
         return args.run(args)
     except KeyboardInterrupt:
@@ -34,21 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-class UserFacingError(Exception):
-    """An error whose message is the whole story: printed on one line, exit code 2."""
+def _log_to_stderr() -> None:
+    # stdout carries results (`generate --json`); logs must never interleave with them.
+    # `serve` reconfigures logging from its own flags.
+    from telemetry.logging import configure_logging
 
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors caused by what the user asked for (files, flags, parameters), not by a bug."""
-    from actors.sampling_params import SamplingParamsError
-    from app.config import ConfigError
-    from gpu.models.config import UnsupportedModelError
-    from gpu.runner_selection import RunnerSelectionError
-    from gpu.weights.loader import ModelLoadError
-    from gpu.worker import WorkerConfigError
-
-    return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
-            ModelLoadError, WorkerConfigError)
+    configure_logging(json=False, level="info", stream=sys.stderr)
 
 
 if __name__ == "__main__":

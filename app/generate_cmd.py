@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (-1: off)")
     s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     s.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0 = off")
-    s.add_argument("--seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument("--sample-seed", dest="sample_seed", type=int, default=None,
+                   help="sampling seed of every request (reproducible sampling)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     s.add_argument("--n", type=int, default=1, help="completions per prompt")
@@ -46,7 +47,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.cli import UserFacingError, user_errors
+    from app.cli_errors import UserFacingError, user_errors
 
     prompts = _read_prompts(args)
     if not prompts:
@@ -73,7 +74,7 @@ def _config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        from app.cli import UserFacingError
+        from app.cli_errors import UserFacingError
 
         try:
             with open(args.prompts_file, encoding="utf-8") as f:

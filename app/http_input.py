@@ -4,9 +4,10 @@ server's phase, the body's size, that it is a JSON object, and that it fits the 
 from __future__ import annotations
 
 import hmac
+import json
 from typing import Any, TypeVar
 
-import orjson
+import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
@@ -15,6 +16,8 @@ from app.server_state import ServerState
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 _LOADING_RETRY_AFTER_S = 5
+OFF_LOOP_JSON_BYTES = 1 << 20
+"""Bodies larger than this are parsed in a worker thread."""
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
@@ -66,13 +69,26 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     body = b"".join(chunks)
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if len(body) > OFF_LOOP_JSON_BYTES:
+        data = await anyio.to_thread.run_sync(_parse_json, body)
+    else:
+        data = _parse_json(body)
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {_json_kind(data)}")
     return data
+
+
+def _parse_json(body: bytes) -> Any:
+    # The standard parser, not orjson: orjson turns integers beyond 64 bits into floats,
+    # and then the schema could not say that e.g. a seed is out of range.
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def parse_model(model: type[ModelT], data: dict[str, Any]) -> ModelT:

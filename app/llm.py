@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from actors.engine import Engine, EngineStats
-from actors.messages import EngineRequest
+from actors.messages import EngineRequest, StepStats
 from actors.output_stream import RequestStream
 from actors.sampling_params import SamplingParams
 from app.config import EngineConfig
@@ -63,6 +63,7 @@ class LLM:
         self.tokenizer = self.worker.tokenizer
         self._next_id = 0
         self.last_engine_stats: EngineStats | None = None
+        self.last_step_stats: tuple[StepStats, ...] = ()
 
     @property
     def runner(self) -> str:
@@ -102,6 +103,7 @@ class LLM:
                     requests_tg.start_soon(self._run_one, engine, i, prompt, p, results, on_finished)
             engine.stop()
         self.last_engine_stats = engine.stats()
+        self.last_step_stats = engine.recent_step_stats()
         return [r for r in results if r is not None]
 
     async def _run_one(self, engine: Engine, index: int, prompt: Prompt, params: SamplingParams,

@@ -3,6 +3,7 @@ the OpenAI shapes, shared with the SSE writer."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ LOGPROB_FLOOR = -9999.0
 
 def floor_logprob(value: float) -> float:
     """OpenAI's minimum; NaN and -inf (which JSON cannot carry) become the floor too."""
-    if value != value or value < LOGPROB_FLOOR:
+    if math.isnan(value) or value < LOGPROB_FLOOR:
         return LOGPROB_FLOOR
     return min(value, 0.0)
 

@@ -16,11 +16,21 @@ from starlette.routing import Route
 
 from app.chat_template import ChatTemplateError
 from app.errors import bad_request, model_not_found
-from app.http_input import (check_api_key, parse_model, read_json_object, require_serving,
-                            server_state)
+from app.http_input import (
+    check_api_key,
+    parse_model,
+    read_json_object,
+    require_serving,
+    server_state,
+)
 from app.prompts import OFF_LOOP_CHARS, encode
 from app.routes_openai import api_endpoint
-from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from app.server_state import ServerState
 
 _HEALTH_RETRY_AFTER_S = 5

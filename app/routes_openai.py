@@ -19,17 +19,43 @@ from starlette.routing import Route
 from actors.admission import AdmissionRefused, AdmittedGroup, RequestLimitError
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
-from app.errors import (APIError, bad_request, error_response, internal_error, model_not_found)
-from app.http_input import (check_api_key, parse_model, read_json_object, require_serving,
-                            server_state)
-from app.prompts import (chat_prompt, completion_prompts, engine_requests, sampling_params,
-                         truncate_and_check)
+from app.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    internal_error,
+    model_not_found,
+)
+from app.http_input import (
+    check_api_key,
+    parse_model,
+    read_json_object,
+    require_serving,
+    server_state,
+)
+from app.prompts import (
+    chat_prompt,
+    completion_prompts,
+    engine_requests,
+    sampling_params,
+    truncate_and_check,
+)
 from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
-from app.schemas import (ChatCompletionRequest, CompletionRequest, SamplingFields,
-                         unsupported_field)
+from app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    unsupported_field,
+)
 from app.server_state import ServerState
-from app.sse import (ChatChunkFormatter, ChunkFormatter, CompletionChunkFormatter,
-                     EventStreamResponse, StreamOptions)
+from app.sse import (
+    ChatChunkFormatter,
+    ChunkFormatter,
+    CompletionChunkFormatter,
+    EventStreamResponse,
+    StreamOptions,
+)
+from telemetry.logging import bind_request
 
 log = structlog.get_logger("tandem.server")
 
@@ -56,12 +82,13 @@ def api_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         request_id = client_request_id(request)
         headers = {"X-Request-Id": request_id}
         try:
-            response = await handler(request, request_id)
+            with bind_request(request_id):
+                response = await handler(request, request_id)
         except APIError as exc:
             log.info("request_refused", request_id=request_id, status=exc.status,
                      param=exc.param, message=exc.message)
             return error_response(exc, headers)
-        except Exception:  # noqa: BLE001 - logged with the id; the client sees no internals
+        except Exception:
             log.exception("internal_error", request_id=request_id, path=request.url.path)
             return error_response(internal_error(request_id), headers)
         response.headers.setdefault("X-Request-Id", request_id)

@@ -7,7 +7,6 @@ TANDEM_MAX_QUEUED_REQUESTS); a flag on the command line wins over the environmen
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -85,9 +84,10 @@ def add_parser(sub: Any) -> None:
     log = p.add_argument_group("logging")
     log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
                      help="default info. Env: TANDEM_LOG_LEVEL")
-    log.add_argument("--log-format", choices=("console", "json"),
-                     default=_env("log_format", "console"),
-                     help="console (default) or json lines on stderr. Env: TANDEM_LOG_FORMAT")
+    log.add_argument("--log-format", choices=("json", "console"),
+                     default=_env("log_format", "json"),
+                     help="json lines (default) or human-readable console lines, on stderr. "
+                          "Env: TANDEM_LOG_FORMAT")
     log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
                      help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
     add_engine_args(p)
@@ -114,21 +114,24 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from app.cli import UserFacingError, user_errors
+    from app.cli_errors import UserFacingError, user_errors
     from app.server import ServerStartError, TandemServer
+    from telemetry.logging import configure_logging
 
     _check_args(args)
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(json=args.log_format == "json", level=args.log_level)
     try:
         server = TandemServer(settings_from_args(args))
     except (ServerStartError, *user_errors()) as exc:
         raise UserFacingError(str(exc)) from None
     exit_code: int = anyio.run(server.serve)
+    if server.state.failure_message is not None:
+        raise UserFacingError(server.state.failure_message)
     return exit_code
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    from app.cli import UserFacingError
+    from app.cli_errors import UserFacingError
 
     checks = [(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
               (args.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
@@ -141,20 +144,3 @@ def _check_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise UserFacingError(message)
-
-
-def configure_logging(level: str, fmt: str) -> None:
-    """structlog to stderr, one line per event; stdlib loggers (Hypercorn) at the same level."""
-    import structlog
-
-    numeric = getattr(logging, level.upper())
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
-    renderer: Any = (structlog.processors.JSONRenderer() if fmt == "json"
-                     else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import signal
 import socket
 import threading
@@ -29,12 +30,13 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from starlette.applications import Starlette
 
+from app.routes_admin import admin_routes
+from app.routes_openai import exception_handlers, openai_routes
 from app.server_state import ServerState, ServeSettings
 
 log = structlog.get_logger("tandem.server")
 T = TypeVar("T")
 
-EXIT_OK, EXIT_ENGINE_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
 _FLUSH_AFTER_ABORT_S = 5.0
 """After aborting what is left, how long streams get to send their final chunks."""
 _ENGINE_STOP_S = 30.0
@@ -45,9 +47,6 @@ class ServerStartError(Exception):
 
 
 def create_app(state: ServerState) -> Starlette:
-    from app.routes_admin import admin_routes
-    from app.routes_openai import openai_routes
-
     @asynccontextmanager
     async def lifespan(app: Starlette) -> Any:
         async with anyio.create_task_group() as tg:
@@ -57,8 +56,6 @@ def create_app(state: ServerState) -> Starlette:
             with anyio.move_on_after(_ENGINE_STOP_S):
                 await state.engine_stopped.wait()
             tg.cancel_scope.cancel()
-
-    from app.routes_openai import exception_handlers
 
     app = Starlette(routes=[*openai_routes(), *admin_routes()], lifespan=lifespan,
                     exception_handlers=exception_handlers())
@@ -83,8 +80,9 @@ def hypercorn_config(settings: ServeSettings, fd: int) -> HypercornConfig:
     # connections first and never sends a request onto one the server is closing.
     config.keep_alive_timeout = 65.0
     config.backlog = 2048
-    config.accesslog = "-" if settings.access_log else None
-    config.errorlog = "-"
+    # Hypercorn logs through the standard logging tree that `tandem serve` configured.
+    config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")
     return config
 
 
@@ -126,10 +124,17 @@ class TandemServer:
             if handle_signals and threading.current_thread() is threading.main_thread():
                 tg.start_soon(_watch_signals, signals)
             tg.start_soon(self._drain_when_asked, signals)
-            await hypercorn_serve(app, config, shutdown_trigger=self.state.stop_serving.wait)
-            tg.cancel_scope.cancel()
+            tg.start_soon(self._serve_http, app, config, tg.cancel_scope)
         log.info("server_stopped", exit_code=self.state.exit_code)
         return self.state.exit_code
+
+    async def _serve_http(self, app: Starlette, config: HypercornConfig,
+                          done: anyio.CancelScope) -> None:
+        # A task of its own: Hypercorn's asyncio.TaskGroup (Python 3.11) leaves its task
+        # marked as cancelling after a shutdown, which would then leak a CancelledError out
+        # of any cancel scope that task later uses.
+        await hypercorn_serve(app, config, shutdown_trigger=self.state.stop_serving.wait)
+        done.cancel()
 
     def run_coroutine(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run `fn()` on the server's event loop from another thread (tests, diagnostics)."""

@@ -4,11 +4,15 @@ engine and the admission actor."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import structlog
 
 from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain
@@ -16,6 +20,7 @@ from app.config import EngineConfig
 
 log = structlog.get_logger("tandem.server")
 
+T = TypeVar("T")
 Phase = Literal["loading", "serving", "draining", "stopped", "dead"]
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -79,6 +84,8 @@ class ServerState:
         self.model_names = settings.model_names()
         self.created = int(time.time())
         self.exit_code = 0
+        self.failure_message: str | None = None
+        """Why the model could not be served, when the user's configuration is at fault."""
         self.loaded: Any = None
         self.engine: Any = None
         self.admission: AdmissionActor | None = None
@@ -108,19 +115,19 @@ class ServerState:
             self.engine_stopped.set()
 
     async def _load_and_run(self) -> None:
-        from actors.engine import Engine
-        from app.startup import load_engine, reuse_engine
-
         config = self.settings.engine
         started = time.perf_counter()
         if self._preloaded is not None:
+            from app.startup import reuse_engine
+
             loaded = reuse_engine(self._preloaded, config)
         else:
             with self._load_scope:
-                loaded = await anyio.to_thread.run_sync(load_engine, config,
-                                                        abandon_on_cancel=True)
+                loaded = await _run_in_daemon_thread(_load_model, config)
             if self._load_scope.cancelled_caught:
                 return
+        from actors.engine import Engine  # imported by the load already: torch is slow
+
         worker = loaded.worker
         self.loaded = loaded
         self.tokenizer = worker.tokenizer
@@ -149,10 +156,11 @@ class ServerState:
             engine.stop()
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        from app.cli import user_errors
+        from app.cli_errors import user_errors
 
         if isinstance(exc, user_errors()):
             log.error("model_load_failed", error=str(exc))
+            self.failure_message = str(exc)
             self.exit_code = 2
         else:
             log.exception("engine_failed")
@@ -207,6 +215,40 @@ class ServerState:
             num_free_kv_blocks=kv.num_free_blocks, num_total_kv_blocks=kv.num_total_blocks,
             num_free_rows=getattr(states, "num_free_rows", None),
             num_rows=self.settings.engine.max_num_seqs)
+
+
+def _load_model(config: EngineConfig) -> Any:
+    # Imported here, in the loading thread: importing torch takes seconds, during which the
+    # event loop must keep answering /health.
+    from app.startup import load_engine
+
+    return load_engine(config)
+
+
+async def _run_in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` in a daemon thread and wait for it. Cancelling the wait abandons the
+    thread: a SIGTERM during a long model load must not keep the process alive until the
+    load ends (anyio's worker threads would)."""
+    done = anyio.Event()
+    outcome: dict[str, Any] = {}
+    token = anyio.lowlevel.current_token()
+
+    def work() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting task
+            outcome["error"] = exc
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except RuntimeError:  # the event loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name="tandem-model-load", daemon=True).start()
+    await done.wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    value: T = outcome["value"]
+    return value
 
 
 async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s: float) -> bool:

@@ -30,7 +30,14 @@ from starlette.types import Receive, Scope, Send
 from actors.admission import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
-from app.responses import ChoiceState, ResponseMeta, chat_logprobs, completion_logprobs, usage
+from app.responses import (
+    ChoiceState,
+    ResponseMeta,
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+)
+from telemetry.logging import bind_request
 
 log = structlog.get_logger("tandem.server")
 
@@ -148,18 +155,24 @@ class EventStreamResponse(Response):
         self._started = [False] * len(group.streams)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-                await self._write_events(send)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                tg.cancel_scope.cancel()
-        except OSError:
-            log.info("client_disconnected", request_id=self.request_id)
-        finally:
-            self.group.close()
+        with bind_request(self.request_id):
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                completed = False
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                    await self._write_events(send)
+                    completed = True
+                    tg.cancel_scope.cancel()
+                # Outside the watcher: once the body is complete the server reports a
+                # disconnect, which is no reason to log one.
+                if completed:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                log.info("client_disconnected", request_id=self.request_id)
+            finally:
+                self.group.close()
 
     async def _write_events(self, send: Send) -> None:
         async def send_bytes(data: bytes) -> None:
@@ -169,7 +182,7 @@ class EventStreamResponse(Response):
             failed = await pull_batches(self.group, self.options.keep_alive_s,
                                         lambda batch: self._on_batch(batch, send_bytes),
                                         lambda: send_bytes(KEEP_ALIVE_COMMENT))
-        except Exception:  # noqa: BLE001 - headers are out: report in-band, keep the server up
+        except Exception:
             log.exception("stream_failed", request_id=self.request_id)
             failed = True
         if failed:
@@ -211,6 +224,7 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            log.info("client_disconnected")
             scope.cancel()
             return
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,7 +50,7 @@ def main() -> None:
     print(_describe("default", default))
     sweep = []
     if args.sweep:
-        for tile, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             knobs = {"kv_tile_len": tile, "num_warps": warps, "num_stages": stages}
             try:
                 result = _time_config(inputs, args, kv_bytes, knobs)
@@ -61,7 +62,7 @@ def main() -> None:
     record = {
         "benchmark": "paged_attention_decode",
         "command": " ".join(sys.argv),
-        "commit": _git_commit(),
+        "commit": os.environ.get("TANDEM_COMMIT") or _git_commit(),
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -118,7 +119,7 @@ def _time_config(
 ) -> dict[str, Any]:
     import triton.testing
 
-    median_ms = triton.testing.do_bench(lambda: _run(inputs, args, knobs), warmup=50, rep=500, return_mode="median")
+    median_ms = triton.testing.do_bench(lambda: _run(inputs, args, knobs), warmup=25, rep=150, return_mode="median")
     tb_per_s = kv_bytes / (median_ms * 1e-3) / 1e12
     return {**knobs, "median_ms": median_ms, "tb_per_s": tb_per_s, "fraction_of_peak": tb_per_s / PEAK_TB_PER_S}
 

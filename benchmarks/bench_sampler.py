@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,7 +63,7 @@ def main() -> None:
     record = {
         "benchmark": "sampler",
         "command": " ".join(sys.argv),
-        "commit": _git_commit(),
+        "commit": os.environ.get("TANDEM_COMMIT") or _git_commit(),
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),

@@ -1,4 +1,9 @@
-"""What both runners share: the loaded model, its KV cache and the device it lives on."""
+"""What both runners share: the loaded model, its KV cache, the V2 step buffers and the
+decode CUDA graphs that replay on them, and the device they live on.
+
+Startup on CUDA: load the weights, measure the memory of a maximal step and of the graphs
+(gpu/kv_sizing.py), give the KV cache what is left of --gpu-memory-utilization, then
+capture the decode graphs (gpu/cuda_graphs.py; --enforce-eager skips them)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ import torch
 from app.config import EngineConfig
 from app.tokenizer import Tokenizer
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
+from gpu.cuda_graphs import DecodeGraphs, capture_sizes
+from gpu.input_buffers import InputBuffers
+from gpu.kv_sizing import MemoryReport, StepShape, profile_kv_budget
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.platform import Platform
@@ -61,7 +69,11 @@ class ModelWorker:
         self.model.load_weights(files.weights)
         del files
         self.load_time_s = time.perf_counter() - started
-        self.kv_spec = self._size_kv_cache()
+        self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens,
+                                    self.max_blocks_per_req, self.device)
+        graph_sizes = self._graph_sizes()
+        self.memory_report: MemoryReport | None = None
+        self.kv_spec = self._size_kv_cache(graph_sizes)
         self.kv_caches = allocate_kv_cache(
             self.model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
             self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
@@ -70,6 +82,8 @@ class ModelWorker:
                  dtype=str(self.dtype).removeprefix("torch."), load_time_s=round(self.load_time_s, 3),
                  max_model_len=self.max_model_len, kv_blocks=self.kv_spec.num_blocks,
                  kv_tokens=self.kv_spec.num_tokens, kv_bytes=self.kv_spec.num_bytes)
+        self.graphs: DecodeGraphs | None = self._capture_graphs(graph_sizes)
+        self.ready_time_s = time.perf_counter() - started
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -79,17 +93,28 @@ class ModelWorker:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
 
-    def _size_kv_cache(self) -> KVCacheSpec:
+    def _graph_sizes(self) -> tuple[int, ...]:
+        # The graphs bake the step's metadata in; only the Triton backend reads every length
+        # from the device buffers at replay (the torch backend reads host copies).
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.platform.has_triton:
+            return ()
+        return capture_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+
+    def _step_shape(self) -> StepShape:
+        return StepShape(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                         self.max_model_len, self.config.block_size)
+
+    def _size_kv_cache(self, graph_sizes: tuple[int, ...]) -> KVCacheSpec:
         mc = self.model_config
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = mc.kv_bytes_per_token * element_size * self.config.block_size
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
-            free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
-            used_bytes = total_bytes - free_bytes
-            budget = int(total_bytes * self.config.gpu_memory_utilization) - used_bytes
-            num_blocks = max(budget, 0) // bytes_per_block
+            self.memory_report = profile_kv_budget(
+                self.model, self.buffers, self._step_shape(), self.dtype,
+                self.config.gpu_memory_utilization, graph_sizes)
+            num_blocks = self.memory_report.kv_budget_bytes // bytes_per_block
         else:
             num_blocks = self.config.cpu_kv_cache_bytes // bytes_per_block
         # One maximal request must fit, or every long prompt would be preempted forever.
@@ -100,6 +125,22 @@ class ModelWorker:
                 f"({self.max_blocks_per_req}); lower --max-model-len or give the cache more memory"
             )
         return KVCacheSpec(num_blocks, self.config.block_size, bytes_per_block)
+
+    def _capture_graphs(self, graph_sizes: tuple[int, ...]) -> DecodeGraphs | None:
+        if not graph_sizes:
+            return None
+        graphs = DecodeGraphs(self.model.forward, self.kv_caches, self.buffers, graph_sizes,
+                              self.max_model_len)
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        capture_time_s = graphs.capture()
+        used_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        estimate = self.memory_report.graph_estimate_bytes if self.memory_report else None
+        log.info("cuda_graphs_captured", num_graphs=graphs.num_captured,
+                 sizes=f"{graph_sizes[0]}..{graph_sizes[-1]}", capture_time_s=round(capture_time_s, 2),
+                 memory_gib=round(used_bytes / (1 << 30), 3),
+                 estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3))
+        return graphs
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -76,12 +76,12 @@ if HAS_TRITON:
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
         block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-        scale_log2, num_reqs, num_heads,
+        scale_log2, num_reqs, num_heads, num_splits,
         stride_query_token, stride_query_head, stride_out_token, stride_out_head,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table_req,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SPLIT_KV: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -112,10 +112,11 @@ if HAS_TRITON:
         q = tl.load(query_ptr + row_offs + offs_d[None, :], mask=row_mask, other=0.0)
         query_pos = context_len + token_in_chunk
 
-        # Keys visible to the last query row of this block; split into NUM_SPLITS tile ranges.
+        # Keys visible to the last query row of this block; split into num_splits tile ranges
+        # (a run-time value, so one compiled kernel serves every split count).
         kv_len = tl.minimum(seq_len, context_len + (q_block_in_req + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_len, TILE_N)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
         tile_start = split * tiles_per_split
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
@@ -127,12 +128,12 @@ if HAS_TRITON:
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
         )  # fmt: skip
 
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
             tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
         else:
-            partial_row = (token * num_heads + head) * NUM_SPLITS + split
+            partial_row = (token * num_heads + head) * num_splits + split
             tl.store(partial_max_ptr + partial_row, m_i, mask=row_valid)
             tl.store(partial_sum_ptr + partial_row, l_i, mask=row_valid)
             acc_offs = partial_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :]
@@ -141,9 +142,8 @@ if HAS_TRITON:
     @triton.jit
     def _merge_splits_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-        num_heads, stride_out_token, stride_out_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, NUM_SPLITS_PADDED: tl.constexpr,
+        num_heads, num_splits, stride_out_token, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS_PADDED: tl.constexpr,
     ):  # fmt: skip
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -152,8 +152,8 @@ if HAS_TRITON:
             return
         offs_s = tl.arange(0, NUM_SPLITS_PADDED)
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
-        split_valid = offs_s < NUM_SPLITS
-        partial_row = (token * num_heads + head) * NUM_SPLITS + offs_s
+        split_valid = offs_s < num_splits
+        partial_row = (token * num_heads + head) * num_splits + offs_s
         split_max = tl.load(partial_max_ptr + partial_row, mask=split_valid, other=float("-inf"))
         split_sum = tl.load(partial_sum_ptr + partial_row, mask=split_valid, other=0.0)
         max_all = tl.max(split_max, axis=0)
@@ -246,21 +246,21 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         out, partial_acc, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale * math.log2(math.e), num_reqs, num_heads,
+        scale * math.log2(math.e), num_reqs, num_heads, num_kv_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_QUERIES_PER_KV=group_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        NUM_SPLITS=num_kv_splits, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
+        SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps or 4, num_stages=num_stages or (3 if is_decode else 2),
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
             out, partial_acc, partial_max, partial_sum, query_start_loc,
-            num_heads, out.stride(0), out.stride(1),
+            num_heads, num_kv_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-            NUM_SPLITS=num_kv_splits, NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+            NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
         )  # fmt: skip
     return out
 

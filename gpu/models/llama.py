@@ -184,6 +184,11 @@ class DecoderModel(nn.Module):
         for name, target in targets.items():
             target.copy_(weights[name])
 
+    def hf_weight_views(self) -> dict[str, torch.Tensor]:
+        """Hugging Face tensor name -> a view of the parameter storage holding it (the tied
+        head is left out): lets another framework run on these very weights."""
+        return self._weight_targets()
+
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
         targets: dict[str, torch.Tensor] = {

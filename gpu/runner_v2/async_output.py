@@ -8,6 +8,7 @@ buffer the CPU writes is ever read by an in-flight copy.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -25,22 +26,46 @@ class StepCopy:
     sampled_ranks: torch.Tensor | None  # [num_reqs], host
 
 
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Timing events a step recorded on the main stream: at its first and last launch, and
+    the previous step's last one. All have completed once the step's outputs have."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    previous_end: torch.cuda.Event | None
+
+    def stats(self, stats: StepStats) -> StepStats:
+        """`stats` with the device step time and the idle gap before the step filled in."""
+        idle_s = 0.0
+        if self.previous_end is not None:
+            # Same stream: the start ran after the previous end, so the gap is device idle
+            # time spent waiting for this step's first launch.
+            idle_s = max(self.previous_end.elapsed_time(self.start), 0.0) / 1e3
+        return dataclasses.replace(stats, step_time_s=self.start.elapsed_time(self.end) / 1e3,
+                                   gpu_idle_s=idle_s)
+
+
 class PendingStep:
     """A launched step; `result()` waits for its outputs and packs a StepOutput."""
 
     def __init__(self, step_id: int, request_ids: tuple[str, ...], samples_token: np.ndarray,
-                 copy: StepCopy, event: torch.cuda.Event | None, stats: StepStats) -> None:
+                 copy: StepCopy, event: torch.cuda.Event | None, stats: StepStats,
+                 timing: StepTiming | None = None) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self._samples_token = samples_token  # [num_reqs] bool
         self._copy = copy
         self._event = event
         self._stats = stats
+        self._timing = timing
         self.launched_at = time.perf_counter()
 
     def result(self) -> StepOutput:
         if self._event is not None:
             self._event.synchronize()
+        if self._timing is not None:
+            self._stats = self._timing.stats(self._stats)
         keep = self._samples_token
         request_ids = tuple(r for r, k in zip(self.request_ids, keep) if k)
         sampled = self._copy.sampled_token_ids.numpy()[keep]

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import anyio
 import pytest
 
-from actors.admission import (AbortAll, AdmissionActor, AdmissionLimits, AdmissionRefused,
-                              BeginDrain, FailAll, RequestLimitError, check_request_limits,
-                              child_sampling_params)
+from actors.admission import (
+    AbortAll,
+    AdmissionActor,
+    AdmissionLimits,
+    AdmissionRefused,
+    BeginDrain,
+    FailAll,
+    RequestLimitError,
+    check_request_limits,
+    child_sampling_params,
+)
 from actors.messages import EngineRequest
 from actors.output_stream import RequestStream
 from actors.sampling_params import SamplingParams
-
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 class FakeEngine:
@@ -53,56 +55,58 @@ def _requests(num: int, num_prompt_tokens: int = 4) -> list[EngineRequest]:
     return out
 
 
-@pytest.fixture
-async def actor_and_engine() -> AsyncIterator[tuple[AdmissionActor, FakeEngine]]:
+@contextlib.asynccontextmanager
+async def running_actor() -> AsyncIterator[tuple[AdmissionActor, FakeEngine]]:
     engine = FakeEngine()
     actor = AdmissionActor(engine, AdmissionLimits(max_num_running=2, max_queued_requests=2,
                                                    max_queued_prompt_tokens=100,
                                                    retry_after_s=3))
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        yield actor, engine
-        actor.close()
+        try:
+            yield actor, engine
+        finally:
+            actor.close()
 
 
-async def test_admits_running_plus_queued_then_refuses_with_429(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    groups = [await actor.admit(_requests(1), SamplingParams()) for _ in range(4)]
-    with pytest.raises(AdmissionRefused) as refused:
+async def test_admits_running_plus_queued_then_refuses_with_429() -> None:
+    async with running_actor() as (actor, engine):
+        groups = [await actor.admit(_requests(1), SamplingParams()) for _ in range(4)]
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(_requests(1), SamplingParams())
+        assert refused.value.status == 429 and refused.value.retry_after_s == 3
+        stats = await actor.stats()
+        assert (stats.num_unfinished, stats.num_queued, stats.num_refused_total) == (4, 2, 1)
+        assert len(engine.streams) == 4
+        # A finished request frees its place.
+        engine.streams[groups[0].request_ids[0]].push((5,), "x", finish_reason="stop")
+        assert (await groups[0].get(0)).finish_reason == "stop"
         await actor.admit(_requests(1), SamplingParams())
-    assert refused.value.status == 429 and refused.value.retry_after_s == 3
-    stats = await actor.stats()
-    assert (stats.num_unfinished, stats.num_queued, stats.num_refused_total) == (4, 2, 1)
-    assert len(engine.streams) == 4
-    # A finished request frees its place.
-    engine.streams[groups[0].request_ids[0]].push((5,), "x", finish_reason="stop")
-    assert (await groups[0].get(0)).finish_reason == "stop"
-    await actor.admit(_requests(1), SamplingParams())
 
 
-async def test_a_request_is_all_or_nothing(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    await actor.admit(_requests(3), SamplingParams(n=3))
-    with pytest.raises(AdmissionRefused):
-        await actor.admit(_requests(2), SamplingParams(n=2))
-    assert len(engine.streams) == 3
-    with pytest.raises(RequestLimitError) as too_big:
-        await actor.admit(_requests(5), SamplingParams(n=5))
-    assert too_big.value.param == "n"
+async def test_a_request_is_all_or_nothing() -> None:
+    async with running_actor() as (actor, engine):
+        await actor.admit(_requests(3), SamplingParams(n=3))
+        with pytest.raises(AdmissionRefused):
+            await actor.admit(_requests(2), SamplingParams(n=2))
+        assert len(engine.streams) == 3
+        with pytest.raises(RequestLimitError) as too_big:
+            await actor.admit(_requests(5), SamplingParams(n=5))
+        assert too_big.value.param == "n"
 
 
-async def test_queued_prompt_tokens_limit_counts_until_first_token(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    # Nothing is queued: a prompt above the limit still gets in.
-    big = await actor.admit(_requests(1, num_prompt_tokens=150), SamplingParams())
-    with pytest.raises(AdmissionRefused) as refused:
-        await actor.admit(_requests(1, num_prompt_tokens=10), SamplingParams())
-    assert refused.value.status == 429
-    assert (await actor.stats()).num_queued_prompt_tokens == 150
-    engine.streams[big.request_ids[0]].push((7,), "a")
-    await big.get(0)  # first token: its prompt no longer waits
-    await actor.admit(_requests(1, num_prompt_tokens=90), SamplingParams())
-    assert (await actor.stats()).num_queued_prompt_tokens == 90
+async def test_queued_prompt_tokens_limit_counts_until_first_token() -> None:
+    async with running_actor() as (actor, engine):
+        # Nothing is queued: a prompt above the limit still gets in.
+        big = await actor.admit(_requests(1, num_prompt_tokens=150), SamplingParams())
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(_requests(1, num_prompt_tokens=10), SamplingParams())
+        assert refused.value.status == 429
+        assert (await actor.stats()).num_queued_prompt_tokens == 150
+        engine.streams[big.request_ids[0]].push((7,), "a")
+        await big.get(0)  # first token: its prompt no longer waits
+        await actor.admit(_requests(1, num_prompt_tokens=90), SamplingParams())
+        assert (await actor.stats()).num_queued_prompt_tokens == 90
 
 
 @pytest.mark.parametrize("params, param", [
@@ -126,52 +130,52 @@ def test_top_logprobs_limit() -> None:
                                                                      max_top_logprobs=4))
 
 
-async def test_drain_refuses_with_503_and_wait_idle_follows_releases(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    group = await actor.admit(_requests(2), SamplingParams(n=2))
-    actor.tell(BeginDrain())
-    with pytest.raises(AdmissionRefused) as refused:
-        await actor.admit(_requests(1), SamplingParams())
-    assert refused.value.status == 503
-    idle = False
+async def test_drain_refuses_with_503_and_wait_idle_follows_releases() -> None:
+    async with running_actor() as (actor, engine):
+        group = await actor.admit(_requests(2), SamplingParams(n=2))
+        actor.tell(BeginDrain())
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(_requests(1), SamplingParams())
+        assert refused.value.status == 503
+        idle = False
 
-    async def wait() -> None:
-        nonlocal idle
+        async def wait() -> None:
+            nonlocal idle
+            await actor.wait_idle()
+            idle = True
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            for index, request_id in enumerate(group.request_ids):
+                await anyio.sleep(0.01)
+                assert not idle
+                engine.streams[request_id].push((1,), "t", finish_reason="length")
+                assert (await group.get(index)).finished
+        assert idle
+
+
+async def test_close_aborts_only_unfinished_requests() -> None:
+    async with running_actor() as (actor, engine):
+        group = await actor.admit(_requests(2), SamplingParams(n=2))
+        done_id, open_id = group.request_ids
+        engine.streams[done_id].push((1,), "t", finish_reason="stop")
+        group.close()
         await actor.wait_idle()
-        idle = True
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wait)
-        for index, request_id in enumerate(group.request_ids):
-            await anyio.sleep(0.01)
-            assert not idle
-            engine.streams[request_id].push((1,), "t", finish_reason="length")
-            assert (await group.get(index)).finished
-    assert idle
+        assert engine.aborted == [open_id]
 
 
-async def test_close_aborts_only_unfinished_requests(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    group = await actor.admit(_requests(2), SamplingParams(n=2))
-    done_id, open_id = group.request_ids
-    engine.streams[done_id].push((1,), "t", finish_reason="stop")
-    group.close()
-    await actor.wait_idle()
-    assert engine.aborted == [open_id]
-
-
-async def test_abort_all_and_fail_all_end_every_stream(actor_and_engine) -> None:
-    actor, engine = actor_and_engine
-    first = await actor.admit(_requests(1), SamplingParams())
-    actor.tell(AbortAll())
-    assert (await first.get(0)).finish_reason == "abort"
-    second = await actor.admit(_requests(1), SamplingParams())
-    actor.tell(FailAll("engine died"))
-    delta = await second.get(0)
-    assert delta.finish_reason == "error" and delta.error == "engine died"
-    with pytest.raises(AdmissionRefused) as refused:
-        await actor.admit(_requests(1), SamplingParams())
-    assert refused.value.status == 503
+async def test_abort_all_and_fail_all_end_every_stream() -> None:
+    async with running_actor() as (actor, _engine):
+        first = await actor.admit(_requests(1), SamplingParams())
+        actor.tell(AbortAll())
+        assert (await first.get(0)).finish_reason == "abort"
+        second = await actor.admit(_requests(1), SamplingParams())
+        actor.tell(FailAll("engine died"))
+        delta = await second.get(0)
+        assert delta.finish_reason == "error" and delta.error == "engine died"
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(_requests(1), SamplingParams())
+        assert refused.value.status == 503
 
 
 def test_child_sampling_params_offset_seeds() -> None:

@@ -78,6 +78,8 @@ class RunningServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Drain and stop; the server must exit cleanly (code 0)."""
         if self._thread.is_alive():
             self.server.request_shutdown()
             self._thread.join(timeout=60)
+        assert not self._thread.is_alive() and self.exit_code == 0, self.exit_code

@@ -1,0 +1,1 @@
+"""`tandem bench`: throughput benchmarks of tandem's runners against transformers."""

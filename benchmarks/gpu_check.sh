@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, run every gpu-marked test, the end-to-end
+# correctness check against transformers, and (only if that passes) the benchmarks named
+# in $BENCH (default: "w1-quick attention sampler"). Everything lands in $OUT.
+#   usage (device tool, carry .whl):  TANDEM_COMMIT=<sha> bash benchmarks/gpu_check.sh
+#   BENCH words: w1-quick | w1 | w2 | w3 | attention | sampler | none
+set -u
+OUT=${OUT:-/tmp/tandem_out}
+mkdir -p "$OUT"
+LOG="$OUT/check.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+BENCH=${BENCH:-"w1-quick attention sampler"}
+SKIP_TESTS=${SKIP_TESTS:-0}
+phase() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+phase "device"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$LOG"
+python3 - <<'PY' 2>&1 | tee -a "$LOG"
+import torch, triton, transformers
+print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)
+x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record()
+for _ in range(10): y.copy_(x)
+e.record(); torch.cuda.synchronize()
+print(f"copy bandwidth (read+write): {2 * x.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e12:.2f} TB/s")
+PY
+
+if [ "$SKIP_TESTS" != 1 ]; then
+  phase "pytest -m gpu"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+    -k "not embedded" 2>&1 | tail -40 | tee -a "$LOG"
+fi
+
+phase "correctness"
+timeout 200 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" 2>&1 \
+  | grep -v '\[info' | tail -20 | tee -a "$LOG"
+if ! grep -q '"passed": true' "$OUT/correctness.json" 2>/dev/null || \
+   grep -q 'CORRECTNESS FAILED' "$LOG"; then
+  phase "correctness FAILED: no benchmarks"; exit 1
+fi
+
+bench() {  # bench NAME TIMEOUT ARGS...
+  local name=$1 limit=$2; shift 2
+  phase "bench $name"
+  timeout "$limit" python3 -m app.cli bench throughput "$@" --output "$OUT/throughput_$name.json" \
+    2>&1 | grep -v '\[info' | tail -25 | tee -a "$LOG"
+}
+for b in $BENCH; do
+  case $b in
+    w1-quick) TRITON_CACHE_DIR=/tmp/triton_cold bench w1_quick 200 --workload W1 --arms v2,v1 --repeats 1 ;;
+    w1) bench w1 330 --workload W1 --repeats 2 ;;
+    w2) bench w2 200 --workload W2 --repeats 2 --arms v2,v1,hf_static --hf-batch-size 128 ;;
+    w3) bench w3 200 --workload W3 --repeats 2 --arms v2,v1,hf_static ;;
+    attention)
+      phase "bench paged attention"
+      timeout 120 python3 benchmarks/bench_paged_attention.py --sweep --out "$OUT/paged_attention.json" \
+        2>&1 | tail -25 | tee -a "$LOG" ;;
+    sampler)
+      phase "bench sampler"
+      timeout 90 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee -a "$LOG" ;;
+  esac
+done
+phase "done"

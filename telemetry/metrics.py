@@ -1,0 +1,268 @@
+"""Prometheus metrics for GET /metrics, with vLLM's names, meanings and buckets.
+
+Gateways, autoscalers and dashboards hard-code vLLM's names (`vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, ...), so tandem exports the same ones with the label
+`model_name`, plus its own under `tandem:`. Each server owns an `EngineMetrics` with a
+private CollectorRegistry, never prometheus-client's global one.
+
+Calls come per step or per finished request, never per token:
+
+- `observe_step(stats)`: each finished engine step (StepStats);
+- `set_gauges(num_running, num_waiting, kv_usage)`: after each step is scheduled;
+- `observe_preemptions(total)`: with the scheduler's cumulative preemption count;
+- `observe_request_finished(record)`: once per finished engine request (RequestRecord);
+- `set_runner(choice)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
+
+Token counters move when a request finishes, so their sums equal the responses' usage:
+`vllm:prompt_tokens_total` counts the prompts of requests that produced a first token
+(their prefill completed, as in vLLM), `vllm:generation_tokens_total` every output token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
+
+from telemetry.histogram import BatchHistogram
+from telemetry.records import FINISH_REASONS, RequestRecord
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+PER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# tandem's own: a decode step is milliseconds, and the overlap's idle gaps microseconds.
+STEP_DURATION_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.006, 0.008, 0.01, 0.015,
+                           0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+GPU_IDLE_BUCKETS_S = (0.0, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
+                      0.025, 0.05, 0.1, 0.5, 1.0)
+"""The 0 bucket counts steps that started the moment the previous one ended."""
+CPU_TIME_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                      0.05, 0.1, 0.25)
+
+IDLE_FRACTION_WINDOW_STEPS = 256
+
+
+class KVUsageLike(Protocol):
+    """What set_gauges reads from actors.kv_messages.KVUsage."""
+
+    @property
+    def usage_perc(self) -> float: ...
+    @property
+    def prefix_cache_queries_tokens(self) -> int: ...
+    @property
+    def prefix_cache_hits_tokens(self) -> int: ...
+
+
+class RunnerChoiceLike(Protocol):
+    """What set_runner reads from gpu.runner_selection.RunnerChoice (and `rule` if set)."""
+
+    @property
+    def runner(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class _CumulativeCounter:
+    """A prometheus Counter fed with a monotonic total kept elsewhere (increments by the
+    difference). A total that goes down means its source restarted from zero."""
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+        self._last_total = 0
+
+    def update(self, total: int) -> None:
+        delta = total - self._last_total if total >= self._last_total else total
+        if delta:
+            self._counter.inc(delta)
+        self._last_total = total
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        if not model_name:
+            raise ValueError("model_name must be a non-empty string")
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+        self._make_scheduler_metrics()
+        self._make_request_metrics()
+        self._make_step_metrics()
+        self._make_server_metrics()
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _gauge(self, name: str, documentation: str) -> Any:
+        return Gauge(name, documentation, ["model_name"], registry=self.registry
+                     ).labels(model_name=self.model_name)
+
+    def _counter(self, name: str, documentation: str) -> Any:
+        return Counter(name, documentation, ["model_name"], registry=self.registry
+                       ).labels(model_name=self.model_name)
+
+    def _histogram(self, name: str, documentation: str, buckets: Iterable[float]) -> BatchHistogram:
+        return BatchHistogram(name, documentation, tuple(buckets),
+                              {"model_name": self.model_name}, registry=self.registry)
+
+    def _make_scheduler_metrics(self) -> None:
+        self._num_running = self._gauge("vllm:num_requests_running",
+                                        "Number of requests in model execution batches.")
+        self._num_waiting = self._gauge("vllm:num_requests_waiting",
+                                        "Number of requests waiting to be processed.")
+        self._kv_usage = self._gauge("vllm:kv_cache_usage_perc",
+                                     "KV-cache usage. 1 means 100 percent usage.")
+        self._prefix_queries = _CumulativeCounter(self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+            "tokens."))
+        self._prefix_hits = _CumulativeCounter(self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
+        self._preemptions = _CumulativeCounter(self._counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
+
+    def _make_request_metrics(self) -> None:
+        self._prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens "
+                                            "processed.")
+        self._generation_tokens = self._counter("vllm:generation_tokens",
+                                                "Number of generation tokens processed.")
+        self._request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # present at 0 from the start, as in vLLM
+            self._request_success.labels(model_name=self.model_name, finished_reason=reason)
+        self._ttft = self._histogram("vllm:time_to_first_token_seconds",
+                                     "Histogram of time to first token in seconds.", TTFT_BUCKETS_S)
+        self._itl = self._histogram("vllm:inter_token_latency_seconds",
+                                    "Histogram of inter-token latency in seconds.",
+                                    PER_TOKEN_BUCKETS_S)
+        self._tpot = self._histogram("vllm:request_time_per_output_token_seconds",
+                                     "Histogram of time_per_output_token_seconds per request.",
+                                     PER_TOKEN_BUCKETS_S)
+        phases = {"e2e": ("vllm:e2e_request_latency_seconds", "e2e request latency"),
+                  "queue": ("vllm:request_queue_time_seconds", "time spent in WAITING phase"),
+                  "prefill": ("vllm:request_prefill_time_seconds", "time spent in PREFILL phase"),
+                  "decode": ("vllm:request_decode_time_seconds", "time spent in DECODE phase"),
+                  "inference": ("vllm:request_inference_time_seconds",
+                                "time spent in RUNNING phase")}
+        self._phase = {key: self._histogram(name, f"Histogram of {what} for request in seconds.",
+                                            REQUEST_LATENCY_BUCKETS_S)
+                       for key, (name, what) in phases.items()}
+
+    def _make_step_metrics(self) -> None:
+        self._step_duration = self._histogram(
+            "tandem:engine_step_duration_seconds", "Device time of one engine step.",
+            STEP_DURATION_BUCKETS_S)
+        self._gpu_idle = self._histogram(
+            "tandem:gpu_idle_between_steps_seconds",
+            "Device idle time between the end of one step and the start of the next.",
+            GPU_IDLE_BUCKETS_S)
+        self._schedule_cpu = self._histogram(
+            "tandem:scheduler_cpu_time_per_step_seconds",
+            "CPU time the scheduler spent building one step.", CPU_TIME_BUCKETS_S)
+        self._prepare_cpu = self._histogram(
+            "tandem:step_prepare_cpu_time_seconds",
+            "CPU time from receiving a step to its last device launch.", CPU_TIME_BUCKETS_S)
+        self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
+        self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
+        self._num_steps = 0
+        self._gauge("tandem:gpu_idle_fraction",
+                    f"Share of device time spent idle between steps over the last "
+                    f"{IDLE_FRACTION_WINDOW_STEPS} steps.").set_function(self._idle_fraction)
+
+    def _make_server_metrics(self) -> None:
+        self._runner_info = Gauge("tandem:runner_info",
+                                  "The model runner in use (1) and why it was chosen.",
+                                  ["model_name", "runner", "reason", "rule"],
+                                  registry=self.registry)
+        self._rejections = Counter("tandem:rejected_requests",
+                                   "Requests refused at admission, by reason.",
+                                   ["model_name", "reason"], registry=self.registry)
+        self._disconnects = self._counter("tandem:client_disconnects",
+                                          "Requests whose client went away before the end.")
+
+    # ---- per step -----------------------------------------------------------------------
+
+    def observe_step(self, stats: Any) -> None:
+        """One finished engine step (actors.messages.StepStats). Steps that ran no tokens
+        (a failed step) carry no timings and are skipped."""
+        if stats.num_tokens <= 0:
+            return
+        self._step_duration.observe(stats.step_time_s)
+        self._gpu_idle.observe(stats.gpu_idle_s)
+        self._schedule_cpu.observe(stats.schedule_time_s)
+        self._prepare_cpu.observe(stats.prepare_time_s)
+        slot = self._num_steps % IDLE_FRACTION_WINDOW_STEPS
+        self._recent_idle_s[slot] = stats.gpu_idle_s
+        self._recent_step_s[slot] = stats.step_time_s
+        self._num_steps += 1
+
+    def set_gauges(self, num_running: int, num_waiting: int,
+                   kv_usage: KVUsageLike | None = None) -> None:
+        """The scheduler's current load and, when given, the KV cache's usage and its
+        cumulative prefix-cache query and hit tokens."""
+        self._num_running.set(num_running)
+        self._num_waiting.set(num_waiting)
+        if kv_usage is not None:
+            self._kv_usage.set(kv_usage.usage_perc)
+            self._prefix_queries.update(kv_usage.prefix_cache_queries_tokens)
+            self._prefix_hits.update(kv_usage.prefix_cache_hits_tokens)
+
+    def observe_preemptions(self, total: int) -> None:
+        """The scheduler's cumulative preemption count; the counter advances by the change."""
+        self._preemptions.update(total)
+
+    def _idle_fraction(self) -> float:
+        idle_s = sum(self._recent_idle_s)
+        busy_s = idle_s + sum(self._recent_step_s)
+        return idle_s / busy_s if busy_s > 0 else 0.0
+
+    # ---- per finished request -----------------------------------------------------------
+
+    def observe_request_finished(self, record: RequestRecord) -> None:
+        self._request_success.labels(model_name=self.model_name,
+                                     finished_reason=record.finish_reason).inc()
+        if record.first_token_time is not None:
+            self._prompt_tokens.inc(record.num_prompt_tokens)
+        self._generation_tokens.inc(record.num_output_tokens)
+        self._phase["e2e"].observe(record.e2e_latency_s)
+        optional = ((self._ttft, record.time_to_first_token_s),
+                    (self._phase["queue"], record.queue_time_s),
+                    (self._phase["prefill"], record.prefill_time_s),
+                    (self._phase["decode"], record.decode_time_s),
+                    (self._phase["inference"], record.inference_time_s),
+                    (self._tpot, record.time_per_output_token_s))
+        for histogram, value in optional:
+            if value is not None:
+                histogram.observe(value)
+        if record.inter_token_latencies_s:
+            self._itl.observe_many(record.inter_token_latencies_s)
+
+    # ---- rare events --------------------------------------------------------------------
+
+    def set_runner(self, choice: RunnerChoiceLike) -> None:
+        """The runner choice (gpu.runner_selection.RunnerChoice) as an info-style gauge."""
+        self._runner_info.clear()
+        self._runner_info.labels(model_name=self.model_name, runner=choice.runner,
+                                 reason=choice.reason,
+                                 rule=str(getattr(choice, "rule", ""))).set(1)
+
+    def record_rejection(self, reason: str) -> None:
+        """A request refused before it reached the engine. `reason` must come from a small
+        fixed set (e.g. 'queue_full', 'draining', 'too_many_tokens'): it becomes a label."""
+        self._rejections.labels(model_name=self.model_name, reason=reason).inc()
+
+    def record_disconnect(self) -> None:
+        self._disconnects.inc()
+
+    # ---- exposition ---------------------------------------------------------------------
+
+    def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics: Prometheus text format 0.0.4, or
+        OpenMetrics when `accept_header` asks for it."""
+        if accept_header and "openmetrics" in accept_header:
+            encoder, content_type = choose_encoder(accept_header)
+            return encoder(self.registry), content_type
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
