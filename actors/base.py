@@ -14,6 +14,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from telemetry.logging import bind_actor
+
 T = TypeVar("T")
 
 
@@ -66,6 +68,7 @@ class Actor:
         self._send.close()
 
     async def run(self) -> None:
+        bind_actor(self.name)  # every line this task logs names the actor
         async with self._recv:
             async for message in self._recv:
                 await self._dispatch(message)

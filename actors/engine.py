@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -17,7 +19,15 @@ import structlog
 from actors.gpu_actor import GPUActorV1, GPUActorV2
 from actors.kv_cache_manager import KVCacheActor, KVCacheManager
 from actors.kv_client import KVActorClient
-from actors.messages import AbortRequests, AddRequest, EngineRequest, RegisterRequest, StepStats
+from actors.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineRequest,
+    RegisterRequest,
+    SchedulerOutput,
+    StepOutput,
+    StepStats,
+)
 from actors.output_stream import RequestStream
 from actors.sampler import OutputProcessor, SamplerActor
 from actors.scheduler import Scheduler
@@ -27,6 +37,10 @@ from app.config import EngineConfig
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
+
+if TYPE_CHECKING:
+    from telemetry.logging import EngineStatsLog
+    from telemetry.metrics import EngineMetrics
 
 log = structlog.get_logger("tandem.engine")
 
@@ -41,16 +55,20 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, worker: ModelWorker, runner_name: str, config: EngineConfig | None = None
+    def __init__(self, worker: ModelWorker, runner_name: str, config: EngineConfig | None = None,
+                 *, metrics: EngineMetrics | None = None, stats_log: EngineStatsLog | None = None
                  ) -> None:
         """`config` may narrow the worker's (scheduling limits, a smaller KV pool); the model,
         device and block size are the worker's. Without a tokenizer (dummy weights) the
-        engine takes and returns token ids only."""
+        engine takes and returns token ids only. `metrics` receives every step's stats and
+        every finished request's record (which then also rides on its final delta);
+        `stats_log` every step's stats. Without them the step path does no telemetry."""
         config = config or worker.config
         self.worker = worker
         self.config = config
         self.runner_name = runner_name
         num_blocks = min(config.num_kv_blocks or worker.kv_spec.num_blocks, worker.kv_spec.num_blocks)
+        self.num_kv_blocks = num_blocks
         self.kv_actor = KVCacheActor(KVCacheManager(
             num_blocks=num_blocks, block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching))
@@ -59,15 +77,21 @@ class Engine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=worker.max_model_len, block_size=config.block_size,
             max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor))
-        self.output_processor = OutputProcessor(worker.tokenizer, scheduler_sink=self._to_scheduler,
-                                                max_model_len=worker.max_model_len)
-        self.sampler_actor = SamplerActor(self.output_processor)
+        self.output_processor = OutputProcessor(
+            worker.tokenizer, scheduler_sink=self._to_scheduler, max_model_len=worker.max_model_len,
+            on_request_finished=None if metrics is None else metrics.observe_request_finished)
+        step_observers = [observer.observe_step for observer in (metrics, stats_log)
+                          if observer is not None]
+        self.sampler_actor = SamplerActor(self.output_processor, step_observers)
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner_name == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
-        self.gpu_actor = gpu_actor_cls(runner_cls(worker, config),
-                                       on_step_output=self.sampler_actor.tell)
+        self._schedule_times_s: dict[int, float] = {}
+        self.gpu_actor = gpu_actor_cls(
+            runner_cls(worker, config),
+            on_step_output=self._post_timed if step_observers else self.sampler_actor.tell)
+        submit_step = self._submit_timed if step_observers else self.gpu_actor.submit
         self.scheduler_actor = SchedulerActor(
-            self.scheduler, submit_step=self.gpu_actor.submit, tell_sampler=self.sampler_actor.tell,
+            self.scheduler, submit_step=submit_step, tell_sampler=self.sampler_actor.tell,
             max_steps_in_flight=max_in_flight)
         self._stop = anyio.Event()
         self.is_running = False
@@ -114,6 +138,19 @@ class Engine:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _submit_timed(self, sched: SchedulerOutput) -> None:
+        # The runner's StepStats lacks the scheduler's share of the step; it is put back
+        # when the step's output returns. Both run on the event loop, so no lock.
+        self._schedule_times_s[sched.step_id] = self.scheduler_actor.last_schedule_time_s
+        self.gpu_actor.submit(sched)
+
+    def _post_timed(self, out: StepOutput) -> None:
+        schedule_time_s = self._schedule_times_s.pop(out.step_id, 0.0)
+        if schedule_time_s and not out.stats.schedule_time_s:
+            stats = dataclasses.replace(out.stats, schedule_time_s=schedule_time_s)
+            out = dataclasses.replace(out, stats=stats)
+        self.sampler_actor.tell(out)
 
     def _to_scheduler(self, update: object) -> None:
         if self.is_running:

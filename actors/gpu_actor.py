@@ -23,6 +23,7 @@ import numpy as np
 import structlog
 
 from actors.messages import SchedulerOutput, StepOutput, StepStats
+from telemetry.logging import bind_actor
 
 log = structlog.get_logger("tandem.gpu_actor")
 _STOP = object()
@@ -49,6 +50,7 @@ class _GPUActorBase:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        bind_actor(self.name)  # anyio copies this task's context into the worker thread
         await anyio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
 
     def _post(self, out: StepOutput) -> None:
@@ -95,6 +97,7 @@ class GPUActorV2(_GPUActorBase):
                 self._launched.put(failed_step(sched.step_id, sched.scheduled_request_ids, exc))
 
     def _complete_loop(self) -> None:
+        bind_actor(self.name)  # a plain thread starts with an empty context
         while (pending := self._launched.get()) is not _STOP:
             if isinstance(pending, StepOutput):
                 self._post(pending)

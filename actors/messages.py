@@ -65,6 +65,25 @@ class PrefixCacheHits:
     num_cached_tokens: tuple[tuple[str, int], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class AdmittedRequest:
+    request_id: str
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+    queued_time: float
+    """time.monotonic() when the scheduler queued the request."""
+    first_scheduled_time: float
+    """time.monotonic() when the request was first scheduled (prefill start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestsAdmitted:
+    """Scheduler -> sampler actor, once per step that admits requests for the first time
+    (never again after a preemption): what only the scheduler knows of their timeline."""
+
+    requests: tuple[AdmittedRequest, ...]
+
+
 # ---- scheduler -> GPU actor ------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

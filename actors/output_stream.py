@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import anyio
 
+from telemetry.records import RequestRecord
+
 
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
@@ -69,6 +71,9 @@ class StreamDelta:
     """time.monotonic() when the first output token arrived."""
     finish_time: float | None
     """time.monotonic() when the request finished."""
+    record: RequestRecord | None = None
+    """On the final delta, the request's timeline for metrics and traces (when the
+    engine keeps records)."""
 
     @property
     def finished(self) -> bool:
@@ -85,6 +90,8 @@ class RequestStream:
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.record: RequestRecord | None = None
+        """Set by the engine when the request finishes; the final delta carries it."""
         self._token_ids: list[int] = []
         self._text_parts: list[str] = []
         self._logprobs: list[LogprobEntry] | None = None
@@ -183,7 +190,8 @@ class RequestStream:
             finish_reason=self._finish_reason, stop_reason=self._stop_reason, error=self._error,
             num_prompt_tokens=self.num_prompt_tokens, num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self._num_output_tokens, first_token_time=self.first_token_time,
-            finish_time=self.finish_time)
+            finish_time=self.finish_time,
+            record=self.record if self._finish_reason is not None else None)
         self._token_ids.clear()
         self._text_parts.clear()
         if self._logprobs is not None:

@@ -12,7 +12,7 @@ stop strings only once the output is longer than min_tokens (vLLM semantics).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +28,14 @@ from actors.messages import (
     LogprobsArrays,
     PrefixCacheHits,
     RegisterRequest,
+    RequestsAdmitted,
     StepOutput,
+    StepStats,
     StepUpdate,
 )
 from actors.output_stream import LogprobEntry, RequestStream, TopLogprob
 from actors.stop_checker import StopStringChecker
+from telemetry.records import RequestRecord
 
 log = structlog.get_logger("tandem.sampler")
 
@@ -53,6 +56,11 @@ class _RequestState:
     max_output_tokens: int | None
     """max_tokens, further capped by the context length when known."""
     num_output_tokens: int = 0
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies_s: list[float] | None = None
+    """None unless the processor keeps records."""
 
 
 class OutputProcessor:
@@ -62,14 +70,17 @@ class OutputProcessor:
     tracked from `add_request` until they finish; a token that arrives for an untracked
     request (finished or aborted while a later step was already in flight) is ignored.
     With `tokenizer=None` outputs are token ids only (empty text), and a request with stop
-    strings finishes at once with an error.
+    strings finishes at once with an error. With `on_request_finished`, every finished
+    request's `RequestRecord` goes to it and rides on the request's final delta.
     """
 
     def __init__(self, tokenizer: TokenDecoder | None, scheduler_sink: Callable[[StepUpdate], None],
-                 *, max_model_len: int | None = None) -> None:
+                 *, max_model_len: int | None = None,
+                 on_request_finished: Callable[[RequestRecord], None] | None = None) -> None:
         self._tokenizer = tokenizer
         self._scheduler_sink = scheduler_sink
         self._max_model_len = max_model_len
+        self._on_request_finished = on_request_finished
         self._requests: dict[str, _RequestState] = {}
         self._token_texts = _TokenTextCache(tokenizer) if tokenizer is not None else None
 
@@ -97,7 +108,8 @@ class OutputProcessor:
             request=request, stream=stream, detokenizer=detokenizer, stop_checker=stop_checker,
             eos_token_ids=frozenset() if params.ignore_eos else frozenset(request.eos_token_ids),
             stop_token_ids=frozenset(params.stop_token_ids),
-            max_output_tokens=max_output_tokens)
+            max_output_tokens=max_output_tokens,
+            inter_token_latencies_s=None if self._on_request_finished is None else [])
         if self._tokenizer is None and params.stop:
             self.finish(request.request_id, "error", "stop strings need a tokenizer; this model "
                         "serves token ids only")
@@ -106,6 +118,15 @@ class OutputProcessor:
         state = self._requests.get(request_id)
         if state is not None:
             state.stream.set_num_cached_tokens(num_cached_tokens)
+
+    def set_admitted(self, message: RequestsAdmitted) -> None:
+        """The scheduler's part of each request's timeline, at its first admission."""
+        for admitted in message.requests:
+            state = self._requests.get(admitted.request_id)
+            if state is not None:
+                state.stream.set_num_cached_tokens(admitted.num_cached_tokens)
+                state.queued_time = admitted.queued_time
+                state.first_scheduled_time = admitted.first_scheduled_time
 
     def abort(self, request_id: str) -> bool:
         """Finish a request with reason 'abort' (the scheduler already knows). Returns
@@ -167,8 +188,14 @@ class OutputProcessor:
             return "error"
         state.stream.push((token_id,), text, entries, finish_reason=reason,
                           stop_reason=stop_reason, now=now)
+        gaps = state.inter_token_latencies_s
+        if gaps is not None:
+            if state.last_token_time is not None:
+                gaps.append(now - state.last_token_time)
+            state.last_token_time = now
         if reason is not None:
             del self._requests[request_id]
+            self._record(state, reason, now)
         return reason
 
     def _append_token(self, state: _RequestState,
@@ -246,23 +273,54 @@ class OutputProcessor:
             log.warning("detokenizer_flush_failed", request_id=request_id, exc_info=exc)
         no_logprobs = None if state.request.sampling_params.logprobs is None else ()
         state.stream.push((), held, no_logprobs, finish_reason=reason, error=error, now=now)
+        self._record(state, reason, now)
         return True
+
+    def _record(self, state: _RequestState, reason: str, now: float) -> None:
+        """Build the finished request's RequestRecord, put it on its stream (the final
+        delta carries it) and hand it to `on_request_finished`."""
+        if self._on_request_finished is None:
+            return
+        request, stream = state.request, state.stream
+        try:
+            record = RequestRecord(
+                request_id=request.request_id, arrival_time=request.arrival_time,
+                finish_time=now, finish_reason=reason,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=state.num_output_tokens,
+                num_cached_tokens=stream.num_cached_tokens, queued_time=state.queued_time,
+                first_scheduled_time=state.first_scheduled_time,
+                first_token_time=stream.first_token_time,
+                inter_token_latencies_s=tuple(state.inter_token_latencies_s or ()))
+            stream.record = record
+            self._on_request_finished(record)
+        except Exception as exc:  # telemetry must never stop the engine
+            log.error("request_record_failed", request_id=request.request_id, exc_info=exc)
 
 
 class SamplerActor(Actor):
     """Wraps an OutputProcessor behind a mailbox. Messages: `RegisterRequest`,
-    `StepOutput`, `AbortRequests`, `PrefixCacheHits`, `FinishRequests`. On shutdown, requests still open finish with 'abort'."""
+    `StepOutput`, `AbortRequests`, `RequestsAdmitted`, `PrefixCacheHits`, `FinishRequests`.
+    On shutdown, requests still open finish with 'abort'. Each step's `StepStats` goes to
+    every one of `step_observers` (metrics, the stats log) once its outputs are pushed."""
 
     name = "sampler"
 
-    def __init__(self, processor: OutputProcessor) -> None:
+    def __init__(self, processor: OutputProcessor,
+                 step_observers: Sequence[Callable[[StepStats], None]] = ()) -> None:
         super().__init__()
         self.processor = processor
+        self._step_observers = tuple(step_observers)
 
     async def handle(self, message: Any) -> Any:
         if isinstance(message, StepOutput):
-            return self.processor.process_step(message)
-        if isinstance(message, RegisterRequest):
+            update = self.processor.process_step(message)
+            for observe in self._step_observers:
+                observe(message.stats)
+            return update
+        if isinstance(message, RequestsAdmitted):
+            self.processor.set_admitted(message)
+        elif isinstance(message, RegisterRequest):
             self.processor.add_request(message.request, message.stream)
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:

@@ -18,8 +18,9 @@ from actors.base import Actor
 from actors.messages import (
     AbortRequests,
     AddRequest,
+    AdmittedRequest,
     FinishRequests,
-    PrefixCacheHits,
+    RequestsAdmitted,
     SchedulerOutput,
     StepUpdate,
 )
@@ -79,11 +80,18 @@ class SchedulerActor(Actor):
         if unreported:
             self._tell_sampler(FinishRequests(unreported))
 
-    def _report_prefix_hits(self, sched: SchedulerOutput) -> None:
-        hits = tuple((new.request_id, new.num_computed_tokens) for new in sched.new_requests
-                     if new.num_computed_tokens and len(new.token_ids) == new.prompt_len)
-        if hits:
-            self._tell_sampler(PrefixCacheHits(hits))
+    def _report_admissions(self, sched: SchedulerOutput) -> None:
+        """Tell the sampler the prefix-cache hit and queue timeline of each request this
+        step admits for the first time (a resumed request was reported already)."""
+        admitted = []
+        for new in sched.new_requests:
+            request = self.scheduler.get_request(new.request_id)
+            if request is None or request.num_preemptions or request.first_scheduled_time is None:
+                continue
+            admitted.append(AdmittedRequest(new.request_id, max(request.num_cached_tokens, 0),
+                                            request.queued_time, request.first_scheduled_time))
+        if admitted:
+            self._tell_sampler(RequestsAdmitted(tuple(admitted)))
 
     async def on_idle(self) -> None:
         while self.scheduler.num_steps_in_flight < self._max_steps_in_flight:
@@ -93,7 +101,7 @@ class SchedulerActor(Actor):
                 break
             self.last_schedule_time_s = time.perf_counter() - started
             self._submit_step(sched)
-            self._report_prefix_hits(sched)
+            self._report_admissions(sched)
         if self._drain_events and self.scheduler.num_steps_in_flight == 0:
             for event in self._drain_events:
                 event.set()

@@ -1,4 +1,5 @@
-"""`tandem bench`: benchmarks. `tandem bench throughput` runs one offline workload (dummy
+"""`tandem bench`: benchmarks. `tandem bench serve` is a client for a running server
+(app/bench/serve_cli.py). `tandem bench throughput` runs one offline workload (dummy
 weights, bf16, fixed lengths) through tandem V2 and V1, interleaved ABBA, then through
 transformers `generate` (static batches) and `generate_batch` (continuous batching) on the
 same weights, and writes a JSON result (commit, GPU, command, workload, warmup, per-run
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.throughput import HF_ARMS, TANDEM_ARMS
+from app.bench.workloads import HF_ARMS, TANDEM_ARMS
 
 ALL_ARMS = (*TANDEM_ARMS, *HF_ARMS)
 
@@ -24,6 +25,9 @@ def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks",
                            description="Benchmarks (see `tandem bench throughput --help`).")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    from app.bench import serve_cli
+
+    serve_cli.add_parser(bench_sub)
     p = bench_sub.add_parser(
         "throughput", help="offline throughput: tandem V2 vs V1 vs transformers",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,7 +3,6 @@ loop for long inputs), context-length checks and sampling parameters."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,15 +163,17 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt_lens: Sequen
 
 
 def engine_requests(base_id: str, prompts: Sequence[Prompt], params: SamplingParams,
-                    state: ServerState, req: SamplingFields) -> list[EngineRequest]:
-    """One engine request per (prompt, sample), in choice-index order: prompt-major."""
-    arrival = time.monotonic()
+                    state: ServerState, req: SamplingFields, arrival_time: float
+                    ) -> list[EngineRequest]:
+    """One engine request per (prompt, sample), in choice-index order: prompt-major.
+    `arrival_time` is time.monotonic() when the HTTP request arrived (before tokenization,
+    as vLLM measures time to first token)."""
     out = []
     for p_index, prompt in enumerate(prompts):
         for sample in range(params.n):
             out.append(EngineRequest(
                 request_id=f"{base_id}-{p_index}-{sample}", prompt_token_ids=prompt.token_ids,
-                sampling_params=child_sampling_params(params, sample), arrival_time=arrival,
+                sampling_params=child_sampling_params(params, sample), arrival_time=arrival_time,
                 eos_token_ids=state.eos_token_ids, priority=req.priority or 0,
                 cache_salt=req.cache_salt))
     return out

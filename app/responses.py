@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.output_stream import LogprobEntry, StreamDelta
+from telemetry.records import RequestRecord
 
 LOGPROB_FLOOR = -9999.0
 
@@ -46,6 +47,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     text_offset: int = 0
     """Characters of this choice's text already sent (completions logprobs text_offset)."""
+    record: RequestRecord | None = None
+    """The engine's record of this choice, from its final delta (for the span)."""
 
     def add(self, delta: StreamDelta) -> None:
         self.text_parts.append(delta.text)
@@ -59,6 +62,7 @@ class ChoiceState:
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.error = delta.error
+            self.record = delta.record
 
     @property
     def text(self) -> str:

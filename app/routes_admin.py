@@ -1,4 +1,4 @@
-"""Operational routes: /health, /version, /tokenize, /detokenize, /openapi.json."""
+"""Operational routes: /health, /version, /metrics, /tokenize, /detokenize, /openapi.json."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.base import ActorStopped
+from actors.kv_messages import KVStats
 from app.chat_template import ChatTemplateError
 from app.errors import bad_request, model_not_found
 from app.http_input import (
@@ -40,6 +42,7 @@ def admin_routes() -> list[Route]:
     return [
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", api_endpoint(_tokenize), methods=["POST"]),
         Route("/detokenize", api_endpoint(_detokenize), methods=["POST"]),
         Route("/openapi.json", openapi, methods=["GET"]),
@@ -62,6 +65,25 @@ async def version(request: Request) -> Response:
                   "runner": runner.runner if runner else None,
                   "runner_reason": runner.reason if runner else None,
                   "runner_rule": runner.rule if runner else None})
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition (text 0.0.4, or OpenMetrics when the Accept header asks).
+    Open like /health: scrapers carry no API key. The load gauges are read at scrape time,
+    so the engine's step loop never pays for them."""
+    state = server_state(request)
+    engine = state.engine
+    if engine is not None and engine.is_running:
+        try:
+            kv = await engine.kv_actor.ask(KVStats())
+        except ActorStopped:  # the engine is shutting down: keep the last values
+            kv = None
+        if kv is not None:
+            stats = engine.stats()
+            state.metrics.set_gauges(stats.num_running, stats.num_waiting, kv)
+            state.metrics.observe_preemptions(stats.num_preemptions_total)
+    body, content_type = state.metrics.render(request.headers.get("accept"))
+    return Response(body, headers={"Content-Type": content_type})
 
 
 @functools.cache
@@ -160,6 +182,7 @@ def _openapi_document() -> bytes:
         "/v1/models/{model_id}": _get("Describe one served model"),
         "/health": _get("200 when serving; 503 while loading, draining or dead"),
         "/version": _get("Version, active model runner and why it was chosen"),
+        "/metrics": _get("Prometheus metrics (vLLM's names under vllm:, tandem's under tandem:)"),
     }
     document = {"openapi": "3.1.0",
                 "info": {"title": "tandem", "version": package_version()},

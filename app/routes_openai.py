@@ -40,6 +40,7 @@ from app.prompts import (
     sampling_params,
     truncate_and_check,
 )
+from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
 from app.schemas import (
     ChatCompletionRequest,
@@ -60,6 +61,8 @@ from telemetry.logging import bind_request
 log = structlog.get_logger("tandem.server")
 
 Handler = Callable[[Request, str], Awaitable[Response]]
+GenerationHandler = Callable[[Request, str, RequestTelemetry], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED_STATUS = 499
 """Logged for a non-stream request whose client left; nobody receives the response."""
@@ -67,34 +70,64 @@ CLIENT_CLOSED_STATUS = 499
 
 def openai_routes() -> list[Route]:
     return [
-        Route("/v1/chat/completions", api_endpoint(_chat_completions), methods=["POST"]),
-        Route("/v1/completions", api_endpoint(_completions), methods=["POST"]),
+        Route("/v1/chat/completions", generation_endpoint("chat", _chat_completions),
+              methods=["POST"]),
+        Route("/v1/completions", generation_endpoint("text_completion", _completions),
+              methods=["POST"]),
         Route("/v1/models", api_endpoint(_list_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", api_endpoint(_retrieve_model), methods=["GET"]),
     ]
 
 
-def api_endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+def api_endpoint(handler: Handler) -> Endpoint:
     """Gives the handler a request id and turns every error into an OpenAI-shaped answer:
     APIError as-is, anything else a logged 500 that shows no internals."""
 
     async def endpoint(request: Request) -> Response:
         request_id = client_request_id(request)
-        headers = {"X-Request-Id": request_id}
-        try:
-            with bind_request(request_id):
-                response = await handler(request, request_id)
-        except APIError as exc:
-            log.info("request_refused", request_id=request_id, status=exc.status,
-                     param=exc.param, message=exc.message)
-            return error_response(exc, headers)
-        except Exception:
-            log.exception("internal_error", request_id=request_id, path=request.url.path)
-            return error_response(internal_error(request_id), headers)
-        response.headers.setdefault("X-Request-Id", request_id)
-        return response
+        return await _answer(request, request_id, lambda: handler(request, request_id))
 
     return endpoint
+
+
+def generation_endpoint(operation: str, handler: GenerationHandler) -> Endpoint:
+    """`api_endpoint` for a request the engine generates for: the handler also gets the
+    request's telemetry, whose span starts at arrival (`operation`: 'chat' or
+    'text_completion') and ends with the request however it ends."""
+
+    async def endpoint(request: Request) -> Response:
+        state = server_state(request)
+        call = RequestTelemetry.start(state.tracing, state.metrics, operation, request.headers)
+        request_id = client_request_id(request)
+        return await _answer(request, request_id, lambda: handler(request, request_id, call),
+                             call)
+
+    return endpoint
+
+
+async def _answer(request: Request, request_id: str, work: Callable[[], Awaitable[Response]],
+                  call: RequestTelemetry | None = None) -> Response:
+    headers = {"X-Request-Id": request_id}
+    try:
+        with bind_request(request_id, None if call is None else call.trace_id):
+            response = await work()
+    except APIError as exc:
+        log.info("request_refused", request_id=request_id, status=exc.status,
+                 param=exc.param, message=exc.message)
+        if call is not None:
+            call.refused(exc, server_state(request).phase)
+        return error_response(exc, headers)
+    except Exception as exc:
+        log.exception("internal_error", request_id=request_id, path=request.url.path)
+        if call is not None:
+            call.failed(exc)
+        return error_response(internal_error(request_id), headers)
+    except BaseException as exc:  # cancelled: end the span before unwinding
+        if call is not None:
+            call.failed(exc)
+        raise
+    response.headers.setdefault("X-Request-Id", request_id)
+    return response
 
 
 def exception_handlers() -> dict[Any, Callable[..., Any]]:
@@ -115,24 +148,26 @@ def client_request_id(request: Request) -> str:
 
 # ---- chat ----------------------------------------------------------------------------
 
-async def _chat_completions(request: Request, request_id: str) -> Response:
+async def _chat_completions(request: Request, request_id: str, call: RequestTelemetry
+                            ) -> Response:
     state = await _checked_state(request)
     req = parse_model(ChatCompletionRequest, await _body(request, state))
-    model = _check_request(state, req, request_id)
+    model = _check_request(state, req, request_id, call)
     chat = await chat_prompt(state, req)
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
     params = sampling_params(state, req, [len(prompt.token_ids)])
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
+    call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]
-    group = await _admit(state, engine_requests(uuid.uuid4().hex, [prompt], params, state, req),
-                         params)
+    group = await _admit(state, engine_requests(uuid.uuid4().hex, [prompt], params, state, req,
+                                                call.arrival_time), params)
     prompt_ids = prompt.token_ids if req.return_token_ids else None
     num_prompt_tokens = len(prompt.token_ids)
     if req.stream:
         formatter = ChatChunkFormatter(meta, [num_prompt_tokens], choices, _continuous(req),
                                        role=chat.role, echo_prefix=chat.echo_prefix)
-        return _stream(group, formatter, req, state, request_id)
-    if not await _collect(request, group, choices, request_id):
+        return _stream(group, formatter, req, state, request_id, call)
+    if not await _collect(request, group, choices, request_id, call, [num_prompt_tokens]):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     body = chat_response(meta, choices, num_prompt_tokens, role=chat.role,
                          echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids)
@@ -141,10 +176,10 @@ async def _chat_completions(request: Request, request_id: str) -> Response:
 
 # ---- completions ---------------------------------------------------------------------
 
-async def _completions(request: Request, request_id: str) -> Response:
+async def _completions(request: Request, request_id: str, call: RequestTelemetry) -> Response:
     state = await _checked_state(request)
     req = parse_model(CompletionRequest, await _body(request, state))
-    model = _check_request(state, req, request_id)
+    model = _check_request(state, req, request_id, call)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not "
                           "compute yet", "echo")
@@ -153,19 +188,20 @@ async def _completions(request: Request, request_id: str) -> Response:
     prompt_lens = [len(p.token_ids) for p in prompts]
     params = sampling_params(state, req, prompt_lens)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
+    call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
                for p in range(len(prompts)) for s in range(params.n)]
     echo_texts = None
     if req.echo:
         echo_texts = [p.text if p.text is not None else state.tokenizer.decode(list(p.token_ids))
                       for p in prompts]
-    group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req),
-                         params)
+    group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req,
+                                                call.arrival_time), params)
     if req.stream:
         formatter = CompletionChunkFormatter(meta, prompt_lens, choices, _continuous(req),
                                              echo_texts=echo_texts)
-        return _stream(group, formatter, req, state, request_id)
-    if not await _collect(request, group, choices, request_id):
+        return _stream(group, formatter, req, state, request_id, call)
+    if not await _collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
     return _json(completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
@@ -206,11 +242,13 @@ async def _body(request: Request, state: ServerState) -> dict[str, Any]:
     return await read_json_object(request, state.settings.max_request_body_bytes)
 
 
-def _check_request(state: ServerState, req: SamplingFields, request_id: str) -> str:
+def _check_request(state: ServerState, req: SamplingFields, request_id: str,
+                   call: RequestTelemetry) -> str:
     """The served model name; refuses unknown models and unimplemented fields."""
     model = state.resolve_model(req.model)
     if model is None:
         raise model_not_found(str(req.model))
+    call.set_request(model, stream=bool(req.stream))  # names the span should it fail early
     unsupported = unsupported_field(req)
     if unsupported is not None:
         raise bad_request(unsupported[1], unsupported[0])
@@ -236,18 +274,19 @@ def _continuous(req: SamplingFields) -> bool:
 
 
 def _stream(group: AdmittedGroup, formatter: ChunkFormatter, req: SamplingFields,
-            state: ServerState, request_id: str) -> Response:
+            state: ServerState, request_id: str, call: RequestTelemetry) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     options = StreamOptions(include_usage=include_usage, continuous_usage=_continuous(req),
                             keep_alive_s=state.settings.keep_alive_interval_s)
     return EventStreamResponse(group, formatter, options, request_id,
-                               headers={"X-Request-Id": request_id})
+                               headers={"X-Request-Id": request_id}, telemetry=call)
 
 
 async def _collect(request: Request, group: AdmittedGroup, choices: Sequence[ChoiceState],
-                   request_id: str) -> bool:
+                   request_id: str, call: RequestTelemetry, prompt_lens: Sequence[int]) -> bool:
     """Read every choice to its end, racing the client: False if it disconnected first (the
-    engine requests are then aborted). Raises a 500 APIError if a choice failed."""
+    engine requests are then aborted). Raises a 500 APIError if a choice failed. Ends the
+    request's telemetry either way."""
     completed = False
     try:
         async with anyio.create_task_group() as tg:
@@ -261,7 +300,9 @@ async def _collect(request: Request, group: AdmittedGroup, choices: Sequence[Cho
         group.close()
     if not completed:
         log.info("client_disconnected", request_id=request_id)
+        call.end(choices, prompt_lens, disconnected=True)
         return False
+    call.end(choices, prompt_lens)
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
         log.error("request_failed", request_id=request_id, error=failed[0].error)

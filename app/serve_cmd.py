@@ -36,9 +36,12 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                    "/v1/completions, /v1/models, /health, /version, /tokenize, /detokenize). "
-                    "The port opens at once; /health answers 503 until the model is loaded. "
-                    "Every flag can also be set as TANDEM_<FLAG> (e.g. TANDEM_PORT=8080).")
+                    "/v1/completions, /v1/models, /health, /version, /tokenize, /detokenize, "
+                    "/metrics). The port opens at once; /health answers 503 until the model is "
+                    "loaded. Every flag can also be set as TANDEM_<FLAG> (e.g. "
+                    "TANDEM_PORT=8080). Traces go to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or "
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED=true turns "
+                    "them off.")
     net = p.add_argument_group("server")
     net.add_argument("--host", default=_env("host", "127.0.0.1"),
                      help="address to listen on (default 127.0.0.1; 0.0.0.0 for all). "
@@ -52,7 +55,8 @@ def add_parser(sub: Any) -> None:
                           "(comma-separated)")
     net.add_argument("--api-key", default=_env("api_key", None),
                      help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
-                          "/detokenize (/health and /version stay open). Env: TANDEM_API_KEY")
+                          "/detokenize (/health, /version and /metrics stay open). "
+                          "Env: TANDEM_API_KEY")
     net.add_argument("--max-request-body-bytes", type=int,
                      default=_env("max_request_body_bytes", 16 * 1024 * 1024, int),
                      help="larger request bodies get 413 (default 16 MiB). "
@@ -117,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
     from app.cli_errors import UserFacingError, user_errors
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
+    from telemetry.tracing import TracingConfigError
 
     _check_args(args)
+    # Before anything logs: structlog fixes a logger's level when it is first used.
     configure_logging(json=args.log_format == "json", level=args.log_level)
     try:
         server = TandemServer(settings_from_args(args))
-    except (ServerStartError, *user_errors()) as exc:
+    except (ServerStartError, TracingConfigError, *user_errors()) as exc:
         raise UserFacingError(str(exc)) from None
     exit_code: int = anyio.run(server.serve)
     if server.state.failure_message is not None:

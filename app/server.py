@@ -7,8 +7,9 @@ Lifecycle:
     "loading" until the engine runs.
   * SIGTERM (or SIGINT): `/health` turns 503, new work gets 503 + Retry-After, in-flight
     requests may finish for up to `shutdown_timeout_s`, the rest are aborted (their
-    streams end with finish_reason "abort"); then Hypercorn stops and the engine shuts down
-    in order. A second signal skips the wait. Exit code 0.
+    streams end with finish_reason "abort"); then Hypercorn stops, the engine shuts down
+    in order and the spans still queued are exported. A second signal skips the wait.
+    Exit code 0.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class TandemServer:
                 tg.start_soon(_watch_signals, signals)
             tg.start_soon(self._drain_when_asked, signals)
             tg.start_soon(self._serve_http, app, config, tg.cancel_scope)
+        await self.state.shutdown_tracing()
         log.info("server_stopped", exit_code=self.state.exit_code)
         return self.state.exit_code
 

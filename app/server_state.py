@@ -17,6 +17,9 @@ import structlog
 
 from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain
 from app.config import EngineConfig
+from telemetry.logging import EngineStatsLog, log_startup
+from telemetry.metrics import EngineMetrics
+from telemetry.tracing import Tracing, setup_tracing
 
 log = structlog.get_logger("tandem.server")
 
@@ -75,13 +78,18 @@ class EngineSnapshot:
 
 
 class ServerState:
-    def __init__(self, settings: ServeSettings, preloaded: Any = None) -> None:
+    def __init__(self, settings: ServeSettings, preloaded: Any = None, *,
+                 tracing: Tracing | None = None) -> None:
         """`preloaded`: an app.startup.LoadedEngine to serve instead of loading the model
-        (same model and block size; tests and benchmarks start servers in a second)."""
+        (same model and block size; tests and benchmarks start servers in a second).
+        `tracing` defaults to what the OTEL_* variables configure (raises
+        telemetry.tracing.TracingConfigError when they ask for the impossible)."""
         self.settings = settings
         self._preloaded = preloaded
         self.phase: Phase = "loading"
         self.model_names = settings.model_names()
+        self.tracing = tracing if tracing is not None else setup_tracing("tandem")
+        self.metrics = EngineMetrics(self.model_names[0])
         self.created = int(time.time())
         self.exit_code = 0
         self.failure_message: str | None = None
@@ -135,7 +143,12 @@ class ServerState:
         self.max_model_len = worker.max_model_len
         self.vocab_size = worker.model_config.vocab_size
         self.eos_token_ids = worker.eos_token_ids
-        engine = Engine(worker, loaded.runner.runner, config)
+        engine = Engine(worker, loaded.runner.runner, config, metrics=self.metrics,
+                        stats_log=EngineStatsLog())
+        self.metrics.set_runner(loaded.runner)
+        log_startup(log, config=config, device=loaded.platform.device, runner=loaded.runner,
+                    num_kv_blocks=engine.num_kv_blocks, block_size=config.block_size,
+                    kv_cache_bytes=engine.num_kv_blocks * worker.kv_spec.bytes_per_block)
         limits = AdmissionLimits(
             max_num_running=config.max_num_seqs,
             max_queued_requests=self.settings.max_queued_requests,
@@ -173,6 +186,11 @@ class ServerState:
     def stop_engine(self) -> None:
         self._stop_engine.set()
         self._load_scope.cancel()  # a load still running is abandoned
+
+    async def shutdown_tracing(self) -> None:
+        """Export the spans still queued and stop the exporter (it may wait on the network,
+        so off the event loop)."""
+        await anyio.to_thread.run_sync(self.tracing.shutdown)
 
     async def drain(self, timeout_s: float, force: anyio.Event, flush_timeout_s: float) -> None:
         """Refuse new work, give in-flight requests `timeout_s`, abort the rest, then ask

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from actors.admission import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
+from app.request_telemetry import RequestTelemetry
 from app.responses import (
     ChoiceState,
     ResponseMeta,
@@ -138,12 +139,14 @@ class CompletionChunkFormatter(ChunkFormatter):
 
 class EventStreamResponse(Response):
     """Streams one admitted request as SSE. The client going away (http.disconnect) cancels
-    the writer, and `group.close()` aborts whatever still runs in the engine."""
+    the writer, and `group.close()` aborts whatever still runs in the engine. `telemetry`,
+    when given, is ended once the stream is (finished, failed or disconnected)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, group: AdmittedGroup, formatter: ChunkFormatter, options: StreamOptions,
-                 request_id: str, headers: dict[str, str] | None = None) -> None:
+                 request_id: str, headers: dict[str, str] | None = None,
+                 telemetry: RequestTelemetry | None = None) -> None:
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
@@ -152,14 +155,16 @@ class EventStreamResponse(Response):
         self.formatter = formatter
         self.options = options
         self.request_id = request_id
+        self.telemetry = telemetry
         self._started = [False] * len(group.streams)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with bind_request(self.request_id):
+        telemetry = self.telemetry
+        completed = False
+        with bind_request(self.request_id, None if telemetry is None else telemetry.trace_id):
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                completed = False
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
                     await self._write_events(send)
@@ -173,6 +178,9 @@ class EventStreamResponse(Response):
                 log.info("client_disconnected", request_id=self.request_id)
             finally:
                 self.group.close()
+                if telemetry is not None:
+                    telemetry.end(self.formatter.choices, self.formatter.prompt_lens,
+                                  disconnected=not completed)
 
     async def _write_events(self, send: Send) -> None:
         async def send_bytes(data: bytes) -> None:
@@ -182,8 +190,10 @@ class EventStreamResponse(Response):
             failed = await pull_batches(self.group, self.options.keep_alive_s,
                                         lambda batch: self._on_batch(batch, send_bytes),
                                         lambda: send_bytes(KEEP_ALIVE_COMMENT))
-        except Exception:
+        except Exception as exc:
             log.exception("stream_failed", request_id=self.request_id)
+            if self.telemetry is not None:
+                self.telemetry.failed(exc)
             failed = True
         if failed:
             message = f"Internal server error (request id {self.request_id})"
@@ -197,13 +207,13 @@ class EventStreamResponse(Response):
         """Send a batch; True when a choice failed (the stream then ends with an error)."""
         out = bytearray()
         for index, delta in batch:
+            choice = self.formatter.choices[index]
+            _count(choice, delta)
             if delta.finish_reason == "error":
                 log.error("request_failed", request_id=self.request_id, error=delta.error)
                 if out:
                     await send_bytes(bytes(out))
                 return True
-            choice = self.formatter.choices[index]
-            _count(choice, delta)
             first = not self._started[index]
             self._started[index] = True
             for chunk in self.formatter.chunks(choice, delta, first):
@@ -218,6 +228,7 @@ def _count(choice: ChoiceState, delta: StreamDelta) -> None:
     choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
     if delta.finished:
         choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        choice.record = delta.record
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -187,17 +187,22 @@ def measure_graph_memory(graphs: DecodeGraphs, num_graphs: int) -> tuple[int, di
     pool = torch.cuda.graph_pool_handle()
     measured: list[int] = []
     for size in largest:
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        # Capturing empties the allocator's cache; empty it first, so that the difference
+        # is the graph's own memory and not cached blocks handed back to the device.
+        free_before = _free_after_emptying_cache()
         graphs.capture_size(size, pool)
-        torch.cuda.synchronize()
-        measured.append(free_before - torch.cuda.mem_get_info()[0])
+        measured.append(free_before - _free_after_emptying_cache())
     graphs.release()
     del pool
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    _free_after_emptying_cache()
     first = measured[0]
     second = measured[1] if len(measured) > 1 else 0
     estimate = first + (num_graphs - 1) * max(second, 1 << 20)
     return estimate, {"graph_first_bytes": first, "graph_second_bytes": second,
                       "graph_count": num_graphs}
+
+
+def _free_after_emptying_cache() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]

@@ -95,6 +95,7 @@ def profile_kv_budget(model: DecoderModel, buffers: InputBuffers, shape: StepSha
                                              for k, v in graph_terms.items()})
     del dummy_kv
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the profile's activations go back to the device, as graph capture does
     free_bytes, total_bytes = torch.cuda.mem_get_info()
     non_torch = max(total_bytes - free_bytes - torch.cuda.memory_reserved(), 0)
     state_bytes = runner_state_bytes(config, shape)
@@ -102,7 +103,8 @@ def profile_kv_budget(model: DecoderModel, buffers: InputBuffers, shape: StepSha
         - graph_estimate - non_torch - state_bytes
     # Memory held elsewhere (another process, another model in this one) is not ours to
     # take: never plan on more than is free now, less what the graphs and runner will need.
-    budget = min(budget, free_bytes - graph_estimate - state_bytes - FREE_MEMORY_SLACK_BYTES)
+    budget = min(budget, free_bytes - activation_peak - graph_estimate - state_bytes
+                 - FREE_MEMORY_SLACK_BYTES)
     report = MemoryReport(total_bytes, gpu_memory_utilization, weights_bytes, activation_peak,
                           graph_estimate, non_torch, state_bytes, max(budget, 0))
     log.info("kv_cache_budget_gib", **report.as_log())

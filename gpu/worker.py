@@ -82,6 +82,7 @@ class ModelWorker:
                  dtype=str(self.dtype).removeprefix("torch."), load_time_s=round(self.load_time_s, 3),
                  max_model_len=self.max_model_len, kv_blocks=self.kv_spec.num_blocks,
                  kv_tokens=self.kv_spec.num_tokens, kv_bytes=self.kv_spec.num_bytes)
+        self.graph_memory_bytes = 0
         self.graphs: DecodeGraphs | None = self._capture_graphs(graph_sizes)
         self.ready_time_s = time.perf_counter() - started
 
@@ -131,10 +132,14 @@ class ModelWorker:
             return None
         graphs = DecodeGraphs(self.model.forward, self.kv_caches, self.buffers, graph_sizes,
                               self.max_model_len)
+        # Capture empties the allocator's cache; empty it on both sides of the measurement.
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         capture_time_s = graphs.capture()
+        torch.cuda.empty_cache()
         used_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.graph_memory_bytes = used_bytes
         estimate = self.memory_report.graph_estimate_bytes if self.memory_report else None
         log.info("cuda_graphs_captured", num_graphs=graphs.num_captured,
                  sizes=f"{graph_sizes[0]}..{graph_sizes[-1]}", capture_time_s=round(capture_time_s, 2),

@@ -226,8 +226,9 @@ def paged_attention_triton(
     block_m = max(16 if is_decode else 64, triton.next_power_of_2(group_size))
     block_q = block_m // group_size
     tile_n = kv_tile_len or 64
-    if num_kv_splits is None:
-        num_kv_splits = _default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
+    if num_kv_splits is None:  # only a decode-only batch may split its context
+        num_kv_splits = (_default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
+                         if is_decode else 1)
     if num_kv_splits > 1 and not is_decode:
         raise ValueError(f"num_kv_splits={num_kv_splits} needs max_query_len <= 1, got {max_query_len}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -19,9 +19,10 @@ class HFRun:
 
 
 def _sampling_kwargs(output_len: int) -> dict[str, Any]:
-    # The same distribution as tandem's arm: T=1, no top-k/top-p cut, exact length.
-    return dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=True,
-                temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+    # The same distribution as tandem's arm: T=1, no top-k/top-p cut; no EOS, so every
+    # output has exactly max_new_tokens tokens.
+    return dict(max_new_tokens=output_len, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                eos_token_id=None, pad_token_id=0)
 
 
 @torch.inference_mode()
@@ -39,7 +40,9 @@ def run_hf_static(hf: Any, prompts: list[list[int]], output_len: int, batch_size
     return HFRun(time.perf_counter() - started, num_tokens, len(prompts), batch_size)
 
 
-@torch.inference_mode()
+# No inference_mode here: generate_batch runs its loop in a background thread, outside
+# inference mode, on tensors it created in this one.
+@torch.no_grad()
 def run_hf_continuous(hf: Any, prompts: list[list[int]], output_len: int) -> HFRun:
     """`generate_batch`: transformers' continuous batching with its paged cache."""
     from transformers import GenerationConfig
@@ -51,6 +54,8 @@ def run_hf_continuous(hf: Any, prompts: list[list[int]], output_len: int) -> HFR
     _synchronize()
     elapsed = time.perf_counter() - started
     num_tokens = sum(len(getattr(o, "generated_tokens", ()) or ()) for o in outputs.values())
+    if num_tokens == 0:  # its loop logs errors and returns empty outputs instead of raising
+        raise RuntimeError(f"generate_batch returned no tokens for {len(prompts)} prompts")
     return HFRun(elapsed, num_tokens, len(prompts), None)
 
 

@@ -10,9 +10,11 @@ import anyio
 
 from actors.engine import Engine
 from actors.messages import EngineRequest, StepStats
-from actors.output_stream import RequestStream
+from actors.output_stream import RequestStream, StreamDelta
 from actors.sampling_params import SamplingParams
 from app.llm import LLM
+
+POLL_INTERVAL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,32 +51,44 @@ def run_engine(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> En
 
 async def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> EngineRun:
     engine = Engine(llm.worker, llm.runner, llm.config)
-    timings: list[RequestTiming | None] = [None] * len(prompts)
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         started = time.monotonic()
-        async with anyio.create_task_group() as requests_tg:
-            for index, prompt in enumerate(prompts):
-                request = EngineRequest(request_id=f"bench-{index}", prompt_token_ids=tuple(prompt),
-                                        sampling_params=params, arrival_time=started)
-                requests_tg.start_soon(_collect, engine.add_request(request), index, started,
-                                       timings)
+        streams = [engine.add_request(EngineRequest(
+            request_id=f"bench-{index}", prompt_token_ids=tuple(prompt), sampling_params=params,
+            arrival_time=started)) for index, prompt in enumerate(prompts)]
+        timings = await _collect_finished(streams, started)
         elapsed_s = time.monotonic() - started
         engine.stop()
-    requests = tuple(t for t in timings if t is not None)
-    return EngineRun(elapsed_s, requests, engine.recent_step_stats(),
+    return EngineRun(elapsed_s, tuple(timings), engine.recent_step_stats(),
                      engine.stats().num_preemptions_total)
 
 
-async def _collect(stream: RequestStream, index: int, started: float,
-                   timings: list[RequestTiming | None]) -> None:
-    num_tokens = 0
-    first = finish = None
-    reason = None
-    async for delta in stream:
-        num_tokens += len(delta.token_ids)
-        first = delta.first_token_time or first
-        finish = delta.finish_time or finish
-        reason = delta.finish_reason or reason
-    end = finish if finish is not None else time.monotonic()
-    timings[index] = RequestTiming(num_tokens, (first or end) - started, end - started, reason)
+async def _collect_finished(streams: list[RequestStream], started: float) -> list[RequestTiming]:
+    """Read each stream once, after it has finished, as vLLM's offline `generate` returns
+    whole outputs. Reading every step instead would wake one task per request per step,
+    CPU time the engine's own threads then lack. The timestamps are the stream's own (set
+    when the engine pushed), so polling does not blur TTFT or latency."""
+    timings: list[RequestTiming | None] = [None] * len(streams)
+    pending = list(range(len(streams)))
+    while pending:
+        await anyio.sleep(POLL_INTERVAL_S)
+        still_pending = []
+        for index in pending:
+            stream = streams[index]
+            if not stream.finished:
+                still_pending.append(index)
+                continue
+            delta = await stream.get()
+            timings[index] = _timing(delta, started)
+        pending = still_pending
+    return [t for t in timings if t is not None]
+
+
+def _timing(delta: StreamDelta | None, started: float) -> RequestTiming:
+    if delta is None:
+        return RequestTiming(0, 0.0, 0.0, None)
+    end = delta.finish_time if delta.finish_time is not None else time.monotonic()
+    first = delta.first_token_time if delta.first_token_time is not None else end
+    return RequestTiming(delta.num_output_tokens, first - started, end - started,
+                         delta.finish_reason)

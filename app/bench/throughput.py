@@ -17,11 +17,8 @@ import torch
 from app.bench.hf_arms import HFRun, run_hf_continuous, run_hf_static, warm_up_hf
 from app.bench.report import gpu_idle_figures, latency_figures, roofline_figures, summarise_runs
 from app.bench.tandem_arm import EngineRun, fixed_length_params, run_engine
-from app.bench.workloads import Workload, random_prompts
+from app.bench.workloads import HF_ARMS, TANDEM_ARMS, Workload, random_prompts
 from app.llm import LLM
-
-TANDEM_ARMS = ("v2", "v1")
-HF_ARMS = ("hf_static", "hf_continuous")
 
 
 def abba_order(arms: tuple[str, ...], repeats: int) -> list[str]:
@@ -86,6 +83,7 @@ def _startup_figures(llm: LLM, ready_s: float, triton_cache_was_empty: bool) -> 
         "weights_load_s": worker.load_time_s,
         "graph_capture_s": graphs.capture_time_s if graphs is not None else None,
         "num_graphs": graphs.num_captured if graphs is not None else 0,
+        "graph_memory_bytes": worker.graph_memory_bytes,
         "kv_cache_tokens": worker.kv_spec.num_tokens,
         "memory_report": asdict(worker.memory_report) if worker.memory_report else None,
         "triton_cache": "cold" if triton_cache_was_empty else "warm",

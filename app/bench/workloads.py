@@ -24,6 +24,10 @@ class Workload:
         return asdict(self)
 
 
+TANDEM_ARMS = ("v2", "v1")
+HF_ARMS = ("hf_static", "hf_continuous")
+"""transformers `generate` on static batches, and `generate_batch` (continuous batching)."""
+
 WORKLOADS: dict[str, Workload] = {
     "W1": Workload("W1", "dummy:qwen3-0.6b", 1024, 128, 512),
     "W2": Workload("W2", "dummy:qwen3-0.6b", 1000, 1024, 128),

@@ -84,7 +84,7 @@ def _assert_only_scheduled_slots_written(
     value: torch.Tensor,
 ) -> None:
     num_kv_heads, head_dim = after.shape[3:]
-    expected = before.clone()
+    expected = before.cpu().clone()  # key/value are host tensors; the cache may be on a GPU
     valid = slot_mapping.cpu() >= 0
     expected[0].view(-1, num_kv_heads, head_dim)[slot_mapping.cpu()[valid]] = key[valid]
     expected[1].view(-1, num_kv_heads, head_dim)[slot_mapping.cpu()[valid]] = value[valid]

