@@ -208,7 +208,9 @@ class AdmissionActor(Actor):
         elif isinstance(message, AbortAll):
             self._engine.abort(list(self._state.entries))
         elif isinstance(message, FailAll):
+            admitted = list(self._state.entries)
             self._fail_all(message.message)
+            self._engine.abort(admitted)  # their streams have ended: free their KV now
         else:
             raise TypeError(f"admission got an unexpected message {type(message).__name__}")
         return None

@@ -33,6 +33,7 @@ from actors.sampler import OutputProcessor, SamplerActor
 from actors.scheduler import Scheduler
 from actors.scheduler_actor import Drain, SchedulerActor
 from actors.scheduler_config import SchedulerConfig
+from actors.step_health import DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS, StepFailureMonitor
 from app.config import EngineConfig
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
@@ -56,13 +57,16 @@ class EngineStats:
 
 class Engine:
     def __init__(self, worker: ModelWorker, runner_name: str, config: EngineConfig | None = None,
-                 *, metrics: EngineMetrics | None = None, stats_log: EngineStatsLog | None = None
-                 ) -> None:
+                 *, metrics: EngineMetrics | None = None, stats_log: EngineStatsLog | None = None,
+                 max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         """`config` may narrow the worker's (scheduling limits, a smaller KV pool); the model,
         device and block size are the worker's. Without a tokenizer (dummy weights) the
         engine takes and returns token ids only. `metrics` receives every step's stats and
         every finished request's record (which then also rides on its final delta);
-        `stats_log` every step's stats. Without them the step path does no telemetry."""
+        `stats_log` every step's stats. Without them the step path does no telemetry.
+        A failed step fails only its requests; after `max_consecutive_failed_steps` failed
+        steps in a row the engine is dead: `dead_reason` is set and `on_dead` called once."""
         config = config or worker.config
         self.worker = worker
         self.config = config
@@ -86,9 +90,10 @@ class Engine:
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner_name == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
         self._schedule_times_s: dict[int, float] = {}
+        self.step_health = StepFailureMonitor(max_consecutive_failed_steps, on_dead)
         self.gpu_actor = gpu_actor_cls(
-            runner_cls(worker, config),
-            on_step_output=self._post_timed if step_observers else self.sampler_actor.tell)
+            runner_cls(worker, config), on_step_output=self.step_health.wrap(
+                self._post_timed if step_observers else self.sampler_actor.tell))
         submit_step = self._submit_timed if step_observers else self.gpu_actor.submit
         self.scheduler_actor = SchedulerActor(
             self.scheduler, submit_step=submit_step, tell_sampler=self.sampler_actor.tell,
@@ -125,6 +130,11 @@ class Engine:
                                 (self.sampler_actor, sampler_done), (self.kv_actor, kv_done)):
                 actor.close()
                 await done.wait()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead (too many consecutive failed steps); None while healthy."""
+        return self.step_health.dead_reason
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=self.scheduler.num_running,

@@ -102,6 +102,7 @@ class RequestStream:
         self._final_read = False
         self._cancelled = False
         self._wakeup: anyio.Event | None = None
+        self._done: anyio.Event | None = None
 
     # ---- engine side ------------------------------------------------------------------
 
@@ -129,6 +130,7 @@ class RequestStream:
         if finish_reason is not None:
             self._finish_reason, self._stop_reason, self._error = finish_reason, stop_reason, error
             self.finish_time = now
+            self._signal_done()
         self._wake()
 
     def set_num_cached_tokens(self, num_cached_tokens: int) -> None:
@@ -156,6 +158,16 @@ class RequestStream:
             await self._wakeup.wait()
         return self._take()
 
+    async def wait_finished(self) -> StreamDelta | None:
+        """Wait for the final outcome without waking on every step, then return the whole
+        output as one delta. For callers that want complete outputs (offline generation):
+        one reader per request woken every step costs CPU the engine's threads then lack."""
+        if not self.finished and not self._cancelled:
+            if self._done is None:
+                self._done = anyio.Event()
+            await self._done.wait()
+        return await self.get()
+
     def __aiter__(self) -> RequestStream:
         return self
 
@@ -172,6 +184,7 @@ class RequestStream:
         self._token_ids.clear()
         self._text_parts.clear()
         self._logprobs = None
+        self._signal_done()
         self._wake()
 
     # ---- internals --------------------------------------------------------------------
@@ -198,6 +211,10 @@ class RequestStream:
             self._logprobs = []
         self._final_read = self._finish_reason is not None
         return delta
+
+    def _signal_done(self) -> None:
+        if self._done is not None:
+            self._done.set()
 
     def _wake(self) -> None:
         if self._wakeup is not None:

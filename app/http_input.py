@@ -3,8 +3,10 @@ server's phase, the body's size, that it is a JSON object, and that it fits the 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import math
 from typing import Any, TypeVar
 
 import anyio
@@ -33,9 +35,17 @@ def check_api_key(request: Request, state: ServerState) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             expected.encode()):
+    if scheme.lower() != "bearer" or not api_key_matches(token.strip(), expected):
         raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+
+def api_key_matches(token: str, expected: str) -> bool:
+    """Constant-time comparison that also hides the key's length: both sides are hashed
+    to equal-length digests first. `token` is a header value as Starlette decodes it
+    (latin-1), so encoding it back gives the bytes the client sent, and a UTF-8 key works."""
+    sent = hashlib.sha256(token.encode("latin-1")).digest()
+    wanted = hashlib.sha256(expected.encode("utf-8")).digest()
+    return hmac.compare_digest(sent, wanted)
 
 
 def require_serving(state: ServerState) -> None:
@@ -52,7 +62,11 @@ def require_serving(state: ServerState) -> None:
     raise APIError(503, "The engine is not running", retry_after_s=retry)
 
 
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+async def read_json_object(request: Request, max_bytes: int,
+                           timeout_s: float = math.inf) -> dict[str, Any]:
+    """The body as a JSON object: 415 for form bodies, 413 beyond `max_bytes`, 408 when it
+    has not fully arrived `timeout_s` after the handler started reading (a client that
+    sends headers and then stalls holds nothing for longer), 400 when it is not an object."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in _FORM_TYPES:
         raise APIError(415, f"Unsupported Content-Type {content_type!r}; send application/json")
@@ -61,11 +75,14 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         raise _too_large(max_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    with anyio.move_on_after(timeout_s) as reading:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    if reading.cancelled_caught:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} seconds")
     body = b"".join(chunks)
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object")
@@ -76,6 +93,13 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {_json_kind(data)}")
     return data
+
+
+async def read_json_body(request: Request, state: ServerState) -> dict[str, Any]:
+    """`read_json_object` under the server's body size and time limits."""
+    settings = state.settings
+    return await read_json_object(request, settings.max_request_body_bytes,
+                                  settings.request_body_timeout_s)
 
 
 def _parse_json(body: bytes) -> Any:

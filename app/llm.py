@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from actors.admission import child_sampling_params
 from actors.engine import Engine, EngineStats
 from actors.messages import EngineRequest, StepStats
 from actors.output_stream import RequestStream
@@ -117,7 +118,8 @@ class LLM:
             for sample in range(params.n):
                 request = EngineRequest(
                     request_id=f"{request_id}-{sample}", prompt_token_ids=token_ids,
-                    sampling_params=_child_params(params, sample), arrival_time=time.monotonic(),
+                    sampling_params=child_sampling_params(params, sample),
+                    arrival_time=time.monotonic(),
                     eos_token_ids=self.worker.eos_token_ids)
                 tg.start_soon(_collect, engine.add_request(request), sample, collected)
         collected.sort(key=lambda c: c.output.index)
@@ -137,32 +139,14 @@ class _Collected:
 
 
 async def _collect(stream: RequestStream, index: int, collected: list[_Collected]) -> None:
-    text: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[Any] = []
-    finish_reason = stop_reason = None
-    num_cached = 0
-    async for delta in stream:
-        text.append(delta.text)
-        token_ids.extend(delta.token_ids)
-        if delta.logprobs:
-            logprobs.extend(delta.logprobs)
-        finish_reason = delta.finish_reason or finish_reason
-        stop_reason = delta.stop_reason if delta.stop_reason is not None else stop_reason
-        num_cached = delta.num_cached_tokens or num_cached
+    delta = await stream.wait_finished()
+    if delta is None:  # closed without an outcome; nothing to report
+        return
     collected.append(_Collected(
-        CompletionOutput(index=index, text="".join(text), token_ids=tuple(token_ids),
-                         finish_reason=finish_reason, stop_reason=stop_reason,
-                         logprobs=tuple(logprobs) if logprobs else None),
-        num_cached))
-
-
-def _child_params(params: SamplingParams, sample: int) -> SamplingParams:
-    # Parallel samples of one prompt need different noise; a user seed stays reproducible.
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + sample
-    return params.replace(n=1, seed=seed)
+        CompletionOutput(index=index, text=delta.text, token_ids=delta.token_ids,
+                         finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                         logprobs=delta.logprobs or None),
+        delta.num_cached_tokens))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

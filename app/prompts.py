@@ -21,6 +21,8 @@ from app.server_state import ServerState
 OFF_LOOP_CHARS = 8192
 """Inputs longer than this are rendered and tokenized in a worker thread."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "template", "messages",
+                                      "add_generation_prompt", "self"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPro
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
                           "set add_generation_prompt to false", "continue_final_message")
     size = sum(len(str(m.get("content", ""))) for m in messages)
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     try:
@@ -66,6 +68,19 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPro
     if req.echo and last.get("role") == role and isinstance(last.get("content"), str):
         echo_prefix = last["content"]
     return ChatPrompt(Prompt(tuple(token_ids), text), role, echo_prefix)
+
+
+def template_kwargs(requested: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, which become template variables. Names that would
+    replace the template or a fixed argument of the renderer are refused with a 400 (a
+    template is never taken from a request)."""
+    kwargs = dict(requested or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs cannot set {reserved[0]!r}: the chat template "
+                          "and the renderer's own arguments are the server's",
+                          "chat_template_kwargs")
+    return kwargs
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

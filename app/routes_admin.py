@@ -21,18 +21,14 @@ from app.errors import bad_request, model_not_found
 from app.http_input import (
     check_api_key,
     parse_model,
-    read_json_object,
+    read_json_body,
     require_serving,
     server_state,
 )
-from app.prompts import OFF_LOOP_CHARS, encode
+from app.prompts import OFF_LOOP_CHARS, encode, template_kwargs
 from app.routes_openai import api_endpoint
-from app.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from app.openapi import openapi_document
+from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
 
 _HEALTH_RETRY_AFTER_S = 5
@@ -101,9 +97,10 @@ def package_version() -> str:
 
 async def _tokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
-    req = parse_model(TokenizeRequest, await read_json_object(
-        request, state.settings.max_request_body_bytes))
+    req = parse_model(TokenizeRequest, await read_json_body(request, state))
     _check_model(state, req.model)
+    if req.chat_template is not None:
+        raise bad_request(REQUEST_TEMPLATE_REFUSED, "chat_template")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
@@ -129,7 +126,7 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
     try:
         text: str = state.tokenizer.apply_chat_template(
             messages, add_generation_prompt=bool(req.add_generation_prompt),
-            **(req.chat_template_kwargs or {}))
+            **template_kwargs(req.chat_template_kwargs))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     return text
@@ -137,8 +134,7 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
 
 async def _detokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
-    req = parse_model(DetokenizeRequest, await read_json_object(
-        request, state.settings.max_request_body_bytes))
+    req = parse_model(DetokenizeRequest, await read_json_body(request, state))
     _check_model(state, req.model)
     bad = next((t for t in req.tokens if t >= state.vocab_size), None)
     if bad is not None:
@@ -160,49 +156,8 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 async def openapi(request: Request) -> Response:
-    return Response(_openapi_document(), media_type="application/json")
-
-
-@functools.cache
-def _openapi_document() -> bytes:
-    models = {"ChatCompletionRequest": ChatCompletionRequest,
-              "CompletionRequest": CompletionRequest, "TokenizeRequest": TokenizeRequest,
-              "DetokenizeRequest": DetokenizeRequest}
-    schemas: dict[str, Any] = {}
-    for name, model in models.items():
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schemas[name] = schema
-    paths = {
-        "/v1/chat/completions": _post("Create a chat completion", "ChatCompletionRequest"),
-        "/v1/completions": _post("Create a text completion", "CompletionRequest"),
-        "/tokenize": _post("Tokenize a prompt or a conversation", "TokenizeRequest"),
-        "/detokenize": _post("Turn token ids back into text", "DetokenizeRequest"),
-        "/v1/models": _get("List the served model"),
-        "/v1/models/{model_id}": _get("Describe one served model"),
-        "/health": _get("200 when serving; 503 while loading, draining or dead"),
-        "/version": _get("Version, active model runner and why it was chosen"),
-        "/metrics": _get("Prometheus metrics (vLLM's names under vllm:, tandem's under tandem:)"),
-    }
-    document = {"openapi": "3.1.0",
-                "info": {"title": "tandem", "version": package_version()},
-                "paths": paths, "components": {"schemas": schemas}}
-    return orjson.dumps(document)
-
-
-def _post(summary: str, schema: str) -> dict[str, Any]:
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}},
-        "responses": _responses()}}
-
-
-def _get(summary: str) -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": _responses()}}
-
-
-def _responses() -> dict[str, Any]:
-    return {"200": {"description": "OK"},
-            "default": {"description": "OpenAI error: {error: {message, type, param, code}}"}}
+    api_key_required = bool(server_state(request).settings.api_key)
+    return Response(openapi_document(api_key_required), media_type="application/json")
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

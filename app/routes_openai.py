@@ -29,7 +29,7 @@ from app.errors import (
 from app.http_input import (
     check_api_key,
     parse_model,
-    read_json_object,
+    read_json_body,
     require_serving,
     server_state,
 )
@@ -239,7 +239,7 @@ async def _checked_state(request: Request) -> ServerState:
 
 
 async def _body(request: Request, state: ServerState) -> dict[str, Any]:
-    return await read_json_object(request, state.settings.max_request_body_bytes)
+    return await read_json_body(request, state)
 
 
 def _check_request(state: ServerState, req: SamplingFields, request_id: str,

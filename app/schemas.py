@@ -144,6 +144,9 @@ class TokenizeRequest(BaseModel):
 
     model_config = _MODEL_CONFIG
 
+    chat_template: Any = None
+    """Refused when set: see REQUEST_TEMPLATE_REFUSED."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -160,6 +163,10 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[NonNegativeInt]
 
+
+REQUEST_TEMPLATE_REFUSED = ("a chat template cannot come from a request; the server renders "
+                            "the model's own template")
+"""A template is code run on the server: it is never taken from a request."""
 
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     # field -> values that mean "not used" (always including None)
@@ -183,7 +190,6 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "functions": (),
     "function_call": ("none",),
-    "chat_template": (),
     "documents": (),
     "audio": (),
     "prediction": (),
@@ -226,6 +232,8 @@ def _special_cases(request: SamplingFields) -> tuple[str, str] | None:
             return "response_format", (f"response_format type {kind!r} is not supported by this "
                                        "server yet; only 'text' is")
     if isinstance(request, ChatCompletionRequest):
+        if request.chat_template is not None:
+            return "chat_template", REQUEST_TEMPLATE_REFUSED
         if request.tools is not None:
             return "tools", "'tools' (function calling) is not supported by this server yet"
         if request.modalities is not None and list(request.modalities) != ["text"]:

@@ -66,6 +66,15 @@ def add_parser(sub: Any) -> None:
                      help="seconds between ': keep-alive' SSE comments while a stream waits "
                           "(queued, long prefill); 0 disables (default 10). "
                           "Env: TANDEM_KEEP_ALIVE_INTERVAL")
+    net.add_argument("--keep-alive-timeout", type=float,
+                     default=_env("keep_alive_timeout", 65.0, float),
+                     help="seconds an idle connection stays open (before its first request's "
+                          "headers are complete, and between requests); keep it above the load "
+                          "balancer's idle timeout (default 65). Env: TANDEM_KEEP_ALIVE_TIMEOUT")
+    net.add_argument("--request-body-timeout", type=float,
+                     default=_env("request_body_timeout", 60.0, float),
+                     help="a request body that has not fully arrived this many seconds after its "
+                          "headers gets 408 (default 60). Env: TANDEM_REQUEST_BODY_TIMEOUT")
     net.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", 30.0, float),
                      help="on SIGTERM, seconds in-flight requests may finish before they are "
                           "aborted (default 30). Env: TANDEM_SHUTDOWN_TIMEOUT")
@@ -81,6 +90,11 @@ def add_parser(sub: Any) -> None:
     adm.add_argument("--max-n", type=int, default=_env("max_n", 16, int),
                      help="largest n (samples per request) accepted (default 16). "
                           "Env: TANDEM_MAX_N")
+    adm.add_argument("--max-consecutive-failed-steps", type=int,
+                     default=_env("max_consecutive_failed_steps", 5, int),
+                     help="this many failed engine steps in a row mark the engine dead: /health "
+                          "answers 503 and new requests are refused (default 5). "
+                          "Env: TANDEM_MAX_CONSECUTIVE_FAILED_STEPS")
     adm.add_argument("--clamp-max-tokens", action="store_true",
                      default=_env_flag("clamp_max_tokens"),
                      help="shorten max_tokens to fit the context instead of answering 400. "
@@ -112,7 +126,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         max_request_body_bytes=args.max_request_body_bytes,
         keep_alive_interval_s=args.keep_alive_interval, shutdown_timeout_s=args.shutdown_timeout,
-        clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log)
+        clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log,
+        max_consecutive_failed_steps=args.max_consecutive_failed_steps,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        request_body_timeout_s=args.request_body_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,6 +163,10 @@ def _check_args(args: argparse.Namespace) -> None:
               (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be >= 1024"),
               (args.keep_alive_interval >= 0, "--keep-alive-interval must be >= 0"),
               (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
+              (args.keep_alive_timeout > 0, "--keep-alive-timeout must be > 0"),
+              (args.request_body_timeout > 0, "--request-body-timeout must be > 0"),
+              (args.max_consecutive_failed_steps >= 1,
+               "--max-consecutive-failed-steps must be at least 1"),
               (args.max_n >= 1, "--max-n must be at least 1")]
     for ok, message in checks:
         if not ok:

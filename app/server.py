@@ -75,11 +75,16 @@ def hypercorn_config(settings: ServeSettings, fd: int) -> HypercornConfig:
     # this only covers connections still writing their last bytes.
     config.graceful_timeout = _FLUSH_AFTER_ABORT_S
     # Hypercorn's read timeout fires when the client sends nothing, which is normal while a
-    # long response streams; it would cut healthy streams, so it stays off.
+    # long response streams; it would cut healthy streams, so it stays off. A client that
+    # sends headers and then stalls its body is cut by the routes instead (408 after
+    # `request_body_timeout_s`).
     config.read_timeout = None
-    # Longer than the usual proxy idle timeouts (60 s), so the proxy closes idle
-    # connections first and never sends a request onto one the server is closing.
-    config.keep_alive_timeout = 65.0
+    # Hypercorn runs this timer whenever a connection has no request in progress: from
+    # accept until a request's headers are complete, and between keep-alive requests. So it
+    # also bounds a client that dribbles its headers. The default (65 s) is longer than the
+    # usual proxy idle timeouts (60 s), so the proxy closes idle connections first and never
+    # sends a request onto one the server is closing.
+    config.keep_alive_timeout = settings.keep_alive_timeout_s
     config.backlog = 2048
     # Hypercorn logs through the standard logging tree that `tandem serve` configured.
     config.accesslog = logging.getLogger("hypercorn.access") if settings.access_log else None

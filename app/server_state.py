@@ -15,7 +15,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import structlog
 
-from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain
+from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
 from app.config import EngineConfig
 from telemetry.logging import EngineStatsLog, log_startup
 from telemetry.metrics import EngineMetrics
@@ -46,6 +46,13 @@ class ServeSettings:
     max_n: int = 16
     retry_after_s: int = 1
     access_log: bool = False
+    max_consecutive_failed_steps: int = 5
+    """This many failed engine steps in a row mark the engine dead: /health 503."""
+    keep_alive_timeout_s: float = 65.0
+    """An idle connection (no request yet, or between requests) is closed after this; a
+    request's headers must arrive within it."""
+    request_body_timeout_s: float = 60.0
+    """A request body that has not fully arrived this long after its headers gets 408."""
 
     def model_names(self) -> tuple[str, ...]:
         if self.served_model_names:
@@ -144,7 +151,9 @@ class ServerState:
         self.vocab_size = worker.model_config.vocab_size
         self.eos_token_ids = worker.eos_token_ids
         engine = Engine(worker, loaded.runner.runner, config, metrics=self.metrics,
-                        stats_log=EngineStatsLog())
+                        stats_log=EngineStatsLog(),
+                        max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
+                        on_dead=self._on_engine_dead)
         self.metrics.set_runner(loaded.runner)
         log_startup(log, config=config, device=loaded.platform.device, runner=loaded.runner,
                     num_kv_blocks=engine.num_kv_blocks, block_size=config.block_size,
@@ -182,6 +191,15 @@ class ServerState:
         if self.admission is not None:
             self.admission.fail_streams("the engine stopped unexpectedly")
         self.stop_serving.set()
+
+    def _on_engine_dead(self, reason: str) -> None:
+        """Steps keep failing: /health turns 503 (an orchestrator then restarts the process),
+        new requests get 503, and every admitted request ends with an error."""
+        if self.phase in ("loading", "serving"):
+            self.phase = "dead"
+        self.exit_code = 1
+        if self.admission is not None:
+            self.admission.tell(FailAll(reason))
 
     def stop_engine(self) -> None:
         self._stop_engine.set()

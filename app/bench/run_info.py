@@ -62,6 +62,14 @@ def load_average() -> list[float] | None:
         return None
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds that process `pid` (all its threads) has used so far."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def command_line(program: str = "tandem") -> str:
     """The command as typed: `tandem ...` for the console script, `python -m ...` otherwise."""
     argv0 = Path(sys.argv[0]).name

@@ -4,6 +4,9 @@ measure TTFT, TPOT, ITL and E2EL the way `vllm bench serve` does (see serve_metr
 Each concurrency level runs `num_warmups` unmeasured requests, then the measured prompts:
 all arrive at t=0 (request rate inf) or on a seeded Poisson clock, and at most
 `concurrency` are in flight. The JSON result is rewritten after every level.
+
+Every level sends the same prompts (as vLLM does); against a server with prefix caching,
+later levels may skip prefill, which `total_cached_prompt_tokens` shows.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ class RequestResult:
     success: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the server took from its prefix cache (usage.prompt_tokens_details)."""
     ttft_s: float = 0.0
     itl_s: tuple[float, ...] = ()
     e2el_s: float = 0.0
@@ -43,6 +45,7 @@ class StreamTimeline:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    cached_prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str = ""
 
@@ -63,6 +66,8 @@ class StreamTimeline:
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens")
             self.output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached_prompt_tokens = details.get("cached_tokens") or 0
 
     def result(self) -> RequestResult:
         if self.error:
@@ -73,6 +78,7 @@ class StreamTimeline:
             return RequestResult(success=False, error="the stream ended without a usage chunk")
         return RequestResult(
             success=True, prompt_tokens=self.prompt_tokens or 0, output_tokens=self.output_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
             ttft_s=self.first_choice_s - self.sent_s, itl_s=tuple(self.itl_s),
             e2el_s=self.last_choice_s - self.sent_s, finish_reason=self.finish_reason)
 
@@ -109,6 +115,7 @@ def summarize(results: list[RequestResult], duration_s: float,
         "completed": len(done), "failed": len(results) - len(done),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "total_cached_prompt_tokens": sum(r.cached_prompt_tokens for r in done),
         "request_throughput_req_s": len(done) / duration_s,
         "output_throughput_tok_s": output_tokens / duration_s,
         "total_token_throughput_tok_s": (input_tokens + output_tokens) / duration_s,

@@ -14,7 +14,6 @@ from actors.output_stream import RequestStream, StreamDelta
 from actors.sampling_params import SamplingParams
 from app.llm import LLM
 
-POLL_INTERVAL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +67,15 @@ async def _collect_finished(streams: list[RequestStream], started: float) -> lis
     """Read each stream once, after it has finished, as vLLM's offline `generate` returns
     whole outputs. Reading every step instead would wake one task per request per step,
     CPU time the engine's own threads then lack. The timestamps are the stream's own (set
-    when the engine pushed), so polling does not blur TTFT or latency."""
+    when the engine pushed), so reading late does not blur TTFT or latency."""
     timings: list[RequestTiming | None] = [None] * len(streams)
-    pending = list(range(len(streams)))
-    while pending:
-        await anyio.sleep(POLL_INTERVAL_S)
-        still_pending = []
-        for index in pending:
-            stream = streams[index]
-            if not stream.finished:
-                still_pending.append(index)
-                continue
-            delta = await stream.get()
-            timings[index] = _timing(delta, started)
-        pending = still_pending
+
+    async def read(index: int) -> None:
+        timings[index] = _timing(await streams[index].wait_finished(), started)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(streams)):
+            tg.start_soon(read, index)
     return [t for t in timings if t is not None]
 
 

@@ -140,3 +140,24 @@ async def test_buffer_holds_only_unread_output(num_pushes):
     stream.push([99], "y", finish_reason="length")
     delta = await stream.get()
     assert delta is not None and delta.token_ids == (99,) and delta.text == "y"
+
+
+async def test_wait_finished_returns_the_whole_output_once_finished() -> None:
+    stream = RequestStream("r", num_prompt_tokens=3)
+    results = []
+
+    async def reader() -> None:
+        results.append(await stream.wait_finished())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader)
+        await anyio.sleep(0)
+        stream.push((1,), "a")
+        stream.push((2,), "b")
+        await anyio.sleep(0.01)
+        assert results == []  # per-step pushes do not complete the wait
+        stream.push((3,), "c", finish_reason="length")
+    (delta,) = results
+    assert delta.token_ids == (1, 2, 3) and delta.text == "abc"
+    assert delta.finish_reason == "length"
+    assert await stream.get() is None

@@ -3,6 +3,7 @@ workload and argument checks, and one short live run against a real server."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -11,9 +12,18 @@ from typing import Any
 
 import pytest
 
-from app.bench.serve_client import ServeBenchConfig, arrival_offsets_s, run_serve_benchmark
+from app.bench.serve_client import (
+    ServeBenchConfig,
+    arrival_offsets_s,
+    run_serve_benchmark,
+)
 from app.bench.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
-from app.bench.serve_workload import Workload, request_body, text_prompts, token_id_prompts
+from app.bench.serve_workload import (
+    Workload,
+    request_body,
+    text_prompts,
+    token_id_prompts,
+)
 from app.cli import build_parser
 from app.cli_errors import UserFacingError
 
@@ -25,10 +35,11 @@ def _content(text: str, finish_reason: str | None = None) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish_reason}]}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"choices": [], "usage": {"prompt_tokens": prompt_tokens,
                                      "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens}}
+                                     "total_tokens": prompt_tokens + completion_tokens,
+                                     "prompt_tokens_details": {"cached_tokens": cached_tokens}}}
 
 
 def _timeline(sent_s: float, events: list[tuple[float, dict[str, Any]]]) -> RequestResult:
@@ -43,7 +54,7 @@ def _timeline(sent_s: float, events: list[tuple[float, dict[str, Any]]]) -> Requ
 # TPOT (1.0 - 0.2) / 3.
 def _request_a() -> RequestResult:
     return _timeline(10.0, [(10.2, ROLE), (10.2, _content("a")), (10.5, _content("b")),
-                            (11.0, _content("c", "length")), (11.1, _usage(5, 4))])
+                            (11.0, _content("c", "length")), (11.1, _usage(5, 4, 2))])
 
 
 # Request B: sent at 0; role 0.4, last token with finish 0.6, usage 0.9 (1 token).
@@ -55,6 +66,7 @@ def _request_b() -> RequestResult:
 def test_timeline_follows_vllm_definitions() -> None:
     a = _request_a()
     assert a.success and a.output_tokens == 4 and a.prompt_tokens == 5
+    assert a.cached_prompt_tokens == 2
     assert a.ttft_s == pytest.approx(0.2)
     assert a.itl_s == pytest.approx((0.0, 0.3, 0.5))
     assert a.e2el_s == pytest.approx(1.0)  # the usage chunk at 11.1 does not count
@@ -79,6 +91,7 @@ def test_summary_figures_are_hand_checked() -> None:
     s = summarize([_request_a(), _request_b(), failed], duration_s=2.0, expected_output_tokens=4)
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 503: busy"])
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (12, 5)
+    assert s["total_cached_prompt_tokens"] == 2
     assert s["request_throughput_req_s"] == pytest.approx(1.0)
     assert s["output_throughput_tok_s"] == pytest.approx(2.5)
     assert s["total_token_throughput_tok_s"] == pytest.approx(8.5)
@@ -102,7 +115,7 @@ def test_summary_without_successes_reports_no_latency() -> None:
 def test_arrivals() -> None:
     assert arrival_offsets_s(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
     offsets = arrival_offsets_s(4000, 20.0, seed=1)
-    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
     assert offsets[0] == 0.0 and min(gaps) >= 0
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
     assert arrival_offsets_s(10, 20.0, seed=1) == offsets[:10]
@@ -179,6 +192,7 @@ def test_live_run_against_a_real_server(server: Any, tmp_path: Path, endpoint: s
     for level in record["levels"]:
         assert (level["completed"], level["failed"]) == (3, 0), level.get("errors")
         assert level["output_len_mismatches"] == 0
+        assert level["total_cached_prompt_tokens"] >= 0
         assert level["total_output_tokens"] == 3 * output_len
         if endpoint == "completions":
             assert level["total_input_tokens"] == 3 * 12  # token-id prompts are exact
