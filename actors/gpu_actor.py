@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable
@@ -41,6 +42,8 @@ class _GPUActorBase:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.recent_step_stats: collections.deque[StepStats] = collections.deque(
             maxlen=MAX_RECENT_STEP_STATS)
+        self._rows_to_free: frozenset[str] = frozenset()
+        """Finished requests a failed step may not have freed (launcher thread only)."""
 
     def submit(self, sched: SchedulerOutput) -> None:
         self._inbox.put(sched)
@@ -57,6 +60,22 @@ class _GPUActorBase:
         assert self._loop is not None
         self.recent_step_stats.append(out.stats)
         self._loop.call_soon_threadsafe(self._on_step_output, out)
+
+    def _execute(self, sched: SchedulerOutput) -> Any:
+        """`runner.execute`, or a failed StepOutput when it raises. A step can fail before
+        the runner freed the rows it was told to free, and nothing would name those
+        finished requests again: they are freed with the next step (freeing is
+        idempotent). The step's own requests are named again once they fail."""
+        if self._rows_to_free:
+            sched = dataclasses.replace(
+                sched, finished_request_ids=sched.finished_request_ids | self._rows_to_free)
+            self._rows_to_free = frozenset()
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - a failed step must not kill the engine
+            re_added = {new.request_id for new in sched.new_requests}
+            self._rows_to_free = sched.finished_request_ids - re_added
+            return failed_step(sched.step_id, sched.scheduled_request_ids, exc)
 
     def _thread_main(self) -> None:
         raise NotImplementedError
@@ -91,10 +110,7 @@ class GPUActorV2(_GPUActorBase):
 
     def _launch_loop(self) -> None:
         while (sched := self._inbox.get()) is not _STOP:
-            try:
-                self._launched.put(self.runner.execute(sched))
-            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the engine
-                self._launched.put(failed_step(sched.step_id, sched.scheduled_request_ids, exc))
+            self._launched.put(self._execute(sched))
 
     def _complete_loop(self) -> None:
         bind_actor(self.name)  # a plain thread starts with an empty context
@@ -113,8 +129,4 @@ class GPUActorV1(_GPUActorBase):
 
     def _thread_main(self) -> None:
         while (sched := self._inbox.get()) is not _STOP:
-            try:
-                out = self.runner.execute(sched)
-            except Exception as exc:  # noqa: BLE001
-                out = failed_step(sched.step_id, sched.scheduled_request_ids, exc)
-            self._post(out)
+            self._post(self._execute(sched))

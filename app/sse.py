@@ -130,7 +130,9 @@ class CompletionChunkFormatter(ChunkFormatter):
         if delta.logprobs is not None:
             logprobs = completion_logprobs(delta.logprobs, choice.text_offset + len(prefix))
         choice.text_offset += len(text)
-        if not (text or delta.logprobs or delta.finished):
+        # A step's tokens get a chunk even when they decode to no text yet (a character
+        # split over tokens, a model served without a tokenizer), so clients see the pace.
+        if not (text or delta.token_ids or delta.logprobs or delta.finished):
             return []
         return [self.chunk({"index": choice.index, "text": text, "logprobs": logprobs,
                             "finish_reason": delta.finish_reason,

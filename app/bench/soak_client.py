@@ -70,17 +70,23 @@ async def _send(client: httpx.AsyncClient, planned: PlannedRequest) -> RequestOu
     content = planned.raw_body if planned.raw_body is not None else json.dumps(planned.body)
     headers = {"Content-Type": "application/json", **planned.headers}
     request = client.build_request("POST", planned.path, content=content, headers=headers)
+    events = [0]
     if planned.plan != "disconnect":
-        return await _read(client, request, planned)
+        return await _read(client, request, planned, events)
     with anyio.move_on_after(planned.disconnect_after_s) as reading:
-        outcome = await _read(client, request, planned)
+        outcome = await _read(client, request, planned, events)
     if reading.cancelled_caught:
-        return _outcome(planned, "client_aborted", None)
+        return _outcome(planned, "client_aborted", None, _aborted_after(events[0]))
     return outcome
 
 
-async def _read(client: httpx.AsyncClient, request: httpx.Request, planned: PlannedRequest
-                ) -> RequestOutcome:
+def _aborted_after(num_events: int) -> str:
+    return f"after {num_events} events" if num_events else "before any output"
+
+
+async def _read(client: httpx.AsyncClient, request: httpx.Request, planned: PlannedRequest,
+                events: list[int]) -> RequestOutcome:
+    """`events[0]` counts the stream's data events as they arrive."""
     response = await client.send(request, stream=True)
     try:
         status = response.status_code
@@ -88,7 +94,7 @@ async def _read(client: httpx.AsyncClient, request: httpx.Request, planned: Plan
             await response.aread()
             return _judge_status(planned, response)
         if planned.stream:
-            return await _read_stream(response, planned)
+            return await _read_stream(response, planned, events)
         await response.aread()
         return _judge_json(planned, response.json())
     finally:
@@ -112,7 +118,8 @@ def _judge_status(planned: PlannedRequest, response: httpx.Response) -> RequestO
                     f"expected {planned.expected_status}: {response.text[:300]}")
 
 
-async def _read_stream(response: httpx.Response, planned: PlannedRequest) -> RequestOutcome:
+async def _read_stream(response: httpx.Response, planned: PlannedRequest, events: list[int]
+                       ) -> RequestOutcome:
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
         raise _Invalid(f"stream with content-type {response.headers.get('content-type')}")
     chunks: list[dict[str, Any]] = []
@@ -129,9 +136,10 @@ async def _read_stream(response: httpx.Response, planned: PlannedRequest) -> Req
         if "error" in chunk:
             raise _Invalid(f"error event: {chunk['error']}")
         chunks.append(chunk)
+        events[0] = len(chunks)
         limit = planned.disconnect_after_events
         if planned.plan == "disconnect" and limit is not None and len(chunks) >= limit:
-            return _outcome(planned, "client_aborted", 200)
+            return _outcome(planned, "client_aborted", 200, _aborted_after(len(chunks)))
     if not done:
         raise _Invalid("the stream ended without [DONE]")
     return _judge_stream(planned, chunks)

@@ -27,6 +27,10 @@ class SoakMix:
     malformed_fraction: float = 0.05
     max_prompt_words: int = 40
     max_n: int = 2
+    disconnect_within_s: float = 3.0
+    """A disconnecting client hangs up at a moment drawn from [0, disconnect_within_s]:
+    set it near the typical request latency to spread the hang-ups over queueing,
+    prefill and streaming."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,7 @@ def plan_request(index: int, seed: int, mix: SoakMix) -> PlannedRequest:
         if rng.random() < 0.2:
             body["logprobs"] = rng.randint(0, 3)
     return PlannedRequest(index=index, plan=plan, path=CHAT if chat else COMPLETIONS, body=body,
-                          disconnect_after_s=rng.uniform(0.0, 3.0),
+                          disconnect_after_s=rng.uniform(0.0, mix.disconnect_within_s),
                           disconnect_after_events=rng.randint(0, 4) if rng.random() < 0.5
                           else None)
 

@@ -55,7 +55,6 @@ BAD_AUTH: list[dict[str, Any]] = [
     {},
     {"Authorization": ""},
     {"Authorization": "Bearer"},
-    {"Authorization": "Bearer "},
     {"Authorization": API_KEY},
     {"Authorization": f"Basic {API_KEY}"},
     {"Authorization": f"Bearer {API_KEY}x"},
@@ -82,8 +81,8 @@ def test_protected_routes_refuse_every_wrong_key(http: httpx.Client, method: str
 
 
 def test_surrounding_whitespace_and_scheme_case_are_tolerated(http: httpx.Client) -> None:
-    for header in (f"Bearer  {API_KEY}", f"bearer {API_KEY}", f"Bearer {API_KEY}  ",
-                   f"BEARER \t{API_KEY}"):
+    # (Trailing whitespace is optional whitespace in HTTP: never part of a header value.)
+    for header in (f"Bearer  {API_KEY}", f"bearer {API_KEY}", f"BEARER \t{API_KEY}"):
         assert http.get("/v1/models", headers={"Authorization": header}).status_code == 200
 
 

@@ -147,3 +147,37 @@ def _stop(server: RunningServer, timeout_s: float = 60.0) -> int | None:
     while server.exit_code is None and time.monotonic() < deadline:
         time.sleep(0.05)
     return server.exit_code
+
+
+async def _load(url: str, num_requests: int) -> list[int]:
+    async def one(client: httpx.AsyncClient, index: int) -> int:
+        response = await client.post(CMPL, json={"prompt": f"Item {index}:",
+                                                 "max_tokens": 1 + index % 9, "ignore_eos": True})
+        assert leaked_markers(response.text) == []
+        return response.status_code
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return list(await asyncio.gather(*[one(client, i) for i in range(num_requests)]))
+
+
+def test_step_faults_under_load_leave_nothing_behind() -> None:
+    """Failed steps that were also told to free the rows of requests finished earlier:
+    those rows must still be freed (nothing else names those requests again)."""
+    server = RunningServer(engine=ENGINE.replace(max_num_seqs=8), max_consecutive_failed_steps=50)
+    faults = StepFaults(server.state.engine.gpu_actor.runner)
+    try:
+        faults.arm(4, match=lambda sched: bool(sched.finished_request_ids))
+        statuses = asyncio.run(_load(server.url, 48))
+        assert len(faults.failed_steps) == 4
+        assert set(statuses) == {200, 500} and statuses.count(500) >= 4
+        # The next request runs a step, which frees the rows of the requests before it.
+        ok = httpx.post(server.url + CMPL, json={"prompt": "Hi", "max_tokens": 1})
+        assert ok.status_code == 200
+        snap = server.wait_engine_idle()
+        assert (snap.num_running, snap.num_waiting, snap.num_unfinished_admitted) == (0, 0, 0)
+        assert snap.num_free_kv_blocks == snap.num_total_kv_blocks
+        assert snap.num_free_rows is None or snap.num_free_rows >= snap.num_rows - 1
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        faults.restore()
+        server.stop()

@@ -11,6 +11,7 @@ import pytest
 
 from app.bench.soak import SoakConfig, run_soak
 from app.bench.soak_server import InProcessServer
+from app.bench.soak_workload import SoakMix
 from app.server_state import ServeSettings
 from tests.app._server_fixtures import ENGINE, shared_model
 
@@ -25,13 +26,17 @@ bound catches a per-request leak of roughly 1 MiB."""
 
 
 def test_soak_loses_nothing_and_leaks_nothing() -> None:
+    # Requests here take up to ~10 s, so hang-ups within 8 s land while queued, during
+    # prefill and mid-stream.
     config = SoakConfig(num_requests=150, concurrency=32, seed=7,
+                        mix=SoakMix(disconnect_within_s=8.0),
                         max_rss_growth_mib=MAX_RSS_GROWTH_MIB)
     with InProcessServer(ServeSettings(engine=ENGINE, port=0, api_key=API_KEY),
                          shared_model()) as server:
         report = run_soak(server, config, api_key=API_KEY)
         exit_code = server.stop()
-    summary = {k: report[k] for k in ("outcomes", "outcomes_by_plan", "num_5xx", "elapsed_s",
+    summary = {k: report[k] for k in ("outcomes", "outcomes_by_plan", "client_aborts",
+                                      "num_5xx", "elapsed_s",
                                       "server_finish_reasons", "rss_mib", "after")}
     print(json.dumps(summary, indent=1))
     assert report["passed"], (report["problems"], report["failures"])
@@ -39,6 +44,7 @@ def test_soak_loses_nothing_and_leaks_nothing() -> None:
     # The mix really exercised every path.
     assert outcomes.get("completed", 0) >= 80
     assert outcomes.get("client_aborted", 0) >= 10
+    assert set(report["client_aborts"]) == {"mid-stream", "before any output"}
     assert outcomes.get("rejected", 0) >= 3
     assert sum(outcomes.values()) == config.num_requests
     # Every request the engine ended normally was seen by a client that read to the end;
