@@ -17,7 +17,7 @@ Ties go to the smallest token id. The Triton kernel writes one (max, argmax) per
 
 import torch
 
-from kernels._sampling_checks import check_logits, check_tensor, check_triton_device
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 1024
@@ -178,8 +178,7 @@ def gumbel_sample_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> torch.Tensor:  # [num_rows] int64
     """Triton launcher of `gumbel_sample`: (row, vocab block) programs, then a block argmax."""
-    if not HAS_TRITON:
-        raise RuntimeError("gumbel_sample_triton needs Triton, which is not installed")
+    need_triton("gumbel_sample_triton")
     _check_args(logits, idx_mapping, temperature, seed, positions)
     check_triton_device("gumbel_sample_triton", logits.device)
     num_rows, vocab_size = logits.shape

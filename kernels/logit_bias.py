@@ -12,11 +12,12 @@ bias token ids must be distinct (duplicates would race in the kernel); stop ids 
 
 import torch
 
-from kernels._sampling_checks import (
+from kernels._checks import (
     check_logits,
     check_same_num_rows,
     check_tensor,
     check_triton_device,
+    need_triton,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -134,8 +135,7 @@ def apply_logit_bias_triton(
     stop_token_ids: torch.Tensor,  # [max_num_reqs, stop_width] int32
 ) -> None:
     """Triton launcher of `apply_logit_bias`: one program per logit row."""
-    if not HAS_TRITON:
-        raise RuntimeError("apply_logit_bias_triton needs Triton, which is not installed")
+    need_triton("apply_logit_bias_triton")
     _check_args(logits, idx_mapping, num_output_tokens, num_logit_bias, logit_bias_token_ids,
                 logit_bias_values, min_tokens, num_stop_token_ids, stop_token_ids)
     check_triton_device("apply_logit_bias_triton", logits.device)

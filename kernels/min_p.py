@@ -8,7 +8,7 @@ Apply it after temperature, since the threshold is relative to the scaled distri
 
 import torch
 
-from kernels._sampling_checks import check_logits, check_tensor, check_triton_device
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 2048
@@ -67,8 +67,7 @@ def apply_min_p_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> None:
     """Triton launcher of `apply_min_p`: one program per row (a max pass, then a mask pass)."""
-    if not HAS_TRITON:
-        raise RuntimeError("apply_min_p_triton needs Triton, which is not installed")
+    need_triton("apply_min_p_triton")
     _check_args(logits, idx_mapping, min_p)
     check_triton_device("apply_min_p_triton", logits.device)
     num_rows, vocab_size = logits.shape

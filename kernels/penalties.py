@@ -12,11 +12,12 @@ Rows whose penalties are neutral (1, 0, 0) are left untouched.
 
 import torch
 
-from kernels._sampling_checks import (
+from kernels._checks import (
     check_logits,
     check_same_num_rows,
     check_tensor,
     check_triton_device,
+    need_triton,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -116,8 +117,7 @@ def apply_penalties_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> None:
     """Triton launcher of `apply_penalties`: one program per (row, vocab block)."""
-    if not HAS_TRITON:
-        raise RuntimeError("apply_penalties_triton needs Triton, which is not installed")
+    need_triton("apply_penalties_triton")
     _check_args(logits, idx_mapping, repetition_penalty, frequency_penalty, presence_penalty,
                 prompt_mask, output_counts)
     check_triton_device("apply_penalties_triton", logits.device)

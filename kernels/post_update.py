@@ -15,10 +15,16 @@ that would land at or past max_model_len is not stored in token_ids (the schedul
 runs such a step), but total_len and last_sampled still advance, in both implementations.
 """
 
-import os
-
 import torch
 
+from kernels._checks import (
+    check_contiguous_rows,
+    check_dtype_and_rank,
+    check_same_device,
+    check_token_history_device,
+    check_triton_device,
+    need_triton,
+)
 from kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -54,15 +60,6 @@ if HAS_TRITON:
             tl.store(last_sampled_ptr + row, token)
 
 
-def _check_tensor(tensor: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-
-
 def _check_args(
     idx_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -73,13 +70,13 @@ def _check_args(
     last_sampled: torch.Tensor,
     num_reqs: int,
 ) -> None:
-    _check_tensor(idx_mapping, "idx_mapping", torch.int32, 1)
-    _check_tensor(query_start_loc, "query_start_loc", torch.int32, 1)
-    _check_tensor(sampled_token_ids, "sampled_token_ids", torch.int64, 1)
-    _check_tensor(num_computed_tokens, "num_computed_tokens", torch.int32, 1)
-    _check_tensor(total_len, "total_len", torch.int32, 1)
-    _check_tensor(token_ids, "token_ids", torch.int32, 2)
-    _check_tensor(last_sampled, "last_sampled", torch.int64, 1)
+    check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
+    check_dtype_and_rank("sampled_token_ids", sampled_token_ids, torch.int64, 1)
+    check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
+    check_dtype_and_rank("total_len", total_len, torch.int32, 1)
+    check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
+    check_dtype_and_rank("last_sampled", last_sampled, torch.int64, 1)
     if num_reqs < 0 or min(idx_mapping.shape[0], sampled_token_ids.shape[0]) < num_reqs:
         raise ValueError(
             f"num_reqs ({num_reqs}) must be >= 0 and at most "
@@ -97,26 +94,12 @@ def _check_args(
             "num_computed_tokens, total_len, last_sampled and token_ids must have one "
             "entry per request row"
         )
-    tensors = {
-        "idx_mapping": idx_mapping,
-        "query_start_loc": query_start_loc,
-        "sampled_token_ids": sampled_token_ids,
-        "num_computed_tokens": num_computed_tokens,
-        "total_len": total_len,
-        "last_sampled": last_sampled,
-    }
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
-        raise ValueError(f"all tensors must be on one device, got {listing}")
-    device = devices.pop()
-    # The token history may live in pinned host memory that the GPU writes through UVA.
-    uva_history = device.type == "cuda" and token_ids.device.type == "cpu" and token_ids.is_pinned()
-    if token_ids.device != device and not uva_history:
-        raise ValueError(
-            f"token_ids is on {token_ids.device} but the other tensors are on {device}; "
-            "it must be on the same device, or pinned host memory for a CUDA step"
-        )
+    device = check_same_device(
+        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+        sampled_token_ids=sampled_token_ids, num_computed_tokens=num_computed_tokens,
+        total_len=total_len, last_sampled=last_sampled,
+    )
+    check_token_history_device(token_ids, device)
 
 
 def post_update_ref(
@@ -130,16 +113,8 @@ def post_update_ref(
     num_reqs: int,
 ) -> None:
     """Torch reference of `post_update`; needs no host sync (masked writes, no boolean indexing)."""
-    _check_args(
-        idx_mapping,
-        query_start_loc,
-        sampled_token_ids,
-        num_computed_tokens,
-        total_len,
-        token_ids,
-        last_sampled,
-        num_reqs,
-    )
+    _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
+                token_ids, last_sampled, num_reqs)
     rows = idx_mapping[:num_reqs].long()
     query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
     num_computed = num_computed_tokens[rows] + query_lens
@@ -172,32 +147,15 @@ def post_update_triton(
     num_reqs: int,
 ) -> None:
     """Triton launcher of `post_update`: one program per scheduled request."""
-    if not HAS_TRITON:
-        raise RuntimeError("post_update_triton needs Triton, which is not installed")
-    _check_args(
-        idx_mapping,
-        query_start_loc,
-        sampled_token_ids,
-        num_computed_tokens,
-        total_len,
-        token_ids,
-        last_sampled,
-        num_reqs,
+    need_triton("post_update_triton")
+    _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
+                token_ids, last_sampled, num_reqs)
+    check_triton_device("post_update_triton", total_len.device)
+    check_contiguous_rows(
+        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+        sampled_token_ids=sampled_token_ids, num_computed_tokens=num_computed_tokens,
+        total_len=total_len, last_sampled=last_sampled, token_ids=token_ids,
     )
-    if total_len.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"post_update_triton needs CUDA tensors, got {total_len.device}")
-    for name, tensor in (
-        ("idx_mapping", idx_mapping),
-        ("query_start_loc", query_start_loc),
-        ("sampled_token_ids", sampled_token_ids),
-        ("num_computed_tokens", num_computed_tokens),
-        ("total_len", total_len),
-        ("last_sampled", last_sampled),
-    ):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if token_ids.stride(1) != 1:
-        raise ValueError("token_ids rows must be contiguous (stride(1) == 1)")
     if num_reqs == 0:
         return
     _post_update_kernel[(num_reqs,)](
@@ -225,13 +183,5 @@ def post_update(
 ) -> None:
     """Advance the request state after sampling (see the module doc)."""
     impl = post_update_triton if HAS_TRITON and total_len.is_cuda else post_update_ref
-    impl(
-        idx_mapping,
-        query_start_loc,
-        sampled_token_ids,
-        num_computed_tokens,
-        total_len,
-        token_ids,
-        last_sampled,
-        num_reqs,
-    )
+    impl(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
+         token_ids, last_sampled, num_reqs)

@@ -15,10 +15,16 @@ must be below max_model_len (the scheduler guarantees it); the Triton kernel mas
 past the row end instead of faulting, the reference raises an indexing error.
 """
 
-import os
-
 import torch
 
+from kernels._checks import (
+    check_contiguous_rows,
+    check_dtype_and_rank,
+    check_same_device,
+    check_token_history_device,
+    check_triton_device,
+    need_triton,
+)
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 256
@@ -73,18 +79,6 @@ if HAS_TRITON:
                 tl.store(seq_lens_ptr + batch_pad_idx, 0, mask=batch_pad_idx < num_reqs_padded)
 
 
-def _check_tensor(
-    tensor: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], ndim: int
-) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in dtypes:
-        allowed = " or ".join(str(d) for d in dtypes)
-        raise ValueError(f"{name} must be {allowed}, got {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-
-
 def _check_args(
     idx_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -96,13 +90,13 @@ def _check_args(
     num_reqs: int,
     num_tokens: int,
 ) -> None:
-    _check_tensor(idx_mapping, "idx_mapping", (torch.int32,), 1)
-    _check_tensor(query_start_loc, "query_start_loc", (torch.int32,), 1)
-    _check_tensor(token_ids, "token_ids", (torch.int32,), 2)
-    _check_tensor(num_computed_tokens, "num_computed_tokens", (torch.int32,), 1)
-    _check_tensor(input_ids_out, "input_ids_out", (torch.int32, torch.int64), 1)
-    _check_tensor(positions_out, "positions_out", (torch.int64,), 1)
-    _check_tensor(seq_lens_out, "seq_lens_out", (torch.int32,), 1)
+    check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
+    check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
+    check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
+    check_dtype_and_rank("input_ids_out", input_ids_out, (torch.int32, torch.int64), 1)
+    check_dtype_and_rank("positions_out", positions_out, torch.int64, 1)
+    check_dtype_and_rank("seq_lens_out", seq_lens_out, torch.int32, 1)
     if num_reqs < 0 or num_tokens < 0:
         raise ValueError(f"num_reqs ({num_reqs}) and num_tokens ({num_tokens}) must be >= 0")
     if idx_mapping.shape[0] < num_reqs or query_start_loc.shape[0] < num_reqs + 1:
@@ -123,27 +117,12 @@ def _check_args(
         raise ValueError("input_ids_out and positions_out must have the same length")
     if num_computed_tokens.shape[0] != token_ids.shape[0]:
         raise ValueError("num_computed_tokens and token_ids must have one entry per request row")
-    devices = {
-        t.device
-        for t in (
-            idx_mapping,
-            query_start_loc,
-            num_computed_tokens,
-            input_ids_out,
-            positions_out,
-            seq_lens_out,
-        )
-    }
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    # The token history may live in pinned host memory that the GPU reads through UVA.
-    uva_history = device.type == "cuda" and token_ids.device.type == "cpu" and token_ids.is_pinned()
-    if token_ids.device != device and not uva_history:
-        raise ValueError(
-            f"token_ids is on {token_ids.device} but the other tensors are on {device}; "
-            "it must be on the same device, or pinned host memory for a CUDA step"
-        )
+    device = check_same_device(
+        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+        num_computed_tokens=num_computed_tokens, input_ids_out=input_ids_out,
+        positions_out=positions_out, seq_lens_out=seq_lens_out,
+    )
+    check_token_history_device(token_ids, device)
 
 
 def prepare_inputs_ref(
@@ -158,17 +137,8 @@ def prepare_inputs_ref(
     num_tokens: int,
 ) -> None:
     """Torch reference of `prepare_inputs` (same semantics, any device)."""
-    _check_args(
-        idx_mapping,
-        query_start_loc,
-        token_ids,
-        num_computed_tokens,
-        input_ids_out,
-        positions_out,
-        seq_lens_out,
-        num_reqs,
-        num_tokens,
-    )
+    _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
+                positions_out, seq_lens_out, num_reqs, num_tokens)
     device = input_ids_out.device
     query_start = query_start_loc[: num_reqs + 1].long()
     token_idx = torch.arange(num_tokens, device=device)
@@ -200,33 +170,15 @@ def prepare_inputs_triton(
     num_tokens: int,
 ) -> None:
     """Triton launcher of `prepare_inputs`: one program per request plus one for padding."""
-    if not HAS_TRITON:
-        raise RuntimeError("prepare_inputs_triton needs Triton, which is not installed")
-    _check_args(
-        idx_mapping,
-        query_start_loc,
-        token_ids,
-        num_computed_tokens,
-        input_ids_out,
-        positions_out,
-        seq_lens_out,
-        num_reqs,
-        num_tokens,
+    need_triton("prepare_inputs_triton")
+    _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
+                positions_out, seq_lens_out, num_reqs, num_tokens)
+    check_triton_device("prepare_inputs_triton", input_ids_out.device)
+    check_contiguous_rows(
+        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+        num_computed_tokens=num_computed_tokens, input_ids_out=input_ids_out,
+        positions_out=positions_out, seq_lens_out=seq_lens_out, token_ids=token_ids,
     )
-    if input_ids_out.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"prepare_inputs_triton needs CUDA tensors, got {input_ids_out.device}")
-    for name, tensor in (
-        ("idx_mapping", idx_mapping),
-        ("query_start_loc", query_start_loc),
-        ("num_computed_tokens", num_computed_tokens),
-        ("input_ids_out", input_ids_out),
-        ("positions_out", positions_out),
-        ("seq_lens_out", seq_lens_out),
-    ):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if token_ids.stride(1) != 1:
-        raise ValueError("token_ids rows must be contiguous (stride(1) == 1)")
     _prepare_inputs_kernel[(num_reqs + 1,)](
         idx_mapping,
         query_start_loc,
@@ -262,14 +214,5 @@ def prepare_inputs(
     otherwise.
     """
     impl = prepare_inputs_triton if HAS_TRITON and input_ids_out.is_cuda else prepare_inputs_ref
-    impl(
-        idx_mapping,
-        query_start_loc,
-        token_ids,
-        num_computed_tokens,
-        input_ids_out,
-        positions_out,
-        seq_lens_out,
-        num_reqs,
-        num_tokens,
-    )
+    impl(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
+         positions_out, seq_lens_out, num_reqs, num_tokens)

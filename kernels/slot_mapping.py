@@ -12,10 +12,15 @@ allocates blocks before scheduling); the Triton kernel masks reads past the row 
 instead of faulting, the reference raises an indexing error.
 """
 
-import os
-
 import torch
 
+from kernels._checks import (
+    check_contiguous_rows,
+    check_dtype_and_rank,
+    check_same_device,
+    check_triton_device,
+    need_triton,
+)
 from kernels._triton import HAS_TRITON, tl, triton
 
 PAD_SLOT_ID = -1
@@ -86,44 +91,16 @@ if HAS_TRITON:
                 tl.store(slot_mapping_ptr + token_idx, PAD_SLOT, mask=token_idx < num_tokens_padded)
 
 
-def _check_tensor(tensor: torch.Tensor, name: str, dtype: torch.dtype, ndim: int) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-
-
-def _check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
-        raise ValueError(f"all tensors must be on one device, got {listing}")
-
-
-def _check_triton_launch(device: torch.device, op: str, **tensors: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError(f"{op} needs Triton, which is not installed")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{op} needs CUDA tensors, got {device}")
-    for name, tensor in tensors.items():
-        if tensor.dim() == 2 and tensor.stride(1) != 1:
-            raise ValueError(f"{name} rows must be contiguous (stride(1) == 1)")
-        if tensor.dim() == 1 and not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-
-
 def _check_gather_args(
     idx_mapping: torch.Tensor,
     block_table: torch.Tensor,
     block_table_out: torch.Tensor,
     num_reqs: int,
 ) -> None:
-    _check_tensor(idx_mapping, "idx_mapping", torch.int32, 1)
-    _check_tensor(block_table, "block_table", torch.int32, 2)
-    _check_tensor(block_table_out, "block_table_out", torch.int32, 2)
-    _check_same_device(
+    check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_dtype_and_rank("block_table", block_table, torch.int32, 2)
+    check_dtype_and_rank("block_table_out", block_table_out, torch.int32, 2)
+    check_same_device(
         idx_mapping=idx_mapping, block_table=block_table, block_table_out=block_table_out
     )
     if not 0 <= num_reqs <= min(idx_mapping.shape[0], block_table_out.shape[0]):
@@ -158,12 +135,10 @@ def gather_block_table_triton(
 ) -> None:
     """Triton launcher of `gather_block_table`: one program per output row."""
     _check_gather_args(idx_mapping, block_table, block_table_out, num_reqs)
-    _check_triton_launch(
-        block_table_out.device,
-        "gather_block_table_triton",
-        idx_mapping=idx_mapping,
-        block_table=block_table,
-        block_table_out=block_table_out,
+    need_triton("gather_block_table_triton")
+    check_triton_device("gather_block_table_triton", block_table_out.device)
+    check_contiguous_rows(
+        idx_mapping=idx_mapping, block_table=block_table, block_table_out=block_table_out
     )
     if block_table_out.shape[0] == 0:
         return
@@ -203,11 +178,11 @@ def _check_slot_args(
     num_reqs: int,
     num_tokens: int,
 ) -> None:
-    _check_tensor(query_start_loc, "query_start_loc", torch.int32, 1)
-    _check_tensor(positions, "positions", torch.int64, 1)
-    _check_tensor(block_table_out, "block_table_out", torch.int32, 2)
-    _check_tensor(slot_mapping_out, "slot_mapping_out", torch.int64, 1)
-    _check_same_device(
+    check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
+    check_dtype_and_rank("positions", positions, torch.int64, 1)
+    check_dtype_and_rank("block_table_out", block_table_out, torch.int32, 2)
+    check_dtype_and_rank("slot_mapping_out", slot_mapping_out, torch.int64, 1)
+    check_same_device(
         query_start_loc=query_start_loc,
         positions=positions,
         block_table_out=block_table_out,
@@ -238,15 +213,8 @@ def compute_slot_mapping_ref(
     num_tokens: int,
 ) -> None:
     """Torch reference of `compute_slot_mapping`."""
-    _check_slot_args(
-        query_start_loc,
-        positions,
-        block_table_out,
-        block_size,
-        slot_mapping_out,
-        num_reqs,
-        num_tokens,
-    )
+    _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
+                     num_reqs, num_tokens)
     token_idx = torch.arange(num_tokens, device=positions.device)
     query_end = query_start_loc[1 : num_reqs + 1].long()
     batch_of_token = torch.searchsorted(query_end, token_idx, right=True)
@@ -266,21 +234,12 @@ def compute_slot_mapping_triton(
     num_tokens: int,
 ) -> None:
     """Triton launcher of `compute_slot_mapping`: one program per request plus one for padding."""
-    _check_slot_args(
-        query_start_loc,
-        positions,
-        block_table_out,
-        block_size,
-        slot_mapping_out,
-        num_reqs,
-        num_tokens,
-    )
-    _check_triton_launch(
-        slot_mapping_out.device,
-        "compute_slot_mapping_triton",
-        query_start_loc=query_start_loc,
-        positions=positions,
-        block_table_out=block_table_out,
+    _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
+                     num_reqs, num_tokens)
+    need_triton("compute_slot_mapping_triton")
+    check_triton_device("compute_slot_mapping_triton", slot_mapping_out.device)
+    check_contiguous_rows(
+        query_start_loc=query_start_loc, positions=positions, block_table_out=block_table_out,
         slot_mapping_out=slot_mapping_out,
     )
     _compute_slot_mapping_kernel[(num_reqs + 1,)](
@@ -314,12 +273,5 @@ def compute_slot_mapping(
         if HAS_TRITON and slot_mapping_out.is_cuda
         else compute_slot_mapping_ref
     )
-    impl(
-        query_start_loc,
-        positions,
-        block_table_out,
-        block_size,
-        slot_mapping_out,
-        num_reqs,
-        num_tokens,
-    )
+    impl(query_start_loc, positions, block_table_out, block_size, slot_mapping_out, num_reqs,
+         num_tokens)

@@ -11,12 +11,17 @@ single kernel scatters them, one program per write:
 Where staged writes overlap, the one staged later wins.
 """
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kernels._checks import (
+    check_contiguous_rows,
+    check_same_device,
+    check_triton_device,
+    need_triton,
+)
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 128
@@ -70,9 +75,7 @@ def _check_args(
         raise ValueError(
             f"contents must be 1-D {target.dtype}, got {contents.dtype} {tuple(contents.shape)}"
         )
-    devices = {t.device for t in (target, rows, starts, cu_lens, contents)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    check_same_device(target=target, rows=rows, starts=starts, cu_lens=cu_lens, contents=contents)
 
 
 def staged_write_ref(
@@ -99,15 +102,10 @@ def staged_write_triton(
     contents: torch.Tensor,  # [cu_lens[-1]] target.dtype, contiguous
 ) -> None:
     """Triton launcher of `staged_write`: one program per write."""
-    if not HAS_TRITON:
-        raise RuntimeError("staged_write_triton needs Triton, which is not installed")
+    need_triton("staged_write_triton")
     _check_args(target, rows, starts, cu_lens, contents)
-    if target.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"staged_write_triton needs CUDA tensors, got {target.device}")
-    if target.stride(1) != 1:
-        raise ValueError("target rows must be contiguous (stride(1) == 1)")
-    if not all(t.is_contiguous() for t in (rows, starts, cu_lens, contents)):
-        raise ValueError("rows, starts, cu_lens and contents must be contiguous")
+    check_triton_device("staged_write_triton", target.device)
+    check_contiguous_rows(target=target, rows=rows, starts=starts, cu_lens=cu_lens, contents=contents)
     if rows.shape[0] == 0:
         return
     _staged_write_kernel[(rows.shape[0],)](

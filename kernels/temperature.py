@@ -7,7 +7,7 @@ The division is correctly rounded in both implementations, so they agree bit for
 
 import torch
 
-from kernels._sampling_checks import check_logits, check_tensor, check_triton_device
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 4096
@@ -59,8 +59,7 @@ def apply_temperature_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> None:
     """Triton launcher of `apply_temperature`: one program per (row, vocab block)."""
-    if not HAS_TRITON:
-        raise RuntimeError("apply_temperature_triton needs Triton, which is not installed")
+    need_triton("apply_temperature_triton")
     _check_args(logits, idx_mapping, temperature)
     check_triton_device("apply_temperature_triton", logits.device)
     num_rows, vocab_size = logits.shape

@@ -17,7 +17,7 @@ A sort-free top-p (vLLM uses a pivot search) is left for later.
 
 import torch
 
-from kernels._sampling_checks import check_logits, check_tensor, check_triton_device
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 4096
@@ -115,8 +115,7 @@ def apply_top_k_top_p_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> None:
     """Torch thresholds, then a Triton masking kernel: one program per (row, vocab block)."""
-    if not HAS_TRITON:
-        raise RuntimeError("apply_top_k_top_p_triton needs Triton, which is not installed")
+    need_triton("apply_top_k_top_p_triton")
     _check_args(logits, idx_mapping, top_k, top_p, num_candidates)
     check_triton_device("apply_top_k_top_p_triton", logits.device)
     num_rows, vocab_size = logits.shape

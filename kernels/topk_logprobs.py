@@ -9,7 +9,7 @@ torch.topk over the logits (not the logprobs: same order, nothing [rows, vocab] 
 
 import torch
 
-from kernels._sampling_checks import check_logits, check_tensor, check_triton_device
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 2048
@@ -89,8 +89,7 @@ def topk_logprobs_triton(
     block_size: int = _BLOCK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.topk for the ids, then one Triton program per row for lse, gathers and rank."""
-    if not HAS_TRITON:
-        raise RuntimeError("topk_logprobs_triton needs Triton, which is not installed")
+    need_triton("topk_logprobs_triton")
     _check_args(logits, sampled_token_ids, num_logprobs)
     check_triton_device("topk_logprobs_triton", logits.device)
     num_rows, vocab_size = logits.shape

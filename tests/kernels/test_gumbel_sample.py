@@ -8,9 +8,13 @@ import math
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
-from kernels.gumbel_sample import gumbel_noise_ref, gumbel_sample, gumbel_sample_ref, gumbel_sample_triton
+from kernels.gumbel_sample import (
+    gumbel_noise_ref,
+    gumbel_sample,
+    gumbel_sample_ref,
+    gumbel_sample_triton,
+)
+from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 MASK32 = 0xFFFFFFFF
 
@@ -110,16 +114,10 @@ def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None
             assert torch.equal(actual, expected)
 
 
-def interpreted_checks() -> None:
-    _compare(num_rows=6, vocab_size=300, device="cpu", block_size=64)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "interpreted_checks")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_matches_reference_on_cuda() -> None:
-    _compare(num_rows=256, vocab_size=151936, device="cuda", block_size=None)
+test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
+    triton_vs_reference_tests(
+        _compare,
+        interpreted={"num_rows": 6, "vocab_size": 300, "device": "cpu", "block_size": 64},
+        on_cuda={"num_rows": 256, "vocab_size": 151936, "device": "cuda", "block_size": None},
+    )
+)

@@ -5,9 +5,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
 from kernels.kv_write import kv_write, kv_write_ref, kv_write_triton
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
 NUM_KV_HEADS, HEAD_DIM = 2, 8
 
@@ -77,11 +81,9 @@ def test_bad_arguments_raise_clear_errors(change: Callable[..., tuple[torch.Tens
 
 def check_interpreted_kernel_matches_reference() -> None:
     """Runs in a child process with TRITON_INTERPRET=1 (see _triton_interpreter)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels import kv_write as module
 
-    assert isinstance(module._kv_write_kernel, InterpretedFunction)
+    assert_interpreted(module._kv_write_kernel)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for slot_dtype in (torch.int64, torch.int32):
             key, value, kv_cache, slots = _inputs(11, 6, 4, 3, 8, dtype)
@@ -91,13 +93,12 @@ def check_interpreted_kernel_matches_reference() -> None:
             assert torch.equal(kv_cache, expected), (dtype, slot_dtype)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_kernel_matches_reference_in_interpreter() -> None:
     run_in_triton_interpreter(__file__, "check_interpreted_kernel_matches_reference")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [1, 257, 4096])
 def test_triton_kernel_matches_reference_on_cuda(dtype: torch.dtype, num_tokens: int) -> None:

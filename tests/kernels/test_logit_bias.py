@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
-from kernels.logit_bias import apply_logit_bias, apply_logit_bias_ref, apply_logit_bias_triton
+from kernels.logit_bias import (
+    apply_logit_bias,
+    apply_logit_bias_ref,
+    apply_logit_bias_triton,
+)
+from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 NEG_INF = float("-inf")
 
@@ -83,16 +86,10 @@ def _compare(num_rows: int, vocab_size: int, device: str) -> None:
     assert ((expected != original) & ~torch.isinf(expected)).any() and torch.isinf(expected).any()
 
 
-def interpreted_checks() -> None:
-    _compare(num_rows=6, vocab_size=300, device="cpu")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "interpreted_checks")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_matches_reference_on_cuda() -> None:
-    _compare(num_rows=256, vocab_size=151936, device="cuda")
+test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
+    triton_vs_reference_tests(
+        _compare,
+        interpreted={"num_rows": 6, "vocab_size": 300, "device": "cpu"},
+        on_cuda={"num_rows": 256, "vocab_size": 151936, "device": "cuda"},
+    )
+)

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
 from kernels.min_p import apply_min_p, apply_min_p_ref, apply_min_p_triton
+from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 NEG_INF = float("-inf")
 
@@ -49,16 +48,10 @@ def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None
     assert torch.equal(logits, expected)
 
 
-def interpreted_checks() -> None:
-    _compare(num_rows=5, vocab_size=300, device="cpu", block_size=128)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "interpreted_checks")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_matches_reference_on_cuda() -> None:
-    _compare(num_rows=256, vocab_size=151936, device="cuda", block_size=None)
+test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
+    triton_vs_reference_tests(
+        _compare,
+        interpreted={"num_rows": 5, "vocab_size": 300, "device": "cpu", "block_size": 128},
+        on_cuda={"num_rows": 256, "vocab_size": 151936, "device": "cuda", "block_size": None},
+    )
+)

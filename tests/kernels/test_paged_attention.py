@@ -7,9 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
-from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import (
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +130,9 @@ INTERPRETER_CASES = [
 def check_interpreted_kernel_matches_reference() -> None:
     """Runs in a child process with TRITON_INTERPRET=1 (see _triton_interpreter).
     bfloat16 is left to the GPU tests: the interpreter mis-computes bfloat16 tl.dot."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels import paged_attention as module
 
-    assert isinstance(module._paged_attention_kernel, InterpretedFunction)
+    assert_interpreted(module._paged_attention_kernel)
     for case, num_kv_splits, kv_tile_len in INTERPRETER_CASES:
         inputs = _inputs(case)
         expected = paged_attention_ref(**inputs, scale=0.3)
@@ -139,7 +145,7 @@ def check_interpreted_kernel_matches_reference() -> None:
         torch.testing.assert_close(out[:num_real], expected[:num_real], rtol=tolerance, atol=tolerance, msg=str(case))
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_kernel_matches_reference_in_interpreter() -> None:
     run_in_triton_interpreter(__file__, "check_interpreted_kernel_matches_reference")
 
@@ -168,8 +174,7 @@ GPU_CASES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("case_name", sorted(GPU_CASES))
 def test_triton_kernel_matches_reference_on_cuda(case_name: str, dtype: torch.dtype) -> None:
@@ -186,8 +191,7 @@ def test_triton_kernel_matches_reference_on_cuda(case_name: str, dtype: torch.dt
     torch.testing.assert_close(out[:num_real], expected[:num_real], rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@cuda_test
 def test_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
     case = dataclasses.replace(_random_case(32, (), 1000, **QWEN3_HEADS), dtype=torch.bfloat16)
     inputs = _inputs(case, device="cuda")

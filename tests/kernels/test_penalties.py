@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
-from kernels.penalties import apply_penalties, apply_penalties_ref, apply_penalties_triton
+from kernels.penalties import (
+    apply_penalties,
+    apply_penalties_ref,
+    apply_penalties_triton,
+)
+from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 
 def _state(num_reqs: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,16 +80,10 @@ def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
 
 
-def interpreted_checks() -> None:
-    _compare(num_rows=5, vocab_size=300, device="cpu", block_size=128)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "interpreted_checks")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_matches_reference_on_cuda() -> None:
-    _compare(num_rows=256, vocab_size=151936, device="cuda", block_size=None)
+test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
+    triton_vs_reference_tests(
+        _compare,
+        interpreted={"num_rows": 5, "vocab_size": 300, "device": "cpu", "block_size": 128},
+        on_cuda={"num_rows": 256, "vocab_size": 151936, "device": "cuda", "block_size": None},
+    )
+)

@@ -3,20 +3,20 @@ a loop oracle, Triton under the interpreter (in a subprocess) and on CUDA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON
 from kernels.post_update import post_update, post_update_ref, post_update_triton
 from kernels.prepare_inputs import prepare_inputs
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_INTERPRETED_CASES = 5
 
 
@@ -205,26 +205,16 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     _assert_same_state(state, want)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_matches_reference_under_interpreter() -> None:
-    result = subprocess.run(
-        [sys.executable, __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"interpreted post_update matched in {NUM_INTERPRETED_CASES} cases" in result.stdout
+    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
+    assert f"interpreted post_update matched in {NUM_INTERPRETED_CASES} cases" in stdout
 
 
 def _interpreted_main() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels.post_update import _post_update_kernel
 
-    assert isinstance(_post_update_kernel, InterpretedFunction), "kernel is not interpreted"
+    assert_interpreted(_post_update_kernel)
     for seed in range(NUM_INTERPRETED_CASES):
         state, rows, query_lens, sampled = _random_step(
             seed, num_rows=10, max_model_len=12, num_reqs=6
@@ -235,8 +225,7 @@ def _interpreted_main() -> None:
     print(f"interpreted post_update matched in {NUM_INTERPRETED_CASES} cases")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 def test_triton_matches_reference_on_cuda() -> None:
     state, rows, query_lens, sampled = _random_step(
         0, num_rows=1024, max_model_len=2048, num_reqs=512, device="cuda"
@@ -246,6 +235,3 @@ def test_triton_matches_reference_on_cuda() -> None:
     _apply(post_update_ref, ref_state, rows, query_lens, sampled)
     _assert_same_state(state, ref_state)
 
-
-if __name__ == "__main__":
-    _interpreted_main()

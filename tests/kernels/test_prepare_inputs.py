@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON
-from kernels.prepare_inputs import prepare_inputs, prepare_inputs_ref, prepare_inputs_triton
+from kernels.prepare_inputs import (
+    prepare_inputs,
+    prepare_inputs_ref,
+    prepare_inputs_triton,
+)
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_INTERPRETED_CASES = 6
 
 
@@ -218,26 +222,16 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     assert [t.tolist() for t in outputs] == _loop_oracle(case, case.num_tokens + 5, 9)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_matches_reference_under_interpreter() -> None:
-    result = subprocess.run(
-        [sys.executable, __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"interpreted prepare_inputs matched in {NUM_INTERPRETED_CASES} cases" in result.stdout
+    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
+    assert f"interpreted prepare_inputs matched in {NUM_INTERPRETED_CASES} cases" in stdout
 
 
 def _interpreted_main() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels.prepare_inputs import _prepare_inputs_kernel
 
-    assert isinstance(_prepare_inputs_kernel, InterpretedFunction), "kernel is not interpreted"
+    assert_interpreted(_prepare_inputs_kernel)
     for seed in range(NUM_INTERPRETED_CASES):
         # Queries longer than the kernel's 256-token block exercise its inner loop.
         case = _random_case(seed, num_rows=12, max_model_len=600, num_reqs=5, max_query_len=300)
@@ -247,11 +241,7 @@ def _interpreted_main() -> None:
     print(f"interpreted prepare_inputs matched in {NUM_INTERPRETED_CASES} cases")
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@gpu
+@cuda_test
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_triton_matches_reference_on_cuda(ids_dtype: torch.dtype) -> None:
     case = _random_case(
@@ -266,8 +256,7 @@ def test_triton_matches_reference_on_cuda(ids_dtype: torch.dtype) -> None:
         torch.testing.assert_close(triton_out, ref_out, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@gpu
+@cuda_test
 def test_triton_reads_pinned_host_history_through_uva() -> None:
     case = _random_case(
         1, num_rows=1024, max_model_len=2048, num_reqs=512, max_query_len=16, device="cuda"
@@ -286,6 +275,3 @@ def test_triton_reads_pinned_host_history_through_uva() -> None:
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-
-if __name__ == "__main__":
-    _interpreted_main()

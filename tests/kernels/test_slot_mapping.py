@@ -3,16 +3,11 @@ Triton under the interpreter (in a subprocess) and on CUDA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON
 from kernels.slot_mapping import (
     compute_slot_mapping,
     compute_slot_mapping_ref,
@@ -21,8 +16,13 @@ from kernels.slot_mapping import (
     gather_block_table_ref,
     gather_block_table_triton,
 )
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_INTERPRETED_CASES = 5
 
 
@@ -223,27 +223,19 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     assert (table.tolist(), slots.tolist()) == _loop_oracle(case, 8, case.num_tokens + 4)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_matches_reference_under_interpreter() -> None:
-    result = subprocess.run(
-        [sys.executable, __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"interpreted slot_mapping matched in {NUM_INTERPRETED_CASES} cases" in result.stdout
+    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
+    assert f"interpreted slot_mapping matched in {NUM_INTERPRETED_CASES} cases" in stdout
 
 
 def _interpreted_main() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
+    from kernels.slot_mapping import (
+        _compute_slot_mapping_kernel,
+        _gather_block_table_kernel,
+    )
 
-    from kernels.slot_mapping import _compute_slot_mapping_kernel, _gather_block_table_kernel
-
-    for kernel in (_compute_slot_mapping_kernel, _gather_block_table_kernel):
-        assert isinstance(kernel, InterpretedFunction), "kernel is not interpreted"
+    assert_interpreted(_compute_slot_mapping_kernel, _gather_block_table_kernel)
     for seed in range(NUM_INTERPRETED_CASES):
         # 300 blocks per row and queries up to 300 tokens exercise the 256-wide inner loops.
         case = _random_case(
@@ -255,8 +247,7 @@ def _interpreted_main() -> None:
     print(f"interpreted slot_mapping matched in {NUM_INTERPRETED_CASES} cases")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_triton_matches_reference_on_cuda(block_size: int) -> None:
     case = _random_case(
@@ -274,6 +265,3 @@ def test_triton_matches_reference_on_cuda(block_size: int) -> None:
     for got_tensor, want_tensor in zip(got, want):
         torch.testing.assert_close(got_tensor, want_tensor, rtol=0, atol=0)
 
-
-if __name__ == "__main__":
-    _interpreted_main()

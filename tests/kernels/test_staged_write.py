@@ -3,19 +3,18 @@ errors, Triton under the interpreter (in a subprocess) and on CUDA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from kernels._triton import HAS_TRITON
 from kernels.staged_write import StagedWrites, staged_write_ref, staged_write_triton
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_INTERPRETED_CASES = 4
 
 
@@ -149,26 +148,16 @@ def _loop_oracle(
     return out
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@needs_triton
 def test_triton_matches_reference_under_interpreter() -> None:
-    result = subprocess.run(
-        [sys.executable, __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)},
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"interpreted staged_write matched in {NUM_INTERPRETED_CASES} cases" in result.stdout
+    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
+    assert f"interpreted staged_write matched in {NUM_INTERPRETED_CASES} cases" in stdout
 
 
 def _interpreted_main() -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels.staged_write import _staged_write_kernel
 
-    assert isinstance(_staged_write_kernel, InterpretedFunction), "kernel is not interpreted"
+    assert_interpreted(_staged_write_kernel)
     for seed in range(NUM_INTERPRETED_CASES):
         # Writes longer than the kernel's 128-wide block exercise its inner loop.
         rows, starts, values = _random_writes(
@@ -188,11 +177,7 @@ def _interpreted_main() -> None:
     print(f"interpreted staged_write matched in {NUM_INTERPRETED_CASES} cases")
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@gpu
+@cuda_test
 def test_staged_writes_on_cuda_match_loop_oracle_over_many_steps() -> None:
     target = torch.zeros(1024, 2048, dtype=torch.int32, device="cuda")
     expected = target.cpu()
@@ -209,8 +194,7 @@ def test_staged_writes_on_cuda_match_loop_oracle_over_many_steps() -> None:
     torch.testing.assert_close(target.cpu(), expected, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@gpu
+@cuda_test
 def test_triton_matches_reference_on_cuda_float32() -> None:
     rows, starts, values = _random_writes(
         0, num_rows=1024, row_len=2048, num_writes=512, max_len=2048
@@ -224,6 +208,3 @@ def test_triton_matches_reference_on_cuda_float32() -> None:
     staged_write_ref(want, *index, float_values)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-
-if __name__ == "__main__":
-    _interpreted_main()

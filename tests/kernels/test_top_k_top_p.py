@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
-from tests.kernels._triton_interpreter import run_in_triton_interpreter
-from kernels._triton import HAS_TRITON
-from kernels.top_k_top_p import apply_top_k_top_p, apply_top_k_top_p_ref, apply_top_k_top_p_triton
+from kernels.top_k_top_p import (
+    apply_top_k_top_p,
+    apply_top_k_top_p_ref,
+    apply_top_k_top_p_triton,
+)
+from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 # Probabilities 0.4, 0.3, 0.2, 0.1 at shuffled token ids 2, 0, 3, 1.
 LOGITS = torch.tensor([[math.log(0.3), math.log(0.1), math.log(0.4), math.log(0.2)]])
@@ -80,16 +83,10 @@ def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None
         assert torch.equal(actual, expected)
 
 
-def interpreted_checks() -> None:
-    _compare(num_rows=5, vocab_size=300, device="cpu", block_size=128)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "interpreted_checks")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_matches_reference_on_cuda() -> None:
-    _compare(num_rows=256, vocab_size=151936, device="cuda", block_size=None)
+test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
+    triton_vs_reference_tests(
+        _compare,
+        interpreted={"num_rows": 5, "vocab_size": 300, "device": "cpu", "block_size": 128},
+        on_cuda={"num_rows": 256, "vocab_size": 151936, "device": "cuda", "block_size": None},
+    )
+)
