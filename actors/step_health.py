@@ -22,8 +22,13 @@ DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS = 5
 class StepFailureMonitor:
     """Counts consecutive failed steps. Event-loop only (the engine's output path)."""
 
-    __slots__ = ("max_consecutive_failures", "num_consecutive_failures", "num_failed_steps_total",
-                 "dead_reason", "_on_dead")
+    __slots__ = (
+        "_on_dead",
+        "dead_reason",
+        "max_consecutive_failures",
+        "num_consecutive_failures",
+        "num_failed_steps_total",
+    )
 
     def __init__(self, max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
                  on_dead: Callable[[str], None] | None = None) -> None:

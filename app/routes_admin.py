@@ -25,9 +25,9 @@ from app.http_input import (
     require_serving,
     server_state,
 )
+from app.openapi import openapi_document
 from app.prompts import OFF_LOOP_CHARS, encode, template_kwargs
 from app.routes_openai import api_endpoint
-from app.openapi import openapi_document
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
 

@@ -30,10 +30,12 @@ import structlog
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 
 from app.routes_admin import admin_routes
 from app.routes_openai import exception_handlers, openai_routes
 from app.server_state import ServerState, ServeSettings
+from app.unread_body import CloseIfBodyUnread
 
 log = structlog.get_logger("tandem.server")
 T = TypeVar("T")
@@ -59,7 +61,8 @@ def create_app(state: ServerState) -> Starlette:
             tg.cancel_scope.cancel()
 
     app = Starlette(routes=[*openai_routes(), *admin_routes()], lifespan=lifespan,
-                    exception_handlers=exception_handlers())
+                    exception_handlers=exception_handlers(),
+                    middleware=[Middleware(CloseIfBodyUnread)])
     app.state.tandem = state
     return app
 

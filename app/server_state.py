@@ -15,7 +15,13 @@ import anyio.from_thread
 import anyio.lowlevel
 import structlog
 
-from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
+from actors.admission import (
+    AbortAll,
+    AdmissionActor,
+    AdmissionLimits,
+    BeginDrain,
+    FailAll,
+)
 from app.config import EngineConfig
 from telemetry.logging import EngineStatsLog, log_startup
 from telemetry.metrics import EngineMetrics
@@ -194,7 +200,8 @@ class ServerState:
 
     def _on_engine_dead(self, reason: str) -> None:
         """Steps keep failing: /health turns 503 (an orchestrator then restarts the process),
-        new requests get 503, and every admitted request ends with an error."""
+        new requests get 503, every admitted request ends with an error, and the process
+        exits 1 when it is stopped."""
         if self.phase in ("loading", "serving"):
             self.phase = "dead"
         self.exit_code = 1

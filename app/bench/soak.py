@@ -176,13 +176,25 @@ def _latency(outcomes: list[RequestOutcome]) -> dict[str, float]:
 
 
 def _rss_figures(rss: RssSampler, num_requests: int) -> dict[str, Any]:
-    at = {f"{int(p * 100)}%": round(rss.at_progress(int(num_requests * p)) / _MIB, 1)
-          for p in (0.0, 0.25, 0.5, 0.75, 1.0)}
-    half = rss.at_progress(num_requests // 2)
-    end = rss.at_progress(num_requests)
-    return {"at_progress": at, "peak": round(max(s.rss_bytes for s in rss.samples) / _MIB, 1),
-            "growth_second_half": round((end - half) / _MIB, 1),
-            "num_samples": len(rss.samples)}
+    """RSS in MiB: at points of progress, medians over the middle and the last fifth of the
+    run (their difference is the growth judged), and a coarse time series."""
+    def mib(num_bytes: float) -> float:
+        return round(num_bytes / _MIB, 1)
+
+    def done(fraction: float) -> int:
+        return int(num_requests * fraction)
+
+    middle = rss.window_median(done(0.4), done(0.6))
+    end = rss.window_median(done(0.8), done(1.0))
+    step = max(1, len(rss.samples) // 100)
+    return {"at_progress": {f"{int(p * 100)}%": mib(rss.at_progress(done(p)))
+                            for p in (0.0, 0.25, 0.5, 0.75, 1.0)},
+            "median_40_60%": mib(middle), "median_80_100%": mib(end),
+            "growth_second_half": mib(end - middle),
+            "peak": mib(max(s.rss_bytes for s in rss.samples)),
+            "num_samples": len(rss.samples),
+            "series_elapsed_s_mib_done": [(round(s.elapsed_s, 1), mib(s.rss_bytes), s.num_done)
+                                          for s in rss.samples[::step]]}
 
 
 def _problems(report: dict[str, Any], config: SoakConfig) -> list[str]:
@@ -210,7 +222,8 @@ def _problems(report: dict[str, Any], config: SoakConfig) -> list[str]:
         problems.append(f"KV cache invariants {report['after']['kv_invariants']}")
     growth = report["rss_mib"]["growth_second_half"]
     if growth > config.max_rss_growth_mib:
-        problems.append(f"RSS grew {growth} MiB over the second half (bound "
+        problems.append(f"RSS grew {growth} MiB from the middle to the end of the run (median "
+                        f"RSS of 40-60% vs 80-100% of the requests; bound "
                         f"{config.max_rss_growth_mib} MiB)")
     return problems
 
@@ -256,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         record.update(run_soak(server, config))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: record[k] for k in ("passed", "problems", "elapsed_s", "outcomes",
-                                             "num_5xx", "rss_mib")}, indent=2))
+    rss = {k: v for k, v in record["rss_mib"].items() if k != "series_elapsed_s_mib_done"}
+    print(json.dumps({**{k: record[k] for k in ("passed", "problems", "elapsed_s", "outcomes",
+                                                "client_aborts", "num_5xx")}, "rss_mib": rss},
+                     indent=2))
     return 0 if record["passed"] else 1
 
 

@@ -140,6 +140,15 @@ class RssSampler:
         self.samples.append(RssSample(time.monotonic() - self._started, resident_bytes(self.pid),
                                       self._num_done()))
 
+    def window_median(self, first_done: int, last_done: int) -> int:
+        """Median RSS of the samples taken while [first_done, last_done] requests had
+        finished (RSS jitters by tens of MiB from sample to sample as the allocator
+        takes and returns memory, so a window says more than one sample)."""
+        window = sorted(s.rss_bytes for s in self.samples if first_done <= s.num_done <= last_done)
+        if not window:
+            return self.at_progress(first_done)
+        return window[len(window) // 2]
+
     def at_progress(self, num_done: int) -> int:
         """RSS of the first sample taken once `num_done` requests had finished."""
         for sample in self.samples:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -80,6 +81,22 @@ def test_protected_routes_refuse_every_wrong_key(http: httpx.Client, method: str
     assert ok.status_code == 200, ok.text
 
 
+def test_a_refusal_before_the_body_is_read_closes_its_connection(http: httpx.Client) -> None:
+    """The server does not read the body of a request it refuses at the door; it says it
+    closes the connection, so a keep-alive client never reuses it (before this, every few
+    requests after such a refusal failed with 'Server disconnected')."""
+    for _ in range(30):
+        refused = http.post(CHAT, json={"messages": MSGS, "max_tokens": 1},
+                            headers={"Authorization": "Bearer wrong"})
+        assert refused.status_code == 401 and refused.headers["connection"] == "close"
+        assert http.get("/health").status_code == 200
+    form = http.post(CMPL, content=b"prompt=hi", headers={
+        **AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and form.headers["connection"] == "close"
+    read = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 0}, headers=AUTH)
+    assert read.status_code == 400 and "close" not in read.headers.get("connection", "")
+
+
 def test_surrounding_whitespace_and_scheme_case_are_tolerated(http: httpx.Client) -> None:
     # (Trailing whitespace is optional whitespace in HTTP: never part of a header value.)
     for header in (f"Bearer  {API_KEY}", f"bearer {API_KEY}", f"BEARER \t{API_KEY}"):
@@ -146,9 +163,10 @@ def test_prompt_token_limit(http: httpx.Client) -> None:
         response = http.post(path, json=body, headers=AUTH)
         assert response.status_code == 400 and response.json()["error"]["param"] == "input_tokens"
         assert "maximum context length" in response.json()["error"]["message"]
-    fits = http.post(CMPL, json={"prompt": [1] * (MAX_MODEL_LEN - 1), "max_tokens": 1},
-                     headers=AUTH)
-    assert fits.status_code == 200, fits.text
+    # The limit applies after truncate_prompt_tokens (which keeps the prompt's end).
+    truncated = http.post(CMPL, json={"prompt": [1] * (MAX_MODEL_LEN + 50), "max_tokens": 1,
+                                      "truncate_prompt_tokens": 8}, headers=AUTH)
+    assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 8
 
 
 def _vocab_ids(count: int) -> list[int]:
@@ -242,6 +260,7 @@ def test_template_kwargs_stay_plain_variables(http: httpx.Client,
     response = http.post("/tokenize", json={"messages": MSGS, "chat_template_kwargs": {
         "bos_token": PAYLOAD}}, headers=AUTH)
     assert response.status_code == 200
+    assert compiled_templates  # the model's own template, through the spy
     assert all("PWNED" not in template for template in compiled_templates)
 
 
@@ -269,10 +288,14 @@ def test_model_paths_are_never_taken_from_requests(http: httpx.Client,
         for method, path, body in (("POST", CHAT, {"messages": MSGS, "model": model}),
                                    ("POST", CMPL, {"prompt": "Hi", "model": model}),
                                    ("POST", "/tokenize", {"prompt": "Hi", "model": model}),
-                                   ("GET", f"/v1/models/{model.lstrip('/')}", None)):
+                                   ("GET", f"/v1/models/{quote(model, safe='')}", None)):
             response = http.request(method, path, json=body, headers=AUTH)
             assert response.status_code == 404, (model, path, response.text)
             assert response.json()["error"]["param"] == "model"
+    with open(other_file, "rb"):  # the hook sees opens (of this test, not the server's)
+        pass
+    assert opened_paths.count(other_file) == 1
+    opened_paths.remove(other_file)
     touched = [p for p in opened_paths if any(name in p for name in (
         Path(model_file).name, Path(other_file).name, "passwd", "hostname"))]
     assert touched == []

@@ -207,7 +207,11 @@ async def _burst_then_shutdown(server: RunningServer, num_requests: int) -> list
     limits = httpx.Limits(max_connections=num_requests)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
         tasks = [asyncio.create_task(one(client, i)) for i in range(num_requests)]
-        await asyncio.sleep(1.5)
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(server.snapshot)).num_unfinished_admitted < num_requests:
+            assert time.monotonic() < deadline, "the burst was not admitted"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)
         server.server.request_shutdown()  # what SIGTERM does
         return list(await asyncio.gather(*tasks, return_exceptions=True))
 

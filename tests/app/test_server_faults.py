@@ -21,7 +21,8 @@ CMPL = "/v1/completions"
 LONG = {"max_tokens": 400, "min_tokens": 400}
 
 
-async def _read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> list[Any]:
+async def _read_stream(client: httpx.AsyncClient, body: dict[str, Any],
+                       first_event: asyncio.Event | None = None) -> list[Any]:
     """The data events of a stream: parsed JSON objects, and '[DONE]'."""
     events: list[Any] = []
     async with client.stream("POST", CHAT, json={**body, "stream": True}) as response:
@@ -30,6 +31,8 @@ async def _read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> list[
             if line.startswith("data: "):
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
+                if first_event is not None:
+                    first_event.set()
     return events
 
 
@@ -53,9 +56,11 @@ async def _one_failed_step(server: RunningServer, faults: StepFaults
     runs both A and B fails."""
     messages = [{"role": "user", "content": "Count to a thousand."}]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-        a = asyncio.create_task(_read_stream(client, {"messages": messages, **LONG}))
+        a_started = asyncio.Event()
+        a = asyncio.create_task(_read_stream(client, {"messages": messages, **LONG}, a_started))
         b = asyncio.create_task(client.post(CMPL, json={"prompt": "Once upon a time", **LONG}))
         await _wait_for(server, lambda s: s.num_running == 2)
+        await asyncio.wait_for(a_started.wait(), 60)
         c = asyncio.create_task(client.post(CMPL, json={"prompt": "Hello", "max_tokens": 5,
                                                         "ignore_eos": True}))
         await _wait_for(server, lambda s: s.num_waiting == 1)
