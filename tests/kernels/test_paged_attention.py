@@ -150,6 +150,7 @@ def test_triton_kernel_matches_reference_in_interpreter() -> None:
     run_in_triton_interpreter(__file__, "check_interpreted_kernel_matches_reference")
 
 
+@needs_triton
 def test_splitting_the_context_of_a_prefill_is_refused() -> None:
     inputs = _inputs(Case(query_lens=(3, 1), seq_lens=(7, 5)))
     with pytest.raises(ValueError, match="num_kv_splits=2 needs max_query_len <= 1"):
