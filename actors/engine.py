@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,8 +23,6 @@ from actors.messages import (
     AddRequest,
     EngineRequest,
     RegisterRequest,
-    SchedulerOutput,
-    StepOutput,
     StepStats,
 )
 from actors.output_stream import RequestStream
@@ -89,14 +86,12 @@ class Engine:
         self.sampler_actor = SamplerActor(self.output_processor, step_observers)
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner_name == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
-        self._schedule_times_s: dict[int, float] = {}
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, on_dead)
         self.gpu_actor = gpu_actor_cls(
-            runner_cls(worker, config), on_step_output=self.step_health.wrap(
-                self._post_timed if step_observers else self.sampler_actor.tell))
-        submit_step = self._submit_timed if step_observers else self.gpu_actor.submit
+            runner_cls(worker, config),
+            on_step_output=self.step_health.wrap(self.sampler_actor.tell))
         self.scheduler_actor = SchedulerActor(
-            self.scheduler, submit_step=submit_step, tell_sampler=self.sampler_actor.tell,
+            self.scheduler, submit_step=self.gpu_actor.submit, tell_sampler=self.sampler_actor.tell,
             max_steps_in_flight=max_in_flight)
         self._stop = anyio.Event()
         self.is_running = False
@@ -148,19 +143,6 @@ class Engine:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _submit_timed(self, sched: SchedulerOutput) -> None:
-        # The runner's StepStats lacks the scheduler's share of the step; it is put back
-        # when the step's output returns. Both run on the event loop, so no lock.
-        self._schedule_times_s[sched.step_id] = self.scheduler_actor.last_schedule_time_s
-        self.gpu_actor.submit(sched)
-
-    def _post_timed(self, out: StepOutput) -> None:
-        schedule_time_s = self._schedule_times_s.pop(out.step_id, 0.0)
-        if schedule_time_s and not out.stats.schedule_time_s:
-            stats = dataclasses.replace(out.stats, schedule_time_s=schedule_time_s)
-            out = dataclasses.replace(out, stats=stats)
-        self.sampler_actor.tell(out)
 
     def _to_scheduler(self, update: object) -> None:
         if self.is_running:

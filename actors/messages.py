@@ -125,6 +125,8 @@ class SchedulerOutput:
     sampled token is real (False for a partial prefill chunk)."""
     finished_request_ids: frozenset[str]
     """Rows to free before this step: finished, aborted or preempted requests."""
+    schedule_time_s: float = 0.0
+    """CPU time the scheduler spent building this step (copied into its StepStats)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -166,6 +166,7 @@ class Scheduler:
         """Build the next step; None when there is nothing to run or no room in flight."""
         if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
+        started = time.perf_counter()
         planned, token_budget = self._plan_running()
         waiting_entries, waiting_requests = self._plan_waiting(token_budget)
         if not planned and not waiting_entries:
@@ -175,7 +176,7 @@ class Scheduler:
         satisfied, grants = await self._allocate(planned, waiting_entries, token_budget)
         if not satisfied and not grants:
             return None
-        return self._commit(satisfied, grants, waiting_requests)
+        return self._commit(satisfied, grants, waiting_requests, started)
 
     def update_from_step(self, update: StepUpdate) -> list[Request]:
         """Apply a step's sampled tokens and finishes; returns the requests that finished.
@@ -282,7 +283,7 @@ class Scheduler:
     # ---- committing -----------------------------------------------------------------
 
     def _commit(self, satisfied: list[_Granted], grants: Sequence[WaitingGrant],
-                waiting_requests: dict[str, Request]) -> SchedulerOutput:
+                waiting_requests: dict[str, Request], started: float) -> SchedulerOutput:
         batch = _StepBatch([], [], [], [], {})
         for run, new_block_ids in satisfied:
             run.request.block_ids.extend(new_block_ids)
@@ -301,7 +302,8 @@ class Scheduler:
             scheduled_request_ids=tuple(batch.request_ids),
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
-            samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows)
+            samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
+            schedule_time_s=time.perf_counter() - started)
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
         self._waiting.remove(request)

@@ -7,7 +7,6 @@ builds step N+1 while step N runs, counting N's decode tokens as placeholders.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +47,6 @@ class SchedulerActor(Actor):
         self._tell_sampler = tell_sampler
         self._max_steps_in_flight = max_steps_in_flight
         self._drain_events: list[anyio.Event] = []
-        self.last_schedule_time_s = 0.0
 
     async def handle(self, message: object) -> None:
         if isinstance(message, StepUpdate):
@@ -95,11 +93,9 @@ class SchedulerActor(Actor):
 
     async def on_idle(self) -> None:
         while self.scheduler.num_steps_in_flight < self._max_steps_in_flight:
-            started = time.perf_counter()
             sched = await self.scheduler.schedule()
             if sched is None:
                 break
-            self.last_schedule_time_s = time.perf_counter() - started
             self._submit_step(sched)
             self._report_admissions(sched)
         if self._drain_events and self.scheduler.num_steps_in_flight == 0:

@@ -7,12 +7,9 @@
 #   TESTS="path ..." runs only those gpu-marked tests; SKIP_TESTS=1 / SKIP_CORRECTNESS=1 skip.
 #   A phase that hangs is stopped with SIGABRT, which makes Python print every thread's stack.
 set -u
-OUT=${OUT:-/tmp/tandem_out}
-mkdir -p "$OUT"
+. benchmarks/device_env.sh
 LOG="$OUT/check.log"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONFAULTHANDLER=1
+export PYTHONFAULTHANDLER=1
 BENCH=${BENCH:-"w1-quick attention sampler"}
 SKIP_TESTS=${SKIP_TESTS:-0}
 SKIP_CORRECTNESS=${SKIP_CORRECTNESS:-0}

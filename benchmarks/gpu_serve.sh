@@ -4,11 +4,7 @@
 # workload with the same in-flight limit (max_num_seqs 256), for the serve/offline ratio.
 #   usage (device tool, carry .whl):  TANDEM_COMMIT=<sha> bash benchmarks/gpu_serve.sh
 set -u
-OUT=${OUT:-/tmp/tandem_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. benchmarks/device_env.sh
 ENGINE=(--model dummy:qwen3-0.6b --max-num-seqs 256 --max-num-batched-tokens 16384
         --gpu-memory-utilization 0.85)
 

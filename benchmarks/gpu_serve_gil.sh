@@ -4,11 +4,7 @@
 # default GIL switch interval (5 ms) and with 0.5 ms, and compare output tok/s and GPU idle.
 #   usage (device tool, carry .whl):  bash benchmarks/gpu_serve_gil.sh
 set -u
-OUT=${OUT:-/tmp/tandem_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+. benchmarks/device_env.sh
 ARGS='["serve", "--model", "dummy:qwen3-0.6b", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--gpu-memory-utilization", "0.85", "--port", "8000", "--log-level", "warning", "--max-queued-requests", "4096"]'
 for interval in 0.005 0.0005; do
   python3 -c "import sys; sys.setswitchinterval($interval); from app.cli import main; sys.exit(main($ARGS))" \

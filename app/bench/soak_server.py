@@ -32,7 +32,7 @@ class InProcessServer:
         self.url = self.server.url
         self.pid = os.getpid()
         self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._run, name="tandem-soak-server", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tandem-server", daemon=True)
         self._thread.start()
         self._wait_healthy()
 

@@ -9,7 +9,8 @@ outputs are identical.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +31,17 @@ class _CachedRequest:
     block_ids: list[int]
     num_logprobs: int
     num_computed_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
+
+
+class _StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_reqs] int64
+    rows_np: np.ndarray  # [num_reqs] int32
+    rows_gpu: torch.Tensor  # [num_reqs] int32
+    sample_positions: torch.Tensor  # [num_reqs] int64: where each sampled token goes
+    num_output_tokens: torch.Tensor  # [num_reqs] int32
 
 
 class ModelRunnerV1:
@@ -55,17 +66,19 @@ class ModelRunnerV1:
         reqs = [self._requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self._build_inputs(reqs, num_scheduled)
-        hidden = self.worker.model(inputs["input_ids"], inputs["positions"], self.worker.kv_caches,
-                                   inputs["attn_metadata"])
-        logits = self.worker.model.compute_logits(hidden[inputs["logits_indices"]])
+        hidden = self.worker.model(inputs.input_ids, inputs.positions, self.worker.kv_caches,
+                                   inputs.attn_metadata)
+        logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
         max_num_logprobs = max(r.num_logprobs for r in reqs)
-        out = self.sampler(logits, inputs["rows_gpu"], inputs["rows_np"], inputs["sample_pos"],
-                           inputs["num_output"], None if max_num_logprobs < 0 else max_num_logprobs)
+        out = self.sampler(logits, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
+                           inputs.num_output_tokens,
+                           None if max_num_logprobs < 0 else max_num_logprobs)
         sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
         is_real_np = self._advance(reqs, num_scheduled, sampled_np)
-        self.sampling_state.record_sampled(inputs["rows_gpu"], out.sampled_token_ids,
+        self.sampling_state.record_sampled(inputs.rows_gpu, out.sampled_token_ids,
                                            torch.from_numpy(is_real_np).to(self.device))
-        stats = StepStats(step_id=sched.step_id, num_reqs=len(reqs),
+        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
+                          num_reqs=len(reqs),
                           num_tokens=int(num_scheduled.sum()),
                           num_prefill_tokens=int(num_scheduled.sum() - is_real_np.sum()),
                           prepare_time_s=time.perf_counter() - started)
@@ -94,7 +107,7 @@ class ModelRunnerV1:
             self._requests[request_id].block_ids.extend(block_ids)
         self.sampling_state.flush_to_device()
 
-    def _build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> dict:
+    def _build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> _StepInputs:
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
@@ -119,16 +132,15 @@ class ModelRunnerV1:
             slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev),
             block_table=torch.from_numpy(block_table).to(dev),
             query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
-        return {
-            "input_ids": torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(dev),
-            "positions": torch.from_numpy(positions).to(dev),
-            "attn_metadata": metadata,
-            "logits_indices": torch.from_numpy(query_start_loc[1:].astype(np.int64) - 1).to(dev),
-            "rows_np": rows,
-            "rows_gpu": torch.from_numpy(rows).to(dev),
-            "sample_pos": torch.from_numpy(seq_lens.astype(np.int64)).to(dev),
-            "num_output": torch.from_numpy(num_output).to(dev),
-        }
+        return _StepInputs(
+            input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=metadata,
+            logits_indices=torch.from_numpy(query_start_loc[1:].astype(np.int64) - 1).to(dev),
+            rows_np=rows,
+            rows_gpu=torch.from_numpy(rows).to(dev),
+            sample_positions=torch.from_numpy(seq_lens.astype(np.int64)).to(dev),
+            num_output_tokens=torch.from_numpy(num_output).to(dev))
 
     @staticmethod
     def _advance(reqs: list[_CachedRequest], num_scheduled: np.ndarray,

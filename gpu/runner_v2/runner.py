@@ -63,7 +63,8 @@ class ModelRunnerV2:
         copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
                                             sampled.logprobs, sampled.sampled_ranks),
                                    self.copy_stream)
-        stats = StepStats(step_id=sched.step_id, num_reqs=batch.num_reqs,
+        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
+                          num_reqs=batch.num_reqs,
                           num_tokens=batch.num_tokens,
                           num_prefill_tokens=batch.num_tokens - sum(sched.samples_token),
                           prepare_time_s=time.perf_counter() - started)

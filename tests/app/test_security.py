@@ -33,15 +33,8 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    running = RunningServer(api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
+    with RunningServer(api_key=API_KEY, max_request_body_bytes=MAX_BODY_BYTES) as running:
+        yield running
 
 
 # ---- API key ---------------------------------------------------------------------------

@@ -3,78 +3,31 @@ receiver on 127.0.0.1 that decodes them with opentelemetry-proto."""
 
 from __future__ import annotations
 
-import gzip
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
 from actors.sampling_params import SamplingParams
 from telemetry.records import RequestRecord
 from telemetry.tracing import setup_tracing
+from tests.telemetry._otlp_receiver import (
+    OTLPReceiver,
+    ReceivedExport,
+    any_value,
+    running_otlp_receiver,
+)
 
 CALLER_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
 
 
-@dataclass
-class ReceivedExport:
-    path: str
-    headers: dict[str, str]
-    request: ExportTraceServiceRequest
-
-
-@dataclass
-class OTLPReceiver:
-    port: int
-    exports: list[ReceivedExport] = field(default_factory=list)
-
-
-def _handler_for(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            if self.headers.get("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            request = ExportTraceServiceRequest()
-            request.ParseFromString(body)
-            receiver.exports.append(ReceivedExport(
-                self.path, {k.lower(): v for k, v in self.headers.items()}, request))
-            reply = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    return Handler
-
-
 @pytest.fixture
 def receiver() -> Iterator[OTLPReceiver]:
-    receiver = OTLPReceiver(port=0)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(receiver))
-    receiver.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
-                              name="otlp-receiver", daemon=True)
-    thread.start()
-    yield receiver
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    with running_otlp_receiver() as running:
+        yield running
 
 
 @pytest.fixture(autouse=True)
@@ -89,14 +42,6 @@ def otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "tandem-otlp-test")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tandem-test=yes")
-
-
-def any_value(value: AnyValue) -> object:
-    kind = value.WhichOneof("value")
-    assert kind is not None
-    if kind == "array_value":
-        return [any_value(v) for v in value.array_value.values]
-    return getattr(value, kind)
 
 
 def export_one_request_span() -> None:

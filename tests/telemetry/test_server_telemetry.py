@@ -9,11 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.tracing import setup_tracing
 from tests.app._server_fixtures import ENGINE, RunningServer
-from tests.telemetry.test_otlp_export import OTLPReceiver, _handler_for, any_value
+from tests.telemetry._otlp_receiver import OTLPReceiver, any_value, running_otlp_receiver
 
 pytestmark = pytest.mark.slow
 
@@ -270,16 +268,8 @@ def test_refusals_disconnects_and_aborts_are_counted(one_seat_server: RunningSer
 
 @pytest.fixture
 def otlp_receiver() -> Iterator[OTLPReceiver]:
-    receiver = OTLPReceiver(port=0)
-    http_server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(receiver))
-    receiver.port = http_server.server_address[1]
-    thread = threading.Thread(target=http_server.serve_forever, kwargs={"poll_interval": 0.02},
-                              name="otlp-receiver", daemon=True)
-    thread.start()
-    yield receiver
-    http_server.shutdown()
-    http_server.server_close()
-    thread.join()
+    with running_otlp_receiver() as receiver:
+        yield receiver
 
 
 def start_serve(log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:

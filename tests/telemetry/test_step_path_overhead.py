@@ -7,14 +7,12 @@ from __future__ import annotations
 import io
 import logging
 import time
-import types
 
 import anyio
 import numpy as np
 import pytest
 import structlog
 
-from actors.engine import Engine
 from actors.messages import EngineRequest, StepOutput, StepStats
 from actors.output_stream import RequestStream
 from actors.sampler import OutputProcessor, SamplerActor
@@ -42,19 +40,9 @@ def _step_path_cost_us(with_telemetry: bool, batch_size: int, num_steps: int) ->
     outputs = [StepOutput(step, request_ids, np.full(batch_size, 7, np.int64), None,
                           StepStats(step, batch_size, batch_size, 0, step_time_s=1e-3,
                                     gpu_idle_s=1e-5)) for step in range(num_steps)]
-    posted: list[StepOutput] = []
-    engine = types.SimpleNamespace(  # what Engine's step-timing wrappers touch
-        _schedule_times_s={}, scheduler_actor=types.SimpleNamespace(last_schedule_time_s=1e-4),
-        gpu_actor=types.SimpleNamespace(submit=lambda sched: None),
-        sampler_actor=types.SimpleNamespace(tell=posted.append))
-
     async def run() -> float:
         started = time.perf_counter()
         for out in outputs:
-            if with_telemetry:
-                Engine._submit_timed(engine, types.SimpleNamespace(step_id=out.step_id))  # type: ignore[arg-type]
-                Engine._post_timed(engine, out)  # type: ignore[arg-type]
-                out = posted.pop()
             await actor.handle(out)
         return time.perf_counter() - started
 
