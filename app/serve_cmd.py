@@ -108,6 +108,12 @@ def add_parser(sub: Any) -> None:
                           "Env: TANDEM_LOG_FORMAT")
     log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
                      help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
+    proc = p.add_argument_group("processes")
+    proc.add_argument("--api-server-count", type=int, default=_env("api_server_count", 1, int),
+                      help="front-end processes (HTTP, tokenization, detokenization, SSE) sharing "
+                           "the listening socket in front of the one engine-core process; more "
+                           "of them keep up with more streams. /metrics from any of them covers "
+                           "the whole server (default 1). Env: TANDEM_API_SERVER_COUNT")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -117,7 +123,7 @@ def _split_names(value: str) -> list[str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    from app.server_state import ServeSettings
+    from app.serve_settings import ServeSettings
 
     return ServeSettings(
         engine=engine_config_from_args(args), host=args.host, port=args.port,
@@ -129,7 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log,
         max_consecutive_failed_steps=args.max_consecutive_failed_steps,
         keep_alive_timeout_s=args.keep_alive_timeout,
-        request_body_timeout_s=args.request_body_timeout)
+        request_body_timeout_s=args.request_body_timeout, api_server_count=args.api_server_count,
+        log_format=args.log_format, log_level=args.log_level)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +174,8 @@ def _check_args(args: argparse.Namespace) -> None:
               (args.request_body_timeout > 0, "--request-body-timeout must be > 0"),
               (args.max_consecutive_failed_steps >= 1,
                "--max-consecutive-failed-steps must be at least 1"),
-              (args.max_n >= 1, "--max-n must be at least 1")]
+              (args.max_n >= 1, "--max-n must be at least 1"),
+              (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]")]
     for ok, message in checks:
         if not ok:
             raise UserFacingError(message)

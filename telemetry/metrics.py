@@ -8,10 +8,10 @@ private CollectorRegistry, never prometheus-client's global one.
 Calls come per step or per finished request, never per token:
 
 - `observe_step(stats)`: each finished engine step (StepStats);
-- `set_gauges(num_running, num_waiting, kv_usage)`: after each step is scheduled;
-- `observe_preemptions(total)`: with the scheduler's cumulative preemption count;
+- `set_engine_load(stats)`: the core's load and KV usage, at scrape time;
+- `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
-- `set_runner(choice)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
+- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
 
 Token counters move when a request finishes, so their sums equal the responses' usage:
 `vllm:prompt_tokens_total` counts the prompts of requests that produced a first token
@@ -48,24 +48,21 @@ CPU_TIME_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3
 IDLE_FRACTION_WINDOW_STEPS = 256
 
 
-class KVUsageLike(Protocol):
-    """What set_gauges reads from actors.kv_messages.KVUsage."""
+class EngineStatsLike(Protocol):
+    """What the engine gauges and totals read from actors.messages.SchedulerStats."""
 
     @property
-    def usage_perc(self) -> float: ...
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_usage_perc(self) -> float: ...
     @property
     def prefix_cache_queries_tokens(self) -> int: ...
     @property
     def prefix_cache_hits_tokens(self) -> int: ...
-
-
-class RunnerChoiceLike(Protocol):
-    """What set_runner reads from gpu.runner_selection.RunnerChoice (and `rule` if set)."""
-
     @property
-    def runner(self) -> str: ...
-    @property
-    def reason(self) -> str: ...
+    def num_preemptions_total(self) -> int: ...
 
 
 class _CumulativeCounter:
@@ -199,20 +196,18 @@ class EngineMetrics:
         self._recent_step_s[slot] = stats.step_time_s
         self._num_steps += 1
 
-    def set_gauges(self, num_running: int, num_waiting: int,
-                   kv_usage: KVUsageLike | None = None) -> None:
-        """The scheduler's current load and, when given, the KV cache's usage and its
-        cumulative prefix-cache query and hit tokens."""
-        self._num_running.set(num_running)
-        self._num_waiting.set(num_waiting)
-        if kv_usage is not None:
-            self._kv_usage.set(kv_usage.usage_perc)
-            self._prefix_queries.update(kv_usage.prefix_cache_queries_tokens)
-            self._prefix_hits.update(kv_usage.prefix_cache_hits_tokens)
+    def set_engine_load(self, stats: EngineStatsLike) -> None:
+        """The engine core's current load and KV usage (read at scrape time)."""
+        self._num_running.set(stats.num_running)
+        self._num_waiting.set(stats.num_waiting)
+        self._kv_usage.set(stats.kv_usage_perc)
 
-    def observe_preemptions(self, total: int) -> None:
-        """The scheduler's cumulative preemption count; the counter advances by the change."""
-        self._preemptions.update(total)
+    def observe_engine_totals(self, stats: EngineStatsLike) -> None:
+        """The core's cumulative prefix-cache query and hit tokens and preemptions (after
+        every step, by one front end only): the counters advance by the change."""
+        self._prefix_queries.update(stats.prefix_cache_queries_tokens)
+        self._prefix_hits.update(stats.prefix_cache_hits_tokens)
+        self._preemptions.update(stats.num_preemptions_total)
 
     def _idle_fraction(self) -> float:
         idle_s = sum(self._recent_idle_s)
@@ -242,12 +237,11 @@ class EngineMetrics:
 
     # ---- rare events --------------------------------------------------------------------
 
-    def set_runner(self, choice: RunnerChoiceLike) -> None:
-        """The runner choice (gpu.runner_selection.RunnerChoice) as an info-style gauge."""
+    def set_runner(self, runner: str, reason: str, rule: str = "") -> None:
+        """The runner choice as an info-style gauge."""
         self._runner_info.clear()
-        self._runner_info.labels(model_name=self.model_name, runner=choice.runner,
-                                 reason=choice.reason,
-                                 rule=str(getattr(choice, "rule", ""))).set(1)
+        self._runner_info.labels(model_name=self.model_name, runner=runner, reason=reason,
+                                 rule=rule).set(1)
 
     def record_rejection(self, reason: str) -> None:
         """A request refused before it reached the engine. `reason` must come from a small

@@ -19,7 +19,7 @@ from gpu.runner_v2.input_batch import InputBatch, build_input_batch
 from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
 
@@ -101,7 +101,7 @@ class ModelRunnerV2:
             params = new.sampling_params
             self.sampling_state.add_request(
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
-                self.worker.eos_token_ids,
+                new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
             self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         cached = sched.cached_requests

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from app.bench.soak_server import InProcessServer
-from app.config import EngineConfig
+from benchmarks.soak_server import InProcessServer
+from actors.config import EngineConfig
 from app.server_state import EngineSnapshot, ServeSettings
 
 MAX_MODEL_LEN = 2048
@@ -21,7 +21,7 @@ ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN
 
 @functools.cache
 def shared_model() -> Any:
-    from app.startup import load_engine
+    from actors.engine_startup import load_engine
 
     return load_engine(ENGINE)
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from app.bench.serve_client import (
+from benchmarks.serve_client import (
     ServeBenchConfig,
     arrival_offsets_s,
     run_serve_benchmark,
 )
-from app.bench.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
-from app.bench.serve_workload import (
+from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
+from benchmarks.serve_workload import (
     Workload,
     request_body,
     text_prompts,
@@ -143,7 +143,7 @@ def test_prompts_and_bodies() -> None:
     (["--base-url", "127.0.0.1:8000"], "--base-url"),
 ])
 def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
-    from app.bench.serve_cli import config_from_args
+    from benchmarks.serve_cli import config_from_args
 
     args = build_parser().parse_args(["bench", "serve", *flags])
     with pytest.raises(UserFacingError, match=message):
@@ -151,7 +151,7 @@ def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
 
 
 def test_flags_become_config() -> None:
-    from app.bench.serve_cli import config_from_args
+    from benchmarks.serve_cli import config_from_args
 
     args = build_parser().parse_args([
         "bench", "serve", "--base-url", "http://h:1/v1/", "--concurrency", "1,16,64",

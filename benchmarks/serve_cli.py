@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.bench.serve_workload import DEFAULT_TOKEN_ID_RANGE
+from benchmarks.serve_workload import DEFAULT_TOKEN_ID_RANGE
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -48,8 +48,8 @@ def add_parser(bench_sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bench.run_info import command_line
-    from app.bench.serve_client import ServerUnavailableError, run_serve_benchmark
+    from benchmarks.run_info import command_line
+    from benchmarks.serve_client import ServerUnavailableError, run_serve_benchmark
     from app.cli_errors import UserFacingError
 
     config = config_from_args(args)
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from app.bench.serve_client import ServeBenchConfig
-    from app.bench.serve_workload import Workload
+    from benchmarks.serve_client import ServeBenchConfig
+    from benchmarks.serve_workload import Workload
     from app.cli_errors import UserFacingError
 
     concurrencies = _positive_ints(args.concurrency, "--concurrency")
