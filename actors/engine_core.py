@@ -47,6 +47,7 @@ from actors.warmup import WARMUP_CLIENT, warmup_requests
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
+from telemetry.logging import log_startup
 
 log = structlog.get_logger("tandem.engine_core")
 
@@ -159,6 +160,9 @@ class EngineCore:
             runner_reason=choice.reason, runner_rule=str(getattr(choice, "rule", "")),
             device=str(worker.device), startup_s=round(time.perf_counter() - self._started_at, 3),
             pid=os.getpid())
+        log_startup(log, config=self.config, device=str(worker.device), runner=choice,
+                    num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size,
+                    kv_cache_bytes=self.ready.kv_cache_bytes)
         log.info("engine_ready", runner=choice.runner, startup_s=self.ready.startup_s)
         for client in self._clients:
             self.endpoint.send(client, self.ready)

@@ -10,8 +10,6 @@ outlives the server that started it.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import signal
 import sys
 import time
@@ -21,19 +19,19 @@ import msgspec
 import structlog
 
 from actors.config import EngineConfig
+from actors.parent_death import die_with_parent
 from actors.messages import ClientHello, EngineStartupFailed, Shutdown
 from actors.transport import TransportClosed, ZmqCoreEndpoint
 
 log = structlog.get_logger("tandem.engine_core")
 
-_PR_SET_PDEATHSIG = 1
 _FAILURE_FLUSH_S = 0.5
 """How long a failed start waits for its EngineStartupFailed to leave the socket."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     from telemetry.logging import configure_logging
@@ -103,15 +101,6 @@ async def _report_failure(endpoint: ZmqCoreEndpoint, clients: set[int], exc: Exc
         endpoint.send(client, failure)
     await anyio.sleep(_FAILURE_FLUSH_S)
     return 2 if is_user_error else 1
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    if parent_pid is None or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -181,6 +181,12 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------
 
+    async def free_finished_blocks(self) -> None:
+        """Release the KV blocks of requests that finished since the last step now (the
+        next step would otherwise do it)."""
+        if self._blocks_to_free:
+            await self._kv.free(self._take_blocks_to_free())
+
     async def schedule(self) -> SchedulerOutput | None:
         """Build the next step; None when there is nothing to run or no room in flight."""
         if len(self._in_flight) >= self.config.max_steps_in_flight:
@@ -189,8 +195,7 @@ class Scheduler:
         planned, token_budget = self._plan_running()
         waiting_entries, waiting_requests = self._plan_waiting(token_budget)
         if not planned and not waiting_entries:
-            if self._blocks_to_free:
-                await self._kv.free(self._take_blocks_to_free())
+            await self.free_finished_blocks()
             return None
         satisfied, grants = await self._allocate(planned, waiting_entries, token_budget)
         if not satisfied and not grants:

@@ -84,7 +84,8 @@ class SchedulerActor(Actor):
             self.scheduler.abort_requests([r.request_id for r in self.scheduler.unfinished_requests()
                                            if r.client_index == message.client_index])
         elif isinstance(message, GetStats):
-            # Fresh: blocks freed while idle change the usage without a step.
+            # Fresh: finishes and aborts since the last step change the usage without one.
+            await self.scheduler.free_finished_blocks()
             self.scheduler.kv_usage = await self._kv_usage()
             return self.stats()
         elif isinstance(message, Drain):

@@ -89,6 +89,12 @@ class EngineConnection:
         self._stopping = False
 
     @property
+    def inprocess_core(self) -> Any:
+        """The actors.engine_core.EngineCore when it shares this event loop (tests reach
+        into it to inject faults); None when the core is another process."""
+        return self._inprocess.core if self._inprocess is not None else None
+
+    @property
     def engine_pid(self) -> int | None:
         if self._process is not None:
             return self._process.pid

@@ -59,7 +59,9 @@ async def version(request: Request) -> Response:
     return _json({"version": package_version(),
                   "runner": info.runner if info else None,
                   "runner_reason": info.runner_reason if info else None,
-                  "runner_rule": info.runner_rule if info else None})
+                  "runner_rule": info.runner_rule if info else None,
+                  "api_server": state.client_index,
+                  "api_server_count": state.settings.api_server_count})
 
 
 async def metrics(request: Request) -> Response:

@@ -142,22 +142,37 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     import anyio
 
-    from app.cli_errors import UserFacingError, user_errors
+    from app.cli_errors import UserFacingError
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
     from telemetry.tracing import TracingConfigError
 
     _check_args(args)
     # Before anything logs: structlog fixes a logger's level when it is first used.
-    configure_logging(json=args.log_format == "json", level=args.log_level)
+    configure_logging(json=args.log_format == "json", level=args.log_level,
+                      process_name="api_server_0" if args.api_server_count == 1 else "supervisor")
+    if args.api_server_count > 1:
+        return _supervise(settings_from_args(args))
     try:
         server = TandemServer(settings_from_args(args))
-    except (ServerStartError, TracingConfigError, *user_errors()) as exc:
+    except (ServerStartError, TracingConfigError) as exc:
         raise UserFacingError(str(exc)) from None
     exit_code: int = anyio.run(server.serve)
     if server.state.failure_message is not None:
         raise UserFacingError(server.state.failure_message)
     return exit_code
+
+
+def _supervise(settings: Any) -> int:
+    from app.cli_errors import UserFacingError
+    from app.server import ServerStartError
+    from app.supervisor import Supervisor
+
+    try:
+        supervisor = Supervisor(settings)
+    except ServerStartError as exc:
+        raise UserFacingError(str(exc)) from None
+    return supervisor.run()
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -20,10 +20,12 @@ Token counters move when a request finishes, so their sums equal the responses' 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 
 from telemetry.histogram import BatchHistogram
@@ -46,6 +48,7 @@ CPU_TIME_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3
                       0.05, 0.1, 0.25)
 
 IDLE_FRACTION_WINDOW_STEPS = 256
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class EngineStatsLike(Protocol):
@@ -94,8 +97,10 @@ class EngineMetrics:
     # ---- construction -------------------------------------------------------------------
 
     def _gauge(self, name: str, documentation: str) -> Any:
-        return Gauge(name, documentation, ["model_name"], registry=self.registry
-                     ).labels(model_name=self.model_name)
+        # With several API servers each one writes its own value; a scrape shows the most
+        # recent write of a live process (the engine's load, read by whoever was scraped).
+        return Gauge(name, documentation, ["model_name"], registry=self.registry,
+                     multiprocess_mode="livemostrecent").labels(model_name=self.model_name)
 
     def _counter(self, name: str, documentation: str) -> Any:
         return Counter(name, documentation, ["model_name"], registry=self.registry
@@ -165,15 +170,15 @@ class EngineMetrics:
         self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._num_steps = 0
-        self._gauge("tandem:gpu_idle_fraction",
-                    f"Share of device time spent idle between steps over the last "
-                    f"{IDLE_FRACTION_WINDOW_STEPS} steps.").set_function(self._idle_fraction)
+        self._idle_fraction_gauge = self._gauge(
+            "tandem:gpu_idle_fraction", f"Share of device time spent idle between steps over "
+            f"the last {IDLE_FRACTION_WINDOW_STEPS} steps.")
 
     def _make_server_metrics(self) -> None:
         self._runner_info = Gauge("tandem:runner_info",
                                   "The model runner in use (1) and why it was chosen.",
                                   ["model_name", "runner", "reason", "rule"],
-                                  registry=self.registry)
+                                  registry=self.registry, multiprocess_mode="livemax")
         self._rejections = Counter("tandem:rejected_requests",
                                    "Requests refused at admission, by reason.",
                                    ["model_name", "reason"], registry=self.registry)
@@ -195,6 +200,7 @@ class EngineMetrics:
         self._recent_idle_s[slot] = stats.gpu_idle_s
         self._recent_step_s[slot] = stats.step_time_s
         self._num_steps += 1
+        self._idle_fraction_gauge.set(self._idle_fraction())
 
     def set_engine_load(self, stats: EngineStatsLike) -> None:
         """The engine core's current load and KV usage (read at scrape time)."""
@@ -256,7 +262,20 @@ class EngineMetrics:
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics: Prometheus text format 0.0.4, or
         OpenMetrics when `accept_header` asks for it."""
+        registry = _exposition_registry(self.registry)
         if accept_header and "openmetrics" in accept_header:
             encoder, content_type = choose_encoder(accept_header)
-            return encoder(self.registry), content_type
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+            return encoder(registry), content_type
+        return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+def _exposition_registry(own: CollectorRegistry) -> CollectorRegistry:
+    """This process's registry, or, in multiprocess mode (PROMETHEUS_MULTIPROC_DIR set by
+    `tandem serve --api-server-count N` for its API servers), a registry that sums what
+    every process of the server wrote."""
+    directory = os.environ.get(MULTIPROC_DIR_ENV)
+    if not directory:
+        return own
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    return registry

@@ -117,7 +117,7 @@ def exposed_metrics() -> dict[str, frozenset[str]]:
     from telemetry.metrics import EngineMetrics
 
     metrics = EngineMetrics("deploy-check")
-    metrics.set_runner(SimpleNamespace(runner="v2", reason="check", rule=6))
+    metrics.set_runner("v2", "check", "6")
     metrics.record_rejection("queue_full")
     body, _ = metrics.render()
     labels: dict[str, set[str]] = {}

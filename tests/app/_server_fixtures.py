@@ -12,7 +12,8 @@ from typing import Any
 
 from benchmarks.soak_server import InProcessServer
 from actors.config import EngineConfig
-from app.server_state import EngineSnapshot, ServeSettings
+from app.serve_settings import ServeSettings
+from app.server_state import EngineSnapshot
 
 MAX_MODEL_LEN = 2048
 ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN,
@@ -29,9 +30,11 @@ def shared_model() -> Any:
 class RunningServer(InProcessServer):
     """A server on the session's shared model with the given ServeSettings fields."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, preloaded: Any = None, **settings: Any) -> None:
+        """`preloaded`: another loaded model (default: the session's embedded one)."""
         engine = settings.pop("engine", ENGINE)
-        super().__init__(ServeSettings(engine=engine, port=0, **settings), shared_model())
+        super().__init__(ServeSettings(engine=engine, port=0, **settings),
+                         preloaded if preloaded is not None else shared_model())
 
     def wait_engine_idle(self, timeout_s: float = 30.0) -> EngineSnapshot:
         return self.wait_idle(timeout_s)
