@@ -100,7 +100,7 @@ class ServerState:
         try:
             await self._start_and_run()
         except Exception as exc:  # noqa: BLE001 - reported, and the process exits non-zero
-            self._on_engine_failure(exc)
+            self._on_engine_failure(_single(exc))
         finally:
             self.engine_stopped.set()
 
@@ -120,6 +120,11 @@ class ServerState:
             if start_scope.cancelled_caught:
                 await connection.shutdown()
                 return
+            try:
+                self._check_tokenizer_fits(info)
+            except ModelLoadError:
+                await connection.shutdown()
+                raise
             self._serve_with(info, connection)
             log.info("engine_ready", runner=info.runner, reason=info.runner_reason,
                      max_model_len=info.max_model_len, engine_pid=info.pid,
@@ -141,6 +146,13 @@ class ServerState:
         return EngineConnection(self.settings.engine, callbacks,
                                 preloaded=self._preloaded, attach=self._attach,
                                 process_options=options)
+
+    def _check_tokenizer_fits(self, info: EngineReady) -> None:
+        if self.tokenizer is not None and self.tokenizer.vocab_size > info.vocab_size:
+            raise ModelLoadError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
+                f"vocabulary holds {info.vocab_size}: pass the model's own tokenizer "
+                f"(--tokenizer)")
 
     def _serve_with(self, info: EngineReady, connection: EngineConnection) -> None:
         self.engine_info, self.engine = info, connection.client
@@ -245,6 +257,13 @@ class ServerState:
             num_free_kv_blocks=stats.num_free_kv_blocks,
             num_total_kv_blocks=stats.num_total_kv_blocks, num_free_rows=stats.num_free_rows,
             num_rows=self.settings.engine.max_num_seqs)
+
+
+def _single(exc: Exception) -> Exception:
+    """The one error inside task-group wrappers, so that it is reported as itself."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s: float) -> bool:

@@ -42,6 +42,9 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--token-id-range", default="{}:{}".format(*DEFAULT_TOKEN_ID_RANGE),
                    help="LOW:HIGH range of the random prompt token ids (default %(default)s)")
+    p.add_argument("--tokenizer",
+                   help="chat: a tokenizer.json or Hugging Face tokenizer directory (the "
+                        "server's) to make each message exactly --input-len tokens")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output", type=Path, help="JSON result path (printed summary only without)")
     p.set_defaults(run=run)
@@ -89,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     workload = Workload(endpoint=args.endpoint, num_prompts=args.num_prompts,
                         input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
-                        token_id_range=token_range)
+                        token_id_range=token_range, tokenizer=args.tokenizer)
     return ServeBenchConfig(base_url=base_url, workload=workload, concurrencies=concurrencies,
                             request_rate=rate, num_warmups=args.warmup, model=args.model,
                             api_key=args.api_key, timeout_s=args.timeout)

@@ -245,7 +245,8 @@ class EngineMetrics:
 
     def set_runner(self, runner: str, reason: str, rule: str = "") -> None:
         """The runner choice as an info-style gauge."""
-        self._runner_info.clear()
+        if not os.environ.get(MULTIPROC_DIR_ENV):  # a process's files cannot be cleared
+            self._runner_info.clear()
         self._runner_info.labels(model_name=self.model_name, runner=runner, reason=reason,
                                  rule=rule).set(1)
 

@@ -18,6 +18,7 @@ from benchmarks.serve_client import (
     run_serve_benchmark,
 )
 from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
+from app.tokenizer_loader import load_tokenizer
 from benchmarks.serve_workload import (
     Workload,
     request_body,
@@ -127,6 +128,9 @@ def test_prompts_and_bodies() -> None:
     assert prompts == token_id_prompts(3, 17, seed=5, token_id_range=(100, 200))
     assert prompts != token_id_prompts(3, 17, seed=6, token_id_range=(100, 200))
     assert [len(t.split()) for t in text_prompts(2, 9, seed=0)] == [9, 9]
+    tokenizer = load_tokenizer("default")
+    sized = text_prompts(4, 33, seed=1, tokenizer=tokenizer)
+    assert [len(tokenizer.encode(t)) for t in sized] == [33] * 4
     workload = Workload("chat", 1, 9, 12, ignore_eos=True, temperature=0.0, seed=0)
     body = request_body(workload, "hi there", "m")
     assert body["messages"] == [{"role": "user", "content": "hi there"}]
