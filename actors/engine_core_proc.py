@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import structlog
 
+from actors import event_loop
 from actors.config import EngineConfig
 from actors.parent_death import die_with_parent
 from actors.messages import ClientHello, EngineStartupFailed, Shutdown
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json=args.log_format == "json", level=args.log_level,
                       process_name="engine_core")
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-    return anyio.run(_serve, config, args.address, args.max_consecutive_failed_steps)
+    return event_loop.run(_serve, config, args.address, args.max_consecutive_failed_steps)
 
 
 async def _serve(config: EngineConfig, address: str, max_consecutive_failed_steps: int) -> int:

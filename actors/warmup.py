@@ -34,8 +34,9 @@ _SAMPLER_PATHS = (
 
 def warmup_requests(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                     vocab_size: int, seed: int = 0) -> list[list[EngineRequest]]:
-    """Waves of requests, each run to its end before the next starts: one request alone
-    (batch-1 decode), then a mixed batch (every sampler path, assorted prompt lengths,
+    """Waves of requests, each run to its end before the next starts: single requests alone
+    (batch-1 prefill and decode; prompt lengths that cover Triton's integer
+    specializations: 1, a multiple of 16 and neither), then a mixed batch (every sampler path, assorted prompt lengths,
     staggered ends so the decode batch shrinks through many sizes), then one prompt longer
     than a step's token budget (chunked prefill) when the context allows it."""
     rng = np.random.default_rng(seed)
@@ -47,7 +48,8 @@ def warmup_requests(max_num_seqs: int, max_num_batched_tokens: int, max_model_le
         return EngineRequest(f"warmup-{name}", tokens, params.replace(max_tokens=max_tokens,
                              ignore_eos=True), now, client_index=WARMUP_CLIENT)
 
-    waves = [[request("single", 16, 8)]]
+    waves = [[request(f"single-{length}", length, 8)] for length in (1, 16, 17, 139)
+              if length + 8 < max_model_len]
     num_mixed = max(1, min(max_num_seqs, 64))
     prompt_cap = max(1, min(max_num_batched_tokens, max_model_len - 40) // num_mixed)
     waves.append([request(f"mixed-{i}", 1 + int(rng.integers(0, prompt_cap)), 2 + i % 33,

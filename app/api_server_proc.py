@@ -8,9 +8,9 @@ import argparse
 import socket
 import sys
 
-import anyio
 import msgspec
 
+from actors import event_loop
 from actors.parent_death import die_with_parent
 from app.engine_connection import EngineAttachment
 from app.serve_settings import ServeSettings
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     attach = EngineAttachment(args.engine_address, args.engine_pid, args.client_index)
     sock = socket.socket(fileno=args.fd)
     server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
-    exit_code: int = anyio.run(server.serve)
+    exit_code: int = event_loop.run(server.serve)
     if server.state.failure_message is not None:
         print(f"tandem: error: {server.state.failure_message}", file=sys.stderr)
         return 2

@@ -140,8 +140,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import anyio
-
+    from actors import event_loop
     from app.cli_errors import UserFacingError
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
@@ -157,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         server = TandemServer(settings_from_args(args))
     except (ServerStartError, TracingConfigError) as exc:
         raise UserFacingError(str(exc)) from None
-    exit_code: int = anyio.run(server.serve)
+    exit_code: int = event_loop.run(server.serve)
     if server.state.failure_message is not None:
         raise UserFacingError(server.state.failure_message)
     return exit_code

@@ -109,7 +109,7 @@ class ServerState:
         started = time.perf_counter()
         connection = self.connection = self._make_connection()
         connection.spawn()
-        self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.model,
+        self.tokenizer = await anyio.to_thread.run_sync(_load_warm_tokenizer, config.model,
                                                         config.tokenizer)
         self.generation_config = load_generation_config(config.model)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
@@ -257,6 +257,21 @@ class ServerState:
             num_free_kv_blocks=stats.num_free_kv_blocks,
             num_total_kv_blocks=stats.num_total_kv_blocks, num_free_rows=stats.num_free_rows,
             num_rows=self.settings.engine.max_num_seqs)
+
+
+def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
+    """The front end's tokenizer, with its chat template compiled and its encoder and
+    decoder run once, so the first request pays for neither."""
+    tokenizer = load_tokenizer(model, tokenizer_source)
+    if tokenizer is not None:
+        text = "warm up"
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render is the request's 400
+            pass
+        tokenizer.decode(tokenizer.encode(text))
+    return tokenizer
 
 
 def _single(exc: Exception) -> Exception:
