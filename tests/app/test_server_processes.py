@@ -121,8 +121,34 @@ def test_two_api_servers_answer_on_one_port_and_metrics_cover_both(tmp_path: Pat
         lines = server.lines()
         assert {line.get("process") for line in lines} >= {"supervisor", "engine_core",
                                                              "api_server_0", "api_server_1"}
+        _an_api_server_that_dies_is_restarted(server)
     finally:
         exit_code = server.stop()
     assert exit_code == 0
     assert not server.descendants()
     assert health(server.url) is None  # the port is closed
+
+
+def _api_server_pids(server: ServeProcess) -> dict[int, int]:
+    return {int(line["process"].rsplit("_", 1)[1]): int(line["pid"]) for line in server.lines()
+            if str(line.get("process", "")).startswith("api_server_")}
+
+
+def _an_api_server_that_dies_is_restarted(server: ServeProcess) -> None:
+    victim = _api_server_pids(server)[1]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pids = _api_server_pids(server)
+        restarted = pids.get(1) not in (None, victim) and any(
+            line.get("event") == "engine_ready" and line.get("pid") == pids[1]
+            for line in server.lines())
+        if restarted:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the killed API server was not restarted")
+    assert any(line.get("event") == "api_server_died_restarting" for line in server.lines())
+    answered_by = {httpx.get(server.url + "/version", timeout=10).json()["api_server"]
+                   for _ in range(40)}
+    assert answered_by == {0, 1}
