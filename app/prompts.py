@@ -46,7 +46,10 @@ async def _off_loop_if_long(size: int, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest,
+                      tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    """`tools` (OpenAI's shape) reach the template as its `tools` variable, as in
+    transformers; a template that does not use them renders without them."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
@@ -55,6 +58,8 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPro
     kwargs = template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if tools:
+        kwargs.setdefault("tools", tools)
     try:
         text = await _off_loop_if_long(size, _render, state.tokenizer, messages,
                                        bool(req.add_generation_prompt),

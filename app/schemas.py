@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Every model accepts unknown fields (clients send vendor extensions; the server logs and
-ignores them). Fields tandem knows but does not implement yet are declared so that a
+ignores them). Values are read as leniently as vLLM reads them (pydantic's lax mode): an
+integral float or a numeric string fills an integer field, `1`/`"true"` a boolean one; a
+fractional `max_tokens` or a word where a number belongs is still a 400 naming the field. Fields tandem knows but does not implement yet are declared so that a
 non-default value can be refused with a 400 naming the field, never silently ignored.
 These models also generate `/openapi.json`.
 """
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOP_LOGPROBS = 20
 
-_MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
+_MODEL_CONFIG = ConfigDict(extra="allow")
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -37,12 +39,34 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+    """JSON text, as OpenAI sends it (an object is accepted too)."""
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    model_config = _MODEL_CONFIG
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _MODEL_CONFIG
 
     role: str = Field(min_length=1)
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages: the calls it made (content is then often null)."""
+    tool_call_id: str | None = None
+    """Tool messages: which call this result answers."""
 
 
 class SamplingFields(BaseModel):
@@ -85,13 +109,14 @@ class SamplingFields(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logprob_token_ids: Any = None
+    stream_interval: Any = None
+    # Output constraints, turned into one spec by app/structured_outputs.py
+    response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    response_format: Any = None
-    stream_interval: Any = None
     vllm_xargs: Any = None
     truncation_side: Any = None
 
@@ -113,9 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None
     modalities: list[str] | None = None
     include_reasoning: bool | None = None
-    # known, not implemented
     tools: Any = None
+    """Function tools, checked by app/tool_calls/request.py."""
     tool_choice: Any = None
+    # known, not implemented
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
@@ -176,18 +202,12 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": ((),),
     "bad_words": ((),),
     "logprob_token_ids": ((),),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "stream_interval": (1,),
     "vllm_xargs": (),
     "truncation_side": ("left",),
     "spaces_between_special_tokens": (True,),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",),
     "functions": (),
     "function_call": ("none",),
     "documents": (),
@@ -225,17 +245,9 @@ def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
 
 
 def _special_cases(request: SamplingFields) -> tuple[str, str] | None:
-    fmt = request.response_format
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            return "response_format", (f"response_format type {kind!r} is not supported by this "
-                                       "server yet; only 'text' is")
     if isinstance(request, ChatCompletionRequest):
         if request.chat_template is not None:
             return "chat_template", REQUEST_TEMPLATE_REFUSED
-        if request.tools is not None:
-            return "tools", "'tools' (function calling) is not supported by this server yet"
         if request.modalities is not None and list(request.modalities) != ["text"]:
             return "modalities", "only the 'text' modality is supported"
     if request.stream_options is not None and not request.stream:

@@ -59,6 +59,9 @@ class ServeSettings:
     request's headers must arrive within it."""
     request_body_timeout_s: float = 60.0
     """A request body that has not fully arrived this long after its headers gets 408."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read out of model text: hermes, llama3_json, none, or auto (from
+    the chat template)."""
 
     def model_names(self) -> tuple[str, ...]:
         if self.served_model_names:
