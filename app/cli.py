@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app import bench_cmd, generate_cmd, serve_cmd
+from app import bench_cmd, export_tokenizer_cmd, generate_cmd, serve_cmd
 from app.cli_errors import UserFacingError
 
 EXIT_USAGE = 2
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    export_tokenizer_cmd.add_parser(sub)
     return parser
 
 

@@ -164,6 +164,10 @@ class ServerState:
                         max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
                         on_dead=self._on_engine_dead)
         self.metrics.set_runner(loaded.runner)
+        self.metrics.request_shape.configure(self.max_model_len, {
+            "block_size": config.block_size, "num_gpu_blocks": engine.num_kv_blocks,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization, "cache_dtype": "auto"})
         log_startup(log, config=config, device=loaded.platform.device, runner=loaded.runner,
                     num_kv_blocks=engine.num_kv_blocks, block_size=config.block_size,
                     kv_cache_bytes=engine.num_kv_blocks * worker.kv_spec.bytes_per_block)
