@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Every model accepts unknown fields (clients send vendor extensions; the server logs and
-ignores them). Values are read as leniently as vLLM reads them (pydantic's lax mode): an
-integral float or a numeric string fills an integer field, `1`/`"true"` a boolean one; a
-fractional `max_tokens` or a word where a number belongs is still a 400 naming the field. Fields tandem knows but does not implement yet are declared so that a
+ignores them). Sampling values are read as leniently as vLLM reads them
+(app/lenient_types.py): an integral float or a string of digits fills an integer field, a
+numeric string a number field, `1`/`"true"` a boolean one; a fractional `max_tokens` or a
+word where a number belongs is still a 400 naming the field. Fields tandem knows but does not implement yet are declared so that a
 non-default value can be refused with a 400 naming the field, never silently ignored.
 These models also generate `/openapi.json`.
 """
@@ -14,21 +15,24 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.lenient_types import LenientBool, lenient_float, lenient_int
+
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOP_LOGPROBS = 20
 
-_MODEL_CONFIG = ConfigDict(extra="allow")
+_MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
+"""Token ids and counts that stay strict (a list of digit strings is a list of strings)."""
+PositiveInt = lenient_int(ge=1)
 
 
 class StreamOptions(BaseModel):
     model_config = _MODEL_CONFIG
 
-    include_usage: bool | None = None
+    include_usage: LenientBool | None = None
     """Send a usage chunk (with `choices: []`) after the last choice finishes."""
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: LenientBool | None = None
     """Put cumulative usage on every chunk (vLLM extension)."""
 
 
@@ -76,32 +80,32 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    temperature: lenient_float(ge=0.0) | None = None
+    top_p: lenient_float(gt=0.0, le=1.0) | None = None
+    n: lenient_int(ge=1) | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stream: bool | None = False
+    seed: lenient_int(ge=SEED_MIN, le=SEED_MAX) | None = None
+    presence_penalty: lenient_float(ge=-2.0, le=2.0) | None = None
+    frequency_penalty: lenient_float(ge=-2.0, le=2.0) | None = None
+    logit_bias: dict[str, lenient_float(ge=-100.0, le=100.0)] | None = None
+    stream: LenientBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extra sampling fields
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: NonNegativeInt | None = None
+    top_k: lenient_int(ge=-1) | None = None
+    min_p: lenient_float(ge=0.0, le=1.0) | None = None
+    repetition_penalty: lenient_float(gt=0.0, le=2.0) | None = None
+    ignore_eos: LenientBool | None = None
+    min_tokens: lenient_int(ge=0) | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int | None = None
+    skip_special_tokens: LenientBool | None = None
+    spaces_between_special_tokens: LenientBool | None = None
+    include_stop_str_in_output: LenientBool | None = None
+    truncate_prompt_tokens: lenient_int(ge=-1) | None = None
+    priority: lenient_int() | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    return_token_ids: bool | None = None
+    return_token_ids: LenientBool | None = None
     # Known fields tandem does not implement yet: refused when set to a non-default value.
     prompt_logprobs: Any = None
     use_beam_search: Any = None
@@ -124,20 +128,20 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
-    add_special_tokens: bool | None = False
+    logprobs: LenientBool | None = False
+    top_logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    echo: LenientBool | None = False
+    add_generation_prompt: LenientBool | None = True
+    continue_final_message: LenientBool | None = False
+    add_special_tokens: LenientBool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
+    parallel_tool_calls: LenientBool | None = None
+    store: LenientBool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
-    include_reasoning: bool | None = None
+    include_reasoning: LenientBool | None = None
     tools: Any = None
     """Function tools, checked by app/tool_calls/request.py."""
     tool_choice: Any = None
@@ -157,9 +161,9 @@ TokenIds = list[NonNegativeInt]
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: PositiveInt | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    add_special_tokens: bool | None = True
+    logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    echo: LenientBool | None = False
+    add_special_tokens: LenientBool | None = True
     # known, not implemented
     suffix: Any = None
     best_of: Any = None
@@ -176,11 +180,11 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
+    add_special_tokens: LenientBool | None = None
+    add_generation_prompt: LenientBool | None = True
+    continue_final_message: LenientBool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool | None = False
+    return_token_strs: LenientBool | None = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -19,7 +19,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.app._server_fixtures import MAX_MODEL_LEN, RunningServer
+from tests.app._server_fixtures import MAX_MODEL_LEN, RunningServer, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,7 @@ def server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture
