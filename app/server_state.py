@@ -159,6 +159,10 @@ class ServerState:
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.metrics.set_runner(info.runner, info.runner_reason, info.runner_rule)
         config = self.settings.engine
+        self.metrics.request_shape.configure(self.max_model_len, {
+            "block_size": info.block_size, "num_gpu_blocks": info.num_kv_blocks,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization, "cache_dtype": "auto"})
         limits = AdmissionLimits(
             max_num_running=config.max_num_seqs,
             max_queued_requests=self.settings.max_queued_requests,

@@ -31,6 +31,7 @@ from actors.admission import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
 from app.request_telemetry import RequestTelemetry
+from app.tool_calls.output import ToolCallOutput
 from app.responses import (
     ChoiceState,
     ResponseMeta,
@@ -87,10 +88,14 @@ class ChunkFormatter:
 class ChatChunkFormatter(ChunkFormatter):
     def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
                  choices: Sequence[ChoiceState], continuous_usage: bool, *,
-                 role: str = "assistant", echo_prefix: str = "") -> None:
+                 role: str = "assistant", echo_prefix: str = "",
+                 tool_calls: Callable[[], ToolCallOutput] | None = None) -> None:
+        """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.role = role
         self.echo_prefix = echo_prefix
+        self._new_tool_output = tool_calls
+        self._tool_outputs: dict[int, ToolCallOutput] = {}
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
         out = []
@@ -99,12 +104,28 @@ class ChatChunkFormatter(ChunkFormatter):
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if self._new_tool_output is not None:
+            return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
             content = {"content": delta.text} if delta.text else {}
             out.append(self._choice(choice.index, content, logprobs, delta.finish_reason,
                                     delta.stop_reason))
         elif delta.text or logprobs:
             out.append(self._choice(choice.index, {"content": delta.text}, logprobs))
+        return out
+
+    def _tool_chunks(self, index: int, delta: StreamDelta, logprobs: Any) -> list[dict[str, Any]]:
+        """Content, then one chunk per tool-call entry (header, argument fragments), then
+        the finish chunk: each call's pieces arrive in order, as from OpenAI."""
+        assert self._new_tool_output is not None
+        output = self._tool_outputs.setdefault(index, self._new_tool_output())
+        content, entries, finish_reason = output.feed(delta.text, delta.finish_reason)
+        out = []
+        if content or logprobs:
+            out.append(self._choice(index, {"content": content}, logprobs))
+        out += [self._choice(index, {"tool_calls": [entry]}) for entry in entries]
+        if delta.finished:
+            out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
         return out
 
     def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None,
