@@ -287,7 +287,7 @@ def _stream(group: AdmittedGroup, formatter: ChunkFormatter, req: SamplingFields
             state: ServerState, request_id: str, call: RequestTelemetry) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     options = StreamOptions(include_usage=include_usage, continuous_usage=_continuous(req),
-                            keep_alive_s=state.settings.keep_alive_interval_s)
+                            keep_alive=state.keep_alive)
     return EventStreamResponse(group, formatter, options, request_id,
                                headers={"X-Request-Id": request_id}, telemetry=call)
 

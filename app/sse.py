@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from actors.admission import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
+from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
 from app.tool_calls.output import ToolCallOutput
 from app.responses import (
@@ -58,7 +59,8 @@ def sse_event(payload: Any) -> bytes:
 class StreamOptions:
     include_usage: bool = False
     continuous_usage: bool = False
-    keep_alive_s: float = 10.0
+    keep_alive: KeepAliveClock = field(default_factory=lambda: KeepAliveClock(10.0))
+    """The server's clock for keep-alive comments (one timer for every stream)."""
 
 
 class ChunkFormatter:
@@ -210,7 +212,7 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
-            failed = await pull_batches(self.group, self.options.keep_alive_s,
+            failed = await pull_batches(self.group, self.options.keep_alive,
                                         lambda batch: self._on_batch(batch, send_bytes),
                                         lambda: send_bytes(KEEP_ALIVE_COMMENT))
         except Exception as exc:
@@ -263,14 +265,15 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
             return
 
 
-async def pull_batches(group: AdmittedGroup, keep_alive_s: float,
+async def pull_batches(group: AdmittedGroup, keep_alive: KeepAliveClock,
                        on_batch: Callable[[Batch], Awaitable[bool]],
                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
     """Feed `on_batch` with everything the group's streams accumulated, until every stream
     ended or `on_batch` returns True (then True is returned). `on_quiet` runs whenever
-    nothing arrived for `keep_alive_s` seconds."""
+    nothing arrived for the clock's interval."""
     if len(group.streams) == 1:
-        return await _pull_single(group, keep_alive_s, on_batch, on_quiet)
+        return await _pull_single(group, keep_alive, on_batch, on_quiet)
+    keep_alive_s = keep_alive.interval_s
     send_stream, receive_stream = anyio.create_memory_object_stream[tuple[int, StreamDelta]](0)
 
     async def read_choice(index: int, sender: Any) -> None:
@@ -287,20 +290,19 @@ async def pull_batches(group: AdmittedGroup, keep_alive_s: float,
     return failed
 
 
-async def _pull_single(group: AdmittedGroup, keep_alive_s: float,
+async def _pull_single(group: AdmittedGroup, keep_alive: KeepAliveClock,
                        on_batch: Callable[[Batch], Awaitable[bool]],
                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
-    while True:
-        delta: StreamDelta | None = None
-        with anyio.move_on_after(_interval(keep_alive_s)) as waited:
-            delta = await group.get(0)
-        if waited.cancelled_caught:
-            await on_quiet()
-            continue
-        if delta is None:
-            return False
-        if await on_batch([(0, delta)]):
-            return True
+    stream = group.streams[0]
+    with keep_alive.watching(stream):
+        while (delta := await group.get(0)) is not None:
+            if delta.is_empty:  # poked by the clock: quiet for its interval
+                await on_quiet()
+                continue
+            keep_alive.sent(stream)
+            if await on_batch([(0, delta)]):
+                return True
+    return False
 
 
 async def _drain_merged(receive_stream: Any, keep_alive_s: float,
