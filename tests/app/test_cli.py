@@ -89,3 +89,15 @@ def test_unknown_dummy_preset() -> None:
 
 def test_no_prompts() -> None:
     _assert_one_line_error(_tandem("generate"), "no prompts")
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (("--tensor-parallel-size", "2"), ("9 attention heads",)),
+    (("--model", "dummy:qwen3-0.6b", "-tp", "2", "--runner", "v1"),
+     ("V1 runner", "tensor parallelism")),
+    (("--model", "dummy:qwen3-0.6b", "-tp", "2"), ("not available yet",)),
+])
+def test_tensor_parallel_size_is_validated_then_refused(args: tuple[str, ...],
+                                                        fragments: tuple[str, ...]) -> None:
+    _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--device", "cpu", *args),
+                           *fragments)
