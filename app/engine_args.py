@@ -32,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=_env("model", _DEFAULTS.model),
                    help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
                         "directory, or dummy:<preset> (random weights: qwen3-0.6b, qwen3-8b, "
-                        "llama-3.1-8b, smollm2-135m, qwen2-0.5b). Env: TANDEM_MODEL")
+                        "qwen3-32b, llama-3.1-8b, llama-3.1-70b, smollm2-135m, qwen2-0.5b). "
+                        "Env: TANDEM_MODEL")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    default=_env("dtype", _DEFAULTS.dtype),
                    help="compute dtype; auto = float32 on CPU, bfloat16 on GPU")

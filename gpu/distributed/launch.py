@@ -68,7 +68,8 @@ class WorkerGroup:
         failures: dict[int, tuple[str, str]] = {}
         while len(self._results) + len(failures) < self.world_size:
             remaining = deadline - time.monotonic()
-            pending = [r for r in range(self.world_size) if r not in self._results and r not in failures]
+            pending = [r for r in range(self.world_size)
+                       if r not in self._results and r not in failures]
             if remaining <= 0 or not wait(self._waitables(pending), timeout=remaining):
                 if failures:
                     break

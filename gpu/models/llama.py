@@ -143,7 +143,8 @@ class DecoderModel(nn.Module):
         self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
         self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
         vocab_rows = self.vocab_shard.num_rows
-        self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, dtype=dtype,
+                                            device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attn_backend, dtype, device, tp) for _ in range(config.num_layers)
         )

@@ -71,7 +71,8 @@ def _random_shard(
         block_start = block * DUMMY_ROW_BLOCK
         block_stop = min(block_start + DUMMY_ROW_BLOCK, num_rows)
         generator.manual_seed(_block_seed(seed, name, block))
-        values = torch.empty((block_stop - block_start, *full_shape[1:]), dtype=dtype, device=device)
+        block_shape = (block_stop - block_start, *full_shape[1:])
+        values = torch.empty(block_shape, dtype=dtype, device=device)
         values.normal_(0.0, WEIGHT_STD, generator=generator)
         lo, hi = max(block_start, row_start), min(block_stop, row_stop)
         part = values[lo - block_start:hi - block_start]

@@ -21,7 +21,10 @@ from gpu.weights.ggml_types import GGML_BLOCK_LAYOUTS
 from gpu.weights.gguf_file import GGUFFile
 from gpu.weights.shard_layout import ShardSlice, pad_shard
 
-WHOLE, ROWS, BLOCK_COLUMNS, DEQUANTIZE_THEN_SLICE = "whole", "rows", "block_columns", "dequantize_then_slice"
+WHOLE = "whole"
+ROWS = "rows"
+BLOCK_COLUMNS = "block_columns"
+DEQUANTIZE_THEN_SLICE = "dequantize_then_slice"
 
 
 def shard_read_mode(gguf: GGUFFile, name: str, shard: ShardSlice) -> str:

@@ -49,7 +49,8 @@ def weight_shard_slices(config: ModelConfig, tp_rank: int, tp_size: int) -> dict
     vocab = vocab_shard(config.vocab_size, tp_rank, tp_size)
     mlp_start, mlp_width = intermediate_shard(config, tp_rank, tp_size)
     head_dim = config.head_dim
-    q_rows = _span(0, heads.head_start * head_dim, heads.num_heads * head_dim)
+    q_start, q_width = heads.head_start * head_dim, heads.num_heads * head_dim
+    q_rows = _span(0, q_start, q_width)
     kv_rows = _span(0, heads.kv_head_start * head_dim, heads.num_kv_heads * head_dim)
     by_suffix = {
         "self_attn.q_proj.weight": q_rows,
@@ -58,7 +59,7 @@ def weight_shard_slices(config: ModelConfig, tp_rank: int, tp_size: int) -> dict
         "self_attn.k_proj.bias": kv_rows,
         "self_attn.v_proj.weight": kv_rows,
         "self_attn.v_proj.bias": kv_rows,
-        "self_attn.o_proj.weight": _span(1, heads.head_start * head_dim, heads.num_heads * head_dim),
+        "self_attn.o_proj.weight": _span(1, q_start, q_width),
         "mlp.gate_proj.weight": _span(0, mlp_start, mlp_width),
         "mlp.up_proj.weight": _span(0, mlp_start, mlp_width),
         "mlp.down_proj.weight": _span(1, mlp_start, mlp_width),

@@ -30,9 +30,10 @@ GROUP_TIMEOUT_S = 60.0
 EOS = 7
 
 
-def _spec(rank: int, world_size: int, init_method: str, timeout_s: float = GROUP_TIMEOUT_S
-          ) -> TPGroupSpec:
-    return TPGroupSpec(rank, world_size, init_method, "cpu", timeout_s)
+def _spec(rank: int, world_size: int, init_method: str, timeout_s: float = GROUP_TIMEOUT_S,
+          device_kind: str = "cpu") -> TPGroupSpec:
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    return TPGroupSpec(rank, world_size, init_method, device, timeout_s)
 
 
 # ---- the model ------------------------------------------------------------------------
@@ -44,46 +45,49 @@ class GreedyRun:
 
 
 def run_greedy(config: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
-               num_steps: int, tp: Communicator | None = None) -> GreedyRun:
+               num_steps: int, tp: Communicator | None = None, device: str = "cpu") -> GreedyRun:
     """Prefill `prompts` in one varlen batch, then decode greedily; with `tp`, tokens come
-    from batch-sharded sampling of the local logits."""
-    model = DecoderModel(config, TorchAttentionBackend(), torch.float32, "cpu", tp)
+    from batch-sharded sampling of the local logits. Results come back on the CPU."""
+    model = DecoderModel(config, TorchAttentionBackend(), torch.float32, device, tp)
     model.load_weights(weights)
     kv_caches = allocate_kv_cache(config.num_layers, 64, 8, model.num_kv_heads, config.head_dim,
-                                  torch.float32, "cpu")
+                                  torch.float32, device)
     book = PagedKVBook(num_blocks=64, block_size=8, seed=1)
-    state = SamplingState(len(prompts), config.vocab_size, "cpu")
+    state = SamplingState(len(prompts), config.vocab_size, device)
     for row in range(len(prompts)):
         state.add_request(row, SamplingParams(temperature=0.0), prompts[row], [], [], 0)
     sampler = Sampler(state) if tp is None else BatchShardedSampler(Sampler(state), tp)
     rows = np.arange(len(prompts), dtype=np.int32)
     step = [(f"r{i}", len(p)) for i, p in enumerate(prompts)]
-    input_ids = torch.tensor([t for p in prompts for t in p])
+    input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     prompt_logits, tokens = None, []
     with torch.inference_mode():
         for _ in range(num_steps + 1):
-            positions, metadata = book.step(step)
+            positions, metadata = book.step(step, device=device)
             hidden = model(input_ids, positions, kv_caches, metadata)
-            last = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long()
+            last = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long().to(device)
             if prompt_logits is None:
-                prompt_logits = model.compute_logits(hidden[last])
+                prompt_logits = model.compute_logits(hidden[last]).cpu()
             if tp is not None:
                 last = last[sampler.logits_row_order(len(prompts))]
             local = model.compute_logits_local(hidden[last]).float()
-            sampled = sampler(local, torch.from_numpy(rows), rows, positions[last] + 1,
-                              torch.zeros(len(rows), dtype=torch.int32), None).sampled_token_ids
-            tokens.append(sampled)
+            sampled = sampler(local, torch.from_numpy(rows).to(device), rows,
+                              positions[last] + 1,
+                              torch.zeros(len(rows), dtype=torch.int32, device=device),
+                              None).sampled_token_ids
+            tokens.append(sampled.cpu())
             step, input_ids = [(f"r{i}", 1) for i in range(len(prompts))], sampled
     return GreedyRun(prompt_logits, torch.stack(tokens[:num_steps], dim=1))
 
 
 def dummy_model_rank(rank: int, world_size: int, init_method: str,
-                     cases: list[tuple[ModelConfig, list[list[int]], int]]) -> list[GreedyRun]:
-    with init_tp_group(_spec(rank, world_size, init_method)) as group:
-        comm = Communicator(group)
-        return [run_greedy(config, dummy_weights(config, torch.float32, "cpu", seed=5,
+                     cases: list[tuple[ModelConfig, list[list[int]], int]],
+                     device_kind: str = "cpu") -> list[GreedyRun]:
+    with init_tp_group(_spec(rank, world_size, init_method, device_kind=device_kind)) as group:
+        comm, device = Communicator(group), str(group.device)
+        return [run_greedy(config, dummy_weights(config, torch.float32, device, seed=5,
                                                  tp_rank=rank, tp_size=world_size),
-                           prompts, num_steps, comm)
+                           prompts, num_steps, comm, device)
                 for config, prompts, num_steps in cases]
 
 
@@ -106,37 +110,45 @@ class SamplingCase:
     logits_seed: int
 
 
-def case_inputs(case: SamplingCase) -> tuple[Sampler, torch.Tensor, dict]:
+def case_inputs(case: SamplingCase, device: str = "cpu") -> tuple[Sampler, torch.Tensor, dict]:
     """The same sampler, logits and call arguments on every rank and in the parent."""
-    state = SamplingState(32, case.vocab_size, "cpu")
+    state = SamplingState(32, case.vocab_size, device)
     for row, params in case.params_by_row.items():
         state.add_request(row, params, [1, 2, 3, row], [4, row], [EOS], 1000 + row)
     generator = torch.Generator().manual_seed(case.logits_seed)
     logits = torch.randn(len(case.rows), case.vocab_size, generator=generator) * 3.0
     rows_np = np.asarray(case.rows, dtype=np.int32)
     num_rows = len(rows_np)
-    args = dict(idx_mapping_gpu=torch.from_numpy(rows_np), idx_mapping_np=rows_np,
-                positions_gpu=torch.arange(100, 100 + num_rows, dtype=torch.int64) * 7,
-                num_output_tokens_gpu=torch.full((num_rows,), 2, dtype=torch.int32),
+    args = dict(idx_mapping_gpu=torch.from_numpy(rows_np).to(device), idx_mapping_np=rows_np,
+                positions_gpu=torch.arange(100, 100 + num_rows, dtype=torch.int64,
+                                           device=device) * 7,
+                num_output_tokens_gpu=torch.full((num_rows,), 2, dtype=torch.int32, device=device),
                 max_num_logprobs=case.max_num_logprobs)
-    return Sampler(state), logits, args
+    return Sampler(state), logits.to(device), args
 
 
-def sampling_rank(rank: int, world_size: int, init_method: str, cases: list[SamplingCase]
-                  ) -> list[tuple[SamplerOutput, SamplerOutput]]:
-    """(batch-sharded output, all-gather output) per case."""
-    with init_tp_group(_spec(rank, world_size, init_method)) as group:
+def sampling_rank(rank: int, world_size: int, init_method: str, cases: list[SamplingCase],
+                  device_kind: str = "cpu") -> list[tuple[SamplerOutput, SamplerOutput]]:
+    """(batch-sharded output, all-gather output) per case, on the CPU."""
+    with init_tp_group(_spec(rank, world_size, init_method, device_kind=device_kind)) as group:
         comm = Communicator(group)
         outputs = []
         for case in cases:
-            sampler, logits, args = case_inputs(case)
+            sampler, logits, args = case_inputs(case, str(group.device))
             shard = vocab_shard(case.vocab_size, rank, world_size)
             local = take_shard(logits, ShardSlice(1, shard.start, shard.start + shard.num_real_rows,
                                                   shard.num_rows))
             sharded = BatchShardedSampler(sampler, comm)
             owner_major = to_owner_major(local, sharded.plan(len(case.rows)))
-            outputs.append((sharded(owner_major, **args), AllGatherSampler(sampler, comm)(local, **args)))
+            outputs.append((_to_cpu(sharded(owner_major, **args)),
+                            _to_cpu(AllGatherSampler(sampler, comm)(local, **args))))
         return outputs
+
+
+def _to_cpu(output: SamplerOutput) -> SamplerOutput:
+    return SamplerOutput(*(None if t is None else t.cpu() for t in
+                           (output.sampled_token_ids, output.logprob_token_ids, output.logprobs,
+                            output.sampled_ranks)))
 
 
 # ---- collectives, step broadcast and failures -----------------------------------------

@@ -132,15 +132,40 @@ def _assert_same_output(got: Any, expected: Any) -> None:
             assert torch.equal(got_value, expected_value), field
 
 
-def test_batch_sharded_sampling_gives_exactly_the_unsharded_tokens(tmp_path) -> None:
+def _check_batch_sharded_sampling(tmp_path, device_kind: str) -> None:
     cases = list(SAMPLING_CASES.values())
-    ranks = _run_ranks(tmp_path, sampling_rank, 2, cases)
+    ranks = _run_ranks(tmp_path, sampling_rank, 2, cases, device_kind)
+    reference_device = "cuda:0" if device_kind == "cuda" else "cpu"
     for index, (name, case) in enumerate(SAMPLING_CASES.items()):
-        sampler, logits, args = case_inputs(case)
+        sampler, logits, args = case_inputs(case, reference_device)
         expected = sampler(logits, **args)
+        expected = type(expected)(*(None if t is None else t.cpu() for t in (
+            expected.sampled_token_ids, expected.logprob_token_ids, expected.logprobs,
+            expected.sampled_ranks)))
         if len(case.rows) > 1:
             assert len(set(expected.sampled_token_ids.tolist())) > 1, name
         for rank_outputs in ranks:
             sharded, gathered = rank_outputs[index]
             _assert_same_output(sharded, expected)
             _assert_same_output(gathered, expected)
+
+
+def test_batch_sharded_sampling_gives_exactly_the_unsharded_tokens(tmp_path) -> None:
+    _check_batch_sharded_sampling(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_batch_sharded_sampling_over_nccl(tmp_path) -> None:
+    _check_batch_sharded_sampling(tmp_path, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_dummy_models_over_nccl_match_one_device(tmp_path) -> None:
+    ranks = _run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES, "cuda")
+    for index, (config, prompts, num_steps) in enumerate(DUMMY_CASES):
+        single = run_greedy(config, dummy_weights(config, torch.float32, "cuda:0", seed=5),
+                            prompts, num_steps, device="cuda:0")
+        for rank_runs in ranks:
+            _assert_same_run(rank_runs[index], single)

@@ -41,7 +41,8 @@ def test_results_come_back_in_rank_order() -> None:
 
 def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path) -> None:
     started = time.monotonic()
-    with start_workers(failing_rank, 2, (2, file_rendezvous(str(tmp_path)), "raise", 30.0)) as workers:
+    args = (2, file_rendezvous(str(tmp_path)), "raise", 30.0)
+    with start_workers(failing_rank, 2, args) as workers:
         with pytest.raises(RankFailedError) as failed:
             workers.wait(90)
     assert 1 in failed.value.failures
@@ -52,7 +53,8 @@ def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path) -> None:
 
 def test_a_hung_rank_makes_its_peer_time_out_and_the_group_stops(tmp_path) -> None:
     started = time.monotonic()
-    with start_workers(failing_rank, 2, (2, file_rendezvous(str(tmp_path)), "hang", 3.0)) as workers:
+    args = (2, file_rendezvous(str(tmp_path)), "hang", 3.0)
+    with start_workers(failing_rank, 2, args) as workers:
         with pytest.raises(RankFailedError) as failed:
             workers.wait(90)
     # Rank 0 gave up on its all-reduce after the group timeout; rank 1 was then stopped.

@@ -194,7 +194,8 @@ def test_embedded_gguf_shards_read_rows_and_whole_quantization_blocks() -> None:
         for name, mode in expected_modes.items():
             shard = slices[hf_weight_name(name)]
             assert shard_read_mode(gguf, name, shard) == mode, name
-            assert torch.equal(read_gguf_shard(gguf, name, shard, "cpu"), take_shard(full[name], shard))
+            expected = take_shard(full[name], shard)
+            assert torch.equal(read_gguf_shard(gguf, name, shard, "cpu"), expected), name
 
 
 def test_column_slices_through_quantization_blocks_dequantize_then_slice(tmp_path) -> None:
