@@ -7,17 +7,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from app.bench.run_info import run_header  # noqa: E402
-from gpu.attention.base import AttentionBackend  # noqa: E402
-from gpu.distributed.group import TPGroup, TPGroupSpec, init_tp_group, tcp_rendezvous  # noqa: E402
-from gpu.distributed.launch import start_workers  # noqa: E402
+from benchmarks.run_info import run_header
+from gpu.attention.base import AttentionBackend
+from gpu.distributed.group import TPGroup, TPGroupSpec, init_tp_group, tcp_rendezvous
+from gpu.distributed.launch import start_workers
 
 RANK_TIMEOUT_S = 900.0
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _tp_bench import (  # noqa: E402
+from benchmarks._tp_bench import (  # noqa: E402
     StepTimer,
     header,
     join_group,
