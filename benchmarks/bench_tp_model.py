@@ -152,6 +152,7 @@ class StaticBatch:
         self.buffers = InputBuffers(batch, batch, blocks_per_req, self.device)
         self.buffers.block_table.copy_(self.block_table)
         self.buffers.query_start_loc.copy_(torch.arange(batch + 1, dtype=torch.int32))
+        self._rows: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor]] = {}
         generator = np.random.default_rng(batch)
         self.prompts = torch.from_numpy(generator.integers(
             0, config.vocab_size, size=(batch, self.input_len))).to(self.device)
@@ -244,13 +245,16 @@ class StaticBatch:
     def _sample(self, hidden: torch.Tensor, first_row: int, position: int) -> torch.Tensor:
         """Sample rows [first_row, first_row + len(hidden)) with no host-device sync."""
         num_rows = hidden.shape[0]
-        rows_np = np.arange(first_row, first_row + num_rows, dtype=np.int32)
+        key = (first_row, num_rows)
+        if key not in self._rows:  # a pageable host-to-device copy waits for the device
+            rows_np = np.arange(first_row, first_row + num_rows, dtype=np.int32)
+            self._rows[key] = (rows_np, torch.from_numpy(rows_np).to(self.device))
+        rows_np, rows_gpu = self._rows[key]
         order = self.sampler.logits_row_order(num_rows) if self.model.tp is not None else None
         local = self.model.compute_logits_local(hidden if order is None else hidden[order])
         positions = torch.full((num_rows,), position, dtype=torch.int64, device=self.device)
-        return self.sampler(local.float() if order is None else local,
-                            torch.from_numpy(rows_np).to(self.device), rows_np, positions,
-                            torch.zeros(num_rows, dtype=torch.int32, device=self.device),
+        return self.sampler(local.float() if order is None else local, rows_gpu, rows_np,
+                            positions, torch.zeros(num_rows, dtype=torch.int32, device=self.device),
                             None).sampled_token_ids
 
 

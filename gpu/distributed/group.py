@@ -1,9 +1,10 @@
 """Process-group setup for one tensor-parallel (TP) group: one process per rank.
 
-Each rank calls `init_tp_group` with the same rendezvous address and world size. On CUDA
-the device group uses NCCL and a second, gloo, group carries host-side messages (the
-step broadcast); on CPU one gloo group does both. `TPGroup.close` tears everything down
-and may be called more than once.
+Each rank calls `init_tp_group` with the same rendezvous address and world size. The
+device collectives run on the default group (NCCL on CUDA, gloo on CPU); a second gloo
+group carries host-side messages (the step broadcast), so that those never interleave
+with device collectives issued from another thread. `TPGroup.close` tears everything
+down and may be called more than once.
 """
 
 from __future__ import annotations
@@ -92,9 +93,7 @@ def init_tp_group(spec: TPGroupSpec) -> TPGroup:
     dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
                             world_size=spec.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" \
-        else dist.group.WORLD
-    assert cpu_group is not None
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(spec, device, backend, cpu_group)
 
 

@@ -68,7 +68,7 @@ def check_tensor_parallel_size(config: ModelConfig, tp_size: int) -> None:
         problems.append(f"its {config.num_heads} attention heads")
     kv_heads = config.num_kv_heads
     if (kv_heads >= tp_size and kv_heads % tp_size) or (kv_heads < tp_size and tp_size % kv_heads):
-        problems.append(f"its {kv_heads} KV heads (they must divide, or be divisible by, it)")
+        problems.append(f"its {kv_heads} KV heads (a multiple or a divisor of the TP size)")
     if config.intermediate_size % tp_size:
         problems.append(f"its MLP width {config.intermediate_size}")
     if problems:
