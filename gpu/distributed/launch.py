@@ -47,14 +47,16 @@ class WorkerGroup:
     """The processes of one TP group, as started by `start_workers`."""
 
     def __init__(self, processes: list[BaseProcess], result_conns: list[Connection],
-                 lifeline_conns: list[Connection]) -> None:
+                 lifeline_conns: list[Connection], first_rank: int = 0) -> None:
         self.processes = processes
+        """processes[i] runs rank first_rank + i."""
+        self.first_rank = first_rank
         self._result_conns = result_conns
         self._lifeline_conns = lifeline_conns
         self._results: dict[int, Any] = {}
 
     @property
-    def world_size(self) -> int:
+    def num_processes(self) -> int:
         return len(self.processes)
 
     @property
@@ -62,40 +64,41 @@ class WorkerGroup:
         return [process.pid for process in self.processes]
 
     def wait(self, timeout_s: float) -> list[Any]:
-        """Every rank's return value, in rank order, once all have finished. Raises
+        """Every spawned rank's return value, in rank order, once all have finished. Raises
         RankFailedError (after stopping every rank) if one fails or the deadline passes."""
         deadline = time.monotonic() + timeout_s
-        failures: dict[int, tuple[str, str]] = {}
-        while len(self._results) + len(failures) < self.world_size:
+        failures: dict[int, tuple[str, str]] = {}  # process index -> (reason, traceback)
+        while len(self._results) + len(failures) < self.num_processes:
             remaining = deadline - time.monotonic()
-            pending = [r for r in range(self.world_size)
-                       if r not in self._results and r not in failures]
+            pending = [i for i in range(self.num_processes)
+                       if i not in self._results and i not in failures]
             if remaining <= 0 or not wait(self._waitables(pending), timeout=remaining):
                 if failures:
                     break
                 self.stop()
-                raise RankFailedError({rank: f"did not finish within {timeout_s:g} s"
-                                       for rank in pending})
-            for rank in pending:
-                failure = self._collect(rank)
+                late = f"did not finish within {timeout_s:g} s"
+                raise RankFailedError({self.first_rank + i: late for i in pending})
+            for index in pending:
+                failure = self._collect(index)
                 if failure is not None:
-                    failures[rank] = failure
+                    failures[index] = failure
                     # The rank that failed first often tears its connections down before it
                     # reports, so its peers fail too: give every rank a moment to report.
                     deadline = min(deadline, time.monotonic() + FAILURE_REPORT_GRACE_S)
         if failures:
             self.stop()
-            raise RankFailedError({rank: reason for rank, (reason, _) in failures.items()},
-                                  {rank: trace for rank, (_, trace) in failures.items() if trace})
+            raise RankFailedError(
+                {self.first_rank + i: reason for i, (reason, _) in failures.items()},
+                {self.first_rank + i: trace for i, (_, trace) in failures.items() if trace})
         for process in self.processes:
             process.join(STOP_GRACE_S)
-        return [self._results[rank] for rank in range(self.world_size)]
+        return [self._results[index] for index in range(self.num_processes)]
 
     def check_alive(self) -> None:
         """Raise RankFailedError if a rank has exited (a running group never exits on its
         own); never blocks. For an engine's health check."""
-        exited = {rank: f"exited unexpectedly ({_describe_exit(process)})"
-                  for rank, process in enumerate(self.processes) if process.exitcode is not None}
+        exited = {self.first_rank + i: f"exited unexpectedly ({_describe_exit(process)})"
+                  for i, process in enumerate(self.processes) if process.exitcode is not None}
         if exited:
             self.stop()
             raise RankFailedError(exited)
@@ -120,20 +123,19 @@ class WorkerGroup:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _waitables(self, ranks: list[int]) -> list[Any]:
-        return [w for rank in ranks
-                for w in (self._result_conns[rank], self.processes[rank].sentinel)]
+    def _waitables(self, indices: list[int]) -> list[Any]:
+        return [w for i in indices for w in (self._result_conns[i], self.processes[i].sentinel)]
 
-    def _collect(self, rank: int) -> tuple[str, str] | None:
-        """Take `rank`'s result if it has arrived; (reason, traceback) if it failed."""
-        conn, process = self._result_conns[rank], self.processes[rank]
+    def _collect(self, index: int) -> tuple[str, str] | None:
+        """Take process `index`'s result if it has arrived; (reason, traceback) if it failed."""
+        conn, process = self._result_conns[index], self.processes[index]
         if conn.poll():
             try:
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 status, payload = "exit", None
             if status == "ok":
-                self._results[rank] = payload
+                self._results[index] = payload
                 return None
             if status == "error":
                 last_line = payload.strip().splitlines()[-1] if payload.strip() else "an error"
@@ -143,17 +145,18 @@ class WorkerGroup:
         return None
 
 
-def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, ...] = ()
-                  ) -> WorkerGroup:
-    """Spawn `world_size` processes running `target(rank, *args)`. `target` and `args`
-    must be picklable (a module-level function)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
+                  first_rank: int = 0) -> WorkerGroup:
+    """Spawn one process per rank in [first_rank, world_size), each running
+    `target(rank, *args)`; first_rank = 1 leaves rank 0 to the caller's own process.
+    `target` and `args` must be picklable (a module-level function)."""
+    if not 0 <= first_rank < world_size:
+        raise ValueError(f"need 0 <= first_rank < world_size, got {first_rank}, {world_size}")
     apply_worker_env()  # spawned children inherit the parent's environment
     context = multiprocessing.get_context("spawn")
     processes, result_conns, lifeline_conns = [], [], []
     try:
-        for rank in range(world_size):
+        for rank in range(first_rank, world_size):
             result_reader, result_writer = context.Pipe(duplex=False)
             lifeline_reader, lifeline_writer = context.Pipe(duplex=False)
             process = context.Process(
@@ -166,9 +169,9 @@ def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, 
             result_conns.append(result_reader)
             lifeline_conns.append(lifeline_writer)
     except BaseException:
-        WorkerGroup(processes, result_conns, lifeline_conns).stop()
+        WorkerGroup(processes, result_conns, lifeline_conns, first_rank).stop()
         raise
-    return WorkerGroup(processes, result_conns, lifeline_conns)
+    return WorkerGroup(processes, result_conns, lifeline_conns, first_rank)
 
 
 def _worker_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...],

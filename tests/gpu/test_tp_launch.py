@@ -37,6 +37,8 @@ def test_apply_worker_env_turns_multicast_off_and_says_what_it_overrode() -> Non
 def test_results_come_back_in_rank_order() -> None:
     with start_workers(sleep_rank, 3, (0.0,)) as workers:
         assert workers.wait(60) == [0, 1, 2]
+    with start_workers(sleep_rank, 3, (0.0,), first_rank=1) as workers:  # rank 0 stays here
+        assert workers.wait(60) == [1, 2]
 
 
 @pytest.mark.parametrize(("mode", "group_timeout_s"), [("raise", 30.0), ("hang", 3.0)])
