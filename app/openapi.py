@@ -25,6 +25,10 @@ _REQUEST_MODELS = {"ChatCompletionRequest": ChatCompletionRequest,
 _INT = {"type": "integer"}
 _COUNT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "description": "a chunk as JSON, then "
+                                      "[DONE]"}, "event": _STR, "id": _STR},
+              "description": "one server-sent event"}
 
 
 def _obj(required: list[str], **properties: Any) -> dict[str, Any]:
@@ -150,7 +154,7 @@ def _json_ok(schema: str) -> dict[str, Any]:
 def _generation_ok(schema: str) -> dict[str, Any]:
     return {"description": "The completion; with `stream: true` server-sent events "
                            "(`data: {chunk}` lines, then `data: [DONE]`)",
-            "content": {**_json_content(schema), "text/event-stream": {"schema": _STR}}}
+            "content": {**_json_content(schema), "text/event-stream": {"schema": _SSE_EVENT}}}
 
 
 def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:

@@ -13,12 +13,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+INT64_MAX = 2**63 - 1
+"""Integers are bounded so that a huge one (JSON allows any) is a 400 naming its field."""
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 
 _MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -54,7 +57,7 @@ class SamplingFields(BaseModel):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: PositiveInt | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -64,7 +67,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extra sampling fields
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
     ignore_eos: bool | None = None
@@ -73,8 +76,9 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    priority: Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None = None
+    """Lower runs first; only with priority scheduling on (--scheduling-policy priority)."""
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     return_token_ids: bool | None = None
