@@ -83,6 +83,21 @@ def add_parser(sub: Any) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", 30.0, float),
                      help="on SIGTERM, seconds in-flight requests may finish before they are "
                           "aborted (default 30). Env: TANDEM_SHUTDOWN_TIMEOUT")
+    _add_admission_args(p)
+    log = p.add_argument_group("logging")
+    log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
+                     help="default info. Env: TANDEM_LOG_LEVEL")
+    log.add_argument("--log-format", choices=("json", "console"),
+                     default=_env("log_format", "json"),
+                     help="json lines (default) or human-readable console lines, on stderr. "
+                          "Env: TANDEM_LOG_FORMAT")
+    log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
+                     help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_admission_args(p: Any) -> None:
     adm = p.add_argument_group("admission")
     adm.add_argument("--max-queued-requests", type=int,
                      default=_env("max_queued_requests", 1024, int),
@@ -110,17 +125,6 @@ def add_parser(sub: Any) -> None:
                      default=_env_flag("clamp_max_tokens"),
                      help="shorten max_tokens to fit the context instead of answering 400. "
                           "Env: TANDEM_CLAMP_MAX_TOKENS=1")
-    log = p.add_argument_group("logging")
-    log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
-                     help="default info. Env: TANDEM_LOG_LEVEL")
-    log.add_argument("--log-format", choices=("json", "console"),
-                     default=_env("log_format", "json"),
-                     help="json lines (default) or human-readable console lines, on stderr. "
-                          "Env: TANDEM_LOG_FORMAT")
-    log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
-                     help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
-    add_engine_args(p)
-    p.set_defaults(run=run)
 
 
 def _split_names(value: str) -> list[str]:
