@@ -6,9 +6,12 @@ full (by requests or by prompt tokens still to prefill) and with 503 while the s
 drains, otherwise adds the requests to the engine. It tracks every admitted request until
 its reader has seen the final output or gave up, so the server knows when it is idle.
 
-Queue model: the engine runs at most `max_num_running` requests at once, so admitted
-requests beyond that number are waiting. A request counts as "queued prompt tokens" until
-its first output token arrives (it is waiting or still prefilling).
+Queue model: the engine runs at most `max_num_running` requests at once, so requests in the
+engine beyond that number are waiting. A request leaves the engine when its final outcome
+arrives, whether or not its client has read it: output still being sent to a slow client
+is not engine capacity (`num_unsent` counts such requests). A request counts as "queued
+prompt tokens" until its first output token arrives (it is waiting or still prefilling).
+The request's output stream reports both events (first token, final outcome).
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
-import structlog
 
-from actors.base import Actor
+from actors.admitted_group import AdmittedGroup
+from actors.base import Actor, ActorStopped
 from actors.messages import EngineRequest
-from actors.output_stream import RequestStream, StreamDelta
+from actors.output_stream import RequestStream
 from actors.sampling_params import SamplingParams
-
-log = structlog.get_logger("tandem.admission")
 
 _SEED_MAX = 2**64 - 1
 
@@ -84,6 +85,8 @@ class EngineLike(Protocol):
 class AdmissionStats:
     num_unfinished: int
     """Admitted requests whose reader has not seen the end yet."""
+    num_unsent: int
+    """Of those, the requests the engine has finished (their output is still being sent)."""
     num_queued: int
     num_queued_prompt_tokens: int
     num_admitted_total: int
@@ -103,6 +106,15 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Started:
+    """The first output token of these requests arrived."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDone:
+    """The engine finished these requests (their readers may not have seen it yet)."""
+
     request_ids: tuple[str, ...]
 
 
@@ -146,11 +158,13 @@ class _Entry:
     stream: RequestStream
     num_prompt_tokens: int
     started: bool = False
+    in_engine: bool = True
 
 
 @dataclass(slots=True)
 class _State:
     entries: dict[str, _Entry] = field(default_factory=dict)
+    num_in_engine: int = 0
     num_unstarted_prompt_tokens: int = 0
     num_admitted_total: int = 0
     num_refused_total: int = 0
@@ -176,6 +190,10 @@ class AdmissionActor(Actor):
         streams: list[RequestStream] = await self.ask(Admit(tuple(requests), params))
         return AdmittedGroup(self, streams)
 
+    def release(self, request_ids: tuple[str, ...], abort: bool = False) -> None:
+        """Their readers are done (`abort`: gave up early; abort what still runs)."""
+        self.tell(Finished(request_ids, abort))
+
     async def stats(self) -> AdmissionStats:
         stats: AdmissionStats = await self.ask(GetStats())
         return stats
@@ -197,6 +215,8 @@ class AdmissionActor(Actor):
             return self._admit(message)
         if isinstance(message, Started):
             self._mark_started(message.request_ids)
+        elif isinstance(message, EngineDone):
+            self._mark_engine_done(message.request_ids)
         elif isinstance(message, Finished):
             self._finish(message.request_ids, message.abort)
         elif isinstance(message, GetStats):
@@ -236,7 +256,9 @@ class AdmissionActor(Actor):
             stream = self._engine.add_request(request)
             num_prompt_tokens = len(request.prompt_token_ids)
             state.entries[request.request_id] = _Entry(stream, num_prompt_tokens)
+            state.num_in_engine += 1
             state.num_unstarted_prompt_tokens += num_prompt_tokens
+            stream.observe(self._report_first_token, self._report_engine_done)
             streams.append(stream)
         state.num_admitted_total += len(message.requests)
         return streams
@@ -248,7 +270,7 @@ class AdmissionActor(Actor):
         if num_new > capacity:
             raise RequestLimitError("n", f"this request needs {num_new} sequences; the server "
                                          f"holds at most {capacity} at once")
-        num_queued = max(0, len(state.entries) + num_new - limits.max_num_running)
+        num_queued = max(0, state.num_in_engine + num_new - limits.max_num_running)
         if num_queued > limits.max_queued_requests:
             self._refuse(f"The server is overloaded: {limits.max_queued_requests} requests are "
                          "already waiting; retry later")
@@ -262,6 +284,26 @@ class AdmissionActor(Actor):
     def _refuse(self, message: str) -> None:
         self._state.num_refused_total += 1
         raise AdmissionRefused(429, message, self.limits.retry_after_s)
+
+    def _report_first_token(self, request_id: str) -> None:
+        self._report(Started((request_id,)))
+
+    def _report_engine_done(self, request_id: str) -> None:
+        self._report(EngineDone((request_id,)))
+
+    def _report(self, message: object) -> None:
+        try:
+            self.tell(message)
+        except ActorStopped:  # the engine is stopping: nothing is admitted any more
+            pass
+
+    def _mark_engine_done(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            entry = self._state.entries.get(request_id)
+            if entry is not None and entry.in_engine:
+                entry.in_engine = False
+                self._state.num_in_engine -= 1
+        self._mark_started(request_ids)  # one that ended without a token waits no more
 
     def _mark_started(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -278,6 +320,8 @@ class AdmissionActor(Actor):
                 continue
             if not entry.started:
                 self._state.num_unstarted_prompt_tokens -= entry.num_prompt_tokens
+            if entry.in_engine:
+                self._state.num_in_engine -= 1
             if abort and not entry.stream.finished:
                 to_abort.append(request_id)
         if to_abort:
@@ -292,8 +336,8 @@ class AdmissionActor(Actor):
         state = self._state
         num_unfinished = len(state.entries)
         return AdmissionStats(
-            num_unfinished=num_unfinished,
-            num_queued=max(0, num_unfinished - self.limits.max_num_running),
+            num_unfinished=num_unfinished, num_unsent=num_unfinished - state.num_in_engine,
+            num_queued=max(0, state.num_in_engine - self.limits.max_num_running),
             num_queued_prompt_tokens=state.num_unstarted_prompt_tokens,
             num_admitted_total=state.num_admitted_total,
             num_refused_total=state.num_refused_total, draining=state.draining)
@@ -328,48 +372,3 @@ def child_sampling_params(params: SamplingParams, sample: int) -> SamplingParams
     if seed is not None:
         seed = seed + sample if seed + sample <= _SEED_MAX else seed - sample
     return params.replace(n=1, seed=seed)
-
-
-class AdmittedGroup:
-    """The streams of one admitted API request. Read them through `get`, which reports
-    first tokens and ends to the admission actor; `close()` (always, e.g. in `finally`)
-    aborts whatever is still running and releases the rest."""
-
-    def __init__(self, admission: AdmissionActor, streams: list[RequestStream]) -> None:
-        self._admission = admission
-        self.streams = streams
-        self._started = [False] * len(streams)
-        self._done = [False] * len(streams)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [s.request_id for s in self.streams]
-
-    async def get(self, index: int) -> StreamDelta | None:
-        """The next delta of sample `index` (everything since its last read); None at the end."""
-        delta = await self.streams[index].get()
-        if delta is None:
-            self._release(index)
-            return None
-        if not self._started[index] and (delta.token_ids or delta.finished):
-            self._started[index] = True
-            self._admission.tell(Started((delta.request_id,)))
-        if delta.finished:
-            self._release(index)
-        return delta
-
-    def close(self) -> None:
-        unfinished = tuple(self.streams[i].request_id for i in range(len(self.streams))
-                           if not self._done[i])
-        for i in range(len(self.streams)):
-            self._done[i] = True
-        if unfinished:
-            try:
-                self._admission.tell(Finished(unfinished, abort=True))
-            except Exception:  # noqa: BLE001 - the actor is gone: the engine is stopping anyway
-                log.debug("admission_closed_before_release", num_requests=len(unfinished))
-
-    def _release(self, index: int) -> None:
-        if not self._done[index]:
-            self._done[index] = True
-            self._admission.tell(Finished((self.streams[index].request_id,)))

@@ -16,7 +16,7 @@ raising StopAsyncIteration, so it is safe to call from inside an async generator
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -109,6 +109,20 @@ class RequestStream:
         self._poked = False
         self._wakeup: anyio.Event | None = None
         self._done: anyio.Event | None = None
+        self._on_first_token: Callable[[str], None] | None = None
+        self._on_finished: Callable[[str], None] | None = None
+
+    def observe(self, on_first_token: Callable[[str], None],
+                on_finished: Callable[[str], None]) -> None:
+        """Call `on_first_token(request_id)` when the first output token arrives and
+        `on_finished(request_id)` when the final outcome does (now, for what already
+        happened), whether or not the reader has taken them: the engine's work for the
+        request is what they report, not the client's progress."""
+        self._on_first_token, self._on_finished = on_first_token, on_finished
+        if self.first_token_time is not None:
+            on_first_token(self.request_id)
+        if self.finished:
+            on_finished(self.request_id)
 
     # ---- engine side ------------------------------------------------------------------
 
@@ -125,6 +139,8 @@ class RequestStream:
         if token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
+                if self._on_first_token is not None:
+                    self._on_first_token(self.request_id)
             self._token_ids.extend(token_ids)
             self._num_output_tokens += len(token_ids)
         if text:
@@ -137,6 +153,8 @@ class RequestStream:
             self._finish_reason, self._stop_reason, self._error = finish_reason, stop_reason, error
             self.finish_time = now
             self._signal_done()
+            if self._on_finished is not None:
+                self._on_finished(self.request_id)
         self._wake()
 
     def set_num_cached_tokens(self, num_cached_tokens: int) -> None:

@@ -20,6 +20,8 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from app.large_body import release_gradually
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -93,9 +95,10 @@ def render_chat_template(
     """Render `messages` through `template`; extra keyword arguments (bos_token, tools,
     enable_thinking, ...) become template variables. Raises ChatTemplateError."""
     compiled = compile_chat_template(template)
+    normalized = normalize_messages(messages)
     try:
         return compiled.render(
-            messages=normalize_messages(messages),
+            messages=normalized,
             add_generation_prompt=add_generation_prompt,
             **template_kwargs,
         )
@@ -105,6 +108,8 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template error: {exc.message or exc}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        release_gradually(normalized)
 
 
 @functools.lru_cache(maxsize=32)

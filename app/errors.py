@@ -8,6 +8,7 @@ generic 500 that names that id.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,8 +65,17 @@ def error_body(status: int, message: str, *, param: str | None = None,
 
 def error_response(error: APIError, extra_headers: Mapping[str, str] | None = None) -> Response:
     headers = {**error.headers(), **(extra_headers or {})}
-    return Response(orjson.dumps(error.body()), status_code=error.status,
+    return Response(encode_json(error.body()), status_code=error.status,
                     media_type="application/json", headers=headers)
+
+
+def encode_json(body: Any) -> bytes:
+    """`body` as JSON. A message may quote what the client sent; should that hold a lone
+    surrogate (not text, so not UTF-8), it is written as a JSON escape instead of failing."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return json.dumps(body, ensure_ascii=True).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -77,17 +87,37 @@ def internal_error(request_id: str) -> APIError:
                          "has the details")
 
 
+def context_length_error(num_tokens: int, max_model_len: int) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, your request has {num_tokens} input tokens. Please reduce "
+                         "the length of the input messages.", param="input_tokens")
+
+
+def text_too_long_error(num_chars: int, max_num_tokens: int, max_model_len: int) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, your input has {num_chars} characters, more than "
+                         f"{max_num_tokens} tokens of this model can hold. Please reduce the "
+                         "length of the input.", param="input_tokens")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model")
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """A 400 listing the first few problems, `param` naming the first bad field."""
+def validation_error(exc: ValidationError, loc_prefix: tuple[str, ...] = (),
+                     index_offset: int = 0) -> APIError:
+    """A 400 listing the first few problems, `param` naming the first bad field.
+    `loc_prefix` and `index_offset` place errors of a slice of a list (validated on its
+    own) in the request: the slice's item i is item `index_offset + i` of that field."""
     errors = exc.errors(include_url=False, include_input=False, include_context=False)
     parts: list[str] = []
     first_param: str | None = None
     for err in errors[:_MAX_ERRORS_LISTED]:
-        param = _param_from_loc(err.get("loc", ()))
+        loc = tuple(err.get("loc", ()))
+        if loc and isinstance(loc[0], int):
+            loc = (loc[0] + index_offset, *loc[1:])
+        loc = (*loc_prefix, *loc)
+        param = _param_from_loc(loc)
         first_param = first_param or param
         where = f"{param}: " if param else ""
         parts.append(f"{where}{err.get('msg', 'invalid value')} [type={err.get('type')}]")

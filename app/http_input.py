@@ -3,24 +3,41 @@ server's phase, the body's size, that it is a JSON object, and that it fits the 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import math
+import re
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 
-from app.errors import APIError, bad_request, validation_error
+from app.errors import APIError, bad_request
+from app.large_body import GC_PAUSE, decode_in_steps, release_gradually, validate
 from app.server_state import ServerState
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 _LOADING_RETRY_AFTER_S = 5
-OFF_LOOP_JSON_BYTES = 1 << 20
-"""Bodies larger than this are parsed in a worker thread."""
+OFF_LOOP_BODY_BYTES = 8192
+"""Requests with larger bodies are decoded, validated and turned into prompts in a worker
+thread (the tokenizer gives the GIL back while it works; the chat template renders in
+Python, which the event loop's thread interrupts every few milliseconds)."""
+LARGE_BODY_BYTES = 1 << 20
+"""Larger bodies are decoded in steps with the garbage collector paused (app.large_body)."""
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SCAN_BYTES = 1 << 20
+"""The body is searched for surrogate escapes this much at a time (one search holds the
+GIL; a body full of escapes takes a while)."""
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+_LARGE_BODY_LIMITERS: weakref.WeakKeyDictionary[Any, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary())
+"""One per event loop (a test process runs several servers, each on its own loop)."""
 
 
 def server_state(request: Request) -> ServerState:
@@ -62,11 +79,10 @@ def require_serving(state: ServerState) -> None:
     raise APIError(503, "The engine is not running", retry_after_s=retry)
 
 
-async def read_json_object(request: Request, max_bytes: int,
-                           timeout_s: float = math.inf) -> dict[str, Any]:
-    """The body as a JSON object: 415 for form bodies, 413 beyond `max_bytes`, 408 when it
-    has not fully arrived `timeout_s` after the handler started reading (a client that
-    sends headers and then stalls holds nothing for longer), 400 when it is not an object."""
+async def read_body(request: Request, max_bytes: int, timeout_s: float = math.inf) -> bytes:
+    """The request body: 415 for form bodies, 413 beyond `max_bytes`, 408 when it has not
+    fully arrived `timeout_s` after the handler started reading (a client that sends
+    headers and then stalls holds nothing for longer), 400 when empty."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type in _FORM_TYPES:
         raise APIError(415, f"Unsupported Content-Type {content_type!r}; send application/json")
@@ -86,29 +102,107 @@ async def read_json_object(request: Request, max_bytes: int,
     body = b"".join(chunks)
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object")
-    if len(body) > OFF_LOOP_JSON_BYTES:
-        data = await anyio.to_thread.run_sync(_parse_json, body)
-    else:
-        data = _parse_json(body)
+    return body
+
+
+async def prepare_request(request: Request, state: ServerState,
+                          prepare: Callable[[dict[str, Any]], T],
+                          array_caps: Mapping[str, int] | None = None) -> T:
+    """Read the body under the server's size and time limits, decode it as a JSON object and
+    return `prepare(data)`, where `prepare` validates the request and builds what the route
+    needs from it (prompts, token ids). For a body over OFF_LOOP_BODY_BYTES that all runs
+    in a worker thread; for one over LARGE_BODY_BYTES as app.large_body describes, and one
+    such body at a time; `array_caps` (top-level key -> most items) refuses too long arrays
+    while decoding."""
+    settings = state.settings
+    body = await read_body(request, settings.max_request_body_bytes,
+                           settings.request_body_timeout_s)
+    if len(body) <= OFF_LOOP_BODY_BYTES:
+        return prepare(decode_json_object(body))
+    # Large bodies one at a time: each busy thread is one more the event loop's thread
+    # shares the GIL with.
+    limiter = _large_body_limiter() if len(body) > LARGE_BODY_BYTES else None
+    return await anyio.to_thread.run_sync(_prepare_off_loop, body, prepare, array_caps or {},
+                                          limiter=limiter)
+
+
+def _large_body_limiter() -> anyio.CapacityLimiter:
+    loop = asyncio.get_running_loop()
+    limiter = _LARGE_BODY_LIMITERS.get(loop)
+    if limiter is None:
+        limiter = _LARGE_BODY_LIMITERS[loop] = anyio.CapacityLimiter(1)
+    return limiter
+
+
+def _prepare_off_loop(body: bytes, prepare: Callable[[dict[str, Any]], T],
+                      array_caps: Mapping[str, int]) -> T:
+    if len(body) <= LARGE_BODY_BYTES:
+        return prepare(decode_json_object(body))
+    with GC_PAUSE:
+        data: dict[str, Any] = {}
+        try:
+            data = decode_json_object(body, array_caps)
+            return prepare(data)
+        except APIError as exc:
+            # Free what the failed step held (the frames of the traceback) now, while the
+            # collector is off, rather than when the route answers the error.
+            error = exc.with_traceback(None)
+            error.__context__ = error.__cause__ = None
+        finally:
+            for value in data.values():  # validation copied what the request keeps
+                if isinstance(value, (list, dict)):
+                    release_gradually(value)
+    raise error
+
+
+def decode_json_object(body: bytes, array_caps: Mapping[str, int] | None = None
+                       ) -> dict[str, Any]:
+    """The body as a JSON object (400 when it is not one, or holds text that is not
+    Unicode). With `array_caps` the top-level arrays are decoded item by item (see
+    app.large_body). The standard parser, not orjson: orjson turns integers beyond 64 bits
+    into floats, and then the schema could not say that e.g. a seed is out of range."""
+    try:
+        if array_caps is None:
+            data = json.loads(body, parse_constant=_reject_constant)
+        else:
+            data = decode_in_steps(body, array_caps, _reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {_json_kind(data)}")
+    # The parser accepts a lone UTF-16 surrogate ("\ud800", or its bytes); such a string is
+    # not text: encoding it for the tokenizer, a log line or a response would fail.
+    if _may_hold_surrogate(body) and _holds_surrogate(data):
+        raise bad_request("The request body holds a lone UTF-16 surrogate (such as \\ud800), "
+                          "which is not text")
     return data
 
 
-async def read_json_body(request: Request, state: ServerState) -> dict[str, Any]:
-    """`read_json_object` under the server's body size and time limits."""
-    settings = state.settings
-    return await read_json_object(request, settings.max_request_body_bytes,
-                                  settings.request_body_timeout_s)
+def _may_hold_surrogate(body: bytes) -> bool:
+    """A surrogate escape, or the UTF-8-style bytes of a surrogate (whose lead byte is
+    0xED), somewhere in the body: only then is the decoded body searched for one."""
+    if b"\xed" in body:
+        return True
+    return any(_SURROGATE_ESCAPE.search(body, start, start + _SCAN_BYTES + 5)
+               for start in range(0, len(body), _SCAN_BYTES))
 
 
-def _parse_json(body: bytes) -> Any:
-    # The standard parser, not orjson: orjson turns integers beyond 64 bits into floats,
-    # and then the schema could not say that e.g. a seed is out of range.
-    try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+def _holds_surrogate(value: Any) -> bool:
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def _reject_constant(name: str) -> Any:
@@ -116,10 +210,8 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_model(model: type[ModelT], data: dict[str, Any]) -> ModelT:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    """`data` validated as `model`; a 400 naming the first bad fields otherwise."""
+    return validate(model, data)
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -1,5 +1,6 @@
-"""From a validated request to engine requests: chat template, tokenization (off the event
-loop for long inputs), context-length checks and sampling parameters."""
+"""From a validated request to engine requests: chat template, tokenization, context-length
+checks and sampling parameters. For a large body the routes run these in a worker thread
+(see app.http_input.prepare_request)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
 from actors.admission import child_sampling_params
 from actors.generation_defaults import RequestDefaults, resolve_sampling_params
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams, SamplingParamsError
 from app.chat_template import ChatTemplateError, normalize_messages
-from app.errors import bad_request
+from app.errors import bad_request, context_length_error, text_too_long_error
+from app.large_body import release_gradually
+from app.prompt_bounds import text_cannot_fit
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
 
-OFF_LOOP_CHARS = 8192
-"""Inputs longer than this are rendered and tokenized in a worker thread."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "template", "messages",
                                       "add_generation_prompt", "self"})
+_PROMPT_FIELDS = frozenset({"messages", "prompt"})
+"""Left out, with unknown fields, when the sampling fields are read (they may be large)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +41,6 @@ class ChatPrompt:
     echo_prefix: str
 
 
-async def _off_loop_if_long(size: int, fn: Any, *args: Any) -> Any:
-    if size > OFF_LOOP_CHARS:
-        return await anyio.to_thread.run_sync(fn, *args)
-    return fn(*args)
-
-
 def require_tokenizer(state: ServerState, param: str) -> Any:
     """The server's tokenizer, or a 400 that says there is none (dummy weights served
     without --tokenizer take and return token ids only)."""
@@ -56,31 +51,34 @@ def require_tokenizer(state: ServerState, param: str) -> Any:
     return state.tokenizer
 
 
-async def chat_prompt(state: ServerState, req: ChatCompletionRequest,
-                      tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
-    """`tools` (OpenAI's shape) reach the template as its `tools` variable, as in
-    transformers; a template that does not use them renders without them."""
+def chat_prompt(state: ServerState, req: ChatCompletionRequest,
+                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    """The rendered and tokenized conversation. `tools` (OpenAI's shape) reach the template
+    as its `tools` variable, as in transformers; a template that does not use them renders
+    without them."""
     tokenizer = require_tokenizer(state, "messages")
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
                           "set add_generation_prompt to false", "continue_final_message")
-    size = sum(len(str(m.get("content", ""))) for m in messages)
     kwargs = template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     if tools:
         kwargs.setdefault("tools", tools)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    last = normalize_messages(messages[-1:])[0]
     try:
-        text = await _off_loop_if_long(size, _render, tokenizer, messages,
-                                       bool(req.add_generation_prompt),
-                                       bool(req.continue_final_message), kwargs)
+        text = _render(tokenizer, messages, bool(req.add_generation_prompt),
+                       bool(req.continue_final_message), kwargs)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    token_ids = await encode(state, text, bool(req.add_special_tokens))
+    finally:
+        release_gradually(messages)
+    limit = state.max_model_len - 1 if req.truncate_prompt_tokens is None else None
+    token_ids = encode_checked(tokenizer, text, bool(req.add_special_tokens), limit,
+                               state.max_model_len)
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
     echo_prefix = ""
-    last = normalize_messages(messages[-1:])[0]
     if req.echo and last.get("role") == role and isinstance(last.get("content"), str):
         echo_prefix = last["content"]
     return ChatPrompt(Prompt(tuple(token_ids), text), role, echo_prefix)
@@ -114,13 +112,18 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_promp
     return text[:cut + len(final)]
 
 
-async def encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
-    tokenizer = require_tokenizer(state, "prompt")
-    ids: list[int] = await _off_loop_if_long(len(text), tokenizer.encode, text, add_special_tokens)
+def encode_checked(tokenizer: Any, text: str, add_special_tokens: bool,
+                   max_num_tokens: int | None, max_model_len: int) -> list[int]:
+    """`text`'s token ids; text that surely has more than `max_num_tokens` tokens (None:
+    no limit) is refused before it is tokenized."""
+    if max_num_tokens is not None and text_cannot_fit(text, tokenizer, max_num_tokens):
+        raise text_too_long_error(len(text), max_num_tokens, max_model_len)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens)
     return ids
 
 
-async def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
+def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
+    """The prompts, tokenized, truncated and checked against the context."""
     raw = req.prompt
     if isinstance(raw, str):
         items: list[Any] = [raw]
@@ -130,19 +133,24 @@ async def completion_prompts(state: ServerState, req: CompletionRequest) -> list
         items = list(raw)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
+    max_model_len, vocab_size = state.max_model_len, state.vocab_size
+    limit = max_model_len - 1 if req.truncate_prompt_tokens is None else None
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            ids = await encode(state, item, bool(req.add_special_tokens))
-            prompts.append(Prompt(tuple(ids), item))
+            ids = encode_checked(require_tokenizer(state, "prompt"), item,
+                                 bool(req.add_special_tokens), limit,
+                                 max_model_len)
+            prompt = Prompt(tuple(ids), item)
         else:
-            bad = next((t for t in item if t >= state.vocab_size), None)
-            if bad is not None:
+            if item and max(item) >= vocab_size:
+                bad = next(t for t in item if t >= vocab_size)
                 raise bad_request(f"prompt {i}: token id {bad} is outside the vocabulary "
-                                  f"[0, {state.vocab_size})", "prompt")
-            prompts.append(Prompt(tuple(item), None))
-        if not prompts[-1].token_ids:
+                                  f"[0, {vocab_size})", "prompt")
+            prompt = Prompt(tuple(item), None)
+        if not prompt.token_ids:
             raise bad_request(f"prompt {i} is empty", "prompt")
+        prompts.append(truncate_and_check(prompt, req.truncate_prompt_tokens, max_model_len))
     return prompts
 
 
@@ -153,11 +161,8 @@ def truncate_and_check(prompt: Prompt, truncate_to: int | None, max_model_len: i
         keep = max_model_len - 1 if truncate_to == -1 else truncate_to
         if keep and len(prompt.token_ids) > keep:
             prompt = Prompt(prompt.token_ids[-keep:], None)
-    num_tokens = len(prompt.token_ids)
-    if num_tokens >= max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. "
-                          f"However, your request has {num_tokens} input tokens. Please reduce "
-                          "the length of the input messages.", "input_tokens")
+    if len(prompt.token_ids) >= max_model_len:
+        raise context_length_error(len(prompt.token_ids), max_model_len)
     return prompt
 
 
@@ -166,7 +171,8 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt_lens: Sequen
     """SamplingParams with the model's defaults; max_tokens checked against the context of
     the longest prompt (refused, or clamped with --clamp-max-tokens)."""
     is_chat = isinstance(req, ChatCompletionRequest)
-    fields = req.model_dump(exclude_none=True)
+    fields = req.model_dump(exclude_none=True,
+                            exclude=_PROMPT_FIELDS.union(req.model_extra or ()))
     requested = req.max_completion_tokens if is_chat else None
     requested_name = "max_completion_tokens" if requested is not None else "max_tokens"
     if requested is None:

@@ -9,24 +9,25 @@ import os
 import tomllib
 from typing import Any
 
-import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.base import ActorStopped
 from actors.engine_client import EngineUnavailable
 from app.chat_template import ChatTemplateError
-from app.errors import APIError, bad_request, model_not_found
+from app.errors import APIError, bad_request, context_length_error, model_not_found
 from app.http_input import (
     check_api_key,
     parse_model,
-    read_json_body,
+    prepare_request,
     require_serving,
     server_state,
 )
+from app.large_body import release_gradually
 from app.openapi import openapi_document
-from app.prompts import OFF_LOOP_CHARS, encode, require_tokenizer, template_kwargs
+from app.prompts import encode_checked, require_tokenizer, template_kwargs
 from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
@@ -77,6 +78,12 @@ async def metrics(request: Request) -> Response:
             state.metrics.set_engine_load(await state.engine_stats())
         except EngineUnavailable:  # the core is stopping: keep the last values
             pass
+    admission = state.admission
+    if admission is not None:
+        try:
+            state.metrics.set_unsent((await admission.stats()).num_unsent)
+        except ActorStopped:
+            pass
     body, content_type = state.metrics.render(request.headers.get("accept"))
     return Response(body, headers={"Content-Type": content_type})
 
@@ -96,29 +103,37 @@ def package_version() -> str:
 
 async def _tokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
-    req = parse_model(TokenizeRequest, await read_json_body(request, state))
+    return _json(await prepare_request(request, state, functools.partial(_tokenize_body, state)))
+
+
+def _tokenize_body(state: ServerState, data: dict[str, Any]) -> dict[str, Any]:
+    """What /tokenize answers; like vLLM it refuses input longer than the context."""
+    req = parse_model(TokenizeRequest, data)
     _check_model(state, req.model)
     if req.chat_template is not None:
         raise bad_request(REQUEST_TEMPLATE_REFUSED, "chat_template")
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        size = sum(len(str(m.content)) for m in req.messages)
-        if size > OFF_LOOP_CHARS:
-            text = await anyio.to_thread.run_sync(_render, state, req)
-        else:
+        try:
             text = _render(state, req)
+        finally:
+            release_gradually(req.messages)  # only the text is needed from here on
         add_special = bool(req.add_special_tokens)
     else:
         text = req.prompt or ""
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-    tokens = await encode(state, text, add_special)
+    tokens = encode_checked(require_tokenizer(state, "prompt"), text, add_special,
+                            state.max_model_len,
+                            state.max_model_len)
+    if len(tokens) > state.max_model_len:
+        raise context_length_error(len(tokens), state.max_model_len)
     body: dict[str, Any] = {"count": len(tokens), "max_model_len": state.max_model_len,
                             "tokens": tokens, "token_strs": None}
     if req.return_token_strs:
         body["token_strs"] = [require_tokenizer(state, "return_token_strs").id_to_token(t)
                               for t in tokens]
-    return _json(body)
+    return body
 
 
 def _render(state: ServerState, req: TokenizeRequest) -> str:
@@ -129,18 +144,32 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
             **template_kwargs(req.chat_template_kwargs))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+    finally:
+        release_gradually(messages)
     return text
 
 
 async def _detokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
-    req = parse_model(DetokenizeRequest, await read_json_body(request, state))
+    return _json(await prepare_request(request, state,
+                                       functools.partial(_detokenize_body, state)))
+
+
+def _detokenize_body(state: ServerState, data: dict[str, Any]) -> dict[str, Any]:
+    # More tokens than the context holds are no sequence of this model; the cap (checked
+    # before the ids are validated one by one) also keeps a small request from asking for
+    # a response many times its size.
+    tokens = data.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > state.max_model_len:
+        raise bad_request(f"at most {state.max_model_len} tokens (the model's context length) "
+                          f"can be detokenized, got {len(tokens)}", "tokens")
+    req = parse_model(DetokenizeRequest, data)
     _check_model(state, req.model)
-    bad = next((t for t in req.tokens if t >= state.vocab_size), None)
-    if bad is not None:
+    if req.tokens and max(req.tokens) >= state.vocab_size:
+        bad = next(t for t in req.tokens if t >= state.vocab_size)
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
                           "tokens")
-    return _json({"prompt": require_tokenizer(state, "tokens").decode(req.tokens)})
+    return {"prompt": require_tokenizer(state, "tokens").decode(req.tokens)}
 
 
 async def _tokenizer_info(request: Request, request_id: str) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
@@ -16,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.admission import AdmissionRefused, AdmittedGroup, RequestLimitError
+from actors.admission import AdmissionRefused, RequestLimitError
+from actors.admitted_group import AdmittedGroup
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
 from app.errors import (
@@ -29,17 +31,25 @@ from app.errors import (
 from app.http_input import (
     check_api_key,
     parse_model,
-    read_json_body,
+    prepare_request,
     require_serving,
     server_state,
 )
+from app.large_body import release_gradually
 from app.prompts import (
+    ChatPrompt,
+    Prompt,
     chat_prompt,
     completion_prompts,
     engine_requests,
     require_tokenizer,
     sampling_params,
     truncate_and_check,
+)
+from app.request_limits import (
+    check_generation_size,
+    check_priority,
+    drop_truncated_tokens,
 )
 from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
@@ -51,7 +61,7 @@ from app.schemas import (
 )
 from app.server_state import ServerState
 from app.structured_outputs import constrain_params
-from app.tool_calls.request import resolve_parser, tool_plan
+from app.tool_calls.request import ToolPlan, resolve_parser, tool_plan
 from app.sse import (
     ChatChunkFormatter,
     ChunkFormatter,
@@ -154,11 +164,9 @@ def client_request_id(request: Request) -> str:
 async def _chat_completions(request: Request, request_id: str, call: RequestTelemetry
                             ) -> Response:
     state = await _checked_state(request)
-    req = parse_model(ChatCompletionRequest, await _body(request, state))
-    model = _check_request(state, req, request_id, call)
-    tools = tool_plan(req.tools, req.tool_choice, resolve_parser(
-        state.settings.tool_call_parser, getattr(state.tokenizer, "chat_template", None)))
-    chat = await chat_prompt(state, req, tools.template_tools)
+    req, model, chat, tools = await prepare_request(
+        request, state, functools.partial(_prepare_chat, state, request_id, call),
+        _array_caps(state))
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
     params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
                                     tools)
@@ -183,17 +191,28 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
     return _json(body)
 
 
+def _prepare_chat(state: ServerState, request_id: str, call: RequestTelemetry,
+                  data: dict[str, Any]
+                  ) -> tuple[ChatCompletionRequest, str, ChatPrompt, ToolPlan]:
+    _check_size(state, data, completions=False)
+    req = parse_model(ChatCompletionRequest, data)
+    model = _check_request(state, req, request_id, call)
+    tools = tool_plan(req.tools, req.tool_choice, resolve_parser(
+        state.settings.tool_call_parser, getattr(state.tokenizer, "chat_template", None)))
+    try:
+        return req, model, chat_prompt(state, req, tools.template_tools), tools
+    except APIError:
+        release_gradually(req.messages)  # a refused conversation may be huge
+        raise
+
+
 # ---- completions ---------------------------------------------------------------------
 
 async def _completions(request: Request, request_id: str, call: RequestTelemetry) -> Response:
     state = await _checked_state(request)
-    req = parse_model(CompletionRequest, await _body(request, state))
-    model = _check_request(state, req, request_id, call)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not "
-                          "compute yet", "echo")
-    prompts = [truncate_and_check(p, req.truncate_prompt_tokens, state.max_model_len)
-               for p in await completion_prompts(state, req)]
+    req, model, prompts = await prepare_request(
+        request, state, functools.partial(_prepare_completion, state, request_id, call),
+        _array_caps(state))
     prompt_lens = [len(p.token_ids) for p in prompts]
     params = await constrain_params(sampling_params(state, req, prompt_lens), req)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
@@ -216,6 +235,17 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
     prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
     return _json(completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
                                      prompt_token_ids=prompt_ids))
+
+
+def _prepare_completion(state: ServerState, request_id: str, call: RequestTelemetry,
+                        data: dict[str, Any]) -> tuple[CompletionRequest, str, list[Prompt]]:
+    _check_size(state, data, completions=True)
+    req = parse_model(CompletionRequest, data)
+    model = _check_request(state, req, request_id, call)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not "
+                          "compute yet", "echo")
+    return req, model, completion_prompts(state, req)
 
 
 # ---- models --------------------------------------------------------------------------
@@ -248,8 +278,21 @@ async def _checked_state(request: Request) -> ServerState:
     return state
 
 
-async def _body(request: Request, state: ServerState) -> dict[str, Any]:
-    return await read_json_body(request, state)
+def _check_size(state: ServerState, data: dict[str, Any], completions: bool) -> None:
+    assert state.admission is not None
+    check_generation_size(data, state.admission.limits, max_model_len=state.max_model_len,
+                          vocab_size=state.vocab_size, completions=completions)
+    if completions:
+        drop_truncated_tokens(data, state.max_model_len)
+
+
+def _array_caps(state: ServerState) -> dict[str, int]:
+    """Most items of what is refused while a large body is decoded: more prompts than the
+    server holds at once, more stop strings or logit_bias entries than allowed."""
+    assert state.admission is not None
+    limits = state.admission.limits
+    return {"prompt": limits.max_num_running + limits.max_queued_requests,
+            "stop": limits.max_stop_strings, "logit_bias": limits.max_logit_bias_entries}
 
 
 def _check_request(state: ServerState, req: SamplingFields, request_id: str,
@@ -262,6 +305,7 @@ def _check_request(state: ServerState, req: SamplingFields, request_id: str,
     unsupported = unsupported_field(req)
     if unsupported is not None:
         raise bad_request(unsupported[1], unsupported[0])
+    check_priority(req.priority, state.settings.priority_scheduling)
     if req.model_extra:
         log.warning("request_fields_ignored", request_id=request_id,
                     fields=sorted(req.model_extra)[:20])

@@ -18,13 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.lenient_types import LenientBool, lenient_float, lenient_int
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+INT64_MAX = 2**63 - 1
+"""Integers are bounded so that a huge one (JSON allows any) is a 400 naming its field."""
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 MAX_TOP_LOGPROBS = 20
 
 _MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """Token ids and counts that stay strict (a list of digit strings is a list of strings)."""
-PositiveInt = lenient_int(ge=1)
+PositiveInt = lenient_int(ge=1, le=INT64_MAX)
 
 
 class StreamOptions(BaseModel):
@@ -82,7 +85,7 @@ class SamplingFields(BaseModel):
     max_tokens: PositiveInt | None = None
     temperature: lenient_float(ge=0.0) | None = None
     top_p: lenient_float(gt=0.0, le=1.0) | None = None
-    n: lenient_int(ge=1) | None = None
+    n: PositiveInt | None = None
     stop: str | list[str] | None = None
     seed: lenient_int(ge=SEED_MIN, le=SEED_MAX) | None = None
     presence_penalty: lenient_float(ge=-2.0, le=2.0) | None = None
@@ -92,17 +95,18 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extra sampling fields
-    top_k: lenient_int(ge=-1) | None = None
+    top_k: lenient_int(ge=-1, le=INT64_MAX) | None = None
     min_p: lenient_float(ge=0.0, le=1.0) | None = None
     repetition_penalty: lenient_float(gt=0.0, le=2.0) | None = None
     ignore_eos: LenientBool | None = None
-    min_tokens: lenient_int(ge=0) | None = None
+    min_tokens: lenient_int(ge=0, le=INT64_MAX) | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: LenientBool | None = None
     spaces_between_special_tokens: LenientBool | None = None
     include_stop_str_in_output: LenientBool | None = None
-    truncate_prompt_tokens: lenient_int(ge=-1) | None = None
-    priority: lenient_int() | None = None
+    truncate_prompt_tokens: lenient_int(ge=-1, le=INT64_MAX) | None = None
+    priority: lenient_int(ge=PRIORITY_MIN, le=PRIORITY_MAX) | None = None
+    """Lower runs first; only with priority scheduling on (--scheduling-policy priority)."""
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     return_token_ids: LenientBool | None = None

@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, /health, /version, /tokenize, /detokenize, "
-                    "/metrics). The port opens at once; /health answers 503 until the model is "
+                    "/metrics), over HTTP/1.1 only (HTTP/2 and TLS belong in a load balancer in "
+                    "front). The port opens at once; /health answers 503 until the model is "
                     "loaded. Every flag can also be set as TANDEM_<FLAG> (e.g. "
                     "TANDEM_PORT=8080). Traces go to OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or "
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED=true turns "
@@ -75,9 +76,20 @@ def add_parser(sub: Any) -> None:
                      default=_env("request_body_timeout", 60.0, float),
                      help="a request body that has not fully arrived this many seconds after its "
                           "headers gets 408 (default 60). Env: TANDEM_REQUEST_BODY_TIMEOUT")
+    net.add_argument("--send-timeout", type=float, default=_env("send_timeout", 60.0, float),
+                     help="a response the client stops taking (a 64 KiB piece not taken within "
+                          "this many seconds) has its connection aborted and its buffered output "
+                          "dropped; 0 disables (default 60). Env: TANDEM_SEND_TIMEOUT")
     net.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", 30.0, float),
                      help="on SIGTERM, seconds in-flight requests may finish before they are "
                           "aborted (default 30). Env: TANDEM_SHUTDOWN_TIMEOUT")
+    _add_admission_args(p)
+    _add_process_args(p)
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_admission_args(p: Any) -> None:
     adm = p.add_argument_group("admission")
     adm.add_argument("--max-queued-requests", type=int,
                      default=_env("max_queued_requests", 1024, int),
@@ -90,6 +102,12 @@ def add_parser(sub: Any) -> None:
     adm.add_argument("--max-n", type=int, default=_env("max_n", 16, int),
                      help="largest n (samples per request) accepted (default 16). "
                           "Env: TANDEM_MAX_N")
+    adm.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                     default=_env("scheduling_policy", "fcfs"),
+                     help="fcfs (default): first come, first served, and a request's 'priority' "
+                          "must be unset or 0; priority: requests run by their 'priority' "
+                          "(lower first, a 32-bit signed integer), then by arrival. "
+                          "Env: TANDEM_SCHEDULING_POLICY")
     adm.add_argument("--max-consecutive-failed-steps", type=int,
                      default=_env("max_consecutive_failed_steps", 5, int),
                      help="this many failed engine steps in a row mark the engine dead: /health "
@@ -106,6 +124,9 @@ def add_parser(sub: Any) -> None:
                           "'auto': hermes (<tool_call>{...}</tool_call>, Hermes and Qwen), "
                           "llama3_json (Llama 3.x JSON calls), none, or auto (default: from the "
                           "chat template). Env: TANDEM_TOOL_CALL_PARSER")
+
+
+def _add_process_args(p: Any) -> None:
     log = p.add_argument_group("logging")
     log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
                      help="default info. Env: TANDEM_LOG_LEVEL")
@@ -121,8 +142,6 @@ def add_parser(sub: Any) -> None:
                            "the listening socket in front of the one engine-core process; more "
                            "of them keep up with more streams. /metrics from any of them covers "
                            "the whole server (default 1). Env: TANDEM_API_SERVER_COUNT")
-    add_engine_args(p)
-    p.set_defaults(run=run)
 
 
 def _split_names(value: str) -> list[str]:
@@ -142,7 +161,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log,
         max_consecutive_failed_steps=args.max_consecutive_failed_steps,
         keep_alive_timeout_s=args.keep_alive_timeout,
-        request_body_timeout_s=args.request_body_timeout, api_server_count=args.api_server_count,
+        request_body_timeout_s=args.request_body_timeout, send_timeout_s=args.send_timeout,
+        priority_scheduling=args.scheduling_policy == "priority", api_server_count=args.api_server_count,
         log_format=args.log_format, log_level=args.log_level,
         tool_call_parser=args.tool_call_parser)
 
@@ -194,6 +214,7 @@ def _check_args(args: argparse.Namespace) -> None:
               (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
               (args.keep_alive_timeout > 0, "--keep-alive-timeout must be > 0"),
               (args.request_body_timeout > 0, "--request-body-timeout must be > 0"),
+              (args.send_timeout >= 0, "--send-timeout must be >= 0"),
               (args.max_consecutive_failed_steps >= 1,
                "--max-consecutive-failed-steps must be at least 1"),
               (args.max_n >= 1, "--max-n must be at least 1"),

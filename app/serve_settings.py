@@ -35,6 +35,11 @@ class ServeSettings:
     request's headers must arrive within it."""
     request_body_timeout_s: float = 60.0
     """A request body that has not fully arrived this long after its headers gets 408."""
+    send_timeout_s: float = 60.0
+    """A response the client stops taking (a 64 KiB piece not taken within this long) has
+    its connection aborted and its buffered output dropped (0: no limit)."""
+    priority_scheduling: bool = False
+    """Accept a request's `priority` (otherwise a non-zero priority gets 400)."""
     tool_call_parser: str = "auto"
     """How tool calls are read out of model text: hermes, llama3_json, none, or auto (from
     the chat template)."""

@@ -32,6 +32,7 @@ from hypercorn.config import Config as HypercornConfig
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from app import http_protocol
 from app.routes_admin import admin_routes
 from app.routes_openai import exception_handlers, openai_routes
 from app.serve_settings import ServeSettings
@@ -65,13 +66,19 @@ def create_app(state: ServerState) -> Starlette:
     app = Starlette(routes=[*openai_routes(), *admin_routes()], lifespan=lifespan,
                     exception_handlers=exception_handlers(),
                     middleware=[Middleware(CloseIfBodyUnread)])
+    # A redirect to the path without its trailing slash would be built from the client's
+    # Host header (an open redirect); such a path gets 404 instead.
+    app.router.redirect_slashes = False
     app.state.tandem = state
     return app
 
 
 def hypercorn_config(settings: ServeSettings, fd: int) -> HypercornConfig:
-    config = HypercornConfig()
+    http_protocol.install()  # HTTP/1.1 only, strict request framing, send timeout
+    config = http_protocol.TandemHypercornConfig()
     config.bind = [f"fd://{fd}"]
+    config.alpn_protocols = ["http/1.1"]
+    config.send_timeout = settings.send_timeout_s or None
     # Lifespan startup only starts the background load, so this bounds nothing slow.
     config.startup_timeout = 60.0
     # Lifespan shutdown stops the engine after the drain; it must not cut that short.

@@ -27,7 +27,7 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actors.admission import AdmittedGroup
+from actors.admitted_group import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
 from app.keep_alive import KeepAliveClock

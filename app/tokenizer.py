@@ -217,7 +217,7 @@ def _chat_template(path: str, config: Mapping[str, Any]) -> str | None:
 
 
 @functools.cache
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     mapping = {chr(b): b for b in printable}
@@ -230,7 +230,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _byte_level_token_bytes(token: str) -> bytes:
-    decoder = _byte_decoder()
+    decoder = byte_decoder()
     try:
         return bytes(decoder[ch] for ch in token)
     except KeyError:  # not a byte-level string after all

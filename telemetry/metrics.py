@@ -12,6 +12,7 @@ Calls come per step or per finished request, never per token:
 - `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
 - `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
+- `set_unsent(num)`: at scrape time, from the admission actor.
 
 Token counters move when a request finishes, so their sums equal the responses' usage:
 `vllm:prompt_tokens_total` counts the prompts of requests that produced a first token
@@ -187,6 +188,9 @@ class EngineMetrics:
                                    ["model_name", "reason"], registry=self.registry)
         self._disconnects = self._counter("tandem:client_disconnects",
                                           "Requests whose client went away before the end.")
+        self._num_unsent = self._gauge(
+            "tandem:num_requests_unsent",
+            "Requests the engine has finished whose output the client has not yet taken.")
 
     # ---- per step -----------------------------------------------------------------------
 
@@ -262,6 +266,11 @@ class EngineMetrics:
 
     def record_disconnect(self) -> None:
         self._disconnects.inc()
+
+    def set_unsent(self, num_requests: int) -> None:
+        """Admitted requests done in the engine whose output is still being sent (a client
+        that reads slowly or not at all); they hold no engine capacity."""
+        self._num_unsent.set(num_requests)
 
     # ---- exposition ---------------------------------------------------------------------
 

@@ -84,6 +84,27 @@ async def test_admits_running_plus_queued_then_refuses_with_429() -> None:
         await actor.admit(_requests(1), SamplingParams())
 
 
+async def test_output_the_engine_finished_holds_no_place_while_it_waits_to_be_read() -> None:
+    """A client that does not read keeps its request admitted (its output waits), but the
+    engine is done with it: its place goes to the next request."""
+    async with running_actor() as (actor, engine):
+        groups = [await actor.admit(_requests(1), SamplingParams()) for _ in range(4)]
+        with pytest.raises(AdmissionRefused):
+            await actor.admit(_requests(1), SamplingParams())
+        engine.streams[groups[0].request_ids[0]].push((5,), "x", finish_reason="length")
+        engine.streams[groups[1].request_ids[0]].push((6,), "y")  # first token, unread
+        stats = await actor.stats()
+        assert (stats.num_unfinished, stats.num_unsent, stats.num_queued) == (4, 1, 1)
+        assert stats.num_queued_prompt_tokens == 2 * 4  # two requests still wait for prefill
+        late = await actor.admit(_requests(1), SamplingParams())
+        assert (await groups[0].get(0)).finish_reason == "length"  # read at last: released
+        stats = await actor.stats()
+        assert (stats.num_unfinished, stats.num_unsent) == (4, 0)
+        late.close()
+        await actor.stats()  # the close has been handled
+        assert engine.aborted == late.request_ids
+
+
 async def test_a_request_is_all_or_nothing() -> None:
     async with running_actor() as (actor, engine):
         await actor.admit(_requests(3), SamplingParams(n=3))

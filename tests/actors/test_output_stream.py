@@ -161,3 +161,21 @@ async def test_wait_finished_returns_the_whole_output_once_finished() -> None:
     assert delta.token_ids == (1, 2, 3) and delta.text == "abc"
     assert delta.finish_reason == "length"
     assert await stream.get() is None
+
+
+def test_observers_hear_of_the_first_token_and_the_finish_once_unread_or_not():
+    """The admission actor counts engine capacity by what the engine did, not by what the
+    reader has taken: nothing is read here."""
+    events: list[tuple[str, str]] = []
+    stream = RequestStream("r", num_prompt_tokens=3)
+    stream.observe(lambda rid: events.append(("first", rid)),
+                   lambda rid: events.append(("finished", rid)))
+    assert events == []
+    stream.push([5], "a")
+    stream.push([6], "b")
+    stream.push([7], "c", finish_reason="length")
+    stream.push([8], "d", finish_reason="stop")  # ignored: already finished
+    assert events == [("first", "r"), ("finished", "r")]
+    late: list[str] = []
+    stream.observe(late.append, late.append)  # what already happened is reported at once
+    assert late == ["r", "r"]

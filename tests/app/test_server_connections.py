@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.app._hostile import connect
 from tests.app._server_fixtures import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -28,15 +29,6 @@ def _post_bytes(path: str, body: bytes, *, content_length: int | None = None,
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\nConnection: {connection}\r\n\r\n")
     return head.encode() + body
-
-
-def _connect(url: str, recv_buffer_bytes: int | None = None) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if recv_buffer_bytes is not None:  # before connect, so the window stays small
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer_bytes)
-    sock.connect((host, int(port)))
-    return sock
 
 
 def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
@@ -71,7 +63,7 @@ async def _others_complete(url: str, num_requests: int) -> list[float]:
 def test_a_client_that_stops_reading_stalls_nobody_and_holds_only_its_output() -> None:
     server = RunningServer()
     try:
-        stalled = _connect(server.url, recv_buffer_bytes=4096)
+        stalled = connect(server.url, recv_buffer_bytes=4096)
         stalled.sendall(_post_bytes(CMPL, json.dumps(STALLED).encode()))
         latencies = asyncio.run(_others_complete(server.url, 4))
         # The engine finished the stalled request's samples although nobody read them (it
@@ -133,21 +125,21 @@ def strict_server() -> Any:
 
 
 def test_an_idle_connection_is_closed(strict_server: RunningServer) -> None:
-    sock = _connect(strict_server.url)
+    sock = connect(strict_server.url)
     data, closed_after_s = _read_until_closed(sock, timeout_s=10)
     assert data == b"" and TIMEOUT_S * 0.8 < closed_after_s < TIMEOUT_S + 3
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_request(
         strict_server: RunningServer) -> None:
-    sock = _connect(strict_server.url)
+    sock = connect(strict_server.url)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     data, closed_after_s = _read_until_closed(sock, timeout_s=10)
     assert data.startswith(b"HTTP/1.1 200") and closed_after_s < TIMEOUT_S + 3
 
 
 def test_dribbled_headers_are_cut(strict_server: RunningServer) -> None:
-    sock = _connect(strict_server.url)
+    sock = connect(strict_server.url)
     started = time.monotonic()
     closed = False
     for byte in b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
@@ -166,7 +158,7 @@ def test_dribbled_headers_are_cut(strict_server: RunningServer) -> None:
 
 
 def test_a_stalled_body_gets_408_and_the_connection_closes(strict_server: RunningServer) -> None:
-    sock = _connect(strict_server.url)
+    sock = connect(strict_server.url)
     sock.sendall(_post_bytes(CMPL, b'{"prompt": "hel', content_length=200))
     data, closed_after_s = _read_until_closed(sock, timeout_s=10)
     head, _, body = data.partition(b"\r\n\r\n")

@@ -82,7 +82,8 @@ def test_every_name_is_exported_with_its_type_and_model_label() -> None:
         "tandem:runner_info": "gauge", "tandem:engine_step_duration_seconds": "histogram",
         "tandem:gpu_idle_between_steps_seconds": "histogram", "tandem:gpu_idle_fraction": "gauge",
         "tandem:scheduler_cpu_time_per_step_seconds": "histogram",
-        "tandem:rejected_requests": "counter", "tandem:client_disconnects": "counter"}
+        "tandem:rejected_requests": "counter", "tandem:client_disconnects": "counter",
+        "tandem:num_requests_unsent": "gauge"}
     for name, kind in expected.items():
         assert families[name].type == kind, name
         for sample in families[name].samples:
@@ -213,6 +214,14 @@ def test_rejections_by_reason_and_disconnects() -> None:
     assert value(families, rejected, f"{rejected}_total", reason="queue_full") == 2
     assert value(families, rejected, f"{rejected}_total", reason="draining") == 1
     assert value(families, "tandem:client_disconnects", "tandem:client_disconnects_total") == 1
+
+
+def test_unsent_requests_gauge_follows_the_admission_count() -> None:
+    metrics = EngineMetrics(MODEL)
+    metrics.set_unsent(3)
+    assert value(scrape(metrics), "tandem:num_requests_unsent") == 3
+    metrics.set_unsent(0)
+    assert value(scrape(metrics), "tandem:num_requests_unsent") == 0
 
 
 def test_each_server_has_a_private_registry() -> None:

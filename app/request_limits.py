@@ -1,0 +1,101 @@
+"""Refusals decided by a request's size alone, made on the decoded JSON before the schema
+validates it element by element and before any per-prompt or per-sample object exists.
+
+A 62-byte request for n = 10**21 samples, or a body of millions of tiny prompts, must cost
+microseconds to refuse, not minutes of building objects that are then refused. The
+admission actor enforces the same limits on the engine requests it is given (for every
+caller, not only HTTP); these checks only move the HTTP refusal before the work. A value of
+the wrong type is left to the schema, which names it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from actors.admission import AdmissionLimits
+from app.errors import bad_request, context_length_error
+
+
+def check_generation_size(data: Mapping[str, Any], limits: AdmissionLimits, *,
+                          max_model_len: int, vocab_size: int, completions: bool) -> None:
+    """400 when a chat or completions request asks for more than the server takes: n,
+    prompts x n (at most what the server holds at once, running and queued), token-list
+    prompts that cannot fit the context, and the sizes of stop, logit_bias and
+    stop_token_ids."""
+    n = _int_or(data.get("n"), 1)
+    if n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {n}", "n")
+    prompts = _prompts(data.get("prompt")) if completions else []
+    num_sequences = max(len(prompts), 1) * max(n, 1)
+    capacity = limits.max_num_running + limits.max_queued_requests
+    if num_sequences > capacity:
+        raise bad_request(f"this request needs {num_sequences} sequences ({len(prompts)} "
+                          f"prompts x n = {n}); the server holds at most {capacity} at once",
+                          "n")
+    keep = _num_tokens_kept(data.get("truncate_prompt_tokens"), max_model_len)
+    for prompt in prompts:
+        if isinstance(prompt, list) and min(len(prompt), keep) >= max_model_len:
+            raise context_length_error(min(len(prompt), keep), max_model_len)
+    _check_count(data, "stop", limits.max_stop_strings, "stop strings")
+    _check_count(data, "logit_bias", limits.max_logit_bias_entries, "logit_bias entries")
+    _check_count(data, "stop_token_ids", vocab_size, "stop token ids")
+
+
+def drop_truncated_tokens(data: dict[str, Any], max_model_len: int) -> None:
+    """Cut token-list prompts to what truncate_prompt_tokens keeps before anything validates
+    them: a client may send any number of ids to keep the last few, and validating them all
+    is one long call. (Text prompts are cut once tokenized.)"""
+    keep = _num_tokens_kept(data.get("truncate_prompt_tokens"), max_model_len)
+    prompt = data.get("prompt")
+    if keep == sys.maxsize or not isinstance(prompt, list):
+        return
+    if _is_token_list(prompt):
+        if len(prompt) > keep:
+            data["prompt"] = prompt[-keep:]
+    else:
+        data["prompt"] = [p[-keep:] if isinstance(p, list) and len(p) > keep else p
+                          for p in prompt]
+
+
+def check_priority(priority: int | None, enabled: bool) -> None:
+    """A request may set a priority only where priority scheduling is on (otherwise every
+    client could put itself first)."""
+    if priority and not enabled:
+        raise bad_request("priority scheduling is not enabled on this server (it is, with "
+                          "--scheduling-policy priority); leave 'priority' unset or 0",
+                          "priority")
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions request's `prompt` (none for a chat request)."""
+    if prompt is None:
+        return []
+    if not isinstance(prompt, list) or _is_token_list(prompt):
+        return [prompt]
+    return prompt
+
+
+def _is_token_list(prompt: list[Any]) -> bool:
+    """One prompt of token ids (by its first item), rather than a list of prompts."""
+    return bool(prompt) and isinstance(prompt[0], int) and not isinstance(prompt[0], bool)
+
+
+def _num_tokens_kept(truncate_prompt_tokens: Any, max_model_len: int) -> int:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: as many as the
+    context leaves room for; unset or 0: all, sys.maxsize)."""
+    keep = _int_or(truncate_prompt_tokens, 0)
+    if keep == -1:
+        return max_model_len - 1
+    return keep if keep > 0 else sys.maxsize
+
+
+def _int_or(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _check_count(data: Mapping[str, Any], field: str, limit: int, what: str) -> None:
+    value = data.get(field)
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise bad_request(f"at most {limit} {what} are allowed, got {len(value)}", field)

@@ -1,0 +1,90 @@
+"""Decoding a large body in steps gives what json.loads gives (or refuses what it refuses),
+refuses an over-long capped array before decoding the rest, and validating messages in
+slices names the same bad field as validating them at once."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.errors import APIError
+from app.http_input import decode_json_object
+from app.large_body import VALIDATION_SLICE, decode_in_steps, validate
+from app.schemas import ChatCompletionRequest
+
+
+def _reject(name: str) -> Any:
+    raise ValueError(name)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(), lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner,
+                                                                            max_size=5),
+    max_leaves=12)
+
+
+@settings(max_examples=120, deadline=None)
+@given(obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=6),
+       indent=st.sampled_from([None, 0, 2]), ascii_only=st.booleans())
+def test_decoding_in_steps_matches_json_loads(obj: dict[str, Any], indent: int | None,
+                                              ascii_only: bool) -> None:
+    body = json.dumps(obj, indent=indent, ensure_ascii=ascii_only).encode()
+    assert decode_in_steps(body, {}, _reject) == json.loads(body)
+
+
+@pytest.mark.parametrize("body", [
+    b"{", b'{"a": [1, 2}', b'{"a": [1 2]}', b'{"a" 1}', b'{"a": 1,}', b'{"a": [1,]}',
+    b'{"a": 1} x', b"{'a': 1}", b'{"a": NaN}', b'{"a": [{"b": 1}, ]}', b'{"a": [[1], [2}',
+    b'{"a": [1, , 2]}', b'{"a": [ , 1]}', b'{"a": [1, Infinity]}', b'{"a": {"b": 1,}}',
+    b'{"a": [1, 2]]}', b'{"a": {"b" 1}}',
+])
+def test_decoding_in_steps_refuses_what_json_loads_refuses(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        json.loads(body, parse_constant=_reject)
+    with pytest.raises(ValueError):
+        decode_in_steps(body, {}, _reject)
+
+
+def test_long_arrays_of_numbers_are_decoded_in_slices_exactly() -> None:
+    numbers = [7, -1, 2.5, 1e300, True, None, 10**30] * 60_000  # several slices
+    body = json.dumps({"tokens": numbers, "mixed": [1, "a,b", [2, 3], {"c": 4}]}).encode()
+    assert decode_in_steps(body, {}, _reject) == json.loads(body)
+
+
+def test_a_capped_array_is_refused_once_past_its_cap() -> None:
+    body = b'{"prompt": [' + b",".join([b"[1]"] * 1000) + b'], "n": 2}'
+    assert len(decode_in_steps(body, {"prompt": 1000}, _reject)["prompt"]) == 1000
+    with pytest.raises(APIError) as refused:
+        decode_in_steps(body, {"prompt": 999}, _reject)
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    tokens = b'{"prompt": [' + b",".join([b"7"] * 5000) + b"]}"  # token ids: never capped
+    assert len(decode_in_steps(tokens, {"prompt": 10}, _reject)["prompt"]) == 5000
+    bias = json.dumps({"logit_bias": {str(i): 1 for i in range(301)}}).encode()
+    with pytest.raises(APIError) as refused:
+        decode_in_steps(bias, {"logit_bias": 300}, _reject)
+    assert refused.value.param == "logit_bias"
+
+
+def test_a_lone_surrogate_is_refused_on_both_paths() -> None:
+    body = b'{"messages": [{"role": "user", "content": "a\\udc00"}]}'
+    for caps in (None, {}):
+        with pytest.raises(APIError) as refused:
+            decode_json_object(body, caps)
+        assert "surrogate" in refused.value.message
+
+
+def test_messages_validated_in_slices_name_the_bad_message() -> None:
+    messages: list[Any] = [{"role": "user", "content": "a"}] * (3 * VALIDATION_SLICE)
+    messages[2 * VALIDATION_SLICE + 7] = {"role": "", "content": "a"}
+    with pytest.raises(APIError) as refused:
+        validate(ChatCompletionRequest, {"messages": messages})
+    assert refused.value.param == f"messages.{2 * VALIDATION_SLICE + 7}.role"
+    ok = validate(ChatCompletionRequest, {"messages": messages[:2 * VALIDATION_SLICE],
+                                          "vendor_field": {"big": [1] * 1000}})
+    assert len(ok.messages) == 2 * VALIDATION_SLICE
+    assert ok.model_extra == {"vendor_field": None}  # ignored fields keep only their name
