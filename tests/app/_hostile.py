@@ -127,7 +127,7 @@ STALLED = {"messages": [{"role": "user", "content": "Count to a thousand."}], "s
 
 def small_send_buffer_server(**settings: Any) -> RunningServer:
     """A server (max_num_seqs 2) whose connections have a SEND_BUFFER_BYTES send buffer."""
-    real_bind = app.server._bind
+    real_bind = app.server.bind_listening_socket
 
     def bind_small_send_buffer(host: str, port: int) -> socket.socket:
         sock = real_bind(host, port)
@@ -135,7 +135,7 @@ def small_send_buffer_server(**settings: Any) -> RunningServer:
         return sock  # accepted connections inherit the listener's buffer size
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(app.server, "_bind", bind_small_send_buffer)
+        patch.setattr(app.server, "bind_listening_socket", bind_small_send_buffer)
         return RunningServer(engine=ENGINE.replace(max_num_seqs=2), **settings)
 
 
