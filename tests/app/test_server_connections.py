@@ -209,7 +209,9 @@ async def _burst_then_shutdown(server: RunningServer, num_requests: int) -> list
 
 
 def test_shutdown_during_a_burst_ends_every_request_cleanly() -> None:
-    server = RunningServer(shutdown_timeout_s=2.0)
+    # Long enough for the 2-token requests to finish even when a loaded machine makes the
+    # burst's first prefill step take seconds; far too short for 1000 tokens.
+    server = RunningServer(shutdown_timeout_s=6.0)
     results = asyncio.run(_burst_then_shutdown(server, 24))
     deadline = time.monotonic() + 60
     while server.exit_code is None and time.monotonic() < deadline:
