@@ -37,6 +37,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend over a cache that already holds this step's keys and values."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -4,10 +4,18 @@ The per-architecture differences are `ModelConfig` flags: `attention_bias` (Qwen
 `qk_norm` (Qwen3), `rope_scaling` (Llama 3.1) and `tie_word_embeddings`. q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
 tensor names and concatenates them.
+
+A layer is nine launches on CUDA: the residual add fused into each RMSNorm
+(kernels/rms_norm.py), the q/k norm, rotary and KV write fused after the qkv projection
+(kernels/qkv_prologue.py), attention, SiLU-and-multiply fused (kernels/silu_mul.py) and
+four GEMMs. A decode step of a small model is bound by how many kernels it launches, not
+by their bytes, so the count is what sets batch-1 latency. Layers pass the residual
+stream alongside their output, so that each add happens inside the next norm.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -16,7 +24,8 @@ from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.models.config import ModelConfig
-from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, empty_parameter
+from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
+from kernels.qkv_prologue import qkv_prologue
 
 # Buffers that some checkpoints carry but that are recomputed here.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,8 +38,11 @@ class Attention(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
+        self.rotary = rotary
+        self.eps = config.rms_norm_eps
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -54,23 +66,20 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm(query)
-            key = self.k_norm(key)
-        query = apply_rotary(query, cos, sin)
-        key = apply_rotary(key, cos, sin)
-        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        query = qkv_prologue(
+            qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.eps, kv_cache, attn_metadata.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+        out = self.attn_backend.attend(query, kv_cache, attn_metadata, self.scale)
         return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
 
 
@@ -81,24 +90,26 @@ class DecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, attn_backend, dtype, device)
+        self.self_attn = Attention(config, attn_backend, dtype, device, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+        positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn_out = self.self_attn(normed, positions, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -119,21 +130,22 @@ class DecoderModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device) for _ in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling_dict,
             device,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attn_backend, dtype, device, self.rotary)
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
 
     def forward(
@@ -146,16 +158,25 @@ class DecoderModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
+        return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [num_logits, hidden_size]
+        out: torch.Tensor | None = None,  # [num_logits, vocab_size] float32, written in place
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
-        return F.linear(hidden, self.lm_head).float()
+        """float32 logits. On CUDA a bf16/fp16 head multiplies straight into float32
+        (one GEMM, no half-precision logits and no cast kernel); elsewhere the logits are
+        computed in the model dtype and converted."""
+        if hidden.is_cuda and self.dtype != torch.float32 and _mm_into_float32_works(hidden.device):
+            if out is None:
+                return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
+            return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32, out=out)
+        logits = F.linear(hidden, self.lm_head).float()
+        return logits if out is None else out.copy_(logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -200,6 +221,16 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             targets.update(_layer_weight_targets(f"model.layers.{index}.", layer))
         return targets
+
+
+@functools.cache
+def _mm_into_float32_works(device: torch.device) -> bool:
+    """Whether this torch build multiplies half-precision matrices into float32 on `device`."""
+    a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    try:
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
