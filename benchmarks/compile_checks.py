@@ -10,7 +10,7 @@ import torch
 
 # Kernels are imported (and jitted for the GPU) first; launchers then see this variable
 # only in their device check, which otherwise refuses CPU tensors.
-from kernels import qkv_prologue, rms_norm, silu_mul  # noqa: E402
+from kernels import qkv_prologue, rms_norm, sampling_thresholds, silu_mul  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -36,7 +36,15 @@ def _qkv_prologue() -> None:
                                          heads, kv_heads, head_dim)
 
 
+def _sampling_thresholds() -> None:
+    logits = torch.zeros(4, 151936)
+    rows = torch.arange(4, dtype=torch.int32)
+    sampling_thresholds.sampling_thresholds_triton(
+        logits, rows, torch.ones(4), torch.zeros(4, dtype=torch.int32), torch.ones(4), torch.zeros(4))
+
+
 CHECKS: dict[str, Callable[[], None]] = {
+    "sampling_thresholds": _sampling_thresholds,
     "rms_norm": _rms_norm,
     "silu_mul": _silu_mul,
     "qkv_prologue": _qkv_prologue,
