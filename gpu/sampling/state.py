@@ -188,6 +188,15 @@ class SamplingState:
         if history is not None:
             self._pending_penalty_rows[row] = history
 
+    def reset(self) -> None:
+        """Every row back to neutral values and no pending penalty rebuild (a new runner
+        takes over this state)."""
+        for name, array in self._scalars.np.items():
+            array[:] = _NEUTRAL_VALUES.get(name, 0)
+        self._scalars.is_dirty = True
+        self.uses_penalties_np[:] = False
+        self._pending_penalty_rows.clear()
+
     def remove_request(self, row: int) -> None:
         """Free `row`: its parameters go back to neutral values."""
         self._check_row(row)
