@@ -143,7 +143,8 @@ class RunnerDriver:
         per step, and the means of the runner's own step stats."""
         import torch
 
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         in_flight: deque = deque()
         outputs = []
         started = time.perf_counter()
@@ -161,6 +162,7 @@ class RunnerDriver:
         return {
             "num_reqs": len(batch.request_ids), "prefill_tokens": prefill_tokens,
             "period_ms": round(elapsed / num_steps * 1e3, 4),
+            # Device time between the runner's first and last launch of a step (0 off CUDA).
             "device_ms": round(float(np.mean([s.step_time_s for s in stats])) * 1e3, 4),
             "device_ms_min": round(float(np.min([s.step_time_s for s in stats])) * 1e3, 4),
             "gpu_idle_ms": round(float(np.mean([s.gpu_idle_s for s in stats])) * 1e3, 4),

@@ -18,10 +18,12 @@ Every phase runs in a child process with its own time limit, so one failure or h
 leaves the others' results; the JSON is rewritten after each phase.
 
     python benchmarks/profile_step.py --out $OUT/profile_step.json \
-        [--code-root DIR:LABEL ...] [--cases b1,b8,b1024] [--no-floor]
+        [--code-root DIR:LABEL[:CASES] ...] [--cases b1,b8,b1024] [--no-floor] [--deadline-s 320]
 
-`--code-root ..:main` profiles another checkout's tandem (the runner's API is the same):
-an A/B of the same script over two trees.
+`--code-root ..:main:b1,b1024` profiles another checkout's tandem (the runner's API is the
+same) on those cases: an A/B of the same script over two trees. Phases run in the order
+given (the first --code-root, the floor, the other roots) within --deadline-s overall;
+a phase or case that would start too late is skipped and the tables are printed anyway.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ sys.path.insert(0, str(HERE))
 from _device_record import run_record, write_json  # noqa: E402
 
 MODEL = "dummy:qwen3-0.6b"
-ENGINE = dict(dtype="bfloat16", max_num_seqs=1024, max_num_batched_tokens=16384,
-              gpu_memory_utilization=0.8, max_model_len=2048)
+ENGINE: dict[str, Any] = dict(dtype="bfloat16", max_num_seqs=1024, max_num_batched_tokens=16384,
+                              gpu_memory_utilization=0.8, max_model_len=2048)
 CASES: dict[str, dict[str, Any]] = {
     "b1": dict(num_reqs=1, context=640),
     "b1tp": dict(num_reqs=1, context=640, temperature=0.7, top_p=0.9),
@@ -52,6 +54,12 @@ CASES: dict[str, dict[str, Any]] = {
     "mix256": dict(num_reqs=256, context=384, prefill_tokens=128),
     "b1024": dict(num_reqs=1024, context=384),
 }
+if os.environ.get("TANDEM_PROFILE_DRY_RUN") == "1":  # the script's own check, on a CPU
+    MODEL = "dummy:smollm2-135m"
+    ENGINE = dict(dtype="float32", device="cpu", max_num_seqs=16, max_num_batched_tokens=256,
+                  max_model_len=256, num_kv_blocks=512)
+    CASES = {name: {**case, "num_reqs": min(case["num_reqs"], 8), "context": 40}
+             for name, case in CASES.items()}
 FLOOR_SHAPES = {"b1": (1, 640), "b8": (8, 640), "b256": (256, 384), "b1024": (1024, 384)}
 PROFILED_FLOOR = ("b1", "b1024")
 NUM_STEADY_STEPS = 40
@@ -67,43 +75,62 @@ def main() -> int:
                         help="DIR:LABEL of a tandem checkout to profile (repeatable; default .:branch)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--no-floor", action="store_true")
-    parser.add_argument("--phase-timeout", type=float, default=240.0)
+    parser.add_argument("--deadline-s", type=float, default=320.0,
+                        help="seconds for the whole run; later phases get what is left")
     parser.add_argument("--child", choices=("floor", "runner"), help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-root", help=argparse.SUPPRESS)
+    parser.add_argument("--child-deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child == "floor":
         return _child_floor(args.child_out)
     if args.child == "runner":
-        return _child_runner(Path(args.child_root), args.cases.split(","), args.child_out)
+        return _child_runner(Path(args.child_root), args.cases.split(","), args.child_out,
+                             args.child_deadline)
     return _orchestrate(args)
 
 
 # ---- orchestration ----------------------------------------------------------------------
 
+def _parse_root(spec: str, default_cases: str) -> tuple[str, str, str]:
+    parts = spec.split(":")
+    root = parts[0]
+    label = parts[1] if len(parts) > 1 and parts[1] else Path(root).resolve().name
+    return root, label, parts[2] if len(parts) > 2 and parts[2] else default_cases
+
+
 def _orchestrate(args: argparse.Namespace) -> int:
-    roots = [r.rsplit(":", 1) if ":" in r else (r, Path(r).resolve().name)
-             for r in (args.code_root or [".:branch"])]
+    deadline = time.time() + args.deadline_s
+    roots = [_parse_root(spec, args.cases) for spec in (args.code_root or [".:branch"])]
     record = run_record("profile_step", {
         "model": MODEL, "engine": ENGINE, "cases": {c: CASES[c] for c in args.cases.split(",")},
         "steady_steps": NUM_STEADY_STEPS, "profiled_steps": NUM_PROFILED_STEPS,
-        "code_roots": dict((label, str(Path(root).resolve())) for root, label in roots)})
+        "code_roots": {label: {"dir": str(Path(root).resolve()), "cases": cases}
+                       for root, label, cases in roots}})
     record["floor"], record["runner"] = {}, {}
-    phases: list[tuple[str, list[str]]] = []
+    phases = [(label, ["--child", "runner", "--child-root", root, "--cases", cases])
+              for root, label, cases in roots]
     if not args.no_floor:
-        phases.append(("floor", ["--child", "floor"]))
-    for root, label in roots:
-        phases.append((label, ["--child", "runner", "--child-root", root, "--cases", args.cases]))
+        phases.insert(1, ("floor", ["--child", "floor"]))
     for label, child_args in phases:
-        print(f"=== {label} ({time.strftime('%H:%M:%S')})", flush=True)
+        left = deadline - time.time()
+        print(f"=== {label} ({time.strftime('%H:%M:%S')}, {left:.0f} s left)", flush=True)
+        if left < 30:
+            skipped = {"status": "skipped: no time left"}
+            if label == "floor":
+                record["floor"] = skipped
+            else:
+                record["runner"][label] = skipped
+            continue
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
             child_out = Path(handle.name)
-        command = [sys.executable, str(Path(__file__).resolve()), *child_args, "--child-out", str(child_out)]
+        command = [sys.executable, str(Path(__file__).resolve()), *child_args, "--child-out",
+                   str(child_out), "--child-deadline", str(deadline - 5)]
         try:
-            completed = subprocess.run(command, timeout=args.phase_timeout, check=False)
+            completed = subprocess.run(command, timeout=left - 5, check=False)
             status = f"exit {completed.returncode}"
         except subprocess.TimeoutExpired:
-            status = f"timed out after {args.phase_timeout:.0f} s"
+            status = f"timed out after {left - 5:.0f} s"
         result = json.loads(child_out.read_text()) if child_out.stat().st_size else {}
         result["status"] = status
         if label == "floor":
@@ -138,7 +165,7 @@ def _child_floor(out: Path) -> int:
 
 # ---- the runner --------------------------------------------------------------------------
 
-def _child_runner(root: Path, cases: list[str], out: Path) -> int:
+def _child_runner(root: Path, cases: list[str], out: Path, deadline: float | None) -> int:
     sys.path.insert(0, str(root.resolve()))
     from _runner_driver import RunnerDriver
 
@@ -149,6 +176,9 @@ def _child_runner(root: Path, cases: list[str], out: Path) -> int:
     write_json(out, result)
     for name in cases:
         case = CASES[name]
+        if deadline is not None and time.time() > deadline - 25:
+            result["cases"][name] = {"error": "skipped: no time left"}
+            continue
         try:
             result["cases"][name] = _runner_case(driver, case)
         except Exception as exc:  # noqa: BLE001 - report, go on with the next case
@@ -159,9 +189,14 @@ def _child_runner(root: Path, cases: list[str], out: Path) -> int:
     return 0
 
 
-def _runner_case(driver: Any, case: dict[str, Any]) -> dict[str, Any]:
+def _sync() -> None:
     import torch
 
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _runner_case(driver: Any, case: dict[str, Any]) -> dict[str, Any]:
     batch = driver.start_batch(case["num_reqs"], case["context"], case.get("temperature", 1.0),
                                case.get("top_p", 1.0))
     prefill_tokens = case.get("prefill_tokens", 0)
@@ -170,7 +205,7 @@ def _runner_case(driver: Any, case: dict[str, Any]) -> dict[str, Any]:
     steady = driver.steady_state(batch, NUM_STEADY_STEPS, prefill_tokens)
     profile = _profile(lambda i: driver.step(batch, prefill_tokens).result())
     driver.finish_batch(batch)
-    torch.cuda.synchronize()
+    _sync()
     return {**steady, "profile": profile}
 
 
@@ -181,12 +216,13 @@ def _profile(run_step) -> dict[str, Any]:
 
     from _kernel_trace import breakdown, load_trace, step_activities
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         for i in range(NUM_PROFILED_STEPS):
             with record_function(f"{STEP_PREFIX}{i}"):
                 run_step(i)
-                torch.cuda.synchronize()
+                _sync()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         trace_path = Path(handle.name)
     prof.export_chrome_trace(str(trace_path))

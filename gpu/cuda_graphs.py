@@ -17,9 +17,9 @@ replay back to back on the persistent buffers (gpu/input_buffers.py, V2StepState
   qwen3), the CPU cost the graphs are there to remove.
 - head (per padded request count): each request's last hidden state through the LM head
   into `V2StepState.logits` (float32).
-- sample (per padded request count): min-p / top-k / top-p thresholds, the seeded Gumbel
-  draw, post_update. Batches with logit bias, penalties or logprobs sample eagerly on the
-  head graph's logits instead.
+- sample (per padded request count, with and without the min-p / top-k / top-p threshold
+  kernels): the seeded Gumbel draw, post_update. Batches with logit bias, penalties or
+  logprobs sample eagerly on the head graph's logits instead.
 
 All graphs share one memory pool and are captured largest first, so the smaller ones
 reuse the larger ones' activation memory. Capture runs every kernel once with zero real
@@ -161,7 +161,7 @@ class StepGraphs:
         self._max_model_len = max_model_len
         self._forward: dict[ForwardShape, _Replayable] = {}
         self._head: dict[int, _Replayable] = {}
-        self._sample: dict[int, _Replayable] = {}
+        self._sample: dict[tuple[int, bool], _Replayable] = {}
         self.capture_time_s = 0.0
 
     @property
@@ -185,7 +185,8 @@ class StepGraphs:
             self.capture_forward(shape, pool)
         for size in sorted(self.sizes.decode, reverse=True):
             self.capture_head(size, pool)
-            self.capture_sample(size, pool)
+            self.capture_sample((size, True), pool)
+            self.capture_sample((size, False), pool)
         if is_cuda:
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - started
@@ -199,8 +200,9 @@ class StepGraphs:
     def run_head(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab_size] float32
         return self._head[num_rows]()
 
-    def run_sample(self, num_rows: int) -> torch.Tensor:  # [num_rows] int64, reused next replay
-        return self._sample[num_rows]()
+    def run_sample(self, num_rows: int, filters: bool) -> torch.Tensor:
+        """[num_rows] int64 sampled ids, in a tensor the next replay overwrites."""
+        return self._sample[num_rows, filters]()
 
     def release(self) -> None:
         self._forward.clear()
@@ -233,7 +235,9 @@ class StepGraphs:
 
         self._head[num_rows] = _Replayable(head, buffers.device, pool)
 
-    def capture_sample(self, num_rows: int, pool: tuple[int, int] | None) -> None:
+    def capture_sample(self, key: tuple[int, bool], pool: tuple[int, int] | None) -> None:
+        """The sampling graph of key = (num_rows, whether it runs the threshold kernels)."""
+        num_rows, filters = key
         buffers, state = self._buffers, self._state
         rows_state = state.states
         self._zero_counts(decode_rows=num_rows)
@@ -242,14 +246,14 @@ class StepGraphs:
         def sample() -> torch.Tensor:
             idx_mapping = buffers.idx_mapping[:num_rows]
             sampled = state.sampler.sample_graphable(state.logits[:num_rows], idx_mapping,
-                                                     buffers.seq_lens[:num_rows].long())
+                                                     buffers.seq_lens[:num_rows].long(), filters)
             post_update(idx_mapping, buffers.query_start_loc[:num_rows + 1], sampled,
                         rows_state.num_computed_gpu, rows_state.total_len_gpu,
                         rows_state.token_ids_gpu, rows_state.last_sampled_gpu, num_reqs=num_rows,
                         step_counts=buffers.step_counts)
             return sampled
 
-        self._sample[num_rows] = _Replayable(sample, buffers.device, pool)
+        self._sample[key] = _Replayable(sample, buffers.device, pool)
 
     def _prepare(self, shape: ForwardShape) -> None:
         buffers, rows_state = self._buffers, self._state.states
@@ -292,7 +296,8 @@ def measure_graph_memory(graphs: StepGraphs) -> tuple[int, dict[str, int]]:
         "mixed": (sorted((s for s in graphs.forward_shapes() if not s.is_decode), key=lambda s: -s.num_tokens),
                   graphs.capture_forward),
         "head": (sorted(graphs.sizes.decode, reverse=True), graphs.capture_head),
-        "sample": (sorted(graphs.sizes.decode, reverse=True), graphs.capture_sample),
+        "sample": ([(n, f) for n in sorted(graphs.sizes.decode, reverse=True) for f in (True, False)],
+                   graphs.capture_sample),
     }
     pool = torch.cuda.graph_pool_handle()
     estimate, terms = 0, {}

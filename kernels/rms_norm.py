@@ -98,7 +98,7 @@ def add_rms_norm_triton(
         x, source, weight, out, new_residual,
         x.stride(0), source.stride(0), out.stride(0), new_residual.stride(0),
         hidden_size, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
+        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,  # round as torch does
     )  # fmt: skip
     return out, new_residual
 

@@ -62,7 +62,7 @@ def silu_mul_triton(gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], ro
         return out
     grid = (num_tokens, triton.cdiv(intermediate, _BLOCK_SIZE))
     _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), intermediate,
-                           BLOCK=_BLOCK_SIZE)
+                           BLOCK=_BLOCK_SIZE, enable_fp_fusion=False)
     return out
 
 

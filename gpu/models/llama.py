@@ -227,8 +227,11 @@ class DecoderModel(nn.Module):
 def _mm_into_float32_works(device: torch.device) -> bool:
     """Whether this torch build multiplies half-precision matrices into float32 on `device`."""
     a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    out = torch.empty(4, 2, dtype=torch.float32, device=device)[:2]
     try:
-        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        plain = torch.mm(a, a.t(), out_dtype=torch.float32)
+        torch.mm(a, a.t(), out_dtype=torch.float32, out=out)
+        return plain.dtype == torch.float32 and bool((out == 8.0).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 

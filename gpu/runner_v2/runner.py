@@ -90,7 +90,7 @@ class ModelRunnerV2:
             self.sampling_state.flush_to_device()
             # The graph's output is overwritten by the next replay, possibly before this
             # step's copy to the host has read it: the copy reads a clone.
-            sampled = self.graphs.run_sample(plan.num_rows_padded)[:num_reqs].clone()
+            sampled = self.graphs.run_sample(plan.num_rows_padded, ops.filters)[:num_reqs].clone()
             return SamplerOutput(sampled, None, None, None)
         return self._sample_eagerly(logits[:num_reqs], plan,
                                     None if max_num_logprobs < 0 else max_num_logprobs)

@@ -101,13 +101,17 @@ class Sampler:
         logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
         idx_mapping_gpu: torch.Tensor,  # [num_rows] int32, logit row -> request row
         positions_gpu: torch.Tensor,  # [num_rows] int64, position the sampled token takes
+        filters: bool = True,
     ) -> torch.Tensor:  # [num_rows] int64
-        """Temperature, min-p, top-k, top-p and the Gumbel draw for every row, with no
-        host-side decision and no host sync (capturable in a CUDA graph). Logit bias,
-        penalties and logprobs are not applied: batches that need them go through __call__."""
+        """Temperature, min-p, top-k, top-p (unless filters=False: a batch where no row uses
+        them) and the Gumbel draw for every row, with no host-side decision and no host sync
+        (capturable in a CUDA graph). Logit bias, penalties and logprobs are not applied:
+        batches that need them go through __call__."""
         state = self.state
-        thresholds = sampling_thresholds(logits, idx_mapping_gpu, state.temperature_gpu,
-                                         state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
+        thresholds = None
+        if filters:
+            thresholds = sampling_thresholds(logits, idx_mapping_gpu, state.temperature_gpu,
+                                             state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
         return gumbel_sample(logits, idx_mapping_gpu, state.temperature_gpu, state.seed_gpu,
                              positions_gpu, thresholds=thresholds)
 

@@ -129,16 +129,17 @@ class _Engine:
 
 
 _PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3),
-           SamplingParams(temperature=0.7, top_p=0.8, seed=4),
-           SamplingParams(top_k=5, seed=5),
+           SamplingParams(temperature=0.7, seed=4),
+           SamplingParams(top_k=5, top_p=0.8, seed=5),
            SamplingParams(temperature=1.2, min_p=0.1, top_k=20, top_p=0.9, seed=6),
            SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3, logprobs=2)]
 
 
 def _script(rng: np.random.Generator) -> list[SchedulerOutput]:
-    """Prefill (mixed graph), decodes (decode graphs) sampled in graphs, a partial chunk
-    beside decodes, a step too long for any graph (eager forward, graphed sampling rows),
-    then penalties and logprobs (eager sampling), requests joining and leaving."""
+    """Prefill (mixed graph), decodes (decode graphs) sampled in graphs without filters,
+    then with them, a partial chunk beside decodes, a step too long for any graph (eager
+    forward, graphed sampling rows), then penalties and logprobs (eager sampling), requests
+    joining and leaving."""
     prompts = {f"r{i}": tuple(int(t) for t in rng.integers(0, TINY.vocab_size, n))
                for i, n in enumerate((5, 11, 7, 9, 30, 6))}
     blocks = iter(range(NUM_BLOCKS))

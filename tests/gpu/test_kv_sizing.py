@@ -40,7 +40,7 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
                      + report.non_torch_bytes + report.runner_state_bytes + report.kv_budget_bytes)
     assert total_planned <= 0.2 * report.total_bytes + (1 << 20)
     sizes = worker.graphs.sizes
-    assert worker.graphs.num_captured == 3 * len(sizes.decode) + len(sizes.mixed)
+    assert worker.graphs.num_captured == 4 * len(sizes.decode) + len(sizes.mixed)
     assert 0 < worker.graph_memory_bytes < 4 * report.graph_estimate_bytes + (256 << 20)
     prompts = [[(7 * i + j) % 1000 for j in range(100)] for i in range(64)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
