@@ -73,12 +73,12 @@ def _gumbel_sample() -> None:
 
 def _paged_attention() -> None:
     cache = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
-    for num_tokens, max_query_len in ((4, 1), (64, 64)):
+    for num_tokens, max_query_len, query_tile in ((4, 1, None), (64, 64, None), (64, 64, 16)):
         query = torch.zeros(num_tokens, 16, 128, dtype=torch.bfloat16)
         paged_attention.paged_attention_triton(
             query, cache, cache, torch.zeros(4, 8, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
             torch.tensor([0, 1, 2, 3, num_tokens], dtype=torch.int32), 0.1,
-            max_query_len=max_query_len, max_seq_len=128, num_kv_splits=1)
+            max_query_len=max_query_len, max_seq_len=128, num_kv_splits=1, query_tile=query_tile)
 
 
 CHECKS: dict[str, Callable[[], None]] = {

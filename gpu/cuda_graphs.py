@@ -53,6 +53,11 @@ STEP_ABOVE_256 = 64
 MIXED_SIZES = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 """Token counts of the mixed graphs; larger mixed steps are compute-bound enough that
 launching them eagerly costs little."""
+MIXED_DECODE_TILE_MAX_TOKENS = 512
+"""Mixed graphs of up to this many tokens are mostly decodes beside a short prefill chunk:
+their attention uses decode-sized query tiles (16 rows), which read the KV cache at the
+decode kernel's bandwidth; larger ones keep the prefill tiles (64 rows), which re-read a
+long chunk's keys a quarter as often."""
 
 __all__ = ["StepGraphs", "capture_sizes", "mixed_capture_sizes", "padded_batch_size",
            "decode_metadata", "measure_graph_memory"]
@@ -99,8 +104,9 @@ def decode_metadata(buffers: InputBuffers, num_reqs_padded: int, max_seq_len: in
 
 
 def _mixed_metadata(buffers: InputBuffers, shape: ForwardShape, max_seq_len: int) -> AttentionMetadata:
-    # max_query_len = the token count picks the prefill tiling, which any split of the
-    # tokens into requests can use; the CPU arrays are never read (Triton backend).
+    # max_query_len = the token count: the kernel's multi-tile search, which any split of
+    # the tokens into requests can use; the CPU arrays are never read (Triton backend).
+    decode_tiles = shape.num_tokens <= MIXED_DECODE_TILE_MAX_TOKENS
     return AttentionMetadata(
         num_actual_tokens=shape.num_tokens, num_reqs=shape.num_reqs,
         max_query_len=shape.num_tokens, max_seq_len=max_seq_len,
@@ -109,7 +115,8 @@ def _mixed_metadata(buffers: InputBuffers, shape: ForwardShape, max_seq_len: int
         slot_mapping=buffers.slot_mapping[: shape.num_tokens],
         block_table=buffers.block_table[: shape.num_reqs],
         query_start_loc_cpu=np.zeros(shape.num_reqs + 1, dtype=np.int32),
-        seq_lens_cpu=np.zeros(shape.num_reqs, dtype=np.int32))
+        seq_lens_cpu=np.zeros(shape.num_reqs, dtype=np.int32),
+        query_tile=16 if decode_tiles else None)
 
 
 class _Replayable:

@@ -34,6 +34,8 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32, known when the step is scheduled
     seq_lens_cpu: np.ndarray  # [num_reqs] int32
+    query_tile: int | None = None
+    """Rows of the Triton attention kernel's query tiles (None: its default for the batch)."""
 
 
 class AttentionBackend(Protocol):

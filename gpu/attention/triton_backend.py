@@ -48,4 +48,5 @@ class TritonAttentionBackend:
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            query_tile=metadata.query_tile,
         )
