@@ -16,17 +16,22 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import structlog
 import torch
 
 from actors.messages import SchedulerOutput, StepStats
 from app.config import EngineConfig
 from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
+from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
+from gpu.runner_v2.step_state import V2StepState
 from gpu.sampling.sampler import SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
+
+log = structlog.get_logger("tandem.runner_v2")
 
 
 class ModelRunnerV2:
@@ -45,17 +50,26 @@ class ModelRunnerV2:
                 f"{config.max_num_batched_tokens} exceed the loaded model's "
                 f"{worker.buffers.max_num_reqs} / {worker.buffers.max_num_tokens}")
         self.step_state = worker.step_state
-        self.step_state.claim(self, max_num_reqs)
+        self.graphs = None if config.enforce_eager else worker.graphs
+        if not self.step_state.try_claim(self, max_num_reqs):
+            log.warning("v2_step_state_busy", reason="another V2 runner holds this model's "
+                        "step state: this one runs on a private one, without CUDA graphs")
+            self.step_state = _private_step_state(worker)
+            self.step_state.try_claim(self, max_num_reqs)
+            self.graphs = None
         self.states = self.step_state.states
         self.sampling_state = self.step_state.sampling_state
         self.sampler = self.step_state.sampler
-        self.buffers = worker.buffers
-        self.graphs = None if config.enforce_eager else worker.graphs
+        self.buffers = self.step_state.buffers
         self._graph_sizes: GraphSizes | None = None if self.graphs is None else self.graphs.sizes
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
+
+    def close(self) -> None:
+        """Give the model's step state back (the next runner on this model may take it)."""
+        self.step_state.release(self)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> PendingStep:
@@ -153,3 +167,12 @@ class ModelRunnerV2:
             self.states.append_blocks(request_id, block_ids)
         self.states.apply_staged()
         self.sampling_state.flush_to_device()
+
+
+def _private_step_state(worker: ModelWorker) -> V2StepState:
+    shared = worker.buffers
+    buffers = InputBuffers(shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req,
+                           worker.device)
+    return V2StepState(buffers, worker.max_model_len, worker.max_blocks_per_req,
+                       worker.model_config.vocab_size, worker.model_config.hidden_size,
+                       worker.dtype, with_graph_outputs=False)

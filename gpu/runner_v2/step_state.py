@@ -3,12 +3,16 @@
 The CUDA graphs of the step (gpu/cuda_graphs.py) are captured at startup and read and
 write this state in place: the row table, the sampling parameters, the step buffers, and
 the graphs' hidden-state and logits outputs. So the state must outlive any one runner and
-keep its addresses: the worker owns it, and each V2 runner `claim`s it (resetting it)
-for its life. One runner steps on it at a time; a runner whose state another runner
-claimed since refuses to step rather than corrupt the other's rows.
+keep its addresses: the worker owns it, and a V2 runner claims it (resetting it) for its
+life, releasing it on `close` (or by being collected). While one runner holds it, another
+runner on the same model (two engines at once, as tests run servers) gets a private state
+of its own and runs without graphs. A runner never steps on a state it does not hold.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import torch
 
@@ -32,15 +36,28 @@ class V2StepState:
         if with_graph_outputs:
             self.hidden = torch.zeros(buffers.max_num_tokens, hidden_size, dtype=dtype, device=device)
             self.logits = torch.zeros(buffers.max_num_reqs, vocab_size, dtype=torch.float32, device=device)
-        self._owner: object | None = None
+        self._owner: weakref.ref | None = None
 
-    def claim(self, owner: object, num_rows: int) -> None:
-        """Hand the state to `owner` with every row free (rows [0, num_rows) offered)."""
+    def try_claim(self, owner: object, num_rows: int) -> bool:
+        """Hand the state to `owner` with every row free (rows [0, num_rows) offered), unless
+        another live owner holds it."""
+        if self._holder() is not None:
+            gc.collect()  # a finished engine's runner may wait only for the cycle collector
+            if self._holder() is not None:
+                return False
         self.states.reset(num_rows)
         self.sampling_state.reset()
-        self._owner = owner
+        self._owner = weakref.ref(owner)
+        return True
+
+    def release(self, owner: object) -> None:
+        if self._holder() is owner:
+            self._owner = None
 
     def check_owner(self, owner: object) -> None:
-        if self._owner is not owner:
-            raise RuntimeError("another V2 runner has taken this model's step state; a runner "
-                               "steps only while it holds the state it claimed")
+        if self._holder() is not owner:
+            raise RuntimeError("this V2 runner no longer holds its step state (closed, or "
+                               "taken over once released); it cannot step")
+
+    def _holder(self) -> object | None:
+        return None if self._owner is None else self._owner()

@@ -119,7 +119,9 @@ class _Engine:
                               max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS)
         worker = SimpleNamespace(config=config, device=device, buffers=buffers, step_state=state,
                                  graphs=step_graphs, model=model, kv_caches=self.kv_caches,
-                                 eos_token_ids=(0,))
+                                 eos_token_ids=(0,), max_model_len=MAX_MODEL_LEN,
+                                 max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE, model_config=TINY,
+                                 dtype=torch.float32)
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]
 
     def step(self, sched: SchedulerOutput) -> list[int]:
@@ -179,14 +181,21 @@ def test_graphed_runner_gives_the_eager_runner_tokens() -> None:
     _check_graphed_runner_matches_eager("cpu")
 
 
-def test_a_runner_whose_state_was_taken_refuses_to_step() -> None:
+def test_a_second_live_runner_gets_a_private_state_and_a_closed_one_cannot_step() -> None:
     model = DecoderModel(TINY, TritonAttentionBackend(), torch.float32, torch.device("cpu"))
     model.load_weights(dummy_weights(TINY, torch.float32, torch.device("cpu"), seed=3))
-    engine = _Engine(model, torch.device("cpu"), graphs=False)
+    engine = _Engine(model, torch.device("cpu"), graphs=True)
     first = engine.runner
-    ModelRunnerV2(first.worker, first.worker.config)  # takes the worker's step state
-    with pytest.raises(RuntimeError, match="another V2 runner"):
-        first.execute(_script(np.random.default_rng(0))[0])
+    worker = first.worker
+    second = ModelRunnerV2(worker, worker.config)  # the first still holds the shared state
+    assert second.step_state is not worker.step_state and second.graphs is None
+    script = _script(np.random.default_rng(0))
+    assert engine.step(script[0]) and second.execute(script[0]).result().error is None
+    first.close()
+    with pytest.raises(RuntimeError, match="no longer holds its step state"):
+        first.execute(script[1])
+    third = ModelRunnerV2(worker, worker.config)  # released: the shared state and its graphs
+    assert third.step_state is worker.step_state and third.graphs is worker.graphs
 
 
 @pytest.mark.gpu
