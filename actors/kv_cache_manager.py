@@ -94,7 +94,8 @@ class KVCacheManager:
         if len(new_block_ids) == len(msg.running):
             grants = self._admit_waiting(msg.waiting, msg.token_budget)
         return StepAllocation(num_running_ok=len(new_block_ids),
-                              new_block_ids=tuple(new_block_ids), waiting=tuple(grants))
+                              new_block_ids=tuple(new_block_ids), waiting=tuple(grants),
+                              usage=self.stats())
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Release the requests' blocks; unknown ids are ignored (nothing was allocated)."""

@@ -64,6 +64,8 @@ class StepAllocation:
     """Per satisfied running entry, the blocks appended to its table by this call."""
     waiting: tuple[WaitingGrant, ...]
     """Per admitted waiting entry, in order (a prefix of AllocateStep.waiting)."""
+    usage: KVUsage | None = None
+    """The cache's usage after this allocation (for the step's stats)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,12 @@
-"""Every message that crosses an actor mailbox.
+"""Every message tandem's actors exchange, typed (msgspec structs), in one module.
+
+Two groups:
+
+- the protocol between the front end (API-server processes: HTTP, tokenizer, output
+  processing) and the engine core (scheduler, KV cache manager, GPU actor). These cross a
+  process boundary (actors/transport.py), so they are plain data: numbers, strings, tuples
+  and numpy arrays, never objects with behaviour;
+- the messages inside the engine core (scheduler -> GPU actor -> scheduler).
 
 Messages are per request or per step, never per token per request: a step's results
 travel as one message with arrays for the whole batch.
@@ -6,88 +14,192 @@ travel as one message with arrays for the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from actors.sampling_params import SamplingParams
 
+# ==== front end -> engine core =========================================================
 
-# ---- into the engine -------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
+class EngineRequest(msgspec.Struct, frozen=True, tag="request"):
+    """One sequence to generate (a request with n samples is n of these)."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     arrival_time: float
-    """time.monotonic() when the request reached the server."""
+    """time.monotonic() when the request reached the server (CLOCK_MONOTONIC is shared by
+    every process of the host)."""
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     """Lower runs earlier (FCFS among equals)."""
     cache_salt: str | None = None
+    client_index: int = 0
+    """The front end that owns the request: its outputs go there."""
+    trace_context: dict[str, str] | None = None
+    """W3C trace context (traceparent, tracestate) of the request's span."""
 
 
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    request: EngineRequest
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
+    """Free these requests' rows and KV blocks now (client gone, stop string found)."""
 
-
-@dataclass(frozen=True, slots=True)
-class RegisterRequest:
-    """Tells the sampler actor where a request's output goes, before the request runs."""
-
-    request: EngineRequest
-    stream: Any
-    """The request's actors.output_stream.RequestStream."""
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequests:
     request_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class FinishRequests:
-    """Scheduler -> sampler actor: requests the scheduler ended on its own (refused at
-    admission, or a safety net), so their streams close with this reason."""
+class ClientHello(msgspec.Struct, frozen=True, tag="hello"):
+    """A front end (re)connected. Requests an earlier process with the same index left
+    behind are aborted; the core answers with EngineReady once it is warm."""
 
-    reasons: tuple[tuple[str, str], ...]
-    """(request_id, finish reason)."""
+    client_index: int
+
+
+class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
+    """Ask the engine core something outside the step loop; answered by UtilityResult."""
+
+    call_id: int
+    method: str
+    """'stats' (SchedulerStats) or 'check_kv_invariants' (error set when broken)."""
+    client_index: int = 0
+    """Where the answer goes."""
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Abort what is left, drain the steps in flight and exit."""
+
+
+# ==== engine core -> front end =========================================================
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
+    """The engine core is loaded and warm: every kernel and graph the first requests need
+    has been compiled and captured."""
+
+    model_source: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    max_num_seqs: int
+    runner: str
+    runner_reason: str
+    runner_rule: str
+    device: str
+    startup_s: float
+    pid: int
+
+
+class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed"):
+    message: str
+    is_user_error: bool
+    """The configuration is at fault (exit code 2), not a bug (exit code 1)."""
+
+
+class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
+    """The core cannot serve any more (consecutive failed steps): /health turns 503."""
+
+    reason: str
+
+
+class SchedulerStats(msgspec.Struct, frozen=True):
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    num_total_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage_perc: float
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_free_rows: int | None
+    """Free runner rows (None when the runner does not keep rows)."""
+
+
+class UtilityResult(msgspec.Struct, frozen=True, tag="utility_result"):
+    call_id: int
+    stats: SchedulerStats | None = None
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixCacheHits:
-    """Scheduler -> sampler actor: prompt tokens served from the prefix cache at admission."""
+class LogprobsArrays(msgspec.Struct, frozen=True):
+    token_ids: np.ndarray  # [num_sampled, 1 + k] int64: sampled token first, then top-k
+    logprobs: np.ndarray  # [num_sampled, 1 + k] float32
+    sampled_rank: np.ndarray  # [num_sampled] int64, 1-based rank of the sampled token
 
-    num_cached_tokens: tuple[tuple[str, int], ...]
+    def take(self, rows: np.ndarray) -> LogprobsArrays:  # rows: [n] int64
+        return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.sampled_rank[rows])
 
 
-@dataclass(frozen=True, slots=True)
-class AdmittedRequest:
+class StepStats(msgspec.Struct, frozen=True):
+    step_id: int
+    num_reqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    schedule_time_s: float = 0.0
+    """CPU time the scheduler spent building this step."""
+    prepare_time_s: float = 0.0
+    """CPU time from receiving the step to the last launch."""
+    step_time_s: float = 0.0
+    """Device time of the step, measured with events where the device allows."""
+    gpu_idle_s: float = 0.0
+    """Device idle time between the previous step's end and this step's start."""
+
+
+class RequestFinish(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    reason: str
+    """'stop' (EOS or a stop token id), 'length', 'abort' or 'error'."""
+    stop_token_id: int | None = None
+    """The stop_token_ids entry that ended the request (None for EOS and the rest)."""
+    error: str | None = None
+
+
+class AdmittedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """What only the core knows of a request's timeline, sent once, at its first admission
+    (never again after a preemption)."""
+
     request_id: str
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
     queued_time: float
-    """time.monotonic() when the scheduler queued the request."""
+    """time.monotonic() when the core queued the request."""
     first_scheduled_time: float
     """time.monotonic() when the request was first scheduled (prefill start)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RequestsAdmitted:
-    """Scheduler -> sampler actor, once per step that admits requests for the first time
-    (never again after a preemption): what only the scheduler knows of their timeline."""
+class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
+    """One engine step's results for the requests of one front end (step_id -1: outcomes
+    outside a step, such as a request refused when it arrived).
 
-    requests: tuple[AdmittedRequest, ...]
+    A request that finishes in this step has its last tokens in `new_token_ids` and an
+    entry in `finished`; `finished` also names requests that end without a token."""
+
+    step_id: int
+    request_ids: tuple[str, ...] = ()
+    new_token_ids: np.ndarray | None = None  # [num_new_tokens] int32, request-major
+    num_new_tokens: np.ndarray | None = None  # [len(request_ids)] int32; None: one each
+    logprobs: LogprobsArrays | None = None
+    """Rows aligned with new_token_ids; None when no request asked for logprobs."""
+    finished: tuple[RequestFinish, ...] = ()
+    admitted: tuple[AdmittedRequest, ...] = ()
+    step_stats: StepStats | None = None
+    """The step's device and CPU timings (sent to front end 0 only, so that a server with
+    several front ends counts each step once)."""
+    scheduler_stats: SchedulerStats | None = None
+    """The core's load and KV usage after the step was scheduled (front end 0 only)."""
 
 
-# ---- scheduler -> GPU actor ------------------------------------------------------------
+ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | Shutdown
+ToFrontEnd = EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
 
-@dataclass(frozen=True, slots=True)
-class NewRequestData:
+
+# ==== inside the engine core: scheduler -> GPU actor ===================================
+
+
+class NewRequestData(msgspec.Struct, frozen=True):
     """A request that takes a runner row: new, or resumed after preemption."""
 
     request_id: str
@@ -98,10 +210,11 @@ class NewRequestData:
     num_computed_tokens: int
     """Tokens already in the KV cache (prefix-cache hits)."""
     sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    """Suppressed until min_tokens outputs exist (unless ignore_eos)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, frozen=True):
     """Diffs for requests that already hold a row."""
 
     request_ids: tuple[str, ...] = ()
@@ -109,8 +222,7 @@ class CachedRequestData:
     """Blocks appended to each request's block table this step."""
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, frozen=True):
     step_id: int
     new_requests: tuple[NewRequestData, ...]
     cached_requests: CachedRequestData
@@ -141,33 +253,10 @@ class SchedulerOutput:
         return not self.scheduled_request_ids
 
 
-# ---- GPU actor -> sampler actor ---------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class LogprobsArrays:
-    token_ids: np.ndarray  # [num_sampled, 1 + k] int64: sampled token first, then top-k
-    logprobs: np.ndarray  # [num_sampled, 1 + k] float32
-    sampled_rank: np.ndarray  # [num_sampled] int64, 1-based rank of the sampled token
+# ==== inside the engine core: GPU actor -> scheduler ===================================
 
 
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    step_id: int
-    num_reqs: int
-    num_tokens: int
-    num_prefill_tokens: int
-    schedule_time_s: float = 0.0
-    """CPU time the scheduler spent building this step."""
-    prepare_time_s: float = 0.0
-    """CPU time from receiving the step to the last launch."""
-    step_time_s: float = 0.0
-    """Device time of the step, measured with events where the device allows."""
-    gpu_idle_s: float = 0.0
-    """Device idle time between the previous step's end and this step's start."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
+class StepOutput(msgspec.Struct, frozen=True):
     step_id: int
     request_ids: tuple[str, ...]
     """Requests that sampled a real token this step, in batch order."""
@@ -180,14 +269,19 @@ class StepOutput:
     failed_request_ids: tuple[str, ...] = ()
 
 
-# ---- sampler actor -> scheduler -------------------------------------------------------
+# ==== inside a front end ===============================================================
 
-@dataclass(frozen=True, slots=True)
-class StepUpdate:
-    """The scheduler's view of a finished step: tokens to append, requests to finish."""
 
-    step_id: int
-    request_ids: tuple[str, ...]
-    sampled_token_ids: tuple[int, ...]
-    finished: dict[str, str] = field(default_factory=dict)
-    """request_id -> finish reason ('stop', 'length', 'abort', 'error')."""
+class RegisterRequest(msgspec.Struct, frozen=True):
+    """Tells the front end's output processor where a request's output goes, before the
+    request is sent to the engine core."""
+
+    request: EngineRequest
+    stream: Any
+    """The request's actors.output_stream.RequestStream."""
+
+
+class FailRequests(msgspec.Struct, frozen=True):
+    """End every open request with an error: the engine core is gone."""
+
+    message: str

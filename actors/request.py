@@ -51,6 +51,13 @@ class Request:
     priority: int = 0
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    client_index: int = 0
+    """The front end that owns the request."""
+    max_total_tokens: int = 0
+    """Prompt plus max_tokens, capped at max_model_len (fixed at arrival)."""
+    eos_token_set: frozenset[int] = frozenset()
+    """Tokens that end the request with 'stop' (empty with ignore_eos)."""
+    stop_token_set: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is computed or scheduled (advanced when a step is scheduled)."""
@@ -75,11 +82,17 @@ class Request:
             raise ValueError(f"request {request.request_id!r}: prompt of {num_prompt_tokens} "
                              f"tokens leaves no room for output within max_model_len "
                              f"{max_model_len}")
+        params = request.sampling_params
+        max_total_tokens = max_model_len if params.max_tokens is None else min(
+            num_prompt_tokens + params.max_tokens, max_model_len)
         return cls(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-                   sampling_params=request.sampling_params, arrival_time=request.arrival_time,
+                   sampling_params=params, arrival_time=request.arrival_time,
                    max_model_len=max_model_len, priority=request.priority,
                    eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
-                   queued_time=queued_time)
+                   client_index=request.client_index, max_total_tokens=max_total_tokens,
+                   eos_token_set=frozenset() if params.ignore_eos else frozenset(
+                       request.eos_token_ids),
+                   stop_token_set=frozenset(params.stop_token_ids), queued_time=queued_time)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,14 +111,6 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         return (len(self.prompt_token_ids) + len(self.output_token_ids)
                 + self.num_output_placeholders)
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Prompt plus max_tokens, capped at max_model_len."""
-        max_tokens = self.sampling_params.max_tokens
-        if max_tokens is None:
-            return self.max_model_len
-        return min(len(self.prompt_token_ids) + max_tokens, self.max_model_len)
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:

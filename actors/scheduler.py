@@ -24,11 +24,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from actors.kv_messages import (
     AllocateStep,
+    KVUsage,
     RunningAlloc,
     StepAllocation,
     WaitingAlloc,
@@ -38,8 +39,9 @@ from actors.messages import (
     CachedRequestData,
     EngineRequest,
     NewRequestData,
+    RequestFinish,
     SchedulerOutput,
-    StepUpdate,
+    StepOutput,
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
@@ -59,6 +61,18 @@ class _PlannedRun:
 
 
 _Granted = tuple[_PlannedRun, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step did to its requests, for the front ends."""
+
+    rows: list[int] = field(default_factory=list)
+    """Rows of the StepOutput whose token was appended (to a live or just-finished request)."""
+    requests: list[Request] = field(default_factory=list)
+    """The request of each of those rows."""
+    finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
+    """Requests this step finished: token-level stops and failures."""
 """A running entry that got its blocks, with the block ids appended this step."""
 
 
@@ -115,6 +129,8 @@ class Scheduler:
         self._in_flight: deque[tuple[int, dict[str, Request]]] = deque()  # step id, samplers
         self._next_step_id = 0
         self.num_preemptions_total = 0
+        self.kv_usage: KVUsage | None = None
+        """The KV cache's usage after the latest step's allocation."""
 
     # ---- counts ---------------------------------------------------------------------
 
@@ -136,6 +152,9 @@ class Scheduler:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
+
+    def unfinished_requests(self) -> list[Request]:
+        return list(self._requests.values())
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -162,6 +181,12 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------
 
+    async def free_finished_blocks(self) -> None:
+        """Release the KV blocks of requests that finished since the last step now (the
+        next step would otherwise do it)."""
+        if self._blocks_to_free:
+            await self._kv.free(self._take_blocks_to_free())
+
     async def schedule(self) -> SchedulerOutput | None:
         """Build the next step; None when there is nothing to run or no room in flight."""
         if len(self._in_flight) >= self.config.max_steps_in_flight:
@@ -170,47 +195,61 @@ class Scheduler:
         planned, token_budget = self._plan_running()
         waiting_entries, waiting_requests = self._plan_waiting(token_budget)
         if not planned and not waiting_entries:
-            if self._blocks_to_free:
-                await self._kv.free(self._take_blocks_to_free())
+            await self.free_finished_blocks()
             return None
         satisfied, grants = await self._allocate(planned, waiting_entries, token_budget)
         if not satisfied and not grants:
             return None
         return self._commit(satisfied, grants, waiting_requests, started)
 
-    def update_from_step(self, update: StepUpdate) -> list[Request]:
-        """Apply a step's sampled tokens and finishes; returns the requests that finished.
+    def update_from_step(self, out: StepOutput) -> StepResult:
+        """Apply a step's sampled tokens and decide which requests they finish.
+
+        The token-level stops are decided here and nowhere else, in vLLM's order: EOS
+        (unless ignore_eos) and stop_token_ids count from the min_tokens-th output token
+        on, then max_tokens / the context length. A finished request's blocks are freed
+        with the next allocation and its row with the next step. Stop strings are the
+        front end's, which aborts the request when it finds one.
 
         Steps must be reported in the order they were scheduled. A request that sampled in
-        the step but got neither a token nor a finish reason is finished with 'error'.
+        the step but got no token is finished with 'error'.
         """
-        if not self._in_flight or self._in_flight[0][0] != update.step_id:
+        if not self._in_flight or self._in_flight[0][0] != out.step_id:
             expected = self._in_flight[0][0] if self._in_flight else None
-            raise ValueError(f"step update {update.step_id} out of order; expected {expected}")
+            raise ValueError(f"step output {out.step_id} out of order; expected {expected}")
         sampling = self._in_flight[0][1]
-        _check_update(update, sampling)
+        _check_tokens_are_expected(out, sampling)
         self._in_flight.popleft()
-        for request_id, token_id in zip(update.request_ids, update.sampled_token_ids):
+        result = StepResult()
+        if out.error is not None:
+            self._fail(out.failed_request_ids, out.error, result)
+        token_ids = out.sampled_token_ids.tolist()
+        if len(token_ids) != len(out.request_ids):
+            self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
+                       f"for {len(out.request_ids)} requests", result)
+            return result
+        for row, (request_id, token_id) in enumerate(zip(out.request_ids, token_ids)):
             request = sampling.pop(request_id)
-            if not request.is_finished:
-                request.output_token_ids.append(token_id)
-                request.num_output_placeholders -= 1
-        finished: list[Request] = []
-        for request_id, reason in update.finished.items():
-            request = sampling.get(request_id) or self._requests.get(request_id)
-            if request is not None and not request.is_finished:
-                self._finish(request, RequestStatus.from_finish_reason(reason))
-                finished.append(request)
-        for request in sampling.values():  # sampled but no token arrived
-            if not request.is_finished:
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                finished.append(request)
-        for request_id in update.request_ids:
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.output_token_ids.append(token_id)
+            request.num_output_placeholders -= 1
+            result.rows.append(row)
+            result.requests.append(request)
+            finish = _token_stop(request, token_id)
+            if finish is not None:
+                self._finish(request, RequestStatus.from_finish_reason(finish.reason))
+                result.finished.append((request, finish))
+        self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
+                   f"step {out.step_id} returned no token", result)
+        return result
+
+    def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
+        for request_id in request_ids:
             request = self._requests.get(request_id)
-            if request is not None and request.num_tokens >= request.max_total_tokens:
-                self._finish(request, RequestStatus.FINISHED_LENGTH)
-                finished.append(request)
-        return finished
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                result.finished.append((request, RequestFinish(request_id, "error", error=error)))
 
     # ---- planning -------------------------------------------------------------------
 
@@ -263,6 +302,7 @@ class Scheduler:
             allocation = await self._kv.allocate_step(AllocateStep(
                 self._take_blocks_to_free(), tuple(run.alloc for run in pending),
                 waiting_entries, token_budget))
+            self.kv_usage = allocation.usage or self.kv_usage
             num_ok = allocation.num_running_ok
             satisfied.extend(zip(pending[:num_ok], allocation.new_block_ids))
             if num_ok == len(pending):
@@ -318,7 +358,8 @@ class Scheduler:
         new_request = NewRequestData(
             request_id=request.request_id, token_ids=request.all_token_ids,
             prompt_len=request.num_prompt_tokens, block_ids=grant.block_ids,
-            num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params)
+            num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params,
+            eos_token_ids=request.eos_token_ids)
         _schedule_tokens(batch, request, grant.num_new_tokens)
         return new_request
 
@@ -361,13 +402,22 @@ def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int) -
         batch.sampling_requests[request.request_id] = request
 
 
-def _check_update(update: StepUpdate, sampling: dict[str, Request]) -> None:
-    if len(update.request_ids) != len(update.sampled_token_ids):
-        raise ValueError(f"step update {update.step_id}: {len(update.request_ids)} request ids "
-                         f"but {len(update.sampled_token_ids)} sampled tokens")
-    unexpected = [rid for rid in update.request_ids if rid not in sampling]
-    if unexpected or len(set(update.request_ids)) != len(update.request_ids):
-        raise ValueError(f"step update {update.step_id}: tokens for requests that did not sample "
-                         f"in that step, or twice: {unexpected or list(update.request_ids)}")
-    for reason in update.finished.values():
-        RequestStatus.from_finish_reason(reason)
+def _token_stop(request: Request, token_id: int) -> RequestFinish | None:
+    if len(request.output_token_ids) >= request.sampling_params.min_tokens:
+        if token_id in request.eos_token_set:
+            return RequestFinish(request.request_id, "stop")
+        if token_id in request.stop_token_set:
+            return RequestFinish(request.request_id, "stop", stop_token_id=token_id)
+    if request.num_tokens >= request.max_total_tokens:
+        return RequestFinish(request.request_id, "length")
+    return None
+
+
+def _check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> None:
+    """A token for a request that did not sample in the step (or two for one) is a runner
+    bug: refuse the whole step before applying any of it."""
+    if len(set(out.request_ids)) != len(out.request_ids) or not sampling.keys() >= set(
+            out.request_ids):
+        unexpected = [rid for rid in out.request_ids if rid not in sampling]
+        raise ValueError(f"step output {out.step_id}: tokens for requests that did not sample "
+                         f"in that step, or twice: {unexpected or list(out.request_ids)}")

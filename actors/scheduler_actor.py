@@ -1,32 +1,40 @@
-"""The scheduler actor: owns the Scheduler and keeps up to N steps in flight.
+"""The scheduler actor: the engine core's step loop, one message at a time.
 
-After every burst of messages (arrivals, aborts, step results) it schedules as many steps
-as the in-flight limit allows and hands them to the GPU actor. With two steps in flight it
-builds step N+1 while step N runs, counting N's decode tokens as placeholders.
+    schedule  (on_idle: as many steps as the in-flight limit allows) -> GPU actor
+    launch    (the GPU actor's threads)
+    collect   (StepOutput back from the GPU actor)
+    update    (append tokens, decide token-level finishes, free rows and blocks) -> outputs
+
+With two steps in flight it builds step N+1 while step N runs, counting N's decode tokens
+as placeholders. Requests arrive and leave as protocol messages (EngineRequest,
+AbortRequests); outputs leave through `CoreOutputs`, one message per step per front end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 import structlog
 
 from actors.base import Actor
+from actors.core_outputs import CoreOutputs
+from actors.kv_messages import KVUsage
 from actors.messages import (
     AbortRequests,
-    AddRequest,
     AdmittedRequest,
-    FinishRequests,
-    RequestsAdmitted,
+    EngineRequest,
+    RequestFinish,
     SchedulerOutput,
-    StepUpdate,
+    SchedulerStats,
+    StepOutput,
 )
-from actors.request import Request, RequestStatus
 from actors.scheduler import Scheduler
 
 log = structlog.get_logger("tandem.scheduler")
+_EMPTY_KV = KVUsage(num_total_blocks=0, num_free_blocks=0, num_used_blocks=0, num_cached_blocks=0,
+                    usage_perc=0.0, prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,77 +44,112 @@ class Drain:
     drained: anyio.Event
 
 
+@dataclass(frozen=True, slots=True)
+class AbortClient:
+    """Abort every request of one front end (it restarted: nobody reads them any more)."""
+
+    client_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats:
+    """Answered with SchedulerStats (through `ask`)."""
+
+
 class SchedulerActor(Actor):
     name = "scheduler"
 
     def __init__(self, scheduler: Scheduler, submit_step: Callable[[SchedulerOutput], None],
-                 tell_sampler: Callable[[object], None], max_steps_in_flight: int) -> None:
+                 outputs: CoreOutputs, max_steps_in_flight: int,
+                 kv_usage: Callable[[], Awaitable[KVUsage]],
+                 num_free_rows: Callable[[], int | None]) -> None:
         super().__init__()
         self.scheduler = scheduler
         self._submit_step = submit_step
-        self._tell_sampler = tell_sampler
+        self._outputs = outputs
         self._max_steps_in_flight = max_steps_in_flight
+        self._kv_usage = kv_usage
+        self._num_free_rows = num_free_rows
         self._drain_events: list[anyio.Event] = []
+        self._admitted_by_step: dict[int, list[tuple[int, AdmittedRequest]]] = {}
 
-    async def handle(self, message: object) -> None:
-        if isinstance(message, StepUpdate):
-            self._apply_step_update(message)
-        elif isinstance(message, AddRequest):
+    async def handle(self, message: object) -> object:
+        if isinstance(message, StepOutput):
+            self._apply_step(message)
+        elif isinstance(message, EngineRequest):
             self._add_request(message)
         elif isinstance(message, AbortRequests):
-            self.scheduler.abort_requests(list(message.request_ids))
+            self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, AbortClient):
+            self.scheduler.abort_requests([r.request_id for r in self.scheduler.unfinished_requests()
+                                           if r.client_index == message.client_index])
+        elif isinstance(message, GetStats):
+            # Fresh: finishes and aborts since the last step change the usage without one.
+            await self.scheduler.free_finished_blocks()
+            self.scheduler.kv_usage = await self._kv_usage()
+            return self.stats()
         elif isinstance(message, Drain):
             self._drain_events.append(message.drained)
-            aborted = self.scheduler.abort_requests(self.scheduler.unfinished_request_ids())
-            if aborted:
-                self._tell_sampler(FinishRequests(tuple((r, "abort") for r in aborted)))
+            self._abort_all()
         else:
             raise TypeError(f"scheduler got an unexpected message {type(message).__name__}")
+        return None
 
-    def _add_request(self, message: AddRequest) -> None:
+    def _add_request(self, request: EngineRequest) -> None:
         try:
-            self.scheduler.add_request(message.request)
+            self.scheduler.add_request(request)
         except ValueError as exc:  # refused here: the request's stream must still end
-            log.warning("request_refused", request_id=message.request.request_id, error=str(exc))
-            self._tell_sampler(FinishRequests(((message.request.request_id, "error"),), str(exc)))
+            log.warning("request_refused", request_id=request.request_id, error=str(exc))
+            self._outputs.finish([(request.client_index,
+                                   RequestFinish(request.request_id, "error", error=str(exc)))])
 
-    def _apply_step_update(self, update: StepUpdate) -> None:
-        finished = self.scheduler.update_from_step(update)
-        # Finishes the sampler did not decide (safety nets) must still close their streams.
-        unreported = tuple((r.request_id, _finish_reason(r)) for r in finished
-                           if r.request_id not in update.finished)
-        if unreported:
-            self._tell_sampler(FinishRequests(unreported))
+    def _apply_step(self, out: StepOutput) -> None:
+        result = self.scheduler.update_from_step(out)
+        self._outputs.step(out, result, self._admitted_by_step.pop(out.step_id, ()),
+                           self.stats())
 
-    def _report_admissions(self, sched: SchedulerOutput) -> None:
-        """Tell the sampler the prefix-cache hit and queue timeline of each request this
-        step admits for the first time (a resumed request was reported already)."""
+    def _abort_all(self) -> None:
+        requests = self.scheduler.unfinished_requests()
+        self.scheduler.abort_requests([r.request_id for r in requests])
+        self._outputs.finish([(r.client_index, RequestFinish(r.request_id, "abort"))
+                              for r in requests])
+
+    def _record_admissions(self, sched: SchedulerOutput) -> None:
+        """Remember the prefix-cache hit and queue timeline of each request this step admits
+        for the first time (a resumed request was reported already); they travel with the
+        step's outputs."""
         admitted = []
         for new in sched.new_requests:
             request = self.scheduler.get_request(new.request_id)
             if request is None or request.num_preemptions or request.first_scheduled_time is None:
                 continue
-            admitted.append(AdmittedRequest(new.request_id, max(request.num_cached_tokens, 0),
-                                            request.queued_time, request.first_scheduled_time))
+            admitted.append((request.client_index, AdmittedRequest(
+                new.request_id, max(request.num_cached_tokens, 0), request.queued_time,
+                request.first_scheduled_time)))
         if admitted:
-            self._tell_sampler(RequestsAdmitted(tuple(admitted)))
+            self._admitted_by_step[sched.step_id] = admitted
+
+    def stats(self) -> SchedulerStats:
+        """The core's load now and the KV usage after the latest step's allocation."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_usage or _EMPTY_KV
+        return SchedulerStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_preemptions_total=scheduler.num_preemptions_total,
+            num_total_kv_blocks=kv.num_total_blocks, num_free_kv_blocks=kv.num_free_blocks,
+            kv_usage_perc=kv.usage_perc,
+            prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
+            num_free_rows=self._num_free_rows())
 
     async def on_idle(self) -> None:
         while self.scheduler.num_steps_in_flight < self._max_steps_in_flight:
             sched = await self.scheduler.schedule()
             if sched is None:
                 break
+            self._record_admissions(sched)
             self._submit_step(sched)
-            self._report_admissions(sched)
         if self._drain_events and self.scheduler.num_steps_in_flight == 0:
             for event in self._drain_events:
                 event.set()
             self._drain_events.clear()
-
-
-def _finish_reason(request: Request) -> str:
-    return _FINISH_REASONS.get(request.status, "error")
-
-
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app import bench_cmd, generate_cmd, serve_cmd
+from app import generate_cmd, serve_cmd
+from benchmarks import bench_cmd
 from app.cli_errors import UserFacingError
 
 EXIT_USAGE = 2

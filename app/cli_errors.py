@@ -8,13 +8,9 @@ class UserFacingError(Exception):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors caused by what the user asked for (files, flags, parameters), not by a bug."""
-    from actors.sampling_params import SamplingParamsError
-    from app.config import ConfigError
-    from gpu.models.config import UnsupportedModelError
-    from gpu.runner_selection import RunnerSelectionError
-    from gpu.weights.loader import ModelLoadError
-    from gpu.worker import WorkerConfigError
+    """Errors caused by what the user asked for (files, flags, parameters), not by a bug.
+    Imports the engine's modules (torch): for the CLI and the engine core's process, never
+    for a front end's request path."""
+    from actors.engine_startup import load_errors
 
-    return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
-            ModelLoadError, WorkerConfigError)
+    return load_errors()

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any
 
-from app.config import EngineConfig
+from actors.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
 
@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="disable CUDA graphs")
     g.add_argument("--seed", type=int, default=int(_env("seed", _DEFAULTS.seed)),
                    help="seed for dummy weights and for requests without a seed")
+    g.add_argument("--tokenizer", default=_env("tokenizer", None),
+                   help="a tokenizer.json file or a Hugging Face tokenizer directory to use "
+                        "instead of the model's own (pairs any weights, dummy ones included, "
+                        "with a real tokenizer). Env: TANDEM_TOKENIZER")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -79,6 +83,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "runner": args.runner,
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
+        "tokenizer": args.tokenizer or None,
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if k in known})

@@ -20,12 +20,13 @@ from typing import Any
 import anyio
 
 from actors.admission import child_sampling_params
-from actors.engine import Engine, EngineStats
+from actors.config import EngineConfig
+from actors.inprocess_engine import InProcessEngine
 from actors.messages import EngineRequest, StepStats
 from actors.output_stream import RequestStream
 from actors.sampling_params import SamplingParams
-from app.config import EngineConfig
-from app.startup import LoadedEngine, load_engine, reuse_engine
+from actors.engine_startup import LoadedEngine, load_engine, reuse_engine
+from app.tokenizer_loader import load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -61,9 +62,12 @@ class LLM:
         else:
             self.loaded = reuse_engine(reuse.loaded, self.config)
         self.worker = self.loaded.worker
-        self.tokenizer = self.worker.tokenizer
+        self.tokenizer = (reuse.tokenizer if reuse is not None
+                          else load_tokenizer(self.config.model, self.config.tokenizer))
+        self.eos_token_ids: tuple[int, ...] = (self.tokenizer.eos_token_ids
+                                               if self.tokenizer is not None else ())
         self._next_id = 0
-        self.last_engine_stats: EngineStats | None = None
+        self.last_num_preemptions = 0
         self.last_step_stats: tuple[StepStats, ...] = ()
 
     @property
@@ -95,7 +99,8 @@ class LLM:
 
     async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
                         on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
-        engine = Engine(self.worker, self.runner, self.config)
+        engine = InProcessEngine(self.worker, self.loaded.runner, self.config,
+                                 tokenizer=self.tokenizer)
         results: list[RequestOutput | None] = [None] * len(prompts)
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
@@ -103,11 +108,11 @@ class LLM:
                 for i, (prompt, p) in enumerate(zip(prompts, params)):
                     requests_tg.start_soon(self._run_one, engine, i, prompt, p, results, on_finished)
             engine.stop()
-        self.last_engine_stats = engine.stats()
+        self.last_num_preemptions = engine.num_preemptions_total
         self.last_step_stats = engine.recent_step_stats()
         return [r for r in results if r is not None]
 
-    async def _run_one(self, engine: Engine, index: int, prompt: Prompt, params: SamplingParams,
+    async def _run_one(self, engine: InProcessEngine, index: int, prompt: Prompt, params: SamplingParams,
                        results: list[RequestOutput | None],
                        on_finished: Callable[[RequestOutput], None] | None) -> None:
         token_ids = tuple(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
@@ -120,7 +125,7 @@ class LLM:
                     request_id=f"{request_id}-{sample}", prompt_token_ids=token_ids,
                     sampling_params=child_sampling_params(params, sample),
                     arrival_time=time.monotonic(),
-                    eos_token_ids=self.worker.eos_token_ids)
+                    eos_token_ids=self.eos_token_ids)
                 tg.start_soon(_collect, engine.add_request(request), sample, collected)
         collected.sort(key=lambda c: c.output.index)
         result = RequestOutput(

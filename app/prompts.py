@@ -46,7 +46,18 @@ async def _off_loop_if_long(size: int, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def require_tokenizer(state: ServerState, param: str) -> Any:
+    """The server's tokenizer, or a 400 that says there is none (dummy weights served
+    without --tokenizer take and return token ids only)."""
+    if state.tokenizer is None:
+        raise bad_request("this model is served without a tokenizer, so it takes and returns "
+                          "token ids only: send 'prompt' as a list of token ids to "
+                          "/v1/completions, or start the server with --tokenizer", param)
+    return state.tokenizer
+
+
 async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+    tokenizer = require_tokenizer(state, "messages")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true; "
@@ -56,7 +67,7 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPro
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     try:
-        text = await _off_loop_if_long(size, _render, state.tokenizer, messages,
+        text = await _off_loop_if_long(size, _render, tokenizer, messages,
                                        bool(req.add_generation_prompt),
                                        bool(req.continue_final_message), kwargs)
     except ChatTemplateError as exc:
@@ -99,8 +110,8 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_promp
 
 
 async def encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
-    ids: list[int] = await _off_loop_if_long(len(text), state.tokenizer.encode, text,
-                                             add_special_tokens)
+    tokenizer = require_tokenizer(state, "prompt")
+    ids: list[int] = await _off_loop_if_long(len(text), tokenizer.encode, text, add_special_tokens)
     return ids
 
 

@@ -14,8 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.base import ActorStopped
-from actors.kv_messages import KVStats
+from actors.engine_client import EngineUnavailable
 from app.chat_template import ChatTemplateError
 from app.errors import bad_request, model_not_found
 from app.http_input import (
@@ -26,7 +25,7 @@ from app.http_input import (
     server_state,
 )
 from app.openapi import openapi_document
-from app.prompts import OFF_LOOP_CHARS, encode, template_kwargs
+from app.prompts import OFF_LOOP_CHARS, encode, require_tokenizer, template_kwargs
 from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
@@ -56,11 +55,13 @@ async def health(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     state = server_state(request)
-    runner = state.loaded.runner if state.loaded is not None else None
+    info = state.engine_info
     return _json({"version": package_version(),
-                  "runner": runner.runner if runner else None,
-                  "runner_reason": runner.reason if runner else None,
-                  "runner_rule": runner.rule if runner else None})
+                  "runner": info.runner if info else None,
+                  "runner_reason": info.runner_reason if info else None,
+                  "runner_rule": info.runner_rule if info else None,
+                  "api_server": state.client_index,
+                  "api_server_count": state.settings.api_server_count})
 
 
 async def metrics(request: Request) -> Response:
@@ -68,16 +69,11 @@ async def metrics(request: Request) -> Response:
     Open like /health: scrapers carry no API key. The load gauges are read at scrape time,
     so the engine's step loop never pays for them."""
     state = server_state(request)
-    engine = state.engine
-    if engine is not None and engine.is_running:
+    if state.phase == "serving":
         try:
-            kv = await engine.kv_actor.ask(KVStats())
-        except ActorStopped:  # the engine is shutting down: keep the last values
-            kv = None
-        if kv is not None:
-            stats = engine.stats()
-            state.metrics.set_gauges(stats.num_running, stats.num_waiting, kv)
-            state.metrics.observe_preemptions(stats.num_preemptions_total)
+            state.metrics.set_engine_load(await state.engine_stats())
+        except EngineUnavailable:  # the core is stopping: keep the last values
+            pass
     body, content_type = state.metrics.render(request.headers.get("accept"))
     return Response(body, headers={"Content-Type": content_type})
 
@@ -117,14 +113,15 @@ async def _tokenize(request: Request, request_id: str) -> Response:
     body: dict[str, Any] = {"count": len(tokens), "max_model_len": state.max_model_len,
                             "tokens": tokens, "token_strs": None}
     if req.return_token_strs:
-        body["token_strs"] = [state.tokenizer.id_to_token(t) for t in tokens]
+        body["token_strs"] = [require_tokenizer(state, "return_token_strs").id_to_token(t)
+                              for t in tokens]
     return _json(body)
 
 
 def _render(state: ServerState, req: TokenizeRequest) -> str:
     messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
     try:
-        text: str = state.tokenizer.apply_chat_template(
+        text: str = require_tokenizer(state, "messages").apply_chat_template(
             messages, add_generation_prompt=bool(req.add_generation_prompt),
             **template_kwargs(req.chat_template_kwargs))
     except ChatTemplateError as exc:
@@ -140,7 +137,7 @@ async def _detokenize(request: Request, request_id: str) -> Response:
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
                           "tokens")
-    return _json({"prompt": state.tokenizer.decode(req.tokens)})
+    return _json({"prompt": require_tokenizer(state, "tokens").decode(req.tokens)})
 
 
 async def _ready(request: Request) -> ServerState:

@@ -37,6 +37,7 @@ from app.prompts import (
     chat_prompt,
     completion_prompts,
     engine_requests,
+    require_tokenizer,
     sampling_params,
     truncate_and_check,
 )
@@ -193,7 +194,8 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
                for p in range(len(prompts)) for s in range(params.n)]
     echo_texts = None
     if req.echo:
-        echo_texts = [p.text if p.text is not None else state.tokenizer.decode(list(p.token_ids))
+        echo_texts = [p.text if p.text is not None
+                      else require_tokenizer(state, "echo").decode(list(p.token_ids))
                       for p in prompts]
     group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req,
                                                 call.arrival_time), params)

@@ -108,6 +108,12 @@ def add_parser(sub: Any) -> None:
                           "Env: TANDEM_LOG_FORMAT")
     log.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
                      help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1")
+    proc = p.add_argument_group("processes")
+    proc.add_argument("--api-server-count", type=int, default=_env("api_server_count", 1, int),
+                      help="front-end processes (HTTP, tokenization, detokenization, SSE) sharing "
+                           "the listening socket in front of the one engine-core process; more "
+                           "of them keep up with more streams. /metrics from any of them covers "
+                           "the whole server (default 1). Env: TANDEM_API_SERVER_COUNT")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -117,7 +123,7 @@ def _split_names(value: str) -> list[str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    from app.server_state import ServeSettings
+    from app.serve_settings import ServeSettings
 
     return ServeSettings(
         engine=engine_config_from_args(args), host=args.host, port=args.port,
@@ -129,28 +135,43 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log,
         max_consecutive_failed_steps=args.max_consecutive_failed_steps,
         keep_alive_timeout_s=args.keep_alive_timeout,
-        request_body_timeout_s=args.request_body_timeout)
+        request_body_timeout_s=args.request_body_timeout, api_server_count=args.api_server_count,
+        log_format=args.log_format, log_level=args.log_level)
 
 
 def run(args: argparse.Namespace) -> int:
-    import anyio
-
-    from app.cli_errors import UserFacingError, user_errors
+    from actors import event_loop
+    from app.cli_errors import UserFacingError
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
     from telemetry.tracing import TracingConfigError
 
     _check_args(args)
     # Before anything logs: structlog fixes a logger's level when it is first used.
-    configure_logging(json=args.log_format == "json", level=args.log_level)
+    configure_logging(json=args.log_format == "json", level=args.log_level,
+                      process_name="api_server_0" if args.api_server_count == 1 else "supervisor")
+    if args.api_server_count > 1:
+        return _supervise(settings_from_args(args))
     try:
         server = TandemServer(settings_from_args(args))
-    except (ServerStartError, TracingConfigError, *user_errors()) as exc:
+    except (ServerStartError, TracingConfigError) as exc:
         raise UserFacingError(str(exc)) from None
-    exit_code: int = anyio.run(server.serve)
+    exit_code: int = event_loop.run(server.serve)
     if server.state.failure_message is not None:
         raise UserFacingError(server.state.failure_message)
     return exit_code
+
+
+def _supervise(settings: Any) -> int:
+    from app.cli_errors import UserFacingError
+    from app.server import ServerStartError
+    from app.supervisor import Supervisor
+
+    try:
+        supervisor = Supervisor(settings)
+    except ServerStartError as exc:
+        raise UserFacingError(str(exc)) from None
+    return supervisor.run()
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -167,7 +188,8 @@ def _check_args(args: argparse.Namespace) -> None:
               (args.request_body_timeout > 0, "--request-body-timeout must be > 0"),
               (args.max_consecutive_failed_steps >= 1,
                "--max-consecutive-failed-steps must be at least 1"),
-              (args.max_n >= 1, "--max-n must be at least 1")]
+              (args.max_n >= 1, "--max-n must be at least 1"),
+              (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]")]
     for ok, message in checks:
         if not ok:
             raise UserFacingError(message)

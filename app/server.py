@@ -34,7 +34,8 @@ from starlette.middleware import Middleware
 
 from app.routes_admin import admin_routes
 from app.routes_openai import exception_handlers, openai_routes
-from app.server_state import ServerState, ServeSettings
+from app.serve_settings import ServeSettings
+from app.server_state import ServerState
 from app.unread_body import CloseIfBodyUnread
 
 log = structlog.get_logger("tandem.server")
@@ -108,10 +109,14 @@ class TandemServer:
         exit_code = anyio.run(server.serve)
     """
 
-    def __init__(self, settings: ServeSettings, state: ServerState | None = None) -> None:
+    def __init__(self, settings: ServeSettings, state: ServerState | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """`sock`: a listening socket to serve on (an API server of several shares its
+        parent's); otherwise the server binds settings.host:settings.port."""
         self.settings = settings
         self.state = state or ServerState(settings)
-        self._socket = _bind(settings.host, settings.port)
+        self._socket = sock if sock is not None else bind_listening_socket(settings.host,
+                                                                           settings.port)
         self.port: int = self._socket.getsockname()[1]
         self._loop: Any = None
         self._signals: _Signals | None = None
@@ -182,7 +187,7 @@ async def _watch_signals(signals: _Signals) -> None:
                 signals.drain.set()
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

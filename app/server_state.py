@@ -1,84 +1,47 @@
-"""What the routes of one server share: settings, lifecycle phase, the loaded model, the
-engine and the admission actor."""
+"""What the routes of one front end share: settings, lifecycle phase, the tokenizer, the
+connection to the engine core and the admission actor.
+
+No torch here: the engine core is another process (or, for tests and benchmarks, an
+in-process core on a preloaded model, imported only then).
+"""
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import structlog
 
-from actors.admission import (
-    AbortAll,
-    AdmissionActor,
-    AdmissionLimits,
-    BeginDrain,
-    FailAll,
+from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
+from actors.engine_client import EngineUnavailable
+from actors.messages import EngineReady, SchedulerStats
+from actors.model_source import ModelLoadError
+from app.engine_connection import (
+    EngineAttachment,
+    EngineCallbacks,
+    EngineConnection,
+    EngineStartError,
+    ProcessOptions,
 )
-from app.config import EngineConfig
-from telemetry.logging import EngineStatsLog, log_startup
+from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
+from app.tokenizer_loader import load_generation_config, load_tokenizer
+from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import Tracing, setup_tracing
 
+__all__ = ["EMBEDDED_MODEL_NAME", "EngineSnapshot", "ServeSettings", "ServerState",
+           "default_model_names"]
+
 log = structlog.get_logger("tandem.server")
 
-T = TypeVar("T")
 Phase = Literal["loading", "serving", "draining", "stopped", "dead"]
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True, slots=True)
-class ServeSettings:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: tuple[str, ...] = ()
-    """Names clients may send as `model`; the first is listed in /v1/models. Empty: derived
-    from the model."""
-    api_key: str | None = None
-    max_queued_requests: int = 1024
-    max_queued_prompt_tokens: int | None = None
-    max_request_body_bytes: int = 16 * 1024 * 1024
-    keep_alive_interval_s: float = 10.0
-    shutdown_timeout_s: float = 30.0
-    clamp_max_tokens: bool = False
-    max_n: int = 16
-    retry_after_s: int = 1
-    access_log: bool = False
-    max_consecutive_failed_steps: int = 5
-    """This many failed engine steps in a row mark the engine dead: /health 503."""
-    keep_alive_timeout_s: float = 65.0
-    """An idle connection (no request yet, or between requests) is closed after this; a
-    request's headers must arrive within it."""
-    request_body_timeout_s: float = 60.0
-    """A request body that has not fully arrived this long after its headers gets 408."""
-
-    def model_names(self) -> tuple[str, ...]:
-        if self.served_model_names:
-            return self.served_model_names
-        return default_model_names(self.engine.model)
-
-
-def default_model_names(model: str) -> tuple[str, ...]:
-    """A path is served under its base name (never the full path, which would leak in
-    /v1/models), with the original string as an alias."""
-    if model == "default":
-        return (EMBEDDED_MODEL_NAME, "default")
-    base = os.path.basename(os.path.normpath(model))
-    base = base.removesuffix(".gguf") if base.endswith(".gguf") else base
-    return (base, model) if base != model else (model,)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """Internal counters for tests and diagnostics."""
+    """Internal counters for tests and diagnostics (over the protocol)."""
 
     num_running: int
     num_waiting: int
@@ -92,23 +55,30 @@ class EngineSnapshot:
 
 class ServerState:
     def __init__(self, settings: ServeSettings, preloaded: Any = None, *,
-                 tracing: Tracing | None = None) -> None:
-        """`preloaded`: an app.startup.LoadedEngine to serve instead of loading the model
-        (same model and block size; tests and benchmarks start servers in a second).
-        `tracing` defaults to what the OTEL_* variables configure (raises
-        telemetry.tracing.TracingConfigError when they ask for the impossible)."""
+                 tracing: Tracing | None = None, attach: EngineAttachment | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        """`preloaded`: an actors.engine_startup.LoadedEngine to serve on this event loop
+        instead of starting the engine core's process (same model and block size; tests
+        and benchmarks start servers in a second). `attach`: a core process someone else
+        started (--api-server-count > 1). `tracing` defaults to what the OTEL_* variables
+        configure (raises telemetry.tracing.TracingConfigError when they ask for the
+        impossible)."""
         self.settings = settings
         self._preloaded = preloaded
+        self._attach = attach
+        self.client_index = attach.client_index if attach is not None else 0
         self.phase: Phase = "loading"
         self.model_names = settings.model_names()
         self.tracing = tracing if tracing is not None else setup_tracing("tandem")
-        self.metrics = EngineMetrics(self.model_names[0])
+        self.metrics = metrics if metrics is not None else EngineMetrics(self.model_names[0])
         self.created = int(time.time())
         self.exit_code = 0
         self.failure_message: str | None = None
         """Why the model could not be served, when the user's configuration is at fault."""
-        self.loaded: Any = None
+        self.engine_info: EngineReady | None = None
         self.engine: Any = None
+        """The actors.engine_client.EngineClient once the core is ready."""
+        self.connection: EngineConnection | None = None
         self.admission: AdmissionActor | None = None
         self.tokenizer: Any = None
         self.generation_config: dict[str, Any] = {}
@@ -121,72 +91,86 @@ class ServerState:
         self.stop_serving = anyio.Event()
         self.engine_stopped = anyio.Event()
         self._stop_engine = anyio.Event()
-        self._load_scope = anyio.CancelScope()
 
     # ---- engine lifecycle ---------------------------------------------------------------
 
     async def run_engine(self) -> None:
-        """Load the model in a worker thread, run the engine until `stop_engine()`. Never
-        raises: a failure marks the server dead and asks it to stop."""
+        """Load the tokenizer, start (or attach to) the engine core and serve until
+        `stop_engine()`. Never raises: a failure marks the server dead and asks it to stop."""
         try:
-            await self._load_and_run()
+            await self._start_and_run()
         except Exception as exc:  # noqa: BLE001 - reported, and the process exits non-zero
-            self._on_engine_failure(exc)
+            self._on_engine_failure(_single(exc))
         finally:
             self.engine_stopped.set()
 
-    async def _load_and_run(self) -> None:
+    async def _start_and_run(self) -> None:
         config = self.settings.engine
         started = time.perf_counter()
-        if self._preloaded is not None:
-            from app.startup import reuse_engine
-
-            loaded = reuse_engine(self._preloaded, config)
-        else:
-            with self._load_scope:
-                loaded = await _run_in_daemon_thread(_load_model, config)
-            if self._load_scope.cancelled_caught:
+        connection = self.connection = self._make_connection()
+        connection.spawn()
+        self.tokenizer = await anyio.to_thread.run_sync(_load_warm_tokenizer, config.model,
+                                                        config.tokenizer)
+        self.generation_config = load_generation_config(config.model)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as start_scope:
+                self._start_scope = start_scope
+                info: EngineReady = await tg.start(connection.run, self.tokenizer)
+            if start_scope.cancelled_caught:
+                await connection.shutdown()
                 return
-        from actors.engine import Engine  # imported by the load already: torch is slow
+            try:
+                self._check_tokenizer_fits(info)
+            except ModelLoadError:
+                await connection.shutdown()
+                raise
+            self._serve_with(info, connection)
+            log.info("engine_ready", runner=info.runner, reason=info.runner_reason,
+                     max_model_len=info.max_model_len, engine_pid=info.pid,
+                     startup_s=round(time.perf_counter() - started, 3))
+            assert self.admission is not None
+            tg.start_soon(self.admission.run)
+            await self._stop_engine.wait()
+            self.admission.close()
+            await connection.shutdown()
 
-        worker = loaded.worker
-        self.loaded = loaded
-        self.tokenizer = worker.tokenizer
-        self.generation_config = dict(worker.generation_config or {})
-        self.max_model_len = worker.max_model_len
-        self.vocab_size = worker.model_config.vocab_size
-        self.eos_token_ids = worker.eos_token_ids
-        engine = Engine(worker, loaded.runner.runner, config, metrics=self.metrics,
-                        stats_log=EngineStatsLog(),
-                        max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
-                        on_dead=self._on_engine_dead)
-        self.metrics.set_runner(loaded.runner)
-        log_startup(log, config=config, device=loaded.platform.device, runner=loaded.runner,
-                    num_kv_blocks=engine.num_kv_blocks, block_size=config.block_size,
-                    kv_cache_bytes=engine.num_kv_blocks * worker.kv_spec.bytes_per_block)
+    def _make_connection(self) -> EngineConnection:
+        callbacks = EngineCallbacks(
+            on_request_finished=self.metrics.observe_request_finished,
+            step_observers=(self.metrics.observe_step, EngineStatsLog().observe_step),
+            on_scheduler_stats=self.metrics.observe_engine_totals, on_dead=self._on_engine_dead)
+        options = ProcessOptions(
+            max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
+            log_format=self.settings.log_format, log_level=self.settings.log_level)
+        return EngineConnection(self.settings.engine, callbacks,
+                                preloaded=self._preloaded, attach=self._attach,
+                                process_options=options)
+
+    def _check_tokenizer_fits(self, info: EngineReady) -> None:
+        if self.tokenizer is not None and self.tokenizer.vocab_size > info.vocab_size:
+            raise ModelLoadError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
+                f"vocabulary holds {info.vocab_size}: pass the model's own tokenizer "
+                f"(--tokenizer)")
+
+    def _serve_with(self, info: EngineReady, connection: EngineConnection) -> None:
+        self.engine_info, self.engine = info, connection.client
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.metrics.set_runner(info.runner, info.runner_reason, info.runner_rule)
+        config = self.settings.engine
         limits = AdmissionLimits(
             max_num_running=config.max_num_seqs,
             max_queued_requests=self.settings.max_queued_requests,
             max_queued_prompt_tokens=self.settings.max_queued_prompt_tokens,
             max_n=self.settings.max_n, retry_after_s=self.settings.retry_after_s)
-        admission = AdmissionActor(engine, limits)
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            tg.start_soon(admission.run)
-            self.engine, self.admission = engine, admission
-            if self.phase == "loading":
-                self.phase = "serving"
-            log.info("engine_ready", runner=loaded.runner.runner, reason=loaded.runner.reason,
-                     max_model_len=self.max_model_len,
-                     startup_s=round(time.perf_counter() - started, 3))
-            await self._stop_engine.wait()
-            admission.close()
-            engine.stop()
+        self.admission = AdmissionActor(connection.client, limits)
+        if self.phase == "loading":
+            self.phase = "serving"
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        from app.cli_errors import user_errors
-
-        if isinstance(exc, user_errors()):
+        if isinstance(exc, EngineStartError) and exc.is_user_error or isinstance(
+                exc, ModelLoadError):
             log.error("model_load_failed", error=str(exc))
             self.failure_message = str(exc)
             self.exit_code = 2
@@ -199,9 +183,9 @@ class ServerState:
         self.stop_serving.set()
 
     def _on_engine_dead(self, reason: str) -> None:
-        """Steps keep failing: /health turns 503 (an orchestrator then restarts the process),
-        new requests get 503, every admitted request ends with an error, and the process
-        exits 1 when it is stopped."""
+        """The core cannot serve (steps keep failing, or its process died): /health turns
+        503 (an orchestrator then restarts the server), new requests get 503, every
+        admitted request ends with an error, and the process exits 1 when it is stopped."""
         if self.phase in ("loading", "serving"):
             self.phase = "dead"
         self.exit_code = 1
@@ -210,7 +194,9 @@ class ServerState:
 
     def stop_engine(self) -> None:
         self._stop_engine.set()
-        self._load_scope.cancel()  # a load still running is abandoned
+        scope = getattr(self, "_start_scope", None)
+        if scope is not None and self.engine_info is None:
+            scope.cancel()  # a start still running is abandoned
 
     async def shutdown_tracing(self) -> None:
         """Export the spans still queued and stop the exporter (it may wait on the network,
@@ -241,57 +227,58 @@ class ServerState:
             return self.model_names[0]
         return None
 
-    async def engine_snapshot(self) -> EngineSnapshot:
-        from actors.kv_messages import KVStats
+    async def engine_stats(self) -> SchedulerStats:
+        """The core's load and KV usage, asked over the protocol."""
+        if self.engine is None:
+            raise EngineUnavailable("the engine is not running")
+        result = await self.engine.call("stats")
+        if result.stats is None:
+            raise EngineUnavailable(result.error or "the engine core sent no stats")
+        stats: SchedulerStats = result.stats
+        return stats
 
-        engine, admission = self.engine, self.admission
-        if engine is None or admission is None:
-            raise RuntimeError("the engine is not running")
-        kv = await engine.kv_actor.ask(KVStats())
-        stats = engine.stats()
+    async def check_kv_invariants(self) -> None:
+        """Raises AssertionError naming the first broken invariant of the core's KV cache."""
+        if self.engine is None:
+            raise EngineUnavailable("the engine is not running")
+        result = await self.engine.call("check_kv_invariants")
+        if result.error is not None:
+            raise AssertionError(result.error)
+
+    async def engine_snapshot(self) -> EngineSnapshot:
+        admission = self.admission
+        if admission is None:
+            raise EngineUnavailable("the engine is not running")
+        stats = await self.engine_stats()
         admitted = await admission.stats()
-        runner = engine.gpu_actor.runner
-        states = getattr(runner, "states", None)
         return EngineSnapshot(
             num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_unfinished_admitted=admitted.num_unfinished,
-            num_free_kv_blocks=kv.num_free_blocks, num_total_kv_blocks=kv.num_total_blocks,
-            num_free_rows=getattr(states, "num_free_rows", None),
+            num_free_kv_blocks=stats.num_free_kv_blocks,
+            num_total_kv_blocks=stats.num_total_kv_blocks, num_free_rows=stats.num_free_rows,
             num_rows=self.settings.engine.max_num_seqs)
 
 
-def _load_model(config: EngineConfig) -> Any:
-    # Imported here, in the loading thread: importing torch takes seconds, during which the
-    # event loop must keep answering /health.
-    from app.startup import load_engine
-
-    return load_engine(config)
-
-
-async def _run_in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run `fn` in a daemon thread and wait for it. Cancelling the wait abandons the
-    thread: a SIGTERM during a long model load must not keep the process alive until the
-    load ends (anyio's worker threads would)."""
-    done = anyio.Event()
-    outcome: dict[str, Any] = {}
-    token = anyio.lowlevel.current_token()
-
-    def work() -> None:
+def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
+    """The front end's tokenizer, with its chat template compiled and its encoder and
+    decoder run once, so the first request pays for neither."""
+    tokenizer = load_tokenizer(model, tokenizer_source)
+    if tokenizer is not None:
+        text = "warm up"
         try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting task
-            outcome["error"] = exc
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
-        except RuntimeError:  # the event loop is gone: nobody waits any more
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render is the request's 400
             pass
+        tokenizer.decode(tokenizer.encode(text))
+    return tokenizer
 
-    threading.Thread(target=work, name="tandem-model-load", daemon=True).start()
-    await done.wait()
-    if "error" in outcome:
-        raise outcome["error"]
-    value: T = outcome["value"]
-    return value
+
+def _single(exc: Exception) -> Exception:
+    """The one error inside task-group wrappers, so that it is reported as itself."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s: float) -> bool:

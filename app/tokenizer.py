@@ -79,7 +79,17 @@ class Tokenizer:
         `generation_config` defaults to the directory's `generation_config.json`; its
         `eos_token_id`s join `eos_token_ids`."""
         path = os.fspath(path)
-        raw = RawTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        return cls.from_json_file(os.path.join(path, "tokenizer.json"), generation_config)
+
+    @classmethod
+    def from_json_file(
+        cls, tokenizer_json: str | os.PathLike[str],
+        generation_config: Mapping[str, Any] | None = None,
+    ) -> Tokenizer:
+        """From a `tokenizer.json` file, with the `tokenizer_config.json` (special tokens,
+        chat template) and `generation_config.json` found beside it, when there."""
+        path = os.path.dirname(os.path.abspath(os.fspath(tokenizer_json)))
+        raw = RawTokenizer.from_file(os.fspath(tokenizer_json))
         config = _read_json_object(os.path.join(path, "tokenizer_config.json"))
         if generation_config is None:
             generation_config = _read_json_object(os.path.join(path, "generation_config.json"))

@@ -32,13 +32,12 @@ class Batch:
 class RunnerDriver:
     def __init__(self, model: str, engine: dict[str, Any]) -> None:
         import gpu
-        from app.config import EngineConfig
         from gpu.platform import probe_platform
         from gpu.runner_v2.runner import ModelRunnerV2
         from gpu.worker import ModelWorker
 
         self.source_dir = str(next(iter(gpu.__path__)))
-        self.config = EngineConfig(model=model, runner="v2", **engine)
+        self.config = _engine_config_class()(model=model, runner="v2", **engine)
         self.worker = ModelWorker(self.config, probe_platform(self.config.device))
         self.runner = ModelRunnerV2(self.worker, self.config)
         self.block_size = self.config.block_size
@@ -169,3 +168,11 @@ class RunnerDriver:
             "cpu_launch_ms": round(float(np.mean([s.prepare_time_s for s in stats])) * 1e3, 4),
             "output_tok_s": round(len(batch.request_ids) * num_steps / elapsed),
         }
+
+
+def _engine_config_class() -> type:
+    try:  # where the config lives since the engine core has its own process
+        from actors.config import EngineConfig
+    except ImportError:
+        from app.config import EngineConfig
+    return EngineConfig

@@ -15,7 +15,6 @@ for a pure decode reference at batch 256.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import statistics
 import sys
@@ -27,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
+import msgspec  # noqa: E402
 
 from _device_record import run_record, write_json  # noqa: E402
-from actors.engine import Engine  # noqa: E402
+from actors.inprocess_engine import InProcessEngine  # noqa: E402
 from actors.messages import EngineRequest, StepStats  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from app.llm import LLM  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> int:
 
 async def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, rate: float
                ) -> tuple[StepStats, ...]:
-    engine = Engine(llm.worker, llm.runner, llm.config)
+    engine = InProcessEngine(llm.worker, llm.loaded.runner, llm.config, tokenizer=llm.tokenizer)
     rng = random.Random(1)
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
@@ -104,7 +104,7 @@ async def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, rate:
 def _summary(steps: tuple[StepStats, ...], min_batch: int) -> dict[str, Any]:
     # On CPU there is no device timing: the step's CPU time stands in (dry runs only).
     timed = [s for s in steps[1:] if s.num_reqs >= min_batch]
-    timed = [s if s.step_time_s > 0 else dataclasses.replace(s, step_time_s=s.prepare_time_s)
+    timed = [s if s.step_time_s > 0 else msgspec.structs.replace(s, step_time_s=s.prepare_time_s)
              for s in timed]
     out: dict[str, Any] = {"num_steps": len(steps), "num_steps_at_batch": len(timed)}
     for name, chosen in (("mixed", [s for s in timed if s.num_prefill_tokens > 0]),

@@ -9,7 +9,7 @@
    vocabulary must stay under 2e-2, hf being transformers in bfloat16. The errors against
    transformers in float32 are reported too, as is transformers bf16's own error there.
 
-transformers' parameters are views of tandem's (app/bench/hf_model.py): identical weights.
+transformers' parameters are views of tandem's (benchmarks/hf_model.py): identical weights.
 
     python benchmarks/gpu_correctness.py --out $OUT/correctness.json
 """
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.sampling_params import SamplingParams  # noqa: E402
-from app.bench.hf_model import hf_model_sharing_weights  # noqa: E402
+from benchmarks.hf_model import hf_model_sharing_weights  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from gpu.attention.base import AttentionMetadata  # noqa: E402
 from gpu.models.llama import DecoderModel  # noqa: E402

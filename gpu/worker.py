@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from app.config import EngineConfig
-from app.tokenizer import Tokenizer
+from actors.config import EngineConfig
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
 from gpu.input_buffers import InputBuffers
@@ -62,8 +61,6 @@ class ModelWorker:
         started = time.perf_counter()
         files = load_model_files(config.model, dtype=self.dtype, device=self.device)
         self.model_config: ModelConfig = files.config
-        self.tokenizer: Tokenizer | None = files.tokenizer
-        self.generation_config = files.generation_config
         self.model_source = files.source
         self.max_model_len = _resolve_max_model_len(config, files.config, files.source)
         self.attn_backend = _make_attention_backend(self.device, platform)
@@ -94,10 +91,6 @@ class ModelWorker:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.config.block_size)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
 
     def _graph_sizes(self) -> GraphSizes | None:
         # The graphs bake the step's metadata in; only the Triton backend reads every length

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -45,18 +46,22 @@ class _TandemHandler(logging.StreamHandler[TextIO]):
     """Marks the handler this module installed, so reconfiguring replaces only it."""
 
 
-def configure_logging(json: bool = True, level: str = "info", stream: TextIO | None = None
-                      ) -> None:
+def configure_logging(json: bool = True, level: str = "info", stream: TextIO | None = None,
+                      process_name: str | None = None) -> None:
     """Route structlog and stdlib logging through one handler on the root logger.
 
     `json`: one JSON object per line (ISO UTC timestamp, level, event, logger, bound
     context); otherwise human-readable console lines. `level`: debug, info, warning, error
-    or critical. `stream` defaults to stderr.
+    or critical. `stream` defaults to stderr. `process_name` (e.g. 'api_server_1',
+    'engine_core') tags every line with `process` and `pid`, so the lines of a server's
+    processes can be told apart.
     """
     numeric_level = _LEVELS.get(level.strip().lower()) if isinstance(level, str) else None
     if numeric_level is None:
         raise ValueError(f"log level must be one of {', '.join(_LEVELS)}, got {level!r}")
     shared = _shared_processors()
+    if process_name is not None:
+        shared.append(_ProcessTag(process_name))
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -85,6 +90,17 @@ def _shared_processors() -> list[Processor]:
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer()]
+
+
+class _ProcessTag:
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pid = os.getpid()
+
+    def __call__(self, logger: Any, method_name: str, event_dict: Any) -> Any:
+        event_dict.setdefault("process", self._name)
+        event_dict.setdefault("pid", self._pid)
+        return event_dict
 
 
 def _strip_foreign_event(logger: Any, method_name: str, event_dict: Any) -> Any:

@@ -8,10 +8,10 @@ private CollectorRegistry, never prometheus-client's global one.
 Calls come per step or per finished request, never per token:
 
 - `observe_step(stats)`: each finished engine step (StepStats);
-- `set_gauges(num_running, num_waiting, kv_usage)`: after each step is scheduled;
-- `observe_preemptions(total)`: with the scheduler's cumulative preemption count;
+- `set_engine_load(stats)`: the core's load and KV usage, at scrape time;
+- `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
-- `set_runner(choice)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
+- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
 
 Token counters move when a request finishes, so their sums equal the responses' usage:
 `vllm:prompt_tokens_total` counts the prompts of requests that produced a first token
@@ -20,10 +20,12 @@ Token counters move when a request finishes, so their sums equal the responses' 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 
 from telemetry.histogram import BatchHistogram
@@ -46,26 +48,24 @@ CPU_TIME_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3
                       0.05, 0.1, 0.25)
 
 IDLE_FRACTION_WINDOW_STEPS = 256
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class KVUsageLike(Protocol):
-    """What set_gauges reads from actors.kv_messages.KVUsage."""
+class EngineStatsLike(Protocol):
+    """What the engine gauges and totals read from actors.messages.SchedulerStats."""
 
     @property
-    def usage_perc(self) -> float: ...
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_usage_perc(self) -> float: ...
     @property
     def prefix_cache_queries_tokens(self) -> int: ...
     @property
     def prefix_cache_hits_tokens(self) -> int: ...
-
-
-class RunnerChoiceLike(Protocol):
-    """What set_runner reads from gpu.runner_selection.RunnerChoice (and `rule` if set)."""
-
     @property
-    def runner(self) -> str: ...
-    @property
-    def reason(self) -> str: ...
+    def num_preemptions_total(self) -> int: ...
 
 
 class _CumulativeCounter:
@@ -97,8 +97,10 @@ class EngineMetrics:
     # ---- construction -------------------------------------------------------------------
 
     def _gauge(self, name: str, documentation: str) -> Any:
-        return Gauge(name, documentation, ["model_name"], registry=self.registry
-                     ).labels(model_name=self.model_name)
+        # With several API servers each one writes its own value; a scrape shows the most
+        # recent write of a live process (the engine's load, read by whoever was scraped).
+        return Gauge(name, documentation, ["model_name"], registry=self.registry,
+                     multiprocess_mode="livemostrecent").labels(model_name=self.model_name)
 
     def _counter(self, name: str, documentation: str) -> Any:
         return Counter(name, documentation, ["model_name"], registry=self.registry
@@ -168,15 +170,15 @@ class EngineMetrics:
         self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._num_steps = 0
-        self._gauge("tandem:gpu_idle_fraction",
-                    f"Share of device time spent idle between steps over the last "
-                    f"{IDLE_FRACTION_WINDOW_STEPS} steps.").set_function(self._idle_fraction)
+        self._idle_fraction_gauge = self._gauge(
+            "tandem:gpu_idle_fraction", f"Share of device time spent idle between steps over "
+            f"the last {IDLE_FRACTION_WINDOW_STEPS} steps.")
 
     def _make_server_metrics(self) -> None:
         self._runner_info = Gauge("tandem:runner_info",
                                   "The model runner in use (1) and why it was chosen.",
                                   ["model_name", "runner", "reason", "rule"],
-                                  registry=self.registry)
+                                  registry=self.registry, multiprocess_mode="livemax")
         self._rejections = Counter("tandem:rejected_requests",
                                    "Requests refused at admission, by reason.",
                                    ["model_name", "reason"], registry=self.registry)
@@ -198,21 +200,20 @@ class EngineMetrics:
         self._recent_idle_s[slot] = stats.gpu_idle_s
         self._recent_step_s[slot] = stats.step_time_s
         self._num_steps += 1
+        self._idle_fraction_gauge.set(self._idle_fraction())
 
-    def set_gauges(self, num_running: int, num_waiting: int,
-                   kv_usage: KVUsageLike | None = None) -> None:
-        """The scheduler's current load and, when given, the KV cache's usage and its
-        cumulative prefix-cache query and hit tokens."""
-        self._num_running.set(num_running)
-        self._num_waiting.set(num_waiting)
-        if kv_usage is not None:
-            self._kv_usage.set(kv_usage.usage_perc)
-            self._prefix_queries.update(kv_usage.prefix_cache_queries_tokens)
-            self._prefix_hits.update(kv_usage.prefix_cache_hits_tokens)
+    def set_engine_load(self, stats: EngineStatsLike) -> None:
+        """The engine core's current load and KV usage (read at scrape time)."""
+        self._num_running.set(stats.num_running)
+        self._num_waiting.set(stats.num_waiting)
+        self._kv_usage.set(stats.kv_usage_perc)
 
-    def observe_preemptions(self, total: int) -> None:
-        """The scheduler's cumulative preemption count; the counter advances by the change."""
-        self._preemptions.update(total)
+    def observe_engine_totals(self, stats: EngineStatsLike) -> None:
+        """The core's cumulative prefix-cache query and hit tokens and preemptions (after
+        every step, by one front end only): the counters advance by the change."""
+        self._prefix_queries.update(stats.prefix_cache_queries_tokens)
+        self._prefix_hits.update(stats.prefix_cache_hits_tokens)
+        self._preemptions.update(stats.num_preemptions_total)
 
     def _idle_fraction(self) -> float:
         idle_s = sum(self._recent_idle_s)
@@ -242,12 +243,12 @@ class EngineMetrics:
 
     # ---- rare events --------------------------------------------------------------------
 
-    def set_runner(self, choice: RunnerChoiceLike) -> None:
-        """The runner choice (gpu.runner_selection.RunnerChoice) as an info-style gauge."""
-        self._runner_info.clear()
-        self._runner_info.labels(model_name=self.model_name, runner=choice.runner,
-                                 reason=choice.reason,
-                                 rule=str(getattr(choice, "rule", ""))).set(1)
+    def set_runner(self, runner: str, reason: str, rule: str = "") -> None:
+        """The runner choice as an info-style gauge."""
+        if not os.environ.get(MULTIPROC_DIR_ENV):  # a process's files cannot be cleared
+            self._runner_info.clear()
+        self._runner_info.labels(model_name=self.model_name, runner=runner, reason=reason,
+                                 rule=rule).set(1)
 
     def record_rejection(self, reason: str) -> None:
         """A request refused before it reached the engine. `reason` must come from a small
@@ -262,7 +263,20 @@ class EngineMetrics:
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics: Prometheus text format 0.0.4, or
         OpenMetrics when `accept_header` asks for it."""
+        registry = _exposition_registry(self.registry)
         if accept_header and "openmetrics" in accept_header:
             encoder, content_type = choose_encoder(accept_header)
-            return encoder(self.registry), content_type
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+            return encoder(registry), content_type
+        return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+def _exposition_registry(own: CollectorRegistry) -> CollectorRegistry:
+    """This process's registry, or, in multiprocess mode (PROMETHEUS_MULTIPROC_DIR set by
+    `tandem serve --api-server-count N` for its API servers), a registry that sums what
+    every process of the server wrote."""
+    directory = os.environ.get(MULTIPROC_DIR_ENV)
+    if not directory:
+        return own
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    return registry

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _TRUE_VALUES = frozenset({"true", "1", "yes", "on"})
+PROCESS_NAME_ENV = "TANDEM_PROCESS_NAME"
+"""Set by `tandem serve` in each process it starts ('api_server_N'); spans carry it."""
 _TRACER_NAME = "tandem"
 _propagator: TraceContextTextMapPropagator | None = None
 
@@ -192,7 +194,10 @@ def _resource(service_name: str) -> Any:
     from opentelemetry.sdk.resources import Resource
 
     from_env = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
+    # Every process of a server exports its own spans: name the process in each.
+    process = Resource({"process.pid": os.getpid(),
+                        "tandem.process": os.environ.get(PROCESS_NAME_ENV, "api_server_0")})
     configured = str(from_env.attributes.get("service.name", ""))
     if configured and not configured.startswith("unknown_service"):
-        return from_env
-    return from_env.merge(Resource({"service.name": service_name}))
+        return from_env.merge(process)
+    return from_env.merge(Resource({"service.name": service_name})).merge(process)

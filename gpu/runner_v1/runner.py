@@ -19,7 +19,7 @@ from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepSta
 from gpu.attention.base import AttentionMetadata
 from gpu.sampling.sampler import Sampler
 from gpu.sampling.state import SamplingState, unseeded_request_seed
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from gpu.worker import ModelWorker
 
 
@@ -100,7 +100,7 @@ class ModelRunnerV1:
                 num_computed_tokens=new.num_computed_tokens)
             self.sampling_state.add_request(
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
-                self.worker.eos_token_ids,
+                new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):

@@ -8,10 +8,10 @@ buffer the CPU writes is ever read by an in-flight copy.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -42,7 +42,7 @@ class StepTiming:
             # Same stream: the start ran after the previous end, so the gap is device idle
             # time spent waiting for this step's first launch.
             idle_s = max(self.previous_end.elapsed_time(self.start), 0.0) / 1e3
-        return dataclasses.replace(stats, step_time_s=self.start.elapsed_time(self.end) / 1e3,
+        return msgspec.structs.replace(stats, step_time_s=self.start.elapsed_time(self.end) / 1e3,
                                    gpu_idle_s=idle_s)
 
 

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from actors.messages import SchedulerOutput, StepStats
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
@@ -159,7 +159,7 @@ class ModelRunnerV2:
             params = new.sampling_params
             self.sampling_state.add_request(
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
-                self.worker.eos_token_ids,
+                new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
             self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         cached = sched.cached_requests

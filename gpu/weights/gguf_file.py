@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu.weights.dequant import tensor_num_bytes
+from gpu.weights.ggml_types import tensor_num_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

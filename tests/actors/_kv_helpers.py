@@ -1,6 +1,6 @@
 """Helpers for KV cache and scheduler tests: a synchronous KV client and a fake runner.
 
-`FakeRunner` plays the GPU actor and the sampler actor: it executes each SchedulerOutput
+`FakeRunner` plays the GPU actor: it executes each SchedulerOutput
 as soon as it is scheduled (like the device, in submission order), keeps per-row token
 histories and block tables, writes each computed token into a simulated KV cache and
 checks that every token a step attends to is present in the blocks the request holds. The
@@ -16,10 +16,15 @@ from typing import Any, TypeVar
 
 from actors.kv_cache_manager import KVCacheManager
 from actors.kv_messages import AllocateStep, StepAllocation
-from actors.messages import EngineRequest, SchedulerOutput, StepUpdate
+import numpy as np
+
+from actors.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
+from actors.scheduler import Scheduler, StepResult
 from actors.sampling_params import SamplingParams
 
 T = TypeVar("T")
+EOS_TOKEN_ID = 999
+"""The fake model's end-of-sequence token (outside its ordinary vocabulary)."""
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -52,7 +57,8 @@ def engine_request(request_id: str, prompt: Iterable[int], max_tokens: int | Non
                    cache_salt: str | None = None) -> EngineRequest:
     return EngineRequest(request_id=request_id, prompt_token_ids=tuple(prompt),
                          sampling_params=SamplingParams(max_tokens=max_tokens),
-                         arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+                         arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                         eos_token_ids=(EOS_TOKEN_ID,))
 
 
 @dataclass(slots=True)
@@ -65,7 +71,9 @@ class _Row:
 
 @dataclass
 class FakeRunner:
-    """The GPU and sampler actors as one synchronous fake; see the module docstring."""
+    """The GPU actor as a synchronous fake; see the module docstring. It samples
+    EOS_TOKEN_ID with `eos_probability`, and records what the scheduler makes of each
+    step (outputs kept, finish reasons)."""
 
     block_size: int
     max_num_seqs: int
@@ -75,7 +83,7 @@ class FakeRunner:
     vocab_size: int = 50
     rows: dict[str, _Row] = field(default_factory=dict)
     kv_cache: dict[int, list[int | None]] = field(default_factory=dict)
-    pending_updates: list[StepUpdate] = field(default_factory=list)
+    pending_updates: list[StepOutput] = field(default_factory=list)
     max_tokens: dict[str, int] = field(default_factory=dict)
     num_outputs: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
@@ -98,7 +106,7 @@ class FakeRunner:
             del self.rows[request_id]
         for new in out.new_requests:
             assert new.request_id not in self.rows, f"{new.request_id} takes a second row"
-            in_flight = any(new.request_id in update.request_ids for update in self.pending_updates)
+            in_flight = any(new.request_id in out.request_ids for out in self.pending_updates)
             assert not in_flight, f"{new.request_id} is admitted while a token is in flight"
             if new.request_id in self.outputs:
                 assert list(new.token_ids[new.prompt_len:]) == self.outputs[new.request_id], (
@@ -122,16 +130,21 @@ class FakeRunner:
                 f"{request_id}: samples_token {samples} but computed {row.num_computed_tokens} "
                 f"of {len(row.history)} known tokens")
             if samples:
-                token_id = self.rng.randrange(self.vocab_size)
+                token_id = (EOS_TOKEN_ID if self.rng.random() < self.eos_probability
+                            else self.rng.randrange(self.vocab_size))
                 row.history.append(token_id)
                 sampled.append((request_id, token_id))
-        self.pending_updates.append(StepUpdate(
+        self.pending_updates.append(StepOutput(
             step_id=out.step_id, request_ids=tuple(rid for rid, _ in sampled),
-            sampled_token_ids=tuple(token_id for _, token_id in sampled)))
+            sampled_token_ids=np.asarray([token_id for _, token_id in sampled], dtype=np.int64),
+            logprobs=None, stats=StepStats(out.step_id, out.num_reqs,
+                                           out.total_num_scheduled_tokens, 0)))
 
-    def deliver_oldest(self) -> StepUpdate:
-        """The oldest step's result after the sampler's stop checks."""
-        return self._sampler_pass(self.pending_updates.pop(0))
+    def deliver_oldest(self, scheduler: Scheduler) -> StepResult:
+        """Hand the oldest step's result to the scheduler and record what it kept."""
+        result = scheduler.update_from_step(self.pending_updates.pop(0))
+        self._record(result)
+        return result
 
     def _write_kv(self, step_id: int, request_id: str, num_new: int, num_computed: int) -> None:
         row = self.rows[request_id]
@@ -160,25 +173,15 @@ class FakeRunner:
                 f"{request_id}: KV at position {position} holds {stored}, "
                 f"expected token {row.history[position]}")
 
-    def _sampler_pass(self, update: StepUpdate) -> StepUpdate:
-        """Stop checks like the sampler actor: drop tokens of finished requests, finish on
-        max_tokens ('length') or on a random end of sequence ('stop')."""
-        request_ids: list[str] = []
-        token_ids: list[int] = []
-        finished: dict[str, str] = {}
-        for request_id, token_id in zip(update.request_ids, update.sampled_token_ids):
-            if request_id in self.finished:
-                continue
-            request_ids.append(request_id)
-            token_ids.append(token_id)
+    def _record(self, result: StepResult) -> None:
+        for request in result.requests:
+            request_id = request.request_id
+            assert request_id not in self.finished, f"{request_id} got a token after finishing"
             self.num_outputs[request_id] += 1
-            self.outputs[request_id].append(token_id)
+            self.outputs[request_id].append(request.output_token_ids[-1])
             assert self.num_outputs[request_id] <= self.max_tokens[request_id], (
                 f"{request_id} produced more than max_tokens={self.max_tokens[request_id]}")
-            if self.num_outputs[request_id] == self.max_tokens[request_id]:
-                finished[request_id] = "length"
-            elif self.rng.random() < self.eos_probability:
-                finished[request_id] = "stop"
-        self.finished.update(finished)
-        return StepUpdate(step_id=update.step_id, request_ids=tuple(request_ids),
-                          sampled_token_ids=tuple(token_ids), finished=finished)
+        for request, finish in result.finished:
+            self.finished[request.request_id] = finish.reason
+            if finish.reason == "stop":
+                assert request.output_token_ids[-1] == EOS_TOKEN_ID

@@ -1,5 +1,6 @@
-"""Hypothesis over sampling parameters through the engine API (the real Engine on the
-embedded model): every batch of requests with any valid parameters ends, each request with
+"""Hypothesis over sampling parameters through the engine API (the real engine core and a
+front-end client on the embedded model, every protocol message encoded and decoded on the
+way): every batch of requests with any valid parameters ends, each request with
 a correct finish_reason and token count, and leaves no KV block, runner row or request
 behind. The engine runs for the whole module, so anything leaked accumulates."""
 
@@ -16,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.engine import Engine
-from actors.kv_messages import CheckInvariants, KVStats
+from actors.inprocess_engine import InProcessEngine
 from actors.messages import EngineRequest
 from actors.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from app.startup import reuse_engine
+from actors.engine_startup import reuse_engine
+from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 
 pytestmark = pytest.mark.slow
@@ -36,12 +37,15 @@ class RunningEngine:
     def __init__(self) -> None:
         loaded = reuse_engine(shared_model(), ENGINE.replace(max_num_seqs=MAX_NUM_SEQS))
         self.worker = loaded.worker
-        self.engine = Engine(loaded.worker, loaded.runner.runner,
-                             ENGINE.replace(max_num_seqs=MAX_NUM_SEQS))
+        tokenizer = load_tokenizer(ENGINE.model)
+        self.eos_token_ids = tokenizer.eos_token_ids
+        self.engine = InProcessEngine(loaded.worker, loaded.runner,
+                                      ENGINE.replace(max_num_seqs=MAX_NUM_SEQS),
+                                      tokenizer=tokenizer, roundtrip=True)
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._run = self.portal.start_task_soon(self.engine.run)
-        while not self.engine.is_running:
+        while self.engine.ready is None:
             time.sleep(0.01)
 
     def generate(self, requests: list[EngineRequest]) -> list[Any]:
@@ -54,9 +58,11 @@ class RunningEngine:
 
     def kv_free_and_checked(self) -> tuple[int, int]:
         async def ask() -> tuple[int, int]:
-            await self.engine.kv_actor.ask(CheckInvariants())
-            usage = await self.engine.kv_actor.ask(KVStats())
-            return usage.num_free_blocks, usage.num_total_blocks
+            checked = await self.engine.client.call("check_kv_invariants")
+            assert checked.error is None, checked.error
+            stats = (await self.engine.client.call("stats")).stats
+            assert stats is not None
+            return stats.num_free_kv_blocks, stats.num_total_kv_blocks
 
         return self.portal.call(ask)
 
@@ -119,7 +125,7 @@ def test_any_sampling_parameters_finish_cleanly(engine: RunningEngine,
                                                 ) -> None:
     requests = [EngineRequest(request_id=f"fuzz-{next(_ids)}", prompt_token_ids=tuple(prompt),
                               sampling_params=params, arrival_time=time.monotonic(),
-                              eos_token_ids=engine.worker.eos_token_ids)
+                              eos_token_ids=engine.eos_token_ids)
                 for prompt, params in batch]
     deltas = engine.generate(requests)
     for request, delta in zip(requests, deltas):
@@ -148,10 +154,10 @@ def test_any_sampling_parameters_finish_cleanly(engine: RunningEngine,
 def _assert_nothing_left(engine: RunningEngine) -> None:
     deadline = time.monotonic() + 10
     while True:
-        stats = engine.engine.stats()
+        scheduler = engine.engine.core.scheduler
         free, total = engine.kv_free_and_checked()
-        if (stats.num_running, stats.num_waiting, free) == (0, 0, total):
+        if (scheduler.num_running, scheduler.num_waiting, free) == (0, 0, total):
             break
-        assert time.monotonic() < deadline, (stats, free, total)
+        assert time.monotonic() < deadline, (scheduler.num_running, free, total)
         time.sleep(0.01)
-    assert engine.engine.output_processor.num_requests == 0
+    assert engine.engine.client.sampler_actor.processor.num_requests == 0

@@ -1,23 +1,31 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import anyio
 import numpy as np
 import pytest
 
+from actors.core_outputs import CoreOutputs
+from actors.kv_cache_manager import KVCacheManager
+from actors.logprob_text import LOGPROB_FLOOR, floor_logprobs
 from actors.messages import (
     AbortRequests,
+    EngineCoreOutputs,
     EngineRequest,
     LogprobsArrays,
     RegisterRequest,
+    RequestFinish,
     StepOutput,
     StepStats,
-    StepUpdate,
 )
 from actors.output_stream import RequestStream, StreamDelta
-from actors.sampler import LOGPROB_FLOOR, OutputProcessor, SamplerActor, floor_logprobs
+from actors.sampler import OutputProcessor, SamplerActor
 from actors.sampling_params import SamplingParams
+from actors.scheduler import Scheduler
+from actors.scheduler_config import SchedulerConfig
+from tests.actors._kv_helpers import DirectKVClient, run_sync
 from tests.actors._tokenizer_fixtures import ByteLevelTokenBytes, byte_token_id, tiny_tokenizer
 
 EOS = 0  # "<eos>" in the tiny tokenizer
@@ -28,33 +36,64 @@ def ids(text: str) -> list[int]:
     return tiny_tokenizer().encode(text).ids
 
 
+@dataclass
+class Step:
+    """What one step did, as a client-facing summary."""
+
+    request_ids: tuple[str, ...]
+    """Requests that got a token and still run, in batch order."""
+    finished: dict[str, str]
+    """Finish reason of each request this step ended (in the core or by a stop string)."""
+
+
 class Harness:
-    def __init__(self, tokenizer=None, max_model_len=None):
-        self.updates: list[StepUpdate] = []
-        self.processor = OutputProcessor(tokenizer or tiny_tokenizer(), self.updates.append,
-                                         max_model_len=max_model_len)
+    """The split pipeline on one thread: a real scheduler (the core's token-level stops),
+    the core's per-step outputs, and the front end's OutputProcessor, with the aborts the
+    front end sends back applied to the scheduler."""
+
+    def __init__(self, tokenizer=None, max_model_len=256):
+        manager = KVCacheManager(num_blocks=512, block_size=16)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=max_model_len,
+            block_size=16, max_steps_in_flight=1), DirectKVClient(manager))
+        self.sent: list[EngineCoreOutputs] = []
+        self.core_outputs = CoreOutputs(lambda client, message: self.sent.append(message))
+        self.processor = OutputProcessor(tokenizer or tiny_tokenizer())
         self.streams: dict[str, RequestStream] = {}
-        self.step_id = 0
 
     def add(self, request_id: str, prompt: str = "Q:", **params) -> RequestStream:
         request = EngineRequest(request_id, tuple(ids(prompt)), SamplingParams(**params),
                                 arrival_time=0.0, eos_token_ids=(EOS,))
         stream = RequestStream(request_id, num_prompt_tokens=len(request.prompt_token_ids))
         self.processor.add_request(request, stream)
+        self.scheduler.add_request(request)
         self.streams[request_id] = stream
         return stream
 
     def step(self, tokens: dict[str, int], logprobs: LogprobsArrays | None = None,
-             error: str | None = None, failed: tuple[str, ...] = ()) -> StepUpdate:
-        self.step_id += 1
-        out = StepOutput(step_id=self.step_id, request_ids=tuple(tokens),
-                         sampled_token_ids=np.array(list(tokens.values()), dtype=np.int64),
-                         logprobs=logprobs,
-                         stats=StepStats(self.step_id, len(tokens), len(tokens), 0),
+             error: str | None = None, failed: tuple[str, ...] = ()) -> Step:
+        """Schedule a step, answer it with `tokens` (one per request that samples, in
+        batch order), and push the outputs through the front end."""
+        sched = run_sync(self.scheduler.schedule())
+        step_id = sched.step_id if sched is not None else -1
+        sampled = () if sched is None else tuple(
+            rid for rid, s in zip(sched.scheduled_request_ids, sched.samples_token) if s)
+        sampled = tuple(rid for rid in sampled if rid in tokens) if error is None else ()
+        out = StepOutput(step_id, sampled, np.array([tokens[r] for r in sampled], np.int64),
+                         logprobs, StepStats(step_id, len(sampled), len(sampled), 0),
                          error=error, failed_request_ids=failed)
-        return self.processor.process_step(out)
+        before = {rid for rid, st in self.streams.items() if not st.finished}
+        if sched is not None:
+            self.core_outputs.step(out, self.scheduler.update_from_step(out))
+        for message in self.sent:
+            self.scheduler.abort_requests(self.processor.process_outputs(message))
+        self.sent.clear()
+        finished = {rid: self.streams[rid]._finish_reason for rid in before
+                    if self.streams[rid].finished}
+        alive = tuple(rid for rid in sampled if rid not in finished and rid in before)
+        return Step(alive, finished)
 
-    def run(self, request_id: str, token_ids: list[int]) -> list[StepUpdate]:
+    def run(self, request_id: str, token_ids: list[int]) -> list[Step]:
         return [self.step({request_id: t}) for t in token_ids]
 
     async def read_all(self, request_id: str) -> StreamDelta:
@@ -242,31 +281,42 @@ async def test_a_failed_step_fails_only_its_requests():
     h.add("a", max_tokens=5)
     h.add("b", max_tokens=5)
     h.step({"a": ids("x")[0], "b": ids("y")[0]})
-    update = h.step({}, error="RuntimeError: CUDA error", failed=("a",))
-    assert update.finished == {"a": "error"} and update.request_ids == ()
-    assert h.step({"b": ids("z")[0]}).request_ids == ("b",)
+    update = h.step({}, error="RuntimeError: CUDA error", failed=("a", "b"))
+    assert update.finished == {"a": "error", "b": "error"} and update.request_ids == ()
+    h.add("c", max_tokens=5)  # the engine goes on with the next requests
+    assert h.step({"c": ids("z")[0]}).request_ids == ("c",)
     out = await h.read_all("a")
     assert (out.finish_reason, out.error, out.text) == ("error", "RuntimeError: CUDA error", "x")
-    assert h.processor.has_request("b") and not h.processor.has_request("a")
+    assert h.processor.has_request("c") and not h.processor.has_request("a")
 
 
-async def test_step_update_lists_live_requests_in_batch_order_and_goes_to_the_sink():
+async def test_one_message_per_step_carries_tokens_in_batch_order_and_core_finishes():
     h = Harness()
     for rid in ("r1", "r2", "r3"):
         h.add(rid, max_tokens=5)
-    update = h.step({"r3": ids("a")[0], "r1": EOS, "r2": ids("b")[0]})
-    assert update == StepUpdate(h.step_id, ("r3", "r2"), (ids("a")[0], ids("b")[0]),
-                                {"r1": "stop"})
-    assert h.updates == [update]
-    empty = h.step({})
-    assert empty == StepUpdate(h.step_id, (), (), {}) and h.updates[-1] is empty
+    sched = run_sync(h.scheduler.schedule())
+    tokens = {"r1": EOS, "r2": ids("b")[0], "r3": ids("a")[0]}
+    out = StepOutput(sched.step_id, ("r1", "r2", "r3"),
+                     np.array([tokens[r] for r in ("r1", "r2", "r3")], np.int64), None,
+                     StepStats(sched.step_id, 3, 3, 0))
+    h.core_outputs.step(out, h.scheduler.update_from_step(out))
+    (message,) = h.sent
+    assert message.request_ids == ("r1", "r2", "r3")
+    assert message.new_token_ids.tolist() == [EOS, ids("b")[0], ids("a")[0]]
+    assert message.finished == (RequestFinish("r1", "stop"),)
+    assert message.step_stats is not None  # front end 0 records every step's timings
+    assert h.processor.process_outputs(message) == []  # nothing for the core to abort
+    assert (await h.read_all("r1")).finish_reason == "stop"
 
 
 async def test_mismatched_step_arrays_fail_the_step_requests():
     h = Harness()
     h.add("a", max_tokens=5)
-    out = StepOutput(1, ("a",), np.array([1, 2], np.int64), None, StepStats(1, 1, 1, 0))
-    assert h.processor.process_step(out).finished == {"a": "error"}
+    sched = run_sync(h.scheduler.schedule())
+    out = StepOutput(sched.step_id, ("a",), np.array([1, 2], np.int64), None,
+                     StepStats(sched.step_id, 1, 1, 0))
+    h.core_outputs.step(out, h.scheduler.update_from_step(out))
+    h.processor.process_outputs(h.sent[0])
     assert "2 tokens for 1 requests" in (await h.read_all("a")).error
 
 
@@ -302,13 +352,26 @@ async def test_abort_closes_the_stream_and_later_tokens_are_ignored():
     assert (out.finish_reason, out.text) == ("abort", "z")
 
 
-async def test_a_reader_that_went_away_is_reported_as_abort():
+async def test_a_reader_that_went_away_is_aborted_in_the_core():
     h = Harness()
     stream = h.add("a", max_tokens=5)
     await stream.aclose()
-    update = h.step({"a": ids("x")[0]})
-    assert update.finished == {"a": "abort"} and update.request_ids == ()
+    message = EngineCoreOutputs(1, ("a",), np.array([ids("x")[0]], np.int32))
+    assert h.processor.process_outputs(message) == ["a"]
     assert not h.processor.has_request("a")
+
+
+async def test_tokens_after_a_stop_string_in_a_step_already_in_flight_are_ignored():
+    h = Harness()
+    h.add("a", max_tokens=10, stop=("x",))
+    x, y = ids("x")[0], ids("y")[0]
+    assert h.processor.process_outputs(EngineCoreOutputs(1, ("a",), np.array([x], np.int32))) \
+        == ["a"]
+    # The core ran the next step before it heard the abort: its token is dropped.
+    assert h.processor.process_outputs(EngineCoreOutputs(2, ("a",), np.array([y], np.int32))) \
+        == []
+    out = await h.read_all("a")
+    assert (out.token_ids, out.text, out.stop_reason) == ((x,), "", "x")
 
 
 async def test_fail_all_finishes_every_request_with_the_message():
@@ -341,7 +404,8 @@ def test_a_request_id_cannot_be_added_twice():
 
 async def test_sampler_actor_routes_messages_and_aborts_leftovers_on_stop():
     h = Harness()
-    actor = SamplerActor(h.processor)
+    stopped: list[list[str]] = []
+    actor = SamplerActor(h.processor, on_stopped=stopped.append)
     requests = [EngineRequest(rid, tuple(ids("Q:")), SamplingParams(max_tokens=5), 0.0, (EOS,))
                 for rid in ("a", "b", "c")]
     streams = {r.request_id: RequestStream(r.request_id, 2) for r in requests}
@@ -349,13 +413,13 @@ async def test_sampler_actor_routes_messages_and_aborts_leftovers_on_stop():
         tg.start_soon(actor.run)
         for request in requests:
             actor.tell(RegisterRequest(request, streams[request.request_id]))
-        out = StepOutput(1, ("a", "b"), np.array([ids("x")[0], EOS]), None, StepStats(1, 2, 2, 0))
-        update = await actor.ask(out)
+        actor.tell(EngineCoreOutputs(1, ("a", "b"), np.array([ids("x")[0], EOS], np.int32),
+                                     finished=(RequestFinish("b", "stop"),)))
         actor.tell(AbortRequests(("a",)))
         actor.close()
-    assert update.finished == {"b": "stop"} and update.request_ids == ("a",)
+    assert stopped == []  # the core ended b itself; a was aborted by its reader
     finals = {rid: [d async for d in s][-1] for rid, s in streams.items()}
     assert {rid: d.finish_reason for rid, d in finals.items()} == {
         "a": "abort", "b": "stop", "c": "abort"}
     with pytest.raises(TypeError, match="unexpected message"):
-        await SamplerActor(h.processor).handle("nonsense")
+        await SamplerActor(h.processor, on_stopped=stopped.append).handle("nonsense")

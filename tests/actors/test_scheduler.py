@@ -6,11 +6,20 @@ import pytest
 from actors.kv_cache_manager import KVCacheActor, KVCacheManager
 from actors.kv_client import KVActorClient
 from actors.kv_messages import CheckInvariants, KVStats
-from actors.messages import SchedulerOutput, StepUpdate
+import numpy as np
+
+from actors.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
 from actors.request import RequestStatus
 from actors.scheduler import Scheduler
 from actors.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import DirectKVClient, FakeRunner, engine_request, run_sync
+from actors.sampling_params import SamplingParams
+from tests.actors._kv_helpers import (
+    EOS_TOKEN_ID,
+    DirectKVClient,
+    FakeRunner,
+    engine_request,
+    run_sync,
+)
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
@@ -28,11 +37,19 @@ def schedule(scheduler: Scheduler) -> SchedulerOutput | None:
     return run_sync(scheduler.schedule())
 
 
-def answer(out: SchedulerOutput, token_id: int = 7, finished: dict[str, str] | None = None,
-           ) -> StepUpdate:
-    """A step result with `token_id` for every request that sampled."""
+def step_output(step_id: int, request_ids: tuple[str, ...], token_ids: tuple[int, ...]
+                ) -> StepOutput:
+    return StepOutput(step_id, request_ids, np.asarray(token_ids, dtype=np.int64), None,
+                      StepStats(step_id, len(request_ids), len(request_ids), 0))
+
+
+def answer(out: SchedulerOutput, token_id: int = 7, overrides: dict[str, int] | None = None
+           ) -> StepOutput:
+    """A step result with `token_id` for every request that sampled (`overrides` names
+    other tokens for some)."""
     sampled = tuple(rid for rid, s in zip(out.scheduled_request_ids, out.samples_token) if s)
-    return StepUpdate(out.step_id, sampled, (token_id,) * len(sampled), finished or {})
+    tokens = tuple((overrides or {}).get(rid, token_id) for rid in sampled)
+    return step_output(out.step_id, sampled, tokens)
 
 
 def run_step(scheduler: Scheduler, **answer_kwargs: object) -> SchedulerOutput:
@@ -72,7 +89,7 @@ def test_max_num_seqs_bounds_the_running_requests() -> None:
     scheduler, _ = make_scheduler(max_num_seqs=2)
     for name in "abc":
         scheduler.add_request(engine_request(name, range(4)))
-    first = run_step(scheduler, finished={"a": "stop"})
+    first = run_step(scheduler, overrides={"a": EOS_TOKEN_ID})
     assert first.scheduled_request_ids == ("a", "b") and scheduler.num_waiting == 1
     second = run_step(scheduler)
     assert second.scheduled_request_ids == ("b", "c") and second.finished_request_ids == {"a"}
@@ -98,7 +115,7 @@ def test_preemption_frees_the_newest_request_which_resumes_with_its_outputs() ->
         if outputs_at_preemption is not None and resumed is None:
             resumed = next((new for new in out.new_requests if new.request_id == "b"), None)
         runner.execute(out)
-        scheduler.update_from_step(runner.deliver_oldest())
+        runner.deliver_oldest(scheduler)
         manager.check_invariants()
     assert outputs_at_preemption, "b was never preempted"
     assert scheduler.num_preemptions_total >= 1
@@ -125,7 +142,7 @@ def test_a_preempted_request_waits_for_its_in_flight_token_before_resuming() -> 
     r = scheduler.get_request("r")
     assert r is not None and r.status is RequestStatus.PREEMPTED and r.num_output_placeholders == 1
     assert schedule(scheduler) is None  # r's token from step 0 has not arrived
-    scheduler.update_from_step(runner.deliver_oldest())
+    runner.deliver_oldest(scheduler)
     resumed = schedule(scheduler)
     assert resumed is not None and resumed.finished_request_ids == {"a", "r"}
     runner.execute(resumed)
@@ -163,9 +180,10 @@ def test_two_steps_in_flight_count_placeholders() -> None:
     # The third output is in flight: max_tokens is reached, nothing more is scheduled.
     scheduler.update_from_step(answer(step1, token_id=42))
     assert schedule(scheduler) is None
-    finished = scheduler.update_from_step(answer(step2, token_id=43))
+    result = scheduler.update_from_step(answer(step2, token_id=43))
     assert request.output_token_ids == [41, 42, 43]
-    assert finished == [request] and request.status is RequestStatus.FINISHED_LENGTH
+    assert [(r, f.reason) for r, f in result.finished] == [(request, "length")]
+    assert request.status is RequestStatus.FINISHED_LENGTH
 
 
 def test_tokens_of_a_finished_request_still_in_flight_are_dropped() -> None:
@@ -174,9 +192,10 @@ def test_tokens_of_a_finished_request_still_in_flight_are_dropped() -> None:
     step0, step1 = schedule(scheduler), schedule(scheduler)
     assert step0 is not None and step1 is not None
     request = scheduler.get_request("a")
-    scheduler.update_from_step(answer(step0, finished={"a": "stop"}))
-    assert scheduler.update_from_step(answer(step1)) == []
-    assert request is not None and request.output_token_ids == [7]
+    scheduler.update_from_step(answer(step0, token_id=EOS_TOKEN_ID))
+    dropped = scheduler.update_from_step(answer(step1))
+    assert dropped.requests == [] and dropped.finished == []
+    assert request is not None and request.output_token_ids == [EOS_TOKEN_ID]
     assert request.status is RequestStatus.FINISHED_STOPPED
     assert schedule(scheduler) is None
 
@@ -207,7 +226,7 @@ def test_priority_then_arrival_order_admission() -> None:
         out = schedule(scheduler)
         assert out is not None and len(out.new_requests) == 1
         order.append(out.new_requests[0].request_id)
-        scheduler.update_from_step(answer(out, finished={order[-1]: "stop"}))
+        scheduler.update_from_step(answer(out, token_id=EOS_TOKEN_ID))
     assert order == ["high-1", "high-2", "late-low"]
 
 
@@ -228,8 +247,9 @@ def test_a_request_that_sampled_but_got_no_token_finishes_with_error() -> None:
     scheduler.add_request(engine_request("a", range(4)))
     out = schedule(scheduler)
     assert out is not None
-    (finished,) = scheduler.update_from_step(StepUpdate(out.step_id, (), ()))
-    assert finished.status is RequestStatus.FINISHED_ERROR
+    result = scheduler.update_from_step(step_output(out.step_id, (), ()))
+    ((request, finish),) = result.finished
+    assert request.status is RequestStatus.FINISHED_ERROR and finish.reason == "error"
 
 
 def test_bad_updates_and_requests_raise_value_errors() -> None:
@@ -244,11 +264,11 @@ def test_bad_updates_and_requests_raise_value_errors() -> None:
     out = schedule(scheduler)
     assert out is not None
     with pytest.raises(ValueError, match="out of order"):
-        scheduler.update_from_step(StepUpdate(out.step_id + 1, (), ()))
+        scheduler.update_from_step(step_output(out.step_id + 1, (), ()))
     with pytest.raises(ValueError, match="did not sample"):
-        scheduler.update_from_step(StepUpdate(out.step_id, ("zzz",), (1,)))
-    with pytest.raises(ValueError, match="unknown finish reason"):
-        scheduler.update_from_step(StepUpdate(out.step_id, ("a",), (1,), {"a": "bored"}))
+        scheduler.update_from_step(step_output(out.step_id, ("zzz",), (1,)))
+    with pytest.raises(ValueError, match="did not sample"):
+        scheduler.update_from_step(step_output(out.step_id, ("a", "a"), (1, 1)))
     request = scheduler.get_request("a")
     assert request is not None and request.output_token_ids == []  # nothing half-applied
     scheduler.update_from_step(answer(out))
@@ -278,9 +298,45 @@ async def test_scheduler_runs_against_the_kv_cache_actor() -> None:
                 while (out := await scheduler.schedule()) is not None:
                     runner.execute(out)
                 if runner.pending_updates:
-                    scheduler.update_from_step(runner.deliver_oldest())
+                    runner.deliver_oldest(scheduler)
             assert await scheduler.schedule() is None  # frees the last requests' blocks
             assert await actor.ask(CheckInvariants()) is None
             assert (await actor.ask(KVStats())).num_used_blocks == 0
         actor.close()
     assert all(len(tokens) == 6 for tokens in runner.outputs.values())
+
+
+def _stop_request(request_id: str, **params: object) -> EngineRequest:
+    return EngineRequest(request_id=request_id, prompt_token_ids=(1, 2, 3, 4),
+                         sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
+                         arrival_time=0.0, eos_token_ids=(EOS_TOKEN_ID,))
+
+
+@pytest.mark.parametrize(("params", "tokens", "reason", "stop_token_id", "num_outputs"), [
+    ({"max_tokens": 8}, [5, EOS_TOKEN_ID], "stop", None, 2),
+    ({"max_tokens": 8, "min_tokens": 3}, [EOS_TOKEN_ID, EOS_TOKEN_ID, EOS_TOKEN_ID], "stop",
+     None, 3),
+    ({"max_tokens": 8, "ignore_eos": True}, [EOS_TOKEN_ID] * 8, "length", None, 8),
+    ({"max_tokens": 8, "stop_token_ids": (42,)}, [5, 42], "stop", 42, 2),
+    ({"max_tokens": 8, "stop_token_ids": (42,), "min_tokens": 2}, [42, 42], "stop", 42, 2),
+    ({"max_tokens": 3}, [5, 6, 7], "length", None, 3),
+])
+def test_token_level_stops_are_decided_in_the_scheduler(
+        params: dict[str, object], tokens: list[int], reason: str, stop_token_id: int | None,
+        num_outputs: int) -> None:
+    """EOS (unless ignore_eos) and stop_token_ids count from the min_tokens-th output on,
+    then max_tokens; the finish names the stop token id (None for EOS)."""
+    scheduler, manager = make_scheduler()
+    scheduler.add_request(_stop_request("a", **params))
+    finishes = []
+    for token_id in tokens:
+        out = schedule(scheduler)
+        assert out is not None
+        finishes.extend(scheduler.update_from_step(answer(out, token_id=token_id)).finished)
+        if finishes:
+            break
+    ((request, finish),) = finishes
+    assert (finish.reason, finish.stop_token_id) == (reason, stop_token_id)
+    assert request.num_output_tokens == num_outputs
+    assert schedule(scheduler) is None  # the finished request's blocks are freed
+    assert manager.stats().num_used_blocks == 0

@@ -167,13 +167,13 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
             runner.abort([victim])
             aborted.add(victim)
         if runner.pending_updates and rng.random() < 0.3:
-            scheduler.update_from_step(runner.deliver_oldest())
+            runner.deliver_oldest(scheduler)
         while (out := run_sync(scheduler.schedule())) is not None:
             _check_output(out, config)
             runner.execute(out)
             _check_scheduler(scheduler, manager)
         if runner.pending_updates:
-            scheduler.update_from_step(runner.deliver_oldest())
+            runner.deliver_oldest(scheduler)
             _check_scheduler(scheduler, manager)
         if not arrivals and not scheduler.has_unfinished_requests and not runner.pending_updates:
             break

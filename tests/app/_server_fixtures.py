@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from app.bench.soak_server import InProcessServer
-from app.config import EngineConfig
-from app.server_state import EngineSnapshot, ServeSettings
+from benchmarks.soak_server import InProcessServer
+from actors.config import EngineConfig
+from app.serve_settings import ServeSettings
+from app.server_state import EngineSnapshot
 
 MAX_MODEL_LEN = 2048
 ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN,
@@ -21,7 +22,7 @@ ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN
 
 @functools.cache
 def shared_model() -> Any:
-    from app.startup import load_engine
+    from actors.engine_startup import load_engine
 
     return load_engine(ENGINE)
 
@@ -29,9 +30,11 @@ def shared_model() -> Any:
 class RunningServer(InProcessServer):
     """A server on the session's shared model with the given ServeSettings fields."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, preloaded: Any = None, **settings: Any) -> None:
+        """`preloaded`: another loaded model (default: the session's embedded one)."""
         engine = settings.pop("engine", ENGINE)
-        super().__init__(ServeSettings(engine=engine, port=0, **settings), shared_model())
+        super().__init__(ServeSettings(engine=engine, port=0, **settings),
+                         preloaded if preloaded is not None else shared_model())
 
     def wait_engine_idle(self, timeout_s: float = 30.0) -> EngineSnapshot:
         return self.wait_idle(timeout_s)

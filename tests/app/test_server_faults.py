@@ -70,7 +70,7 @@ async def _one_failed_step(server: RunningServer, faults: StepFaults
 
 def test_a_failed_step_fails_only_its_requests() -> None:
     server = RunningServer(engine=ENGINE.replace(max_num_seqs=2), max_consecutive_failed_steps=5)
-    faults = StepFaults(server.state.engine.gpu_actor.runner)
+    faults = StepFaults(server.state.connection.inprocess_core.gpu_actor.runner)
     try:
         errors_before = _success_count(server.url, "error")
         a_events, b, c = asyncio.run(_one_failed_step(server, faults))
@@ -119,7 +119,7 @@ async def _requests_during_failures(server: RunningServer, faults: StepFaults
 
 def test_repeated_step_failures_mark_the_engine_dead() -> None:
     server = RunningServer(engine=ENGINE.replace(max_num_seqs=1), max_consecutive_failed_steps=3)
-    faults = StepFaults(server.state.engine.gpu_actor.runner)
+    faults = StepFaults(server.state.connection.inprocess_core.gpu_actor.runner)
     try:
         results = asyncio.run(_requests_during_failures(server, faults))
         # Every request ends (none hangs), each with an error: those in the failed steps
@@ -169,7 +169,7 @@ def test_step_faults_under_load_leave_nothing_behind() -> None:
     """Failed steps that were also told to free the rows of requests finished earlier:
     those rows must still be freed (nothing else names those requests again)."""
     server = RunningServer(engine=ENGINE.replace(max_num_seqs=8), max_consecutive_failed_steps=50)
-    faults = StepFaults(server.state.engine.gpu_actor.runner)
+    faults = StepFaults(server.state.connection.inprocess_core.gpu_actor.runner)
     try:
         faults.arm(4, match=lambda sched: bool(sched.finished_request_ids))
         statuses = asyncio.run(_load(server.url, 48))

@@ -15,7 +15,7 @@ import torch
 
 from actors.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from actors.sampling_params import SamplingParams
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
@@ -119,7 +119,7 @@ class _Engine:
                               max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS)
         worker = SimpleNamespace(config=config, device=device, buffers=buffers, step_state=state,
                                  graphs=step_graphs, model=model, kv_caches=self.kv_caches,
-                                 eos_token_ids=(0,), max_model_len=MAX_MODEL_LEN,
+                                 max_model_len=MAX_MODEL_LEN,
                                  max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE, model_config=TINY,
                                  dtype=torch.float32)
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]

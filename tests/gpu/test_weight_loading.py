@@ -12,6 +12,7 @@ import torch
 from gpu.models.config import PRESETS, ModelConfig
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import expected_weight_shapes
+from app.tokenizer_loader import load_generation_config, load_tokenizer
 from gpu.weights.loader import ModelLoadError, load_model_files, resolve_model_path
 from tests._hf_reference import embedded_gguf_path, hf_reference_dir, hf_reference_model
 from tests.gpu._tiny_checkpoints import (
@@ -79,9 +80,10 @@ def test_hf_directory_loads_exact_tensors_and_config(tiny_models, tmp_path, arch
     _assert_config_matches(files.config, model.config)
     _assert_weights_equal(files.weights, model.state_dict())
     assert files.source == str(tmp_path)
-    assert files.tokenizer is None  # no tokenizer.json saved
+    # What the front end reads from the same directory:
+    assert load_tokenizer(str(tmp_path)) is None  # no tokenizer.json saved
     saved = json.loads((tmp_path / "generation_config.json").read_text())
-    assert files.generation_config == saved
+    assert load_generation_config(str(tmp_path)) == saved
 
 
 def test_tied_head_is_the_embedding_tensor(tiny_models, tmp_path):
@@ -97,7 +99,7 @@ def test_hf_directory_in_bfloat16_and_without_generation_config(tiny_models, tmp
     files = load_model_files(str(tmp_path), torch.bfloat16)
     reference = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     _assert_weights_equal(files.weights, reference)
-    assert files.generation_config == {}
+    assert load_generation_config(str(tmp_path)) == {}
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -109,7 +111,7 @@ def test_gguf_export_of_tiny_model_round_trips(tiny_models, tmp_path, arch, tens
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_tiny_gguf(model, path, tensor_type)
     files = load_model_files(path, torch.float32)
-    assert files.tokenizer is None  # the export carries no tokenizer metadata
+    assert load_tokenizer(path) is None  # the export carries no tokenizer metadata
     _assert_config_matches(files.config, model.config)
     assert files.config.name == f"tiny-{arch}"
     reference = {}
@@ -146,8 +148,9 @@ def test_embedded_gguf_equals_transformers_float32():
     assert np.float32(files.config.rms_norm_eps) == np.float32(expected.rms_norm_eps)
     assert files.config.replace(name="") == PRESETS["smollm2-135m"].replace(name="")
     assert files.source == resolve_model_path("default") == embedded_gguf_path()
-    assert files.generation_config == {}
-    assert files.tokenizer is not None and files.tokenizer.vocab_size == 49152
+    assert load_generation_config("default") == {}
+    tokenizer = load_tokenizer("default")
+    assert tokenizer is not None and tokenizer.vocab_size == 49152
 
 
 def _small(config: ModelConfig) -> ModelConfig:
@@ -185,7 +188,8 @@ def test_dummy_weights_names_shapes_and_statistics(preset):
 def test_dummy_preset_through_the_loader():
     files = load_model_files("dummy:smollm2-135m", torch.bfloat16)
     assert files.config == PRESETS["smollm2-135m"]
-    assert files.tokenizer is None and files.generation_config == {}
+    assert load_tokenizer("dummy:smollm2-135m") is None
+    assert load_generation_config("dummy:smollm2-135m") == {}
     assert files.source == "dummy:smollm2-135m"
     assert all(t.dtype == torch.bfloat16 for t in files.weights.values())
     up = files.weights["model.layers.0.mlp.up_proj.weight"].float()

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from actors.messages import StepStats
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from telemetry.logging import (
     EngineStatsLog,
     bind_actor,

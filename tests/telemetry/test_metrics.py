@@ -7,9 +7,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.kv_messages import KVUsage
-from actors.messages import StepStats
-from gpu.runner_selection import RunnerChoice
+from actors.messages import SchedulerStats, StepStats
 from telemetry.metrics import IDLE_FRACTION_WINDOW_STEPS, EngineMetrics
 from telemetry.records import RequestRecord
 
@@ -37,11 +35,13 @@ def bucket(families: dict[str, Metric], histogram: str, le: str) -> float:
     return value(families, histogram, f"{histogram}_bucket", le=le)
 
 
-def kv_usage(usage_perc: float, queries: int, hits: int) -> KVUsage:
-    return KVUsage(num_total_blocks=100, num_free_blocks=100 - int(usage_perc * 100),
-                   num_used_blocks=int(usage_perc * 100), num_cached_blocks=0,
-                   usage_perc=usage_perc, prefix_cache_queries_tokens=queries,
-                   prefix_cache_hits_tokens=hits)
+def engine_stats(running: int, waiting: int, usage_perc: float, queries: int = 0,
+                 hits: int = 0, preemptions: int = 0) -> SchedulerStats:
+    return SchedulerStats(num_running=running, num_waiting=waiting,
+                          num_preemptions_total=preemptions, num_total_kv_blocks=100,
+                          num_free_kv_blocks=100 - int(usage_perc * 100),
+                          kv_usage_perc=usage_perc, prefix_cache_queries_tokens=queries,
+                          prefix_cache_hits_tokens=hits, num_free_rows=None)
 
 
 def record(request_id: str, reason: str, prompt: int, output: int, *, ttft: float | None,
@@ -136,19 +136,23 @@ def test_counters_and_histograms_match_a_known_set_of_requests() -> None:
 
 def test_gauges_go_back_to_zero_and_prefix_counters_follow_the_totals() -> None:
     metrics = EngineMetrics(MODEL)
-    metrics.set_gauges(3, 2, kv_usage(0.5, queries=100, hits=40))
+    busy_stats = engine_stats(3, 2, 0.5, queries=100, hits=40)
+    metrics.set_engine_load(busy_stats)
+    metrics.observe_engine_totals(busy_stats)
     busy = scrape(metrics)
     assert value(busy, "vllm:num_requests_running") == 3
     assert value(busy, "vllm:num_requests_waiting") == 2
     assert value(busy, "vllm:kv_cache_usage_perc") == 0.5
-    metrics.set_gauges(0, 0, kv_usage(0.0, queries=160, hits=40))
+    idle_stats = engine_stats(0, 0, 0.0, queries=160, hits=40)
+    metrics.set_engine_load(idle_stats)
+    metrics.observe_engine_totals(idle_stats)
     idle = scrape(metrics)
     assert value(idle, "vllm:num_requests_running") == 0
     assert value(idle, "vllm:num_requests_waiting") == 0
     assert value(idle, "vllm:kv_cache_usage_perc") == 0
     assert value(idle, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 160
     assert value(idle, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 40
-    metrics.set_gauges(1, 0)  # without a KV snapshot the KV metrics keep their values
+    metrics.set_engine_load(engine_stats(1, 0, 0.1, queries=0))  # load only: totals stay
     assert value(scrape(metrics), "vllm:prefix_cache_queries",
                  "vllm:prefix_cache_queries_total") == 160
 
@@ -156,9 +160,9 @@ def test_gauges_go_back_to_zero_and_prefix_counters_follow_the_totals() -> None:
 def test_preemption_counter_advances_by_the_change_in_the_total() -> None:
     metrics = EngineMetrics(MODEL)
     for total in (0, 2, 2, 5):
-        metrics.observe_preemptions(total)
+        metrics.observe_engine_totals(engine_stats(0, 0, 0.0, preemptions=total))
     assert value(scrape(metrics), "vllm:num_preemptions", "vllm:num_preemptions_total") == 5
-    metrics.observe_preemptions(1)  # the source restarted from zero
+    metrics.observe_engine_totals(engine_stats(0, 0, 0.0, preemptions=1))  # source restarted
     assert value(scrape(metrics), "vllm:num_preemptions", "vllm:num_preemptions_total") == 6
 
 
@@ -191,8 +195,8 @@ def test_step_histograms_and_idle_fraction() -> None:
 
 def test_runner_info_shows_only_the_current_choice() -> None:
     metrics = EngineMetrics(MODEL)
-    metrics.set_runner(RunnerChoice("v1", "forced by --runner v1", "override"))
-    metrics.set_runner(RunnerChoice("v2", "no fallback rule applies", "default"))
+    metrics.set_runner("v1", "forced by --runner v1", "override")
+    metrics.set_runner("v2", "no fallback rule applies", "default")
     [sample] = scrape(metrics)["tandem:runner_info"].samples
     assert sample.value == 1
     assert sample.labels == {"model_name": MODEL, "runner": "v2",

@@ -229,9 +229,11 @@ def test_metrics_count_exactly_what_was_served(one_seat_server: RunningServer) -
                   "vllm:kv_cache_usage_perc"):
         assert metric(samples, gauge) == 0, gauge
 
-    runner = server.state.loaded.runner
-    assert metric(samples, "tandem:runner_info", runner=runner.runner, reason=runner.reason) == 1
-    num_steps = sum(s.num_tokens > 0 for s in server.state.engine.recent_step_stats())
+    info = server.state.engine_info
+    assert metric(samples, "tandem:runner_info", runner=info.runner,
+                  reason=info.runner_reason) == 1
+    core = server.state.connection.inprocess_core
+    num_steps = sum(s.num_tokens > 0 for s in core.gpu_actor.recent_step_stats)
     assert num_steps >= max(num_output)
     for name in ("engine_step_duration_seconds", "gpu_idle_between_steps_seconds",
                  "scheduler_cpu_time_per_step_seconds"):
@@ -334,7 +336,12 @@ def test_served_request_logs_json_lines_and_exports_its_span(
     info_events = Counter(line["event"] for line in lines if line["level"] != "debug")
     assert max(info_events.values()) < 5, info_events
     assert any(line["logger"] == "hypercorn.access" for line in lines)
+    # Two processes, each line named: the front end and the engine core.
+    assert {line["process"] for line in lines if "process" in line} == {"api_server_0",
+                                                                        "engine_core"}
+    assert finished["process"] == "api_server_0"
     [started] = [line for line in lines if line["event"] == "engine_started"]
+    assert started["process"] == "engine_core" and started["pid"] != proc.pid
     assert started["device"] == "cpu" and started["runner"] in ("v1", "v2")
     assert started["runner_reason"] and started["config"]["max_model_len"] == 512
     assert (started["kv_cache_blocks"], started["kv_cache_tokens"]) == (64, 64 * 16)

@@ -1,4 +1,4 @@
-"""What the server's telemetry costs on the engine's step path: the sampler actor taking a
+"""What the server's telemetry costs on the front end's step path: the sampler actor taking a
 step's output with the server's hooks (metrics, the stats log, per-request timelines and
 the scheduler-time bookkeeping) against none. Tracing has no step-path calls at all."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import structlog
 
-from actors.messages import EngineRequest, StepOutput, StepStats
+from actors.messages import EngineCoreOutputs, EngineRequest, StepStats
 from actors.output_stream import RequestStream
 from actors.sampler import OutputProcessor, SamplerActor
 from actors.sampling_params import SamplingParams
@@ -30,16 +30,18 @@ def _step_path_cost_us(with_telemetry: bool, batch_size: int, num_steps: int) ->
                                         wrapper_class=structlog.make_filtering_bound_logger(
                                             logging.INFO))
     observers = [metrics.observe_step, EngineStatsLog(logger=info_logger).observe_step]
-    processor = OutputProcessor(None, lambda update: None, on_request_finished=(
+    processor = OutputProcessor(None, on_request_finished=(
         metrics.observe_request_finished if with_telemetry else None))
-    actor = SamplerActor(processor, observers if with_telemetry else ())
+    actor = SamplerActor(processor, on_stopped=lambda request_ids: None,
+                         step_observers=observers if with_telemetry else ())
     request_ids = tuple(f"r{i}" for i in range(batch_size))
     for request_id in request_ids:
         processor.add_request(EngineRequest(request_id, (1, 2, 3), SamplingParams(max_tokens=None),
                                             time.monotonic()), RequestStream(request_id, 3))
-    outputs = [StepOutput(step, request_ids, np.full(batch_size, 7, np.int64), None,
-                          StepStats(step, batch_size, batch_size, 0, step_time_s=1e-3,
-                                    gpu_idle_s=1e-5)) for step in range(num_steps)]
+    outputs = [EngineCoreOutputs(step, request_ids, np.full(batch_size, 7, np.int32),
+                                 step_stats=StepStats(step, batch_size, batch_size, 0,
+                                                      step_time_s=1e-3, gpu_idle_s=1e-5))
+               for step in range(num_steps)]
     async def run() -> float:
         started = time.perf_counter()
         for out in outputs:

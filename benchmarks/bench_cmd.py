@@ -1,5 +1,5 @@
 """`tandem bench`: benchmarks. `tandem bench serve` is a client for a running server
-(app/bench/serve_cli.py). `tandem bench throughput` runs one offline workload (dummy
+(benchmarks/serve_cli.py). `tandem bench throughput` runs one offline workload (dummy
 weights, bf16, fixed lengths) through tandem V2 and V1, interleaved ABBA, then through
 transformers `generate` (static batches) and `generate_batch` (continuous batching) on the
 same weights, and writes a JSON result (commit, GPU, command, workload, warmup, per-run
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench.workloads import HF_ARMS, TANDEM_ARMS
+from benchmarks.workloads import HF_ARMS, TANDEM_ARMS
 
 ALL_ARMS = (*TANDEM_ARMS, *HF_ARMS)
 
@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks",
                            description="Benchmarks (see `tandem bench throughput --help`).")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    from app.bench import serve_cli
+    from benchmarks import serve_cli
 
     serve_cli.add_parser(bench_sub)
     p = bench_sub.add_parser(
@@ -59,8 +59,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from app.bench.throughput import run_benchmark
-    from app.bench.workloads import workload_by_name
+    from benchmarks.throughput import run_benchmark
+    from benchmarks.workloads import workload_by_name
     from app.cli_errors import UserFacingError
 
     try:

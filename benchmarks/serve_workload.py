@@ -1,7 +1,7 @@
 """Random fixed-length requests for `tandem bench serve`: token-id prompts for
 /v1/completions (exactly `input_len` tokens, no tokenizer needed on the client) and
-random-word prompts for /v1/chat/completions (about `input_len` words; the server's usage
-chunk reports the true token count)."""
+random-word prompts for /v1/chat/completions: about `input_len` words, or, with a
+tokenizer (`--tokenizer`, as the server's), exactly `input_len` tokens of message text."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class Workload:
     temperature: float
     seed: int
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE
+    tokenizer: str | None = None
+    """A tokenizer.json or Hugging Face directory that sizes chat prompts in tokens."""
 
 
 def token_id_prompts(num_prompts: int, input_len: int, seed: int,
@@ -50,17 +52,29 @@ def token_id_prompts(num_prompts: int, input_len: int, seed: int,
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def text_prompts(num_prompts: int, input_len: int, seed: int) -> list[str]:
-    """Sentences of `input_len` random common words (roughly one token each)."""
+def text_prompts(num_prompts: int, input_len: int, seed: int, tokenizer: Any = None
+                 ) -> list[str]:
+    """Sentences of `input_len` random common words (roughly one token each); with a
+    tokenizer, cut to exactly `input_len` tokens (each word is one or more whole tokens,
+    so the cut text encodes back to the same length)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(num_prompts)]
+    num_words = input_len if tokenizer is None else 2 * input_len
+    texts = [" ".join(rng.choice(_WORDS) for _ in range(num_words)) for _ in range(num_prompts)]
+    if tokenizer is None:
+        return texts
+    return [tokenizer.decode(tokenizer.encode(text)[:input_len]) for text in texts]
 
 
 def prompts_for(workload: Workload, seed: int, num_prompts: int | None = None) -> list[Any]:
     count = workload.num_prompts if num_prompts is None else num_prompts
     if workload.endpoint == "completions":
         return token_id_prompts(count, workload.input_len, seed, workload.token_id_range)
-    return text_prompts(count, workload.input_len, seed)
+    tokenizer = None
+    if workload.tokenizer is not None:
+        from app.tokenizer_loader import load_tokenizer
+
+        tokenizer = load_tokenizer(workload.tokenizer)
+    return text_prompts(count, workload.input_len, seed, tokenizer)
 
 
 def request_body(workload: Workload, prompt: Any, model: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import anyio
 import httpx
 
-from app.bench.soak_workload import PlannedRequest
+from benchmarks.soak_workload import PlannedRequest
 
 Outcome = Literal["completed", "client_aborted", "rejected", "refused", "failed"]
 REQUEST_TIMEOUT_S = 300.0

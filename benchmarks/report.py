@@ -22,8 +22,8 @@ import statistics
 from typing import Any
 
 from actors.messages import StepStats
-from app.bench.tandem_arm import EngineRun
-from app.bench.workloads import Workload
+from benchmarks.tandem_arm import EngineRun
+from benchmarks.workloads import Workload
 from gpu.models.config import ModelConfig
 
 COPY_BANDWIDTH_BYTES_PER_S = 4.26e12

@@ -24,9 +24,9 @@ import anyio
 import httpx
 import orjson
 
-from app.bench.run_info import load_average, run_header
-from app.bench.serve_metrics import RequestResult, StreamTimeline, summarize
-from app.bench.serve_workload import (
+from benchmarks.run_info import load_average, run_header
+from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize
+from benchmarks.serve_workload import (
     ENDPOINT_PATHS,
     Workload,
     prompts_digest,

@@ -2,7 +2,7 @@
 `tandem bench serve` at several concurrencies, next to the offline engine's throughput on
 the same prompts, with the server/offline ratio at the highest concurrency.
 
-    python -m app.bench.cpu_serve --output benchmarks/results/cpu_serve.json
+    python -m benchmarks.cpu_serve --output benchmarks/results/cpu_serve.json
 
 Order: offline, server, offline; the offline figure is the median of the two runs, and
 the server never shares the CPU with the offline engine. Prefix caching is off on both
@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from app.bench.run_info import command_line, load_average, process_cpu_s, run_header
-from app.bench.serve_workload import (
+from benchmarks.run_info import command_line, load_average, process_cpu_s, run_header
+from benchmarks.serve_workload import (
     DEFAULT_TOKEN_ID_RANGE,
     prompts_digest,
     token_id_prompts,
@@ -39,7 +39,7 @@ _READY_TIMEOUT_S = 300.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m app.bench.cpu_serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)

@@ -16,7 +16,6 @@ from typing import Any, Self
 import anyio
 import httpx
 
-from actors.kv_messages import CheckInvariants
 from app.server import TandemServer
 from app.server_state import EngineSnapshot, ServerState, ServeSettings
 
@@ -24,7 +23,7 @@ _START_TIMEOUT_S = 300.0
 
 
 class InProcessServer:
-    """`preloaded`: an app.startup.LoadedEngine to serve (see ServerState)."""
+    """`preloaded`: an actors.engine_startup.LoadedEngine to serve (see ServerState)."""
 
     def __init__(self, settings: ServeSettings, preloaded: Any = None) -> None:
         self.settings = settings
@@ -62,10 +61,7 @@ class InProcessServer:
     def check_kv_invariants(self) -> None:
         """Raises AssertionError naming the first broken invariant of the KV cache manager."""
 
-        async def ask() -> None:
-            await self.state.engine.kv_actor.ask(CheckInvariants())
-
-        self.server.run_coroutine(ask).result(timeout=30)
+        self.server.run_coroutine(self.state.check_kv_invariants).result(timeout=30)
 
     def wait_idle(self, timeout_s: float = 60.0) -> EngineSnapshot:
         """The first snapshot with nothing running, waiting or admitted (or the last one

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.bench.hf_model import hf_model_sharing_weights
+from benchmarks.hf_model import hf_model_sharing_weights
 from gpu.attention.base import AttentionMetadata, allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.config import PRESETS, ModelConfig

@@ -1,4 +1,4 @@
-"""Startup: probe the platform, pick the runner, load the model."""
+"""The engine core's startup: probe the platform, pick the runner, load the model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from app.config import EngineConfig
+from actors.config import EngineConfig
 from gpu.models.config import ModelConfig
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
@@ -53,3 +53,16 @@ def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
         raise ValueError("a reused model must keep the same model and block size")
     runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
     return LoadedEngine(config=config, platform=loaded.platform, runner=runner, worker=loaded.worker)
+
+
+def load_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a start that the configuration caused (files, flags), not a bug."""
+    from actors.config import ConfigError
+    from actors.model_source import ModelLoadError
+    from actors.sampling_params import SamplingParamsError
+    from gpu.models.config import UnsupportedModelError
+    from gpu.runner_selection import RunnerSelectionError
+    from gpu.worker import WorkerConfigError
+
+    return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
+            ModelLoadError, WorkerConfigError)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from app.bench.hf_arms import HFRun, run_hf_continuous, run_hf_static, warm_up_hf
-from app.bench.report import gpu_idle_figures, latency_figures, roofline_figures, summarise_runs
-from app.bench.tandem_arm import EngineRun, fixed_length_params, run_engine
-from app.bench.workloads import HF_ARMS, TANDEM_ARMS, Workload, random_prompts
+from benchmarks.hf_arms import HFRun, run_hf_continuous, run_hf_static, warm_up_hf
+from benchmarks.report import gpu_idle_figures, latency_figures, roofline_figures, summarise_runs
+from benchmarks.tandem_arm import EngineRun, fixed_length_params, run_engine
+from benchmarks.workloads import HF_ARMS, TANDEM_ARMS, Workload, random_prompts
 from app.llm import LLM
 
 
@@ -122,7 +122,7 @@ def _tandem_run_record(arm: str, run: EngineRun, v2: LLM, workload: Workload) ->
 
 def _run_hf_arms(record: dict[str, Any], arms: list[str], v2: LLM, prompts: list[list[int]],
                  workload: Workload, batch_size: int, out_path: Path) -> None:
-    from app.bench.hf_model import hf_model_sharing_weights
+    from benchmarks.hf_model import hf_model_sharing_weights
 
     hf = hf_model_sharing_weights(v2.worker.model)
     warm_up_hf(hf, prompts)

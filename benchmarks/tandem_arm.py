@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from actors.engine import Engine
+from actors.inprocess_engine import InProcessEngine
 from actors.messages import EngineRequest, StepStats
 from actors.output_stream import RequestStream, StreamDelta
 from actors.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> En
 
 
 async def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> EngineRun:
-    engine = Engine(llm.worker, llm.runner, llm.config)
+    engine = InProcessEngine(llm.worker, llm.loaded.runner, llm.config, tokenizer=llm.tokenizer)
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         started = time.monotonic()
@@ -60,7 +60,7 @@ async def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> En
         elapsed_s = time.monotonic() - started
         engine.stop()
     return EngineRun(elapsed_s, tuple(timings), engine.recent_step_stats(),
-                     engine.stats().num_preemptions_total)
+                     engine.num_preemptions_total)
 
 
 async def _collect_finished(streams: list[RequestStream], started: float) -> list[RequestTiming]:

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.bench.serve_workload import DEFAULT_TOKEN_ID_RANGE
+from benchmarks.serve_workload import DEFAULT_TOKEN_ID_RANGE
 
 
 def add_parser(bench_sub: Any) -> None:
@@ -42,14 +42,17 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--token-id-range", default="{}:{}".format(*DEFAULT_TOKEN_ID_RANGE),
                    help="LOW:HIGH range of the random prompt token ids (default %(default)s)")
+    p.add_argument("--tokenizer",
+                   help="chat: a tokenizer.json or Hugging Face tokenizer directory (the "
+                        "server's) to make each message exactly --input-len tokens")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output", type=Path, help="JSON result path (printed summary only without)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bench.run_info import command_line
-    from app.bench.serve_client import ServerUnavailableError, run_serve_benchmark
+    from benchmarks.run_info import command_line
+    from benchmarks.serve_client import ServerUnavailableError, run_serve_benchmark
     from app.cli_errors import UserFacingError
 
     config = config_from_args(args)
@@ -67,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from app.bench.serve_client import ServeBenchConfig
-    from app.bench.serve_workload import Workload
+    from benchmarks.serve_client import ServeBenchConfig
+    from benchmarks.serve_workload import Workload
     from app.cli_errors import UserFacingError
 
     concurrencies = _positive_ints(args.concurrency, "--concurrency")
@@ -89,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     workload = Workload(endpoint=args.endpoint, num_prompts=args.num_prompts,
                         input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
-                        token_id_range=token_range)
+                        token_id_range=token_range, tokenizer=args.tokenizer)
     return ServeBenchConfig(base_url=base_url, workload=workload, concurrencies=concurrencies,
                             request_rate=rate, num_warmups=args.warmup, model=args.model,
                             api_key=args.api_key, timeout_s=args.timeout)

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from actors.messages import StepStats
-from app.bench.report import gpu_idle_figures, latency_figures, roofline_figures
-from app.bench.tandem_arm import EngineRun, RequestTiming
-from app.bench.throughput import abba_order
-from app.bench.workloads import WORKLOADS, random_prompts, workload_by_name
+from benchmarks.report import gpu_idle_figures, latency_figures, roofline_figures
+from benchmarks.tandem_arm import EngineRun, RequestTiming
+from benchmarks.throughput import abba_order
+from benchmarks.workloads import WORKLOADS, random_prompts, workload_by_name
 from gpu.models.config import PRESETS
 
 

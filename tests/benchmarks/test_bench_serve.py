@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from app.bench.serve_client import (
+from benchmarks.serve_client import (
     ServeBenchConfig,
     arrival_offsets_s,
     run_serve_benchmark,
 )
-from app.bench.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
-from app.bench.serve_workload import (
+from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
+from app.tokenizer_loader import load_tokenizer
+from benchmarks.serve_workload import (
     Workload,
     request_body,
     text_prompts,
@@ -127,6 +128,9 @@ def test_prompts_and_bodies() -> None:
     assert prompts == token_id_prompts(3, 17, seed=5, token_id_range=(100, 200))
     assert prompts != token_id_prompts(3, 17, seed=6, token_id_range=(100, 200))
     assert [len(t.split()) for t in text_prompts(2, 9, seed=0)] == [9, 9]
+    tokenizer = load_tokenizer("default")
+    sized = text_prompts(4, 33, seed=1, tokenizer=tokenizer)
+    assert [len(tokenizer.encode(t)) for t in sized] == [33] * 4
     workload = Workload("chat", 1, 9, 12, ignore_eos=True, temperature=0.0, seed=0)
     body = request_body(workload, "hi there", "m")
     assert body["messages"] == [{"role": "user", "content": "hi there"}]
@@ -143,7 +147,7 @@ def test_prompts_and_bodies() -> None:
     (["--base-url", "127.0.0.1:8000"], "--base-url"),
 ])
 def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
-    from app.bench.serve_cli import config_from_args
+    from benchmarks.serve_cli import config_from_args
 
     args = build_parser().parse_args(["bench", "serve", *flags])
     with pytest.raises(UserFacingError, match=message):
@@ -151,7 +155,7 @@ def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
 
 
 def test_flags_become_config() -> None:
-    from app.bench.serve_cli import config_from_args
+    from benchmarks.serve_cli import config_from_args
 
     args = build_parser().parse_args([
         "bench", "serve", "--base-url", "http://h:1/v1/", "--concurrency", "1,16,64",

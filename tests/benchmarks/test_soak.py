@@ -1,7 +1,7 @@
 """Soak, CI form: the real server with the embedded model on CPU, 150 requests from 32
 concurrent clients (streamed and not, chat and completions, random lengths and sampling
 parameters, 20% disconnecting at random moments, 5% malformed). The long form is
-`python -m app.bench.soak`; both run app.bench.soak.run_soak."""
+`python -m benchmarks.soak`; both run benchmarks.soak.run_soak."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from app.bench.soak import SoakConfig, run_soak
-from app.bench.soak_server import InProcessServer
-from app.bench.soak_workload import SoakMix
+from benchmarks.soak import SoakConfig, run_soak
+from benchmarks.soak_server import InProcessServer
+from benchmarks.soak_workload import SoakMix
 from app.server_state import ServeSettings
 from tests.app._server_fixtures import ENGINE, shared_model
 

@@ -2,7 +2,7 @@
 load times, single-request and batch-8 decode speed, and 32-prompt batched throughput,
 for tandem's V2 and V1 runners and transformers on the same chat prompts.
 
-    python -m app.bench.cpu_offline --output benchmarks/results/cpu_offline.json
+    python -m benchmarks.cpu_offline --output benchmarks/results/cpu_offline.json
 
 Every arm decodes greedily to a fixed length (tandem: ignore_eos; transformers:
 min_new_tokens = max_new_tokens, left-padded batches). Arms run interleaved (v2 v1 hf,
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from app.bench.run_info import command_line, load_average, run_header
+from benchmarks.run_info import command_line, load_average, run_header
 
 ARMS = ("v2", "v1", "hf")
 _TOPICS = (
@@ -38,7 +38,7 @@ Generate = Callable[[list[list[int]], int], list[list[int]]]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m app.bench.cpu_offline", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode-tokens", type=int, default=32, help="new tokens, single/batch 8")
     p.add_argument("--batch-size", type=int, default=8)

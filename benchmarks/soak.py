@@ -1,9 +1,9 @@
 """Soak: the real server with the embedded model on CPU under a mixed, misbehaving load.
 
-    python -m app.bench.soak --requests 2000 --concurrency 128 \\
+    python -m benchmarks.soak --requests 2000 --concurrency 128 \\
         --output benchmarks/results/soak_cpu.json
 
-`concurrency` clients send a seeded mix (see app.bench.soak_workload): streamed and
+`concurrency` clients send a seeded mix (see benchmarks.soak_workload): streamed and
 non-streamed chat and text completions with random lengths and sampling parameters, a
 share of clients that disconnect at a random moment, a share of malformed requests.
 The run passes when no request failed (no 5xx, every accepted request completed with a
@@ -29,9 +29,9 @@ import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.bench.soak_client import REQUEST_TIMEOUT_S, RequestOutcome, send
-from app.bench.soak_server import RssSampler
-from app.bench.soak_workload import SoakMix, plan_request
+from benchmarks.soak_client import REQUEST_TIMEOUT_S, RequestOutcome, send
+from benchmarks.soak_server import RssSampler
+from benchmarks.soak_workload import SoakMix, plan_request
 from app.server_state import EngineSnapshot
 
 _MIB = 1024 * 1024
@@ -229,7 +229,7 @@ def _problems(report: dict[str, Any], config: SoakConfig) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m app.bench.soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=128)
@@ -249,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from app.bench.run_info import command_line, run_header
-    from app.bench.soak_server import InProcessServer
-    from app.config import EngineConfig
+    from benchmarks.run_info import command_line, run_header
+    from benchmarks.soak_server import InProcessServer
+    from actors.config import EngineConfig
     from app.server_state import ServeSettings
     from telemetry.logging import configure_logging
 

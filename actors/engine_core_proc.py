@@ -1,0 +1,121 @@
+"""The engine core's own process (`python -m actors.engine_core_proc`, started by
+`tandem serve`): load the model, warm up, then serve the protocol on a ZMQ ipc socket.
+
+It ignores SIGINT and SIGTERM: a terminal's Ctrl-C or a container stop reaches every
+process of the group, and the core must keep running while the front ends drain; they
+send Shutdown when they are done. It dies with its parent (PR_SET_PDEATHSIG), so no core
+outlives the server that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+import anyio
+import msgspec
+import structlog
+
+from actors import event_loop
+from actors.config import EngineConfig
+from actors.parent_death import die_with_parent
+from actors.messages import ClientHello, EngineStartupFailed, Shutdown
+from actors.transport import TransportClosed, ZmqCoreEndpoint
+
+log = structlog.get_logger("tandem.engine_core")
+
+_FAILURE_FLUSH_S = 0.5
+"""How long a failed start waits for its EngineStartupFailed to leave the socket."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    die_with_parent(args.parent_pid)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    from telemetry.logging import configure_logging
+
+    configure_logging(json=args.log_format == "json", level=args.log_level,
+                      process_name="engine_core")
+    config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+    return event_loop.run(_serve, config, args.address, args.max_consecutive_failed_steps)
+
+
+async def _serve(config: EngineConfig, address: str, max_consecutive_failed_steps: int) -> int:
+    started = time.perf_counter()
+    endpoint = ZmqCoreEndpoint(address)
+    clients: set[int] = set()
+    shutdown = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_greet_while_loading, endpoint, clients, shutdown)
+            try:
+                loaded = await anyio.to_thread.run_sync(_load, config)
+            except Exception as exc:  # noqa: BLE001 - reported to the front ends, then exit
+                return await _report_failure(endpoint, clients, exc)
+            tg.cancel_scope.cancel()
+        if shutdown.is_set():
+            return 0
+        from actors.engine_core import EngineCore
+
+        core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
+                          max_consecutive_failed_steps=max_consecutive_failed_steps,
+                          started_at=started, known_clients=clients)
+        await core.run(warm_up=loaded.worker.device.type == "cuda")
+        return 1 if core.dead_reason is not None else 0
+    finally:
+        endpoint.close()
+
+
+async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
+                               shutdown: anyio.Event) -> None:
+    """Note who connects while the model loads; nothing else can arrive before ready."""
+    while True:
+        try:
+            message = await endpoint.receive()
+        except TransportClosed:
+            return
+        if isinstance(message, ClientHello):
+            clients.add(message.client_index)
+        elif isinstance(message, Shutdown):
+            shutdown.set()
+
+
+def _load(config: EngineConfig):  # type: ignore[no-untyped-def]
+    from actors.engine_startup import load_engine
+
+    return load_engine(config)
+
+
+async def _report_failure(endpoint: ZmqCoreEndpoint, clients: set[int], exc: Exception) -> int:
+    from actors.engine_startup import load_errors
+
+    is_user_error = isinstance(exc, load_errors())
+    if is_user_error:
+        log.error("model_load_failed", error=str(exc))
+    else:
+        log.exception("engine_start_failed")
+    failure = EngineStartupFailed(str(exc) or type(exc).__name__, is_user_error)
+    for client in clients:
+        endpoint.send(client, failure)
+    await anyio.sleep(_FAILURE_FLUSH_S)
+    return 2 if is_user_error else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m actors.engine_core_proc",
+                                     description="tandem's engine core process (started by "
+                                                 "`tandem serve`)")
+    parser.add_argument("--address", required=True, help="ZMQ address to bind (ipc://...)")
+    parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    parser.add_argument("--max-consecutive-failed-steps", type=int, default=5)
+    parser.add_argument("--log-format", choices=("json", "console"), default="json")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""One API-server process of `tandem serve --api-server-count N`
+(`python -m app.api_server_proc`, started by the supervisor): Hypercorn on the listening
+socket it inherits, in front of the engine core the supervisor started. No torch."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import msgspec
+
+from actors import event_loop
+from actors.parent_death import die_with_parent
+from app.engine_connection import EngineAttachment
+from app.serve_settings import ServeSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    die_with_parent(args.parent_pid)
+    settings = msgspec.json.decode(args.settings.encode(), type=ServeSettings)
+    from app.server import TandemServer
+    from app.server_state import ServerState
+    from telemetry.logging import configure_logging
+
+    configure_logging(json=settings.log_format == "json", level=settings.log_level,
+                      process_name=f"api_server_{args.client_index}")
+    attach = EngineAttachment(args.engine_address, args.engine_pid, args.client_index)
+    sock = socket.socket(fileno=args.fd)
+    server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
+    exit_code: int = event_loop.run(server.serve)
+    if server.state.failure_message is not None:
+        print(f"tandem: error: {server.state.failure_message}", file=sys.stderr)
+        return 2
+    return exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app.api_server_proc",
+                                     description="one API server of `tandem serve "
+                                                 "--api-server-count N` (started by it)")
+    parser.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
+    parser.add_argument("--client-index", type=int, required=True)
+    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-pid", type=int, required=True)
+    parser.add_argument("--settings", required=True, help="the ServeSettings as JSON")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

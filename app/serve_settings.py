@@ -1,0 +1,56 @@
+"""`tandem serve`'s settings: what the flags and TANDEM_* variables configure."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from actors.config import EngineConfig
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    """Names clients may send as `model`; the first is listed in /v1/models. Empty: derived
+    from the model."""
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_queued_prompt_tokens: int | None = None
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    keep_alive_interval_s: float = 10.0
+    shutdown_timeout_s: float = 30.0
+    clamp_max_tokens: bool = False
+    max_n: int = 16
+    retry_after_s: int = 1
+    access_log: bool = False
+    max_consecutive_failed_steps: int = 5
+    """This many failed engine steps in a row mark the engine dead: /health 503."""
+    keep_alive_timeout_s: float = 65.0
+    """An idle connection (no request yet, or between requests) is closed after this; a
+    request's headers must arrive within it."""
+    request_body_timeout_s: float = 60.0
+    """A request body that has not fully arrived this long after its headers gets 408."""
+    api_server_count: int = 1
+    """Front-end processes sharing the listening socket, in front of one engine core."""
+    log_format: str = "json"
+    log_level: str = "info"
+
+    def model_names(self) -> tuple[str, ...]:
+        if self.served_model_names:
+            return self.served_model_names
+        return default_model_names(self.engine.model)
+
+
+def default_model_names(model: str) -> tuple[str, ...]:
+    """A path is served under its base name (never the full path, which would leak in
+    /v1/models), with the original string as an alias."""
+    if model == "default":
+        return (EMBEDDED_MODEL_NAME, "default")
+    base = os.path.basename(os.path.normpath(model))
+    base = base.removesuffix(".gguf") if base.endswith(".gguf") else base
+    return (base, model) if base != model else (model,)

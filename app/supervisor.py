@@ -1,0 +1,163 @@
+"""`tandem serve --api-server-count N`: one engine-core process and N API-server processes
+sharing one listening socket, watched by this (torch-free) parent.
+
+    supervisor --binds--> the socket, inherited by every API server
+      |-- engine core   (python -m actors.engine_core_proc)
+      |-- api server 0  (python -m app.api_server_proc)  records each step's timings
+      |-- ...
+      '-- api server N-1
+
+- Metrics: the API servers run Prometheus multiprocess mode in a private directory, so
+  /metrics from any of them sums the whole server.
+- SIGTERM/SIGINT: forwarded to every API server, which drains as a single server does
+  (a second signal is forwarded too: abort now); once all have exited the core is told to
+  shut down. Exit code 0, or the API servers' worst.
+- An API server that dies is restarted (its requests are aborted in the core when the new
+  one says hello); more than MAX_RESTARTS in RESTART_WINDOW_S and the server exits 1.
+- The engine core dying is seen by every API server at once (/health 503 'dead').
+- Every child dies with the supervisor (PR_SET_PDEATHSIG): no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+
+import msgspec
+import structlog
+import zmq
+
+from actors.codec import Codec
+from actors.messages import Shutdown
+from actors.transport import ipc_address
+from app.engine_process import start_engine_process, stop_process
+from app.serve_settings import ServeSettings
+from app.server import bind_listening_socket
+
+log = structlog.get_logger("tandem.supervisor")
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+_POLL_S = 0.1
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class Supervisor:
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.sock = bind_listening_socket(settings.host, settings.port)
+        self.port: int = self.sock.getsockname()[1]
+        self._workdir = tempfile.mkdtemp(prefix="tandem-")
+        self._metrics_dir = os.path.join(self._workdir, "metrics")
+        os.mkdir(self._metrics_dir)
+        self._address = ipc_address(self._workdir)
+        self._api_servers: dict[int, subprocess.Popen[bytes]] = {}
+        self._restarts: deque[float] = deque()
+        self._signals: deque[int] = deque()
+        self._draining = False
+        self.exit_code = 0
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: self._signals.append(signum))
+        settings = self.settings
+        self._engine = start_engine_process(
+            settings.engine, self._address,
+            max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
+            log_format=settings.log_format, log_level=settings.log_level)
+        try:
+            for index in range(settings.api_server_count):
+                self._api_servers[index] = self._start_api_server(index)
+            host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            log.info("server_listening", url=f"http://{host}:{self.port}",
+                     model=settings.engine.model, api_servers=settings.api_server_count,
+                     engine_pid=self._engine.pid)
+            self._supervise()
+        finally:
+            self._stop_engine()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        return self.exit_code
+
+    def _supervise(self) -> None:
+        while self._api_servers:
+            while self._signals:
+                self._forward(self._signals.popleft())
+            for index, process in list(self._api_servers.items()):
+                returncode = process.poll()
+                if returncode is not None:
+                    self._on_api_server_exit(index, process, returncode)
+            time.sleep(_POLL_S)
+
+    def _forward(self, signum: int) -> None:
+        log.info("draining" if not self._draining else "second_signal_aborting_requests",
+                 signal=signal.Signals(signum).name)
+        self._draining = True
+        for process in self._api_servers.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    def _on_api_server_exit(self, index: int, process: subprocess.Popen[bytes],
+                            returncode: int) -> None:
+        del self._api_servers[index]
+        _mark_process_dead(process.pid, self._metrics_dir)
+        if self._draining:
+            self.exit_code = max(self.exit_code, returncode)
+            return
+        if returncode == 2:  # the configuration is at fault (it printed why): stop all
+            log.error("api_server_failed_to_start", index=index)
+            self.exit_code = 2
+            self._forward(signal.SIGTERM)
+            return
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= MAX_RESTARTS:
+            log.error("api_server_restarts_exhausted", index=index, returncode=returncode)
+            self.exit_code = 1
+            self._forward(signal.SIGTERM)
+            return
+        log.error("api_server_died_restarting", index=index, pid=process.pid,
+                  returncode=returncode)
+        self._restarts.append(now)
+        self._api_servers[index] = self._start_api_server(index)
+
+    def _start_api_server(self, index: int) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "app.api_server_proc", "--fd", str(self.sock.fileno()),
+                   "--client-index", str(index), "--engine-address", self._address,
+                   "--engine-pid", str(self._engine.pid),
+                   "--settings", msgspec.json.encode(self.settings).decode(),
+                   "--parent-pid", str(os.getpid())]
+        env = {**os.environ, MULTIPROC_DIR_ENV: self._metrics_dir,
+               "TANDEM_PROCESS_NAME": f"api_server_{index}"}
+        # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
+        # forwards one signal (two would skip the drain).
+        return subprocess.Popen(command, pass_fds=(self.sock.fileno(),), env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _stop_engine(self) -> None:
+        if self._engine.poll() is None:
+            _send_shutdown(self._address)
+            stop_process(self._engine, timeout_s=30.0)
+        if self._engine.returncode not in (0, None) and self.exit_code == 0:
+            self.exit_code = 1
+
+
+def _send_shutdown(address: str) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    sock.send(Codec().encode(Shutdown()))
+    sock.close()
+
+
+def _mark_process_dead(pid: int, directory: str) -> None:
+    """Drop a dead API server's live gauges from the merged metrics (its counters stay)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, path=directory)

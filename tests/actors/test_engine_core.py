@@ -1,0 +1,95 @@
+"""The engine core on the embedded model: the same tokens over ZMQ as in process, a warm-up
+through the real step loop that leaves nothing behind, and utility calls answered over
+the protocol."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from actors.engine_client import EngineClient
+from actors.engine_core import EngineCore
+from actors.engine_startup import reuse_engine
+from actors.inprocess_engine import InProcessEngine
+from actors.messages import EngineRequest
+from actors.sampling_params import SamplingParams
+from actors.transport import ZmqClientEndpoint, ZmqCoreEndpoint, ipc_address
+from app.tokenizer_loader import load_tokenizer
+from tests.app._server_fixtures import ENGINE, shared_model
+
+pytestmark = pytest.mark.slow
+
+CONFIG = ENGINE.replace(max_num_seqs=8, max_num_batched_tokens=64)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 170)), [7] * 20]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12),
+          SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=2),
+          SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(42,))]
+
+
+def _requests() -> list[EngineRequest]:
+    eos = load_tokenizer(CONFIG.model).eos_token_ids
+    return [EngineRequest(f"r{i}", tuple(prompt), params, time.monotonic(), eos_token_ids=eos)
+            for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+
+
+async def _generate(client: EngineClient) -> list[tuple[tuple[int, ...], str | None]]:
+    streams = [client.add_request(request) for request in _requests()]
+    deltas = [await stream.wait_finished() for stream in streams]
+    return [(d.token_ids, d.finish_reason) for d in deltas if d is not None]
+
+
+def test_zmq_and_in_process_transports_give_identical_tokens(tmp_path: Path) -> None:
+    loaded = reuse_engine(shared_model(), CONFIG)
+    tokenizer = load_tokenizer(CONFIG.model)
+
+    async def in_process() -> list[tuple[tuple[int, ...], str | None]]:
+        engine = InProcessEngine(loaded.worker, loaded.runner, CONFIG, tokenizer=tokenizer)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            outputs = await _generate(engine.client)
+            engine.stop()
+        return outputs
+
+    async def over_zmq() -> list[tuple[tuple[int, ...], str | None]]:
+        address = ipc_address(str(tmp_path))
+        core = EngineCore(loaded.worker, loaded.runner, ZmqCoreEndpoint(address), CONFIG)
+        client = EngineClient(ZmqClientEndpoint(address, 0), tokenizer)
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            await tg.start(client.run)
+            with anyio.fail_after(60):
+                while client.ready is None:
+                    await anyio.sleep(0.01)
+                outputs = await _generate(client)
+            core.stop()
+            client.close()
+            core.endpoint.close()
+        return outputs
+
+    expected = anyio.run(in_process)
+    assert len(expected) == 3 and all(len(tokens) > 0 for tokens, _ in expected)
+    assert anyio.run(over_zmq) == expected
+
+
+def test_warm_up_runs_every_wave_through_the_step_loop_and_leaves_nothing() -> None:
+    loaded = reuse_engine(shared_model(), CONFIG)
+
+    async def run() -> None:
+        engine = InProcessEngine(loaded.worker, loaded.runner, CONFIG, warm_up=True)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)  # started = warm and ready
+            steps = engine.recent_step_stats()
+            assert any(s.num_reqs == 1 for s in steps)  # batch-1 decode
+            assert max(s.num_reqs for s in steps) == CONFIG.max_num_seqs  # a full batch
+            assert any(s.num_tokens == CONFIG.max_num_batched_tokens for s in steps)  # chunks
+            stats = (await engine.client.call("stats")).stats
+            assert stats is not None and (stats.num_running, stats.num_waiting) == (0, 0)
+            assert stats.num_free_kv_blocks == stats.num_total_kv_blocks
+            assert (await engine.client.call("check_kv_invariants")).error is None
+            assert (await engine.client.call("nonsense")).error == "unknown method 'nonsense'"
+            engine.stop()
+
+    anyio.run(run)
