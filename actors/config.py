@@ -46,6 +46,8 @@ class EngineConfig:
     """Seed for dummy weights and for requests that set no seed."""
     tokenizer: str | None = None
     """Tokenizer source when it differs from the model."""
+    tensor_parallel_size: int = 1
+    """Devices (one worker process each) that one model is split over."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +60,9 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.runner not in ("auto", "v1", "v2"):
             raise ConfigError(f"runner must be auto, v1 or v2, got {self.runner!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import structlog
 
 from actors.config import EngineConfig
+from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.config import ModelConfig
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
+from gpu.weights.shard_loader import read_model_config
 from gpu.worker import ModelWorker
 
 log = structlog.get_logger("tandem.startup")
@@ -26,15 +28,17 @@ class LoadedEngine:
     worker: ModelWorker
 
 
-def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) -> RunnerChoice:
-    choice = select_runner(
-        RunnerSelectionInput(
-            architecture=model.architecture,
-            env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
-            requested_runner=config.runner,
-        ),
-        platform,
+def _selection_input(config: EngineConfig, model: ModelConfig) -> RunnerSelectionInput:
+    return RunnerSelectionInput(
+        architecture=model.architecture,
+        env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
+        requested_runner=config.runner,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
+
+
+def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) -> RunnerChoice:
+    choice = select_runner(_selection_input(config, model), platform)
     log.info("runner_selected", runner=choice.runner, rule=choice.rule, reason=choice.reason)
     return choice
 
@@ -42,9 +46,24 @@ def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) 
 def load_engine(config: EngineConfig) -> LoadedEngine:
     """Everything slow that happens once per process, before the engine's actors start."""
     platform = probe_platform(config.device)
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(config, platform)
     worker = ModelWorker(config, platform)
     runner = choose_runner(config, platform, worker.model_config)
     return LoadedEngine(config=config, platform=platform, runner=runner, worker=worker)
+
+
+def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
+    """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading weights,
+    then refuse it: one engine driving several GPU workers is not available yet."""
+    model = read_model_config(config.model)
+    validate_tensor_parallel(config.tensor_parallel_size, model, platform.device_type,
+                             config.device)
+    choice = select_runner(_selection_input(config, model), platform)  # V1 refuses TP > 1
+    raise TensorParallelError(
+        f"--tensor-parallel-size {config.tensor_parallel_size} fits {model.name or config.model} "
+        f"on the {choice.runner.upper()} runner, but serving one model over several devices is "
+        "not available yet; use --tensor-parallel-size 1")
 
 
 def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
@@ -65,4 +84,4 @@ def load_errors() -> tuple[type[BaseException], ...]:
     from gpu.worker import WorkerConfigError
 
     return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
-            ModelLoadError, WorkerConfigError)
+            ModelLoadError, WorkerConfigError, TensorParallelError)

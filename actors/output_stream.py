@@ -79,6 +79,11 @@ class StreamDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing new (a poked reader's delta)."""
+        return not (self.token_ids or self.text or self.logprobs or self.finished)
+
 
 class RequestStream:
     """One request's output buffer. The engine side calls `push` (never blocks); exactly one
@@ -101,6 +106,7 @@ class RequestStream:
         self._error: str | None = None
         self._final_read = False
         self._cancelled = False
+        self._poked = False
         self._wakeup: anyio.Event | None = None
         self._done: anyio.Event | None = None
 
@@ -154,9 +160,19 @@ class RequestStream:
         while not self._has_pending():
             if self._final_read or self._cancelled:
                 return None
+            if self._poked:  # nothing new: an empty delta
+                self._poked = False
+                return self._take()
             self._wakeup = anyio.Event()
             await self._wakeup.wait()
+        self._poked = False
         return self._take()
+
+    def poke(self) -> None:
+        """Make a waiting reader return an empty delta (no tokens, no text, not final):
+        the server's keep-alive clock pokes quiet streams so that they send a comment."""
+        self._poked = True
+        self._wake()
 
     async def wait_finished(self) -> StreamDelta | None:
         """Wait for the final outcome without waking on every step, then return the whole

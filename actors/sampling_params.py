@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.structured_output import StructuredOutputSpec
+
 MAX_TOP_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -42,6 +44,9 @@ class SamplingParams:
     """None: no logprobs; k >= 0: the sampled token's logprob plus the top k."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
+    """Constrain the output to a schema, regex, choice or grammar (the engine applies it as a
+    token bitmask); None: unconstrained."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -37,8 +37,10 @@ class ChatTemplateError(ValueError):
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copy messages, joining list-of-parts content (`[{"type": "text", "text": ...}]`) into
-    one string, so templates written for string content render them."""
+    """Copy messages as templates expect them: list-of-parts content
+    (`[{"type": "text", "text": ...}]`) joined into one string, null or missing content as
+    "" (an assistant message that only called tools), and tool-call arguments given as JSON
+    text decoded into objects (templates write them with `tojson`)."""
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -47,8 +49,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         content = message.get("content")
         if isinstance(content, list):
             message["content"] = _join_text_parts(content, index)
+        elif content is None:
+            message["content"] = ""
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_decoded_call(call) for call in message["tool_calls"]]
         normalized.append(message)
     return normalized
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return call  # not JSON: the template gets the text as sent
+    return {**call, "function": {**function, "arguments": decoded}}
 
 
 def _join_text_parts(parts: list[Any], message_index: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app import generate_cmd, serve_cmd
+from app import export_tokenizer_cmd, generate_cmd, serve_cmd
 from benchmarks import bench_cmd
 from app.cli_errors import UserFacingError
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    export_tokenizer_cmd.add_parser(sub)
     return parser
 
 

@@ -32,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=_env("model", _DEFAULTS.model),
                    help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
                         "directory, or dummy:<preset> (random weights: qwen3-0.6b, qwen3-8b, "
-                        "llama-3.1-8b, smollm2-135m, qwen2-0.5b). Env: TANDEM_MODEL")
+                        "qwen3-32b, llama-3.1-8b, llama-3.1-70b, smollm2-135m, qwen2-0.5b). "
+                        "Env: TANDEM_MODEL")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    default=_env("dtype", _DEFAULTS.dtype),
                    help="compute dtype; auto = float32 on CPU, bfloat16 on GPU")
@@ -66,6 +67,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a tokenizer.json file or a Hugging Face tokenizer directory to use "
                         "instead of the model's own (pairs any weights, dummy ones included, "
                         "with a real tokenizer). Env: TANDEM_TOKENIZER")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=int(_env("tensor_parallel_size", _DEFAULTS.tensor_parallel_size)),
+                   help="split the model over this many GPUs of this host (one worker process "
+                        "each; needs the V2 runner and attention heads divisible by it). Values "
+                        "above 1 are validated but cannot be served yet")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -84,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if k in known})

@@ -25,6 +25,9 @@ _REQUEST_MODELS = {"ChatCompletionRequest": ChatCompletionRequest,
 _INT = {"type": "integer"}
 _COUNT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": _STR, "event": _STR, "id": _STR, "retry": {"type": "integer"}}}
+"""OpenAPI before 3.2 describes each server-sent event with the media type's schema."""
 
 
 def _obj(required: list[str], **properties: Any) -> dict[str, Any]:
@@ -150,7 +153,7 @@ def _json_ok(schema: str) -> dict[str, Any]:
 def _generation_ok(schema: str) -> dict[str, Any]:
     return {"description": "The completion; with `stream: true` server-sent events "
                            "(`data: {chunk}` lines, then `data: [DONE]`)",
-            "content": {**_json_content(schema), "text/event-stream": {"schema": _STR}}}
+            "content": {**_json_content(schema), "text/event-stream": {"schema": _SSE_EVENT}}}
 
 
 def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:

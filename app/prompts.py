@@ -56,7 +56,10 @@ def require_tokenizer(state: ServerState, param: str) -> Any:
     return state.tokenizer
 
 
-async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPrompt:
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest,
+                      tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    """`tools` (OpenAI's shape) reach the template as its `tools` variable, as in
+    transformers; a template that does not use them renders without them."""
     tokenizer = require_tokenizer(state, "messages")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     if req.continue_final_message and req.add_generation_prompt:
@@ -66,6 +69,8 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> ChatPro
     kwargs = template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if tools:
+        kwargs.setdefault("tools", tools)
     try:
         text = await _off_loop_if_long(size, _render, tokenizer, messages,
                                        bool(req.add_generation_prompt),

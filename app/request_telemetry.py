@@ -45,7 +45,7 @@ def rejection_reason(status: int, server_phase: str) -> str | None:
 
 
 class RequestTelemetry:
-    __slots__ = ("_ended", "_metrics", "arrival_time", "span")
+    __slots__ = ("_ended", "_metrics", "_params", "arrival_time", "span")
 
     def __init__(self, span: RequestSpan, metrics: EngineMetrics, arrival_time: float) -> None:
         self.span = span
@@ -53,6 +53,7 @@ class RequestTelemetry:
         self.arrival_time = arrival_time
         """time.monotonic() when the request arrived; the engine requests carry it too."""
         self._ended = False
+        self._params: Any = None
 
     @classmethod
     def start(cls, tracing: Tracing, metrics: EngineMetrics, operation: str,
@@ -70,6 +71,8 @@ class RequestTelemetry:
     def set_request(self, model: str, params: Any = None, *, stream: bool | None = None,
                     response_id: str | None = None) -> None:
         self.span.set_request(model, params, stream=stream, response_id=response_id)
+        if params is not None:
+            self._params = params
 
     def end(self, choices: Sequence[ChoiceState], prompt_lens: Sequence[int], *,
             disconnected: bool = False) -> None:
@@ -84,6 +87,9 @@ class RequestTelemetry:
             self._metrics.record_disconnect()
         records = [c.record for c in choices if c.record is not None]
         totals = usage(prompt_lens, choices)
+        if self._params is not None:
+            self._metrics.request_shape.observe_api_request(
+                self._params.n, self._params.max_tokens, [c.num_output_tokens for c in choices])
         self._log_finished(choices, records, totals, disconnected)
         if records and len(records) == len(choices):
             self.span.finish(records, input_tokens=totals["prompt_tokens"],

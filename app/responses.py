@@ -4,11 +4,12 @@ the OpenAI shapes, shared with the SSE writer."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors.output_stream import LogprobEntry, StreamDelta
+from app.tool_calls.output import ToolCallOutput
 from telemetry.records import RequestRecord
 
 LOGPROB_FLOOR = -9999.0
@@ -115,14 +116,19 @@ def completion_logprobs(entries: Sequence[LogprobEntry] | None, text_offset: int
 
 def chat_response(meta: ResponseMeta, choices: Sequence[ChoiceState], num_prompt_tokens: int,
                   *, role: str = "assistant", echo_prefix: str = "",
-                  prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                  prompt_token_ids: Sequence[int] | None = None,
+                  tool_calls: Callable[[], ToolCallOutput] | None = None) -> dict[str, Any]:
+    """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
     body_choices = []
     for choice in choices:
+        message: dict[str, Any] = {"content": echo_prefix + choice.text}
+        finish_reason = choice.finish_reason
+        if tool_calls is not None:
+            message, finish_reason = tool_calls().message(choice.text, choice.finish_reason)
         body_choice: dict[str, Any] = {
-            "index": choice.index,
-            "message": {"role": role, "content": echo_prefix + choice.text},
+            "index": choice.index, "message": {"role": role, **message},
             "logprobs": chat_logprobs(choice.logprobs),
-            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+            "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
         if prompt_token_ids is not None:
             body_choice["token_ids"] = choice.token_ids
         body_choices.append(body_choice)

@@ -1,4 +1,5 @@
-"""Operational routes: /health, /version, /metrics, /tokenize, /detokenize, /openapi.json."""
+"""Operational routes: /health, /version, /metrics, /tokenize, /detokenize, /tokenizer_info,
+/openapi.json."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from starlette.routing import Route
 
 from actors.engine_client import EngineUnavailable
 from app.chat_template import ChatTemplateError
-from app.errors import bad_request, model_not_found
+from app.errors import APIError, bad_request, model_not_found
 from app.http_input import (
     check_api_key,
     parse_model,
@@ -29,6 +30,7 @@ from app.prompts import OFF_LOOP_CHARS, encode, require_tokenizer, template_kwar
 from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
+from app.tokenizer_export import tokenizer_info
 
 _HEALTH_RETRY_AFTER_S = 5
 
@@ -40,6 +42,7 @@ def admin_routes() -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", api_endpoint(_tokenize), methods=["POST"]),
         Route("/detokenize", api_endpoint(_detokenize), methods=["POST"]),
+        Route("/tokenizer_info", api_endpoint(_tokenizer_info), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
 
@@ -138,6 +141,14 @@ async def _detokenize(request: Request, request_id: str) -> Response:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
                           "tokens")
     return _json({"prompt": require_tokenizer(state, "tokens").decode(req.tokens)})
+
+
+async def _tokenizer_info(request: Request, request_id: str) -> Response:
+    """tokenizer_config.json as vLLM serves it (lm-eval's remote tokenizer reads it)."""
+    state = await _ready(request)
+    if state.tokenizer is None:
+        raise APIError(404, "This model is served without a tokenizer")
+    return _json(tokenizer_info(state.tokenizer, state.max_model_len))
 
 
 async def _ready(request: Request) -> ServerState:

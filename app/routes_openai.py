@@ -50,6 +50,8 @@ from app.schemas import (
     unsupported_field,
 )
 from app.server_state import ServerState
+from app.structured_outputs import constrain_params
+from app.tool_calls.request import resolve_parser, tool_plan
 from app.sse import (
     ChatChunkFormatter,
     ChunkFormatter,
@@ -154,9 +156,13 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
     state = await _checked_state(request)
     req = parse_model(ChatCompletionRequest, await _body(request, state))
     model = _check_request(state, req, request_id, call)
-    chat = await chat_prompt(state, req)
+    tools = tool_plan(req.tools, req.tool_choice, resolve_parser(
+        state.settings.tool_call_parser, getattr(state.tokenizer, "chat_template", None)))
+    chat = await chat_prompt(state, req, tools.template_tools)
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
-    params = sampling_params(state, req, [len(prompt.token_ids)])
+    params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
+                                    tools)
+    new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]
@@ -166,12 +172,14 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
     num_prompt_tokens = len(prompt.token_ids)
     if req.stream:
         formatter = ChatChunkFormatter(meta, [num_prompt_tokens], choices, _continuous(req),
-                                       role=chat.role, echo_prefix=chat.echo_prefix)
+                                       role=chat.role, echo_prefix=chat.echo_prefix,
+                                       tool_calls=new_tool_output)
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, [num_prompt_tokens]):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     body = chat_response(meta, choices, num_prompt_tokens, role=chat.role,
-                         echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids)
+                         echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids,
+                         tool_calls=new_tool_output)
     return _json(body)
 
 
@@ -187,7 +195,7 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
     prompts = [truncate_and_check(p, req.truncate_prompt_tokens, state.max_model_len)
                for p in await completion_prompts(state, req)]
     prompt_lens = [len(p.token_ids) for p in prompts]
-    params = sampling_params(state, req, prompt_lens)
+    params = await constrain_params(sampling_params(state, req, prompt_lens), req)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
@@ -279,7 +287,7 @@ def _stream(group: AdmittedGroup, formatter: ChunkFormatter, req: SamplingFields
             state: ServerState, request_id: str, call: RequestTelemetry) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     options = StreamOptions(include_usage=include_usage, continuous_usage=_continuous(req),
-                            keep_alive_s=state.settings.keep_alive_interval_s)
+                            keep_alive=state.keep_alive)
     return EventStreamResponse(group, formatter, options, request_id,
                                headers={"X-Request-Id": request_id}, telemetry=call)
 

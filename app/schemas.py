@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models.
 
 Every model accepts unknown fields (clients send vendor extensions; the server logs and
-ignores them). Fields tandem knows but does not implement yet are declared so that a
+ignores them). Sampling values are read as leniently as vLLM reads them
+(app/lenient_types.py): an integral float or a string of digits fills an integer field, a
+numeric string a number field, `1`/`"true"` a boolean one; a fractional `max_tokens` or a
+word where a number belongs is still a 400 naming the field. Fields tandem knows but does not implement yet are declared so that a
 non-default value can be refused with a 400 naming the field, never silently ignored.
 These models also generate `/openapi.json`.
 """
@@ -12,21 +15,24 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.lenient_types import LenientBool, lenient_float, lenient_int
+
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_TOP_LOGPROBS = 20
 
 _MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
+"""Token ids and counts that stay strict (a list of digit strings is a list of strings)."""
+PositiveInt = lenient_int(ge=1)
 
 
 class StreamOptions(BaseModel):
     model_config = _MODEL_CONFIG
 
-    include_usage: bool | None = None
+    include_usage: LenientBool | None = None
     """Send a usage chunk (with `choices: []`) after the last choice finishes."""
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: LenientBool | None = None
     """Put cumulative usage on every chunk (vLLM extension)."""
 
 
@@ -37,12 +43,34 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+    """JSON text, as OpenAI sends it (an object is accepted too)."""
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    model_config = _MODEL_CONFIG
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _MODEL_CONFIG
 
     role: str = Field(min_length=1)
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages: the calls it made (content is then often null)."""
+    tool_call_id: str | None = None
+    """Tool messages: which call this result answers."""
 
 
 class SamplingFields(BaseModel):
@@ -52,32 +80,32 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    temperature: lenient_float(ge=0.0) | None = None
+    top_p: lenient_float(gt=0.0, le=1.0) | None = None
+    n: lenient_int(ge=1) | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stream: bool | None = False
+    seed: lenient_int(ge=SEED_MIN, le=SEED_MAX) | None = None
+    presence_penalty: lenient_float(ge=-2.0, le=2.0) | None = None
+    frequency_penalty: lenient_float(ge=-2.0, le=2.0) | None = None
+    logit_bias: dict[str, lenient_float(ge=-100.0, le=100.0)] | None = None
+    stream: LenientBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extra sampling fields
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: NonNegativeInt | None = None
+    top_k: lenient_int(ge=-1) | None = None
+    min_p: lenient_float(ge=0.0, le=1.0) | None = None
+    repetition_penalty: lenient_float(gt=0.0, le=2.0) | None = None
+    ignore_eos: LenientBool | None = None
+    min_tokens: lenient_int(ge=0) | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    priority: int | None = None
+    skip_special_tokens: LenientBool | None = None
+    spaces_between_special_tokens: LenientBool | None = None
+    include_stop_str_in_output: LenientBool | None = None
+    truncate_prompt_tokens: lenient_int(ge=-1) | None = None
+    priority: lenient_int() | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    return_token_ids: bool | None = None
+    return_token_ids: LenientBool | None = None
     # Known fields tandem does not implement yet: refused when set to a non-default value.
     prompt_logprobs: Any = None
     use_beam_search: Any = None
@@ -85,13 +113,14 @@ class SamplingFields(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logprob_token_ids: Any = None
+    stream_interval: Any = None
+    # Output constraints, turned into one spec by app/structured_outputs.py
+    response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    response_format: Any = None
-    stream_interval: Any = None
     vllm_xargs: Any = None
     truncation_side: Any = None
 
@@ -99,23 +128,24 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
-    add_special_tokens: bool | None = False
+    logprobs: LenientBool | None = False
+    top_logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    echo: LenientBool | None = False
+    add_generation_prompt: LenientBool | None = True
+    continue_final_message: LenientBool | None = False
+    add_special_tokens: LenientBool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = None
+    parallel_tool_calls: LenientBool | None = None
+    store: LenientBool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
-    include_reasoning: bool | None = None
-    # known, not implemented
+    include_reasoning: LenientBool | None = None
     tools: Any = None
+    """Function tools, checked by app/tool_calls/request.py."""
     tool_choice: Any = None
+    # known, not implemented
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
@@ -131,9 +161,9 @@ TokenIds = list[NonNegativeInt]
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: PositiveInt | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    add_special_tokens: bool | None = True
+    logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    echo: LenientBool | None = False
+    add_special_tokens: LenientBool | None = True
     # known, not implemented
     suffix: Any = None
     best_of: Any = None
@@ -150,11 +180,11 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
+    add_special_tokens: LenientBool | None = None
+    add_generation_prompt: LenientBool | None = True
+    continue_final_message: LenientBool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool | None = False
+    return_token_strs: LenientBool | None = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -176,18 +206,12 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": ((),),
     "bad_words": ((),),
     "logprob_token_ids": ((),),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "stream_interval": (1,),
     "vllm_xargs": (),
     "truncation_side": ("left",),
     "spaces_between_special_tokens": (True,),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",),
     "functions": (),
     "function_call": ("none",),
     "documents": (),
@@ -225,17 +249,9 @@ def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
 
 
 def _special_cases(request: SamplingFields) -> tuple[str, str] | None:
-    fmt = request.response_format
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            return "response_format", (f"response_format type {kind!r} is not supported by this "
-                                       "server yet; only 'text' is")
     if isinstance(request, ChatCompletionRequest):
         if request.chat_template is not None:
             return "chat_template", REQUEST_TEMPLATE_REFUSED
-        if request.tools is not None:
-            return "tools", "'tools' (function calling) is not supported by this server yet"
         if request.modalities is not None and list(request.modalities) != ["text"]:
             return "modalities", "only the 'text' modality is supported"
     if request.stream_options is not None and not request.stream:

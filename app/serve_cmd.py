@@ -99,6 +99,13 @@ def add_parser(sub: Any) -> None:
                      default=_env_flag("clamp_max_tokens"),
                      help="shorten max_tokens to fit the context instead of answering 400. "
                           "Env: TANDEM_CLAMP_MAX_TOKENS=1")
+    api = p.add_argument_group("api")
+    api.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "none"),
+                     default=_env("tool_call_parser", "auto"),
+                     help="how tool calls are read out of the model's text for tool_choice "
+                          "'auto': hermes (<tool_call>{...}</tool_call>, Hermes and Qwen), "
+                          "llama3_json (Llama 3.x JSON calls), none, or auto (default: from the "
+                          "chat template). Env: TANDEM_TOOL_CALL_PARSER")
     log = p.add_argument_group("logging")
     log.add_argument("--log-level", choices=_LOG_LEVELS, default=_env("log_level", "info"),
                      help="default info. Env: TANDEM_LOG_LEVEL")
@@ -136,7 +143,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         max_consecutive_failed_steps=args.max_consecutive_failed_steps,
         keep_alive_timeout_s=args.keep_alive_timeout,
         request_body_timeout_s=args.request_body_timeout, api_server_count=args.api_server_count,
-        log_format=args.log_format, log_level=args.log_level)
+        log_format=args.log_format, log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,9 @@ class ServeSettings:
     request's headers must arrive within it."""
     request_body_timeout_s: float = 60.0
     """A request body that has not fully arrived this long after its headers gets 408."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read out of model text: hermes, llama3_json, none, or auto (from
+    the chat template)."""
     api_server_count: int = 1
     """Front-end processes sharing the listening socket, in front of one engine core."""
     log_format: str = "json"

@@ -55,6 +55,7 @@ def create_app(state: ServerState) -> Starlette:
     async def lifespan(app: Starlette) -> Any:
         async with anyio.create_task_group() as tg:
             tg.start_soon(state.run_engine)
+            tg.start_soon(state.keep_alive.run)
             yield
             state.stop_engine()
             with anyio.move_on_after(_ENGINE_STOP_S):

@@ -18,6 +18,7 @@ from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDra
 from actors.engine_client import EngineUnavailable
 from actors.messages import EngineReady, SchedulerStats
 from actors.model_source import ModelLoadError
+from app.keep_alive import KeepAliveClock
 from app.engine_connection import (
     EngineAttachment,
     EngineCallbacks,
@@ -71,6 +72,8 @@ class ServerState:
         self.model_names = settings.model_names()
         self.tracing = tracing if tracing is not None else setup_tracing("tandem")
         self.metrics = metrics if metrics is not None else EngineMetrics(self.model_names[0])
+        self.keep_alive = KeepAliveClock(settings.keep_alive_interval_s)
+        """Keep-alive comments for every open stream (its task runs in the lifespan)."""
         self.created = int(time.time())
         self.exit_code = 0
         self.failure_message: str | None = None
@@ -159,6 +162,10 @@ class ServerState:
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.metrics.set_runner(info.runner, info.runner_reason, info.runner_rule)
         config = self.settings.engine
+        self.metrics.request_shape.configure(self.max_model_len, {
+            "block_size": info.block_size, "num_gpu_blocks": info.num_kv_blocks,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization, "cache_dtype": "auto"})
         limits = AdmissionLimits(
             max_num_running=config.max_num_seqs,
             max_queued_requests=self.settings.max_queued_requests,

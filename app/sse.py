@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -30,7 +30,9 @@ from starlette.types import Receive, Scope, Send
 from actors.admission import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app.errors import error_body
+from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
+from app.tool_calls.output import ToolCallOutput
 from app.responses import (
     ChoiceState,
     ResponseMeta,
@@ -57,7 +59,8 @@ def sse_event(payload: Any) -> bytes:
 class StreamOptions:
     include_usage: bool = False
     continuous_usage: bool = False
-    keep_alive_s: float = 10.0
+    keep_alive: KeepAliveClock = field(default_factory=lambda: KeepAliveClock(10.0))
+    """The server's clock for keep-alive comments (one timer for every stream)."""
 
 
 class ChunkFormatter:
@@ -87,10 +90,14 @@ class ChunkFormatter:
 class ChatChunkFormatter(ChunkFormatter):
     def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
                  choices: Sequence[ChoiceState], continuous_usage: bool, *,
-                 role: str = "assistant", echo_prefix: str = "") -> None:
+                 role: str = "assistant", echo_prefix: str = "",
+                 tool_calls: Callable[[], ToolCallOutput] | None = None) -> None:
+        """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.role = role
         self.echo_prefix = echo_prefix
+        self._new_tool_output = tool_calls
+        self._tool_outputs: dict[int, ToolCallOutput] = {}
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
         out = []
@@ -99,12 +106,28 @@ class ChatChunkFormatter(ChunkFormatter):
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if self._new_tool_output is not None:
+            return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
             content = {"content": delta.text} if delta.text else {}
             out.append(self._choice(choice.index, content, logprobs, delta.finish_reason,
                                     delta.stop_reason))
         elif delta.text or logprobs:
             out.append(self._choice(choice.index, {"content": delta.text}, logprobs))
+        return out
+
+    def _tool_chunks(self, index: int, delta: StreamDelta, logprobs: Any) -> list[dict[str, Any]]:
+        """Content, then one chunk per tool-call entry (header, argument fragments), then
+        the finish chunk: each call's pieces arrive in order, as from OpenAI."""
+        assert self._new_tool_output is not None
+        output = self._tool_outputs.setdefault(index, self._new_tool_output())
+        content, entries, finish_reason = output.feed(delta.text, delta.finish_reason)
+        out = []
+        if content or logprobs:
+            out.append(self._choice(index, {"content": content}, logprobs))
+        out += [self._choice(index, {"tool_calls": [entry]}) for entry in entries]
+        if delta.finished:
+            out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
         return out
 
     def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None,
@@ -189,7 +212,7 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
-            failed = await pull_batches(self.group, self.options.keep_alive_s,
+            failed = await pull_batches(self.group, self.options.keep_alive,
                                         lambda batch: self._on_batch(batch, send_bytes),
                                         lambda: send_bytes(KEEP_ALIVE_COMMENT))
         except Exception as exc:
@@ -242,14 +265,15 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
             return
 
 
-async def pull_batches(group: AdmittedGroup, keep_alive_s: float,
+async def pull_batches(group: AdmittedGroup, keep_alive: KeepAliveClock,
                        on_batch: Callable[[Batch], Awaitable[bool]],
                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
     """Feed `on_batch` with everything the group's streams accumulated, until every stream
     ended or `on_batch` returns True (then True is returned). `on_quiet` runs whenever
-    nothing arrived for `keep_alive_s` seconds."""
+    nothing arrived for the clock's interval."""
     if len(group.streams) == 1:
-        return await _pull_single(group, keep_alive_s, on_batch, on_quiet)
+        return await _pull_single(group, keep_alive, on_batch, on_quiet)
+    keep_alive_s = keep_alive.interval_s
     send_stream, receive_stream = anyio.create_memory_object_stream[tuple[int, StreamDelta]](0)
 
     async def read_choice(index: int, sender: Any) -> None:
@@ -266,20 +290,19 @@ async def pull_batches(group: AdmittedGroup, keep_alive_s: float,
     return failed
 
 
-async def _pull_single(group: AdmittedGroup, keep_alive_s: float,
+async def _pull_single(group: AdmittedGroup, keep_alive: KeepAliveClock,
                        on_batch: Callable[[Batch], Awaitable[bool]],
                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
-    while True:
-        delta: StreamDelta | None = None
-        with anyio.move_on_after(_interval(keep_alive_s)) as waited:
-            delta = await group.get(0)
-        if waited.cancelled_caught:
-            await on_quiet()
-            continue
-        if delta is None:
-            return False
-        if await on_batch([(0, delta)]):
-            return True
+    stream = group.streams[0]
+    with keep_alive.watching(stream):
+        while (delta := await group.get(0)) is not None:
+            if delta.is_empty:  # poked by the clock: quiet for its interval
+                await on_quiet()
+                continue
+            keep_alive.sent(stream)
+            if await on_batch([(0, delta)]):
+                return True
+    return False
 
 
 async def _drain_merged(receive_stream: Any, keep_alive_s: float,

@@ -5,10 +5,14 @@
 # 128-token messages, 512 output tokens, ignore_eos. Then the offline engine on the same
 # model and lengths for the serve/offline ratio.
 #   usage (device tool, carry .whl and .tok):  TANDEM_COMMIT=<sha> bash benchmarks/gpu_serve_split.sh
-#   PHASES: any of "single multi offline" (default all three)
+#   PHASES: any of "single multi offline" (default all three); API_SERVERS: the counts the
+#   "single" phase (max_num_seqs 256, concurrency 1 to 256) runs with (default "1").
+#   PROFILE_FE=1 runs the one-API-server front end under cProfile (top functions printed).
 set -u
 . benchmarks/device_env.sh
 PHASES=${PHASES:-"single multi offline"}
+API_SERVERS=${API_SERVERS:-1}
+PROFILE_FE=${PROFILE_FE:-0}
 TOK=.tok/qwen3
 MODEL=(--model dummy:qwen3-0.6b --tokenizer "$TOK" --max-num-batched-tokens 16384
        --gpu-memory-utilization 0.85 --max-queued-requests 8192 --log-level warning)
@@ -18,7 +22,10 @@ phase() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 
 start_server() {  # start_server NAME ARGS...: serve on :8000, wait until /health is 200
   local name=$1; shift
-  python3 -m app.cli serve "${MODEL[@]}" --port 8000 "$@" > "$OUT/server_$name.log" 2>&1 &
+  local python=(python3)
+  [[ $PROFILE_FE == 1 && " $* " == *" --api-server-count 1 "* ]] && \
+    python=(python3 -m cProfile -o "$OUT/fe_$name.prof")
+  "${python[@]}" -m app.cli serve "${MODEL[@]}" --port 8000 "$@" > "$OUT/server_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 240); do
     curl -sf -o /dev/null localhost:8000/health && { echo "ready after ${SECONDS}s"; return 0; }
@@ -32,6 +39,10 @@ stop_server() {
   curl -s localhost:8000/metrics | grep -E "^tandem:gpu_idle_fraction|^vllm:num_preemptions_total" \
     > "$OUT/metrics_$1.txt"
   kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
+  if [[ -f "$OUT/fe_$1.prof" ]]; then
+    python3 -c "import pstats; pstats.Stats('$OUT/fe_$1.prof').sort_stats('tottime').print_stats(25)" \
+      2>&1 | tail -32 | cut -c1-150
+  fi
 }
 
 bench() {  # bench NAME LIMIT_S ARGS...
@@ -41,14 +52,15 @@ bench() {  # bench NAME LIMIT_S ARGS...
 }
 
 if [[ " $PHASES " == *" single "* ]]; then
-  phase "one API server, max_num_seqs 256"
-  start_server single --max-num-seqs 256 || exit 1
-  bench first 60 --num-prompts 1 --concurrency 1  # the first request after ready: no warmup
-  bench c1 60 --num-prompts 6 --concurrency 1 --warmup 1
-  bench c64 90 --num-prompts 256 --concurrency 64 --warmup 16
-  curl -s localhost:8000/metrics > "$OUT/metrics_before_c256.txt"
-  bench c256 120 --num-prompts 1024 --concurrency 256 --warmup 32
-  stop_server single
+  for count in $API_SERVERS; do
+    phase "$count API server(s), max_num_seqs 256"
+    start_server "s$count" --max-num-seqs 256 --api-server-count "$count" || exit 1
+    bench "first_s$count" 60 --num-prompts 1 --concurrency 1  # first request after ready
+    bench "c1_s$count" 60 --num-prompts 6 --concurrency 1 --warmup 1
+    bench "c64_s$count" 90 --num-prompts 256 --concurrency 64 --warmup 16
+    bench "c256_s$count" 120 --num-prompts 1024 --concurrency 256 --warmup 32
+    stop_server "s$count"
+  done
 fi
 
 if [[ " $PHASES " == *" multi "* ]]; then

@@ -15,7 +15,8 @@ in order, first match wins:
 Every fallback to V1 logs one warning naming the rule. If the env var and --runner both
 ask for a runner and disagree, selection fails: both are explicit requests and quietly
 preferring one could run the runner the operator did not mean. A fallback to V1 while
-V2-only features are requested fails too, rather than silently dropping the feature.
+V2-only features are requested fails too, rather than silently dropping the feature;
+tensor parallelism (tensor_parallel_size > 1) is one of them, since V1 runs on one device.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class RunnerSelectionInput:
     custom_logits_processors: tuple[str, ...] = ()
     v2_only_features: tuple[str, ...] = ()
     """Requested features only the V2 runner implements."""
+    tensor_parallel_size: int = 1
+    """--tensor-parallel-size; above 1 it is a V2-only feature (V1 runs on one device)."""
 
     def __post_init__(self) -> None:
         if self.requested_runner not in ("auto", "v1", "v2"):
@@ -73,6 +76,18 @@ class RunnerSelectionInput:
             raise RunnerSelectionError(
                 f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}"
             )
+        if self.tensor_parallel_size < 1:
+            raise RunnerSelectionError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+
+    @property
+    def all_v2_only_features(self) -> tuple[str, ...]:
+        """v2_only_features plus those implied by other fields (tensor parallelism)."""
+        if self.tensor_parallel_size > 1:
+            return (*self.v2_only_features,
+                    f"tensor parallelism (--tensor-parallel-size {self.tensor_parallel_size})")
+        return self.v2_only_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +121,9 @@ def select_runner(config: RunnerSelectionInput, platform: Platform) -> RunnerCho
     if fallback is None:
         return RunnerChoice("v2", "no fallback rule applies", "default")
     number, rule, reason = fallback
-    if config.v2_only_features:
+    if config.all_v2_only_features:
         raise RunnerSelectionError(
-            f"the requested features {', '.join(config.v2_only_features)} need the V2 runner, "
+            f"the requested features {', '.join(config.all_v2_only_features)} need the V2 runner, "
             f"but rule {number} ({rule}) selects V1: {reason}"
         )
     logger.warning("runner selection rule %d (%s): %s; using the V1 runner", number, rule, reason)
@@ -131,10 +146,10 @@ def _forced_choice(
 ) -> RunnerChoice:
     source = RUNNER_ENV_VAR if config.env_override is not None else f"--runner {forced}"
     if forced == "v1":
-        if config.v2_only_features:
+        if config.all_v2_only_features:
             raise RunnerSelectionError(
                 f"{source} forces the V1 runner, which does not support: "
-                f"{', '.join(config.v2_only_features)}"
+                f"{', '.join(config.all_v2_only_features)}"
             )
         return RunnerChoice("v1", f"forced by {source}", "override")
     blockers = _v2_platform_blockers(platform) + unsupported_v2_features(config)

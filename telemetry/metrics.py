@@ -24,12 +24,13 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 
+from telemetry import exposition
 from telemetry.histogram import BatchHistogram
 from telemetry.records import FINISH_REASONS, RequestRecord
+from telemetry.request_shape_metrics import RequestShapeMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -93,6 +94,8 @@ class EngineMetrics:
         self._make_request_metrics()
         self._make_step_metrics()
         self._make_server_metrics()
+        self.request_shape = RequestShapeMetrics(model_name, self.registry)
+        """vLLM's request-shape families (token counts, n, max_tokens, cache config)."""
 
     # ---- construction -------------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class EngineMetrics:
         (a failed step) carry no timings and are skipped."""
         if stats.num_tokens <= 0:
             return
+        self.request_shape.observe_step(stats.num_tokens)
         self._step_duration.observe(stats.step_time_s)
         self._gpu_idle.observe(stats.gpu_idle_s)
         self._schedule_cpu.observe(stats.schedule_time_s)
@@ -228,6 +232,7 @@ class EngineMetrics:
         if record.first_token_time is not None:
             self._prompt_tokens.inc(record.num_prompt_tokens)
         self._generation_tokens.inc(record.num_output_tokens)
+        self.request_shape.observe_finished(record.num_prompt_tokens, record.num_output_tokens)
         self._phase["e2e"].observe(record.e2e_latency_s)
         optional = ((self._ttft, record.time_to_first_token_s),
                     (self._phase["queue"], record.queue_time_s),
@@ -262,12 +267,8 @@ class EngineMetrics:
 
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics: Prometheus text format 0.0.4, or
-        OpenMetrics when `accept_header` asks for it."""
-        registry = _exposition_registry(self.registry)
-        if accept_header and "openmetrics" in accept_header:
-            encoder, content_type = choose_encoder(accept_header)
-            return encoder(registry), content_type
-        return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+        OpenMetrics when `accept_header` asks for it; names keep their colons either way."""
+        return exposition.render(_exposition_registry(self.registry), accept_header)
 
 
 def _exposition_registry(own: CollectorRegistry) -> CollectorRegistry:

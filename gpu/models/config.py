@@ -161,6 +161,18 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072,
         name="llama-3.1-8b",
     ),
+    "qwen3-32b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+        num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, name="qwen3-32b",
+    ),
+    "llama-3.1-70b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072,
+        name="llama-3.1-70b",
+    ),
     "qwen2-0.5b": ModelConfig(
         architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,

@@ -3,14 +3,17 @@
 The per-architecture differences are `ModelConfig` flags: `attention_bias` (Qwen2),
 `qk_norm` (Qwen3), `rope_scaling` (Llama 3.1) and `tie_word_embeddings`. q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
-tensor names and concatenates them.
+tensor names and concatenates them. Given a TP group (`tp`), the model holds one rank's
+shard and communicates as gpu/models/parallel_layers.py describes; without one (the
+default) it is the whole model and runs no collective.
 
-A layer is nine launches on CUDA: the residual add fused into each RMSNorm
-(kernels/rms_norm.py), the q/k norm, rotary and KV write fused after the qkv projection
-(kernels/qkv_prologue.py), attention, SiLU-and-multiply fused (kernels/silu_mul.py) and
-four GEMMs. A decode step of a small model is bound by how many kernels it launches, not
-by their bytes, so the count is what sets batch-1 latency. Layers pass the residual
-stream alongside their output, so that each add happens inside the next norm.
+A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
+fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
+after the qkv projection (kernels/qkv_prologue.py), attention, SiLU-and-multiply fused
+(kernels/silu_mul.py) and four GEMMs. A decode step of a small model is bound by how many
+kernels it launches, not by their bytes, so the count is what sets batch-1 latency. Layers
+pass the residual stream alongside their output, so that each add happens inside the next
+norm.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from torch import nn
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.models.config import ModelConfig
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
+from gpu.models.parallel_layers import (
+    Collectives,
+    gather_vocab_logits,
+    head_shard,
+    intermediate_shard,
+    vocab_parallel_embedding,
+    vocab_shard,
+)
 from kernels.qkv_prologue import qkv_prologue
 
 # Buffers that some checkpoints carry but that are recomputed here.
@@ -39,15 +50,18 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         rotary: RotaryEmbedding,
+        tp: Collectives | None = None,
     ) -> None:
         super().__init__()
+        heads = head_shard(config, *_rank_and_size(tp))
+        self.tp = tp
         self.rotary = rotary
         self.eps = config.rms_norm_eps
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = heads.num_heads * config.head_dim
+        self.kv_size = heads.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.attn_backend = attn_backend
         # rows: [q_proj | k_proj | v_proj]
@@ -80,7 +94,8 @@ class Attention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim,
         )  # fmt: skip
         out = self.attn_backend.attend(query, kv_cache, attn_metadata, self.scale)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -91,12 +106,15 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         rotary: RotaryEmbedding,
+        tp: Collectives | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, attn_backend, dtype, device, rotary)
+        self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
+        _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
+        self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
 
     def forward(
         self,
@@ -109,7 +127,8 @@ class DecoderLayer(nn.Module):
         normed, residual = self.input_layernorm.add_forward(hidden, residual)
         attn_out = self.self_attn(normed, positions, kv_cache, attn_metadata)
         normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
-        return self.mlp(normed), residual
+        mlp_out = self.mlp(normed)
+        return (mlp_out if self.tp is None else self.tp.all_reduce(mlp_out)), residual
 
 
 class DecoderModel(nn.Module):
@@ -117,6 +136,8 @@ class DecoderModel(nn.Module):
 
     `forward` returns the final-normed hidden states of every token; `compute_logits` turns
     the rows the caller needs (usually each request's last token) into float32 logits.
+    With `tp`, this rank holds one shard and `compute_logits_local` gives its vocabulary
+    slice of the logits (`num_kv_heads` is then the KV heads of this rank's cache).
     """
 
     def __init__(
@@ -125,11 +146,17 @@ class DecoderModel(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        tp: Collectives | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.tp = tp
+        self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
+        self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
+        vocab_rows = self.vocab_shard.num_rows
+        self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, dtype=dtype,
+                                            device=device)
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -138,14 +165,14 @@ class DecoderModel(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device, self.rotary)
+            DecoderLayer(config, attn_backend, dtype, device, self.rotary, tp)
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else empty_parameter(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         )
 
     def forward(
@@ -157,7 +184,10 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.tp is None:
+            hidden = F.embedding(input_ids, self.embed_tokens)
+        else:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
@@ -170,13 +200,24 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
         """float32 logits. On CUDA a bf16/fp16 head multiplies straight into float32
         (one GEMM, no half-precision logits and no cast kernel); elsewhere the logits are
-        computed in the model dtype and converted."""
+        computed in the model dtype and converted. Under TP each rank's slice is gathered."""
+        if self.tp is not None:
+            logits = gather_vocab_logits(self.compute_logits_local(hidden), self.tp,
+                                         self.config.vocab_size)
+            return logits if out is None else out.copy_(logits)
         if hidden.is_cuda and self.dtype != torch.float32 and _mm_into_float32_works(hidden.device):
             if out is None:
                 return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
             return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32, out=out)
         logits = F.linear(hidden, self.lm_head).float()
         return logits if out is None else out.copy_(logits)
+
+    def compute_logits_local(
+        self,
+        hidden: torch.Tensor,  # [num_logits, hidden_size]
+    ) -> torch.Tensor:  # [num_logits, vocab_shard.num_rows] in the model dtype
+        """This rank's vocabulary slice of the logits (all of them without `tp`)."""
+        return F.linear(hidden, self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -257,3 +298,7 @@ def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.T
     targets[f"{prefix}mlp.gate_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, 0, intermediate)
     targets[f"{prefix}mlp.up_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, intermediate, intermediate)
     return targets
+
+
+def _rank_and_size(tp: Collectives | None) -> tuple[int, int]:
+    return (0, 1) if tp is None else (tp.rank, tp.world_size)

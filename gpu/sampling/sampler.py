@@ -77,13 +77,17 @@ class Sampler:
         positions_gpu: torch.Tensor,  # [num_rows] int64, position the sampled token takes
         num_output_tokens_gpu: torch.Tensor,  # [num_rows] int32, outputs generated so far
         max_num_logprobs: int | None,
+        ops: BatchOps | None = None,
     ) -> SamplerOutput:
         """Sample one token per row; with max_num_logprobs = k, also return the raw
-        logprobs of the sampled token and of each row's top k tokens."""
+        logprobs of the sampled token and of each row's top k tokens. `ops` defaults to
+        those these rows need; a caller sampling part of a batch passes the whole batch's,
+        so each row takes the path it would take in the whole batch."""
         self._check_args(logits, idx_mapping_np, max_num_logprobs)
         state = self.state
         state.flush_to_device()
-        ops = batch_ops(state, np.asarray(idx_mapping_np))
+        if ops is None:
+            ops = batch_ops(state, np.asarray(idx_mapping_np))
         processed = self._process(logits, idx_mapping_gpu, num_output_tokens_gpu, ops)
         thresholds = None
         if ops.filters:

@@ -12,10 +12,12 @@ import re
 import torch
 
 from gpu.models.config import ModelConfig, UnsupportedModelError
-from gpu.weights.dequant import dequantize
+from gpu.models.parallel_layers import head_shard
 from gpu.weights.gguf_config import ROPE_FREQS_TENSOR, gguf_model_config
 from gpu.weights.gguf_file import GGUFFile
+from gpu.weights.gguf_shard import read_gguf_shard
 from gpu.weights.layout import finish_weights
+from gpu.weights.shard_layout import WHOLE_TENSOR, expected_shard_shapes, weight_shard_slices
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,14 +62,26 @@ def unpermute_rope_rows(
     return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def load_gguf(
-    gguf: GGUFFile, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of `gguf` into `dtype` on `device`, under HF names."""
+def read_gguf_config(gguf: GGUFFile) -> ModelConfig:
+    """The model's config from the metadata (and the small rope_freqs tensor, if any)."""
     rope_freqs = None
     if ROPE_FREQS_TENSOR in gguf.tensors:
-        rope_freqs = _read_tensor(gguf, ROPE_FREQS_TENSOR, torch.float32, "cpu").numpy()
-    config = gguf_model_config(gguf, rope_freqs=rope_freqs)
+        rope_freqs = read_gguf_shard(gguf, ROPE_FREQS_TENSOR, WHOLE_TENSOR, "cpu").numpy()
+    return gguf_model_config(gguf, rope_freqs=rope_freqs)
+
+
+def load_gguf(
+    gguf: GGUFFile,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of `gguf` into `dtype` on `device`, under HF names; with
+    tp_size > 1 only rank tp_rank's shard of each (see gpu/weights/gguf_shard.py)."""
+    config = read_gguf_config(gguf)
+    slices = weight_shard_slices(config, tp_rank, tp_size)
+    heads = head_shard(config, tp_rank, tp_size)
     weights: dict[str, torch.Tensor] = {}
     for name in gguf.tensors:
         if name == ROPE_FREQS_TENSOR:
@@ -77,21 +91,12 @@ def load_gguf(
             raise UnsupportedModelError(
                 f"unexpected tensor {name!r} for architecture {config.architecture}"
             )
-        weight = _read_tensor(gguf, name, torch.float32, device)
+        # Shards start on head boundaries, so each shard's rope rows unpermute on their own.
+        weight = read_gguf_shard(gguf, name, slices.get(hf_name, WHOLE_TENSOR), device)
         if config.architecture == "llama" and ".attn_q." in name:
-            weight = unpermute_rope_rows(weight, config.num_heads)
+            weight = unpermute_rope_rows(weight, heads.num_heads)
         elif config.architecture == "llama" and ".attn_k." in name:
-            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+            weight = unpermute_rope_rows(weight, heads.num_kv_heads)
         weights[hf_name] = weight.to(dtype)
-    return config, finish_weights(config, weights, gguf.path)
-
-
-def _read_tensor(
-    gguf: GGUFFile, name: str, dtype: torch.dtype, device: str | torch.device
-) -> torch.Tensor:
-    info = gguf.tensors[name]
-    raw_u8 = torch.from_numpy(gguf.tensor_bytes(name)).to(device)
-    try:
-        return dequantize(raw_u8, info.ggml_type, info.shape, dtype)
-    except UnsupportedModelError as exc:
-        raise UnsupportedModelError(f"tensor {name!r}: {exc}") from None
+    expected = expected_shard_shapes(config, tp_rank, tp_size)
+    return config, finish_weights(config, weights, gguf.path, expected)

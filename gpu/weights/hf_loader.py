@@ -15,6 +15,13 @@ from safetensors import safe_open
 
 from gpu.models.config import ModelConfig
 from gpu.weights.layout import finish_weights
+from gpu.weights.shard_layout import (
+    WHOLE_TENSOR,
+    ShardSlice,
+    expected_shard_shapes,
+    pad_shard,
+    weight_shard_slices,
+)
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -71,11 +78,17 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_hf_dir(
-    model_dir: str, dtype: torch.dtype, device: str | torch.device = "cpu"
+    model_dir: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Load a Hugging Face directory's config, weights (in `dtype` on `device`) and
-    generation config (`{}` when the file is absent)."""
+    generation config (`{}` when the file is absent). With tp_size > 1 only rank tp_rank's
+    shard of each weight is read from the files (gpu/weights/shard_layout.py)."""
     config = load_hf_config(model_dir)
+    slices = weight_shard_slices(config, tp_rank, tp_size)
     device_name = str(torch.device(device))
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
@@ -83,6 +96,21 @@ def load_hf_dir(
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                weights[name] = f.get_tensor(name).to(dtype)
-    weights = finish_weights(config, weights, model_dir)
+                shard = _read_shard(f, name, slices.get(name, WHOLE_TENSOR))
+                weights[name] = shard.to(device=device_name, dtype=dtype)
+    expected = expected_shard_shapes(config, tp_rank, tp_size)
+    weights = finish_weights(config, weights, model_dir, expected)
     return config, weights, load_generation_config(model_dir)
+
+
+def _read_shard(f: Any, name: str, shard: ShardSlice) -> torch.Tensor:
+    """Read only `shard` of tensor `name` from an open safetensors file."""
+    if shard.dim is None:
+        return f.get_tensor(name)
+    tensor_slice = f.get_slice(name)
+    full_shape = tensor_slice.get_shape()
+    if shard.dim >= len(full_shape) or (shard.start, shard.stop, shard.length) == (
+            0, full_shape[shard.dim], full_shape[shard.dim]):
+        return f.get_tensor(name)  # the whole tensor; a wrong rank is reported by the caller
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+    return pad_shard(tensor_slice[index], shard)

@@ -50,14 +50,18 @@ def is_norm_weight(name: str) -> bool:
 
 
 def finish_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], source: str
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    source: str,
+    expected: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Tie the head when the config says so, then check names and shapes.
+    """Tie the head when the config says so, then check names and shapes (against
+    `expected`, by default the whole model's `expected_weight_shapes`).
 
     Raises ValueError naming the first missing, unexpected or misshapen weight."""
     if config.tie_word_embeddings and EMBED_NAME in weights:
         weights[LM_HEAD_NAME] = weights[EMBED_NAME]
-    expected = expected_weight_shapes(config)
+    expected = expected_weight_shapes(config) if expected is None else expected
     missing = [name for name in expected if name not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -100,7 +100,7 @@ class FakeRunner:
             self.finished.setdefault(request_id, "abort")
 
     def execute(self, out: SchedulerOutput) -> None:
-        """Run a step now; its StepUpdate is queued for `deliver_oldest`."""
+        """Run a step now; its StepOutput is queued for `deliver_oldest`."""
         for request_id in out.finished_request_ids:
             assert request_id in self.rows, f"step {out.step_id} frees {request_id}'s missing row"
             del self.rows[request_id]

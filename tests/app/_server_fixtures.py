@@ -45,3 +45,11 @@ class RunningServer(InProcessServer):
         assert exit_code == 0, exit_code
         return exit_code
 
+
+
+def openai_client(server: RunningServer) -> Any:
+    """The official openai client on `server` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)

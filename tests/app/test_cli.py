@@ -89,3 +89,10 @@ def test_unknown_dummy_preset() -> None:
 
 def test_no_prompts() -> None:
     _assert_one_line_error(_tandem("generate"), "no prompts")
+
+
+def test_tensor_parallel_size_above_one_is_refused_on_one_line() -> None:
+    # The other refusals (heads, devices, V1) are tested in-process: tests/gpu/test_tp_config.py.
+    _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--device", "cpu",
+                                   "--model", "dummy:qwen3-0.6b", "-tp", "2"),
+                           "--tensor-parallel-size 2", "not available yet")

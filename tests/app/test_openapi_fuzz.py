@@ -6,6 +6,7 @@ the real engine answers each generating request in a step or two."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from app.lenient_types import INT_PATTERN
 from tests.app._fault_injection import leaked_markers
 from tests.app._server_fixtures import ENGINE, RunningServer
 
@@ -64,15 +66,18 @@ def _small(body: Any) -> Any:
     for name, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS),
                       ("min_tokens", MAX_TOKENS), ("n", MAX_N)):
         value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+        if isinstance(value, str) and re.fullmatch(INT_PATTERN, value):
+            value = int(value)  # the server reads digit strings as integers, as vLLM does
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
             body[name] = cap
     prompts = body.get("prompt")
     if isinstance(prompts, list) and len(prompts) > 1 \
             and all(isinstance(p, (str, list)) for p in prompts):
         body["prompt"] = prompts[:MAX_PROMPTS]
-    # Without max_tokens a request may generate up to the context length.
-    if ("messages" in body or "prompt" in body) and "max_completion_tokens" not in body:
-        body.setdefault("max_tokens", MAX_TOKENS)
+    # Without max_tokens (absent or null) a request may generate up to the context length.
+    if ("messages" in body or "prompt" in body) and body.get("max_completion_tokens") is None \
+            and body.get("max_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS
     return body
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.app._server_fixtures import RunningServer
+from tests.app._server_fixtures import RunningServer, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,7 @@ def server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 
 from actors.output_stream import RequestStream
 from app.responses import ChoiceState, ResponseMeta
+from app.keep_alive import KeepAliveClock
 from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions
 from tests.app._server_fixtures import ENGINE, RunningServer
 
@@ -108,7 +109,7 @@ def test_error_after_headers_is_an_error_event_then_done() -> None:
     meta = ResponseMeta("chatcmpl-x", int(time.time()), "m")
     choices = [ChoiceState(index=0)]
     response = EventStreamResponse(group, ChatChunkFormatter(meta, [3], choices, False),  # type: ignore[arg-type]
-                                   StreamOptions(keep_alive_s=0), "req-1")
+                                   StreamOptions(keep_alive=KeepAliveClock(0)), "req-1")
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:

@@ -134,11 +134,10 @@ def test_embedded_gguf_equals_transformers_float32():
     _assert_weights_equal(files.weights, reference)
     # The q/k check above is meaningful: the raw GGUF rows differ from HF's order.
     from gpu.weights.gguf_file import GGUFFile
-    from gpu.weights.gguf_loader import _read_tensor
+    from gpu.weights.gguf_shard import read_gguf_shard
+    from gpu.weights.shard_layout import WHOLE_TENSOR
 
-    raw_q = _read_tensor(
-        GGUFFile(embedded_gguf_path()), "blk.0.attn_q.weight", torch.float32, "cpu"
-    )
+    raw_q = read_gguf_shard(GGUFFile(embedded_gguf_path()), "blk.0.attn_q.weight", WHOLE_TENSOR, "cpu")
     assert not torch.equal(raw_q, reference["model.layers.0.self_attn.q_proj.weight"])
     hf_json = json.loads(open(os.path.join(hf_reference_dir(), "config.json")).read())
     expected = ModelConfig.from_hf_config(hf_json)

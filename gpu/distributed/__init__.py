@@ -1,0 +1,13 @@
+"""Tensor parallelism: one model over N devices of one host, one process per rank.
+
+- env.py: the environment every worker runs with (NVLink multicast off);
+- group.py: forming the group from (rank, world size, rendezvous), teardown;
+- communicator.py: all_reduce / all_gather / all_to_all on device tensors;
+- step_broadcast.py: rank 0 hands each step's serialised scheduler output to the others
+  as one buffer on the group's gloo group;
+- launch.py: spawning the rank processes, reporting a failed or hung rank, no orphans;
+- tp_model.py: one rank's weight shard in a sharded DecoderModel;
+- tp_config.py: validation of --tensor-parallel-size.
+The model's sharding is gpu/models/parallel_layers.py, the weights' gpu/weights/
+shard_layout.py, and sampling across ranks gpu/sampling/batch_shard.py.
+"""

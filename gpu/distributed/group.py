@@ -1,0 +1,112 @@
+"""Process-group setup for one tensor-parallel (TP) group: one process per rank.
+
+Each rank calls `init_tp_group` with the same rendezvous address and world size. The
+device collectives run on the default group (NCCL on CUDA, gloo on CPU); a second gloo
+group carries host-side messages (the step broadcast), so that those never interleave
+with device collectives issued from another thread. `TPGroup.close` tears everything
+down and may be called more than once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gpu.distributed.env import apply_worker_env
+
+DEFAULT_TIMEOUT_S = 120.0
+"""How long a collective may wait for a peer before it fails (a dead or hung rank)."""
+
+
+class TPGroupError(RuntimeError):
+    """The group cannot be formed (bad rank, unreachable rendezvous, duplicate group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroupSpec:
+    rank: int
+    world_size: int
+    init_method: str
+    """Rendezvous: 'tcp://host:port' (rank 0 listens there) or 'file:///path' (a file on a
+    filesystem every rank sees; it must not exist before the group forms)."""
+    device: str
+    """This rank's device: 'cpu' or 'cuda:N'."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise TPGroupError(f"world_size must be at least 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise TPGroupError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not self.init_method.startswith(("tcp://", "file://")):
+            raise TPGroupError(
+                f"init_method must be tcp://host:port or file:///path, got {self.init_method!r}")
+        if self.timeout_s <= 0:
+            raise TPGroupError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+class TPGroup:
+    """A formed TP group: this process's rank, its device and the two process groups."""
+
+    def __init__(self, spec: TPGroupSpec, device: torch.device, backend: str,
+                 cpu_group: dist.ProcessGroup) -> None:
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.device = device
+        self.backend = backend
+        """'nccl' or 'gloo': the backend of the device collectives."""
+        self.cpu_group = cpu_group
+        """A gloo group over the same ranks, for host-side messages."""
+        self.timeout_s = spec.timeout_s
+        self._is_open = True
+
+    def close(self) -> None:
+        if self._is_open and dist.is_initialized():
+            dist.destroy_process_group()
+        self._is_open = False
+
+    def __enter__(self) -> TPGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def init_tp_group(spec: TPGroupSpec) -> TPGroup:
+    """Join the group described by `spec` (blocks until every rank has joined, or fails
+    after spec.timeout_s)."""
+    apply_worker_env()
+    if dist.is_initialized():
+        raise TPGroupError("this process already belongs to a process group")
+    device = torch.device(spec.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=spec.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
+                            world_size=spec.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    return TPGroup(spec, device, backend, cpu_group)
+
+
+def file_rendezvous(directory: str | None = None) -> str:
+    """A fresh 'file://' rendezvous in `directory` (the system temp dir by default)."""
+    path = os.path.join(directory or tempfile.gettempdir(), f"tandem-tp-{uuid.uuid4().hex}")
+    return f"file://{path}"
+
+
+def tcp_rendezvous(host: str = "127.0.0.1", port: int = 0) -> str:
+    """A 'tcp://' rendezvous; port 0 picks a port that is free now."""
+    if port == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,87 @@
+"""One tensor-parallel rank's weights: each rank reads only its slices of the files.
+
+`model` takes the same values as gpu/weights/loader.py ('default', a .gguf file, a
+Hugging Face directory, 'dummy:<preset>'); no tokenizer is loaded here. How each format
+reads a slice: safetensors through `get_slice`, GGUF as gpu/weights/gguf_shard.py says,
+dummy weights block by block (gpu/weights/dummy.py), so that a dummy shard equals the
+same slice of the whole model's dummy weights exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from actors.model_source import DUMMY_PREFIX, ModelLoadError, resolve_model_path
+from gpu.models.config import ModelConfig
+from gpu.models.parallel_layers import check_tensor_parallel_size
+from gpu.weights.dummy import dummy_weights, preset_config
+from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
+from gpu.weights.gguf_loader import load_gguf, read_gguf_config
+from gpu.weights.hf_loader import load_hf_config, load_hf_dir
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShard:
+    config: ModelConfig
+    """The whole model's config."""
+    weights: dict[str, torch.Tensor]
+    """Hugging Face names -> this rank's slice (gpu/weights/shard_layout.py), in the
+    requested dtype on the requested device."""
+    tp_rank: int
+    tp_size: int
+    source: str
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The config of `model` without reading its weights (for validating a TP size
+    before any worker starts). Raises ModelLoadError."""
+    source = resolve_model_path(model)
+    return _guarded(source, lambda: _read_config(source))
+
+
+def load_weight_shard(model: str, dtype: torch.dtype, device: str | torch.device,
+                      tp_rank: int, tp_size: int) -> WeightShard:
+    """Rank `tp_rank` of `tp_size`'s weights. Raises ModelLoadError, or
+    UnsupportedModelError when the model does not split over tp_size ranks."""
+    source = resolve_model_path(model)
+    config = _guarded(source, lambda: _read_config(source))
+    check_tensor_parallel_size(config, tp_size)
+    if source.startswith(DUMMY_PREFIX):
+        weights = dummy_weights(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size)
+    elif os.path.isdir(source):
+        weights = _guarded(source, lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size)[1])
+    else:
+        weights = _guarded(source, lambda: load_gguf(GGUFFile(source), dtype, device,
+                                                     tp_rank, tp_size)[1])
+    return WeightShard(config, weights, tp_rank, tp_size, source)
+
+
+def _read_config(source: str) -> ModelConfig:
+    if source.startswith(DUMMY_PREFIX):
+        return preset_config(source[len(DUMMY_PREFIX):])
+    if not os.path.exists(source):
+        raise ModelLoadError(f"model not found: {source}")
+    if os.path.isdir(source):
+        return load_hf_config(source)
+    with open(source, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"cannot load {source}: not a GGUF file (first bytes {magic!r})")
+    return read_gguf_config(GGUFFile(source))
+
+
+def _guarded(source: str, read: Callable[[], T]) -> T:
+    try:
+        return read()
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # corrupt files surface as many types (safetensors, OS, GGUF)
+        message = " ".join(str(exc).replace(f"{source}: ", "").split()) or type(exc).__name__
+        raise ModelLoadError(f"cannot load {source}: {message}") from exc
