@@ -37,7 +37,7 @@ PY
 if [ "$SKIP_TESTS" != 1 ]; then
   phase "pytest -m gpu"
   # shellcheck disable=SC2086
-  timeout -s ABRT 200 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+  timeout -s ABRT 240 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
     -k "not embedded" --tb=short $TESTS 2>&1 | tail -60 | tee -a "$LOG"
 fi
 
