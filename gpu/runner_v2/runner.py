@@ -26,7 +26,7 @@ from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
-from gpu.sampling.sampler import SamplerOutput, batch_ops
+from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
@@ -99,14 +99,13 @@ class ModelRunnerV2:
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
         logits = self._logits(plan)
-        if (plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0
-                and self.sampling_state.output_counts_gpu is None):
+        if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
             self.sampling_state.flush_to_device()
             # The graph's output is overwritten by the next replay, possibly before this
             # step's copy to the host has read it: the copy reads a clone.
             sampled = self.graphs.run_sample(plan.num_rows_padded, ops.filters)[:num_reqs].clone()
             return SamplerOutput(sampled, None, None, None)
-        return self._sample_eagerly(logits[:num_reqs], plan,
+        return self._sample_eagerly(logits[:num_reqs], plan, ops,
                                     None if max_num_logprobs < 0 else max_num_logprobs)
 
     def _logits(self, plan: StepPlan) -> torch.Tensor:  # [>= num_reqs, vocab_size] float32
@@ -120,18 +119,18 @@ class ModelRunnerV2:
         out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
         return model.compute_logits(hidden[batch.logits_indices_gpu], out=out)
 
-    def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan,
+    def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
                         max_num_logprobs: int | None) -> SamplerOutput:
         num_reqs = plan.num_reqs
         rows = self.buffers.idx_mapping[:num_reqs]
         seq_lens = self.buffers.seq_lens[:num_reqs]
         num_output_tokens = self.states.total_len_gpu[rows] - self.states.prompt_len_gpu[rows]
         sampled = self.sampler(logits, rows, plan.idx_mapping_np, seq_lens.to(torch.int64),
-                               num_output_tokens, max_num_logprobs)
-        # Only penalties read the output counts; skip their launches when no row uses them.
-        # The chunk reaching the last known token makes the sample real (before post_update).
-        is_real = (seq_lens >= self.states.total_len_gpu[rows]
-                   if self.sampling_state.output_counts_gpu is not None else None)
+                               num_output_tokens, max_num_logprobs, ops=ops)
+        # Only penalty rows read the output counts, and a penalty row's counts are rebuilt
+        # from its history when it joins: count only in steps that hold such a row (every
+        # step it runs in). The chunk reaching the last known token makes the sample real.
+        is_real = seq_lens >= self.states.total_len_gpu[rows] if ops.penalties else None
         post_update(rows, self.buffers.query_start_loc[:num_reqs + 1], sampled.sampled_token_ids,
                     self.states.num_computed_gpu, self.states.total_len_gpu,
                     self.states.token_ids_gpu, self.states.last_sampled_gpu, num_reqs=num_reqs)

@@ -219,8 +219,9 @@ class SamplingState:
         sampled_token_ids_gpu: torch.Tensor,  # [num_rows] int64
         is_real_gpu: torch.Tensor,  # [num_rows] bool, False for discarded samples
     ) -> None:
-        """Count sampled tokens into the output counts, on the device (no sync). Rows that
-        use no penalties are counted too; their counts are rebuilt if they ever need them."""
+        """Count sampled tokens into the output counts, on the device (no sync). Only rows
+        that use penalties need counting (a row's counts are rebuilt from its history when
+        it is added); rows that use none may be counted too, harmlessly."""
         if self.output_counts_gpu is None:
             return
         self.output_counts_gpu.index_put_(

@@ -175,6 +175,13 @@ def _check_graphed_runner_matches_eager(device: str) -> None:
         assert graphed.step(sched) == eager.step(sched)
     for got, want in zip(graphed.kv_caches, eager.kv_caches):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The penalty request's output counts hold exactly the tokens it generated.
+    runner = graphed.runner
+    row = runner.states.row_of["r5"]
+    outputs = runner.states.token_ids_gpu[row, 6:int(runner.states.total_len_gpu[row])].long()
+    counts = runner.sampling_state.output_counts_gpu[row]
+    assert outputs.numel() == 4 and torch.equal(counts, torch.bincount(outputs.cpu(), minlength=TINY.vocab_size)
+                                                 .to(counts.device, counts.dtype))
 
 
 def test_graphed_runner_gives_the_eager_runner_tokens() -> None:
