@@ -54,7 +54,12 @@ class _GPUActorBase:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         bind_actor(self.name)  # anyio copies this task's context into the worker thread
-        await anyio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
+        try:
+            await anyio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
+        finally:
+            close = getattr(self.runner, "close", None)  # the V2 runner hands its state back
+            if close is not None:
+                close()
 
     def _post(self, out: StepOutput) -> None:
         assert self._loop is not None

@@ -3,7 +3,12 @@
 # correctness check against transformers, and (only if that passes) the benchmarks named
 # in $BENCH (default: "w1-quick attention sampler"). Everything lands in $OUT.
 #   usage (device tool, carry .whl):  TANDEM_COMMIT=<sha> bash benchmarks/gpu_check.sh
-#   BENCH words: w1-quick | w1 | w2 | w3 | attention | sampler | none
+#   BENCH words: w1-quick | w1 | w1-tandem | w2 | w3 | attention | sampler | profile |
+#                serving | none
+#     profile: benchmarks/profile_step.py (kernel breakdown of decode steps, next to the
+#              floor); when this checkout sits inside another tandem checkout (../gpu
+#              exists), that one is profiled too, as "main" (an A/B of the same script)
+#     serving: benchmarks/bench_serving_shape.py (mixed vs decode-only step times)
 #   TESTS="path ..." runs only those gpu-marked tests; SKIP_TESTS=1 / SKIP_CORRECTNESS=1 skip.
 #   A phase that hangs is stopped with SIGABRT, which makes Python print every thread's stack.
 set -u
@@ -32,7 +37,7 @@ PY
 if [ "$SKIP_TESTS" != 1 ]; then
   phase "pytest -m gpu"
   # shellcheck disable=SC2086
-  timeout -s ABRT 200 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
+  timeout -s ABRT 240 python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors \
     -k "not embedded" --tb=short $TESTS 2>&1 | tail -60 | tee -a "$LOG"
 fi
 
@@ -56,6 +61,17 @@ for b in $BENCH; do
   case $b in
     w1-quick) TRITON_CACHE_DIR=/tmp/triton_cold bench w1_quick 200 --workload W1 --arms v2,v1 --repeats 1 ;;
     w1) bench w1 400 --workload W1 --repeats 2 ;;
+    w1-tandem) bench w1_tandem 300 --workload W1 --arms v2,v1 --repeats 2 ;;
+    profile)
+      phase "profile step"
+      roots=(--code-root .:branch)
+      [ -f ../gpu/runner_v2/runner.py ] && roots+=(--code-root "..:main:b1,b8,mix256,b1024")
+      timeout -s ABRT 330 python3 benchmarks/profile_step.py --out "$OUT/profile_step.json" \
+        "${roots[@]}" 2>&1 | grep -v '\[info' | tail -60 | tee -a "$LOG" ;;
+    serving)
+      phase "bench serving shape"
+      timeout -s ABRT 200 python3 benchmarks/bench_serving_shape.py --out "$OUT/serving_shape.json" \
+        2>&1 | grep -v '\[info' | tail -8 | tee -a "$LOG" ;;
     w1-cb) bench w1_cb 240 --workload W1 --arms v2,hf_continuous --repeats 1 ;;
     w2) bench w2 200 --workload W2 --repeats 2 --arms v2,v1,hf_static --hf-batch-size 128 ;;
     w3) bench w3 260 --workload W3 --repeats 2 --arms v2,v1,hf_static ;;
@@ -65,7 +81,7 @@ for b in $BENCH; do
         2>&1 | tail -25 | tee -a "$LOG" ;;
     sampler)
       phase "bench sampler"
-      timeout 90 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee -a "$LOG" ;;
+      timeout 150 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -24 | tee -a "$LOG" ;;
   esac
 done
 phase "done"

@@ -2,15 +2,16 @@
 
 On CUDA, before the KV cache exists:
 
-1. weights: what the caching allocator holds once the model and the step buffers are loaded;
+1. weights: what the caching allocator holds once the model, the step buffers and the V2
+   step state (row tables, sampling parameters, graph outputs) are allocated;
 2. activations: the peak of one maximal dummy step (max_num_batched_tokens tokens, logits
    and a sampling-sized copy for max_num_seqs rows), over a one-block dummy KV cache;
-3. CUDA graphs: the two largest decode graphs captured into a throwaway pool, extrapolated
-   to all sizes (see cuda_graphs.measure_graph_memory);
+3. CUDA graphs: the two largest graphs of each kind captured into a throwaway pool,
+   extrapolated to all sizes (see cuda_graphs.measure_graph_memory);
 4. non-torch memory: what the device has in use beyond torch's reservations (CUDA context,
    library handles);
-5. runner state: the row tables a runner allocates per request row (token history, block
-   table, penalty state), which exist only once a runner does.
+5. runner state: what runners allocate later: the penalty tables (allocated once a request
+   uses penalties) and a V1 runner's row tables.
 
 KV bytes = gpu_memory_utilization * total - (1..5). Every term is logged.
 """
@@ -24,10 +25,12 @@ import structlog
 import torch
 
 from gpu.attention.base import AttentionMetadata, allocate_kv_cache
-from gpu.cuda_graphs import DecodeGraphs, measure_graph_memory
+from gpu.cuda_graphs import StepGraphs, measure_graph_memory
 from gpu.input_buffers import InputBuffers
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
+from gpu.runner_v2.step_plan import GraphSizes
+from gpu.runner_v2.step_state import V2StepState
 
 log = structlog.get_logger("tandem.kv_sizing")
 
@@ -62,21 +65,19 @@ class StepShape:
 
 
 def runner_state_bytes(model: ModelConfig, shape: StepShape) -> int:
-    """Device bytes of one runner's per-row tables (states.RequestStates, SamplingState)."""
-    max_blocks = -(-shape.max_model_len // shape.block_size)
-    rows = shape.max_num_seqs
-    token_history = rows * shape.max_model_len * 4
-    block_table = rows * max_blocks * 4
-    penalties = rows * model.vocab_size * (1 + 4)  # prompt mask (bool) + output counts (int32)
-    return token_history + block_table + penalties + (1 << 20)
+    """Device bytes runners allocate after startup: the penalty tables (prompt mask and
+    output counts per row and token) and a V1 runner's sampling rows."""
+    penalties = shape.max_num_seqs * model.vocab_size * (1 + 4)  # bool mask + int32 counts
+    return penalties + (1 << 20)
 
 
 @torch.inference_mode()
-def profile_kv_budget(model: DecoderModel, buffers: InputBuffers, shape: StepShape,
+def profile_kv_budget(model: DecoderModel, step_state: V2StepState, shape: StepShape,
                       dtype: torch.dtype, gpu_memory_utilization: float,
-                      graph_sizes: tuple[int, ...]) -> MemoryReport:
+                      graph_sizes: GraphSizes | None) -> MemoryReport:
     """Measure every term and return the KV budget (see the module doc)."""
     config = model.config
+    buffers = step_state.buffers
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     weights_bytes = torch.cuda.memory_allocated()
@@ -88,9 +89,10 @@ def profile_kv_budget(model: DecoderModel, buffers: InputBuffers, shape: StepSha
     torch.cuda.synchronize()
     activation_peak = torch.cuda.max_memory_allocated() - baseline
     graph_estimate = 0
-    if graph_sizes:
-        graphs = DecodeGraphs(model.forward, dummy_kv, buffers, graph_sizes, shape.max_model_len)
-        graph_estimate, graph_terms = measure_graph_memory(graphs, len(graph_sizes))
+    if graph_sizes is not None:
+        graphs = StepGraphs(model, dummy_kv, step_state, graph_sizes, shape.block_size,
+                            shape.max_model_len)
+        graph_estimate, graph_terms = measure_graph_memory(graphs)
         log.info("graph_memory_measured", **{k: (round(v / GiB, 3) if k.endswith("bytes") else v)
                                              for k, v in graph_terms.items()})
     del dummy_kv

@@ -1,9 +1,9 @@
-"""What both runners share: the loaded model, its KV cache, the V2 step buffers and the
-decode CUDA graphs that replay on them, and the device they live on.
+"""What both runners share: the loaded model, its KV cache, the V2 step buffers and state
+and the CUDA graphs of the V2 step that replay on them, and the device they live on.
 
 Startup on CUDA: load the weights, measure the memory of a maximal step and of the graphs
 (gpu/kv_sizing.py), give the KV cache what is left of --gpu-memory-utilization, then
-capture the decode graphs (gpu/cuda_graphs.py; --enforce-eager skips them)."""
+capture the step graphs (gpu/cuda_graphs.py; --enforce-eager skips them)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import torch
 
 from actors.config import EngineConfig
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
-from gpu.cuda_graphs import DecodeGraphs, capture_sizes
+from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
 from gpu.input_buffers import InputBuffers
 from gpu.kv_sizing import MemoryReport, StepShape, profile_kv_budget
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.platform import Platform
+from gpu.runner_v2.step_plan import GraphSizes
+from gpu.runner_v2.step_state import V2StepState
 from gpu.weights.loader import load_model_files
 
 log = structlog.get_logger("tandem.worker")
@@ -69,6 +71,9 @@ class ModelWorker:
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens,
                                     self.max_blocks_per_req, self.device)
         graph_sizes = self._graph_sizes()
+        self.step_state = V2StepState(self.buffers, self.max_model_len, self.max_blocks_per_req,
+                                      self.model_config.vocab_size, self.model_config.hidden_size,
+                                      self.dtype, with_graph_outputs=graph_sizes is not None)
         self.memory_report: MemoryReport | None = None
         self.kv_spec = self._size_kv_cache(graph_sizes)
         self.kv_caches = allocate_kv_cache(
@@ -80,25 +85,28 @@ class ModelWorker:
                  max_model_len=self.max_model_len, kv_blocks=self.kv_spec.num_blocks,
                  kv_tokens=self.kv_spec.num_tokens, kv_bytes=self.kv_spec.num_bytes)
         self.graph_memory_bytes = 0
-        self.graphs: DecodeGraphs | None = self._capture_graphs(graph_sizes)
+        self.graphs: StepGraphs | None = self._capture_graphs(graph_sizes)
         self.ready_time_s = time.perf_counter() - started
 
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.config.block_size)
 
-    def _graph_sizes(self) -> tuple[int, ...]:
+    def _graph_sizes(self) -> GraphSizes | None:
         # The graphs bake the step's metadata in; only the Triton backend reads every length
         # from the device buffers at replay (the torch backend reads host copies).
         if self.device.type != "cuda" or self.config.enforce_eager or not self.platform.has_triton:
-            return ()
-        return capture_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            return None
+        config = self.config
+        return GraphSizes(capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
+                          mixed_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
+                          config.max_num_seqs)
 
     def _step_shape(self) -> StepShape:
         return StepShape(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                          self.max_model_len, self.config.block_size)
 
-    def _size_kv_cache(self, graph_sizes: tuple[int, ...]) -> KVCacheSpec:
+    def _size_kv_cache(self, graph_sizes: GraphSizes | None) -> KVCacheSpec:
         mc = self.model_config
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         bytes_per_block = mc.kv_bytes_per_token * element_size * self.config.block_size
@@ -106,7 +114,7 @@ class ModelWorker:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
             self.memory_report = profile_kv_budget(
-                self.model, self.buffers, self._step_shape(), self.dtype,
+                self.model, self.step_state, self._step_shape(), self.dtype,
                 self.config.gpu_memory_utilization, graph_sizes)
             num_blocks = self.memory_report.kv_budget_bytes // bytes_per_block
         else:
@@ -120,11 +128,11 @@ class ModelWorker:
             )
         return KVCacheSpec(num_blocks, self.config.block_size, bytes_per_block)
 
-    def _capture_graphs(self, graph_sizes: tuple[int, ...]) -> DecodeGraphs | None:
-        if not graph_sizes:
+    def _capture_graphs(self, graph_sizes: GraphSizes | None) -> StepGraphs | None:
+        if graph_sizes is None:
             return None
-        graphs = DecodeGraphs(self.model.forward, self.kv_caches, self.buffers, graph_sizes,
-                              self.max_model_len)
+        graphs = StepGraphs(self.model, self.kv_caches, self.step_state, graph_sizes,
+                            self.config.block_size, self.max_model_len)
         # Capture empties the allocator's cache; empty it on both sides of the measurement.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -135,7 +143,9 @@ class ModelWorker:
         self.graph_memory_bytes = used_bytes
         estimate = self.memory_report.graph_estimate_bytes if self.memory_report else None
         log.info("cuda_graphs_captured", num_graphs=graphs.num_captured,
-                 sizes=f"{graph_sizes[0]}..{graph_sizes[-1]}", capture_time_s=round(capture_time_s, 2),
+                 decode_sizes=f"{graph_sizes.decode[0]}..{graph_sizes.decode[-1]}",
+                 mixed_sizes=",".join(map(str, graph_sizes.mixed)),
+                 capture_time_s=round(capture_time_s, 2),
                  memory_gib=round(used_bytes / (1 << 30), 3),
                  estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3))
         return graphs

@@ -82,6 +82,30 @@ def check_token_history_device(token_ids: torch.Tensor, device: torch.device) ->
         )
 
 
+def check_step_counts(step_counts: torch.Tensor | None, device: torch.device) -> None:
+    """The device-side (num_reqs, num_tokens) of a step whose launch extent is padded."""
+    if step_counts is None:
+        return
+    check_dtype_and_rank("step_counts", step_counts, torch.int32, 1)
+    if step_counts.shape[0] < 2 or step_counts.device != device:
+        raise ValueError(f"step_counts must hold [num_reqs, num_tokens] on {device}, got "
+                         f"{tuple(step_counts.shape)} on {step_counts.device}")
+
+
+def read_step_counts(step_counts: torch.Tensor | None, num_reqs: int, num_tokens: int | None
+                     ) -> tuple[int, int | None]:
+    """The real counts for a torch reference (a host sync on a GPU): step_counts when given,
+    which must lie within the bounds num_reqs / num_tokens (None: unbounded)."""
+    if step_counts is None:
+        return num_reqs, num_tokens
+    real_reqs, real_tokens = (int(v) for v in step_counts[:2].tolist())
+    token_bound = real_tokens if num_tokens is None else num_tokens
+    if not (0 <= real_reqs <= num_reqs and 0 <= real_tokens <= token_bound):
+        raise ValueError(f"step_counts ({real_reqs}, {real_tokens}) exceed the bounds "
+                         f"({num_reqs}, {num_tokens})")
+    return real_reqs, real_tokens
+
+
 def need_triton(op_name: str) -> None:
     """Launchers fail clearly on a CPU-only install, where only the references run."""
     if not HAS_TRITON:

@@ -13,6 +13,10 @@ bits), mapped to u = ((h >> 9) + 0.5) / 2**23, which is exact in float32 and lie
 (0, 1). So a draw does not depend on the batch it runs in, nor on its place there.
 Ties go to the smallest token id. The Triton kernel writes one (max, argmax) per
 1024-token block; a second tiny kernel picks the best block.
+
+With `thresholds` ([num_rows], from kernels/sampling_thresholds.py), tokens whose score
+(after the temperature) is below their row's threshold cannot be drawn: min-p, top-k and
+top-p filtering happen here, without writing the logits.
 """
 
 import torch
@@ -60,9 +64,11 @@ if HAS_TRITON:
         positions_ptr,
         block_max_ptr,
         block_argmax_ptr,
+        thresholds_ptr,
         vocab_size,
         num_blocks,
         APPLY_TEMPERATURE: tl.constexpr,
+        HAS_THRESHOLDS: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -76,8 +82,12 @@ if HAS_TRITON:
         if temperature != 0.0:
             if APPLY_TEMPERATURE:
                 scores = tl.math.div_rn(scores, temperature)
+            if HAS_THRESHOLDS:
+                scores = tl.where(scores >= tl.load(thresholds_ptr + row), scores, float("-inf"))
             key = _step_key(tl.load(seed_ptr + req), tl.load(positions_ptr + row))
             scores = scores + _gumbel_noise(key, token_ids)
+        elif HAS_THRESHOLDS:
+            scores = tl.where(scores >= tl.load(thresholds_ptr + row), scores, float("-inf"))
         best = tl.argmax(scores, 0, tie_break_left=True)
         tl.store(block_max_ptr + row * num_blocks + block, tl.max(scores, 0))
         tl.store(block_argmax_ptr + row * num_blocks + block, block * BLOCK_SIZE + best)
@@ -136,7 +146,7 @@ def gumbel_noise_ref(
 
 def _check_args(
     logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor, thresholds: torch.Tensor | None,
 ) -> None:
     num_rows, _ = check_logits(logits)
     device = logits.device
@@ -144,6 +154,8 @@ def _check_args(
     check_tensor("temperature", temperature, torch.float32, 1, device)
     check_tensor("seed", seed, torch.int64, 1, device, (temperature.shape[0],))
     check_tensor("positions", positions, torch.int64, 1, device, (num_rows,))
+    if thresholds is not None:
+        check_tensor("thresholds", thresholds, torch.float32, 1, device, (num_rows,))
 
 
 def gumbel_sample_ref(
@@ -153,19 +165,22 @@ def gumbel_sample_ref(
     seed: torch.Tensor,  # [max_num_reqs] int64
     positions: torch.Tensor,  # [num_rows] int64, position of the token being sampled
     apply_temperature: bool = True,
+    thresholds: torch.Tensor | None = None,  # [num_rows] float32: scores below are not drawn
 ) -> torch.Tensor:  # [num_rows] int64
     """Torch reference of `gumbel_sample`."""
-    _check_args(logits, idx_mapping, temperature, seed, positions)
+    _check_args(logits, idx_mapping, temperature, seed, positions, thresholds)
     rows = idx_mapping.long()
     row_temperature = temperature[rows]
     is_greedy = row_temperature == 0.0
-    if logits.shape[0] == 0 or bool(is_greedy.all()):
-        return logits.argmax(dim=-1)
     scores = logits
     if apply_temperature:
         scores = scores / torch.where(is_greedy, 1.0, row_temperature)[:, None]
-    scores = scores + gumbel_noise_ref(seed[rows], positions, logits.shape[1])
-    return torch.where(is_greedy[:, None], logits, scores).argmax(dim=-1)
+    if thresholds is not None:
+        scores = scores.masked_fill(scores < thresholds[:, None], float("-inf"))
+    if logits.shape[0] == 0 or bool(is_greedy.all()):
+        return scores.argmax(dim=-1)
+    noised = scores + gumbel_noise_ref(seed[rows], positions, logits.shape[1])
+    return torch.where(is_greedy[:, None], scores, noised).argmax(dim=-1)
 
 
 def gumbel_sample_triton(
@@ -175,11 +190,12 @@ def gumbel_sample_triton(
     seed: torch.Tensor,  # [max_num_reqs] int64
     positions: torch.Tensor,  # [num_rows] int64
     apply_temperature: bool = True,
+    thresholds: torch.Tensor | None = None,  # [num_rows] float32
     block_size: int = _BLOCK_SIZE,
 ) -> torch.Tensor:  # [num_rows] int64
     """Triton launcher of `gumbel_sample`: (row, vocab block) programs, then a block argmax."""
     need_triton("gumbel_sample_triton")
-    _check_args(logits, idx_mapping, temperature, seed, positions)
+    _check_args(logits, idx_mapping, temperature, seed, positions, thresholds)
     check_triton_device("gumbel_sample_triton", logits.device)
     num_rows, vocab_size = logits.shape
     sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -190,7 +206,8 @@ def gumbel_sample_triton(
     block_argmax = torch.empty((num_rows, num_blocks), dtype=torch.int32, device=logits.device)
     _gumbel_block_argmax_kernel[(num_rows, num_blocks)](
         logits, logits.stride(0), idx_mapping, temperature, seed, positions, block_max,
-        block_argmax, vocab_size, num_blocks, APPLY_TEMPERATURE=apply_temperature,
+        block_argmax, logits if thresholds is None else thresholds, vocab_size, num_blocks,
+        APPLY_TEMPERATURE=apply_temperature, HAS_THRESHOLDS=thresholds is not None,
         BLOCK_SIZE=block_size,
     )
     _best_block_kernel[(num_rows,)](block_max, block_argmax, sampled, num_blocks,
@@ -205,9 +222,11 @@ def gumbel_sample(
     seed: torch.Tensor,  # [max_num_reqs] int64
     positions: torch.Tensor,  # [num_rows] int64, position of the token being sampled
     apply_temperature: bool = True,
+    thresholds: torch.Tensor | None = None,  # [num_rows] float32: scores below are not drawn
 ) -> torch.Tensor:  # [num_rows] int64
     """Sample one token per row (see the module doc); greedy rows take the argmax."""
     if HAS_TRITON and logits.is_cuda:
         return gumbel_sample_triton(logits, idx_mapping, temperature, seed, positions,
-                                    apply_temperature)
-    return gumbel_sample_ref(logits, idx_mapping, temperature, seed, positions, apply_temperature)
+                                    apply_temperature, thresholds)
+    return gumbel_sample_ref(logits, idx_mapping, temperature, seed, positions, apply_temperature,
+                             thresholds)

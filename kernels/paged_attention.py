@@ -214,16 +214,19 @@ def paged_attention_triton(
     kv_tile_len: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    query_tile: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are undefined
     """Triton launcher. max_query_len must bound every request's query length; the
     remaining keyword arguments are tuning knobs (None = heuristic). Splitting the context
-    (num_kv_splits > 1) is only allowed when max_query_len <= 1."""
+    (num_kv_splits > 1) is only allowed when max_query_len <= 1. query_tile sets the rows of
+    a program's query tile (query heads of a kv head x tokens; default 16 for decodes, 64
+    otherwise): a mixed batch of mostly decodes reads its KV best with decode-sized tiles."""
     _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_reqs = key_cache.shape[2], seq_lens.shape[0]
     group_size = num_heads // num_kv_heads
     is_decode = max_query_len <= 1
-    block_m = max(16 if is_decode else 64, triton.next_power_of_2(group_size))
+    block_m = max(query_tile or (16 if is_decode else 64), triton.next_power_of_2(group_size))
     block_q = block_m // group_size
     tile_n = kv_tile_len or 64
     if num_kv_splits is None:  # only a decode-only batch may split its context
@@ -254,7 +257,7 @@ def paged_attention_triton(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or 4, num_stages=num_stages or (3 if is_decode else 2),
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if block_m <= 16 else 2),
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
@@ -277,12 +280,13 @@ def paged_attention(
     *,
     max_query_len: int,
     max_seq_len: int | None = None,
+    query_tile: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention: the Triton kernel on CUDA tensors, the torch reference otherwise."""
     if HAS_TRITON and query.is_cuda:
         return paged_attention_triton(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, query_tile=query_tile,
         )  # fmt: skip
     return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
 

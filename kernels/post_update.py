@@ -13,12 +13,17 @@ num_computed_tokens. This is how sampled tokens reach the next step's inputs wit
 round trip through the CPU. idx_mapping must not repeat a row within one step. A sample
 that would land at or past max_model_len is not stored in token_ids (the scheduler never
 runs such a step), but total_len and last_sampled still advance, in both implementations.
+
+With `step_counts` ([num_reqs, num_tokens] int32 on the device, as inside a CUDA graph)
+num_reqs is an upper bound and the real count is read from the device.
 """
 
 import torch
 
 from kernels._checks import (
     check_contiguous_rows,
+    check_step_counts,
+    read_step_counts,
     check_dtype_and_rank,
     check_same_device,
     check_token_history_device,
@@ -40,8 +45,13 @@ if HAS_TRITON:
         token_ids_stride,
         last_sampled_ptr,
         max_model_len,
+        step_counts_ptr,
+        HAS_STEP_COUNTS: tl.constexpr,
     ):
         batch_idx = tl.program_id(0)
+        if HAS_STEP_COUNTS:
+            if batch_idx >= tl.load(step_counts_ptr):
+                return
         row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
         query_len = tl.load(query_start_loc_ptr + batch_idx + 1) - tl.load(
             query_start_loc_ptr + batch_idx
@@ -69,8 +79,10 @@ def _check_args(
     token_ids: torch.Tensor,
     last_sampled: torch.Tensor,
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,
 ) -> None:
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_step_counts(step_counts, total_len.device)
     check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
     check_dtype_and_rank("sampled_token_ids", sampled_token_ids, torch.int64, 1)
     check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
@@ -111,10 +123,13 @@ def post_update_ref(
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, updated in place
     last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Torch reference of `post_update`; needs no host sync (masked writes, no boolean indexing)."""
+    """Torch reference of `post_update`; needs no host sync (masked writes, no boolean
+    indexing) unless step_counts is given."""
     _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-                token_ids, last_sampled, num_reqs)
+                token_ids, last_sampled, num_reqs, step_counts)
+    num_reqs = read_step_counts(step_counts, num_reqs, None)[0]
     rows = idx_mapping[:num_reqs].long()
     query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
     num_computed = num_computed_tokens[rows] + query_lens
@@ -145,11 +160,12 @@ def post_update_triton(
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, rows contiguous
     last_sampled: torch.Tensor,  # [max_num_reqs] int64
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Triton launcher of `post_update`: one program per scheduled request."""
+    """Triton launcher of `post_update`: one program per scheduled request (up to the bound)."""
     need_triton("post_update_triton")
     _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-                token_ids, last_sampled, num_reqs)
+                token_ids, last_sampled, num_reqs, step_counts)
     check_triton_device("post_update_triton", total_len.device)
     check_contiguous_rows(
         idx_mapping=idx_mapping, query_start_loc=query_start_loc,
@@ -168,6 +184,8 @@ def post_update_triton(
         token_ids.stride(0),
         last_sampled,
         token_ids.shape[1],
+        total_len if step_counts is None else step_counts,
+        HAS_STEP_COUNTS=step_counts is not None,
     )
 
 
@@ -180,8 +198,9 @@ def post_update(
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, device or pinned host (UVA)
     last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Advance the request state after sampling (see the module doc)."""
     impl = post_update_triton if HAS_TRITON and total_len.is_cuda else post_update_ref
     impl(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-         token_ids, last_sampled, num_reqs)
+         token_ids, last_sampled, num_reqs, step_counts)

@@ -13,12 +13,19 @@ For each scheduled request b (row r = idx_mapping[b]) and each of its tokens i i
 Entries past the real tokens / requests (CUDA-graph padding) are set to 0. Every position
 must be below max_model_len (the scheduler guarantees it); the Triton kernel masks reads
 past the row end instead of faulting, the reference raises an indexing error.
+
+Inside a CUDA graph the real counts change from replay to replay while the launch stays
+fixed: with `step_counts` ([num_reqs, num_tokens] int32 on the device), num_reqs and
+num_tokens are only upper bounds (the launch's extent) and the real counts are read from
+the device.
 """
 
 import torch
 
 from kernels._checks import (
     check_contiguous_rows,
+    check_step_counts,
+    read_step_counts,
     check_dtype_and_rank,
     check_same_device,
     check_token_history_device,
@@ -46,10 +53,16 @@ if HAS_TRITON:
         num_tokens_padded,
         num_reqs_padded,
         max_model_len,
+        step_counts_ptr,
+        HAS_STEP_COUNTS: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         batch_idx = tl.program_id(0)
         offsets = tl.arange(0, BLOCK_SIZE)
+        is_padding_program = batch_idx == tl.num_programs(0) - 1
+        if HAS_STEP_COUNTS:
+            num_reqs = tl.load(step_counts_ptr)
+            num_tokens = tl.load(step_counts_ptr + 1)
         if batch_idx < num_reqs:
             row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
             start = tl.load(query_start_loc_ptr + batch_idx)
@@ -67,7 +80,7 @@ if HAS_TRITON:
                 tl.store(input_ids_ptr + token_idx, ids, mask=in_query)
                 tl.store(positions_ptr + token_idx, pos, mask=in_query)
             tl.store(seq_lens_ptr + batch_idx, num_computed + (end - start))
-        else:
+        elif is_padding_program:
             # The one extra program zeroes the CUDA-graph padding.
             for block_start in range(num_tokens, num_tokens_padded, BLOCK_SIZE):
                 token_idx = block_start + offsets
@@ -89,8 +102,10 @@ def _check_args(
     seq_lens_out: torch.Tensor,
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,
 ) -> None:
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_step_counts(step_counts, input_ids_out.device)
     check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
     check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
     check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
@@ -135,10 +150,13 @@ def prepare_inputs_ref(
     seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Torch reference of `prepare_inputs` (same semantics, any device)."""
+    """Torch reference of `prepare_inputs` (same semantics, any device; reading
+    step_counts syncs a GPU)."""
     _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-                positions_out, seq_lens_out, num_reqs, num_tokens)
+                positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)
+    num_reqs, num_tokens = read_step_counts(step_counts, num_reqs, num_tokens)
     device = input_ids_out.device
     query_start = query_start_loc[: num_reqs + 1].long()
     token_idx = torch.arange(num_tokens, device=device)
@@ -168,11 +186,13 @@ def prepare_inputs_triton(
     seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Triton launcher of `prepare_inputs`: one program per request plus one for padding."""
+    """Triton launcher of `prepare_inputs`: one program per request (up to the bound
+    num_reqs) plus one for padding."""
     need_triton("prepare_inputs_triton")
     _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-                positions_out, seq_lens_out, num_reqs, num_tokens)
+                positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)
     check_triton_device("prepare_inputs_triton", input_ids_out.device)
     check_contiguous_rows(
         idx_mapping=idx_mapping, query_start_loc=query_start_loc,
@@ -193,6 +213,8 @@ def prepare_inputs_triton(
         input_ids_out.shape[0],
         seq_lens_out.shape[0],
         token_ids.shape[1],
+        seq_lens_out if step_counts is None else step_counts,
+        HAS_STEP_COUNTS=step_counts is not None,
         BLOCK_SIZE=_BLOCK_SIZE,
     )
 
@@ -207,6 +229,7 @@ def prepare_inputs(
     seq_lens_out: torch.Tensor,  # [num_reqs_padded] int32
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Fill input_ids_out, positions_out and seq_lens_out in place (see the module doc).
 
@@ -215,4 +238,4 @@ def prepare_inputs(
     """
     impl = prepare_inputs_triton if HAS_TRITON and input_ids_out.is_cuda else prepare_inputs_ref
     impl(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-         positions_out, seq_lens_out, num_reqs, num_tokens)
+         positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)

@@ -10,12 +10,17 @@ and pads the rest of slot_mapping_out with -1 (PAD_SLOT_ID: attention skips the 
 Every position must fall inside the request's block-table row (the KV cache manager
 allocates blocks before scheduling); the Triton kernel masks reads past the row end
 instead of faulting, the reference raises an indexing error.
+
+With `step_counts` ([num_reqs, num_tokens] int32 on the device, as inside a CUDA graph)
+num_reqs and num_tokens are upper bounds and the real counts are read from the device.
 """
 
 import torch
 
 from kernels._checks import (
     check_contiguous_rows,
+    check_step_counts,
+    read_step_counts,
     check_dtype_and_rank,
     check_same_device,
     check_triton_device,
@@ -37,11 +42,15 @@ if HAS_TRITON:
         block_table_out_stride,
         num_reqs,
         max_num_blocks,
+        step_counts_ptr,
+        HAS_STEP_COUNTS: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         batch_idx = tl.program_id(0)
         offsets = tl.arange(0, BLOCK_SIZE)
         out_row_ptr = block_table_out_ptr + batch_idx.to(tl.int64) * block_table_out_stride
+        if HAS_STEP_COUNTS:
+            num_reqs = tl.load(step_counts_ptr)
         if batch_idx < num_reqs:
             row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
             for block_start in range(0, max_num_blocks, BLOCK_SIZE):
@@ -66,11 +75,17 @@ if HAS_TRITON:
         num_tokens_padded,
         max_num_blocks,
         block_size,
+        step_counts_ptr,
+        HAS_STEP_COUNTS: tl.constexpr,
         PAD_SLOT: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
     ):
         batch_idx = tl.program_id(0)
         offsets = tl.arange(0, BLOCK_SIZE)
+        is_padding_program = batch_idx == tl.num_programs(0) - 1
+        if HAS_STEP_COUNTS:
+            num_reqs = tl.load(step_counts_ptr)
+            num_tokens = tl.load(step_counts_ptr + 1)
         if batch_idx < num_reqs:
             start = tl.load(query_start_loc_ptr + batch_idx)
             end = tl.load(query_start_loc_ptr + batch_idx + 1)
@@ -85,7 +100,7 @@ if HAS_TRITON:
                 )
                 slots = block_ids.to(tl.int64) * block_size + pos % block_size
                 tl.store(slot_mapping_ptr + token_idx, slots, mask=in_query)
-        else:
+        elif is_padding_program:
             for block_start in range(num_tokens, num_tokens_padded, BLOCK_SIZE):
                 token_idx = block_start + offsets
                 tl.store(slot_mapping_ptr + token_idx, PAD_SLOT, mask=token_idx < num_tokens_padded)
@@ -96,8 +111,10 @@ def _check_gather_args(
     block_table: torch.Tensor,
     block_table_out: torch.Tensor,
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,
 ) -> None:
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_step_counts(step_counts, block_table_out.device)
     check_dtype_and_rank("block_table", block_table, torch.int32, 2)
     check_dtype_and_rank("block_table_out", block_table_out, torch.int32, 2)
     check_same_device(
@@ -120,9 +137,11 @@ def gather_block_table_ref(
     block_table: torch.Tensor,  # [max_num_reqs, max_blocks_per_req] int32
     block_table_out: torch.Tensor,  # [num_reqs_padded, max_blocks_per_req] int32
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Torch reference of `gather_block_table`."""
-    _check_gather_args(idx_mapping, block_table, block_table_out, num_reqs)
+    _check_gather_args(idx_mapping, block_table, block_table_out, num_reqs, step_counts)
+    num_reqs = read_step_counts(step_counts, num_reqs, None)[0]
     block_table_out[:num_reqs] = block_table[idx_mapping[:num_reqs].long()]
     block_table_out[num_reqs:] = 0
 
@@ -132,9 +151,10 @@ def gather_block_table_triton(
     block_table: torch.Tensor,  # [max_num_reqs, max_blocks_per_req] int32, rows contiguous
     block_table_out: torch.Tensor,  # [num_reqs_padded, max_blocks_per_req] int32, rows contiguous
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Triton launcher of `gather_block_table`: one program per output row."""
-    _check_gather_args(idx_mapping, block_table, block_table_out, num_reqs)
+    _check_gather_args(idx_mapping, block_table, block_table_out, num_reqs, step_counts)
     need_triton("gather_block_table_triton")
     check_triton_device("gather_block_table_triton", block_table_out.device)
     check_contiguous_rows(
@@ -150,6 +170,8 @@ def gather_block_table_triton(
         block_table_out.stride(0),
         num_reqs,
         block_table.shape[1],
+        block_table_out if step_counts is None else step_counts,
+        HAS_STEP_COUNTS=step_counts is not None,
         BLOCK_SIZE=_BLOCK_SIZE,
     )
 
@@ -159,6 +181,7 @@ def gather_block_table(
     block_table: torch.Tensor,  # [max_num_reqs, max_blocks_per_req] int32
     block_table_out: torch.Tensor,  # [num_reqs_padded, max_blocks_per_req] int32
     num_reqs: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """block_table_out[b] = block_table[idx_mapping[b]] for b < num_reqs; later rows = 0."""
     impl = (
@@ -166,7 +189,7 @@ def gather_block_table(
         if HAS_TRITON and block_table_out.is_cuda
         else gather_block_table_ref
     )
-    impl(idx_mapping, block_table, block_table_out, num_reqs)
+    impl(idx_mapping, block_table, block_table_out, num_reqs, step_counts)
 
 
 def _check_slot_args(
@@ -177,9 +200,11 @@ def _check_slot_args(
     slot_mapping_out: torch.Tensor,
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,
 ) -> None:
     check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
     check_dtype_and_rank("positions", positions, torch.int64, 1)
+    check_step_counts(step_counts, slot_mapping_out.device)
     check_dtype_and_rank("block_table_out", block_table_out, torch.int32, 2)
     check_dtype_and_rank("slot_mapping_out", slot_mapping_out, torch.int64, 1)
     check_same_device(
@@ -211,10 +236,12 @@ def compute_slot_mapping_ref(
     slot_mapping_out: torch.Tensor,  # [num_tokens_padded] int64
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Torch reference of `compute_slot_mapping`."""
     _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
-                     num_reqs, num_tokens)
+                     num_reqs, num_tokens, step_counts)
+    num_reqs, num_tokens = read_step_counts(step_counts, num_reqs, num_tokens)
     token_idx = torch.arange(num_tokens, device=positions.device)
     query_end = query_start_loc[1 : num_reqs + 1].long()
     batch_of_token = torch.searchsorted(query_end, token_idx, right=True)
@@ -232,10 +259,12 @@ def compute_slot_mapping_triton(
     slot_mapping_out: torch.Tensor,  # [num_tokens_padded] int64
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Triton launcher of `compute_slot_mapping`: one program per request plus one for padding."""
+    """Triton launcher of `compute_slot_mapping`: one program per request (up to the bound
+    num_reqs) plus one for padding."""
     _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
-                     num_reqs, num_tokens)
+                     num_reqs, num_tokens, step_counts)
     need_triton("compute_slot_mapping_triton")
     check_triton_device("compute_slot_mapping_triton", slot_mapping_out.device)
     check_contiguous_rows(
@@ -253,6 +282,8 @@ def compute_slot_mapping_triton(
         slot_mapping_out.shape[0],
         block_table_out.shape[1],
         block_size,
+        slot_mapping_out if step_counts is None else step_counts,
+        HAS_STEP_COUNTS=step_counts is not None,
         PAD_SLOT=PAD_SLOT_ID,
         BLOCK_SIZE=_BLOCK_SIZE,
     )
@@ -266,6 +297,7 @@ def compute_slot_mapping(
     slot_mapping_out: torch.Tensor,  # [num_tokens_padded] int64
     num_reqs: int,
     num_tokens: int,
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Fill slot_mapping_out with each real token's KV slot and -1 past num_tokens."""
     impl = (
@@ -274,4 +306,4 @@ def compute_slot_mapping(
         else compute_slot_mapping_ref
     )
     impl(query_start_loc, positions, block_table_out, block_size, slot_mapping_out, num_reqs,
-         num_tokens)
+         num_tokens, step_counts)

@@ -12,7 +12,8 @@ tokens through than k.
 
 The thresholds come from torch.topk (or a full torch.sort when some top-p row has no
 top-k) over the `num_candidates` largest logits; only the masking is a Triton kernel.
-A sort-free top-p (vLLM uses a pivot search) is left for later.
+This sort-based op is the reference of kernels/sampling_thresholds.py, whose sort-free
+search the sampler uses.
 """
 
 import torch

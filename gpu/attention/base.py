@@ -34,9 +34,21 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32, known when the step is scheduled
     seq_lens_cpu: np.ndarray  # [num_reqs] int32
+    query_tile: int | None = None
+    """Rows of the Triton attention kernel's query tiles (None: its default for the batch)."""
 
 
 class AttentionBackend(Protocol):
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend over a cache that already holds this step's keys and values."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -30,6 +30,15 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         num_actual = metadata.num_actual_tokens
         kv_write_ref(key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual])
+        return self.attend(query, kv_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         out = torch.zeros_like(query)
         query_start_loc = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
         query_lens = np.diff(query_start_loc)

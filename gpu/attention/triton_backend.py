@@ -1,8 +1,9 @@
 """Attention over the paged KV cache with the Triton kernels in `kernels/`.
 
-On CUDA tensors it launches `kv_write` and `paged_attention` (one launch each for a
-mixed batch of prefill chunks and decodes, no host sync, so it can be captured in a CUDA
-graph); on other devices the same calls run the kernels' torch references.
+On CUDA tensors `paged_attention` is one launch for a mixed batch of prefill chunks and
+decodes (no host sync, so it can be captured in a CUDA graph); the model writes the step's
+keys and values beforehand, fused into its qkv prologue. `forward` writes them itself
+(`kv_write`). On other devices the same calls run the kernels' torch references.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
         kv_write(key, value, kv_cache, metadata.slot_mapping)
+        return self.attend(query, kv_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
         num_reqs = metadata.num_reqs
         return paged_attention(
             query,
@@ -38,4 +48,5 @@ class TritonAttentionBackend:
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            query_tile=metadata.query_tile,
         )

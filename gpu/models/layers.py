@@ -1,7 +1,9 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP.
 
 Parameters are allocated uninitialised (`torch.empty`); `DecoderModel.load_weights` fills
-them. The math follows Hugging Face transformers so that float32 results match it.
+them. The math follows Hugging Face transformers so that float32 results match it; on CUDA
+the fused kernels of kernels/ (rms_norm, silu_mul) compute it, elsewhere their torch
+references.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.models.config import UnsupportedModelError
+from kernels.qkv_prologue import apply_rotary_ref as apply_rotary
+from kernels.rms_norm import add_rms_norm
+from kernels.silu_mul import silu_mul
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary", "empty_parameter",
+           "rope_inv_freq"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -32,9 +40,14 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        x_fp32 = x.float()
-        inv_rms = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x_fp32 * inv_rms).to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, dim]
+        residual: torch.Tensor | None,  # [num_tokens, dim]; None: x starts the residual stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SwiGLUMLP(nn.Module):
@@ -50,8 +63,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return F.linear(silu_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -91,8 +103,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the neox / HF `rotate_half` layout.
 
-    cos and sin are precomputed in float32 for every position below `max_positions`; a
-    forward pass looks them up once (`cos_sin`) and every layer reuses them (`apply`).
+    cos and sin are precomputed in float32 for every position below `max_positions`; the
+    attention prologue (kernels/qkv_prologue.py) looks them up by position.
     """
 
     def __init__(
@@ -119,13 +131,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
-    # Same arithmetic as transformers' `x * cos + rotate_half(x) * sin` on half-width tensors.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -6,10 +6,19 @@ gate/up projections are fused into one matmul each; `load_weights` takes Hugging
 tensor names and concatenates them. Given a TP group (`tp`), the model holds one rank's
 shard and communicates as gpu/models/parallel_layers.py describes; without one (the
 default) it is the whole model and runs no collective.
+
+A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
+fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
+after the qkv projection (kernels/qkv_prologue.py), attention, SiLU-and-multiply fused
+(kernels/silu_mul.py) and four GEMMs. A decode step of a small model is bound by how many
+kernels it launches, not by their bytes, so the count is what sets batch-1 latency. Layers
+pass the residual stream alongside their output, so that each add happens inside the next
+norm.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -18,7 +27,7 @@ from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.models.config import ModelConfig
-from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, empty_parameter
+from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 from gpu.models.parallel_layers import (
     Collectives,
     gather_vocab_logits,
@@ -27,6 +36,7 @@ from gpu.models.parallel_layers import (
     vocab_parallel_embedding,
     vocab_shard,
 )
+from kernels.qkv_prologue import qkv_prologue
 
 # Buffers that some checkpoints carry but that are recomputed here.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,11 +49,14 @@ class Attention(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        rotary: RotaryEmbedding,
         tp: Collectives | None = None,
     ) -> None:
         super().__init__()
         heads = head_shard(config, *_rank_and_size(tp))
         self.tp = tp
+        self.rotary = rotary
+        self.eps = config.rms_norm_eps
         self.num_heads = heads.num_heads
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
@@ -67,23 +80,20 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm(query)
-            key = self.k_norm(key)
-        query = apply_rotary(query, cos, sin)
-        key = apply_rotary(key, cos, sin)
-        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        query = qkv_prologue(
+            qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            self.eps, kv_cache, attn_metadata.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+        out = self.attn_backend.attend(query, kv_cache, attn_metadata, self.scale)
         out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -95,28 +105,30 @@ class DecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        rotary: RotaryEmbedding,
         tp: Collectives | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, attn_backend, dtype, device, tp)
+        self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
         self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+        positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        hidden = hidden + attn_out
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + (mlp_out if self.tp is None else self.tp.all_reduce(mlp_out))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn_out = self.self_attn(normed, positions, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        mlp_out = self.mlp(normed)
+        return (mlp_out if self.tp is None else self.tp.all_reduce(mlp_out)), residual
 
 
 class DecoderModel(nn.Module):
@@ -145,21 +157,22 @@ class DecoderModel(nn.Module):
         vocab_rows = self.vocab_shard.num_rows
         self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, dtype=dtype,
                                             device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device, tp) for _ in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else empty_parameter(vocab_rows, config.hidden_size, dtype=dtype, device=device)
-        )
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling_dict,
             device,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attn_backend, dtype, device, self.rotary, tp)
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else empty_parameter(vocab_rows, config.hidden_size, dtype=dtype, device=device)
         )
 
     def forward(
@@ -175,18 +188,29 @@ class DecoderModel(nn.Module):
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
             hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
+        return self.norm.add_forward(hidden, residual)[0]
 
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [num_logits, hidden_size]
+        out: torch.Tensor | None = None,  # [num_logits, vocab_size] float32, written in place
     ) -> torch.Tensor:  # [num_logits, vocab_size] float32
-        if self.tp is None:
-            return F.linear(hidden, self.lm_head).float()
-        return gather_vocab_logits(self.compute_logits_local(hidden), self.tp, self.config.vocab_size)
+        """float32 logits. On CUDA a bf16/fp16 head multiplies straight into float32
+        (one GEMM, no half-precision logits and no cast kernel); elsewhere the logits are
+        computed in the model dtype and converted. Under TP each rank's slice is gathered."""
+        if self.tp is not None:
+            logits = gather_vocab_logits(self.compute_logits_local(hidden), self.tp,
+                                         self.config.vocab_size)
+            return logits if out is None else out.copy_(logits)
+        if hidden.is_cuda and self.dtype != torch.float32 and _mm_into_float32_works(hidden.device):
+            if out is None:
+                return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32)
+            return torch.mm(hidden, self.lm_head.t(), out_dtype=torch.float32, out=out)
+        logits = F.linear(hidden, self.lm_head).float()
+        return logits if out is None else out.copy_(logits)
 
     def compute_logits_local(
         self,
@@ -238,6 +262,19 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             targets.update(_layer_weight_targets(f"model.layers.{index}.", layer))
         return targets
+
+
+@functools.cache
+def _mm_into_float32_works(device: torch.device) -> bool:
+    """Whether this torch build multiplies half-precision matrices into float32 on `device`."""
+    a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    out = torch.empty(4, 2, dtype=torch.float32, device=device)[:2]
+    try:
+        plain = torch.mm(a, a.t(), out_dtype=torch.float32)
+        torch.mm(a, a.t(), out_dtype=torch.float32, out=out)
+        return plain.dtype == torch.float32 and bool((out == 8.0).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:

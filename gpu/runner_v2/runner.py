@@ -4,6 +4,11 @@ Be paranoid about adding work to `execute`: it runs once per step while the devi
 busy with the previous step, and everything here is CPU time the device must hide. Nothing
 on this path may wait for the device (`.item()`, `.tolist()`, `.cpu()`, synchronize):
 sampled tokens reach the CPU only through `PendingStep.result()`.
+
+Per step the CPU applies the row edits (new requests, new blocks), plans the step's shape
+(gpu/runner_v2/step_plan.py), uploads idx_mapping, query_start_loc and the counts in one
+copy, and replays the step's CUDA graphs (gpu/cuda_graphs.py): forward, head, sample.
+Parts no graph holds run eagerly on the same buffers, with the same kernels.
 """
 
 from __future__ import annotations
@@ -11,17 +16,22 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import structlog
 import torch
 
 from actors.messages import SchedulerOutput, StepStats
-from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
-from gpu.runner_v2.input_batch import InputBatch, build_input_batch
-from gpu.runner_v2.states import RequestStates
-from gpu.sampling.sampler import Sampler, SamplerOutput
-from gpu.sampling.state import SamplingState, unseeded_request_seed
 from actors.config import EngineConfig
+from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
+from gpu.input_buffers import InputBuffers
+from gpu.runner_v2.input_batch import build_input_batch
+from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
+from gpu.runner_v2.step_state import V2StepState
+from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
+from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
+
+log = structlog.get_logger("tandem.runner_v2")
 
 
 class ModelRunnerV2:
@@ -39,47 +49,94 @@ class ModelRunnerV2:
                 f"the runner's max_num_seqs {max_num_reqs} / max_num_batched_tokens "
                 f"{config.max_num_batched_tokens} exceed the loaded model's "
                 f"{worker.buffers.max_num_reqs} / {worker.buffers.max_num_tokens}")
-        self.states = RequestStates(max_num_reqs, worker.max_model_len, worker.max_blocks_per_req,
-                                    self.device)
-        self.buffers = worker.buffers
+        self.step_state = worker.step_state
         self.graphs = None if config.enforce_eager else worker.graphs
-        self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
-        self.sampler = Sampler(self.sampling_state)
+        if not self.step_state.try_claim(self, max_num_reqs):
+            log.warning("v2_step_state_busy", reason="another V2 runner holds this model's "
+                        "step state: this one runs on a private one, without CUDA graphs")
+            self.step_state = _private_step_state(worker)
+            self.step_state.try_claim(self, max_num_reqs)
+            self.graphs = None
+        self.states = self.step_state.states
+        self.sampling_state = self.step_state.sampling_state
+        self.sampler = self.step_state.sampler
+        self.buffers = self.step_state.buffers
+        self._graph_sizes: GraphSizes | None = None if self.graphs is None else self.graphs.sizes
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
 
+    def close(self) -> None:
+        """Give the model's step state back (the next runner on this model may take it)."""
+        self.step_state.release(self)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> PendingStep:
         started = time.perf_counter()
+        self.step_state.check_owner(self)
         start_event = self._record_event()
         self._sync_states(sched)
-        batch = build_input_batch(sched, self.states, self.buffers, self.block_size, self.graphs)
-        logits = self._forward(batch)
-        sampled = self._sample(logits, batch)
-        self._post_update(batch, sampled)
+        plan = plan_step(sched, self.states.row_of, self._graph_sizes)
+        self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
+        sampled = self._run(plan)
         end_event = self._record_event()
         copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
                                             sampled.logprobs, sampled.sampled_ranks),
                                    self.copy_stream)
         stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
-                          num_reqs=batch.num_reqs,
-                          num_tokens=batch.num_tokens,
-                          num_prefill_tokens=batch.num_tokens - sum(sched.samples_token),
+                          num_reqs=plan.num_reqs, num_tokens=plan.num_tokens,
+                          num_prefill_tokens=plan.num_tokens - sum(sched.samples_token),
                           prepare_time_s=time.perf_counter() - started)
         timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
         self._last_end_event = end_event
         return PendingStep(sched.step_id, sched.scheduled_request_ids,
                            np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing)
 
-    def _forward(self, batch: InputBatch) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    def _run(self, plan: StepPlan) -> SamplerOutput:
+        """Forward, head and sampling of one planned step: graphs where they hold it."""
+        num_reqs = plan.num_reqs
+        ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
+        max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
+        logits = self._logits(plan)
+        if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
+            self.sampling_state.flush_to_device()
+            # The graph's output is overwritten by the next replay, possibly before this
+            # step's copy to the host has read it: the copy reads a clone.
+            sampled = self.graphs.run_sample(plan.num_rows_padded, ops.filters)[:num_reqs].clone()
+            return SamplerOutput(sampled, None, None, None)
+        return self._sample_eagerly(logits[:num_reqs], plan, ops,
+                                    None if max_num_logprobs < 0 else max_num_logprobs)
+
+    def _logits(self, plan: StepPlan) -> torch.Tensor:  # [>= num_reqs, vocab_size] float32
+        if plan.forward is not None:
+            self.graphs.run_forward(plan.forward)
+            return self.graphs.run_head(plan.num_rows_padded)
         model = self.worker.model
-        if batch.num_reqs_padded is not None and self.graphs is not None:
-            return model.compute_logits(self.graphs.run(batch.num_reqs))
+        batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
         hidden = model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
                        batch.attn_metadata)
-        return model.compute_logits(hidden[batch.logits_indices_gpu])
+        out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
+        return model.compute_logits(hidden[batch.logits_indices_gpu], out=out)
+
+    def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
+                        max_num_logprobs: int | None) -> SamplerOutput:
+        num_reqs = plan.num_reqs
+        rows = self.buffers.idx_mapping[:num_reqs]
+        seq_lens = self.buffers.seq_lens[:num_reqs]
+        num_output_tokens = self.states.total_len_gpu[rows] - self.states.prompt_len_gpu[rows]
+        sampled = self.sampler(logits, rows, plan.idx_mapping_np, seq_lens.to(torch.int64),
+                               num_output_tokens, max_num_logprobs, ops=ops)
+        # Only penalty rows read the output counts, and a penalty row's counts are rebuilt
+        # from its history when it joins: count only in steps that hold such a row (every
+        # step it runs in). The chunk reaching the last known token makes the sample real.
+        is_real = seq_lens >= self.states.total_len_gpu[rows] if ops.penalties else None
+        post_update(rows, self.buffers.query_start_loc[:num_reqs + 1], sampled.sampled_token_ids,
+                    self.states.num_computed_gpu, self.states.total_len_gpu,
+                    self.states.token_ids_gpu, self.states.last_sampled_gpu, num_reqs=num_reqs)
+        if is_real is not None:
+            self.sampling_state.record_sampled(rows, sampled.sampled_token_ids, is_real)
+        return sampled
 
     def _record_event(self) -> torch.cuda.Event | None:
         """A timing event on the main stream; the completion thread reads it once the
@@ -110,26 +167,11 @@ class ModelRunnerV2:
         self.states.apply_staged()
         self.sampling_state.flush_to_device()
 
-    def _sample(self, logits: torch.Tensor, batch: InputBatch) -> SamplerOutput:
-        rows = batch.idx_mapping_gpu
-        num_output_tokens = self.states.total_len_gpu[rows] - self.states.prompt_len_gpu[rows]
-        max_num_logprobs = int(self.num_logprobs_np[batch.idx_mapping_np].max())
-        return self.sampler(logits, rows, batch.idx_mapping_np, batch.seq_lens_gpu.to(torch.int64),
-                            num_output_tokens, None if max_num_logprobs < 0 else max_num_logprobs)
 
-    def _post_update(self, batch: InputBatch, sampled: SamplerOutput) -> None:
-        # Only penalties read the output counts; skip their launches when no row uses them.
-        is_real = (self._samples_real_token(batch)
-                   if self.sampling_state.output_counts_gpu is not None else None)
-        post_update(batch.idx_mapping_gpu, batch.query_start_loc_gpu, sampled.sampled_token_ids,
-                    self.states.num_computed_gpu, self.states.total_len_gpu,
-                    self.states.token_ids_gpu, self.states.last_sampled_gpu,
-                    num_reqs=batch.num_reqs)
-        if is_real is not None:
-            self.sampling_state.record_sampled(batch.idx_mapping_gpu, sampled.sampled_token_ids,
-                                               is_real)
-
-    def _samples_real_token(self, batch: InputBatch) -> torch.Tensor:  # [num_reqs] bool
-        # Before post_update: the chunk reaching the last known token makes the sample real.
-        rows = batch.idx_mapping_gpu
-        return batch.seq_lens_gpu >= self.states.total_len_gpu[rows]
+def _private_step_state(worker: ModelWorker) -> V2StepState:
+    shared = worker.buffers
+    buffers = InputBuffers(shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req,
+                           worker.device)
+    return V2StepState(buffers, worker.max_model_len, worker.max_blocks_per_req,
+                       worker.model_config.vocab_size, worker.model_config.hidden_size,
+                       worker.dtype, with_graph_outputs=False)

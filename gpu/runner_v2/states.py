@@ -41,6 +41,19 @@ class RequestStates:
         self._new_rows: list[int] = []
         self._new_scalars: list[tuple[int, int, int]] = []  # (computed, total_len, prompt_len)
 
+    def reset(self, num_rows: int) -> None:
+        """Forget every request and offer rows [0, num_rows) again. Device tensors keep
+        their contents: a row is rewritten in full when a request takes it."""
+        if not 0 < num_rows <= self.max_num_reqs:
+            raise ValueError(f"num_rows must be in [1, {self.max_num_reqs}], got {num_rows}")
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.row_of.clear()
+        self.num_blocks_np[:] = 0
+        self._token_writes.clear()
+        self._block_writes.clear()
+        self._new_rows.clear()
+        self._new_scalars.clear()
+
     @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)

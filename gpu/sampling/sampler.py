@@ -2,9 +2,15 @@
 
 Processing order: logit bias and min_tokens suppression -> penalties -> temperature ->
 min-p -> top-k/top-p -> seeded Gumbel-max (greedy rows take the argmax of the processed
-logits). Which ops run is decided from the CPU-side numpy mirrors of the batch's rows, so
-deciding never syncs the device, and an op no row needs is not launched at all. Logprobs
-are those of the raw model logits (vLLM's default "raw_logprobs").
+logits). Bias and penalties rewrite a copy of the logits; temperature, min-p, top-k and
+top-p never write: a per-row threshold (kernels/sampling_thresholds.py, no sort) and the
+temperature go into the Gumbel kernel, which skips the tokens below the threshold. Which
+ops run is decided from the CPU-side numpy mirrors of the batch's rows, so deciding never
+syncs the device, and an op no row needs is not launched at all. Logprobs are those of
+the raw model logits (vLLM's default "raw_logprobs").
+
+`sample_graphable` is the same sampling with no host-side decisions, for a CUDA graph: the
+threshold kernels run for every row and leave the unfiltered rows at -inf.
 """
 
 from __future__ import annotations
@@ -17,10 +23,8 @@ import torch
 from gpu.sampling.state import SamplingState
 from kernels.gumbel_sample import gumbel_sample
 from kernels.logit_bias import apply_logit_bias
-from kernels.min_p import apply_min_p
 from kernels.penalties import apply_penalties
-from kernels.temperature import apply_temperature
-from kernels.top_k_top_p import apply_top_k_top_p
+from kernels.sampling_thresholds import sampling_thresholds
 from kernels.topk_logprobs import topk_logprobs
 
 
@@ -39,42 +43,23 @@ class BatchOps:
     logit_bias: bool
     """Logit bias, or min_tokens suppression of stop tokens (one kernel does both)."""
     penalties: bool
-    temperature: bool
-    """Scale the logits before min-p/top-p need them; otherwise the Gumbel kernel does it."""
-    min_p: bool
-    top_k_top_p: bool
-    num_top_k_top_p_candidates: int
-    """How many of the largest logits per row top-k/top-p must look at (vocab = full sort)."""
+    filters: bool
+    """Some row uses min-p, top-k or top-p: the threshold kernels run."""
 
     @property
-    def any(self) -> bool:
-        return self.logit_bias or self.penalties or self.min_p or self.top_k_top_p
+    def rewrites_logits(self) -> bool:
+        return self.logit_bias or self.penalties
 
 
 def batch_ops(state: SamplingState, idx_mapping_np: np.ndarray) -> BatchOps:
     """Decide the ops for the rows in `idx_mapping_np` ([num_rows] request rows)."""
     rows = idx_mapping_np
-    top_k = state.top_k_np[rows]
-    has_top_p = state.top_p_np[rows] < 1.0
-    logit_bias = bool((state.num_logit_bias_np[rows] > 0).any()
-                      or (state.min_tokens_np[rows] > 0).any())
-    min_p = bool((state.min_p_np[rows] > 0.0).any())
-    any_top_p = bool(has_top_p.any())
-    top_k_top_p = bool((top_k > 0).any()) or any_top_p
-    if (has_top_p & (top_k == 0)).any():
-        num_candidates = state.vocab_size
-    else:
-        num_candidates = int(top_k.max(initial=1))
-    temperature = state.temperature_np[rows]
-    scales = bool(((temperature != 0.0) & (temperature != 1.0)).any())
     return BatchOps(
-        logit_bias=logit_bias,
+        logit_bias=bool((state.num_logit_bias_np[rows] > 0).any()
+                        or (state.min_tokens_np[rows] > 0).any()),
         penalties=bool(state.uses_penalties_np[rows].any()),
-        # Top-k alone is indifferent to scaling, so the scaling can wait for the Gumbel kernel.
-        temperature=scales and (min_p or any_top_p),
-        min_p=min_p,
-        top_k_top_p=top_k_top_p,
-        num_top_k_top_p_candidates=num_candidates,
+        filters=bool((state.top_k_np[rows] > 0).any() or (state.top_p_np[rows] < 1.0).any()
+                     or (state.min_p_np[rows] > 0.0).any()),
     )
 
 
@@ -104,12 +89,35 @@ class Sampler:
         if ops is None:
             ops = batch_ops(state, np.asarray(idx_mapping_np))
         processed = self._process(logits, idx_mapping_gpu, num_output_tokens_gpu, ops)
+        thresholds = None
+        if ops.filters:
+            thresholds = sampling_thresholds(processed, idx_mapping_gpu, state.temperature_gpu,
+                                             state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
         sampled = gumbel_sample(processed, idx_mapping_gpu, state.temperature_gpu, state.seed_gpu,
-                                positions_gpu, apply_temperature=not ops.temperature)
+                                positions_gpu, thresholds=thresholds)
         if max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = topk_logprobs(logits, sampled, max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+    def sample_graphable(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+        idx_mapping_gpu: torch.Tensor,  # [num_rows] int32, logit row -> request row
+        positions_gpu: torch.Tensor,  # [num_rows] int64, position the sampled token takes
+        filters: bool = True,
+    ) -> torch.Tensor:  # [num_rows] int64
+        """Temperature, min-p, top-k, top-p (unless filters=False: a batch where no row uses
+        them) and the Gumbel draw for every row, with no host-side decision and no host sync
+        (capturable in a CUDA graph). Logit bias, penalties and logprobs are not applied:
+        batches that need them go through __call__."""
+        state = self.state
+        thresholds = None
+        if filters:
+            thresholds = sampling_thresholds(logits, idx_mapping_gpu, state.temperature_gpu,
+                                             state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
+        return gumbel_sample(logits, idx_mapping_gpu, state.temperature_gpu, state.seed_gpu,
+                             positions_gpu, thresholds=thresholds)
 
     def _process(
         self,
@@ -117,8 +125,8 @@ class Sampler:
         idx_mapping_gpu: torch.Tensor,  # [num_rows] int32
         num_output_tokens_gpu: torch.Tensor,  # [num_rows] int32
         ops: BatchOps,
-    ) -> torch.Tensor:  # [num_rows, vocab_size] float32, a copy when any op runs
-        if not ops.any:
+    ) -> torch.Tensor:  # [num_rows, vocab_size] float32, a copy when bias or penalties apply
+        if not ops.rewrites_logits:
             return logits
         state = self.state
         processed = logits.clone()  # the raw logits stay intact for logprobs and the caller
@@ -132,13 +140,6 @@ class Sampler:
             apply_penalties(processed, idx_mapping_gpu, state.repetition_penalty_gpu,
                             state.frequency_penalty_gpu, state.presence_penalty_gpu,
                             state.prompt_mask_gpu, state.output_counts_gpu)
-        if ops.temperature:
-            apply_temperature(processed, idx_mapping_gpu, state.temperature_gpu)
-        if ops.min_p:
-            apply_min_p(processed, idx_mapping_gpu, state.min_p_gpu)
-        if ops.top_k_top_p:
-            apply_top_k_top_p(processed, idx_mapping_gpu, state.top_k_gpu, state.top_p_gpu,
-                              ops.num_top_k_top_p_candidates)
         return processed
 
     def _check_args(self, logits: torch.Tensor, idx_mapping_np: np.ndarray,

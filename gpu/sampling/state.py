@@ -188,6 +188,15 @@ class SamplingState:
         if history is not None:
             self._pending_penalty_rows[row] = history
 
+    def reset(self) -> None:
+        """Every row back to neutral values and no pending penalty rebuild (a new runner
+        takes over this state)."""
+        for name, array in self._scalars.np.items():
+            array[:] = _NEUTRAL_VALUES.get(name, 0)
+        self._scalars.is_dirty = True
+        self.uses_penalties_np[:] = False
+        self._pending_penalty_rows.clear()
+
     def remove_request(self, row: int) -> None:
         """Free `row`: its parameters go back to neutral values."""
         self._check_row(row)
@@ -210,8 +219,9 @@ class SamplingState:
         sampled_token_ids_gpu: torch.Tensor,  # [num_rows] int64
         is_real_gpu: torch.Tensor,  # [num_rows] bool, False for discarded samples
     ) -> None:
-        """Count sampled tokens into the output counts, on the device (no sync). Rows that
-        use no penalties are counted too; their counts are rebuilt if they ever need them."""
+        """Count sampled tokens into the output counts, on the device (no sync). Only rows
+        that use penalties need counting (a row's counts are rebuilt from its history when
+        it is added); rows that use none may be counted too, harmlessly."""
         if self.output_counts_gpu is None:
             return
         self.output_counts_gpu.index_put_(

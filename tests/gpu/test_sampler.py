@@ -243,7 +243,7 @@ def test_no_logprobs_unless_asked() -> None:
 
 # ---- which ops run -----------------------------------------------------------------------
 
-OPS = ["apply_logit_bias", "apply_penalties", "apply_temperature", "apply_min_p", "apply_top_k_top_p"]
+OPS = ["apply_logit_bias", "apply_penalties", "sampling_thresholds"]
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -251,9 +251,9 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for name in OPS:
         real = getattr(sampler_module, name)
 
-        def counted(*args: object, _name: str = name, _real: object = real, **kwargs: object) -> None:
+        def counted(*args: object, _name: str = name, _real: object = real, **kwargs: object) -> object:
             calls[_name] += 1
-            _real(*args, **kwargs)  # type: ignore[operator]
+            return _real(*args, **kwargs)  # type: ignore[operator]
 
         monkeypatch.setattr(sampler_module, name, counted)
     return calls
@@ -263,9 +263,9 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     (SamplingParams(temperature=0.0), set()),
     (SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2), set()),  # moot when greedy
     (SamplingParams(temperature=0.7), set()),  # the Gumbel kernel scales
-    (SamplingParams(temperature=0.7, top_k=5), {"apply_top_k_top_p"}),
-    (SamplingParams(temperature=0.7, top_p=0.5), {"apply_temperature", "apply_top_k_top_p"}),
-    (SamplingParams(temperature=1.0, min_p=0.1), {"apply_min_p"}),
+    (SamplingParams(temperature=0.7, top_k=5), {"sampling_thresholds"}),
+    (SamplingParams(temperature=0.7, top_p=0.5), {"sampling_thresholds"}),
+    (SamplingParams(temperature=1.0, min_p=0.1), {"sampling_thresholds"}),
     (SamplingParams(temperature=0.0, presence_penalty=0.5), {"apply_penalties"}),
     (SamplingParams(temperature=0.0, min_tokens=1), {"apply_logit_bias"}),
     (SamplingParams(temperature=0.0, min_tokens=1, ignore_eos=True), set()),  # nothing to suppress

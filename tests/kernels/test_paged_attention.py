@@ -112,18 +112,20 @@ def test_bad_arguments_raise_clear_errors(name: str, value: torch.Tensor, messag
 
 
 INTERPRETER_CASES = [
+    # decode-sized query tiles (BLOCK_Q = 8) over prefill chunks: programs search their request
+    (Case(query_lens=(1, 20, 0, 9), seq_lens=(5, 29, 2, 9), num_padding_tokens=3), 1, 16, 16),
     # decodes only (context split over 1 and 3 programs), a zero-length request, padding
-    (Case(query_lens=(1, 1, 0, 1), seq_lens=(5, 19, 3, 33), num_padding_tokens=2), 1, 16),
-    (Case(query_lens=(1, 1, 0, 1), seq_lens=(5, 19, 3, 33), num_padding_tokens=2), 3, 16),
+    (Case(query_lens=(1, 1, 0, 1), seq_lens=(5, 19, 3, 33), num_padding_tokens=2), 1, 16, None),
+    (Case(query_lens=(1, 1, 0, 1), seq_lens=(5, 19, 3, 33), num_padding_tokens=2), 3, 16, None),
     # prefill chunks with and without cached context, mixed with a decode
-    (Case(query_lens=(3, 1, 7, 12), seq_lens=(3, 9, 20, 12)), 1, 16),
+    (Case(query_lens=(3, 1, 7, 12), seq_lens=(3, 9, 20, 12)), 1, 16, None),
     # queries longer than one q block (BLOCK_Q = 32 here): programs search their request
-    (Case(query_lens=(40, 1, 0, 33), seq_lens=(45, 10, 2, 33), num_padding_tokens=3), 1, 16),
+    (Case(query_lens=(40, 1, 0, 33), seq_lens=(45, 10, 2, 33), num_padding_tokens=3), 1, 16, None),
     # group of 3 (not a power of two), tiles that span several blocks, head_dim padded
-    (Case(query_lens=(5, 1, 9), seq_lens=(21, 40, 9), num_heads=9, num_kv_heads=3, head_dim=24), 1, 16),
-    (Case(query_lens=(2, 30), seq_lens=(7, 35), block_size=16, num_kv_heads=4), 1, 32),
-    (Case(query_lens=(1, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 4, 16),
-    (Case(query_lens=(6, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 1, 16),
+    (Case(query_lens=(5, 1, 9), seq_lens=(21, 40, 9), num_heads=9, num_kv_heads=3, head_dim=24), 1, 16, None),
+    (Case(query_lens=(2, 30), seq_lens=(7, 35), block_size=16, num_kv_heads=4), 1, 32, None),
+    (Case(query_lens=(1, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 4, 16, None),
+    (Case(query_lens=(6, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 1, 16, None),
 ]
 
 
@@ -133,12 +135,12 @@ def check_interpreted_kernel_matches_reference() -> None:
     from kernels import paged_attention as module
 
     assert_interpreted(module._paged_attention_kernel)
-    for case, num_kv_splits, kv_tile_len in INTERPRETER_CASES:
+    for case, num_kv_splits, kv_tile_len, query_tile in INTERPRETER_CASES:
         inputs = _inputs(case)
         expected = paged_attention_ref(**inputs, scale=0.3)
         out = module.paged_attention_triton(
             **inputs, scale=0.3, max_query_len=max(case.query_lens),
-            num_kv_splits=num_kv_splits, kv_tile_len=kv_tile_len,
+            num_kv_splits=num_kv_splits, kv_tile_len=kv_tile_len, query_tile=query_tile,
         )  # fmt: skip
         num_real = _num_real_tokens(case)
         tolerance = 1e-5 if case.dtype == torch.float32 else 2e-3
@@ -167,11 +169,14 @@ def _random_case(num_decodes: int, prefill_lens: tuple[int, ...], max_context: i
 
 QWEN3_HEADS = dict(num_heads=16, num_kv_heads=8, head_dim=128)
 GPU_CASES = {
-    "decode_qwen3": (_random_case(64, (), 2000, **QWEN3_HEADS), None),
-    "decode_qwen3_split4": (_random_case(64, (), 2000, **QWEN3_HEADS), 4),
-    "decode_few_long": (_random_case(3, (), 6000, **QWEN3_HEADS), None),
-    "mixed_smollm": (_random_case(20, (1, 37, 300, 129), 700, num_heads=9, num_kv_heads=3, head_dim=64), None),
-    "mixed_llama8b": (_random_case(17, (64, 250), 1500, num_heads=32, num_kv_heads=8, head_dim=128), None),
+    "decode_qwen3": (_random_case(64, (), 2000, **QWEN3_HEADS), None, None),
+    "decode_qwen3_split4": (_random_case(64, (), 2000, **QWEN3_HEADS), 4, None),
+    "decode_few_long": (_random_case(3, (), 6000, **QWEN3_HEADS), None, None),
+    "mixed_smollm": (_random_case(20, (1, 37, 300, 129), 700, num_heads=9, num_kv_heads=3, head_dim=64),
+                     None, None),
+    "mixed_llama8b": (_random_case(17, (64, 250), 1500, num_heads=32, num_kv_heads=8, head_dim=128),
+                      None, None),
+    "mixed_qwen3_decode_tiles": (_random_case(200, (128, 3), 400, **QWEN3_HEADS), None, 16),
 }
 
 
@@ -179,13 +184,13 @@ GPU_CASES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("case_name", sorted(GPU_CASES))
 def test_triton_kernel_matches_reference_on_cuda(case_name: str, dtype: torch.dtype) -> None:
-    base_case, num_kv_splits = GPU_CASES[case_name]
+    base_case, num_kv_splits, query_tile = GPU_CASES[case_name]
     case = dataclasses.replace(base_case, dtype=dtype, num_padding_tokens=5)
     inputs = _inputs(case, device="cuda")
     expected = paged_attention_ref(**inputs, scale=case.head_dim**-0.5)
     out = paged_attention_triton(
         **inputs, scale=case.head_dim**-0.5, max_query_len=max(case.query_lens),
-        max_seq_len=max(case.seq_lens), num_kv_splits=num_kv_splits,
+        max_seq_len=max(case.seq_lens), num_kv_splits=num_kv_splits, query_tile=query_tile,
     )  # fmt: skip
     num_real = _num_real_tokens(case)
     tolerance = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}[dtype]

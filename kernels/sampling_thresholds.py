@@ -1,0 +1,271 @@
+"""Per-row thresholds of min-p, top-k and top-p, found without sorting the vocabulary.
+
+For logit row i with request row r = idx_mapping[i], let y = logits[i] / temperature[r]
+(correctly rounded; untouched when the temperature is 0 or 1). Then, in this order:
+- min-p (min_p[r] > 0): survivors are the tokens with y >= max(y) + log(min_p);
+- top-k (0 < top_k[r] < vocab): the k largest survivors by rank;
+- top-p (top_p[r] < 1): of those, in descending order, token j is kept iff the softmax mass
+  (over the top-k survivors) ranked before it is < p; the most likely token always is.
+The kept set is {y >= threshold[i]} and the result is that threshold (-inf: nothing is
+filtered). Tokens equal to it are all kept, so ties at the boundary stay or go together
+and the set depends on the values alone. Nothing is written back: the Gumbel kernel drops
+the tokens below the threshold as it samples.
+
+The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p.py,
+kernels/top_k_top_p.py). The Triton version searches for the threshold
+(kernels/_threshold_search.py): a statistics pass (max, mean, spread), then pivot passes
+that count tokens and their mass above a few candidate values and narrow a bracket around
+the answer, until the bracket holds at most 1024 tokens; those are copied out, sorted in
+registers and resolved exactly. A fixed sequence of launches (so that it can be captured
+in a CUDA graph) carries most rows to the end; a last kernel finishes any row that needs
+more passes, alone. Every pass splits a row in fixed 8192-token chunks, so a row's sums,
+and therefore its threshold, do not depend on the batch it is in.
+
+Masses are float32 sums in another order than the reference's cumulative sum, so a row
+whose p falls within float32 rounding of a cumulative mass may keep one token more or less.
+"""
+
+import torch
+
+from kernels import _threshold_search as search
+from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
+from kernels._triton import HAS_TRITON, tl, triton
+from kernels.min_p import apply_min_p_ref
+from kernels.temperature import apply_temperature_ref
+from kernels.top_k_top_p import top_k_top_p_thresholds
+
+CHUNK = 8192
+BLOCK = 512
+NUM_GRAPHED_ROUNDS = 3
+MAX_FINISH_ROUNDS = 64
+_NUM_STATS = 8
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_filters(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
+                     vocab_size):
+        req = tl.load(idx_mapping_ptr + row)
+        top_k = tl.load(top_k_ptr + req)
+        top_p = tl.load(top_p_ptr + req)
+        min_p = tl.load(min_p_ptr + req)
+        has_k = (top_k > 0) & (top_k < vocab_size)
+        has_p = top_p < 1.0
+        has_min_p = min_p > 0.0
+        return tl.load(temperature_ptr + req), top_k, top_p, min_p, has_k, has_p, has_min_p
+
+    @triton.jit
+    def _stats_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, top_k_ptr,
+                      top_p_ptr, min_p_ptr, stats_ptr, vocab_size,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_STATS: tl.constexpr):
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        temperature, _, _, _, has_k, has_p, has_min_p = _row_filters(
+            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size)
+        if has_k | has_p | has_min_p:
+            logits_row = logits_ptr + row.to(tl.int64) * logits_stride
+            start = chunk * CHUNK
+            end = tl.minimum(start + CHUNK, vocab_size)
+            run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+            run_min = tl.full([BLOCK], float("inf"), tl.float32)
+            run_sum = tl.zeros([BLOCK], tl.float32)
+            run_sq = tl.zeros([BLOCK], tl.float32)
+            run_num = tl.zeros([BLOCK], tl.float32)
+            for offset in range(start, end, BLOCK):
+                cols = offset + tl.arange(0, BLOCK)
+                y = search.scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")),
+                                  temperature)
+                finite = (y > float("-inf")) & (y < float("inf"))
+                run_max = tl.maximum(run_max, tl.where(finite, y, float("-inf")))
+                run_min = tl.minimum(run_min, tl.where(finite, y, float("inf")))
+                run_sum += tl.where(finite, y, 0.0)
+                run_sq += tl.where(finite, y * y, 0.0)
+                run_num += finite.to(tl.float32)
+            out = stats_ptr + (row * tl.num_programs(1) + chunk) * NUM_STATS
+            tl.store(out, tl.max(run_max, axis=0))
+            tl.store(out + 1, tl.min(run_min, axis=0))
+            tl.store(out + 2, tl.sum(run_sum, axis=0))
+            tl.store(out + 3, tl.sum(run_sq, axis=0))
+            tl.store(out + 4, tl.sum(run_num, axis=0))
+
+    @triton.jit
+    def _plan_kernel(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr,
+                     state_f_ptr, state_i_ptr, pivots_ptr, vocab_size, num_chunks,
+                     CHUNKS_P2: tl.constexpr, NUM_STATS: tl.constexpr):
+        row = tl.program_id(0)
+        _, top_k, top_p, min_p, has_k, has_p, has_min_p = _row_filters(
+            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size)
+        state_f = state_f_ptr + row * search.ROW_F
+        state_i = state_i_ptr + row * search.ROW_I
+        tl.store(state_i + search.I_NUM_CANDIDATES, 0)
+        tl.store(state_i + search.I_ROUND, 0)
+        tl.store(state_i + search.I_ACTION, search.NONE)
+        tl.store(state_i + search.I_PHASE, search.DONE)
+        tl.store(state_f + search.F_THRESHOLD, float("-inf"))
+        if has_k | has_p | has_min_p:
+            chunks = tl.arange(0, CHUNKS_P2)
+            in_range = chunks < num_chunks
+            stats = stats_ptr + (row * num_chunks + chunks) * NUM_STATS
+            row_max = tl.max(tl.load(stats, mask=in_range, other=float("-inf")), axis=0)
+            row_min = tl.min(tl.load(stats + 1, mask=in_range, other=float("inf")), axis=0)
+            num_finite = tl.maximum(tl.sum(tl.load(stats + 4, mask=in_range, other=0.0), axis=0), 1.0)
+            mean = tl.sum(tl.load(stats + 2, mask=in_range, other=0.0), axis=0) / num_finite
+            mean_sq = tl.sum(tl.load(stats + 3, mask=in_range, other=0.0), axis=0) / num_finite
+            std = tl.sqrt(tl.maximum(mean_sq - mean * mean, 0.0))
+            floor = tl.where(has_min_p, row_max + tl.log(min_p), float("-inf"))
+            # Every survivor is > lo: the float just below the smallest one.
+            lo = search.from_key(search.float_key(tl.maximum(floor, row_min)) - 1)
+            phase = tl.where(has_k, search.SEARCH_K, tl.where(has_p, search.SEARCH_P, search.DONE))
+            tl.store(state_f + search.F_MAX, row_max)
+            tl.store(state_f + search.F_FLOOR, floor)
+            tl.store(state_f + search.F_TOP_P, top_p)
+            tl.store(state_f + search.F_LO, lo)
+            tl.store(state_f + search.F_HI, row_max)
+            tl.store(state_f + search.F_CNT_ABOVE, 0.0)
+            tl.store(state_f + search.F_MASS_ABOVE, 0.0)
+            tl.store(state_f + search.F_TARGET, tl.where(has_k, top_k.to(tl.float32), -1.0))
+            tl.store(state_f + search.F_THRESHOLD, floor)
+            tl.store(state_i + search.I_TOP_K, top_k)
+            tl.store(state_i + search.I_HAS_P, has_p.to(tl.int32))
+            tl.store(state_i + search.I_PHASE, phase)
+            if (phase != search.DONE) & (row_max > float("-inf")):
+                tl.store(state_i + search.I_ACTION, search.PIVOT)
+                tl.store(pivots_ptr + row * search.PIVOTS + tl.arange(0, search.PIVOTS),
+                         search.first_pivots(row_max, mean, std, lo, phase, top_k, top_p, num_finite))
+            else:
+                tl.store(state_i + search.I_PHASE, search.DONE)
+
+    @triton.jit
+    def _round_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
+                      candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, vocab_size,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
+        search.chunk_pass(logits_ptr, logits_stride, partials_ptr, candidates_ptr, state_f_ptr,
+                          state_i_ptr, pivots_ptr, row, tl.program_id(1), tl.num_programs(1),
+                          temperature, vocab_size, CHUNK, BLOCK)
+
+    @triton.jit
+    def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr,
+                       num_chunks, CHUNKS_P2: tl.constexpr):
+        search.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr,
+                      tl.program_id(0), num_chunks, CHUNKS_P2)
+
+    @triton.jit
+    def _finish_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
+                       candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, thresholds_ptr,
+                       vocab_size, num_chunks, max_rounds,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+        """Rows the fixed rounds did not finish: the same passes, by one program."""
+        row = tl.program_id(0)
+        temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
+        phase_ptr = state_i_ptr + row * search.ROW_I + search.I_PHASE
+        rounds = 0
+        while (tl.load(phase_ptr, volatile=True) != search.DONE) & (rounds < max_rounds):
+            for chunk in range(0, num_chunks):
+                search.chunk_pass(logits_ptr, logits_stride, partials_ptr, candidates_ptr,
+                                  state_f_ptr, state_i_ptr, pivots_ptr, row, chunk, num_chunks,
+                                  temperature, vocab_size, CHUNK, BLOCK)
+            tl.debug_barrier()
+            search.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr, row,
+                          num_chunks, CHUNKS_P2)
+            tl.debug_barrier()
+            rounds += 1
+        threshold = tl.load(state_f_ptr + row * search.ROW_F + search.F_THRESHOLD)
+        # A row still unresolved (a bug, never seen) keeps its min-p survivors.
+        unresolved = tl.load(phase_ptr, volatile=True) != search.DONE
+        floor = tl.load(state_f_ptr + row * search.ROW_F + search.F_FLOOR)
+        tl.store(thresholds_ptr + row, tl.where(unresolved, floor, threshold))
+
+
+def _check_args(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+    num_rows, _ = check_logits(logits)
+    device = logits.device
+    check_tensor("idx_mapping", idx_mapping, torch.int32, 1, device, (num_rows,))
+    check_tensor("temperature", temperature, torch.float32, 1, device)
+    num_reqs = temperature.shape[0]
+    check_tensor("top_k", top_k, torch.int32, 1, device, (num_reqs,))
+    check_tensor("top_p", top_p, torch.float32, 1, device, (num_reqs,))
+    check_tensor("min_p", min_p, torch.float32, 1, device, (num_reqs,))
+
+
+def sampling_thresholds_ref(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+    idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
+    temperature: torch.Tensor,  # [max_num_reqs] float32
+    top_k: torch.Tensor,  # [max_num_reqs] int32, 0 = off
+    top_p: torch.Tensor,  # [max_num_reqs] float32, 1 = off
+    min_p: torch.Tensor,  # [max_num_reqs] float32, 0 = off
+) -> torch.Tensor:  # [num_rows] float32
+    """Torch reference of `sampling_thresholds`: temperature, min-p, then the sort-based
+    top-k/top-p threshold over the min-p survivors."""
+    _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=logits.device)
+    scaled = logits.clone()
+    apply_temperature_ref(scaled, idx_mapping, temperature)
+    floor = scaled.amax(dim=-1) + torch.log(min_p[idx_mapping.long()])
+    apply_min_p_ref(scaled, idx_mapping, min_p)
+    top = top_k_top_p_thresholds(scaled, idx_mapping, top_k, top_p, scaled.shape[1])
+    return torch.maximum(floor, top)
+
+
+def sampling_thresholds_triton(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, rows contiguous
+    idx_mapping: torch.Tensor,  # [num_rows] int32
+    temperature: torch.Tensor,  # [max_num_reqs] float32
+    top_k: torch.Tensor,  # [max_num_reqs] int32
+    top_p: torch.Tensor,  # [max_num_reqs] float32
+    min_p: torch.Tensor,  # [max_num_reqs] float32
+    chunk: int = CHUNK,
+) -> torch.Tensor:  # [num_rows] float32
+    """Triton launcher: 4 + 2 * NUM_GRAPHED_ROUNDS launches of fixed shape (see the module
+    doc); no host sync, so it can be captured in a CUDA graph."""
+    need_triton("sampling_thresholds_triton")
+    _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
+    check_triton_device("sampling_thresholds_triton", logits.device)
+    num_rows, vocab_size = logits.shape
+    thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return thresholds
+    num_chunks = triton.cdiv(vocab_size, chunk)
+    chunks_p2 = triton.next_power_of_2(num_chunks)
+    device = logits.device
+    stats = torch.empty((num_rows, num_chunks, _NUM_STATS), dtype=torch.float32, device=device)
+    state_f = torch.empty((num_rows, search.NUM_F), dtype=torch.float32, device=device)
+    state_i = torch.empty((num_rows, search.NUM_I), dtype=torch.int32, device=device)
+    pivots = torch.empty((num_rows, search.NUM_PIVOTS), dtype=torch.float32, device=device)
+    partials = torch.empty((num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device)
+    candidates = torch.empty((num_rows, search.CAPACITY), dtype=torch.float32, device=device)
+    filters = (idx_mapping, temperature, top_k, top_p, min_p)
+    _stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), *filters, stats, vocab_size,
+                                          CHUNK=chunk, BLOCK=BLOCK, NUM_STATS=_NUM_STATS)
+    _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, pivots, vocab_size, num_chunks,
+                              CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
+    for _ in range(NUM_GRAPHED_ROUNDS):
+        _round_kernel[(num_rows, num_chunks)](logits, logits.stride(0), idx_mapping, temperature,
+                                              partials, candidates, state_f, state_i, pivots,
+                                              vocab_size, CHUNK=chunk, BLOCK=BLOCK)
+        _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, candidates, num_chunks,
+                                    CHUNKS_P2=chunks_p2)
+    _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, partials,
+                                candidates, state_f, state_i, pivots, thresholds, vocab_size,
+                                num_chunks, MAX_FINISH_ROUNDS, CHUNK=chunk, BLOCK=BLOCK,
+                                CHUNKS_P2=chunks_p2)
+    return thresholds
+
+
+def sampling_thresholds(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+    idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
+    temperature: torch.Tensor,  # [max_num_reqs] float32
+    top_k: torch.Tensor,  # [max_num_reqs] int32, 0 = off
+    top_p: torch.Tensor,  # [max_num_reqs] float32, 1 = off
+    min_p: torch.Tensor,  # [max_num_reqs] float32, 0 = off
+) -> torch.Tensor:  # [num_rows] float32, -inf where a row filters nothing
+    """Each row's smallest kept (temperature-scaled) logit under min-p, top-k and top-p
+    (see the module doc): Triton on CUDA, the sort-based reference otherwise."""
+    if HAS_TRITON and logits.is_cuda:
+        return sampling_thresholds_triton(logits, idx_mapping, temperature, top_k, top_p, min_p)
+    return sampling_thresholds_ref(logits, idx_mapping, temperature, top_k, top_p, min_p)
