@@ -17,6 +17,7 @@ from app.chat_template import ChatTemplateError, normalize_messages
 from app.errors import bad_request
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
+from actors.logits_processors import validate_request_params
 
 OFF_LOOP_CHARS = 8192
 """Inputs longer than this are rendered and tokenized in a worker thread."""
@@ -175,6 +176,7 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt_lens: Sequen
                                max_tokens=None if is_chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
     try:
         params = resolve_sampling_params(fields, state.generation_config, defaults)
+        validate_request_params(state.settings.engine.logits_processors, params)
     except SamplingParamsError as exc:
         raise bad_request(str(exc), exc.param) from None
     room = state.max_model_len - max(prompt_lens)

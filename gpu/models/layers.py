@@ -32,9 +32,14 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        x_fp32 = x.float()
-        inv_rms = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x_fp32 * inv_rms).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., dim] -> [..., dim]: RMSNorm in float32, cast back, then scaled by `weight` [dim]."""
+    x_fp32 = x.float()
+    inv_rms = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x_fp32 * inv_rms).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -50,8 +55,16 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return swiglu_mlp(x, self.gate_up_proj, self.down_proj)
+
+
+def swiglu_mlp(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    gate_up_proj: torch.Tensor,  # [2 * intermediate, hidden]: gate rows, then up rows
+    down_proj: torch.Tensor,  # [hidden, intermediate]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    gate, up = F.linear(x, gate_up_proj).split(down_proj.shape[1], dim=-1)
+    return F.linear(F.silu(gate) * up, down_proj)
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
@@ -116,9 +129,18 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim // 2] dtype
-        cos = self.cos_cache.index_select(0, positions).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return rotary_cos_sin(self.cos_cache, self.sin_cache, positions, dtype)
+
+
+def rotary_cos_sin(
+    cos_cache: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    sin_cache: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    positions: torch.Tensor,  # [num_tokens] int64
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim // 2] dtype
+    cos = cos_cache.index_select(0, positions).to(dtype)
+    sin = sin_cache.index_select(0, positions).to(dtype)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(

@@ -11,6 +11,7 @@ default) it is the whole model and runs no collective.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,15 @@ from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.models.config import ModelConfig
-from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, empty_parameter
+from gpu.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    apply_rotary,
+    empty_parameter,
+    rms_norm,
+    swiglu_mlp,
+)
 from gpu.models.parallel_layers import (
     Collectives,
     gather_vocab_logits,
@@ -30,6 +39,12 @@ from gpu.models.parallel_layers import (
 
 # Buffers that some checkpoints carry but that are recomputed here.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HeadShape(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class Attention(nn.Module):
@@ -50,6 +65,8 @@ class Attention(nn.Module):
         self.q_size = heads.num_heads * config.head_dim
         self.kv_size = heads.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.head_shape = HeadShape(heads.num_heads, heads.num_kv_heads, config.head_dim)
+        self.norm_eps = config.rms_norm_eps
         self.attn_backend = attn_backend
         # rows: [q_proj | k_proj | v_proj]
         qkv_rows = self.q_size + 2 * self.kv_size
@@ -73,19 +90,64 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm(query)
-            key = self.k_norm(key)
-        query = apply_rotary(query, cos, sin)
-        key = apply_rotary(key, cos, sin)
+        query, key, value = self.project(hidden, cos, sin)
         out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
         out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def project(
+        self,
+        normed: torch.Tensor,  # [num_tokens, hidden_size], after the input RMSNorm
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v (see project_qkv)
+        return project_qkv(
+            normed, self.qkv_proj, self.qkv_bias,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            cos, sin, self.head_shape, self.norm_eps)
+
+
+def project_qkv(
+    normed: torch.Tensor,  # [num_tokens, hidden_size]
+    qkv_proj: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
+    qkv_bias: torch.Tensor | None,  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    q_norm_weight: torch.Tensor | None,  # [head_dim] (Qwen3 q/k norm)
+    k_norm_weight: torch.Tensor | None,  # [head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    shape: HeadShape,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim],
+    q and k normed (if the model norms them) and rotated."""
+    num_tokens = normed.shape[0]
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    qkv = F.linear(normed, qkv_proj, qkv_bias)
+    query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    query = query.view(num_tokens, shape.num_heads, shape.head_dim)
+    key = key.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    value = value.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    if q_norm_weight is not None and k_norm_weight is not None:
+        query = rms_norm(query, q_norm_weight, norm_eps)
+        key = rms_norm(key, k_norm_weight, norm_eps)
+    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value
+
+
+def finish_layer(
+    attn: torch.Tensor,  # [num_tokens, num_heads, head_dim], the attention backend's output
+    hidden: torch.Tensor,  # [num_tokens, hidden_size], the layer's input (residual stream)
+    o_proj: torch.Tensor,  # [hidden_size, num_heads * head_dim]
+    post_norm_weight: torch.Tensor,  # [hidden_size]
+    gate_up_proj: torch.Tensor,  # [2 * intermediate_size, hidden_size]
+    down_proj: torch.Tensor,  # [hidden_size, intermediate_size]
+    norm_eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden_size], the layer's output
+    """The rest of an unsharded layer after attention, with the ops of `Attention.forward`
+    and `DecoderLayer.forward`: output projection and residual, then the post-attention
+    RMSNorm, MLP and residual (a sharded layer all-reduces in between: see those)."""
+    hidden = hidden + F.linear(attn.reshape(attn.shape[0], -1), o_proj)
+    return hidden + swiglu_mlp(rms_norm(hidden, post_norm_weight, norm_eps), gate_up_proj, down_proj)
 
 
 class DecoderLayer(nn.Module):
