@@ -67,6 +67,9 @@ class CompiledDecoder:
     """Callable like `DecoderModel.forward`, with the token-wise parts compiled."""
 
     def __init__(self, model: DecoderModel, level: int) -> None:
+        if model.tp is not None:
+            raise ValueError("torch.compile runs on the V1 runner, which serves unsharded models "
+                             "only (tensor parallelism needs V2)")
         self.model = model
         self.level = level
         self.compile_time_s = 0.0
