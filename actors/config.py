@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors.speculative_config import SpeculativeConfig
+
 RunnerChoice = Literal["auto", "v1", "v2"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -48,6 +50,14 @@ class EngineConfig:
     """Tokenizer source when it differs from the model."""
     tensor_parallel_size: int = 1
     """Devices (one worker process each) that one model is split over."""
+    compile_level: int = 0
+    """torch.compile of the V1 runner's model (gpu/runner_v1/compiled_model.py): 0 eager,
+    1 inductor's default mode, 2 max-autotune-no-cudagraphs. Above 0 it selects V1."""
+    logits_processors: tuple[str, ...] = ()
+    """Custom logits processors, 'module:Class' each (actors/logits_processors.py);
+    they run on the V1 runner, so any selects V1."""
+    speculative_config: SpeculativeConfig | None = None
+    """--speculative-config (actors/speculative_config.py), validated; not served yet."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -63,6 +73,11 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.compile_level not in (0, 1, 2):
+            raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")
+        if isinstance(self.logits_processors, str):
+            raise ConfigError("logits_processors must be a tuple of 'module:Class' strings")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from actors.config import EngineConfig
+from actors.config import ConfigError, EngineConfig
+from actors.logits_processors import load_logits_processor_classes
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.config import ModelConfig
 from gpu.platform import Platform, probe_platform
@@ -28,24 +29,43 @@ class LoadedEngine:
     worker: ModelWorker
 
 
-def _selection_input(config: EngineConfig, model: ModelConfig) -> RunnerSelectionInput:
+def selection_input(config: EngineConfig, architecture: str) -> RunnerSelectionInput:
     return RunnerSelectionInput(
-        architecture=model.architecture,
+        architecture=architecture,
         env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
         requested_runner=config.runner,
         tensor_parallel_size=config.tensor_parallel_size,
+        compilation_mode="stock_torch_compile" if config.compile_level > 0 else "none",
+        custom_logits_processors=config.logits_processors,
+        speculative_method=(None if config.speculative_config is None
+                            else config.speculative_config.method),
     )
 
 
 def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) -> RunnerChoice:
-    choice = select_runner(_selection_input(config, model), platform)
+    choice = select_runner(selection_input(config, model.architecture), platform)
     log.info("runner_selected", runner=choice.runner, rule=choice.rule, reason=choice.reason)
     return choice
+
+
+def check_before_load(config: EngineConfig, platform: Platform) -> None:
+    """Refuse what cannot be served before spending the model load on it: features not
+    served yet, processors that do not import, a forced runner that cannot run them (the
+    forced path of the selection does not depend on the architecture)."""
+    if config.speculative_config is not None:
+        raise ConfigError(
+            "--speculative-config is valid, but speculative decoding is not served yet; "
+            "start without it")
+    load_logits_processor_classes(config.logits_processors)
+    forced = selection_input(config, architecture="")
+    if forced.env_override is not None or forced.requested_runner != "auto":
+        select_runner(forced, platform)
 
 
 def load_engine(config: EngineConfig) -> LoadedEngine:
     """Everything slow that happens once per process, before the engine's actors start."""
     platform = probe_platform(config.device)
+    check_before_load(config, platform)
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(config, platform)
     worker = ModelWorker(config, platform)
@@ -59,7 +79,8 @@ def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
     model = read_model_config(config.model)
     validate_tensor_parallel(config.tensor_parallel_size, model, platform.device_type,
                              config.device)
-    choice = select_runner(_selection_input(config, model), platform)  # V1 refuses TP > 1
+    # V1 refuses TP > 1.
+    choice = select_runner(selection_input(config, model.architecture), platform)
     raise TensorParallelError(
         f"--tensor-parallel-size {config.tensor_parallel_size} fits {model.name or config.model} "
         f"on the {choice.runner.upper()} runner, but serving one model over several devices is "
@@ -70,6 +91,7 @@ def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
     """The same loaded model under other engine options (tests, benchmarks)."""
     if config.model != loaded.config.model or config.block_size != loaded.config.block_size:
         raise ValueError("a reused model must keep the same model and block size")
+    check_before_load(config, loaded.platform)
     runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
     return LoadedEngine(config=config, platform=loaded.platform, runner=runner, worker=loaded.worker)
 
@@ -77,11 +99,14 @@ def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
 def load_errors() -> tuple[type[BaseException], ...]:
     """Errors of a start that the configuration caused (files, flags), not a bug."""
     from actors.config import ConfigError
+    from actors.logits_processors import LogitsProcessorLoadError
     from actors.model_source import ModelLoadError
     from actors.sampling_params import SamplingParamsError
+    from actors.speculative_config import SpeculativeConfigError
     from gpu.models.config import UnsupportedModelError
     from gpu.runner_selection import RunnerSelectionError
     from gpu.worker import WorkerConfigError
 
     return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
-            ModelLoadError, WorkerConfigError, TensorParallelError)
+            ModelLoadError, WorkerConfigError, TensorParallelError, SpeculativeConfigError,
+            LogitsProcessorLoadError)

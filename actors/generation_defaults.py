@@ -81,6 +81,9 @@ def resolve_sampling_params(request_fields: Mapping[str, Any],
     fields["stop_token_ids"] = _stop_token_ids(request_fields.get("stop_token_ids"), defaults)
     fields["logit_bias"] = _logit_bias(request_fields.get("logit_bias"), defaults)
     fields["logprobs"] = _num_logprobs(request_fields, defaults)
+    xargs = request_fields.get("vllm_xargs")
+    if xargs is not None:
+        fields["extra_args"] = dict(xargs)
     return SamplingParams(**fields)
 
 

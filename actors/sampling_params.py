@@ -48,6 +48,9 @@ class SamplingParams:
     """Constrain the output to a schema, regex, choice or grammar (the engine applies it as a
     token bitmask); None: unconstrained."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    extra_args: dict[str, Any] | None = field(default=None, hash=False)
+    """Arguments for custom logits processors: the request's `vllm_xargs` (str -> str,
+    int, float or a list of them), read by processors as `params.extra_args`."""
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")

@@ -14,3 +14,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from actors.engine_startup import load_errors
 
     return load_errors()
+
+
+def flag_errors() -> tuple[type[BaseException], ...]:
+    """Errors in the flags themselves, found while building the configuration; these
+    modules load no torch, so the front end can report them too."""
+    from actors.config import ConfigError
+    from actors.logits_processors import LogitsProcessorLoadError
+    from actors.speculative_config import SpeculativeConfigError
+
+    return (ConfigError, SpeculativeConfigError, LogitsProcessorLoadError)

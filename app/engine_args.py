@@ -12,6 +12,8 @@ import os
 from typing import Any
 
 from actors.config import EngineConfig
+from actors.speculative_config import parse_speculative_config
+from actors.logits_processors import parse_logits_processor_specs
 
 _DEFAULTS = EngineConfig()
 
@@ -72,6 +74,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="split the model over this many GPUs of this host (one worker process "
                         "each; needs the V2 runner and attention heads divisible by it). Values "
                         "above 1 are validated but cannot be served yet")
+    _add_runner_feature_args(parser, g)
+
+
+def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
+    """Features that only the V1 runner has, and what is not implemented at all."""
+    g.add_argument("-O", "--compile-level", type=int, choices=(0, 1, 2),
+                   default=int(_env("compile_level", _DEFAULTS.compile_level)),
+                   help="torch.compile the model on the V1 runner: 0 eager (default); 1 "
+                        "inductor, default mode; 2 inductor, max-autotune-no-cudagraphs. "
+                        "Compiles the token-wise layers (norms, projections, MLP, rotary) "
+                        "between the eager attention calls, at startup. The V2 runner does "
+                        "not support it yet: -O1/-O2 select V1 (forcing V2 is an error). "
+                        "Env: TANDEM_COMPILE_LEVEL")
+    g.add_argument("--logits-processors", metavar="MODULE:CLASS[,...]",
+                   default=_env("logits_processors", ""),
+                   help="custom logits processors (subclasses of "
+                        "actors.logits_processors.LogitsProcessor), applied in this "
+                        "order; requests pass them arguments in 'vllm_xargs'. They run on the "
+                        "V1 runner: setting any selects V1 (forcing V2 is an error). "
+                        "Env: TANDEM_LOGITS_PROCESSORS")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   default=_env("speculative_config", None),
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 5}\' (vLLM\'s keys and defaults). Validated, '
+                        "but not served yet: the engine stops at startup saying so. "
+                        "Env: TANDEM_SPECULATIVE_CONFIG")
+    parser.add_argument_group(
+        "parallelism",
+        description="Not implemented: sequence parallelism, and pipeline parallelism under "
+                    "an external launcher (torchrun). No flag asks for them. Runner-selection "
+                    "rule 5 lists both (they would select V1), but nothing can trigger that "
+                    "today.")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -91,6 +126,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "compile_level": args.compile_level,
+        "logits_processors": parse_logits_processor_specs(args.logits_processors or ""),
+        "speculative_config": (None if args.speculative_config is None
+                               else parse_speculative_config(args.speculative_config)),
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if k in known})

@@ -18,6 +18,7 @@ from app.large_body import release_gradually
 from app.prompt_bounds import text_cannot_fit
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
+from actors.logits_processors import validate_request_params
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "template", "messages",
@@ -181,6 +182,7 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt_lens: Sequen
                                max_tokens=None if is_chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
     try:
         params = resolve_sampling_params(fields, state.generation_config, defaults)
+        validate_request_params(state.settings.engine.logits_processors, params)
     except SamplingParamsError as exc:
         raise bad_request(str(exc), exc.param) from None
     room = state.max_model_len - max(prompt_lens)

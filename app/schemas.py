@@ -28,6 +28,7 @@ _MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 NonNegativeInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
 """Token ids and counts that stay strict (a list of digit strings is a list of strings)."""
 PositiveInt = lenient_int(ge=1, le=INT64_MAX)
+XArgValue = str | int | float
 
 
 class StreamOptions(BaseModel):
@@ -110,6 +111,9 @@ class SamplingFields(BaseModel):
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     return_token_ids: LenientBool | None = None
+    vllm_xargs: dict[str, XArgValue | list[XArgValue]] | None = None
+    """Per-request arguments for custom logits processors (--logits-processors), handed to
+    them as `sampling_params.extra_args`."""
     # Known fields tandem does not implement yet: refused when set to a non-default value.
     prompt_logprobs: Any = None
     use_beam_search: Any = None
@@ -125,7 +129,6 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    vllm_xargs: Any = None
     truncation_side: Any = None
 
 
@@ -211,7 +214,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "bad_words": ((),),
     "logprob_token_ids": ((),),
     "stream_interval": (1,),
-    "vllm_xargs": (),
     "truncation_side": ("left",),
     "spaces_between_special_tokens": (True,),
 }

@@ -169,7 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from actors import event_loop
-    from app.cli_errors import UserFacingError
+    from app.cli_errors import UserFacingError, flag_errors
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
     from telemetry.tracing import TracingConfigError
@@ -178,10 +178,14 @@ def run(args: argparse.Namespace) -> int:
     # Before anything logs: structlog fixes a logger's level when it is first used.
     configure_logging(json=args.log_format == "json", level=args.log_level,
                       process_name="api_server_0" if args.api_server_count == 1 else "supervisor")
-    if args.api_server_count > 1:
-        return _supervise(settings_from_args(args))
     try:
-        server = TandemServer(settings_from_args(args))
+        settings = settings_from_args(args)
+    except flag_errors() as exc:
+        raise UserFacingError(str(exc)) from None
+    if args.api_server_count > 1:
+        return _supervise(settings)
+    try:
+        server = TandemServer(settings)
     except (ServerStartError, TracingConfigError) as exc:
         raise UserFacingError(str(exc)) from None
     exit_code: int = event_loop.run(server.serve)

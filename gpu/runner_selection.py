@@ -152,7 +152,10 @@ def _forced_choice(
                 f"{', '.join(config.all_v2_only_features)}"
             )
         return RunnerChoice("v1", f"forced by {source}", "override")
-    blockers = _v2_platform_blockers(platform) + unsupported_v2_features(config)
+    blockers = _v2_platform_blockers(platform)
+    features = unsupported_v2_features(config)
+    if features:
+        blockers.append(f"the V2 runner does not support {', '.join(features)} yet")
     if blockers:
         raise RunnerSelectionError(
             f"{source} forces the V2 runner, which cannot run here: {'; '.join(blockers)}"

@@ -4,6 +4,11 @@ Each step the batch is rebuilt on the CPU with numpy from per-request Python sta
 to the device, run, and the sampled tokens are synchronised back to the CPU before the step
 returns: simple, no overlap. Same model, attention and sampling semantics as V2, so greedy
 outputs are identical.
+
+Two features only this runner has: --compile-level (the model's token-wise layers
+compiled with torch.compile, gpu/runner_v1/compiled_model.py) and custom logits
+processors (actors/logits_processors.py, driven by gpu/runner_v1/logits_processors.py),
+which see each step's logits before the sampler.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from actors.config import EngineConfig
+from actors.logits_processors import LogitsProcessorConfig
 from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
 from gpu.attention.base import AttentionMetadata
-from gpu.sampling.sampler import Sampler
+from gpu.runner_v1.compiled_model import compiled_decoder
+from gpu.runner_v1.logits_processors import LogitsProcessorBatch
+from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
-from actors.config import EngineConfig
 from gpu.worker import ModelWorker
+from kernels.topk_logprobs import topk_logprobs
 
 
 @dataclass(slots=True)
@@ -58,6 +67,9 @@ class ModelRunnerV1:
         self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
         self.sampler = Sampler(self.sampling_state)
         self._default_seed = config.seed
+        self.forward = (worker.model if config.compile_level == 0
+                        else compiled_decoder(worker.model, config.compile_level))
+        self.logits_processors = _load_logits_processors(worker, config)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
@@ -66,15 +78,19 @@ class ModelRunnerV1:
         reqs = [self._requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self._build_inputs(reqs, num_scheduled)
-        hidden = self.worker.model(inputs.input_ids, inputs.positions, self.worker.kv_caches,
-                                   inputs.attn_metadata)
+        hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
+                              inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
         max_num_logprobs = max(r.num_logprobs for r in reqs)
-        out = self.sampler(logits, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
-                           inputs.num_output_tokens,
+        out = self._sample(logits, sched.scheduled_request_ids, inputs,
                            None if max_num_logprobs < 0 else max_num_logprobs)
         sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
         is_real_np = self._advance(reqs, num_scheduled, sampled_np)
+        if self.logits_processors is not None:
+            for request_id, token, is_real in zip(sched.scheduled_request_ids, sampled_np,
+                                                  is_real_np):
+                if is_real:
+                    self.logits_processors.append_output(request_id, int(token))
         self.sampling_state.record_sampled(inputs.rows_gpu, out.sampled_token_ids,
                                            torch.from_numpy(is_real_np).to(self.device))
         stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
@@ -84,12 +100,37 @@ class ModelRunnerV1:
                           prepare_time_s=time.perf_counter() - started)
         return _step_output(sched, is_real_np, sampled_np, out, stats)
 
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab_size] float32, the model's
+        request_ids: tuple[str, ...],  # the requests of the logit rows
+        inputs: _StepInputs,
+        max_num_logprobs: int | None,
+    ) -> SamplerOutput:
+        """Custom logits processors first (when configured), then the sampler; logprobs
+        stay those of the model's logits."""
+        if self.logits_processors is None:
+            return self.sampler(logits, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
+                                inputs.num_output_tokens, max_num_logprobs)
+        all_greedy = bool((self.sampling_state.temperature_np[inputs.rows_np] == 0.0).all())
+        # Processors may write in place; logprobs still need the model's logits then.
+        raw = logits if max_num_logprobs is None else logits.clone()
+        processed = self.logits_processors.apply(logits, request_ids, all_greedy)
+        out = self.sampler(processed, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
+                           inputs.num_output_tokens, None)
+        if max_num_logprobs is None:
+            return out
+        token_ids, logprobs, ranks = topk_logprobs(raw, out.sampled_token_ids, max_num_logprobs)
+        return SamplerOutput(out.sampled_token_ids, token_ids, logprobs, ranks)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sorted(sched.finished_request_ids):
             req = self._requests.pop(request_id, None)
             if req is not None:
                 self._free_rows.append(req.row)
                 self.sampling_state.remove_request(req.row)
+            if self.logits_processors is not None:
+                self.logits_processors.remove_request(request_id)
         for new in sched.new_requests:
             row = self._free_rows.pop()
             params = new.sampling_params
@@ -102,6 +143,10 @@ class ModelRunnerV1:
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
                 new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
+            if self.logits_processors is not None:
+                self.logits_processors.add_request(new.request_id, params,
+                                                   new.token_ids[: new.prompt_len],
+                                                   new.token_ids[new.prompt_len:])
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
             self._requests[request_id].block_ids.extend(block_ids)
@@ -152,6 +197,16 @@ class ModelRunnerV1:
                 req.token_ids.append(int(sampled_np[i]))
                 is_real[i] = True
         return is_real
+
+
+def _load_logits_processors(worker: ModelWorker, config: EngineConfig
+                            ) -> LogitsProcessorBatch | None:
+    if not config.logits_processors:
+        return None
+    processor_config = LogitsProcessorConfig(
+        vocab_size=worker.model_config.vocab_size, max_num_seqs=config.max_num_seqs,
+        max_model_len=worker.max_model_len, model=config.model)
+    return LogitsProcessorBatch.load(config.logits_processors, processor_config, worker.device)
 
 
 def _step_output(sched: SchedulerOutput, is_real: np.ndarray, sampled_np: np.ndarray, out,
