@@ -333,7 +333,9 @@ def test_served_request_logs_json_lines_and_exports_its_span(
     # Per step at DEBUG only, tagged with the actor; nothing at INFO repeats per token.
     steps = [line for line in lines if line["event"] == "engine_step"]
     assert len(steps) >= 24 and {(s["level"], s["actor"]) for s in steps} == {("debug", "sampler")}
-    info_events = Counter(line["event"] for line in lines if line["level"] != "debug")
+    # engine_throughput is periodic (one per interval of wall time, however slow the machine).
+    info_events = Counter(line["event"] for line in lines
+                          if line["level"] != "debug" and line["event"] != "engine_throughput")
     assert max(info_events.values()) < 5, info_events
     assert any(line["logger"] == "hypercorn.access" for line in lines)
     # Two processes, each line named: the front end and the engine core.
