@@ -66,6 +66,15 @@ class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
     """Where the answer goes."""
 
 
+class GrammarVocab(msgspec.Struct, frozen=True, tag="grammar_vocab"):
+    """The front end's tokenizer, sent once before its first request with a structured
+    output: the core compiles grammars against it (the core loads no tokenizer itself)."""
+
+    tokenizer_json: str
+    """A `tokenizers` tokenizer.json."""
+    eos_token_ids: tuple[int, ...]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     """Abort what is left, drain the steps in flight and exit."""
 
@@ -192,7 +201,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     """The core's load and KV usage after the step was scheduled (front end 0 only)."""
 
 
-ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | Shutdown
+ToEngineCore = (EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab
+                | Shutdown)
 ToFrontEnd = EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
 
 
@@ -222,6 +232,13 @@ class CachedRequestData(msgspec.Struct, frozen=True):
     """Blocks appended to each request's block table this step."""
 
 
+class GrammarBitmask(msgspec.Struct, frozen=True):
+    """The allowed next tokens of the step's rows that sample under a grammar."""
+
+    batch_indices: np.ndarray  # [num_masked] int32, positions in scheduled_request_ids
+    bitmask: np.ndarray  # [num_masked, ceil(vocab_size / 32)] int32, bit set = allowed
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True):
     step_id: int
     new_requests: tuple[NewRequestData, ...]
@@ -239,6 +256,8 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     """Rows to free before this step: finished, aborted or preempted requests."""
     schedule_time_s: float = 0.0
     """CPU time the scheduler spent building this step (copied into its StepStats)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Applied to the logits before sampling; None when no row samples under a grammar."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -184,7 +184,9 @@ class OutputProcessor:
         params = state.request.sampling_params
         reason = finish.reason if finish is not None else None
         stop_reason: str | int | None = finish.stop_token_id if finish is not None else None
-        stopped_by_token = reason == "stop"
+        # A grammar that completes stops on a token that belongs to the output.
+        stopped_by_token = reason == "stop" and (stop_reason is not None
+                                                 or token_id in state.request.eos_token_ids)
         text = ("" if stopped_by_token and not params.include_stop_str_in_output
                 else state.detokenizer.push((token_id,)))
         checker = state.stop_checker

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from actors.grammar_state import GrammarState
 from actors.kv_messages import (
     AllocateStep,
     KVUsage,
@@ -118,9 +119,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVClient) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVClient,
+                 grammars: GrammarState | None = None) -> None:
+        """`grammars`: structured outputs (None refuses requests that ask for one)."""
         self.config = config
         self._kv = kv
+        self.grammars = grammars
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: dict[str, Request] = {}  # holding a runner row, in admission order
         self._waiting = WaitingQueue()
@@ -166,6 +170,10 @@ class Scheduler:
             raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
         request = Request.from_engine_request(engine_request, self.config.max_model_len,
                                               queued_time=time.monotonic())
+        if request.sampling_params.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("this engine does not apply structured outputs")
+            request.grammar = self.grammars.matcher(request.sampling_params)
         self._requests[request.request_id] = request
         self._waiting.push(request)
 
@@ -237,6 +245,8 @@ class Scheduler:
             result.rows.append(row)
             result.requests.append(request)
             finish = _token_stop(request, token_id)
+            if finish is None and request.grammar is not None:
+                finish = GrammarState.advance(request, token_id)
             if finish is not None:
                 self._finish(request, RequestStatus.from_finish_reason(finish.reason))
                 result.finished.append((request, finish))
@@ -262,6 +272,8 @@ class Scheduler:
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
+            if request.grammar is not None and request.num_output_placeholders:
+                continue  # its mask needs the token in flight
             num_new = min(num_pending - request.num_computed_tokens, token_budget)
             if num_new <= 0:
                 continue
@@ -333,6 +345,9 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight.append((step_id, batch.sampling_requests))
+        grammar_bitmask = None
+        if self.grammars is not None:
+            grammar_bitmask = self.grammars.step_bitmask(_grammar_rows(batch))
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
         return SchedulerOutput(
             step_id=step_id, new_requests=tuple(new_requests),
@@ -343,7 +358,7 @@ class Scheduler:
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
-            schedule_time_s=time.perf_counter() - started)
+            schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask)
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
         self._waiting.remove(request)
@@ -400,6 +415,16 @@ def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int) -
     if samples:
         request.num_output_placeholders += 1
         batch.sampling_requests[request.request_id] = request
+
+
+def _grammar_rows(batch: _StepBatch) -> list[tuple[int, Request]]:
+    """(batch index, request) of the rows that sample under a grammar."""
+    rows = []
+    for index, request_id in enumerate(batch.request_ids):
+        request = batch.sampling_requests.get(request_id)
+        if request is not None and request.grammar is not None and batch.samples_token[index]:
+            rows.append((index, request))
+    return rows
 
 
 def _token_stop(request: Request, token_id: int) -> RequestFinish | None:

@@ -25,6 +25,7 @@ from actors.messages import (
     AbortRequests,
     AdmittedRequest,
     EngineRequest,
+    GrammarVocab,
     RequestFinish,
     SchedulerOutput,
     SchedulerStats,
@@ -80,6 +81,9 @@ class SchedulerActor(Actor):
             self._add_request(message)
         elif isinstance(message, AbortRequests):
             self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, GrammarVocab):
+            if self.scheduler.grammars is not None:
+                self.scheduler.grammars.set_vocab(message)
         elif isinstance(message, AbortClient):
             self.scheduler.abort_requests([r.request_id for r in self.scheduler.unfinished_requests()
                                            if r.client_index == message.client_index])

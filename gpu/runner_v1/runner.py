@@ -26,6 +26,7 @@ from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepSta
 from gpu.attention.base import AttentionMetadata
 from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
+from gpu.sampling.grammar_mask import apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -81,6 +82,7 @@ class ModelRunnerV1:
         hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
                               inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
+        apply_grammar_bitmask(logits, sched.grammar_bitmask)
         max_num_logprobs = max(r.num_logprobs for r in reqs)
         out = self._sample(logits, sched.scheduled_request_ids, inputs,
                            None if max_num_logprobs < 0 else max_num_logprobs)

@@ -19,13 +19,14 @@ import numpy as np
 import structlog
 import torch
 
-from actors.messages import SchedulerOutput, StepStats
+from actors.messages import GrammarBitmask, SchedulerOutput, StepStats
 from actors.config import EngineConfig
 from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
+from gpu.sampling.grammar_mask import apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -79,7 +80,7 @@ class ModelRunnerV2:
         self._sync_states(sched)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
-        sampled = self._run(plan)
+        sampled = self._run(plan, sched.grammar_bitmask)
         end_event = self._record_event()
         copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
                                             sampled.logprobs, sampled.sampled_ranks),
@@ -93,12 +94,15 @@ class ModelRunnerV2:
         return PendingStep(sched.step_id, sched.scheduled_request_ids,
                            np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing)
 
-    def _run(self, plan: StepPlan) -> SamplerOutput:
-        """Forward, head and sampling of one planned step: graphs where they hold it."""
+    def _run(self, plan: StepPlan, grammar: GrammarBitmask | None) -> SamplerOutput:
+        """Forward, head and sampling of one planned step: graphs where they hold it. The
+        grammar mask rewrites the head's logits in place between the head and the sample
+        graphs, so constrained steps keep every graph."""
         num_reqs = plan.num_reqs
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
         logits = self._logits(plan)
+        apply_grammar_bitmask(logits, grammar)
         if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
             self.sampling_state.flush_to_device()
             # The graph's output is overwritten by the next replay, possibly before this
