@@ -142,6 +142,26 @@ class LogprobsArrays(msgspec.Struct, frozen=True):
         return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.sampled_rank[rows])
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """Logprobs of prompt tokens computed in one step, request-major: request i's rows are
+    the prompt positions start_positions[i] .. start_positions[i] + num_rows[i] - 1 (a
+    position's row: the logprob of the prompt token there given the tokens before it)."""
+
+    request_ids: tuple[str, ...]
+    start_positions: np.ndarray  # [len(request_ids)] int32, >= 1
+    num_rows: np.ndarray  # [len(request_ids)] int32
+    logprobs: LogprobsArrays
+    """The prompt token first in each row (its rank in sampled_rank), then the top k."""
+
+    def take(self, indices: list[int]) -> PromptLogprobs:
+        """The rows of the requests at `indices`."""
+        offsets = np.concatenate([[0], np.cumsum(self.num_rows)])
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in indices])
+        return PromptLogprobs(tuple(self.request_ids[i] for i in indices),
+                              self.start_positions[indices], self.num_rows[indices],
+                              self.logprobs.take(rows.astype(np.int64)))
+
+
 class StepStats(msgspec.Struct, frozen=True):
     step_id: int
     num_reqs: int
@@ -192,6 +212,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     num_new_tokens: np.ndarray | None = None  # [len(request_ids)] int32; None: one each
     logprobs: LogprobsArrays | None = None
     """Rows aligned with new_token_ids; None when no request asked for logprobs."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Prompt tokens' logprobs this step computed (they precede the request's new tokens)."""
     finished: tuple[RequestFinish, ...] = ()
     admitted: tuple[AdmittedRequest, ...] = ()
     step_stats: StepStats | None = None
@@ -286,6 +308,8 @@ class StepOutput(msgspec.Struct, frozen=True):
     error: str | None = None
     """Set when the step failed; every request in it is finished with reason 'error'."""
     failed_request_ids: tuple[str, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
+    """Of the requests that asked for them and ran prompt tokens in this step."""
 
 
 # ==== inside a front end ===============================================================

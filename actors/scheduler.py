@@ -293,8 +293,10 @@ class Scheduler:
                 continue  # preempted with tokens in flight: resume once they have arrived
             token_ids = (request.all_token_ids if request.output_token_ids
                          else request.prompt_token_ids)
-            entries.append(WaitingAlloc(request.request_id, token_ids, request.num_prompt_tokens,
-                                        self.config.max_num_batched_tokens, request.cache_salt))
+            entries.append(WaitingAlloc(
+                request.request_id, token_ids, request.num_prompt_tokens,
+                self.config.max_num_batched_tokens, request.cache_salt,
+                reuse_cached_prefix=request.sampling_params.prompt_logprobs is None))
             requests[request.request_id] = request
             if len(entries) == max_entries:
                 break

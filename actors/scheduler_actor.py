@@ -108,9 +108,17 @@ class SchedulerActor(Actor):
                                    RequestFinish(request.request_id, "error", error=str(exc)))])
 
     def _apply_step(self, out: StepOutput) -> None:
+        prompt_clients = self._prompt_logprobs_clients(out)
         result = self.scheduler.update_from_step(out)
         self._outputs.step(out, result, self._admitted_by_step.pop(out.step_id, ()),
-                           self.stats())
+                           self.stats(), prompt_clients)
+
+    def _prompt_logprobs_clients(self, out: StepOutput) -> list[int | None]:
+        """The front end of each request in the step's prompt logprobs (None: gone)."""
+        if out.prompt_logprobs is None:
+            return []
+        requests = (self.scheduler.get_request(r) for r in out.prompt_logprobs.request_ids)
+        return [None if r is None else r.client_index for r in requests]
 
     def _abort_all(self) -> None:
         requests = self.scheduler.unfinished_requests()
