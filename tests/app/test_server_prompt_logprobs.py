@@ -1,11 +1,15 @@
 """Prompt logprobs over HTTP: completions echo + logprobs exactly as lm-eval's
 local-completions sends and reads it (loglikelihood), vLLM's prompt_logprobs field on chat
-and completions, against transformers' log_softmax on the same weights."""
+and completions, against transformers' log_softmax on the same weights; and lm-eval itself
+running a multiple-choice task from a local dataset file through local-completions, with
+the server's remote tokenizer endpoints."""
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +22,22 @@ pytestmark = pytest.mark.slow
 
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATIONS = (" Paris", " Berlin is a city")
+DOCS = [{"question": "The capital of France is", "choices": ["Paris", "Tokyo"], "answer": 0},
+        {"question": "Two plus two equals", "choices": ["seven", "four"], "answer": 1},
+        {"question": "The sky on a clear day is", "choices": ["blue", "green"], "answer": 0}]
+TASK = """task: tandem_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +127,40 @@ def test_a_cached_prefix_still_yields_prompt_logprobs(server: RunningServer,
     assert scored["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     entries = scored["choices"][0]["prompt_logprobs"]
     assert len(entries) == len(prompt) and all(e is not None for e in entries[1:])
+
+
+def _reference_loglikelihood(tokenizer: object, context_text: str, continuation_text: str
+                             ) -> float:
+    """As lm-eval splits a request: the whole text's tokens, the context's tokens first."""
+    whole = tokenizer.encode(context_text + continuation_text)  # type: ignore[attr-defined]
+    context = tokenizer.encode(context_text)  # type: ignore[attr-defined]
+    logprobs = _reference_logprobs(tuple(whole))
+    return sum(logprobs[p - 1, whole[p]].item() for p in range(len(context), len(whole)))
+
+
+def test_local_completions_loglikelihood_task(server: RunningServer, tmp_path: Path) -> None:
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    (tmp_path / "task.yaml").write_text(TASK.format(data=data))
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": server.url + "/v1/completions", "model": "default",
+                    "tokenizer_backend": "remote", "num_concurrent": 2, "max_retries": 1},
+        tasks=["tandem_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True, limit=len(DOCS))
+    assert results is not None
+    samples = results["samples"]["tandem_tiny_mc"]
+    assert len(samples) == len(DOCS)
+    tokenizer = server.state.tokenizer
+    for sample in samples:
+        doc = sample["doc"]
+        for choice, response in zip(doc["choices"], sample["resps"]):
+            loglikelihood, _ = response[0]
+            # lm-eval's default target delimiter joins the question and each choice.
+            expected = _reference_loglikelihood(tokenizer, doc["question"], " " + choice)
+            assert loglikelihood == pytest.approx(expected, abs=5e-3)
+    accuracy = results["results"]["tandem_tiny_mc"]["acc,none"]
+    assert 0.0 <= accuracy <= 1.0
