@@ -85,11 +85,13 @@ class EngineCore:
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner.runner == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
+        runner_impl = runner_cls(worker, config)
         self.scheduler_actor = SchedulerActor(
             self.scheduler, submit_step=self._submit_step, outputs=CoreOutputs(self._send),
             max_steps_in_flight=max_in_flight, kv_usage=self._kv_usage,
-            num_free_rows=self._num_free_rows)
-        self.gpu_actor = gpu_actor_cls(runner_cls(worker, config),
+            num_free_rows=self._num_free_rows,
+            provide_grammar_mask=runner_impl.deferred_masks.provide)
+        self.gpu_actor = gpu_actor_cls(runner_impl,
                                        on_step_output=self.step_health.wrap(self.scheduler_actor.tell))
         self.ready: EngineReady | None = None
         self._clients: set[int] = set(known_clients or ())

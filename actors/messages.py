@@ -279,7 +279,11 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     schedule_time_s: float = 0.0
     """CPU time the scheduler spent building this step (copied into its StepStats)."""
     grammar_bitmask: GrammarBitmask | None = None
-    """Applied to the logits before sampling; None when no row samples under a grammar."""
+    """Applied to the logits before sampling; None when no row samples under a grammar or
+    the mask is deferred."""
+    grammar_mask_deferred: bool = False
+    """The mask comes after the previous step's tokens (the runner waits for it before
+    sampling; the engine core delivers it outside this message)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

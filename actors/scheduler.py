@@ -39,6 +39,7 @@ from actors.kv_messages import (
 from actors.messages import (
     CachedRequestData,
     EngineRequest,
+    GrammarBitmask,
     NewRequestData,
     RequestFinish,
     SchedulerOutput,
@@ -74,6 +75,8 @@ class StepResult:
     """The request of each of those rows."""
     finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
     """Requests this step finished: token-level stops and failures."""
+    grammar_masks: list[tuple[int, GrammarBitmask]] = field(default_factory=list)
+    """Deferred grammar masks of steps in flight, ready now: (step id, mask)."""
 """A running entry that got its blocks, with the block ids appended this step."""
 
 
@@ -235,7 +238,7 @@ class Scheduler:
         if len(token_ids) != len(out.request_ids):
             self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
                        f"for {len(out.request_ids)} requests", result)
-            return result
+            return self._with_ready_masks(result)
         for row, (request_id, token_id) in enumerate(zip(out.request_ids, token_ids)):
             request = sampling.pop(request_id)
             if request.is_finished:
@@ -252,6 +255,13 @@ class Scheduler:
                 result.finished.append((request, finish))
         self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
                    f"step {out.step_id} returned no token", result)
+        return self._with_ready_masks(result)
+
+    def _with_ready_masks(self, result: StepResult) -> StepResult:
+        """Every step result releases the deferred masks it made exact: a step waiting for
+        its mask must get it whatever happened to the step before."""
+        if self.grammars is not None:
+            result.grammar_masks = self.grammars.ready_masks()
         return result
 
     def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
@@ -272,8 +282,6 @@ class Scheduler:
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            if request.grammar is not None and request.num_output_placeholders:
-                continue  # its mask needs the token in flight
             num_new = min(num_pending - request.num_computed_tokens, token_budget)
             if num_new <= 0:
                 continue
@@ -347,9 +355,9 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight.append((step_id, batch.sampling_requests))
-        grammar_bitmask = None
+        grammar_bitmask, mask_deferred = None, False
         if self.grammars is not None:
-            grammar_bitmask = self.grammars.step_bitmask(_grammar_rows(batch))
+            grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, _grammar_rows(batch))
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
         return SchedulerOutput(
             step_id=step_id, new_requests=tuple(new_requests),
@@ -360,7 +368,8 @@ class Scheduler:
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
-            schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask)
+            schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
+            grammar_mask_deferred=mask_deferred)
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
         self._waiting.remove(request)

@@ -33,7 +33,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
-from gpu.sampling.grammar_mask import apply_grammar_bitmask
+from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -80,6 +80,8 @@ class ModelRunnerV1:
         self.logits_processors = _load_logits_processors(worker, config)
         self._prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
+        self.deferred_masks = DeferredMasks()
+        """Never used with one step in flight: every mask comes with its step."""
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
@@ -91,7 +93,7 @@ class ModelRunnerV1:
         hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
                               inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
-        apply_grammar_bitmask(logits, sched.grammar_bitmask)
+        apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
                                 sched.num_scheduled_tokens, self._prompt_requests)
         prompt = (None if rows is None

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 import torch
 
-from actors.messages import GrammarBitmask, SchedulerOutput, StepStats
+from actors.messages import SchedulerOutput, StepStats
 from actors.config import EngineConfig
 from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
@@ -27,7 +27,7 @@ from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
-from gpu.sampling.grammar_mask import apply_grammar_bitmask
+from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -70,6 +70,7 @@ class ModelRunnerV2:
         self._default_seed = config.seed
         self._prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
+        self.deferred_masks = DeferredMasks()
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
@@ -83,7 +84,7 @@ class ModelRunnerV2:
         self._sync_states(sched)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
-        sampled, hidden = self._run(plan, sched.grammar_bitmask)
+        sampled, hidden = self._run(plan, sched)
         prompt_rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
                                        sched.num_scheduled_tokens, self._prompt_requests)
         prompt = (None if prompt_rows is None  # blocking copy: in such steps only
@@ -102,17 +103,17 @@ class ModelRunnerV2:
                            np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing,
                            prompt)
 
-    def _run(self, plan: StepPlan, grammar: GrammarBitmask | None
-             ) -> tuple[SamplerOutput, torch.Tensor]:
+    def _run(self, plan: StepPlan, sched: SchedulerOutput) -> tuple[SamplerOutput, torch.Tensor]:
         """Forward, head and sampling of one planned step: graphs where they hold it; also
         the step's hidden states ([num_tokens, hidden_size]). The grammar mask rewrites the
         head's logits in place between the head and the sample graphs, so constrained
-        steps keep every graph."""
+        steps keep every graph; a deferred mask is waited for once the forward and head
+        are launched, so the device runs them meanwhile."""
         num_reqs = plan.num_reqs
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
         logits, hidden = self._logits(plan)
-        apply_grammar_bitmask(logits, grammar)
+        apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
             self.sampling_state.flush_to_device()
             # The graph's output is overwritten by the next replay, possibly before this

@@ -5,10 +5,12 @@ distribution it was sampled from."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
-from actors.messages import GrammarBitmask
+from actors.messages import GrammarBitmask, SchedulerOutput
 from kernels.token_bitmask import apply_token_bitmask
 
 
@@ -29,3 +31,43 @@ def apply_grammar_bitmask(
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
         rows = rows.pin_memory().to(logits.device, non_blocking=True)
     apply_token_bitmask(logits, bitmask, rows)
+
+
+DEFERRED_MASK_TIMEOUT_S = 120.0
+"""How long a step waits for its deferred mask before it fails (never expected: the mask
+follows the previous step's result)."""
+
+
+class DeferredMasks:
+    """Grammar masks that the engine core delivers after their step was launched (the
+    step's rows had a token in flight): the runner's thread waits for one before sampling,
+    while the step's forward runs on the device."""
+
+    def __init__(self, timeout_s: float = DEFERRED_MASK_TIMEOUT_S) -> None:
+        self._timeout_s = timeout_s
+        self._masks: dict[int, GrammarBitmask] = {}
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def provide(self, step_id: int, mask: GrammarBitmask) -> None:
+        with self._cond:
+            self._masks[step_id] = mask
+            for stale in [s for s in self._masks if s < step_id - 8]:  # of failed steps
+                del self._masks[stale]
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake any waiter: its step fails (the engine is stopping)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def step_mask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """The step's mask: in the message, or (deferred) once the core provides it."""
+        if not sched.grammar_mask_deferred:
+            return sched.grammar_bitmask
+        with self._cond:
+            if not self._cond.wait_for(lambda: sched.step_id in self._masks or self._closed,
+                                       self._timeout_s) or sched.step_id not in self._masks:
+                raise RuntimeError(f"step {sched.step_id}: its grammar mask never came")
+            return self._masks.pop(sched.step_id)

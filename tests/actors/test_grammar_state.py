@@ -1,6 +1,7 @@
-"""Structured outputs in the scheduler: a constrained request waits at most one step for
-its mask while the others keep two steps in flight, its mask follows every token it was
-given, and a completed grammar finishes it with 'stop'."""
+"""Structured outputs in the scheduler: constrained requests keep two steps in flight, a
+step behind one of their tokens gets its mask once that token is in (whatever became of
+its step), the mask follows every token given, and a completed grammar finishes the
+request with 'stop'."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from actors.grammar import GrammarError
 from actors.grammar_state import GrammarState
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import EngineRequest, GrammarVocab
+from actors.messages import EngineRequest, GrammarVocab, StepOutput, StepStats
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
 from actors.scheduler_config import SchedulerConfig
@@ -52,26 +53,42 @@ def _allowed(bitmask_row: np.ndarray) -> set[int]:
     return set(np.flatnonzero(bits.reshape(-1)).tolist())
 
 
-def test_a_constrained_request_skips_the_step_after_its_own_and_gets_exact_masks() -> None:
+def test_a_constrained_step_behind_a_token_in_flight_gets_its_mask_after_that_token() -> None:
     scheduler = _scheduler()
     scheduler.add_request(_request("free", None))
-    scheduler.add_request(_request("choice", CHOICE))
-    (yes,) = _tokenizer().encode("yes")
+    scheduler.add_request(_request("num", StructuredOutputSpec("regex", "[0-9]{3}")))
+    tokenizer = _tokenizer()
+    digit = tokenizer.encode("7")[0]
     first = schedule(scheduler)
-    assert first is not None and first.scheduled_request_ids == ("free", "choice")
-    assert first.grammar_bitmask is not None
+    assert first is not None and first.scheduled_request_ids == ("free", "num")
+    assert first.grammar_bitmask is not None and not first.grammar_mask_deferred
     assert first.grammar_bitmask.batch_indices.tolist() == [1]
-    assert yes in _allowed(first.grammar_bitmask.bitmask[0])
-    # Step 1 is built before step 0's tokens are known: only the free request runs in it.
+    assert digit in _allowed(first.grammar_bitmask.bitmask[0])
+    # Step 1 is built while step 0 runs: both requests keep going, the mask waits.
     second = schedule(scheduler)
-    assert second is not None and second.scheduled_request_ids == ("free",)
-    assert second.grammar_bitmask is None
-    scheduler.update_from_step(answer(first, overrides={"choice": yes}))
-    # "yes" completes the choice: the request finishes with 'stop' on that token.
-    request = scheduler.get_request("choice")
-    assert request is None
-    scheduler.update_from_step(answer(second))
-    assert scheduler.get_request("free") is not None
+    assert second is not None and second.scheduled_request_ids == ("free", "num")
+    assert second.grammar_bitmask is None and second.grammar_mask_deferred
+    result = scheduler.update_from_step(answer(first, overrides={"num": digit}))
+    ((step_id, mask),) = result.grammar_masks
+    assert step_id == second.step_id and mask.batch_indices.tolist() == [1]
+    after_one_digit = _allowed(mask.bitmask[0])
+    assert digit in after_one_digit and not set(tokenizer.eos_token_ids) & after_one_digit
+    third = schedule(scheduler)  # step 1 still runs: deferred again
+    assert third is not None and third.grammar_mask_deferred
+    assert scheduler.update_from_step(answer(second, overrides={"num": digit})).grammar_masks
+
+
+def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
+    scheduler = _scheduler()
+    scheduler.add_request(_request("choice", CHOICE))
+    first, second = schedule(scheduler), schedule(scheduler)
+    assert first is not None and second is not None and second.grammar_mask_deferred
+    failed = StepOutput(first.step_id, (), np.zeros(0, np.int64), None,
+                        StepStats(first.step_id, 1, 1, 0), error="boom",
+                        failed_request_ids=first.scheduled_request_ids)
+    result = scheduler.update_from_step(failed)
+    ((step_id, mask),) = result.grammar_masks
+    assert step_id == second.step_id and (mask.bitmask == -1).all()  # the request is gone
 
 
 def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> None:
@@ -88,14 +105,6 @@ def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> Non
         finishes.extend(scheduler.update_from_step(answer(out, token_id=token_id)).finished)
     assert [(f.request_id, f.reason) for _, f in finishes] == [("r", "stop")]
     assert finishes[0][0].output_token_ids == token_ids
-
-
-def test_requests_without_a_grammar_keep_two_steps_in_flight() -> None:
-    scheduler = _scheduler()
-    scheduler.add_request(_request("a", None))
-    first, second = schedule(scheduler), schedule(scheduler)
-    assert first is not None and second is not None
-    assert second.scheduled_request_ids == ("a",) and scheduler.num_steps_in_flight == 2
 
 
 def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> None:
