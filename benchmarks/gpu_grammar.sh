@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# One device call for structured outputs. Phases (PHASES, default "kernel serve"):
+# One device call for structured outputs. Phases (PHASES, default "kernel parity serve"):
 #   kernel  the token-bitmask kernel against its reference on the GPU (tests/kernels);
+#   parity  constrained greedy decoding on dummy qwen3-0.6b: V1 and V2 (CUDA graphs) give
+#           the same tokens, outputs validate, prompt logprobs agree (grammar_parity.py);
 #   library the grammar-library benchmark on the device's CPU (needs xgrammar too);
 #   serve   the two-process server on dummy qwen3-0.6b bf16 with the real Qwen3 tokenizer
 #           (.tok/qwen3): first every constrained output must validate (json_schema, regex,
 #           choice; benchmarks/grammar_serve.py check), then 256 concurrent streamed chats,
 #           128-token messages, 512 output tokens, ignore_eos, free vs json_schema, run
 #           A B B A; the ratio of output tok/s (target >= 0.8) goes to grammar_serve.json.
-# Results land in $OUT (grammar_check.json, serve_*.json, grammar_serve.json, logs).
+# Results land in $OUT (grammar_parity.json, grammar_check.json, serve_*.json,
+# grammar_serve.json, logs).
 #   wheels to carry in .whl (Python 3.12, manylinux x86_64): those of gpu_serve_split.sh
 #   plus llguidance, jsonschema, jsonschema-specifications, referencing, rpds-py, attrs
 #   (and xgrammar, apache-tvm-ffi for the library phase only).
 #   usage (device tool, carry .whl and .tok):  bash benchmarks/gpu_grammar.sh
 set -u
 . benchmarks/device_env.sh
-PHASES=${PHASES:-"kernel serve"}
+PHASES=${PHASES:-"kernel parity serve"}
 LOG="$OUT/grammar.log"
 TOK=.tok/qwen3
 phase() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
@@ -22,6 +25,11 @@ phase() { echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 if [[ " $PHASES " == *" kernel "* ]]; then
   phase "token bitmask kernel"
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_bitmask.py 2>&1 | tee -a "$LOG"
+fi
+if [[ " $PHASES " == *" parity "* ]]; then
+  phase "V1 / V2 parity under grammars"
+  python3 benchmarks/grammar_parity.py --model dummy:qwen3-0.6b --tokenizer "$TOK" \
+    --out "$OUT/grammar_parity.json" 2>&1 | grep -v '\[info' | tail -5 | tee -a "$LOG"
 fi
 if [[ " $PHASES " == *" library "* ]]; then
   phase "grammar libraries on the host CPU"
