@@ -12,6 +12,7 @@ from actors.messages import (
     AdmittedRequest,
     EngineCoreOutputs,
     LogprobsArrays,
+    PromptLogprobs,
     RequestFinish,
     SchedulerStats,
     StepOutput,
@@ -30,14 +31,18 @@ class CoreOutputs:
 
     def step(self, out: StepOutput, result: StepResult,
              admitted: Sequence[tuple[int, AdmittedRequest]] = (),
-             scheduler_stats: SchedulerStats | None = None) -> None:
-        """Send one step's tokens, finishes and first admissions to their front ends."""
+             scheduler_stats: SchedulerStats | None = None,
+             prompt_clients: Sequence[int | None] = ()) -> None:
+        """Send one step's tokens, finishes, first admissions and prompt logprobs to their
+        front ends (`prompt_clients`: the front end of each request in
+        out.prompt_logprobs, None for one that is gone)."""
         rows_by_client: dict[int, list[int]] = {}
         for index, request in enumerate(result.requests):
             rows_by_client.setdefault(request.client_index, []).append(index)
         finished = _group(((r.client_index, f) for r, f in result.finished))
         admissions = _group(admitted)
-        clients = {STATS_CLIENT, *rows_by_client, *finished, *admissions}
+        prompts = _group((c, i) for i, c in enumerate(prompt_clients) if c is not None)
+        clients = {STATS_CLIENT, *rows_by_client, *finished, *admissions, *prompts}
         for client in sorted(clients):
             indices = rows_by_client.get(client, [])
             tokens, logprobs = _columns(out, result, indices)
@@ -45,6 +50,7 @@ class CoreOutputs:
                 step_id=out.step_id,
                 request_ids=tuple(result.requests[i].request_id for i in indices),
                 new_token_ids=tokens, logprobs=logprobs,
+                prompt_logprobs=_prompt_rows(out.prompt_logprobs, prompts.get(client)),
                 finished=tuple(finished.get(client, ())),
                 admitted=tuple(admissions.get(client, ())),
                 step_stats=out.stats if client == STATS_CLIENT else None,
@@ -65,6 +71,13 @@ def _columns(out: StepOutput, result: StepResult, indices: list[int]
     tokens = out.sampled_token_ids[rows].astype(np.int32, copy=False)
     logprobs = out.logprobs.take(rows) if out.logprobs is not None else None
     return tokens, logprobs
+
+
+def _prompt_rows(prompt: PromptLogprobs | None, indices: list[int] | None
+                 ) -> PromptLogprobs | None:
+    if prompt is None or not indices:
+        return None
+    return prompt if len(indices) == len(prompt.request_ids) else prompt.take(indices)
 
 
 def _group(pairs: object) -> dict[int, list]:

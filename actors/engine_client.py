@@ -27,6 +27,7 @@ from actors.messages import (
     EngineRequest,
     EngineStartupFailed,
     FailRequests,
+    GrammarVocab,
     RegisterRequest,
     SchedulerStats,
     StepStats,
@@ -64,6 +65,8 @@ class EngineClient:
         self.endpoint = endpoint
         self.client_index = client_index
         self.has_tokenizer = tokenizer is not None
+        self._tokenizer = tokenizer
+        self._sent_grammar_vocab = False
         self.sampler_actor = SamplerActor(
             OutputProcessor(tokenizer, on_request_finished=on_request_finished),
             on_stopped=self._abort_in_core, step_observers=step_observers,
@@ -99,9 +102,21 @@ class EngineClient:
             return stream
         if request.client_index != self.client_index:
             request = _with_client(request, self.client_index)
+        if request.sampling_params.structured_output is not None:
+            self._send_grammar_vocab()
         self.sampler_actor.tell(RegisterRequest(request, stream))
         self.endpoint.send(request)
         return stream
+
+    def _send_grammar_vocab(self) -> None:
+        """The core compiles grammars against this front end's tokenizer: send it once,
+        ahead of the first request that needs it (without one, the core refuses those)."""
+        if self._sent_grammar_vocab or self._tokenizer is None:
+            return
+        self._sent_grammar_vocab = True
+        raw = getattr(self._tokenizer, "raw", self._tokenizer)  # a bare tokenizers.Tokenizer too
+        self.endpoint.send(GrammarVocab(raw.to_str(),
+                                        tuple(getattr(self._tokenizer, "eos_token_ids", ()))))
 
     def abort(self, request_ids: list[str]) -> None:
         """The reader gave up: end the streams here and free the rows in the core."""

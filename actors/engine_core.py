@@ -23,6 +23,7 @@ from actors.base import ActorStopped
 from actors.config import EngineConfig
 from actors.core_outputs import CoreOutputs
 from actors.gpu_actor import GPUActorV1, GPUActorV2
+from actors.grammar_state import GrammarState
 from actors.kv_cache_manager import KVCacheActor, KVCacheManager
 from actors.kv_client import KVActorClient
 from actors.kv_messages import CheckInvariants, KVStats
@@ -33,6 +34,7 @@ from actors.messages import (
     EngineDead,
     EngineReady,
     EngineRequest,
+    GrammarVocab,
     Shutdown,
     ToFrontEnd,
     UtilityCall,
@@ -78,15 +80,18 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=worker.max_model_len, block_size=config.block_size,
-            max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor))
+            max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor),
+            GrammarState(worker.model_config.vocab_size))
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner.runner == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
+        runner_impl = runner_cls(worker, config)
         self.scheduler_actor = SchedulerActor(
             self.scheduler, submit_step=self._submit_step, outputs=CoreOutputs(self._send),
             max_steps_in_flight=max_in_flight, kv_usage=self._kv_usage,
-            num_free_rows=self._num_free_rows)
-        self.gpu_actor = gpu_actor_cls(runner_cls(worker, config),
+            num_free_rows=self._num_free_rows,
+            provide_grammar_mask=runner_impl.deferred_masks.provide)
+        self.gpu_actor = gpu_actor_cls(runner_impl,
                                        on_step_output=self.step_health.wrap(self.scheduler_actor.tell))
         self.ready: EngineReady | None = None
         self._clients: set[int] = set(known_clients or ())
@@ -132,7 +137,7 @@ class EngineCore:
             except TransportClosed:
                 self.stop()
                 return
-            if isinstance(message, (EngineRequest, AbortRequests)):
+            if isinstance(message, (EngineRequest, AbortRequests, GrammarVocab)):
                 self.scheduler_actor.tell(message)
             elif isinstance(message, UtilityCall):
                 tg.start_soon(self._answer, message)

@@ -22,7 +22,7 @@ _MODEL_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k"
 """generation_config.json key -> SamplingParams field."""
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
-_INT_FIELDS = ("n", "top_k", "min_tokens", "seed")
+_INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 

@@ -50,6 +50,9 @@ class _GPUActorBase:
 
     def close(self) -> None:
         self._inbox.put(_STOP)
+        deferred = getattr(self.runner, "deferred_masks", None)
+        if deferred is not None:  # a step waiting for its grammar mask fails, not hangs
+            deferred.close()
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -31,6 +31,9 @@ from actors.structured_output import StructuredOutputSpec
 _LLGUIDANCE_FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                        "grammar": "grammar"}
 DEFAULT_CACHE_SIZE = 256
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON on one line with fixed separators (as OpenAI writes it): with free whitespace a
+weak model can spend its whole budget on newlines before the first key."""
 
 
 class GrammarError(ValueError):
@@ -45,7 +48,7 @@ def grammar_definition(spec: StructuredOutputSpec) -> str:
             schema = json.loads(spec.text)
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError("a JSON schema must be an object or a boolean")
-            options = None if spec.strict else {"lenient": True}
+            options = dict(_JSON_LAYOUT) if spec.strict else {**_JSON_LAYOUT, "lenient": True}
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         return llguidance.grammar_from(_LLGUIDANCE_FORMATS[spec.kind], spec.text)
     except (ValueError, TypeError) as exc:

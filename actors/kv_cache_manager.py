@@ -170,7 +170,7 @@ class KVCacheManager:
                token_budget: int) -> WaitingGrant | None:
         num_tokens = len(entry.token_ids)
         # At least one token must be computed so the step produces logits to sample from.
-        max_hit_blocks = (num_tokens - 1) // self.block_size
+        max_hit_blocks = (num_tokens - 1) // self.block_size if entry.reuse_cached_prefix else 0
         hit_block_ids: list[int] = []
         for block_hash in hashes[:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)

@@ -25,6 +25,9 @@ class WaitingAlloc:
     max_num_new_tokens: int
     """Upper bound on the tokens scheduled this step, before the step's token budget."""
     cache_salt: str | None = None
+    reuse_cached_prefix: bool = True
+    """False: compute every token (a request that wants its prompt's logprobs); its full
+    blocks are still offered to later requests."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,15 @@ class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
     """Where the answer goes."""
 
 
+class GrammarVocab(msgspec.Struct, frozen=True, tag="grammar_vocab"):
+    """The front end's tokenizer, sent once before its first request with a structured
+    output: the core compiles grammars against it (the core loads no tokenizer itself)."""
+
+    tokenizer_json: str
+    """A `tokenizers` tokenizer.json."""
+    eos_token_ids: tuple[int, ...]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     """Abort what is left, drain the steps in flight and exit."""
 
@@ -133,6 +142,26 @@ class LogprobsArrays(msgspec.Struct, frozen=True):
         return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.sampled_rank[rows])
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """Logprobs of prompt tokens computed in one step, request-major: request i's rows are
+    the prompt positions start_positions[i] .. start_positions[i] + num_rows[i] - 1 (a
+    position's row: the logprob of the prompt token there given the tokens before it)."""
+
+    request_ids: tuple[str, ...]
+    start_positions: np.ndarray  # [len(request_ids)] int32, >= 1
+    num_rows: np.ndarray  # [len(request_ids)] int32
+    logprobs: LogprobsArrays
+    """The prompt token first in each row (its rank in sampled_rank), then the top k."""
+
+    def take(self, indices: list[int]) -> PromptLogprobs:
+        """The rows of the requests at `indices`."""
+        offsets = np.concatenate([[0], np.cumsum(self.num_rows)])
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in indices])
+        return PromptLogprobs(tuple(self.request_ids[i] for i in indices),
+                              self.start_positions[indices], self.num_rows[indices],
+                              self.logprobs.take(rows.astype(np.int64)))
+
+
 class StepStats(msgspec.Struct, frozen=True):
     step_id: int
     num_reqs: int
@@ -183,6 +212,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     num_new_tokens: np.ndarray | None = None  # [len(request_ids)] int32; None: one each
     logprobs: LogprobsArrays | None = None
     """Rows aligned with new_token_ids; None when no request asked for logprobs."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Prompt tokens' logprobs this step computed (they precede the request's new tokens)."""
     finished: tuple[RequestFinish, ...] = ()
     admitted: tuple[AdmittedRequest, ...] = ()
     step_stats: StepStats | None = None
@@ -192,7 +223,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     """The core's load and KV usage after the step was scheduled (front end 0 only)."""
 
 
-ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | Shutdown
+ToEngineCore = (EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab
+                | Shutdown)
 ToFrontEnd = EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
 
 
@@ -222,6 +254,13 @@ class CachedRequestData(msgspec.Struct, frozen=True):
     """Blocks appended to each request's block table this step."""
 
 
+class GrammarBitmask(msgspec.Struct, frozen=True):
+    """The allowed next tokens of the step's rows that sample under a grammar."""
+
+    batch_indices: np.ndarray  # [num_masked] int32, positions in scheduled_request_ids
+    bitmask: np.ndarray  # [num_masked, ceil(vocab_size / 32)] int32, bit set = allowed
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True):
     step_id: int
     new_requests: tuple[NewRequestData, ...]
@@ -239,6 +278,12 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     """Rows to free before this step: finished, aborted or preempted requests."""
     schedule_time_s: float = 0.0
     """CPU time the scheduler spent building this step (copied into its StepStats)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Applied to the logits before sampling; None when no row samples under a grammar or
+    the mask is deferred."""
+    grammar_mask_deferred: bool = False
+    """The mask comes after the previous step's tokens (the runner waits for it before
+    sampling; the engine core delivers it outside this message)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -267,6 +312,8 @@ class StepOutput(msgspec.Struct, frozen=True):
     error: str | None = None
     """Set when the step failed; every request in it is finished with reason 'error'."""
     failed_request_ids: tuple[str, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
+    """Of the requests that asked for them and ran prompt tokens in this step."""
 
 
 # ==== inside a front end ===============================================================

@@ -74,6 +74,9 @@ class StreamDelta:
     record: RequestRecord | None = None
     """On the final delta, the request's timeline for metrics and traces (when the
     engine keeps records)."""
+    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
+    """On the final delta of a request that asked for them: one entry per prompt token,
+    None for the first (nothing precedes it)."""
 
     @property
     def finished(self) -> bool:
@@ -111,6 +114,7 @@ class RequestStream:
         self._done: anyio.Event | None = None
         self._on_first_token: Callable[[str], None] | None = None
         self._on_finished: Callable[[str], None] | None = None
+        self._prompt_logprobs: list[LogprobEntry | None] | None = None
 
     def observe(self, on_first_token: Callable[[str], None],
                 on_finished: Callable[[str], None]) -> None:
@@ -156,6 +160,13 @@ class RequestStream:
             if self._on_finished is not None:
                 self._on_finished(self.request_id)
         self._wake()
+
+    def set_prompt_logprobs(self, start_position: int, entries: Sequence[LogprobEntry]) -> None:
+        """The logprobs of prompt positions start_position, start_position + 1, ... (a
+        request recomputed after preemption sends some again: the same values)."""
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = [None] * self.num_prompt_tokens
+        self._prompt_logprobs[start_position:start_position + len(entries)] = entries
 
     def set_num_cached_tokens(self, num_cached_tokens: int) -> None:
         self.num_cached_tokens = num_cached_tokens
@@ -238,7 +249,9 @@ class RequestStream:
             num_prompt_tokens=self.num_prompt_tokens, num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self._num_output_tokens, first_token_time=self.first_token_time,
             finish_time=self.finish_time,
-            record=self.record if self._finish_reason is not None else None)
+            record=self.record if self._finish_reason is not None else None,
+            prompt_logprobs=(tuple(self._prompt_logprobs) if self._prompt_logprobs is not None
+                             and self._finish_reason is not None else None))
         self._token_ids.clear()
         self._text_parts.clear()
         if self._logprobs is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
@@ -71,6 +72,8 @@ class Request:
     queued_time: float = 0.0
     """time.monotonic() when the scheduler queued the request."""
     first_scheduled_time: float | None = None
+    grammar: Any = None
+    """The actors.grammar.GrammarMatcher of a request with a structured output."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, max_model_len: int,

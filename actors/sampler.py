@@ -29,6 +29,7 @@ from actors.messages import (
     EngineRequest,
     FailRequests,
     LogprobsArrays,
+    PromptLogprobs,
     RegisterRequest,
     RequestFinish,
     SchedulerStats,
@@ -123,6 +124,8 @@ class OutputProcessor:
         now = time.monotonic()
         if outputs.admitted:
             self.set_admitted(outputs.admitted)
+        if outputs.prompt_logprobs is not None:
+            self._add_prompt_logprobs(outputs.prompt_logprobs)
         finished = {f.request_id: f for f in outputs.finished}
         to_abort: list[str] = []
         if outputs.request_ids:
@@ -184,7 +187,9 @@ class OutputProcessor:
         params = state.request.sampling_params
         reason = finish.reason if finish is not None else None
         stop_reason: str | int | None = finish.stop_token_id if finish is not None else None
-        stopped_by_token = reason == "stop"
+        # A grammar that completes stops on a token that belongs to the output.
+        stopped_by_token = reason == "stop" and (stop_reason is not None
+                                                 or token_id in state.request.eos_token_ids)
         text = ("" if stopped_by_token and not params.include_stop_str_in_output
                 else state.detokenizer.push((token_id,)))
         checker = state.stop_checker
@@ -210,18 +215,35 @@ class OutputProcessor:
                 gaps.append(now - state.last_token_time)
             state.last_token_time = now
 
+    def _add_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
+        """Each row scores the prompt token at its position (before any output token)."""
+        row = 0
+        for request_id, start, count in zip(prompt.request_ids, prompt.start_positions.tolist(),
+                                            prompt.num_rows.tolist()):
+            state = self._requests.get(request_id)
+            if state is not None:
+                num_top = state.request.sampling_params.prompt_logprobs or 0
+                entries = [self._logprob_entry(row + i, int(prompt.logprobs.token_ids[row + i, 0]),
+                                               prompt.logprobs, num_top) for i in range(count)]
+                state.stream.set_prompt_logprobs(start, entries)
+            row += count
+
     def _logprob_entries(self, state: _RequestState, row: int, token_id: int,
                          logprobs: LogprobsArrays | None) -> tuple[LogprobEntry, ...]:
         if logprobs is None:
             return ()
-        num_top = state.request.sampling_params.logprobs or 0
+        return (self._logprob_entry(row, token_id, logprobs,
+                                    state.request.sampling_params.logprobs or 0),)
+
+    def _logprob_entry(self, row: int, token_id: int, logprobs: LogprobsArrays, num_top: int
+                       ) -> LogprobEntry:
         ids = logprobs.token_ids[row, :num_top + 1].tolist()
         values = floor_logprobs(logprobs.logprobs[row, :num_top + 1]).tolist()
         token, token_bytes = self._token_text(token_id)
         top = tuple(TopLogprob(top_id, *self._token_text(top_id), value)
                     for top_id, value in zip(ids[1:], values[1:]))
-        return (LogprobEntry(token_id, token, token_bytes, values[0],
-                             int(logprobs.sampled_rank[row]), top),)
+        return LogprobEntry(token_id, token, token_bytes, values[0],
+                            int(logprobs.sampled_rank[row]), top)
 
     def _token_text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
         if self._token_texts is None:  # no tokenizer: logprob entries carry ids only

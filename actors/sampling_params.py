@@ -42,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: no logprobs; k >= 0: the sampled token's logprob plus the top k."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's logprob (from the second on) plus the top k
+    at its position, computed in the prefill (the request then reuses no cached prefix)."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutputSpec | None = None
@@ -72,6 +75,9 @@ class SamplingParams:
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
                f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+               "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+               f"got {self.prompt_logprobs}")
         _check(self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "seed",
                f"seed must be a 64-bit integer, got {self.seed}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",

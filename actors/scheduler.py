@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from actors.grammar_state import GrammarState
 from actors.kv_messages import (
     AllocateStep,
     KVUsage,
@@ -38,6 +39,7 @@ from actors.kv_messages import (
 from actors.messages import (
     CachedRequestData,
     EngineRequest,
+    GrammarBitmask,
     NewRequestData,
     RequestFinish,
     SchedulerOutput,
@@ -73,6 +75,8 @@ class StepResult:
     """The request of each of those rows."""
     finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
     """Requests this step finished: token-level stops and failures."""
+    grammar_masks: list[tuple[int, GrammarBitmask]] = field(default_factory=list)
+    """Deferred grammar masks of steps in flight, ready now: (step id, mask)."""
 """A running entry that got its blocks, with the block ids appended this step."""
 
 
@@ -118,9 +122,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVClient) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVClient,
+                 grammars: GrammarState | None = None) -> None:
+        """`grammars`: structured outputs (None refuses requests that ask for one)."""
         self.config = config
         self._kv = kv
+        self.grammars = grammars
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._running: dict[str, Request] = {}  # holding a runner row, in admission order
         self._waiting = WaitingQueue()
@@ -166,6 +173,10 @@ class Scheduler:
             raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
         request = Request.from_engine_request(engine_request, self.config.max_model_len,
                                               queued_time=time.monotonic())
+        if request.sampling_params.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("this engine does not apply structured outputs")
+            request.grammar = self.grammars.matcher(request.sampling_params)
         self._requests[request.request_id] = request
         self._waiting.push(request)
 
@@ -227,7 +238,7 @@ class Scheduler:
         if len(token_ids) != len(out.request_ids):
             self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
                        f"for {len(out.request_ids)} requests", result)
-            return result
+            return self._with_ready_masks(result)
         for row, (request_id, token_id) in enumerate(zip(out.request_ids, token_ids)):
             request = sampling.pop(request_id)
             if request.is_finished:
@@ -237,11 +248,20 @@ class Scheduler:
             result.rows.append(row)
             result.requests.append(request)
             finish = _token_stop(request, token_id)
+            if finish is None and request.grammar is not None:
+                finish = GrammarState.advance(request, token_id)
             if finish is not None:
                 self._finish(request, RequestStatus.from_finish_reason(finish.reason))
                 result.finished.append((request, finish))
         self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
                    f"step {out.step_id} returned no token", result)
+        return self._with_ready_masks(result)
+
+    def _with_ready_masks(self, result: StepResult) -> StepResult:
+        """Every step result releases the deferred masks it made exact: a step waiting for
+        its mask must get it whatever happened to the step before."""
+        if self.grammars is not None:
+            result.grammar_masks = self.grammars.ready_masks()
         return result
 
     def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
@@ -281,8 +301,10 @@ class Scheduler:
                 continue  # preempted with tokens in flight: resume once they have arrived
             token_ids = (request.all_token_ids if request.output_token_ids
                          else request.prompt_token_ids)
-            entries.append(WaitingAlloc(request.request_id, token_ids, request.num_prompt_tokens,
-                                        self.config.max_num_batched_tokens, request.cache_salt))
+            entries.append(WaitingAlloc(
+                request.request_id, token_ids, request.num_prompt_tokens,
+                self.config.max_num_batched_tokens, request.cache_salt,
+                reuse_cached_prefix=request.sampling_params.prompt_logprobs is None))
             requests[request.request_id] = request
             if len(entries) == max_entries:
                 break
@@ -333,6 +355,9 @@ class Scheduler:
         step_id = self._next_step_id
         self._next_step_id += 1
         self._in_flight.append((step_id, batch.sampling_requests))
+        grammar_bitmask, mask_deferred = None, False
+        if self.grammars is not None:
+            grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, _grammar_rows(batch))
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
         return SchedulerOutput(
             step_id=step_id, new_requests=tuple(new_requests),
@@ -343,7 +368,8 @@ class Scheduler:
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
-            schedule_time_s=time.perf_counter() - started)
+            schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
+            grammar_mask_deferred=mask_deferred)
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
         self._waiting.remove(request)
@@ -400,6 +426,16 @@ def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int) -
     if samples:
         request.num_output_placeholders += 1
         batch.sampling_requests[request.request_id] = request
+
+
+def _grammar_rows(batch: _StepBatch) -> list[tuple[int, Request]]:
+    """(batch index, request) of the rows that sample under a grammar."""
+    rows = []
+    for index, request_id in enumerate(batch.request_ids):
+        request = batch.sampling_requests.get(request_id)
+        if request is not None and request.grammar is not None and batch.samples_token[index]:
+            rows.append((index, request))
+    return rows
 
 
 def _token_stop(request: Request, token_id: int) -> RequestFinish | None:

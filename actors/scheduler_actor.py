@@ -25,6 +25,8 @@ from actors.messages import (
     AbortRequests,
     AdmittedRequest,
     EngineRequest,
+    GrammarBitmask,
+    GrammarVocab,
     RequestFinish,
     SchedulerOutput,
     SchedulerStats,
@@ -62,7 +64,11 @@ class SchedulerActor(Actor):
     def __init__(self, scheduler: Scheduler, submit_step: Callable[[SchedulerOutput], None],
                  outputs: CoreOutputs, max_steps_in_flight: int,
                  kv_usage: Callable[[], Awaitable[KVUsage]],
-                 num_free_rows: Callable[[], int | None]) -> None:
+                 num_free_rows: Callable[[], int | None],
+                 provide_grammar_mask: Callable[[int, GrammarBitmask], None] | None = None
+                 ) -> None:
+        """`provide_grammar_mask(step_id, mask)`: hands a deferred grammar mask to the
+        runner, whose step waits for it before sampling."""
         super().__init__()
         self.scheduler = scheduler
         self._submit_step = submit_step
@@ -70,6 +76,7 @@ class SchedulerActor(Actor):
         self._max_steps_in_flight = max_steps_in_flight
         self._kv_usage = kv_usage
         self._num_free_rows = num_free_rows
+        self._provide_grammar_mask = provide_grammar_mask
         self._drain_events: list[anyio.Event] = []
         self._admitted_by_step: dict[int, list[tuple[int, AdmittedRequest]]] = {}
 
@@ -80,6 +87,9 @@ class SchedulerActor(Actor):
             self._add_request(message)
         elif isinstance(message, AbortRequests):
             self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, GrammarVocab):
+            if self.scheduler.grammars is not None:
+                self.scheduler.grammars.set_vocab(message)
         elif isinstance(message, AbortClient):
             self.scheduler.abort_requests([r.request_id for r in self.scheduler.unfinished_requests()
                                            if r.client_index == message.client_index])
@@ -104,9 +114,20 @@ class SchedulerActor(Actor):
                                    RequestFinish(request.request_id, "error", error=str(exc)))])
 
     def _apply_step(self, out: StepOutput) -> None:
+        prompt_clients = self._prompt_logprobs_clients(out)
         result = self.scheduler.update_from_step(out)
+        for step_id, mask in result.grammar_masks:  # first: a launched step waits for it
+            assert self._provide_grammar_mask is not None
+            self._provide_grammar_mask(step_id, mask)
         self._outputs.step(out, result, self._admitted_by_step.pop(out.step_id, ()),
-                           self.stats())
+                           self.stats(), prompt_clients)
+
+    def _prompt_logprobs_clients(self, out: StepOutput) -> list[int | None]:
+        """The front end of each request in the step's prompt logprobs (None: gone)."""
+        if out.prompt_logprobs is None:
+            return []
+        requests = (self.scheduler.get_request(r) for r in out.prompt_logprobs.request_ids)
+        return [None if r is None else r.client_index for r in requests]
 
     def _abort_all(self) -> None:
         requests = self.scheduler.unfinished_requests()

@@ -49,6 +49,8 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
     runner: str
+    prompt_logprobs: tuple[Any, ...] | None = None
+    """With SamplingParams.prompt_logprobs: one LogprobEntry per prompt token (None first)."""
 
 
 class LLM:
@@ -131,7 +133,8 @@ class LLM:
         result = RequestOutput(
             request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids, outputs=tuple(c.output for c in collected),
-            num_cached_tokens=max(c.num_cached_tokens for c in collected), runner=self.runner)
+            num_cached_tokens=max(c.num_cached_tokens for c in collected), runner=self.runner,
+            prompt_logprobs=collected[0].prompt_logprobs if collected else None)
         results[index] = result
         if on_finished is not None:
             on_finished(result)
@@ -141,6 +144,7 @@ class LLM:
 class _Collected:
     output: CompletionOutput
     num_cached_tokens: int
+    prompt_logprobs: tuple[Any, ...] | None
 
 
 async def _collect(stream: RequestStream, index: int, collected: list[_Collected]) -> None:
@@ -151,7 +155,7 @@ async def _collect(stream: RequestStream, index: int, collected: list[_Collected
         CompletionOutput(index=index, text=delta.text, token_ids=delta.token_ids,
                          finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                          logprobs=delta.logprobs or None),
-        delta.num_cached_tokens))
+        delta.num_cached_tokens, delta.prompt_logprobs))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -50,6 +50,7 @@ class ChoiceState:
     """Characters of this choice's text already sent (completions logprobs text_offset)."""
     record: RequestRecord | None = None
     """The engine's record of this choice, from its final delta (for the span)."""
+    prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
 
     def add(self, delta: StreamDelta) -> None:
         self.text_parts.append(delta.text)
@@ -64,6 +65,7 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.error = delta.error
             self.record = delta.record
+            self.prompt_logprobs = delta.prompt_logprobs
 
     @property
     def text(self) -> str:

@@ -51,6 +51,7 @@ from app.request_limits import (
     check_priority,
     drop_truncated_tokens,
 )
+from app import prompt_logprobs
 from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
 from app.schemas import (
@@ -168,8 +169,8 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         request, state, functools.partial(_prepare_chat, state, request_id, call),
         _array_caps(state))
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
-    params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
-                                    tools)
+    params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
+        sampling_params(state, req, [len(prompt.token_ids)]), False, bool(req.stream)), req, tools)
     new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -188,6 +189,7 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
     body = chat_response(meta, choices, num_prompt_tokens, role=chat.role,
                          echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids,
                          tool_calls=new_tool_output)
+    prompt_logprobs.add_to_chat(body, choices)
     return _json(body)
 
 
@@ -214,7 +216,8 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         request, state, functools.partial(_prepare_completion, state, request_id, call),
         _array_caps(state))
     prompt_lens = [len(p.token_ids) for p in prompts]
-    params = await constrain_params(sampling_params(state, req, prompt_lens), req)
+    params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
+        sampling_params(state, req, prompt_lens), bool(req.echo), bool(req.stream)), req)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
@@ -233,8 +236,13 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
     if not await _collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
-    return _json(completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
-                                     prompt_token_ids=prompt_ids))
+    body = completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
+                               prompt_token_ids=prompt_ids)
+    if params.prompt_logprobs is not None:
+        echo_logprobs = bool(req.echo) and req.logprobs is not None
+        first_tokens = [_first_token_text(state, p.token_ids) for p in prompts]
+        prompt_logprobs.add_to_completion(body, choices, echo_logprobs, first_tokens)
+    return _json(body)
 
 
 def _prepare_completion(state: ServerState, request_id: str, call: RequestTelemetry,
@@ -242,10 +250,13 @@ def _prepare_completion(state: ServerState, request_id: str, call: RequestTeleme
     _check_size(state, data, completions=True)
     req = parse_model(CompletionRequest, data)
     model = _check_request(state, req, request_id, call)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not "
-                          "compute yet", "echo")
     return req, model, completion_prompts(state, req)
+
+
+def _first_token_text(state: ServerState, token_ids: Sequence[int]) -> str:
+    tokenizer = state.tokenizer
+    return "" if tokenizer is None else tokenizer.decode([token_ids[0]],
+                                                         skip_special_tokens=False)
 
 
 # ---- models --------------------------------------------------------------------------

@@ -114,8 +114,9 @@ class SamplingFields(BaseModel):
     vllm_xargs: dict[str, XArgValue | list[XArgValue]] | None = None
     """Per-request arguments for custom logits processors (--logits-processors), handed to
     them as `sampling_params.extra_args`."""
+    prompt_logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    """vLLM's: the prompt tokens' logprobs with the top k at each position."""
     # Known fields tandem does not implement yet: refused when set to a non-default value.
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -207,7 +208,6 @@ REQUEST_TEMPLATE_REFUSED = ("a chat template cannot come from a request; the ser
 
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     # field -> values that mean "not used" (always including None)
-    "prompt_logprobs": (),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "allowed_token_ids": ((),),

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ def add_parser(bench_sub: Any) -> None:
     p.add_argument("--tokenizer",
                    help="chat: a tokenizer.json or Hugging Face tokenizer directory (the "
                         "server's) to make each message exactly --input-len tokens")
+    p.add_argument("--response-format", type=_json_object, metavar="JSON",
+                   help="response_format of every request, e.g. '{\"type\": \"json_object\"}' "
+                        "(or @FILE holding it)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--output", type=Path, help="JSON result path (printed summary only without)")
     p.set_defaults(run=run)
@@ -92,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     workload = Workload(endpoint=args.endpoint, num_prompts=args.num_prompts,
                         input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
-                        token_id_range=token_range, tokenizer=args.tokenizer)
+                        token_id_range=token_range, tokenizer=args.tokenizer,
+                        response_format=args.response_format)
     return ServeBenchConfig(base_url=base_url, workload=workload, concurrencies=concurrencies,
                             request_rate=rate, num_warmups=args.warmup, model=args.model,
                             api_key=args.api_key, timeout_s=args.timeout)
@@ -147,3 +152,16 @@ def _token_range(text: str) -> tuple[int, int]:
         raise UserFacingError(f"--token-id-range must be LOW:HIGH with 0 <= LOW < HIGH, got "
                               f"{text!r}")
     return low, high
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    if text.startswith("@"):
+        with open(text[1:], encoding="utf-8") as f:
+            text = f.read()
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

@@ -42,6 +42,8 @@ class Workload:
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE
     tokenizer: str | None = None
     """A tokenizer.json or Hugging Face directory that sizes chat prompts in tokens."""
+    response_format: dict[str, Any] | None = None
+    """Sent as every request's response_format (structured outputs)."""
 
 
 def token_id_prompts(num_prompts: int, input_len: int, seed: int,
@@ -88,6 +90,8 @@ def request_body(workload: Workload, prompt: Any, model: str) -> dict[str, Any]:
                     max_completion_tokens=workload.output_len)
     if workload.ignore_eos:
         body["ignore_eos"] = True
+    if workload.response_format is not None:
+        body["response_format"] = workload.response_format
     return body
 
 

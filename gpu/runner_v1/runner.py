@@ -22,10 +22,18 @@ import torch
 
 from actors.config import EngineConfig
 from actors.logits_processors import LogitsProcessorConfig
-from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
+from actors.messages import (
+    LogprobsArrays,
+    PromptLogprobs,
+    SchedulerOutput,
+    StepOutput,
+    StepStats,
+)
 from gpu.attention.base import AttentionMetadata
 from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
+from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -70,6 +78,10 @@ class ModelRunnerV1:
         self.forward = (worker.model if config.compile_level == 0
                         else compiled_decoder(worker.model, config.compile_level))
         self.logits_processors = _load_logits_processors(worker, config)
+        self._prompt_requests: dict[str, PromptRequest] = {}
+        """Requests that asked for prompt logprobs."""
+        self.deferred_masks = DeferredMasks()
+        """Never used with one step in flight: every mask comes with its step."""
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
@@ -81,6 +93,11 @@ class ModelRunnerV1:
         hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
                               inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
+        apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
+        rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
+                                sched.num_scheduled_tokens, self._prompt_requests)
+        prompt = (None if rows is None
+                  else prompt_logprobs(self.worker.model.compute_logits, hidden, rows))
         max_num_logprobs = max(r.num_logprobs for r in reqs)
         out = self._sample(logits, sched.scheduled_request_ids, inputs,
                            None if max_num_logprobs < 0 else max_num_logprobs)
@@ -98,7 +115,7 @@ class ModelRunnerV1:
                           num_tokens=int(num_scheduled.sum()),
                           num_prefill_tokens=int(num_scheduled.sum() - is_real_np.sum()),
                           prepare_time_s=time.perf_counter() - started)
-        return _step_output(sched, is_real_np, sampled_np, out, stats)
+        return _step_output(sched, is_real_np, sampled_np, out, stats, prompt)
 
     def _sample(
         self,
@@ -126,6 +143,7 @@ class ModelRunnerV1:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sorted(sched.finished_request_ids):
             req = self._requests.pop(request_id, None)
+            self._prompt_requests.pop(request_id, None)
             if req is not None:
                 self._free_rows.append(req.row)
                 self.sampling_state.remove_request(req.row)
@@ -134,6 +152,9 @@ class ModelRunnerV1:
         for new in sched.new_requests:
             row = self._free_rows.pop()
             params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_requests[new.request_id] = PromptRequest(
+                    params.prompt_logprobs, new.token_ids[:new.prompt_len])
             self._requests[new.request_id] = _CachedRequest(
                 row=row, token_ids=list(new.token_ids), prompt_len=new.prompt_len,
                 block_ids=list(new.block_ids),
@@ -210,7 +231,7 @@ def _load_logits_processors(worker: ModelWorker, config: EngineConfig
 
 
 def _step_output(sched: SchedulerOutput, is_real: np.ndarray, sampled_np: np.ndarray, out,
-                 stats: StepStats) -> StepOutput:
+                 stats: StepStats, prompt: PromptLogprobs | None) -> StepOutput:
     request_ids = tuple(r for r, k in zip(sched.scheduled_request_ids, is_real) if k)
     logprobs = None
     if out.logprobs is not None:
@@ -218,4 +239,5 @@ def _step_output(sched: SchedulerOutput, is_real: np.ndarray, sampled_np: np.nda
                                   logprobs=out.logprobs.cpu().numpy()[is_real],
                                   sampled_rank=out.sampled_ranks.cpu().numpy()[is_real])
     return StepOutput(step_id=sched.step_id, request_ids=request_ids,
-                      sampled_token_ids=sampled_np[is_real], logprobs=logprobs, stats=stats)
+                      sampled_token_ids=sampled_np[is_real], logprobs=logprobs, stats=stats,
+                      prompt_logprobs=prompt)

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import torch
 
-from actors.messages import LogprobsArrays, StepOutput, StepStats
+from actors.messages import LogprobsArrays, PromptLogprobs, StepOutput, StepStats
 
 
 @dataclass(slots=True)
@@ -51,7 +51,8 @@ class PendingStep:
 
     def __init__(self, step_id: int, request_ids: tuple[str, ...], samples_token: np.ndarray,
                  copy: StepCopy, event: torch.cuda.Event | None, stats: StepStats,
-                 timing: StepTiming | None = None) -> None:
+                 timing: StepTiming | None = None,
+                 prompt_logprobs: PromptLogprobs | None = None) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self._samples_token = samples_token  # [num_reqs] bool
@@ -59,6 +60,7 @@ class PendingStep:
         self._event = event
         self._stats = stats
         self._timing = timing
+        self._prompt_logprobs = prompt_logprobs
         self.launched_at = time.perf_counter()
 
     def result(self) -> StepOutput:
@@ -77,7 +79,8 @@ class PendingStep:
                 sampled_rank=self._copy.sampled_ranks.numpy()[keep],
             )
         return StepOutput(step_id=self.step_id, request_ids=request_ids,
-                          sampled_token_ids=sampled, logprobs=logprobs, stats=self._stats)
+                          sampled_token_ids=sampled, logprobs=logprobs, stats=self._stats,
+                          prompt_logprobs=self._prompt_logprobs)
 
 
 def copy_to_host(tensors: StepCopy, copy_stream: torch.cuda.Stream | None

@@ -26,6 +26,8 @@ from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
+from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -66,6 +68,9 @@ class ModelRunnerV2:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
+        self._prompt_requests: dict[str, PromptRequest] = {}
+        """Requests that asked for prompt logprobs."""
+        self.deferred_masks = DeferredMasks()
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
@@ -79,7 +84,11 @@ class ModelRunnerV2:
         self._sync_states(sched)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
-        sampled = self._run(plan)
+        sampled, hidden = self._run(plan, sched)
+        prompt_rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
+                                       sched.num_scheduled_tokens, self._prompt_requests)
+        prompt = (None if prompt_rows is None  # blocking copy: in such steps only
+                  else prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows))
         end_event = self._record_event()
         copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
                                             sampled.logprobs, sampled.sampled_ranks),
@@ -91,33 +100,41 @@ class ModelRunnerV2:
         timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
         self._last_end_event = end_event
         return PendingStep(sched.step_id, sched.scheduled_request_ids,
-                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing)
+                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing,
+                           prompt)
 
-    def _run(self, plan: StepPlan) -> SamplerOutput:
-        """Forward, head and sampling of one planned step: graphs where they hold it."""
+    def _run(self, plan: StepPlan, sched: SchedulerOutput) -> tuple[SamplerOutput, torch.Tensor]:
+        """Forward, head and sampling of one planned step: graphs where they hold it; also
+        the step's hidden states ([num_tokens, hidden_size]). The grammar mask rewrites the
+        head's logits in place between the head and the sample graphs, so constrained
+        steps keep every graph; a deferred mask is waited for once the forward and head
+        are launched, so the device runs them meanwhile."""
         num_reqs = plan.num_reqs
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
-        logits = self._logits(plan)
+        logits, hidden = self._logits(plan)
+        apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
             self.sampling_state.flush_to_device()
             # The graph's output is overwritten by the next replay, possibly before this
             # step's copy to the host has read it: the copy reads a clone.
             sampled = self.graphs.run_sample(plan.num_rows_padded, ops.filters)[:num_reqs].clone()
-            return SamplerOutput(sampled, None, None, None)
+            return SamplerOutput(sampled, None, None, None), hidden
         return self._sample_eagerly(logits[:num_reqs], plan, ops,
-                                    None if max_num_logprobs < 0 else max_num_logprobs)
+                                    None if max_num_logprobs < 0 else max_num_logprobs), hidden
 
-    def _logits(self, plan: StepPlan) -> torch.Tensor:  # [>= num_reqs, vocab_size] float32
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """[>= num_reqs, vocab_size] float32 logits, [num_tokens, hidden_size] hidden."""
         if plan.forward is not None:
             self.graphs.run_forward(plan.forward)
-            return self.graphs.run_head(plan.num_rows_padded)
+            hidden = self.step_state.hidden[:plan.num_tokens]
+            return self.graphs.run_head(plan.num_rows_padded), hidden
         model = self.worker.model
         batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
         hidden = model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
                        batch.attn_metadata)
         out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
-        return model.compute_logits(hidden[batch.logits_indices_gpu], out=out)
+        return model.compute_logits(hidden[batch.logits_indices_gpu], out=out), hidden
 
     def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
                         max_num_logprobs: int | None) -> SamplerOutput:
@@ -150,12 +167,16 @@ class ModelRunnerV2:
     def _sync_states(self, sched: SchedulerOutput) -> None:
         for request_id in sorted(sched.finished_request_ids):
             row = self.states.remove(request_id)
+            self._prompt_requests.pop(request_id, None)
             if row is not None:
                 self.sampling_state.remove_request(row)
                 self.num_logprobs_np[row] = -1
         for new in sched.new_requests:
             row = self.states.add(new)
             params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_requests[new.request_id] = PromptRequest(
+                    params.prompt_logprobs, new.token_ids[:new.prompt_len])
             self.sampling_state.add_request(
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
                 new.eos_token_ids,

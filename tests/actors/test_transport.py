@@ -17,6 +17,8 @@ from actors.messages import (
     EngineRequest,
     EngineStartupFailed,
     LogprobsArrays,
+    GrammarVocab,
+    PromptLogprobs,
     RequestFinish,
     SchedulerStats,
     Shutdown,
@@ -25,6 +27,7 @@ from actors.messages import (
     UtilityResult,
 )
 from actors.sampling_params import SamplingParams
+from actors.structured_output import StructuredOutputSpec
 from actors.transport import (
     InProcessChannel,
     TransportClosed,
@@ -44,6 +47,9 @@ TO_CORE = [
                   12.5, eos_token_ids=(0,), priority=-1, cache_salt="s", client_index=3,
                   trace_context={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}),
     AbortRequests(("r1", "r2")), ClientHello(2), UtilityCall(7, "stats", 1), Shutdown(),
+    GrammarVocab('{"model": {"type": "BPE"}}', (2, 7)),
+    EngineRequest("r2", (4,), SamplingParams(prompt_logprobs=3, structured_output=(
+        StructuredOutputSpec("json", '{"type":"object"}', strict=False))), 1.0),
 ]
 TO_FRONT_END = [
     EngineCoreOutputs(
@@ -54,6 +60,11 @@ TO_FRONT_END = [
                                 np.array([1, 3], np.int64)),
         finished=(RequestFinish("a", "stop", 5), RequestFinish("c", "error", error="boom")),
         admitted=(AdmittedRequest("b", 16, 1.0, 2.0),),
+        prompt_logprobs=PromptLogprobs(
+            ("b",), np.array([1], np.int32), np.array([2], np.int32),
+            LogprobsArrays(np.array([[7, 7], [8, 1]], np.int64),
+                           np.array([[-0.5, -0.5], [-3.0, -0.1]], np.float32),
+                           np.array([1, 4], np.int64))),
         step_stats=StepStats(9, 2, 2, 0, 1e-4, 2e-4, 3e-3, 0.0), scheduler_stats=STATS),
     EngineCoreOutputs(step_id=-1, finished=(RequestFinish("z", "abort"),)),
     EngineReady("dummy:qwen3-0.6b", "qwen3", 4096, 151936, 16, 100, 1 << 20, 256, "v2",

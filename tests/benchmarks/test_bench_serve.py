@@ -166,6 +166,36 @@ def test_flags_become_config() -> None:
     assert config.workload.endpoint == "chat"
 
 
+def test_response_format_flag_reaches_every_request_body(tmp_path: Path) -> None:
+    from benchmarks.grammar_serve import main as grammar_serve
+    from benchmarks.serve_cli import config_from_args
+
+    path = tmp_path / "rf.json"
+    assert grammar_serve(["schema", "--out", str(path)]) == 0
+    args = build_parser().parse_args(["bench", "serve", "--endpoint", "chat",
+                                      "--response-format", f"@{path}"])
+    workload = config_from_args(args).workload
+    body = request_body(workload, "hi", "m")
+    assert body["response_format"]["type"] == "json_schema"
+    assert body["response_format"]["json_schema"]["schema"]["minItems"] == 200
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--response-format", "[1]"])
+
+
+def test_grammar_ratio_of_mean_output_rates(tmp_path: Path) -> None:
+    from benchmarks.grammar_serve import main as grammar_serve
+
+    paths = []
+    for name, rate in (("f1", 1000.0), ("f2", 1200.0), ("j1", 900.0), ("j2", 860.0)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"levels": [{"output_throughput_tok_s": rate}]}))
+    out = tmp_path / "ratio.json"
+    assert grammar_serve(["ratio", "--free", str(paths[0]), str(paths[1]), "--constrained",
+                          str(paths[2]), str(paths[3]), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ratio"] == pytest.approx(880.0 / 1100.0) and result["meets_target"]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Any]:
     from tests.app._server_fixtures import RunningServer

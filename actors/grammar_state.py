@@ -1,0 +1,115 @@
+"""Structured outputs in the engine core: each constrained request's grammar matcher, the
+step's token bitmask, and the finish a grammar decides.
+
+    grammars.set_vocab(vocab)                    # GrammarVocab from a front end, once
+    request.grammar = grammars.matcher(params)   # at arrival; GrammarError -> refused
+    mask, deferred = grammars.plan_step(id, rows)  # when a step is scheduled
+    finish = grammars.advance(request, token)    # per sampled token (Scheduler.update_from_step)
+    for step_id, mask in grammars.ready_masks()  # after each update: deferred masks, now exact
+
+A matcher must have seen every earlier output token before it can say what may come next.
+Constrained requests are scheduled like the others, two steps in flight; when one of them
+still has a token in flight, the step's mask is deferred: the runner launches the step's
+forward and waits for the mask only before sampling, and the core builds that mask as soon
+as the previous step's tokens have advanced the matchers (while the forward runs). So a
+constrained row waits at most one step's result for its mask, and a step with no
+constrained row never waits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from actors.grammar import GrammarCompiler, GrammarError, GrammarMatcher, num_bitmask_words
+from actors.messages import GrammarBitmask, GrammarVocab, RequestFinish
+from actors.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from actors.request import Request
+
+
+class GrammarState:
+    def __init__(self, vocab_size: int) -> None:
+        """`vocab_size`: the model's logits width (masks cover it whole)."""
+        self.vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._deferred: deque[tuple[int, Sequence[tuple[int, Request]]]] = deque()
+        """Scheduled steps whose masks wait for earlier tokens, in step order."""
+
+    @property
+    def has_vocab(self) -> bool:
+        return self._compiler is not None
+
+    def set_vocab(self, vocab: GrammarVocab) -> None:
+        """Compile against this tokenizer from now on (the first front end's wins: every
+        front end serves the same model)."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(vocab.tokenizer_json, self.vocab_size,
+                                             vocab.eos_token_ids)
+
+    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher for the request's structured output (None without one). Raises
+        GrammarError when the spec cannot be compiled or no tokenizer was sent."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if self._compiler is None:
+            raise GrammarError("structured outputs need the model's tokenizer, and the front "
+                               "end sent none")
+        return self._compiler.matcher(spec)
+
+    def plan_step(self, step_id: int, rows: Sequence[tuple[int, Request]]
+                  ) -> tuple[GrammarBitmask | None, bool]:
+        """(mask, deferred) of a step just scheduled, whose (batch index, request) rows
+        sample under a grammar (their placeholders for this step already counted): the
+        mask now when every matcher is up to date, else deferred (see `ready_masks`)."""
+        if not rows:
+            return None, False
+        if self._deferred or not _is_up_to_date(rows):
+            self._deferred.append((step_id, rows))
+            return None, True
+        return self._bitmask(rows), False
+
+    def ready_masks(self) -> list[tuple[int, GrammarBitmask]]:
+        """The deferred masks whose matchers have now seen every earlier token, oldest
+        first (call after each step's tokens were applied)."""
+        ready = []
+        while self._deferred and _is_up_to_date(self._deferred[0][1]):
+            step_id, rows = self._deferred.popleft()
+            ready.append((step_id, self._bitmask(rows)))
+        return ready
+
+    def _bitmask(self, rows: Sequence[tuple[int, Request]]) -> GrammarBitmask:
+        """Rows of requests that finished meanwhile allow everything (their token is
+        dropped)."""
+        assert self._compiler is not None
+        bitmask = np.full((len(rows), num_bitmask_words(self.vocab_size)), -1, dtype=np.int32)
+        live = [(request.grammar, i) for i, (_, request) in enumerate(rows)
+                if not request.is_finished]
+        if live:
+            self._compiler.fill_bitmasks(live, bitmask)
+        return GrammarBitmask(np.fromiter((index for index, _ in rows), dtype=np.int32,
+                                          count=len(rows)), bitmask)
+
+    @staticmethod
+    def advance(request: Request, token_id: int) -> RequestFinish | None:
+        """Feed a sampled token to the request's matcher: 'stop' once the grammar is
+        complete (nothing but EOS could follow), 'error' if the token broke it (which the
+        mask prevents)."""
+        matcher: GrammarMatcher = request.grammar
+        if not matcher.accept_token(token_id):
+            return RequestFinish(request.request_id, "error",
+                                 error=f"the output left its grammar: {matcher.error}")
+        if matcher.is_terminated:
+            return RequestFinish(request.request_id, "stop")
+        return None
+
+
+def _is_up_to_date(rows: Sequence[tuple[int, Request]]) -> bool:
+    """Every row's request has no token in flight but the one this step samples."""
+    return all(request.num_output_placeholders <= 1 or request.is_finished
+               for _, request in rows)

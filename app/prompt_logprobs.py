@@ -1,0 +1,81 @@
+"""Prompt logprobs in responses: completions `echo` with `logprobs` (the legacy format over
+prompt and output tokens, what lm-eval's loglikelihood reads) and vLLM's `prompt_logprobs`
+field (chat and completions).
+
+    prompt_logprobs: [null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]
+
+One entry per prompt token; the first is null (nothing precedes it). Each entry holds the
+prompt token and the top `prompt_logprobs` tokens at that position, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from actors.output_stream import LogprobEntry
+from actors.sampling_params import SamplingParams
+from app.errors import bad_request
+from app.responses import completion_logprobs, floor_logprob
+
+
+def with_prompt_logprobs(params: SamplingParams, echo: bool, stream: bool) -> SamplingParams:
+    """Completions echo + logprobs k needs the prompt's logprobs with the top k too.
+    Streams carry no prompt logprobs: refused with a 400."""
+    if echo and params.logprobs is not None:
+        params = params.replace(prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    if stream and params.prompt_logprobs is not None:
+        raise bad_request("prompt logprobs ('prompt_logprobs', or 'echo' with 'logprobs') are "
+                          "not supported with 'stream'", "stream")
+    return params
+
+
+def vllm_prompt_logprobs(entries: Sequence[LogprobEntry | None] | None
+                         ) -> list[dict[str, Any] | None] | None:
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(entry.token_id): {"logprob": floor_logprob(entry.logprob),
+                                        "rank": entry.rank, "decoded_token": entry.token}}
+        for rank, top in enumerate(entry.top_logprobs, start=1):
+            ranked.setdefault(str(top.token_id), {"logprob": floor_logprob(top.logprob),
+                                                  "rank": rank, "decoded_token": top.token})
+        out.append(ranked)
+    return out
+
+
+def echo_completion_logprobs(prompt_entries: Sequence[LogprobEntry | None],
+                             first_token_text: str, output_entries: Sequence[LogprobEntry] | None
+                             ) -> dict[str, Any]:
+    """The legacy logprobs of prompt then output tokens; the first prompt token has no
+    logprob (null), as OpenAI's echo returns it."""
+    scored = [e for e in prompt_entries[1:] if e is not None] + list(output_entries or ())
+    body = completion_logprobs(scored, len(first_token_text))
+    assert body is not None
+    return {"tokens": [first_token_text, *body["tokens"]],
+            "token_logprobs": [None, *body["token_logprobs"]],
+            "top_logprobs": [None, *body["top_logprobs"]],
+            "text_offset": [0, *body["text_offset"]]}
+
+
+def add_to_completion(body: dict[str, Any], choices: Sequence[Any], echo_logprobs: bool,
+                      first_token_texts: Sequence[str]) -> None:
+    """Put each choice's prompt logprobs into a text_completion body (`choices`: the
+    ChoiceStates, in body order; `first_token_texts`: each prompt's first token)."""
+    for body_choice, choice in zip(body["choices"], choices):
+        if choice.prompt_logprobs is None:
+            continue
+        body_choice["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs)
+        if echo_logprobs:
+            body_choice["logprobs"] = echo_completion_logprobs(
+                choice.prompt_logprobs, first_token_texts[choice.prompt_index], choice.logprobs)
+
+
+def add_to_chat(body: dict[str, Any], choices: Sequence[Any]) -> None:
+    """vLLM's chat response carries the prompt's logprobs once, beside the choices."""
+    if choices and choices[0].prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs)

@@ -1,0 +1,122 @@
+"""Structured outputs in the scheduler: constrained requests keep two steps in flight, a
+step behind one of their tokens gets its mask once that token is in (whatever became of
+its step), the mask follows every token given, and a completed grammar finishes the
+request with 'stop'."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from actors.grammar import GrammarError
+from actors.grammar_state import GrammarState
+from actors.kv_cache_manager import KVCacheManager
+from actors.messages import EngineRequest, GrammarVocab, StepOutput, StepStats
+from actors.sampling_params import SamplingParams
+from actors.scheduler import Scheduler
+from actors.scheduler_config import SchedulerConfig
+from actors.structured_output import StructuredOutputSpec
+from app.tokenizer_loader import load_tokenizer
+from tests.actors._kv_helpers import DirectKVClient, run_sync
+from tests.actors.test_scheduler import answer, schedule
+
+CHOICE = StructuredOutputSpec("choice", '["yes", "no"]')
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return load_tokenizer("default")
+
+
+def _scheduler(with_vocab: bool = True) -> Scheduler:
+    tokenizer = _tokenizer()
+    grammars = GrammarState(tokenizer.vocab_size)
+    if with_vocab:
+        grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                             block_size=16, max_steps_in_flight=2)
+    return Scheduler(config, DirectKVClient(KVCacheManager(num_blocks=64, block_size=16)),
+                     grammars)
+
+
+def _request(request_id: str, spec: StructuredOutputSpec | None) -> EngineRequest:
+    return EngineRequest(request_id, tuple(range(10, 18)),
+                         SamplingParams(max_tokens=16, structured_output=spec), 0.0,
+                         eos_token_ids=_tokenizer().eos_token_ids)
+
+
+def _allowed(bitmask_row: np.ndarray) -> set[int]:
+    bits = (bitmask_row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return set(np.flatnonzero(bits.reshape(-1)).tolist())
+
+
+def test_a_constrained_step_behind_a_token_in_flight_gets_its_mask_after_that_token() -> None:
+    scheduler = _scheduler()
+    scheduler.add_request(_request("free", None))
+    scheduler.add_request(_request("num", StructuredOutputSpec("regex", "[0-9]{3}")))
+    tokenizer = _tokenizer()
+    digit = tokenizer.encode("7")[0]
+    first = schedule(scheduler)
+    assert first is not None and first.scheduled_request_ids == ("free", "num")
+    assert first.grammar_bitmask is not None and not first.grammar_mask_deferred
+    assert first.grammar_bitmask.batch_indices.tolist() == [1]
+    assert digit in _allowed(first.grammar_bitmask.bitmask[0])
+    # Step 1 is built while step 0 runs: both requests keep going, the mask waits.
+    second = schedule(scheduler)
+    assert second is not None and second.scheduled_request_ids == ("free", "num")
+    assert second.grammar_bitmask is None and second.grammar_mask_deferred
+    result = scheduler.update_from_step(answer(first, overrides={"num": digit}))
+    ((step_id, mask),) = result.grammar_masks
+    assert step_id == second.step_id and mask.batch_indices.tolist() == [1]
+    after_one_digit = _allowed(mask.bitmask[0])
+    assert digit in after_one_digit and not set(tokenizer.eos_token_ids) & after_one_digit
+    third = schedule(scheduler)  # step 1 still runs: deferred again
+    assert third is not None and third.grammar_mask_deferred
+    assert scheduler.update_from_step(answer(second, overrides={"num": digit})).grammar_masks
+
+
+def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
+    scheduler = _scheduler()
+    scheduler.add_request(_request("choice", CHOICE))
+    first, second = schedule(scheduler), schedule(scheduler)
+    assert first is not None and second is not None and second.grammar_mask_deferred
+    failed = StepOutput(first.step_id, (), np.zeros(0, np.int64), None,
+                        StepStats(first.step_id, 1, 1, 0), error="boom",
+                        failed_request_ids=first.scheduled_request_ids)
+    result = scheduler.update_from_step(failed)
+    ((step_id, mask),) = result.grammar_masks
+    assert step_id == second.step_id and (mask.bitmask == -1).all()  # the request is gone
+
+
+def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> None:
+    scheduler = _scheduler()
+    scheduler.add_request(_request("r", StructuredOutputSpec("regex", "ab[0-9]")))
+    tokenizer = _tokenizer()
+    token_ids = tokenizer.encode("ab") + tokenizer.encode("7")
+    finishes = []
+    for token_id in token_ids:
+        out = schedule(scheduler)
+        assert out is not None and out.grammar_bitmask is not None
+        assert token_id in _allowed(out.grammar_bitmask.bitmask[0])
+        assert len(_allowed(out.grammar_bitmask.bitmask[0])) < tokenizer.vocab_size // 2
+        finishes.extend(scheduler.update_from_step(answer(out, token_id=token_id)).finished)
+    assert [(f.request_id, f.reason) for _, f in finishes] == [("r", "stop")]
+    assert finishes[0][0].output_token_ids == token_ids
+
+
+def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> None:
+    with pytest.raises(GrammarError, match="tokenizer"):
+        _scheduler(with_vocab=False).add_request(_request("a", CHOICE))
+    scheduler = _scheduler()
+    with pytest.raises(GrammarError):
+        scheduler.add_request(_request("b", StructuredOutputSpec("regex", "(")))
+    assert not scheduler.has_unfinished_requests
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                             block_size=16)
+    no_grammars = Scheduler(config, DirectKVClient(KVCacheManager(num_blocks=8, block_size=16)))
+    with pytest.raises(ValueError, match="structured outputs"):
+        no_grammars.add_request(_request("c", CHOICE))
+    run_sync(no_grammars.free_finished_blocks())
