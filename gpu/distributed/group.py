@@ -110,3 +110,10 @@ def tcp_rendezvous(host: str = "127.0.0.1", port: int = 0) -> str:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
     return f"tcp://{host}:{port}"
+
+
+def min_over_ranks(value: int, group: TPGroup) -> int:
+    """The smallest of every rank's `value` (on the host-message group; every rank calls)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(tensor.item())
