@@ -129,7 +129,7 @@ class TPRunnerV2:
         try:
             return self.inner.execute(sched)
         except Exception as exc:
-            self.leader.fail(f"tensor-parallel rank 0 failed a step: {type(exc).__name__}: {exc}")
+            self.leader.step_failed(exc)
             raise
 
     def close(self) -> None:

@@ -57,6 +57,7 @@ class TPLeader:
         """Held while a message goes out (one sender at a time)."""
         self._state_lock = threading.Lock()
         """Guards failure and _closing; never held across a collective."""
+        self._exit_lock = threading.Lock()
         self._on_failure: Callable[[str], None] | None = None
         self._runner_open = False
         self._closing = False
@@ -138,18 +139,32 @@ class TPLeader:
         if self._closing:
             raise TPFailedError("the tensor-parallel workers have been shut down")
 
+    def step_failed(self, exc: BaseException) -> None:
+        """Rank 0's step raised: the group has failed. When another rank has exited, that
+        is the cause (rank 0's collective only lost its peer), and the failure names it."""
+        if wait(self._sentinels(), timeout=FAILURE_DETAILS_TIMEOUT_S):
+            self._fail_from_exit()
+        else:
+            self.fail(f"tensor-parallel rank 0 failed a step: {type(exc).__name__}: {exc}")
+
     def _watch(self) -> None:
-        sentinels = [process.sentinel for process in self.workers.processes]
-        wait(sentinels)
-        with self._state_lock:
-            if self._closing:
-                return
-        try:
-            self.workers.wait(FAILURE_DETAILS_TIMEOUT_S)
-            reason = "a tensor-parallel worker exited while the engine ran"
-        except RankFailedError as exc:
-            reason = str(exc)
-        self.fail(reason)
+        wait(self._sentinels())
+        self._fail_from_exit()
+
+    def _fail_from_exit(self) -> None:
+        with self._exit_lock:  # the monitor and a failed step may both get here
+            with self._state_lock:
+                if self._closing or self.failure is not None:
+                    return
+            try:
+                self.workers.wait(FAILURE_DETAILS_TIMEOUT_S)
+                reason = "a tensor-parallel worker exited while the engine ran"
+            except RankFailedError as exc:
+                reason = str(exc)
+            self.fail(reason)
+
+    def _sentinels(self) -> list[int]:
+        return [process.sentinel for process in self.workers.processes]
 
 
 def _abort_collectives() -> None:
