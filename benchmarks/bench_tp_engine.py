@@ -15,7 +15,8 @@ per-request times, the mean decode step time from rank 0's CUDA events, the KV c
 size and the weights per rank. Each TP size runs in a fresh process (its own devices and
 process group).
 
-    python benchmarks/bench_tp_engine.py --out $OUT/tp_engine_w3.json            # W3 shape
+    python benchmarks/bench_tp_engine.py --tp 1,2 --check-only --out $OUT/tp_engine_check.json
+    python benchmarks/bench_tp_engine.py --no-check --out $OUT/tp_engine_w3.json  # W3 shape
     python benchmarks/bench_tp_engine.py --model dummy:qwen3-32b --tp 2 --batch 1,64 \
         --no-check --out $OUT/tp_engine_32b.json
     python benchmarks/bench_tp_engine.py --device cpu --model <tiny hf dir> \
@@ -51,6 +52,9 @@ def main() -> None:
     if not args.no_check:
         record["check"] = _check(args, [n for n in tp_sizes if n > 1])
         _write(args.out, record)
+    if args.check_only:
+        print(f"wrote {args.out}")
+        return
     record["runs"] = {}
     for tp_size in tp_sizes:
         record["runs"][str(tp_size)] = _spawn_arm({**_options(args, args.model, args.dtype),
@@ -77,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-prompts", type=int, default=8)
     parser.add_argument("--check-tokens", type=int, default=16)
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    parser.add_argument("--check-only", action="store_true", help="only the correctness check")
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)
     return parser
 
