@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
+import torch
 
 from actors.codec import dec_hook, ext_hook
 from actors.config import EngineConfig
@@ -141,6 +142,10 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
     """A spawned rank: join the group, load the shard, run what rank 0 sends until it
     shuts the loop down."""
     platform = probe_platform(config.device)
+    if platform.device_type == "cpu":
+        # N ranks share the host's cores: each taking all of them would oversubscribe
+        # them, and every collective would wait for a descheduled peer.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     spec = TPGroupSpec(rank, config.tensor_parallel_size, init_method,
                        rank_device(platform, rank), timeout_s)
     group = init_tp_group(spec)
