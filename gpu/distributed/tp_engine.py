@@ -30,10 +30,16 @@ import torch
 from actors.codec import dec_hook, ext_hook
 from actors.config import EngineConfig
 from actors.messages import SchedulerOutput
-from gpu.distributed.group import DEFAULT_TIMEOUT_S, TPGroupSpec, init_tp_group, tcp_rendezvous
+from gpu.distributed.group import (
+    DEFAULT_TIMEOUT_S,
+    TPGroupSpec,
+    init_tp_group,
+    set_collective_timeout,
+    tcp_rendezvous,
+)
 from gpu.distributed.launch import RankFailedError, WorkerGroup, start_workers
 from gpu.distributed.step_broadcast import StepBroadcaster
-from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TPFailedError, TPLeader
+from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TIMEOUT, TPFailedError, TPLeader
 from gpu.platform import Platform, probe_platform
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
@@ -53,10 +59,12 @@ def rank_device(platform: Platform, rank: int) -> str:
 
 
 def load_tp_worker(config: EngineConfig, platform: Platform,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> ModelWorker:
+                   timeout_s: float = DEFAULT_TIMEOUT_S,
+                   step_timeout_s: float | None = None) -> ModelWorker:
     """Rank 0's ModelWorker, with the other ranks started and loaded: worker.tp_leader
     drives them. Raises RankFailedError (with the failing rank's error) when a rank fails
-    to start or load."""
+    to start or load. A collective fails (and with it the engine) after `timeout_s` while
+    the ranks start, after `step_timeout_s` (default: the same) once they serve."""
     tp_size = config.tensor_parallel_size
     init_method = tcp_rendezvous()
     workers = start_workers(worker_rank_main, tp_size, (config, init_method, timeout_s),
@@ -68,6 +76,8 @@ def load_tp_worker(config: EngineConfig, platform: Platform,
         workers.stop()
         raise
     worker.tp_leader = TPLeader(workers, worker.tp_group)
+    if step_timeout_s is not None:
+        worker.tp_leader.set_step_timeout(step_timeout_s)
     log.info("tensor_parallel_ready", tp_size=tp_size, worker_pids=workers.pids,
              device=str(worker.device))
     return worker
@@ -170,6 +180,8 @@ def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
         elif kind == OPEN:
             config, eager = pickle.loads(body)
             runner = ModelRunnerV2(worker, config.replace(enforce_eager=True) if eager else config)
+        elif kind == TIMEOUT:
+            set_collective_timeout(broadcaster.group, float(bytes(body).decode()))
         elif kind == CLOSE:
             while pending:
                 pending.popleft().result()

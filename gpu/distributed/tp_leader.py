@@ -7,6 +7,7 @@ repeats what rank 0 tells it, over the step broadcast (gpu/distributed/step_broa
     OPEN  (runner config, eager)   build a V2 runner (an engine started on the model)
     STEP  (SchedulerOutput)        run one step: the same rows, inputs and collectives
     CLOSE                          close the runner (the engine stopped)
+    TIMEOUT (seconds)              collectives fail after this long from now on
     shutdown                       leave the loop, tear the group down, exit
 
 A step is serialised once (msgpack) and reaches every rank in one broadcast. A monitor
@@ -29,15 +30,19 @@ import structlog
 import torch.distributed as dist
 
 from actors.codec import enc_hook
-from gpu.distributed.group import TPGroup
+from gpu.distributed.group import TPGroup, set_collective_timeout
 from gpu.distributed.launch import RankFailedError, WorkerGroup
 from gpu.distributed.step_broadcast import StepBroadcaster
 
 log = structlog.get_logger("tandem.tp")
 
-OPEN, STEP, CLOSE = b"O", b"S", b"C"
+OPEN, STEP, CLOSE, TIMEOUT = b"O", b"S", b"C", b"T"
 SHUTDOWN_TIMEOUT_S = 30.0
 FAILURE_DETAILS_TIMEOUT_S = 3.0
+"""How long the failing rank has to report its error once its process is gone."""
+PEER_EXIT_WAIT_S = 1.0
+"""How long a failed step on rank 0 waits to see whether another rank has exited (the
+usual cause: the collective saw its connection drop as the process died)."""
 
 
 class TPFailedError(RuntimeError):
@@ -85,6 +90,13 @@ class TPLeader:
                 raise TPFailedError("a tensor-parallel model serves one engine at a time")
             self._broadcaster.send(OPEN + pickle.dumps((config, eager)))
             self._runner_open = True
+
+    def set_step_timeout(self, timeout_s: float) -> None:
+        """Every rank's collectives fail after `timeout_s` from now on (a hung rank)."""
+        with self._send_lock:
+            self._check_healthy()
+            self._broadcaster.send(TIMEOUT + repr(float(timeout_s)).encode())
+            set_collective_timeout(self.group, timeout_s)
 
     def send_step(self, sched: Any) -> None:
         with self._send_lock:
@@ -142,7 +154,7 @@ class TPLeader:
     def step_failed(self, exc: BaseException) -> None:
         """Rank 0's step raised: the group has failed. When another rank has exited, that
         is the cause (rank 0's collective only lost its peer), and the failure names it."""
-        if wait(self._sentinels(), timeout=FAILURE_DETAILS_TIMEOUT_S):
+        if wait(self._sentinels(), timeout=PEER_EXIT_WAIT_S):
             self._fail_from_exit()
         else:
             self.fail(f"tensor-parallel rank 0 failed a step: {type(exc).__name__}: {exc}")

@@ -4,8 +4,9 @@
   checkpoints (sharded safetensors), with chunked prefill next to decodes;
 - seeded temperature / top-k / top-p / penalties give the same tokens, and logprobs the
   same values, as one device;
-- killing a rank's process mid-generation fails the running requests and declares the
-  engine dead within a bounded time; no worker process outlives the engine.
+- killing a rank's process mid-generation, or stopping it (a hung rank: the group's
+  collective timeout), fails the running requests and declares the engine dead within a
+  bounded time; no worker process outlives the engine.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import anyio
 import pytest
 
 from actors.config import EngineConfig
-from actors.engine_startup import load_engine
+from actors.engine_startup import choose_runner, load_engine
 from actors.inprocess_engine import InProcessEngine
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
 from app.llm import LLM
-from gpu.distributed.tp_engine import TPRunnerV2
+from gpu.distributed.tp_engine import TPRunnerV2, load_tp_worker
 from gpu.distributed.tp_leader import TPFailedError
+from gpu.platform import probe_platform
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
 ENGINE_OPTIONS = dict(device="cpu", max_model_len=128, num_kv_blocks=48, block_size=8,
@@ -41,6 +43,7 @@ SAMPLED = [
     SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
 ]
 DEAD_WITHIN_S = 20.0
+HUNG_TIMEOUT_S = 3.0
 
 
 def _outputs(llm: LLM) -> list:
@@ -93,6 +96,41 @@ def test_tp3_engine_on_the_embedded_model_gives_the_greedy_tokens_of_one_device(
     with LLM("default", tensor_parallel_size=3, **options) as llm:
         sharded = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in single]
+
+
+def test_a_hung_rank_fails_the_engine_after_the_group_timeout(tmp_path) -> None:
+    save_sharded(tiny_hf_model("llama"), str(tmp_path))
+    config = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    platform = probe_platform("cpu")
+    worker = load_tp_worker(config, platform, step_timeout_s=HUNG_TIMEOUT_S)
+    runner = choose_runner(config, platform, worker.model_config)
+    pids = worker.tp_leader.workers.pids
+    dead_reasons: list[str] = []
+
+    async def run() -> tuple[str | None, float]:
+        engine = InProcessEngine(worker, runner, config, on_dead=dead_reasons.append)
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            os.kill(pids[0], signal.SIGSTOP)  # alive, but never answers a collective
+            stopped_at = time.monotonic()
+            stream = engine.add_request(EngineRequest(
+                "hung", tuple(PROMPTS[0]), GREEDY, time.monotonic()))
+            with anyio.fail_after(DEAD_WITHIN_S):
+                final = await stream.wait_finished()
+                while not dead_reasons:
+                    await anyio.sleep(0.05)
+            dead_after_s = time.monotonic() - stopped_at
+            engine.stop()
+        return (None if final is None else final.finish_reason), dead_after_s
+
+    try:
+        finish_reason, dead_after_s = anyio.run(run)
+    finally:
+        worker.close()
+    assert finish_reason == "error"
+    assert HUNG_TIMEOUT_S <= dead_after_s < DEAD_WITHIN_S
+    assert "rank 0 failed a step" in dead_reasons[0], dead_reasons
+    assert _alive(pids) == []
 
 
 def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp_path) -> None:
