@@ -48,6 +48,7 @@ log = structlog.get_logger("tandem.tp")
 
 T = TypeVar("T")
 STARTUP_POLL_S = 0.2
+RANK0_SAME_FAILURE_WAIT_S = 2.0
 MAX_PENDING_STEPS = 2
 """Steps a worker rank keeps in flight before it waits for the oldest (as rank 0's
 GPU actor does), so that its device queue stays bounded."""
@@ -112,8 +113,12 @@ def _while_ranks_live(workers: WorkerGroup, load: Callable[[], T]) -> T:
     sentinels = [process.sentinel for process in workers.processes]
     while thread.is_alive():
         if wait(sentinels, timeout=STARTUP_POLL_S):
-            workers.wait(timeout_s=5.0)  # raises RankFailedError naming the rank
-            raise RankFailedError({workers.first_rank: "exited during startup"})
+            # Every rank loads the same model: rank 0 usually fails the same way, and its
+            # error (a configuration error, say) is the one to report.
+            thread.join(RANK0_SAME_FAILURE_WAIT_S)
+            if "error" not in outcome:
+                workers.wait(timeout_s=5.0)  # raises RankFailedError naming the rank
+                raise RankFailedError({workers.first_rank: "exited during startup"})
         thread.join(STARTUP_POLL_S)
     if "error" in outcome:
         raise outcome["error"]
