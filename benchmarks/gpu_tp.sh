@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a multi-GPU machine (nvidia-h200-x2; x4 adds the TP = 4 rows).
 # Phases in $PHASES (default "tests enginecheck engine"; each fits one 10-minute device call):
-#   tests       gpu-marked TP tests (NCCL batch-sharded sampling, TP2 dummy models)
+#   tests       gpu-marked TP tests (NCCL batch-sharded sampling, TP2 dummy models, the TP2
+#               engine on tiny llama / qwen3 against TP1 with CUDA graphs)
 #   enginecheck the serving engine at TP 2 is correct: float32 dummy qwen3-0.6b, TP 2 greedy
 #               and seeded tokens == TP 1 (CUDA graphs with captured all-reduces, NCCL)
 #   engine      the serving engine, llama-3.1-8b (W3 shape) TP 1 vs TP 2 at batch 1 and 256
@@ -28,7 +29,8 @@ for p in $PHASES; do
     tests)
       phase "pytest TP"
       timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider --tb=short \
-        tests/gpu/test_tensor_parallel.py tests/gpu/test_tp_launch.py -k "nccl or tp_launch" \
+        tests/gpu/test_tensor_parallel.py tests/gpu/test_tp_launch.py tests/gpu/test_tp_engine.py \
+        -k "nccl or tp_launch or cuda" \
         2>&1 | tail -30 | tee -a "$LOG" ;;
     enginecheck)
       phase "engine: TP 2 tokens == TP 1 tokens"

@@ -1,7 +1,8 @@
 """The tensor-parallel engine on CPU: rank 0 in this process, the other ranks spawned, gloo.
 
 - TP = 2 gives the greedy tokens of TP = 1 in float32 on tiny llama and qwen3
-  checkpoints (sharded safetensors), with chunked prefill next to decodes;
+  checkpoints (sharded safetensors), with chunked prefill next to decodes (and over NCCL
+  on two GPUs, with CUDA graphs, where they exist);
 - seeded temperature / top-k / top-p / penalties give the same tokens, and logprobs the
   same values, as one device;
 - killing a rank's process mid-generation, or stopping it (a hung rank: the group's
@@ -17,6 +18,7 @@ import time
 
 import anyio
 import pytest
+import torch
 
 from actors.config import EngineConfig
 from actors.engine_startup import choose_runner, load_engine
@@ -65,11 +67,20 @@ def _status(pid: int) -> str:
         return "gone"
 
 
+NCCL = pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])
+
+
+@pytest.mark.parametrize("device", ["cpu", NCCL])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(tmp_path, architecture) -> None:
+def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(tmp_path, architecture,
+                                                                device) -> None:
+    # On CUDA the TP 2 engine runs its forward in CUDA graphs with the all-reduces captured.
     save_sharded(tiny_hf_model(architecture), str(tmp_path))
-    single = _outputs(LLM(str(tmp_path), **ENGINE_OPTIONS))
-    with LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE_OPTIONS) as llm:
+    options = {**ENGINE_OPTIONS, "device": device, "dtype": "float32"}
+    single = _outputs(LLM(str(tmp_path), **options))
+    with LLM(str(tmp_path), tensor_parallel_size=2, **options) as llm:
         assert llm.runner == "v2"
         pids = llm.worker.tp_leader.workers.pids
         assert len(_alive(pids)) == 1
