@@ -185,6 +185,8 @@ def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
         elif kind == OPEN:
             config, eager = pickle.loads(body)
             runner = ModelRunnerV2(worker, config.replace(enforce_eager=True) if eager else config)
+            if not eager and runner.graphs is None:  # the ranks would pad steps differently
+                raise TPFailedError("rank 0 runs CUDA graphs but this rank has none")
         elif kind == TIMEOUT:
             set_collective_timeout(broadcaster.group, float(bytes(body).decode()))
         elif kind == CLOSE:
