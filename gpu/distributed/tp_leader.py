@@ -19,6 +19,7 @@ raises at once, so no caller waits on a collective that cannot complete.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 from collections.abc import Callable
@@ -69,6 +70,9 @@ class TPLeader:
         self._monitor = threading.Thread(target=self._watch, name="tandem-tp-monitor",
                                          daemon=True)
         self._monitor.start()
+        # An engine left open at exit still shuts its ranks down in order (a killed
+        # process's ranks exit on their own: launch.py's lifeline).
+        atexit.register(self.close)
 
     @property
     def world_size(self) -> int:
@@ -135,6 +139,7 @@ class TPLeader:
                 return
             self._closing = True
             healthy = self.failure is None
+        atexit.unregister(self.close)
         if healthy:
             try:
                 with self._send_lock:
