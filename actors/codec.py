@@ -15,7 +15,7 @@ _NDARRAY_EXT = 1
 _HEADER = struct.Struct("<B")  # length of the dtype string
 
 
-def _enc_hook(obj: Any) -> Any:
+def enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         array = np.ascontiguousarray(obj)
         dtype = array.dtype.str.encode("ascii")
@@ -25,7 +25,7 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def _ext_hook(code: int, data: memoryview) -> Any:
+def ext_hook(code: int, data: memoryview) -> Any:
     if code != _NDARRAY_EXT:
         raise ValueError(f"unknown msgpack extension {code}")
     (dtype_len,) = _HEADER.unpack_from(data, 0)
@@ -39,7 +39,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     return np.frombuffer(data[offset:], dtype=dtype).reshape(shape).copy()
 
 
-def _dec_hook(type_: type, obj: Any) -> Any:
+def dec_hook(type_: type, obj: Any) -> Any:
     if type_ is np.ndarray and isinstance(obj, np.ndarray):
         return obj
     raise NotImplementedError(f"cannot decode {type_}")
@@ -49,11 +49,11 @@ class Codec:
     """Encoder for either direction and a typed decoder per direction."""
 
     def __init__(self) -> None:
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        self._to_core = msgspec.msgpack.Decoder(ToEngineCore, ext_hook=_ext_hook,
-                                                dec_hook=_dec_hook)
-        self._to_front_end = msgspec.msgpack.Decoder(ToFrontEnd, ext_hook=_ext_hook,
-                                                     dec_hook=_dec_hook)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
+        self._to_core = msgspec.msgpack.Decoder(ToEngineCore, ext_hook=ext_hook,
+                                                dec_hook=dec_hook)
+        self._to_front_end = msgspec.msgpack.Decoder(ToFrontEnd, ext_hook=ext_hook,
+                                                     dec_hook=dec_hook)
 
     def encode(self, message: Any) -> bytes:
         return self._encoder.encode(message)

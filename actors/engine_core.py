@@ -11,6 +11,7 @@ caller's event loop for the offline `LLM` and the tests (an in-process endpoint)
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ from actors.scheduler_config import SchedulerConfig
 from actors.step_health import DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS, StepFailureMonitor
 from actors.transport import CoreEndpoint, TransportClosed
 from actors.warmup import WARMUP_CLIENT, warmup_requests
+from gpu.distributed.tp_engine import TPRunnerV2
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
@@ -82,9 +84,15 @@ class EngineCore:
             max_model_len=worker.max_model_len, block_size=config.block_size,
             max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor),
             GrammarState(worker.model_config.vocab_size))
-        runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner.runner == "v2"
+        tp_leader = getattr(worker, "tp_leader", None)
+        v2_runner_cls = ModelRunnerV2 if tp_leader is None else TPRunnerV2
+        runner_cls, gpu_actor_cls = ((v2_runner_cls, GPUActorV2) if runner.runner == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
+        if tp_leader is not None:  # a failed rank kills the engine at once, even when idle
+            loop = asyncio.get_running_loop()
+            tp_leader.on_failure(lambda reason: loop.call_soon_threadsafe(
+                self.step_health.declare_dead, reason))
         runner_impl = runner_cls(worker, config)
         self.scheduler_actor = SchedulerActor(
             self.scheduler, submit_step=self._submit_step, outputs=CoreOutputs(self._send),

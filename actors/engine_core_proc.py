@@ -60,10 +60,13 @@ async def _serve(config: EngineConfig, address: str, max_consecutive_failed_step
             return 0
         from actors.engine_core import EngineCore
 
-        core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
-                          max_consecutive_failed_steps=max_consecutive_failed_steps,
-                          started_at=started, known_clients=clients)
-        await core.run(warm_up=loaded.worker.device.type == "cuda")
+        try:
+            core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
+                              max_consecutive_failed_steps=max_consecutive_failed_steps,
+                              started_at=started, known_clients=clients)
+            await core.run(warm_up=loaded.worker.device.type == "cuda")
+        finally:
+            loaded.worker.close()  # tensor-parallel workers stop with the core
         return 1 if core.dead_reason is not None else 0
     finally:
         endpoint.close()

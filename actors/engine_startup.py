@@ -10,6 +10,7 @@ import structlog
 from actors.config import ConfigError, EngineConfig
 from actors.logits_processors import load_logits_processor_classes
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
+from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
@@ -66,25 +67,26 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     """Everything slow that happens once per process, before the engine's actors start."""
     platform = probe_platform(config.device)
     check_before_load(config, platform)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size == 1:
+        worker = ModelWorker(config, platform)
+    else:
         check_tensor_parallel(config, platform)
-    worker = ModelWorker(config, platform)
-    runner = choose_runner(config, platform, worker.model_config)
+        worker = load_tp_worker(config, platform)
+    try:
+        runner = choose_runner(config, platform, worker.model_config)
+    except BaseException:
+        worker.close()
+        raise
     return LoadedEngine(config=config, platform=platform, runner=runner, worker=worker)
 
 
 def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
-    """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading weights,
-    then refuse it: one engine driving several GPU workers is not available yet."""
+    """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading
+    weights: V1 runs on one device, so a selection that lands on V1 is refused here."""
     model = read_model_config(config.model)
     validate_tensor_parallel(config.tensor_parallel_size, model, platform.device_type,
                              config.device)
-    # V1 refuses TP > 1.
-    choice = select_runner(selection_input(config, model.architecture), platform)
-    raise TensorParallelError(
-        f"--tensor-parallel-size {config.tensor_parallel_size} fits {model.name or config.model} "
-        f"on the {choice.runner.upper()} runner, but serving one model over several devices is "
-        "not available yet; use --tensor-parallel-size 1")
+    select_runner(selection_input(config, model.architecture), platform)
 
 
 def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:

@@ -48,14 +48,20 @@ class StepFailureMonitor:
             return
         self.num_failed_steps_total += 1
         self.num_consecutive_failures += 1
-        if self.dead_reason is None \
-                and self.num_consecutive_failures >= self.max_consecutive_failures:
-            self.dead_reason = (f"{self.num_consecutive_failures} consecutive engine steps "
-                                f"failed; the last one with: {out.error}")
-            log.error("engine_dead", num_consecutive_failed_steps=self.num_consecutive_failures,
-                      last_error=out.error)
-            if self._on_dead is not None:
-                self._on_dead(self.dead_reason)
+        if self.num_consecutive_failures >= self.max_consecutive_failures:
+            self.declare_dead(f"{self.num_consecutive_failures} consecutive engine steps "
+                              f"failed; the last one with: {out.error}")
+
+    def declare_dead(self, reason: str) -> None:
+        """The engine is dead for `reason` (a failed step run, or a failure outside any
+        step such as a lost tensor-parallel rank); only the first reason counts."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        log.error("engine_dead", reason=reason,
+                  num_consecutive_failed_steps=self.num_consecutive_failures)
+        if self._on_dead is not None:
+            self._on_dead(reason)
 
     def wrap(self, forward: Callable[[StepOutput], None]) -> Callable[[StepOutput], None]:
         """`forward`, observing every step output first."""

@@ -72,8 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int,
                    default=int(_env("tensor_parallel_size", _DEFAULTS.tensor_parallel_size)),
                    help="split the model over this many GPUs of this host (one worker process "
-                        "each; needs the V2 runner and attention heads divisible by it). Values "
-                        "above 1 are validated but cannot be served yet")
+                        "each; needs the V2 runner and attention heads divisible by it)")
     _add_runner_feature_args(parser, g)
 
 

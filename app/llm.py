@@ -64,6 +64,7 @@ class LLM:
         else:
             self.loaded = reuse_engine(reuse.loaded, self.config)
         self.worker = self.loaded.worker
+        self._owns_worker = reuse is None
         self.tokenizer = (reuse.tokenizer if reuse is not None
                           else load_tokenizer(self.config.model, self.config.tokenizer))
         self.eos_token_ids: tuple[int, ...] = (self.tokenizer.eos_token_ids
@@ -71,6 +72,18 @@ class LLM:
         self._next_id = 0
         self.last_num_preemptions = 0
         self.last_step_stats: tuple[StepStats, ...] = ()
+
+    def close(self) -> None:
+        """Stop the model's tensor-parallel worker processes (nothing to stop on one
+        device); a tensor-parallel LLM cannot generate afterwards. Safe to call twice."""
+        if self._owns_worker:
+            self.worker.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def runner(self) -> str:

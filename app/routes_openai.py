@@ -170,7 +170,8 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         _array_caps(state))
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
     params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, [len(prompt.token_ids)]), False, bool(req.stream)), req, tools)
+        sampling_params(state, req, [len(prompt.token_ids)]), False, bool(req.stream)), req, tools,
+        state.settings.engine.tensor_parallel_size)
     new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -217,7 +218,8 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         _array_caps(state))
     prompt_lens = [len(p.token_ids) for p in prompts]
     params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, prompt_lens), bool(req.echo), bool(req.stream)), req)
+        sampling_params(state, req, prompt_lens), bool(req.echo), bool(req.stream)), req,
+        tensor_parallel_size=state.settings.engine.tensor_parallel_size)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=p * params.n + s, prompt_index=p)

@@ -41,8 +41,8 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
 
 
-async def constrain_params(params: SamplingParams, request: object, tools: ToolPlan = NO_TOOLS
-                           ) -> SamplingParams:
+async def constrain_params(params: SamplingParams, request: object, tools: ToolPlan = NO_TOOLS,
+                           tensor_parallel_size: int = 1) -> SamplingParams:
     """`params` with the request's checked output constraint (from its fields, or from a
     required / named tool choice) and the decoding its tool-call parser needs."""
     fields = {name: getattr(request, name, None) for name in CONSTRAINT_FIELDS}
@@ -54,6 +54,9 @@ async def constrain_params(params: SamplingParams, request: object, tools: ToolP
         found = (tools.structured_output, "tool_choice")
     changes: dict[str, Any] = {}
     if found is not None:
+        if tensor_parallel_size > 1:
+            raise bad_request(f"{found[1]}: structured outputs are not available with "
+                              "--tensor-parallel-size > 1", found[1])
         await check_structured_output(*found)
         changes["structured_output"] = found[0]
     if tools.needs_special_tokens:

@@ -1,7 +1,7 @@
 """Tensor-parallel decoding of static batches: output tokens/s and inter-token latency of
 the sharded model, TP = 1 against TP = N, on dummy weights.
 
-Not the serving engine (one engine driving N workers comes later): each rank loads its
+Not the serving engine (benchmarks/bench_tp_engine.py measures that): each rank loads its
 shard of `dummy:<preset>`, prefills B prompts of --input-len random tokens (eagerly, in
 chunks of at most --max-prefill-tokens), then decodes --output-len tokens per request
 in full CUDA graphs of batch B (gpu/cuda_graphs.py; the all-reduces are captured in

@@ -14,8 +14,11 @@ import structlog
 import torch
 
 from actors.config import EngineConfig
+from actors.model_source import resolve_model_path
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
+from gpu.distributed.group import TPGroup, min_over_ranks
+from gpu.distributed.tp_model import load_tp_model
 from gpu.input_buffers import InputBuffers
 from gpu.kv_sizing import MemoryReport, StepShape, profile_kv_budget
 from gpu.models.config import ModelConfig
@@ -51,22 +54,34 @@ class WorkerConfigError(ValueError):
 
 
 class ModelWorker:
-    """Loads the model once; runners borrow it (and its KV cache) for their whole life."""
+    """Loads the model once; runners borrow it (and its KV cache) for their whole life.
 
-    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+    With `tp_group` it is one tensor-parallel rank: it loads its shard of the weights, and
+    the KV cache takes as many blocks as the rank with the least memory can hold."""
+
+    def __init__(self, config: EngineConfig, platform: Platform,
+                 tp_group: TPGroup | None = None) -> None:
         self.config = config
         self.platform = platform
-        self.device = torch.device(_resolve_device(config.device, platform))
+        self.tp_group = tp_group
+        self.tp_leader = None
+        """Rank 0's handle on the other ranks (gpu/distributed/tp_leader.py), when TP > 1."""
+        self.device = (tp_group.device if tp_group is not None
+                       else torch.device(_resolve_device(config.device, platform)))
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
-        files = load_model_files(config.model, dtype=self.dtype, device=self.device)
-        self.model_config: ModelConfig = files.config
-        self.model_source = files.source
-        self.max_model_len = _resolve_max_model_len(config, files.config, files.source)
         self.attn_backend = _make_attention_backend(self.device, platform)
-        self.model = DecoderModel(files.config, self.attn_backend, self.dtype, self.device)
-        self.model.load_weights(files.weights)
-        del files
+        if tp_group is None:
+            files = load_model_files(config.model, dtype=self.dtype, device=self.device)
+            self.model = DecoderModel(files.config, self.attn_backend, self.dtype, self.device)
+            self.model.load_weights(files.weights)
+            self.model_source = files.source
+            del files
+        else:
+            self.model = load_tp_model(config.model, self.dtype, tp_group, self.attn_backend)
+            self.model_source = resolve_model_path(config.model)
+        self.model_config: ModelConfig = self.model.config
+        self.max_model_len = _resolve_max_model_len(config, self.model_config, self.model_source)
         self.load_time_s = time.perf_counter() - started
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens,
                                     self.max_blocks_per_req, self.device)
@@ -78,7 +93,7 @@ class ModelWorker:
         self.kv_spec = self._size_kv_cache(graph_sizes)
         self.kv_caches = allocate_kv_cache(
             self.model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
-            self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
+            self.model.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
         )
         log.info("model_loaded", source=self.model_source, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), load_time_s=round(self.load_time_s, 3),
@@ -109,7 +124,9 @@ class ModelWorker:
     def _size_kv_cache(self, graph_sizes: GraphSizes | None) -> KVCacheSpec:
         mc = self.model_config
         element_size = torch.tensor([], dtype=self.dtype).element_size()
-        bytes_per_block = mc.kv_bytes_per_token * element_size * self.config.block_size
+        # A rank holds its shard of the KV heads (self.model.num_kv_heads).
+        bytes_per_block = (mc.kv_bytes_per_token // mc.num_kv_heads * self.model.num_kv_heads
+                           * element_size * self.config.block_size)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
@@ -119,6 +136,8 @@ class ModelWorker:
             num_blocks = self.memory_report.kv_budget_bytes // bytes_per_block
         else:
             num_blocks = self.config.cpu_kv_cache_bytes // bytes_per_block
+        if self.tp_group is not None:  # every rank holds the same blocks
+            num_blocks = min_over_ranks(num_blocks, self.tp_group)
         # One maximal request must fit, or every long prompt would be preempted forever.
         if num_blocks < self.max_blocks_per_req:
             raise WorkerConfigError(
@@ -149,6 +168,12 @@ class ModelWorker:
                  memory_gib=round(used_bytes / (1 << 30), 3),
                  estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3))
         return graphs
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0 only; nothing to do without TP).
+        Safe to call more than once."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

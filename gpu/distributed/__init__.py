@@ -6,6 +6,8 @@
 - step_broadcast.py: rank 0 hands each step's serialised scheduler output to the others
   as one buffer on the group's gloo group;
 - launch.py: spawning the rank processes, reporting a failed or hung rank, no orphans;
+- tp_engine.py: the engine's side: rank 0's worker and runner, the other ranks' step loop;
+- tp_leader.py: rank 0 driving and watching the other ranks (a lost rank kills the engine);
 - tp_model.py: one rank's weight shard in a sharded DecoderModel;
 - tp_config.py: validation of --tensor-parallel-size.
 The model's sharding is gpu/models/parallel_layers.py, the weights' gpu/weights/

@@ -110,3 +110,24 @@ def tcp_rendezvous(host: str = "127.0.0.1", port: int = 0) -> str:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
     return f"tcp://{host}:{port}"
+
+
+def min_over_ranks(value: int, group: TPGroup) -> int:
+    """The smallest of every rank's `value` (on the host-message group; every rank calls)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(tensor.item())
+
+
+def set_collective_timeout(group: TPGroup, timeout_s: float) -> None:
+    """From now on a collective of `group` (both process groups) fails after `timeout_s`
+    instead of the timeout it was formed with: a long one covers the startup, where ranks
+    load and compile at different speeds, a shorter one the steps. Best effort: a torch
+    without the setter keeps the formation timeout."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return
+    timeout = timedelta(seconds=timeout_s)
+    for process_group in (None, group.cpu_group):
+        setter(timeout, process_group)
+    group.timeout_s = timeout_s

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -109,6 +110,7 @@ class WorkerGroup:
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
+                _continue(process)  # a stopped process acts on SIGTERM only once continued
         for process in self.processes:
             process.join(STOP_GRACE_S)
             if process.is_alive():
@@ -198,6 +200,13 @@ def _exit_when_parent_dies(lifeline_conn: Connection) -> None:
     except (EOFError, OSError):
         pass
     os._exit(_PARENT_GONE_EXIT_CODE)
+
+
+def _continue(process: BaseProcess) -> None:
+    try:
+        os.kill(process.pid, signal.SIGCONT)
+    except (OSError, TypeError):  # gone already, or never started
+        pass
 
 
 def _describe_exit(process: BaseProcess) -> str:

@@ -14,6 +14,7 @@ Parts no graph holds run eagerly on the same buffers, with the same kernels.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import structlog
@@ -27,6 +28,7 @@ from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
@@ -65,6 +67,10 @@ class ModelRunnerV2:
         self.buffers = self.step_state.buffers
         self._graph_sizes: GraphSizes | None = None if self.graphs is None else self.graphs.sizes
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Tensor parallel: each rank's LM head gives its vocabulary slice; the ranks sample
+        # the batch between them (gpu/sampling/batch_shard.py).
+        self.sharded_sampler = (None if worker.model.tp is None
+                                else BatchShardedSampler(self.sampler, worker.model.tp))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
@@ -112,6 +118,11 @@ class ModelRunnerV2:
         num_reqs = plan.num_reqs
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
+        if self.sharded_sampler is not None:  # structured outputs are refused under TP
+            logits, hidden = self._local_logits(plan)
+            return self._sample_eagerly(logits, plan, ops,
+                                        None if max_num_logprobs < 0 else max_num_logprobs,
+                                        self.sharded_sampler), hidden
         logits, hidden = self._logits(plan)
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
@@ -136,14 +147,32 @@ class ModelRunnerV2:
         out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
         return model.compute_logits(hidden[batch.logits_indices_gpu], out=out), hidden
 
+    def _local_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tp_size * rows_per_rank, vocab shard] float32: this rank's slice of the logits,
+        rows in the batch-sharded sampler's owner-major order; and the step's hidden states
+        [num_tokens, hidden_size]. The forward graphs (their all-reduces captured) serve TP
+        steps; the head and sampling run eagerly."""
+        if plan.forward is not None:
+            self.graphs.run_forward(plan.forward)
+            hidden = self.step_state.hidden[:plan.num_tokens]
+            logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
+        else:
+            batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
+            hidden = self.worker.model(batch.input_ids_gpu, batch.positions_gpu,
+                                       self.worker.kv_caches, batch.attn_metadata)
+            logits_indices = batch.logits_indices_gpu
+        order = self.sharded_sampler.logits_row_order(plan.num_reqs)
+        return self.worker.model.compute_logits_local(hidden[logits_indices[order]]).float(), hidden
+
     def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
-                        max_num_logprobs: int | None) -> SamplerOutput:
+                        max_num_logprobs: int | None, sampler: Any = None) -> SamplerOutput:
         num_reqs = plan.num_reqs
         rows = self.buffers.idx_mapping[:num_reqs]
         seq_lens = self.buffers.seq_lens[:num_reqs]
         num_output_tokens = self.states.total_len_gpu[rows] - self.states.prompt_len_gpu[rows]
-        sampled = self.sampler(logits, rows, plan.idx_mapping_np, seq_lens.to(torch.int64),
-                               num_output_tokens, max_num_logprobs, ops=ops)
+        sampled = (sampler or self.sampler)(logits, rows, plan.idx_mapping_np,
+                                            seq_lens.to(torch.int64), num_output_tokens,
+                                            max_num_logprobs, ops=ops)
         # Only penalty rows read the output counts, and a penalty row's counts are rebuilt
         # from its history when it joins: count only in steps that hold such a row (every
         # step it runs in). The chunk reaching the last known token makes the sample real.

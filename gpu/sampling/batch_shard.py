@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from gpu.models.parallel_layers import Collectives, gather_vocab_logits, stitch_vocab_shards
-from gpu.sampling.sampler import Sampler, SamplerOutput, batch_ops
+from gpu.sampling.sampler import BatchOps, Sampler, SamplerOutput, batch_ops
 
 
 class ShardingCollectives(Collectives, Protocol):
@@ -102,6 +102,7 @@ class BatchShardedSampler:
         positions_gpu: torch.Tensor,  # [num_rows] int64
         num_output_tokens_gpu: torch.Tensor,  # [num_rows] int32
         max_num_logprobs: int | None,  # the whole batch's, the same on every rank
+        ops: BatchOps | None = None,  # the whole batch's; decided here when None
     ) -> SamplerOutput:  # the whole batch's, in batch order, on every rank
         plan = self.plan(len(idx_mapping_np))
         num_slots, shard_rows = local_logits.shape
@@ -122,7 +123,8 @@ class BatchShardedSampler:
             output = self.sampler(logits, idx_mapping_gpu[own].contiguous(), idx_mapping_np[own],
                                   positions_gpu[own].contiguous(),
                                   num_output_tokens_gpu[own].contiguous(), max_num_logprobs,
-                                  ops=batch_ops(self.sampler.state, np.asarray(idx_mapping_np)))
+                                  ops=ops or batch_ops(self.sampler.state,
+                                                       np.asarray(idx_mapping_np)))
             _pack(output, packed[:num_owned])
         gathered = self.tp.all_gather(packed).view(plan.tp_size, plan.rows_per_rank, num_columns)
         batch_major = gathered.transpose(0, 1).reshape(-1, num_columns)[:plan.num_rows]

@@ -91,8 +91,8 @@ def test_no_prompts() -> None:
     _assert_one_line_error(_tandem("generate"), "no prompts")
 
 
-def test_tensor_parallel_size_above_one_is_refused_on_one_line() -> None:
-    # The other refusals (heads, devices, V1) are tested in-process: tests/gpu/test_tp_config.py.
-    _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--device", "cpu",
-                                   "--model", "dummy:qwen3-0.6b", "-tp", "2"),
-                           "--tensor-parallel-size 2", "not available yet")
+def test_tensor_parallelism_on_v1_is_refused_on_one_line() -> None:
+    # The other refusals (heads, devices) are tested in-process: tests/gpu/test_tp_config.py.
+    _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--device", "cpu", "--runner",
+                                   "v1", "--model", "dummy:qwen3-0.6b", "-tp", "2"),
+                           "--tensor-parallel-size 2", "V1 runner")

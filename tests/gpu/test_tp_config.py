@@ -58,11 +58,9 @@ def test_sizes_that_fit(tp_size, device_type, num_devices) -> None:
     validate_tensor_parallel(tp_size, LLAMA_8B, device_type, "auto", num_devices)
 
 
-def test_startup_refuses_tensor_parallelism_after_validating_it() -> None:
+def test_startup_refuses_tensor_parallelism_that_does_not_fit_before_loading() -> None:
     with pytest.raises(TensorParallelError, match="9 attention heads"):
         load_engine(EngineConfig(model="default", device="cpu", tensor_parallel_size=2))
     with pytest.raises(RunnerSelectionError, match="tensor parallelism"):
         load_engine(EngineConfig(model="dummy:qwen3-0.6b", device="cpu", runner="v1",
                                  tensor_parallel_size=2))
-    with pytest.raises(TensorParallelError, match="not available yet"):
-        load_engine(EngineConfig(model="dummy:qwen3-0.6b", device="cpu", tensor_parallel_size=2))

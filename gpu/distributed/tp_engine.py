@@ -1,0 +1,203 @@
+"""One engine over N devices: rank 0's worker and runner, and the other ranks' loop.
+
+`load_tp_worker` (engine startup) spawns ranks 1..N-1, joins the group as rank 0 in the
+calling process and loads rank 0's shard; every rank sizes the same KV cache (the least
+any rank can hold) and captures its own CUDA graphs. `TPRunnerV2` is the runner the
+engine core drives: it hands each step to the other ranks (gpu/distributed/tp_leader.py),
+then runs it on rank 0. Every rank runs the same V2 runner on the same scheduler output:
+the same request rows, the same input preparation on its own device, the same
+collectives, and batch-sharded sampling, after which every rank holds the step's tokens.
+Rank 0's runner alone reports them to the scheduler.
+
+A failed step on any rank fails the group (the ranks would no longer agree on the rows
+or the collectives), so the engine is declared dead rather than left waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+import torch
+
+from actors.codec import dec_hook, ext_hook
+from actors.config import EngineConfig
+from actors.messages import SchedulerOutput
+from gpu.distributed.group import (
+    DEFAULT_TIMEOUT_S,
+    TPGroupSpec,
+    init_tp_group,
+    set_collective_timeout,
+    tcp_rendezvous,
+)
+from gpu.distributed.launch import RankFailedError, WorkerGroup, start_workers
+from gpu.distributed.step_broadcast import StepBroadcaster
+from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TIMEOUT, TPFailedError, TPLeader
+from gpu.platform import Platform, probe_platform
+from gpu.runner_v2.runner import ModelRunnerV2
+from gpu.worker import ModelWorker
+
+log = structlog.get_logger("tandem.tp")
+
+T = TypeVar("T")
+STARTUP_POLL_S = 0.2
+RANK0_SAME_FAILURE_WAIT_S = 2.0
+MAX_PENDING_STEPS = 2
+"""Steps a worker rank keeps in flight before it waits for the oldest (as rank 0's
+GPU actor does), so that its device queue stays bounded."""
+
+
+def rank_device(platform: Platform, rank: int) -> str:
+    """Rank r runs on cuda:r (validated: one visible GPU per rank), or on the CPU."""
+    return f"cuda:{rank}" if platform.device_type == "cuda" else "cpu"
+
+
+def load_tp_worker(config: EngineConfig, platform: Platform,
+                   timeout_s: float = DEFAULT_TIMEOUT_S,
+                   step_timeout_s: float | None = None) -> ModelWorker:
+    """Rank 0's ModelWorker, with the other ranks started and loaded: worker.tp_leader
+    drives them. Raises RankFailedError (with the failing rank's error) when a rank fails
+    to start or load. A collective fails (and with it the engine) after `timeout_s` while
+    the ranks start, after `step_timeout_s` (default: the same) once they serve."""
+    tp_size = config.tensor_parallel_size
+    init_method = tcp_rendezvous()
+    workers = start_workers(worker_rank_main, tp_size, (config, init_method, timeout_s),
+                            first_rank=1)
+    try:
+        worker = _while_ranks_live(workers, lambda: _rank0_worker(config, platform, init_method,
+                                                                  timeout_s))
+    except BaseException:
+        workers.stop()
+        raise
+    worker.tp_leader = TPLeader(workers, worker.tp_group)
+    if step_timeout_s is not None:
+        worker.tp_leader.set_step_timeout(step_timeout_s)
+    log.info("tensor_parallel_ready", tp_size=tp_size, worker_pids=workers.pids,
+             device=str(worker.device))
+    return worker
+
+
+def _rank0_worker(config: EngineConfig, platform: Platform, init_method: str,
+                  timeout_s: float) -> ModelWorker:
+    spec = TPGroupSpec(0, config.tensor_parallel_size, init_method,
+                       rank_device(platform, 0), timeout_s)
+    group = init_tp_group(spec)
+    try:
+        return ModelWorker(config, platform, tp_group=group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def _while_ranks_live(workers: WorkerGroup, load: Callable[[], T]) -> T:
+    """`load()` (rank 0's part of the startup), in a thread, while watching the other
+    ranks: a rank that fails makes this raise at once with its error instead of leaving
+    rank 0 waiting for it in a collective."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = load()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="tandem-tp-rank0-load", daemon=True)
+    thread.start()
+    sentinels = [process.sentinel for process in workers.processes]
+    while thread.is_alive():
+        if wait(sentinels, timeout=STARTUP_POLL_S):
+            # Every rank loads the same model: rank 0 usually fails the same way, and its
+            # error (a configuration error, say) is the one to report.
+            thread.join(RANK0_SAME_FAILURE_WAIT_S)
+            if "error" not in outcome:
+                workers.wait(timeout_s=5.0)  # raises RankFailedError naming the rank
+                raise RankFailedError({workers.first_rank: "exited during startup"})
+        thread.join(STARTUP_POLL_S)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class TPRunnerV2:
+    """The V2 runner of a tensor-parallel engine, on rank 0 (see the module doc)."""
+
+    name = "v2"
+
+    def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
+        self.leader: TPLeader = worker.tp_leader
+        self.inner = ModelRunnerV2(worker, config)
+        try:
+            self.leader.open_runner(config or worker.config, eager=self.inner.graphs is None)
+        except BaseException:
+            self.inner.close()
+            raise
+        self.states = self.inner.states
+        self.deferred_masks = self.inner.deferred_masks
+
+    def execute(self, sched: SchedulerOutput) -> Any:
+        if sched.grammar_bitmask is not None or sched.grammar_mask_deferred:
+            # The sharded sampler applies no mask, and a deferred one reaches rank 0 only.
+            raise ValueError("structured outputs are not available with tensor parallelism")
+        self.leader.send_step(sched)
+        try:
+            return self.inner.execute(sched)
+        except Exception as exc:
+            self.leader.step_failed(exc)
+            raise
+
+    def close(self) -> None:
+        self.inner.close()
+        self.leader.close_runner()
+
+
+def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_s: float) -> None:
+    """A spawned rank: join the group, load the shard, run what rank 0 sends until it
+    shuts the loop down."""
+    platform = probe_platform(config.device)
+    if platform.device_type == "cpu":
+        # N ranks share the host's cores: each taking all of them would oversubscribe
+        # them, and every collective would wait for a descheduled peer.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    spec = TPGroupSpec(rank, config.tensor_parallel_size, init_method,
+                       rank_device(platform, rank), timeout_s)
+    group = init_tp_group(spec)
+    try:
+        worker = ModelWorker(config, platform, tp_group=group)
+        follow_steps(worker, StepBroadcaster(group))
+    finally:
+        group.close()
+
+
+def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
+    """Repeat rank 0's runner: OPEN builds one, STEP runs a step, CLOSE closes it."""
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput, ext_hook=ext_hook, dec_hook=dec_hook)
+    runner: ModelRunnerV2 | None = None
+    pending: collections.deque[Any] = collections.deque()
+    while (message := broadcaster.recv()) is not None:
+        kind, body = message[:1], memoryview(message)[1:]
+        if kind == STEP:
+            pending.append(runner.execute(decoder.decode(body)))
+            if len(pending) > MAX_PENDING_STEPS:
+                pending.popleft().result()
+        elif kind == OPEN:
+            config, eager = pickle.loads(body)
+            runner = ModelRunnerV2(worker, config.replace(enforce_eager=True) if eager else config)
+            if not eager and runner.graphs is None:  # the ranks would pad steps differently
+                raise TPFailedError("rank 0 runs CUDA graphs but this rank has none")
+        elif kind == TIMEOUT:
+            set_collective_timeout(broadcaster.group, float(bytes(body).decode()))
+        elif kind == CLOSE:
+            while pending:
+                pending.popleft().result()
+            runner.close()
+            runner = None
+        else:
+            raise TPFailedError(f"unknown message from rank 0: {kind!r}")
+    log.info("tensor_parallel_rank_done", pid=os.getpid())
