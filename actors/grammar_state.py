@@ -37,6 +37,9 @@ class GrammarState:
         """`vocab_size`: the model's logits width (masks cover it whole)."""
         self.vocab_size = vocab_size
         self._compiler: GrammarCompiler | None = None
+        self._vocab_error: str | None = None
+        """Why the front end's tokenizer could not be compiled against (constrained requests
+        are then refused with it)."""
         self._deferred: deque[tuple[int, Sequence[tuple[int, Request]]]] = deque()
         """Scheduled steps whose masks wait for earlier tokens, in step order."""
 
@@ -48,8 +51,13 @@ class GrammarState:
         """Compile against this tokenizer from now on (the first front end's wins: every
         front end serves the same model)."""
         if self._compiler is None:
-            self._compiler = GrammarCompiler(vocab.tokenizer_json, self.vocab_size,
-                                             vocab.eos_token_ids)
+            try:
+                self._compiler = GrammarCompiler(vocab.tokenizer_json, self.vocab_size,
+                                                 vocab.eos_token_ids)
+            except Exception as exc:  # noqa: BLE001 - a bad tokenizer must not stop the core
+                self._vocab_error = f"{type(exc).__name__}: {exc}"
+                raise GrammarError(f"the grammar library cannot use this tokenizer: "
+                                   f"{self._vocab_error}") from exc
 
     def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
         """A fresh matcher for the request's structured output (None without one). Raises
@@ -57,6 +65,9 @@ class GrammarState:
         spec = params.structured_output
         if spec is None:
             return None
+        if self._vocab_error is not None:
+            raise GrammarError(f"structured outputs are unavailable: the grammar library "
+                               f"cannot use the model's tokenizer ({self._vocab_error})")
         if self._compiler is None:
             raise GrammarError("structured outputs need the model's tokenizer, and the front "
                                "end sent none")

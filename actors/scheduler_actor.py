@@ -20,6 +20,7 @@ import structlog
 
 from actors.base import Actor
 from actors.core_outputs import CoreOutputs
+from actors.grammar import GrammarError
 from actors.kv_messages import KVUsage
 from actors.messages import (
     AbortRequests,
@@ -88,8 +89,7 @@ class SchedulerActor(Actor):
         elif isinstance(message, AbortRequests):
             self.scheduler.abort_requests(message.request_ids)
         elif isinstance(message, GrammarVocab):
-            if self.scheduler.grammars is not None:
-                self.scheduler.grammars.set_vocab(message)
+            self._set_grammar_vocab(message)
         elif isinstance(message, AbortClient):
             self.scheduler.abort_requests([r.request_id for r in self.scheduler.unfinished_requests()
                                            if r.client_index == message.client_index])
@@ -104,6 +104,14 @@ class SchedulerActor(Actor):
         else:
             raise TypeError(f"scheduler got an unexpected message {type(message).__name__}")
         return None
+
+    def _set_grammar_vocab(self, vocab: GrammarVocab) -> None:
+        if self.scheduler.grammars is None:
+            return
+        try:
+            self.scheduler.grammars.set_vocab(vocab)
+        except GrammarError as exc:  # constrained requests are refused with it from now on
+            log.error("grammar_vocab_refused", error=str(exc))
 
     def _add_request(self, request: EngineRequest) -> None:
         try:

@@ -13,7 +13,10 @@
 # grammar_serve.json, logs).
 #   wheels to carry in .whl (Python 3.12, manylinux x86_64): those of gpu_serve_split.sh
 #   plus llguidance, jsonschema, jsonschema-specifications, referencing, rpds-py, attrs
-#   (and xgrammar, apache-tvm-ffi for the library phase only).
+#   (and xgrammar, apache-tvm-ffi for the library phase only). llguidance must be >= 1.9
+#   (pyproject's bound): its wheel is tagged cp39-abi3-manylinux_2_31, a tag that a download
+#   for the usual manylinux platforms skips in favour of 1.6.1 (whose API differs), so fetch
+#   it by name: pip download --no-deps --only-binary=:all: llguidance==1.9.1 -d .whl
 #   usage (device tool, carry .whl and .tok):  bash benchmarks/gpu_grammar.sh
 set -u
 . benchmarks/device_env.sh

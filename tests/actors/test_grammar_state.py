@@ -120,3 +120,15 @@ def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> Non
     with pytest.raises(ValueError, match="structured outputs"):
         no_grammars.add_request(_request("c", CHOICE))
     run_sync(no_grammars.free_finished_blocks())
+
+
+def test_a_tokenizer_the_grammar_library_cannot_use_refuses_constrained_requests_only() -> None:
+    # What a grammar library of another version, or a broken tokenizer.json, does: the core
+    # must keep serving (free requests run) and refuse constrained ones with the reason.
+    scheduler = _scheduler(with_vocab=False)
+    with pytest.raises(GrammarError, match="cannot use this tokenizer"):
+        scheduler.grammars.set_vocab(GrammarVocab("{not a tokenizer", (0,)))
+    with pytest.raises(GrammarError, match="cannot use the model's tokenizer"):
+        scheduler.add_request(_request("a", CHOICE))
+    scheduler.add_request(_request("b", None))
+    assert scheduler.has_unfinished_requests
