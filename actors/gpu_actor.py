@@ -44,6 +44,7 @@ class _GPUActorBase:
             maxlen=MAX_RECENT_STEP_STATS)
         self._rows_to_free: frozenset[str] = frozenset()
         """Finished requests a failed step may not have freed (launcher thread only)."""
+        self._thread_ended = threading.Event()
 
     def submit(self, sched: SchedulerOutput) -> None:
         self._inbox.put(sched)
@@ -58,11 +59,25 @@ class _GPUActorBase:
         self._loop = asyncio.get_running_loop()
         bind_actor(self.name)  # anyio copies this task's context into the worker thread
         try:
-            await anyio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
+            await anyio.to_thread.run_sync(self._thread_body, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            # Cancelled (another actor of the engine died): stop the thread, which would
+            # otherwise wait for steps forever and keep the engine from ending, and let it
+            # finish the step it may be running before the runner is closed.
+            self.close()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._thread_ended.wait)
+            raise
         finally:
             close = getattr(self.runner, "close", None)  # the V2 runner hands its state back
             if close is not None:
                 close()
+
+    def _thread_body(self) -> None:
+        try:
+            self._thread_main()
+        finally:
+            self._thread_ended.set()
 
     def _post(self, out: StepOutput) -> None:
         assert self._loop is not None
