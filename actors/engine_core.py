@@ -78,7 +78,10 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=worker.max_model_len, block_size=config.block_size,
-            max_steps_in_flight=max_in_flight), KVActorClient(self.kv_actor))
+            max_steps_in_flight=max_in_flight,
+            num_speculative_tokens=(0 if config.speculative_config is None
+                                    else config.speculative_config.num_speculative_tokens)),
+            KVActorClient(self.kv_actor))
         runner_cls, gpu_actor_cls = ((ModelRunnerV2, GPUActorV2) if runner.runner == "v2"
                                      else (ModelRunnerV1, GPUActorV1))
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)

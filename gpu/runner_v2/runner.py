@@ -21,11 +21,13 @@ import torch
 
 from actors.messages import SchedulerOutput, StepStats
 from actors.config import EngineConfig
-from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
+from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
+from gpu.spec_decode.device_drafts import DeviceDrafts
+from gpu.spec_decode.spec_runner import launch_spec_step
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -66,6 +68,8 @@ class ModelRunnerV2:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
+        spec = config.speculative_config
+        self.drafts = None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device)
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
@@ -79,19 +83,32 @@ class ModelRunnerV2:
         self._sync_states(sched)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
+        if self.drafts is not None and any(sched.num_draft_slots):
+            return launch_spec_step(self, sched, plan, started, start_event)
         sampled = self._run(plan)
+        if self.drafts is not None:
+            self.drafts.propose(self.states, self.buffers.idx_mapping[:plan.num_reqs])
+        copy, event, stats, timing = self.finish_launch(
+            StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                     sampled.sampled_ranks), sched, plan, started, start_event)
+        return PendingStep(sched.step_id, sched.scheduled_request_ids,
+                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing)
+
+    def finish_launch(self, to_copy: CopyT, sched: SchedulerOutput, plan: StepPlan,
+                      started: float, start_event: torch.cuda.Event | None
+                      ) -> tuple[CopyT, torch.cuda.Event | None, StepStats, StepTiming | None]:
+        """The step's last launches: its end event and the copy of its results to the host;
+        and its stats."""
         end_event = self._record_event()
-        copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
-                                            sampled.logprobs, sampled.sampled_ranks),
-                                   self.copy_stream)
+        copy, event = copy_to_host(to_copy, self.copy_stream)
+        num_decode_tokens = sum(sched.samples_token) + sum(sched.num_draft_slots)
         stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
                           num_reqs=plan.num_reqs, num_tokens=plan.num_tokens,
-                          num_prefill_tokens=plan.num_tokens - sum(sched.samples_token),
+                          num_prefill_tokens=plan.num_tokens - num_decode_tokens,
                           prepare_time_s=time.perf_counter() - started)
         timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
         self._last_end_event = end_event
-        return PendingStep(sched.step_id, sched.scheduled_request_ids,
-                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing)
+        return copy, event, stats, timing
 
     def _run(self, plan: StepPlan) -> SamplerOutput:
         """Forward, head and sampling of one planned step: graphs where they hold it."""
@@ -112,12 +129,19 @@ class ModelRunnerV2:
         if plan.forward is not None:
             self.graphs.run_forward(plan.forward)
             return self.graphs.run_head(plan.num_rows_padded)
-        model = self.worker.model
-        batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
-        hidden = model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
-                       batch.attn_metadata)
+        hidden = self.forward_hidden(plan)
+        logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
         out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
-        return model.compute_logits(hidden[batch.logits_indices_gpu], out=out)
+        return self.worker.model.compute_logits(hidden[logits_indices], out=out)
+
+    def forward_hidden(self, plan: StepPlan) -> torch.Tensor:  # [>= num_tokens, hidden_size]
+        """The step's forward (its graph, or eagerly): every token's final hidden state."""
+        if plan.forward is not None:
+            self.graphs.run_forward(plan.forward)
+            return self.step_state.hidden
+        batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
+        return self.worker.model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
+                                 batch.attn_metadata)
 
     def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
                         max_num_logprobs: int | None) -> SamplerOutput:

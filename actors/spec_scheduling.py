@@ -1,0 +1,57 @@
+"""How the scheduler plans speculative (ngram) decoding rows and corrects them afterwards.
+
+The drafts are proposed on the device, after the previous step's tokens are known there,
+so the scheduler never sees them. It plans with an upper bound instead: a decoding row
+that speculates runs its last token plus K draft slots (fewer near max_tokens or the
+token budget), and counts every slot as an output placeholder and as computed, so its
+KV blocks cover every position the row can reach. The runner fills the slots with the
+row's drafts (slots without a draft run a filler token whose logits nobody reads) and
+emits the accepted drafts plus one token: between 1 and 1 + slots tokens.
+
+When the step's result arrives the row is corrected: placeholders drop by 1 + slots and
+`num_computed_tokens` by the rejected slots (1 + slots - emitted). A step scheduled in
+between was planned on the upper bound, so its positions are only shifted: the device
+reads its own computed count, and the correction makes the scheduler's mirror exact again
+once every step in flight has reported. The KV slots of rejected positions are reused: the
+next step computes those positions again and overwrites them. Their blocks stay with the
+request (the request grows into them), so nothing is freed early and no block table
+shrinks under an in-flight step.
+
+Rows that do not speculate: requests with penalties (their output counts would have to
+see the drafts) and requests with a structured output (the grammar would have to advance
+over the drafts). They decode one token per step next to speculating rows.
+"""
+
+from __future__ import annotations
+
+from actors.request import Request, RequestStatus
+
+
+def speculates(request: Request) -> bool:
+    """Whether `request` may run draft slots (see the module doc)."""
+    params = request.sampling_params
+    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0 and params.structured_output is None)
+
+
+def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int) -> int:
+    """Draft slots for a running request this step: 0 unless it is decoding (one token
+    left to compute) and speculates; never more outputs than max_tokens allows, nor more
+    tokens than the budget holds (the last token comes first)."""
+    if num_speculative_tokens == 0:
+        return 0
+    if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
+        return 0
+    if not speculates(request):
+        return 0
+    num_outputs_left = request.max_total_tokens - request.num_tokens_with_placeholders
+    return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
+
+
+def correct_after_step(request: Request, num_slots: int, num_emitted: int) -> None:
+    """Resolve a speculating row's placeholders once its step reported `num_emitted`
+    tokens (its outputs were appended already)."""
+    request.num_output_placeholders -= 1 + num_slots
+    if request.status is RequestStatus.RUNNING:
+        # A preempted request restarts from 0 computed tokens: nothing to roll back.
+        request.num_computed_tokens -= 1 + num_slots - num_emitted
