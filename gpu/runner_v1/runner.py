@@ -28,6 +28,8 @@ from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
+from gpu.spec_decode.ngram_proposer import NgramProposer
+from gpu.spec_decode.v1_spec import execute_spec_step
 from gpu.worker import ModelWorker
 from kernels.topk_logprobs import topk_logprobs
 
@@ -63,21 +65,26 @@ class ModelRunnerV1:
         config = config or worker.config
         max_num_reqs = config.max_num_seqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
-        self._requests: dict[str, _CachedRequest] = {}
+        self.requests: dict[str, _CachedRequest] = {}
         self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
         self.sampler = Sampler(self.sampling_state)
         self._default_seed = config.seed
         self.forward = (worker.model if config.compile_level == 0
                         else compiled_decoder(worker.model, config.compile_level))
         self.logits_processors = _load_logits_processors(worker, config)
+        spec = config.speculative_config
+        self.proposer = (None if spec is None
+                         else NgramProposer(spec, max_num_reqs, worker.max_model_len))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         started = time.perf_counter()
         self._update_states(sched)
-        reqs = [self._requests[r] for r in sched.scheduled_request_ids]
+        if self.proposer is not None and any(sched.num_draft_slots):
+            return execute_spec_step(self, sched, started)
+        reqs = [self.requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        inputs = self._build_inputs(reqs, num_scheduled)
+        inputs = self.build_inputs(reqs, num_scheduled)
         hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
                               inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
@@ -86,6 +93,10 @@ class ModelRunnerV1:
                            None if max_num_logprobs < 0 else max_num_logprobs)
         sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
         is_real_np = self._advance(reqs, num_scheduled, sampled_np)
+        if self.proposer is not None:
+            for req, token, is_real in zip(reqs, sampled_np.tolist(), is_real_np):
+                if is_real:
+                    self.proposer.append(req.row, (token,))
         if self.logits_processors is not None:
             for request_id, token, is_real in zip(sched.scheduled_request_ids, sampled_np,
                                                   is_real_np):
@@ -125,7 +136,7 @@ class ModelRunnerV1:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sorted(sched.finished_request_ids):
-            req = self._requests.pop(request_id, None)
+            req = self.requests.pop(request_id, None)
             if req is not None:
                 self._free_rows.append(req.row)
                 self.sampling_state.remove_request(req.row)
@@ -134,7 +145,7 @@ class ModelRunnerV1:
         for new in sched.new_requests:
             row = self._free_rows.pop()
             params = new.sampling_params
-            self._requests[new.request_id] = _CachedRequest(
+            self.requests[new.request_id] = _CachedRequest(
                 row=row, token_ids=list(new.token_ids), prompt_len=new.prompt_len,
                 block_ids=list(new.block_ids),
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
@@ -143,16 +154,18 @@ class ModelRunnerV1:
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
                 new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
+            if self.proposer is not None:
+                self.proposer.add_request(row, new.token_ids)
             if self.logits_processors is not None:
                 self.logits_processors.add_request(new.request_id, params,
                                                    new.token_ids[: new.prompt_len],
                                                    new.token_ids[new.prompt_len:])
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
-            self._requests[request_id].block_ids.extend(block_ids)
+            self.requests[request_id].block_ids.extend(block_ids)
         self.sampling_state.flush_to_device()
 
-    def _build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> _StepInputs:
+    def build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> _StepInputs:
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)

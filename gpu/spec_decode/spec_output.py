@@ -50,7 +50,7 @@ class SpecPendingStep(PendingStep):
                                   ) if starts.size else np.zeros(0, np.int64)
             logprobs = LogprobsArrays(copy.logprob_token_ids.numpy()[rows],
                                       copy.logprobs.numpy()[rows], copy.sampled_ranks.numpy()[rows])
-        stats = msgspec.structs.replace(self._stats, spec=_spec_stats(
+        stats = msgspec.structs.replace(self._stats, spec=spec_stats(
             num_drafts, num_accepted, self._num_speculative_tokens))
         request_ids = tuple(r for r, k in zip(self.request_ids, keep) if k)
         return StepOutput(step_id=self.step_id, request_ids=request_ids,
@@ -59,7 +59,7 @@ class SpecPendingStep(PendingStep):
                           num_draft_tokens=num_drafts)
 
 
-def _spec_stats(num_drafts: np.ndarray, num_accepted: np.ndarray, num_speculative_tokens: int
+def spec_stats(num_drafts: np.ndarray, num_accepted: np.ndarray, num_speculative_tokens: int
                 ) -> SpecDecodeStats:
     positions = np.arange(num_speculative_tokens)
     return SpecDecodeStats(
