@@ -134,15 +134,18 @@ def spec_post_update_ref(
     total = total_len[rows]
     is_real = num_computed >= total
     offsets = torch.arange(output_token_ids.shape[1], device=rows.device)[None, :]
-    columns = total.long()[:, None] + offsets
     max_model_len = token_ids.shape[1]
-    write = (is_real[:, None] & (offsets <= num_accepted[:, None])
-             & (columns < max_model_len)).to(token_ids.device)
-    history_rows = rows.to(token_ids.device)[:, None].expand_as(columns)
-    safe_columns = columns.clamp(max=max_model_len - 1).to(token_ids.device)
-    current = token_ids[history_rows, safe_columns]
-    token_ids[history_rows, safe_columns] = torch.where(
-        write, output_token_ids.to(device=token_ids.device, dtype=torch.int32), current)
+    # Columns past the row end are clamped onto its last column; every entry that lands
+    # on a column carries that column's value, so repeated indices agree.
+    columns = (total.long()[:, None] + offsets).clamp(max=max_model_len - 1)
+    source = columns - total.long()[:, None]  # the output each column takes
+    write = is_real[:, None] & (source >= 0) & (source <= num_accepted[:, None].long())
+    values = output_token_ids.gather(1, source.clamp(min=0)).to(torch.int32)
+    history_rows = rows[:, None].expand_as(columns).to(token_ids.device)
+    columns = columns.to(token_ids.device)
+    current = token_ids[history_rows, columns]
+    token_ids[history_rows, columns] = torch.where(write.to(token_ids.device),
+                                                   values.to(token_ids.device), current)
     total_len[rows] = torch.where(is_real, total + num_accepted + 1, total)
     last = output_token_ids.gather(1, num_accepted.long()[:, None])[:, 0]
     last_sampled[rows] = torch.where(is_real, last, last_sampled[rows])
