@@ -81,6 +81,8 @@ class ModelRunnerV2:
         self.step_state.check_owner(self)
         start_event = self._record_event()
         self._sync_states(sched)
+        if self.drafts is not None:
+            sched = self.drafts.trim_slots(sched, self.states.row_of)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):

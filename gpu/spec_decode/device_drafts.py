@@ -19,14 +19,21 @@ only ever holds tokens), and its -1 table entry keeps it from being accepted.
 
 from __future__ import annotations
 
+import msgspec
+import numpy as np
 import torch
 
+from actors.messages import SchedulerOutput
 from actors.speculative_config import SpeculativeConfig
 from gpu.runner_v2.states import RequestStates
 from kernels.ngram_propose import ngram_propose
 
 
 class DeviceDrafts:
+    trims_on_cpu = True
+    """On the CPU the draft counts of the step being prepared are already final (steps run
+    one after the other), so speculating rows run only the slots that hold a draft."""
+
     def __init__(self, config: SpeculativeConfig, max_num_reqs: int, device: torch.device) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -34,6 +41,20 @@ class DeviceDrafts:
                                               dtype=torch.int32, device=device)
         self.num_drafts_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._offsets = torch.arange(config.num_speculative_tokens, device=device)
+
+    def trim_slots(self, sched: SchedulerOutput, row_of: dict[str, int]) -> SchedulerOutput:
+        """`sched` with each speculating row cut to its last token plus its drafts (CPU
+        only: this reads the draft counts, which on a GPU would wait for the device). The
+        scheduler's correction does not change: it counts from the emitted tokens."""
+        if not self.trims_on_cpu or self.num_drafts_gpu.is_cuda or not sched.num_draft_slots:
+            return sched
+        slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
+        rows = np.fromiter((row_of[r] for r in sched.scheduled_request_ids), dtype=np.int64,
+                           count=slots.size)
+        trimmed = np.minimum(slots, self.num_drafts_gpu.numpy()[rows])
+        num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64) - slots + trimmed
+        return msgspec.structs.replace(sched, num_scheduled_tokens=tuple(num_scheduled.tolist()),
+                                       num_draft_slots=tuple(trimmed.tolist()))
 
     def propose(
         self,
