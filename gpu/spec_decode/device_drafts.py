@@ -90,7 +90,8 @@ class DeviceDrafts:
         history_rows = rows[:, None].expand_as(columns)
         # A clamped column repeats the row's last one: every entry that lands on a column
         # carries that column's value, so repeated indices agree.
-        draft_index = columns - total
-        values = torch.where(draft_index < num_drafts[:, None], drafts.gather(1, draft_index),
+        draft_index = columns - total  # -1 where a row already fills its context
+        is_draft = (draft_index >= 0) & (draft_index < num_drafts[:, None])
+        values = torch.where(is_draft, drafts.gather(1, draft_index.clamp(min=0)),
                              history[history_rows, columns])
         history[history_rows, columns] = values
