@@ -45,7 +45,7 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import correct_after_step, num_draft_slots
+from actors.spec_scheduling import correct_after_step, emitted_counts, num_draft_slots
 
 
 class KVClient(Protocol):
@@ -235,7 +235,7 @@ class Scheduler:
         if out.error is not None:
             self._fail(out.failed_request_ids, out.error, result)
         token_ids = out.sampled_token_ids.tolist()
-        counts = _token_counts(out, draft_slots)
+        counts = emitted_counts(out, draft_slots)
         if counts is None:
             self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
                        f"that do not fit its {len(out.request_ids)} requests", result)
@@ -452,21 +452,6 @@ def _token_stop(request: Request, token_id: int) -> RequestFinish | None:
     if request.num_tokens >= request.max_total_tokens:
         return RequestFinish(request.request_id, "length")
     return None
-
-
-def _token_counts(out: StepOutput, draft_slots: dict[str, int]) -> list[int] | None:
-    """Tokens each request of `out` emitted; None when they do not add up or a request
-    emitted more than its last token plus its draft slots."""
-    if out.num_sampled_tokens is None:
-        counts = [1] * len(out.request_ids)
-    else:
-        counts = out.num_sampled_tokens.tolist()
-    if len(counts) != len(out.request_ids) or sum(counts) != len(out.sampled_token_ids):
-        return None
-    for request_id, count in zip(out.request_ids, counts):
-        if not 1 <= count <= 1 + draft_slots.get(request_id, 0):
-            return None
-    return counts
 
 
 def _check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> None:

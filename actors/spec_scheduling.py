@@ -24,6 +24,7 @@ over the drafts). They decode one token per step next to speculating rows.
 
 from __future__ import annotations
 
+from actors.messages import StepOutput
 from actors.request import Request, RequestStatus
 
 
@@ -55,3 +56,18 @@ def correct_after_step(request: Request, num_slots: int, num_emitted: int) -> No
     if request.status is RequestStatus.RUNNING:
         # A preempted request restarts from 0 computed tokens: nothing to roll back.
         request.num_computed_tokens -= 1 + num_slots - num_emitted
+
+
+def emitted_counts(out: StepOutput, draft_slots: dict[str, int]) -> list[int] | None:
+    """Tokens each request of `out` emitted; None when they do not add up or a request
+    emitted more than its last token plus its draft slots."""
+    if out.num_sampled_tokens is None:
+        counts = [1] * len(out.request_ids)
+    else:
+        counts = out.num_sampled_tokens.tolist()
+    if len(counts) != len(out.request_ids) or sum(counts) != len(out.sampled_token_ids):
+        return None
+    for request_id, count in zip(out.request_ids, counts):
+        if not 1 <= count <= 1 + draft_slots.get(request_id, 0):
+            return None
+    return counts
