@@ -22,6 +22,7 @@ import torch
 from kernels._checks import (
     check_contiguous_rows,
     check_dtype_and_rank,
+    check_row_state,
     check_same_device,
     check_token_history_device,
     check_triton_device,
@@ -86,10 +87,7 @@ def _check_args(
     check_dtype_and_rank("num_draft_slots", num_draft_slots, torch.int32, 1)
     check_dtype_and_rank("output_token_ids", output_token_ids, torch.int64, 2)
     check_dtype_and_rank("num_accepted", num_accepted, torch.int32, 1)
-    check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
-    check_dtype_and_rank("total_len", total_len, torch.int32, 1)
-    check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
-    check_dtype_and_rank("last_sampled", last_sampled, torch.int64, 1)
+    check_row_state(num_computed_tokens, total_len, token_ids, last_sampled)
     num_reqs = idx_mapping.shape[0]
     if query_start_loc.shape[0] < num_reqs + 1:
         raise ValueError(f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, has "
@@ -99,10 +97,6 @@ def _check_args(
         if tensor.shape[0] != num_reqs:
             raise ValueError(f"{name} needs one entry per scheduled request ({num_reqs}), got "
                              f"{tensor.shape[0]}")
-    num_rows = token_ids.shape[0]
-    if not num_computed_tokens.shape[0] == total_len.shape[0] == last_sampled.shape[0] == num_rows:
-        raise ValueError("num_computed_tokens, total_len, last_sampled and token_ids must have "
-                         "one entry per request row")
     device = check_same_device(
         idx_mapping=idx_mapping, query_start_loc=query_start_loc, num_draft_slots=num_draft_slots,
         output_token_ids=output_token_ids, num_accepted=num_accepted,
