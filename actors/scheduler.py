@@ -238,7 +238,8 @@ class Scheduler:
         counts = emitted_counts(out, draft_slots)
         if counts is None:
             self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
-                       f"that do not fit its {len(out.request_ids)} requests", result)
+                       f"for {len(out.request_ids)} requests (more than their draft slots "
+                       "allow, or counts that do not add up)", result)
             return result
         num_drafts = None if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
         start = 0

@@ -66,7 +66,8 @@ class DeviceDrafts:
         if not token_ids.is_cuda and idx_mapping_gpu.numel():
             # The reference scans whole rows; on the CPU, reading the longest row's length
             # costs nothing and narrows the scan to the columns that can match.
-            width = int(states.total_len_gpu[idx_mapping_gpu.long()].max()) + config.num_speculative_tokens + 1
+            longest = int(states.total_len_gpu[idx_mapping_gpu.long()].max())
+            width = longest + config.num_speculative_tokens + 1
             token_ids = token_ids[:, :min(width, token_ids.shape[1])]
         drafts, num_drafts = ngram_propose(token_ids, states.total_len_gpu, idx_mapping_gpu,
                                            config.num_speculative_tokens, config.prompt_lookup_min,
