@@ -71,6 +71,11 @@ class Request:
     queued_time: float = 0.0
     """time.monotonic() when the scheduler queued the request."""
     first_scheduled_time: float | None = None
+    spec_backoff_steps: int = 0
+    """Speculative decoding: steps without draft slots after its latest run of drafts
+    emitted nothing beyond its last token (actors/spec_scheduling.py)."""
+    spec_resume_step: int = 0
+    """The step id from which it may run draft slots again."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, max_model_len: int,

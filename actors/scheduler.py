@@ -267,7 +267,7 @@ class Scheduler:
             finish = _token_stop(request, token_id)
             if finish is not None:
                 break
-        correct_after_step(request, num_slots, len(tokens))
+        correct_after_step(request, num_slots, len(tokens), self._next_step_id)
         result.requests.append(request)
         result.num_tokens.append(num_kept)
         if finish is not None:
@@ -292,7 +292,8 @@ class Scheduler:
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, token_budget)
+            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, token_budget,
+                                        self._next_step_id)
             num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
             if num_new <= 0:
                 continue

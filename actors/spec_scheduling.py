@@ -17,6 +17,11 @@ next step computes those positions again and overwrites them. Their blocks stay 
 request (the request grows into them), so nothing is freed early and no block table
 shrinks under an in-flight step.
 
+A request whose slots emitted nothing (no draft matched, or every draft was rejected)
+pauses its speculation for a number of steps that doubles with each such run, up to
+MAX_BACKOFF_STEPS: where drafts do not pay (text that repeats nothing, random weights)
+the wider forward is paid about once every MAX_BACKOFF_STEPS steps.
+
 Rows that do not speculate: requests with penalties (their output counts would have to
 see the drafts) and requests with a structured output (the grammar would have to advance
 over the drafts). They decode one token per step next to speculating rows.
@@ -35,11 +40,16 @@ def speculates(request: Request) -> bool:
             and params.repetition_penalty == 1.0 and params.structured_output is None)
 
 
-def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int) -> int:
-    """Draft slots for a running request this step: 0 unless it is decoding (one token
-    left to compute) and speculates; never more outputs than max_tokens allows, nor more
-    tokens than the budget holds (the last token comes first)."""
-    if num_speculative_tokens == 0:
+MAX_BACKOFF_STEPS = 16
+"""Longest pause in a request's speculation after its drafts kept failing."""
+
+
+def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
+                    step_id: int) -> int:
+    """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
+    token left to compute), speculates and is not backing off; never more outputs than
+    max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
+    if num_speculative_tokens == 0 or step_id < request.spec_resume_step:
         return 0
     if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
         return 0
@@ -49,9 +59,21 @@ def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget:
     return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
 
 
-def correct_after_step(request: Request, num_slots: int, num_emitted: int) -> None:
+def correct_after_step(request: Request, num_slots: int, num_emitted: int,
+                       next_step_id: int) -> None:
     """Resolve a speculating row's placeholders once its step reported `num_emitted`
-    tokens (its outputs were appended already)."""
+    tokens (its outputs were appended already; `next_step_id` is the next step the
+    scheduler will build), and back off: slots that
+    emitted nothing (no draft, or none accepted) cost a wider forward for nothing, so the
+    request runs without them for 1, 2, 4, ... MAX_BACKOFF_STEPS steps after each such run
+    in a row. Tokens never depend on this, only the speed does."""
+    if num_slots:
+        if num_emitted > 1:
+            request.spec_backoff_steps = 0
+        else:
+            request.spec_backoff_steps = min(max(1, 2 * request.spec_backoff_steps),
+                                             MAX_BACKOFF_STEPS)
+        request.spec_resume_step = next_step_id + request.spec_backoff_steps
     request.num_output_placeholders -= 1 + num_slots
     if request.status is RequestStatus.RUNNING:
         # A preempted request restarts from 0 computed tokens: nothing to roll back.

@@ -78,6 +78,25 @@ def test_penalty_rows_decode_one_token_beside_speculating_rows() -> None:
     assert run_sync(scheduler.schedule()).num_draft_slots == (2, 0)
 
 
+def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
+    scheduler = _scheduler(k=2, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("r", range(8), max_tokens=60))
+    out = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(out, [[1]]))
+    slots = []
+    for _ in range(12):
+        out = run_sync(scheduler.schedule())
+        slots.append(out.num_draft_slots[0] if out.num_draft_slots else 0)
+        scheduler.update_from_step(_emit(out, [[5]]))  # nothing accepted, ever
+    assert slots == [2, 0, 2, 0, 0, 2, 0, 0, 0, 0, 2, 0]
+    out = run_sync(scheduler.schedule())
+    while not out.num_draft_slots:
+        scheduler.update_from_step(_emit(out, [[5]]))
+        out = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(out, [[5, 6]]))  # an accepted draft ends the pause
+    assert run_sync(scheduler.schedule()).num_draft_slots == (2,)
+
+
 def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
     scheduler = _scheduler(k=1, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(8), max_tokens=10))
