@@ -18,5 +18,5 @@ python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_spec_post_upd
   tests/kernels/test_ngram_propose.py 2>&1 | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "kernel checks failed: no timings" | tee -a "$LOG"; exit 1; }
 timeout -s ABRT 480 python3 -m benchmarks.bench_spec --model dummy:qwen3-0.6b --device cuda \
-  --concurrency 1 32 --max-tokens 128 --repeats 2 --output "$OUT/spec_h200.json" 2>&1 \
+  --concurrency 1 32 --max-tokens 256 --repeats 2 --output "$OUT/spec_h200.json" 2>&1 \
   | grep -v '\[info' | tee -a "$LOG"
