@@ -140,7 +140,7 @@ def test_seeded_sampling_is_reproducible_and_keeps_the_distribution(tiny_gguf: P
 
 
 def test_preemptions_and_aborts_leave_no_block_or_row(plain: LLM) -> None:
-    config = plain.config.replace(speculative_config=NGRAM, num_kv_blocks=24, max_num_seqs=4)
+    config = plain.config.replace(speculative_config=NGRAM, num_kv_blocks=14, max_num_seqs=4)
     spec = LLM("default", reuse=plain, **{k: getattr(config, k) for k in (
         "runner", "speculative_config", "num_kv_blocks", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len")})
