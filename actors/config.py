@@ -57,7 +57,8 @@ class EngineConfig:
     """Custom logits processors, 'module:Class' each (actors/logits_processors.py);
     they run on the V1 runner, so any selects V1."""
     speculative_config: SpeculativeConfig | None = None
-    """--speculative-config (actors/speculative_config.py), validated; not served yet."""
+    """--speculative-config (actors/speculative_config.py): ngram speculative decoding, on
+    either runner (actors/spec_scheduling.py, gpu/spec_decode/)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -45,12 +45,14 @@ class CoreOutputs:
         clients = {STATS_CLIENT, *rows_by_client, *finished, *admissions, *prompts}
         for client in sorted(clients):
             indices = rows_by_client.get(client, [])
-            tokens, logprobs = _columns(out, result, indices)
+            tokens, counts, logprobs = _columns(out, result, indices)
             self._send(client, EngineCoreOutputs(
                 step_id=out.step_id,
                 request_ids=tuple(result.requests[i].request_id for i in indices),
-                new_token_ids=tokens, logprobs=logprobs,
+                new_token_ids=tokens, num_new_tokens=counts, logprobs=logprobs,
                 prompt_logprobs=_prompt_rows(out.prompt_logprobs, prompts.get(client)),
+                num_draft_tokens=(np.asarray([result.num_drafts[i] for i in indices], np.int32)
+                                  if result.num_drafts else None),
                 finished=tuple(finished.get(client, ())),
                 admitted=tuple(admissions.get(client, ())),
                 step_stats=out.stats if client == STATS_CLIENT else None,
@@ -63,14 +65,23 @@ class CoreOutputs:
 
 
 def _columns(out: StepOutput, result: StepResult, indices: list[int]
-             ) -> tuple[np.ndarray, LogprobsArrays | None]:
-    if len(indices) == len(out.request_ids):  # every row to one front end: no copies
+             ) -> tuple[np.ndarray, np.ndarray | None, LogprobsArrays | None]:
+    """The new tokens (request-major), their counts (None: one each) and logprobs of the
+    requests at `indices` of the result."""
+    one_each = out.num_sampled_tokens is None
+    if one_each and len(indices) == len(out.request_ids):  # all rows to one front end: no copies
         tokens = out.sampled_token_ids.astype(np.int32, copy=False)
-        return tokens, out.logprobs
-    rows = np.asarray([result.rows[i] for i in indices], dtype=np.int64)
+        return tokens, None, out.logprobs
+    if one_each:
+        rows = np.asarray([result.rows[i] for i in indices], dtype=np.int64)
+        counts = None
+    else:
+        counts = np.asarray([result.num_tokens[i] for i in indices], dtype=np.int32)
+        rows = np.concatenate([np.arange(result.rows[i], result.rows[i] + result.num_tokens[i])
+                               for i in indices]) if indices else np.zeros(0, np.int64)
     tokens = out.sampled_token_ids[rows].astype(np.int32, copy=False)
     logprobs = out.logprobs.take(rows) if out.logprobs is not None else None
-    return tokens, logprobs
+    return tokens, counts, logprobs
 
 
 def _prompt_rows(prompt: PromptLogprobs | None, indices: list[int] | None

@@ -50,13 +50,9 @@ def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) 
 
 
 def check_before_load(config: EngineConfig, platform: Platform) -> None:
-    """Refuse what cannot be served before spending the model load on it: features not
-    served yet, processors that do not import, a forced runner that cannot run them (the
+    """Refuse what cannot be served before spending the model load on it: processors that
+    do not import, a forced runner that cannot run them (the
     forced path of the selection does not depend on the architecture)."""
-    if config.speculative_config is not None:
-        raise ConfigError(
-            "--speculative-config is valid, but speculative decoding is not served yet; "
-            "start without it")
     load_logits_processor_classes(config.logits_processors)
     forced = selection_input(config, architecture="")
     if forced.env_override is not None or forced.requested_runner != "auto":

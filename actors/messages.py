@@ -162,6 +162,17 @@ class PromptLogprobs(msgspec.Struct, frozen=True):
                               self.logprobs.take(rows.astype(np.int64)))
 
 
+class SpecDecodeStats(msgspec.Struct, frozen=True, array_like=True):
+    """One step's speculative decoding counts, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int
+    """Requests that verified at least one draft token."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]
+    """Per draft position j: requests whose draft j was accepted."""
+
+
 class StepStats(msgspec.Struct, frozen=True):
     step_id: int
     num_reqs: int
@@ -175,6 +186,8 @@ class StepStats(msgspec.Struct, frozen=True):
     """Device time of the step, measured with events where the device allows."""
     gpu_idle_s: float = 0.0
     """Device idle time between the previous step's end and this step's start."""
+    spec: SpecDecodeStats | None = None
+    """Speculative decoding counts of the step (None without speculation)."""
 
 
 class RequestFinish(msgspec.Struct, frozen=True, array_like=True):
@@ -210,6 +223,9 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     request_ids: tuple[str, ...] = ()
     new_token_ids: np.ndarray | None = None  # [num_new_tokens] int32, request-major
     num_new_tokens: np.ndarray | None = None  # [len(request_ids)] int32; None: one each
+    num_draft_tokens: np.ndarray | None = None  # [len(request_ids)] int32
+    """Speculative steps: drafts each request verified (its accepted ones are
+    num_new_tokens - 1 unless a stop cut the run); None without speculation."""
     logprobs: LogprobsArrays | None = None
     """Rows aligned with new_token_ids; None when no request asked for logprobs."""
     prompt_logprobs: PromptLogprobs | None = None
@@ -284,6 +300,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     grammar_mask_deferred: bool = False
     """The mask comes after the previous step's tokens (the runner waits for it before
     sampling; the engine core delivers it outside this message)."""
+    num_draft_slots: tuple[int, ...] = ()
+    """Speculative decoding: per scheduled request, how many of its scheduled tokens are
+    draft slots after its last token (0 for prefill chunks and non-speculating rows); the
+    runner fills them with the row's drafts. Empty when no request speculates."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -305,15 +325,19 @@ class StepOutput(msgspec.Struct, frozen=True):
     step_id: int
     request_ids: tuple[str, ...]
     """Requests that sampled a real token this step, in batch order."""
-    sampled_token_ids: np.ndarray  # [len(request_ids)] int64
+    sampled_token_ids: np.ndarray  # [num_sampled] int64, request-major
     logprobs: LogprobsArrays | None
-    """Rows aligned with request_ids; None when no request asked for logprobs."""
+    """Rows aligned with sampled_token_ids; None when no request asked for logprobs."""
     stats: StepStats
     error: str | None = None
     """Set when the step failed; every request in it is finished with reason 'error'."""
     failed_request_ids: tuple[str, ...] = ()
     prompt_logprobs: PromptLogprobs | None = None
     """Of the requests that asked for them and ran prompt tokens in this step."""
+    num_sampled_tokens: np.ndarray | None = None  # [len(request_ids)] int32; None: one each
+    """Speculative steps: tokens each request emitted (its accepted drafts plus one)."""
+    num_draft_tokens: np.ndarray | None = None  # [len(request_ids)] int32
+    """Speculative steps: drafts each request verified (0 where it had none)."""
 
 
 # ==== inside a front end ===============================================================

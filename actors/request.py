@@ -74,6 +74,11 @@ class Request:
     first_scheduled_time: float | None = None
     grammar: Any = None
     """The actors.grammar.GrammarMatcher of a request with a structured output."""
+    spec_backoff_steps: int = 0
+    """Speculative decoding: steps without draft slots after its latest run of drafts
+    emitted nothing beyond its last token (actors/spec_scheduling.py)."""
+    spec_resume_step: int = 0
+    """The step id from which it may run draft slots again."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, max_model_len: int,

@@ -54,6 +54,8 @@ class _RequestState:
     last_token_time: float | None = None
     inter_token_latencies_s: list[float] | None = None
     """None unless the processor keeps records."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class OutputProcessor:
@@ -132,6 +134,8 @@ class OutputProcessor:
             tokens: list[int] = outputs.new_token_ids.tolist()  # type: ignore[union-attr]
             counts = (None if outputs.num_new_tokens is None
                       else outputs.num_new_tokens.tolist())
+            if outputs.num_draft_tokens is not None and counts is not None:
+                self._count_drafts(outputs.request_ids, outputs.num_draft_tokens.tolist(), counts)
             start = 0
             for index, request_id in enumerate(outputs.request_ids):
                 end = start + (1 if counts is None else counts[index])
@@ -145,6 +149,16 @@ class OutputProcessor:
         for request_id, finish in finished.items():
             self._finish_early(request_id, finish.reason, finish.error, now)
         return to_abort
+
+    def _count_drafts(self, request_ids: tuple[str, ...], num_drafts: list[int],
+                      counts: list[int]) -> None:
+        """A speculative step's drafts per request; a request's accepted drafts are its
+        new tokens but one (a stop inside the run counts the tokens up to it)."""
+        for request_id, drafts, count in zip(request_ids, num_drafts, counts):
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.num_draft_tokens += drafts
+                state.num_accepted_tokens += min(count - 1, drafts)
 
     def _process_tokens(self, state: _RequestState, tokens: list[int], start: int, end: int,
                         finish: RequestFinish | None, logprobs: LogprobsArrays | None,
@@ -281,7 +295,9 @@ class OutputProcessor:
                 num_cached_tokens=stream.num_cached_tokens, queued_time=state.queued_time,
                 first_scheduled_time=state.first_scheduled_time,
                 first_token_time=stream.first_token_time,
-                inter_token_latencies_s=tuple(state.inter_token_latencies_s or ()))
+                inter_token_latencies_s=tuple(state.inter_token_latencies_s or ()),
+                num_draft_tokens=state.num_draft_tokens,
+                num_accepted_tokens=state.num_accepted_tokens)
             stream.record = record
             self._on_request_finished(record)
         except Exception as exc:  # telemetry must never stop the front end

@@ -47,6 +47,7 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
+from actors.spec_scheduling import correct_after_step, emitted_counts, num_draft_slots
 
 
 class KVClient(Protocol):
@@ -60,6 +61,7 @@ class _PlannedRun:
     request: Request
     num_new_tokens: int
     alloc: RunningAlloc
+    num_draft_slots: int = 0
 
 
 _Granted = tuple[_PlannedRun, tuple[int, ...]]
@@ -70,9 +72,15 @@ class StepResult:
     """What one step did to its requests, for the front ends."""
 
     rows: list[int] = field(default_factory=list)
-    """Rows of the StepOutput whose token was appended (to a live or just-finished request)."""
+    """Where in StepOutput.sampled_token_ids each kept request's tokens start (its row when
+    every request sampled one token); only requests with tokens appended (live or just
+    finished) are listed."""
     requests: list[Request] = field(default_factory=list)
     """The request of each of those rows."""
+    num_tokens: list[int] = field(default_factory=list)
+    """Tokens appended per row (1 without speculation; a stop may cut a run short)."""
+    num_drafts: list[int] = field(default_factory=list)
+    """Drafts verified per row (speculative steps only)."""
     finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
     """Requests this step finished: token-level stops and failures."""
     grammar_masks: list[tuple[int, GrammarBitmask]] = field(default_factory=list)
@@ -89,6 +97,8 @@ class _StepBatch:
     num_computed_tokens: list[int]
     samples_token: list[bool]
     sampling_requests: dict[str, Request]
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
+    """Speculating rows' draft slots (absent: 0)."""
 
 
 class WaitingQueue:
@@ -133,7 +143,8 @@ class Scheduler:
         self._waiting = WaitingQueue()
         self._blocks_to_free: list[str] = []  # ids whose KV blocks the manager may still hold
         self._rows_to_free: set[str] = set()  # ids whose runner rows the next step frees
-        self._in_flight: deque[tuple[int, dict[str, Request]]] = deque()  # step id, samplers
+        # step id, the requests that sample in it, their draft slots
+        self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int]]] = deque()
         self._next_step_id = 0
         self.num_preemptions_total = 0
         self.kv_usage: KVUsage | None = None
@@ -228,31 +239,30 @@ class Scheduler:
         if not self._in_flight or self._in_flight[0][0] != out.step_id:
             expected = self._in_flight[0][0] if self._in_flight else None
             raise ValueError(f"step output {out.step_id} out of order; expected {expected}")
-        sampling = self._in_flight[0][1]
+        _, sampling, draft_slots = self._in_flight[0]
         _check_tokens_are_expected(out, sampling)
         self._in_flight.popleft()
         result = StepResult()
         if out.error is not None:
             self._fail(out.failed_request_ids, out.error, result)
         token_ids = out.sampled_token_ids.tolist()
-        if len(token_ids) != len(out.request_ids):
+        counts = emitted_counts(out, draft_slots)
+        if counts is None:
             self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
-                       f"for {len(out.request_ids)} requests", result)
+                       f"for {len(out.request_ids)} requests (more than their draft slots "
+                       "allow, or counts that do not add up)", result)
             return self._with_ready_masks(result)
-        for row, (request_id, token_id) in enumerate(zip(out.request_ids, token_ids)):
+        num_drafts = None if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
+        start = 0
+        for row, (request_id, count) in enumerate(zip(out.request_ids, counts)):
             request = sampling.pop(request_id)
-            if request.is_finished:
-                continue  # aborted while the step ran
-            request.output_token_ids.append(token_id)
-            request.num_output_placeholders -= 1
-            result.rows.append(row)
-            result.requests.append(request)
-            finish = _token_stop(request, token_id)
-            if finish is None and request.grammar is not None:
-                finish = GrammarState.advance(request, token_id)
-            if finish is not None:
-                self._finish(request, RequestStatus.from_finish_reason(finish.reason))
-                result.finished.append((request, finish))
+            tokens = token_ids[start:start + count]
+            if not request.is_finished:  # else aborted while the step ran
+                self._append_tokens(request, tokens, draft_slots.get(request_id, 0), result)
+                result.rows.append(start)
+                if num_drafts is not None:
+                    result.num_drafts.append(num_drafts[row])
+            start += count
         self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
                    f"step {out.step_id} returned no token", result)
         return self._with_ready_masks(result)
@@ -263,6 +273,26 @@ class Scheduler:
         if self.grammars is not None:
             result.grammar_masks = self.grammars.ready_masks()
         return result
+
+    def _append_tokens(self, request: Request, tokens: list[int], num_slots: int,
+                       result: StepResult) -> None:
+        """Append one request's emitted tokens, stopping at the first token-level stop."""
+        num_kept = 0
+        finish = None
+        for token_id in tokens:
+            request.output_token_ids.append(token_id)
+            num_kept += 1
+            finish = _token_stop(request, token_id)
+            if finish is None and request.grammar is not None:  # grammar rows never speculate
+                finish = GrammarState.advance(request, token_id)
+            if finish is not None:
+                break
+        correct_after_step(request, num_slots, len(tokens), self._next_step_id)
+        result.requests.append(request)
+        result.num_tokens.append(num_kept)
+        if finish is not None:
+            self._finish(request, RequestStatus.from_finish_reason(finish.reason))
+            result.finished.append((request, finish))
 
     def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
         for request_id in request_ids:
@@ -282,11 +312,13 @@ class Scheduler:
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            num_new = min(num_pending - request.num_computed_tokens, token_budget)
+            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, token_budget,
+                                        self._next_step_id)
+            num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
             if num_new <= 0:
                 continue
             alloc = RunningAlloc(request.request_id, request.num_computed_tokens + num_new)
-            planned.append(_PlannedRun(request, num_new, alloc))
+            planned.append(_PlannedRun(request, num_new, alloc, num_slots))
             token_budget -= num_new
         return planned, token_budget
 
@@ -349,12 +381,12 @@ class Scheduler:
         batch = _StepBatch([], [], [], [], {})
         for run, new_block_ids in satisfied:
             run.request.block_ids.extend(new_block_ids)
-            _schedule_tokens(batch, run.request, run.num_new_tokens)
+            _schedule_tokens(batch, run.request, run.num_new_tokens, run.num_draft_slots)
         new_requests = [self._admit(waiting_requests[grant.request_id], grant, batch)
                         for grant in grants]
         step_id = self._next_step_id
         self._next_step_id += 1
-        self._in_flight.append((step_id, batch.sampling_requests))
+        self._in_flight.append((step_id, batch.sampling_requests, batch.num_draft_slots))
         grammar_bitmask, mask_deferred = None, False
         if self.grammars is not None:
             grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, _grammar_rows(batch))
@@ -369,7 +401,8 @@ class Scheduler:
             num_computed_tokens=tuple(batch.num_computed_tokens),
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
             schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
-            grammar_mask_deferred=mask_deferred)
+            grammar_mask_deferred=mask_deferred,
+            num_draft_slots=_slots_column(batch) if batch.num_draft_slots else ())
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
         self._waiting.remove(request)
@@ -416,16 +449,26 @@ class Scheduler:
         return request_ids
 
 
-def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int) -> None:
+def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int,
+                     num_slots: int = 0) -> None:
     batch.request_ids.append(request.request_id)
     batch.num_scheduled_tokens.append(num_new_tokens)
     batch.num_computed_tokens.append(request.num_computed_tokens)
-    request.num_computed_tokens += num_new_tokens
+    request.num_computed_tokens += num_new_tokens - num_slots
     samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
     batch.samples_token.append(samples)
     if samples:
-        request.num_output_placeholders += 1
+        # A speculating row counts its draft slots as outputs and as computed (upper
+        # bounds, corrected by its result: actors/spec_scheduling.py).
+        request.num_computed_tokens += num_slots
+        request.num_output_placeholders += 1 + num_slots
         batch.sampling_requests[request.request_id] = request
+        if num_slots:
+            batch.num_draft_slots[request.request_id] = num_slots
+
+
+def _slots_column(batch: _StepBatch) -> tuple[int, ...]:
+    return tuple(batch.num_draft_slots.get(request_id, 0) for request_id in batch.request_ids)
 
 
 def _grammar_rows(batch: _StepBatch) -> list[tuple[int, Request]]:

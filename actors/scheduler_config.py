@@ -17,6 +17,8 @@ class SchedulerConfig:
     """Tokens per KV block."""
     max_steps_in_flight: int = 1
     """Steps scheduled before the oldest one's results arrive (2 overlaps CPU and GPU)."""
+    num_speculative_tokens: int = 0
+    """Draft slots per decoding row (ngram speculative decoding); 0: no speculation."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -28,3 +30,6 @@ class SchedulerConfig:
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len must be at least 2 (one prompt and "
                              f"one output token), got {self.max_model_len}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError("SchedulerConfig.num_speculative_tokens must be an integer >= 0, "
+                             f"got {self.num_speculative_tokens!r}")

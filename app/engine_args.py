@@ -97,8 +97,10 @@ def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
                    default=_env("speculative_config", None),
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (vLLM\'s keys and defaults). Validated, '
-                        "but not served yet: the engine stops at startup saying so. "
+                        '"prompt_lookup_max": 5}\' (vLLM\'s keys and defaults): ngram '
+                        "(prompt-lookup) drafting, verified in one forward; greedy and seeded "
+                        "outputs are those without it. V2 drafts on the device; V1 (chosen "
+                        "by another flag or rule) on the CPU. "
                         "Env: TANDEM_SPECULATIVE_CONFIG")
     parser.add_argument_group(
         "parallelism",

@@ -9,7 +9,9 @@ in order, first match wins:
 3. Triton missing or unusable on a GPU -> V1;
 4. pinned memory / UVA unavailable on a GPU (e.g. WSL2) -> V1; on CPU, V2 runs on plain
    CPU tensors and needs neither;
-5. a feature V2 does not support yet -> V1;
+5. a feature V2 does not support yet -> V1 (ngram speculative decoding is not one: V2
+   drafts on the device; it runs on V1, with a CPU proposer, only where another rule or
+   feature selects V1);
 6. otherwise V2.
 
 Every fallback to V1 logs one warning naming the rule. If the env var and --runner both
@@ -36,7 +38,6 @@ V2_UNSUPPORTED_PLATFORM_ARCHITECTURES: frozenset[tuple[str, str]] = frozenset()
 
 _TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 _FALSE_VALUES = frozenset({"0", "false", "no", "off"})
-_NGRAM_METHODS = frozenset({"ngram", "ngram_gpu"})
 
 
 class RunnerSelectionError(ValueError):
@@ -220,8 +221,6 @@ def unsupported_v2_features(config: RunnerSelectionInput) -> list[str]:
         and config.distributed_executor_backend == "external_launcher"
     ):
         features.append("pipeline parallelism with external_launcher")
-    if config.speculative_method in _NGRAM_METHODS:
-        features.append(f"{config.speculative_method} speculative decoding")
     if config.custom_logits_processors:
         features.append(f"custom logits processors ({', '.join(config.custom_logits_processors)})")
     return features

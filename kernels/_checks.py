@@ -129,3 +129,18 @@ def check_contiguous_rows(**tensors: torch.Tensor) -> None:
 
 def _is_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor)
+
+
+def check_row_state(num_computed_tokens: torch.Tensor, total_len: torch.Tensor,
+                    token_ids: torch.Tensor, last_sampled: torch.Tensor) -> None:
+    """The runner's per-row state that the post-update kernels advance: [max_num_reqs]
+    int32 counts, the [max_num_reqs, max_model_len] int32 history and the [max_num_reqs]
+    int64 last tokens, one entry per request row."""
+    check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
+    check_dtype_and_rank("total_len", total_len, torch.int32, 1)
+    check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
+    check_dtype_and_rank("last_sampled", last_sampled, torch.int64, 1)
+    num_rows = token_ids.shape[0]
+    if not num_computed_tokens.shape[0] == total_len.shape[0] == last_sampled.shape[0] == num_rows:
+        raise ValueError("num_computed_tokens, total_len, last_sampled and token_ids must have "
+                         "one entry per request row")

@@ -25,6 +25,7 @@ from kernels._checks import (
     check_step_counts,
     read_step_counts,
     check_dtype_and_rank,
+    check_row_state,
     check_same_device,
     check_token_history_device,
     check_triton_device,
@@ -85,10 +86,7 @@ def _check_args(
     check_step_counts(step_counts, total_len.device)
     check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
     check_dtype_and_rank("sampled_token_ids", sampled_token_ids, torch.int64, 1)
-    check_dtype_and_rank("num_computed_tokens", num_computed_tokens, torch.int32, 1)
-    check_dtype_and_rank("total_len", total_len, torch.int32, 1)
-    check_dtype_and_rank("token_ids", token_ids, torch.int32, 2)
-    check_dtype_and_rank("last_sampled", last_sampled, torch.int64, 1)
+    check_row_state(num_computed_tokens, total_len, token_ids, last_sampled)
     if num_reqs < 0 or min(idx_mapping.shape[0], sampled_token_ids.shape[0]) < num_reqs:
         raise ValueError(
             f"num_reqs ({num_reqs}) must be >= 0 and at most "
@@ -99,12 +97,6 @@ def _check_args(
         raise ValueError(
             f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, has "
             f"{query_start_loc.shape[0]}"
-        )
-    num_rows = token_ids.shape[0]
-    if not num_computed_tokens.shape[0] == total_len.shape[0] == last_sampled.shape[0] == num_rows:
-        raise ValueError(
-            "num_computed_tokens, total_len, last_sampled and token_ids must have one "
-            "entry per request row"
         )
     device = check_same_device(
         idx_mapping=idx_mapping, query_start_loc=query_start_loc,

@@ -221,3 +221,32 @@ def rejection_sample(
     impl = rejection_sample_triton if HAS_TRITON and logits.is_cuda else rejection_sample_ref
     return impl(logits, cu_num_logits, draft_token_ids, idx_mapping, temperature, seed, positions,
                 apply_temperature)
+
+
+def accept_draft_prefix(
+    cu_num_logits: torch.Tensor,  # [num_reqs + 1] int32, request b owns rows cu[b]..cu[b+1]-1
+    draft_token_ids: torch.Tensor,  # [num_reqs, K] int32, -1 where a row has no draft
+    sampled: torch.Tensor,  # [num_logits] int64, the sampler's token at every logit row
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, K + 1] int64 (-1 padded), [num_reqs] int32
+    """The acceptance step of `rejection_sample` on tokens the full sampler already drew
+    for every logit row (bias, penalties, min-p, top-k/top-p and the seeded Gumbel draw,
+    keyed on each row's position): accept drafts while they equal the sampled token, then
+    emit one more. A -1 draft is never accepted, so a row with fewer drafts than logit
+    rows stops at its last draft."""
+    check_dtype_and_rank("cu_num_logits", cu_num_logits, torch.int32, 1)
+    check_dtype_and_rank("draft_token_ids", draft_token_ids, torch.int32, 2)
+    check_dtype_and_rank("sampled", sampled, torch.int64, 1)
+    num_reqs, max_num_drafts = draft_token_ids.shape
+    if cu_num_logits.shape[0] != num_reqs + 1:
+        raise ValueError(f"cu_num_logits needs num_reqs + 1 = {num_reqs + 1} entries, has "
+                         f"{cu_num_logits.shape[0]}")
+    if not (HAS_TRITON and sampled.is_cuda):
+        return _accept_prefix_ref(cu_num_logits, draft_token_ids, sampled)
+    output = torch.empty((num_reqs, max_num_drafts + 1), dtype=torch.int64, device=sampled.device)
+    num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=sampled.device)
+    if num_reqs:
+        _accept_prefix_kernel[(num_reqs,)](
+            cu_num_logits, draft_token_ids, draft_token_ids.stride(0), sampled, output,
+            num_accepted, MAX_NUM_DRAFTS=max_num_drafts,
+            NUM_OUTPUTS_POW2=triton.next_power_of_2(max_num_drafts + 1))
+    return output, num_accepted

@@ -7,7 +7,8 @@ private CollectorRegistry, never prometheus-client's global one.
 
 Calls come per step or per finished request, never per token:
 
-- `observe_step(stats)`: each finished engine step (StepStats);
+- `observe_step(stats)`: each finished engine step (StepStats), with its speculative
+  decoding counts (telemetry/spec_decode_metrics.py);
 - `set_engine_load(stats)`: the core's load and KV usage, at scrape time;
 - `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
@@ -32,6 +33,7 @@ from telemetry import exposition
 from telemetry.histogram import BatchHistogram
 from telemetry.records import FINISH_REASONS, RequestRecord
 from telemetry.request_shape_metrics import RequestShapeMetrics
+from telemetry.spec_decode_metrics import SpecDecodeMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -97,6 +99,8 @@ class EngineMetrics:
         self._make_server_metrics()
         self.request_shape = RequestShapeMetrics(model_name, self.registry)
         """vLLM's request-shape families (token counts, n, max_tokens, cache config)."""
+        self.spec_decode = SpecDecodeMetrics(model_name, self.registry)
+        """vLLM's vllm:spec_decode_* counters (speculative steps only)."""
 
     # ---- construction -------------------------------------------------------------------
 
@@ -200,6 +204,8 @@ class EngineMetrics:
         if stats.num_tokens <= 0:
             return
         self.request_shape.observe_step(stats.num_tokens)
+        if getattr(stats, "spec", None) is not None:
+            self.spec_decode.observe(stats.spec)
         self._step_duration.observe(stats.step_time_s)
         self._gpu_idle.observe(stats.gpu_idle_s)
         self._schedule_cpu.observe(stats.schedule_time_s)

@@ -43,6 +43,10 @@ class RequestRecord:
     inter_token_latencies_s: tuple[float, ...] = ()
     """Gaps between successive output chunks after the first (vLLM bench's ITL). One entry
     per chunk, not per token, when several tokens arrive together."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for the request."""
+    num_accepted_tokens: int = 0
+    """Of those, the accepted ones."""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 or self.num_output_tokens < 0 or self.num_cached_tokens < 0:

@@ -4,7 +4,9 @@ Created by `Tracing.start_request`; ended once: by `finish(records)` when the en
 with the request, by `fail(error_type, ...)` when it is refused or breaks, or by
 `disconnect()` when the client left before the engine's records arrived. Every later call
 is ignored. The phases become span events at their real times (from the records):
-`queued`, `scheduled` (prefill start), `first_token`, `finished`.
+`queued`, `scheduled` (prefill start), `first_token`, `finished`. A request that
+verified speculative drafts carries `tandem.spec_decode.num_draft_tokens`,
+`.num_accepted_tokens` and `.acceptance_rate`.
 
 Attribute names follow the GenAI semantic conventions (gen_ai.request.*, gen_ai.response.*,
 gen_ai.usage.*), plus vLLM's gen_ai.latency.* names for the phase durations, so trace
@@ -160,10 +162,18 @@ class RequestSpan:
             output_tokens = sum(r.num_output_tokens for r in records)
         if cached_input_tokens is None:
             cached_input_tokens = sum(r.num_cached_tokens for r in records)
-        return {"gen_ai.response.finish_reasons": [r.finish_reason for r in records],
-                "gen_ai.usage.input_tokens": input_tokens,
-                "gen_ai.usage.output_tokens": output_tokens,
-                "gen_ai.usage.cache_read.input_tokens": cached_input_tokens}
+        attributes: dict[str, Any] = {
+            "gen_ai.response.finish_reasons": [r.finish_reason for r in records],
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": cached_input_tokens}
+        num_drafts = sum(r.num_draft_tokens for r in records)
+        if num_drafts:  # speculative decoding verified drafts for this request
+            num_accepted = sum(r.num_accepted_tokens for r in records)
+            attributes.update({"tandem.spec_decode.num_draft_tokens": num_drafts,
+                               "tandem.spec_decode.num_accepted_tokens": num_accepted,
+                               "tandem.spec_decode.acceptance_rate": num_accepted / num_drafts})
+        return attributes
 
 
 class _NoopRequestSpan(RequestSpan):

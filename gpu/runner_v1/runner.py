@@ -36,6 +36,9 @@ from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
+from gpu.spec_decode.ngram_proposer import NgramProposer
+from gpu.spec_decode.spec_runner import runs_without_drafts, without_draft_slots
+from gpu.spec_decode.v1_spec import execute_spec_step
 from gpu.worker import ModelWorker
 from kernels.topk_logprobs import topk_logprobs
 
@@ -71,7 +74,7 @@ class ModelRunnerV1:
         config = config or worker.config
         max_num_reqs = config.max_num_seqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
-        self._requests: dict[str, _CachedRequest] = {}
+        self.requests: dict[str, _CachedRequest] = {}
         self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
         self.sampler = Sampler(self.sampling_state)
         self._default_seed = config.seed
@@ -82,14 +85,21 @@ class ModelRunnerV1:
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
         """Never used with one step in flight: every mask comes with its step."""
+        spec = config.speculative_config
+        self.proposer = (None if spec is None
+                         else NgramProposer(spec, max_num_reqs, worker.max_model_len))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         started = time.perf_counter()
         self._update_states(sched)
-        reqs = [self._requests[r] for r in sched.scheduled_request_ids]
+        if self.proposer is not None and any(sched.num_draft_slots):
+            if not runs_without_drafts(sched, self._prompt_requests):
+                return execute_spec_step(self, sched, started)
+            sched = without_draft_slots(sched)
+        reqs = [self.requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        inputs = self._build_inputs(reqs, num_scheduled)
+        inputs = self.build_inputs(reqs, num_scheduled)
         hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
                               inputs.attn_metadata)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
@@ -103,6 +113,10 @@ class ModelRunnerV1:
                            None if max_num_logprobs < 0 else max_num_logprobs)
         sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
         is_real_np = self._advance(reqs, num_scheduled, sampled_np)
+        if self.proposer is not None:
+            for req, token, is_real in zip(reqs, sampled_np.tolist(), is_real_np):
+                if is_real:
+                    self.proposer.append(req.row, (token,))
         if self.logits_processors is not None:
             for request_id, token, is_real in zip(sched.scheduled_request_ids, sampled_np,
                                                   is_real_np):
@@ -142,7 +156,7 @@ class ModelRunnerV1:
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for request_id in sorted(sched.finished_request_ids):
-            req = self._requests.pop(request_id, None)
+            req = self.requests.pop(request_id, None)
             self._prompt_requests.pop(request_id, None)
             if req is not None:
                 self._free_rows.append(req.row)
@@ -155,7 +169,7 @@ class ModelRunnerV1:
             if params.prompt_logprobs is not None:
                 self._prompt_requests[new.request_id] = PromptRequest(
                     params.prompt_logprobs, new.token_ids[:new.prompt_len])
-            self._requests[new.request_id] = _CachedRequest(
+            self.requests[new.request_id] = _CachedRequest(
                 row=row, token_ids=list(new.token_ids), prompt_len=new.prompt_len,
                 block_ids=list(new.block_ids),
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
@@ -164,16 +178,18 @@ class ModelRunnerV1:
                 row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
                 new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id))
+            if self.proposer is not None:
+                self.proposer.add_request(row, new.token_ids)
             if self.logits_processors is not None:
                 self.logits_processors.add_request(new.request_id, params,
                                                    new.token_ids[: new.prompt_len],
                                                    new.token_ids[new.prompt_len:])
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
-            self._requests[request_id].block_ids.extend(block_ids)
+            self.requests[request_id].block_ids.extend(block_ids)
         self.sampling_state.flush_to_device()
 
-    def _build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> _StepInputs:
+    def build_inputs(self, reqs: list[_CachedRequest], num_scheduled: np.ndarray) -> _StepInputs:
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)

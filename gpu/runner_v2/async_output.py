@@ -8,14 +8,18 @@ buffer the CPU writes is ever read by an in-flight copy.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import torch
 
 from actors.messages import LogprobsArrays, PromptLogprobs, StepOutput, StepStats
+
+CopyT = TypeVar("CopyT", bound=Any)
 
 
 @dataclass(slots=True)
@@ -83,15 +87,16 @@ class PendingStep:
                           prompt_logprobs=self._prompt_logprobs)
 
 
-def copy_to_host(tensors: StepCopy, copy_stream: torch.cuda.Stream | None
-                 ) -> tuple[StepCopy, torch.cuda.Event | None]:
+def copy_to_host(tensors: CopyT, copy_stream: torch.cuda.Stream | None
+                 ) -> tuple[CopyT, torch.cuda.Event | None]:
+    """`tensors` (a dataclass of device tensors or None) copied to the host on the side
+    stream, and the event that marks the copies' end."""
     if copy_stream is None:  # CPU: the tensors already live on the host
         return tensors, None
     copy_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(copy_stream):
-        host = StepCopy(*(None if t is None else _to_host(t, copy_stream) for t in (
-            tensors.sampled_token_ids, tensors.logprob_token_ids, tensors.logprobs,
-            tensors.sampled_ranks)))
+        values = (getattr(tensors, f.name) for f in dataclasses.fields(tensors))
+        host = type(tensors)(*(None if t is None else _to_host(t, copy_stream) for t in values))
         event = torch.cuda.Event()
         event.record(copy_stream)
     return host, event

@@ -45,6 +45,12 @@ def build_input_batch(plan: StepPlan, states: RequestStates, buffers: InputBuffe
                        num_reqs=num_reqs)
     compute_slot_mapping(query_start_loc_gpu, buffers.positions, buffers.block_table, block_size,
                          buffers.slot_mapping, num_reqs=num_reqs, num_tokens=num_tokens)
+    seq_lens_np = plan.seq_lens_np
+    if buffers.device.type == "cpu":
+        # The plan's lengths are the scheduler's, an upper bound while speculative steps
+        # are in flight; on the CPU the exact ones cost nothing to read (the torch
+        # attention loops over them). Device backends read them from the device.
+        seq_lens_np = buffers.seq_lens[:num_reqs].numpy().copy()
     attn_metadata = AttentionMetadata(
         num_actual_tokens=num_tokens,
         num_reqs=num_reqs,
@@ -55,7 +61,7 @@ def build_input_batch(plan: StepPlan, states: RequestStates, buffers: InputBuffe
         slot_mapping=buffers.slot_mapping[:num_tokens],
         block_table=buffers.block_table[:num_reqs],
         query_start_loc_cpu=plan.query_start_loc_np[: num_reqs + 1],
-        seq_lens_cpu=plan.seq_lens_np,
+        seq_lens_cpu=seq_lens_np,
     )
     return InputBatch(
         input_ids_gpu=buffers.input_ids[:num_tokens],

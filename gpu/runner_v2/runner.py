@@ -22,7 +22,7 @@ import torch
 
 from actors.messages import SchedulerOutput, StepStats
 from actors.config import EngineConfig
-from gpu.runner_v2.async_output import PendingStep, StepCopy, StepTiming, copy_to_host
+from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
@@ -30,6 +30,12 @@ from gpu.runner_v2.step_state import V2StepState
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
+from gpu.spec_decode.device_drafts import DeviceDrafts
+from gpu.spec_decode.spec_runner import (
+    launch_spec_step,
+    runs_without_drafts,
+    without_draft_slots,
+)
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -77,6 +83,8 @@ class ModelRunnerV2:
         self._prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
+        spec = config.speculative_config
+        self.drafts = None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device)
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
@@ -88,26 +96,45 @@ class ModelRunnerV2:
         self.step_state.check_owner(self)
         start_event = self._record_event()
         self._sync_states(sched)
+        if self.drafts is not None:
+            sched = self.drafts.trim_slots(self._maybe_without_drafts(sched), self.states.row_of)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
+        if self.drafts is not None and any(sched.num_draft_slots):
+            return launch_spec_step(self, sched, plan, started, start_event)
         sampled, hidden = self._run(plan, sched)
+        if self.drafts is not None:
+            self.drafts.propose(self.states, self.buffers.idx_mapping[:plan.num_reqs])
         prompt_rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
                                        sched.num_scheduled_tokens, self._prompt_requests)
         prompt = (None if prompt_rows is None  # blocking copy: in such steps only
                   else prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows))
-        end_event = self._record_event()
-        copy, event = copy_to_host(StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids,
-                                            sampled.logprobs, sampled.sampled_ranks),
-                                   self.copy_stream)
-        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
-                          num_reqs=plan.num_reqs, num_tokens=plan.num_tokens,
-                          num_prefill_tokens=plan.num_tokens - sum(sched.samples_token),
-                          prepare_time_s=time.perf_counter() - started)
-        timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
-        self._last_end_event = end_event
+        copy, event, stats, timing = self.finish_launch(
+            StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
+                     sampled.sampled_ranks), sched, plan, started, start_event)
         return PendingStep(sched.step_id, sched.scheduled_request_ids,
                            np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing,
                            prompt)
+
+    def _maybe_without_drafts(self, sched: SchedulerOutput) -> SchedulerOutput:
+        return (without_draft_slots(sched) if runs_without_drafts(sched, self._prompt_requests)
+                else sched)
+
+    def finish_launch(self, to_copy: CopyT, sched: SchedulerOutput, plan: StepPlan,
+                      started: float, start_event: torch.cuda.Event | None
+                      ) -> tuple[CopyT, torch.cuda.Event | None, StepStats, StepTiming | None]:
+        """The step's last launches: its end event and the copy of its results to the host;
+        and its stats."""
+        end_event = self._record_event()
+        copy, event = copy_to_host(to_copy, self.copy_stream)
+        num_decode_tokens = sum(sched.samples_token) + sum(sched.num_draft_slots)
+        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
+                          num_reqs=plan.num_reqs, num_tokens=plan.num_tokens,
+                          num_prefill_tokens=plan.num_tokens - num_decode_tokens,
+                          prepare_time_s=time.perf_counter() - started)
+        timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
+        self._last_end_event = end_event
+        return copy, event, stats, timing
 
     def _run(self, plan: StepPlan, sched: SchedulerOutput) -> tuple[SamplerOutput, torch.Tensor]:
         """Forward, head and sampling of one planned step: graphs where they hold it; also
@@ -140,27 +167,27 @@ class ModelRunnerV2:
             self.graphs.run_forward(plan.forward)
             hidden = self.step_state.hidden[:plan.num_tokens]
             return self.graphs.run_head(plan.num_rows_padded), hidden
-        model = self.worker.model
-        batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
-        hidden = model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
-                       batch.attn_metadata)
+        hidden = self.forward_hidden(plan)[:plan.num_tokens]
+        logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
         out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
-        return model.compute_logits(hidden[batch.logits_indices_gpu], out=out), hidden
+        return self.worker.model.compute_logits(hidden[logits_indices], out=out), hidden
+
+    def forward_hidden(self, plan: StepPlan) -> torch.Tensor:  # [>= num_tokens, hidden_size]
+        """The step's forward (its graph, or eagerly): every token's final hidden state."""
+        if plan.forward is not None:
+            self.graphs.run_forward(plan.forward)
+            return self.step_state.hidden
+        batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
+        return self.worker.model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
+                                 batch.attn_metadata)
 
     def _local_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """[tp_size * rows_per_rank, vocab shard] float32: this rank's slice of the logits,
         rows in the batch-sharded sampler's owner-major order; and the step's hidden states
         [num_tokens, hidden_size]. The forward graphs (their all-reduces captured) serve TP
         steps; the head and sampling run eagerly."""
-        if plan.forward is not None:
-            self.graphs.run_forward(plan.forward)
-            hidden = self.step_state.hidden[:plan.num_tokens]
-            logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
-        else:
-            batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
-            hidden = self.worker.model(batch.input_ids_gpu, batch.positions_gpu,
-                                       self.worker.kv_caches, batch.attn_metadata)
-            logits_indices = batch.logits_indices_gpu
+        hidden = self.forward_hidden(plan)[:plan.num_tokens]
+        logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
         order = self.sharded_sampler.logits_row_order(plan.num_reqs)
         return self.worker.model.compute_logits_local(hidden[logits_indices[order]]).float(), hidden
 

@@ -60,9 +60,8 @@ def test_serve_refuses_bad_flags_in_one_line(args: tuple[str, ...],
      ("--runner v2 forces the V2 runner", "stock torch.compile")),
     (("--logits-processors", "no_such_module:Proc"), {},
      ("cannot import module 'no_such_module'",)),
-    (("--speculative-config", NGRAM), {}, ("speculative decoding is not served yet",)),
 ], ids=["forced-v2-processors", "forced-v2-compile-env", "forced-v2-compile-flag",
-        "processor-import", "spec-not-served"])
+        "processor-import"])
 def test_the_engine_refuses_before_loading_the_model(args: tuple[str, ...], env: dict[str, str],
                                                      fragments: tuple[str, ...]) -> None:
     result = _tandem("generate", "--prompt", "hi", "--device", "cpu", *args, env=env)
@@ -91,3 +90,16 @@ def test_generate_runs_a_logits_processor_on_v1() -> None:
     record = json.loads(result.stdout.splitlines()[0])
     assert record["runner"] == "v1" and "custom logits processors" in record["runner_reason"]
     assert "Paris" in record["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("extra", "runner"), [((), "v2"), (("--logits-processors", SAMPLE), "v1")],
+                         ids=["v2", "v1-with-processors"])
+def test_generate_speculates_on_the_runner_the_other_flags_choose(extra: tuple[str, ...],
+                                                                  runner: str) -> None:
+    result = _tandem("generate", "--prompt", "What is the capital of France?", "--max-tokens",
+                     "8", "--temperature", "0", "--json", "--speculative-config", NGRAM, *extra,
+                     timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.splitlines()[0])
+    assert record["runner"] == runner and "Paris" in record["text"]

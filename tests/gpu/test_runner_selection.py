@@ -213,8 +213,6 @@ def test_rule4_gpu_without_pinned_memory_or_uva_falls_back(platform: Platform) -
             {"pipeline_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
             "pipeline parallelism with external_launcher",
         ),
-        ({"speculative_method": "ngram"}, "ngram speculative decoding"),
-        ({"speculative_method": "ngram_gpu"}, "ngram_gpu speculative decoding"),
         ({"custom_logits_processors": ("a.B", "c.D")}, "custom logits processors (a.B, c.D)"),
     ],
 )
@@ -230,6 +228,8 @@ def test_rule5_unsupported_feature_falls_back(changes: dict, feature: str) -> No
         {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},
         {"pipeline_parallel_size": 1, "distributed_executor_backend": "external_launcher"},
         {"speculative_method": "eagle"},
+        {"speculative_method": "ngram"},
+        {"speculative_method": "ngram_gpu"},
     ],
 )
 def test_rule5_leaves_supported_neighbours_on_v2(changes: dict) -> None:
@@ -269,7 +269,8 @@ def test_fallback_with_a_v2_only_feature_is_an_error_not_a_silent_downgrade() ->
     [
         (PLAIN, GPU_WITHOUT_TRITON, "rule 3 (triton)"),
         (PLAIN, WSL_GPU, "rule 4 (pinned_memory)"),
-        (_config(speculative_method="ngram"), HEALTHY_GPU, "rule 5 (unsupported_features)"),
+        (_config(custom_logits_processors=("a.B",)), HEALTHY_GPU,
+         "rule 5 (unsupported_features)"),
     ],
 )
 def test_each_fallback_logs_exactly_one_warning_naming_the_rule(

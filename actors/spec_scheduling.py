@@ -1,0 +1,95 @@
+"""How the scheduler plans speculative (ngram) decoding rows and corrects them afterwards.
+
+The drafts are proposed on the device, after the previous step's tokens are known there,
+so the scheduler never sees them. It plans with an upper bound instead: a decoding row
+that speculates runs its last token plus K draft slots (fewer near max_tokens or the
+token budget), and counts every slot as an output placeholder and as computed, so its
+KV blocks cover every position the row can reach. The runner fills the slots with the
+row's drafts (slots without a draft run a filler token whose logits nobody reads) and
+emits the accepted drafts plus one token: between 1 and 1 + slots tokens.
+
+When the step's result arrives the row is corrected: placeholders drop by 1 + slots and
+`num_computed_tokens` by the rejected slots (1 + slots - emitted). A step scheduled in
+between was planned on the upper bound, so its positions are only shifted: the device
+reads its own computed count, and the correction makes the scheduler's mirror exact again
+once every step in flight has reported. The KV slots of rejected positions are reused: the
+next step computes those positions again and overwrites them. Their blocks stay with the
+request (the request grows into them), so nothing is freed early and no block table
+shrinks under an in-flight step.
+
+A request whose slots emitted nothing (no draft matched, or every draft was rejected)
+pauses its speculation for a number of steps that doubles with each such run, up to
+MAX_BACKOFF_STEPS: where drafts do not pay (text that repeats nothing, random weights)
+the wider forward is paid about once every MAX_BACKOFF_STEPS steps.
+
+Rows that do not speculate: requests with penalties (their output counts would have to
+see the drafts) and requests with a structured output (the grammar would have to advance
+over the drafts). They decode one token per step next to speculating rows.
+"""
+
+from __future__ import annotations
+
+from actors.messages import StepOutput
+from actors.request import Request, RequestStatus
+
+
+def speculates(request: Request) -> bool:
+    """Whether `request` may run draft slots (see the module doc)."""
+    params = request.sampling_params
+    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0 and params.structured_output is None)
+
+
+MAX_BACKOFF_STEPS = 16
+"""Longest pause in a request's speculation after its drafts kept failing."""
+
+
+def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
+                    step_id: int) -> int:
+    """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
+    token left to compute), speculates and is not backing off; never more outputs than
+    max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
+    if num_speculative_tokens == 0 or step_id < request.spec_resume_step:
+        return 0
+    if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
+        return 0
+    if not speculates(request):
+        return 0
+    num_outputs_left = request.max_total_tokens - request.num_tokens_with_placeholders
+    return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
+
+
+def correct_after_step(request: Request, num_slots: int, num_emitted: int,
+                       next_step_id: int) -> None:
+    """Resolve a speculating row's placeholders once its step reported `num_emitted`
+    tokens (its outputs were appended already; `next_step_id` is the next step the
+    scheduler will build), and back off: slots that
+    emitted nothing (no draft, or none accepted) cost a wider forward for nothing, so the
+    request runs without them for 1, 2, 4, ... MAX_BACKOFF_STEPS steps after each such run
+    in a row. Tokens never depend on this, only the speed does."""
+    if num_slots:
+        if num_emitted > 1:
+            request.spec_backoff_steps = 0
+        else:
+            request.spec_backoff_steps = min(max(1, 2 * request.spec_backoff_steps),
+                                             MAX_BACKOFF_STEPS)
+        request.spec_resume_step = next_step_id + request.spec_backoff_steps
+    request.num_output_placeholders -= 1 + num_slots
+    if request.status is RequestStatus.RUNNING:
+        # A preempted request restarts from 0 computed tokens: nothing to roll back.
+        request.num_computed_tokens -= 1 + num_slots - num_emitted
+
+
+def emitted_counts(out: StepOutput, draft_slots: dict[str, int]) -> list[int] | None:
+    """Tokens each request of `out` emitted; None when they do not add up or a request
+    emitted more than its last token plus its draft slots."""
+    if out.num_sampled_tokens is None:
+        counts = [1] * len(out.request_ids)
+    else:
+        counts = out.num_sampled_tokens.tolist()
+    if len(counts) != len(out.request_ids) or sum(counts) != len(out.sampled_token_ids):
+        return None
+    for request_id, count in zip(out.request_ids, counts):
+        if not 1 <= count <= 1 + draft_slots.get(request_id, 0):
+            return None
+    return counts

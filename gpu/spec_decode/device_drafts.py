@@ -1,0 +1,98 @@
+"""The V2 runner's drafts: proposed on the device after each step, read by the next.
+
+After a step's post-update has appended the tokens it accepted, `propose` runs the ngram
+kernel (kernels/ngram_propose.py) over the step's rows, on their persistent token
+history, and writes each row's drafts twice, both on the device:
+
+- into the token history right after the row's known tokens (positions total_len ..
+  total_len + d - 1, which hold nothing yet), so the next step's input preparation, which
+  reads token_ids[row, num_computed ..], feeds the last token and then the drafts without
+  any change (inside the forward CUDA graphs too);
+- into `draft_token_ids_gpu` [max_num_reqs, K] (-1 past a row's drafts), which the
+  verification compares against the sampled tokens.
+
+Nothing crosses to the CPU: the scheduler planned the next step with K draft slots per
+decoding row before these drafts existed (actors/spec_scheduling.py). A slot without a
+draft runs whatever the history holds past the drafts (a valid token id: the history
+only ever holds tokens), and its -1 table entry keeps it from being accepted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+from actors.messages import SchedulerOutput
+from actors.speculative_config import SpeculativeConfig
+from gpu.runner_v2.states import RequestStates
+from kernels.ngram_propose import ngram_propose
+
+
+class DeviceDrafts:
+    trims_on_cpu = True
+    """On the CPU the draft counts of the step being prepared are already final (steps run
+    one after the other), so speculating rows run only the slots that hold a draft."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_reqs: int, device: torch.device) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.draft_token_ids_gpu = torch.full((max_num_reqs, config.num_speculative_tokens), -1,
+                                              dtype=torch.int32, device=device)
+        self.num_drafts_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self._offsets = torch.arange(config.num_speculative_tokens, device=device)
+
+    def trim_slots(self, sched: SchedulerOutput, row_of: dict[str, int]) -> SchedulerOutput:
+        """`sched` with each speculating row cut to its last token plus its drafts (CPU
+        only: this reads the draft counts, which on a GPU would wait for the device). The
+        scheduler's correction does not change: it counts from the emitted tokens."""
+        if not self.trims_on_cpu or self.num_drafts_gpu.is_cuda or not sched.num_draft_slots:
+            return sched
+        slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
+        rows = np.fromiter((row_of[r] for r in sched.scheduled_request_ids), dtype=np.int64,
+                           count=slots.size)
+        trimmed = np.minimum(slots, self.num_drafts_gpu.numpy()[rows])
+        num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64) - slots + trimmed
+        return msgspec.structs.replace(sched, num_scheduled_tokens=tuple(num_scheduled.tolist()),
+                                       num_draft_slots=tuple(trimmed.tolist()))
+
+    def propose(
+        self,
+        states: RequestStates,
+        idx_mapping_gpu: torch.Tensor,  # [num_reqs] int32, the rows of the step just run
+    ) -> None:
+        config = self.config
+        token_ids = states.token_ids_gpu
+        if not token_ids.is_cuda and idx_mapping_gpu.numel():
+            # The reference scans whole rows; on the CPU, reading the longest row's length
+            # costs nothing and narrows the scan to the columns that can match.
+            longest = int(states.total_len_gpu[idx_mapping_gpu.long()].max())
+            width = longest + config.num_speculative_tokens + 1
+            token_ids = token_ids[:, :min(width, token_ids.shape[1])]
+        drafts, num_drafts = ngram_propose(token_ids, states.total_len_gpu, idx_mapping_gpu,
+                                           config.num_speculative_tokens, config.prompt_lookup_min,
+                                           config.prompt_lookup_max)
+        rows = idx_mapping_gpu.long()
+        self.draft_token_ids_gpu[rows] = drafts
+        self.num_drafts_gpu[rows] = num_drafts
+        self._write_history(states, rows, drafts, num_drafts)
+
+    def _write_history(
+        self,
+        states: RequestStates,
+        rows: torch.Tensor,  # [num_reqs] int64
+        drafts: torch.Tensor,  # [num_reqs, K] int32, -1 padded
+        num_drafts: torch.Tensor,  # [num_reqs] int32
+    ) -> None:
+        history = states.token_ids_gpu
+        max_model_len = history.shape[1]
+        total = states.total_len_gpu[rows].long()[:, None]
+        columns = (total + self._offsets[None, :]).clamp(max=max_model_len - 1)
+        history_rows = rows[:, None].expand_as(columns)
+        # A clamped column repeats the row's last one: every entry that lands on a column
+        # carries that column's value, so repeated indices agree.
+        draft_index = columns - total  # -1 where a row already fills its context
+        is_draft = (draft_index >= 0) & (draft_index < num_drafts[:, None])
+        values = torch.where(is_draft, drafts.gather(1, draft_index.clamp(min=0)),
+                             history[history_rows, columns])
+        history[history_rows, columns] = values

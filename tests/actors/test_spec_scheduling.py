@@ -1,0 +1,166 @@
+"""Speculative scheduling: draft slots as an upper bound, corrected by each step's emitted
+count; random workloads with rejections, preemptions and aborts leak no block or row."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.kv_cache_manager import KVCacheManager
+from actors.messages import EngineRequest, StepOutput, StepStats
+from actors.sampling_params import SamplingParams
+from actors.scheduler import Scheduler
+from actors.scheduler_config import SchedulerConfig
+from tests.actors._kv_helpers import DirectKVClient, engine_request, run_sync
+from tests.actors._spec_fake_runner import SpecFakeRunner
+
+
+def _scheduler(k: int, max_steps_in_flight: int = 2, num_blocks: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                             block_size=4, max_steps_in_flight=max_steps_in_flight,
+                             num_speculative_tokens=k)
+    return Scheduler(config, DirectKVClient(KVCacheManager(num_blocks, 4)))
+
+
+def _request(request_id: str, prompt: range, **params: object) -> EngineRequest:
+    return EngineRequest(request_id, tuple(prompt), SamplingParams(**params), 0.0,
+                         eos_token_ids=(0,))
+
+
+def _emit(out, tokens_per_request: list[list[int]]) -> StepOutput:
+    return StepOutput(step_id=out.step_id, request_ids=out.scheduled_request_ids,
+                      sampled_token_ids=np.asarray([t for ts in tokens_per_request for t in ts]),
+                      logprobs=None, stats=StepStats(out.step_id, out.num_reqs, 0, 0),
+                      num_sampled_tokens=np.asarray([len(ts) for ts in tokens_per_request], np.int32))
+
+
+def test_a_decoding_row_gets_k_slots_and_is_corrected_by_its_emitted_count() -> None:
+    scheduler = _scheduler(k=3, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("r", range(10), max_tokens=20))
+    prefill = run_sync(scheduler.schedule())
+    assert prefill.num_scheduled_tokens == (10,) and prefill.num_draft_slots == ()
+    scheduler.update_from_step(_emit(prefill, [[1]]))
+    spec = run_sync(scheduler.schedule())
+    assert spec.num_scheduled_tokens == (4,) and spec.num_draft_slots == (3,)
+    assert spec.num_computed_tokens == (10,)
+    scheduler.update_from_step(_emit(spec, [[2, 3]]))  # one draft accepted, two rejected
+    request = scheduler.get_request("r")
+    assert request.output_token_ids == [1, 2, 3]
+    assert (request.num_computed_tokens, request.num_output_placeholders) == (12, 0)
+    following = run_sync(scheduler.schedule())
+    assert following.num_computed_tokens == (12,) and following.num_scheduled_tokens == (4,)
+
+
+def test_slots_stop_at_max_tokens_and_a_stop_token_cuts_the_run() -> None:
+    scheduler = _scheduler(k=4, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("r", range(10), max_tokens=3))
+    scheduler.add_request(_request("s", range(20, 30), max_tokens=None, stop_token_ids=(7,)))
+    first = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(first, [[1], [1]]))
+    spec = run_sync(scheduler.schedule())
+    assert spec.num_draft_slots == (1, 4)  # r may emit 2 more tokens, s up to 5
+    result = scheduler.update_from_step(_emit(spec, [[2, 3], [5, 7, 9]]))
+    assert [f.reason for _, f in result.finished] == ["length", "stop"]
+    assert result.num_tokens == [2, 2]  # the token after the stop is dropped
+    assert scheduler.get_request("s") is None
+
+
+def test_penalty_rows_decode_one_token_beside_speculating_rows() -> None:
+    scheduler = _scheduler(k=2, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("plain", range(8), max_tokens=10))
+    scheduler.add_request(_request("penalised", range(8), max_tokens=10, repetition_penalty=1.2))
+    first = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(first, [[1], [1]]))
+    assert run_sync(scheduler.schedule()).num_draft_slots == (2, 0)
+
+
+def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
+    scheduler = _scheduler(k=2, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("r", range(8), max_tokens=60))
+    out = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(out, [[1]]))
+    slots = []
+    for _ in range(12):
+        out = run_sync(scheduler.schedule())
+        slots.append(out.num_draft_slots[0] if out.num_draft_slots else 0)
+        scheduler.update_from_step(_emit(out, [[5]]))  # nothing accepted, ever
+    assert slots == [2, 0, 2, 0, 0, 2, 0, 0, 0, 0, 2, 0]
+    out = run_sync(scheduler.schedule())
+    while not out.num_draft_slots:
+        scheduler.update_from_step(_emit(out, [[5]]))
+        out = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(out, [[5, 6]]))  # an accepted draft ends the pause
+    assert run_sync(scheduler.schedule()).num_draft_slots == (2,)
+
+
+def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
+    scheduler = _scheduler(k=1, max_steps_in_flight=1)
+    scheduler.add_request(engine_request("r", range(8), max_tokens=10))
+    first = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(first, [[1]]))
+    spec = run_sync(scheduler.schedule())
+    result = scheduler.update_from_step(_emit(spec, [[2, 3, 4]]))
+    assert [f.reason for _, f in result.finished] == ["error"]
+
+
+@settings(deadline=None, max_examples=150)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+       extra_blocks=st.integers(0, 6), max_steps_in_flight=st.sampled_from([1, 2]),
+       num_requests=st.integers(1, 10), abort_probability=st.sampled_from([0.0, 0.05]),
+       eos_probability=st.sampled_from([0.0, 0.1]))
+def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size: int,
+                                                   extra_blocks: int, max_steps_in_flight: int,
+                                                   num_requests: int, abort_probability: float,
+                                                   eos_probability: float) -> None:
+    rng = random.Random(seed)
+    max_model_len = 32
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=rng.randint(4, 40),
+                             max_model_len=max_model_len, block_size=block_size,
+                             max_steps_in_flight=max_steps_in_flight, num_speculative_tokens=k)
+    # Room for one full request plus a few blocks: preemptions are frequent.
+    num_blocks = -(-max_model_len // block_size) + extra_blocks
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=rng.random() < 0.5)
+    scheduler = Scheduler(config, DirectKVClient(manager))
+    runner = SpecFakeRunner(block_size, manager, rng, eos_probability=eos_probability,
+                            vocab_size=rng.choice([3, 50]))
+    for index in range(num_requests):
+        prompt = [rng.randrange(5) for _ in range(rng.randint(1, max_model_len - 1))]
+        max_tokens = rng.choice([None, rng.randint(1, 20)])
+        request = engine_request(f"r{index}", prompt, max_tokens=max_tokens,
+                                 arrival_time=time.monotonic())
+        scheduler.add_request(request)
+        runner.register(request.request_id, min(max_tokens or max_model_len,
+                                                max_model_len - len(prompt)))
+    aborted = set()
+    for _ in range(5000):
+        unfinished = scheduler.unfinished_request_ids()
+        if unfinished and rng.random() < abort_probability:
+            victim = rng.choice(unfinished)
+            scheduler.abort_requests([victim])
+            runner.abort([victim])
+            aborted.add(victim)
+        while (out := run_sync(scheduler.schedule())) is not None:
+            assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+            runner.execute(out)
+            manager.check_invariants()
+        if runner.pending_updates:
+            runner.deliver_oldest(scheduler)
+            manager.check_invariants()
+        if not scheduler.has_unfinished_requests and not runner.pending_updates:
+            break
+    else:
+        raise AssertionError("the workload did not finish")
+    assert run_sync(scheduler.schedule()) is None
+    manager.check_invariants()
+    usage = manager.stats()
+    assert usage.num_used_blocks == 0 and usage.num_free_blocks == num_blocks
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    assert set(runner.finished) == {f"r{index}" for index in range(num_requests)}
+    assert {rid for rid, reason in runner.finished.items() if reason == "abort"} == aborted
+    for request_id, reason in runner.finished.items():
+        if reason == "length":
+            assert len(runner.outputs[request_id]) == runner.max_tokens[request_id]
