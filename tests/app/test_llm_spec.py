@@ -172,3 +172,27 @@ def test_preemptions_and_aborts_leave_no_block_or_row(plain: LLM) -> None:
     assert invariants.error is None
     expected = _tokens(plain.generate([list(p) for p in prompts[:4]], params))
     assert [tuple(t) for t in tokens] == expected
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_grammar_and_prompt_logprob_rows_beside_speculating_rows(plain: LLM, runner: str) -> None:
+    # Steps holding such rows run without draft slots (the speculative path applies no mask
+    # and scores no prompt): every request still gets exactly what it gets without speculation.
+    import json
+
+    from actors.structured_output import StructuredOutputSpec
+
+    spec = LLM("default", reuse=plain, runner=runner, speculative_config=NGRAM, **OPTIONS)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    prompts = _prompts(plain)
+    params = [GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=40,
+                             structured_output=StructuredOutputSpec("json", json.dumps(schema))),
+              SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)]
+    expected = plain.generate(prompts, params)
+    actual = spec.generate(prompts, params)
+    assert _tokens(actual) == _tokens(expected)
+    assert set(json.loads(actual[1].outputs[0].text)) == {"city"}
+    assert actual[2].prompt_logprobs == expected[2].prompt_logprobs
+    assert actual[2].prompt_logprobs is not None
