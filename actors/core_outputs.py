@@ -18,7 +18,7 @@ from actors.messages import (
     StepOutput,
     ToFrontEnd,
 )
-from actors.scheduler import StepResult
+from actors.step_batch import StepResult
 
 Send = Callable[[int, ToFrontEnd], None]
 STATS_CLIENT = 0

@@ -19,12 +19,9 @@ else while `schedule()` is awaiting the KV cache actor.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
 from actors.grammar_state import GrammarState
@@ -39,7 +36,6 @@ from actors.kv_messages import (
 from actors.messages import (
     CachedRequestData,
     EngineRequest,
-    GrammarBitmask,
     NewRequestData,
     RequestFinish,
     SchedulerOutput,
@@ -48,87 +44,24 @@ from actors.messages import (
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
 from actors.spec_scheduling import correct_after_step, emitted_counts, num_draft_slots
+from actors.step_batch import (
+    Granted,
+    PlannedRun,
+    StepBatch,
+    StepResult,
+    WaitingQueue,
+    check_tokens_are_expected,
+    grammar_rows,
+    schedule_tokens,
+    slots_column,
+    token_stop,
+)
 
 
 class KVClient(Protocol):
     async def allocate_step(self, msg: AllocateStep) -> StepAllocation: ...
 
     async def free(self, request_ids: Sequence[str]) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class _PlannedRun:
-    request: Request
-    num_new_tokens: int
-    alloc: RunningAlloc
-    num_draft_slots: int = 0
-
-
-_Granted = tuple[_PlannedRun, tuple[int, ...]]
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one step did to its requests, for the front ends."""
-
-    rows: list[int] = field(default_factory=list)
-    """Where in StepOutput.sampled_token_ids each kept request's tokens start (its row when
-    every request sampled one token); only requests with tokens appended (live or just
-    finished) are listed."""
-    requests: list[Request] = field(default_factory=list)
-    """The request of each of those rows."""
-    num_tokens: list[int] = field(default_factory=list)
-    """Tokens appended per row (1 without speculation; a stop may cut a run short)."""
-    num_drafts: list[int] = field(default_factory=list)
-    """Drafts verified per row (speculative steps only)."""
-    finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
-    """Requests this step finished: token-level stops and failures."""
-    grammar_masks: list[tuple[int, GrammarBitmask]] = field(default_factory=list)
-    """Deferred grammar masks of steps in flight, ready now: (step id, mask)."""
-"""A running entry that got its blocks, with the block ids appended this step."""
-
-
-@dataclass(slots=True)
-class _StepBatch:
-    """The columns of a SchedulerOutput, filled in batch order."""
-
-    request_ids: list[str]
-    num_scheduled_tokens: list[int]
-    num_computed_tokens: list[int]
-    samples_token: list[bool]
-    sampling_requests: dict[str, Request]
-    num_draft_slots: dict[str, int] = field(default_factory=dict)
-    """Speculating rows' draft slots (absent: 0)."""
-
-
-class WaitingQueue:
-    """Waiting and preempted requests, best first: lower priority value, then preempted
-    before new, then earlier arrival, then earlier push."""
-
-    def __init__(self) -> None:
-        # Sorted ascending by the negated key, so the best request sits at the end: taking
-        # it is cheap, and a new arrival (usually the worst) is inserted near the front.
-        self._entries: list[tuple[tuple[int, int, float, int], Request]] = []
-        self._keys: dict[int, tuple[int, int, float, int]] = {}
-        self._push_seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def push(self, request: Request) -> None:
-        is_new = 0 if request.status is RequestStatus.PREEMPTED else 1
-        key = (-request.priority, -is_new, -request.arrival_time, -next(self._push_seq))
-        self._keys[id(request)] = key
-        bisect.insort(self._entries, (key, request))
-
-    def remove(self, request: Request) -> None:
-        key = self._keys.pop(id(request))
-        index = bisect.bisect_left(self._entries, (key,))
-        del self._entries[index]
-
-    def best_first(self) -> Iterator[Request]:
-        for index in range(len(self._entries) - 1, -1, -1):
-            yield self._entries[index][1]
 
 
 class Scheduler:
@@ -240,7 +173,7 @@ class Scheduler:
             expected = self._in_flight[0][0] if self._in_flight else None
             raise ValueError(f"step output {out.step_id} out of order; expected {expected}")
         _, sampling, draft_slots = self._in_flight[0]
-        _check_tokens_are_expected(out, sampling)
+        check_tokens_are_expected(out, sampling)
         self._in_flight.popleft()
         result = StepResult()
         if out.error is not None:
@@ -282,7 +215,7 @@ class Scheduler:
         for token_id in tokens:
             request.output_token_ids.append(token_id)
             num_kept += 1
-            finish = _token_stop(request, token_id)
+            finish = token_stop(request, token_id)
             if finish is None and request.grammar is not None:  # grammar rows never speculate
                 finish = GrammarState.advance(request, token_id)
             if finish is not None:
@@ -303,9 +236,9 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------
 
-    def _plan_running(self) -> tuple[list[_PlannedRun], int]:
+    def _plan_running(self) -> tuple[list[PlannedRun], int]:
         token_budget = self.config.max_num_batched_tokens
-        planned: list[_PlannedRun] = []
+        planned: list[PlannedRun] = []
         for request in self._running.values():
             if token_budget == 0:
                 break
@@ -318,7 +251,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             alloc = RunningAlloc(request.request_id, request.num_computed_tokens + num_new)
-            planned.append(_PlannedRun(request, num_new, alloc, num_slots))
+            planned.append(PlannedRun(request, num_new, alloc, num_slots))
             token_budget -= num_new
         return planned, token_budget
 
@@ -342,14 +275,14 @@ class Scheduler:
                 break
         return entries, requests
 
-    async def _allocate(self, planned: list[_PlannedRun], waiting: list[WaitingAlloc],
+    async def _allocate(self, planned: list[PlannedRun], waiting: list[WaitingAlloc],
                         token_budget: int,
-                        ) -> tuple[list[_Granted], tuple[WaitingGrant, ...]]:
+                        ) -> tuple[list[Granted], tuple[WaitingGrant, ...]]:
         """Ask for blocks, preempting until every remaining running entry gets its blocks.
 
         Waiting requests are admitted only when nothing had to be preempted.
         """
-        satisfied: list[_Granted] = []
+        satisfied: list[Granted] = []
         pending = planned
         waiting_entries = tuple(waiting)
         while True:
@@ -376,12 +309,12 @@ class Scheduler:
 
     # ---- committing -----------------------------------------------------------------
 
-    def _commit(self, satisfied: list[_Granted], grants: Sequence[WaitingGrant],
+    def _commit(self, satisfied: list[Granted], grants: Sequence[WaitingGrant],
                 waiting_requests: dict[str, Request], started: float) -> SchedulerOutput:
-        batch = _StepBatch([], [], [], [], {})
+        batch = StepBatch([], [], [], [], {})
         for run, new_block_ids in satisfied:
             run.request.block_ids.extend(new_block_ids)
-            _schedule_tokens(batch, run.request, run.num_new_tokens, run.num_draft_slots)
+            schedule_tokens(batch, run.request, run.num_new_tokens, run.num_draft_slots)
         new_requests = [self._admit(waiting_requests[grant.request_id], grant, batch)
                         for grant in grants]
         step_id = self._next_step_id
@@ -389,7 +322,7 @@ class Scheduler:
         self._in_flight.append((step_id, batch.sampling_requests, batch.num_draft_slots))
         grammar_bitmask, mask_deferred = None, False
         if self.grammars is not None:
-            grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, _grammar_rows(batch))
+            grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, grammar_rows(batch))
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
         return SchedulerOutput(
             step_id=step_id, new_requests=tuple(new_requests),
@@ -402,9 +335,9 @@ class Scheduler:
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
             schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
             grammar_mask_deferred=mask_deferred,
-            num_draft_slots=_slots_column(batch) if batch.num_draft_slots else ())
+            num_draft_slots=slots_column(batch) if batch.num_draft_slots else ())
 
-    def _admit(self, request: Request, grant: WaitingGrant, batch: _StepBatch) -> NewRequestData:
+    def _admit(self, request: Request, grant: WaitingGrant, batch: StepBatch) -> NewRequestData:
         self._waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
@@ -419,7 +352,7 @@ class Scheduler:
             prompt_len=request.num_prompt_tokens, block_ids=grant.block_ids,
             num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids)
-        _schedule_tokens(batch, request, grant.num_new_tokens)
+        schedule_tokens(batch, request, grant.num_new_tokens)
         return new_request
 
     def _preempt(self, request: Request) -> None:
@@ -447,56 +380,3 @@ class Scheduler:
     def _take_blocks_to_free(self) -> tuple[str, ...]:
         request_ids, self._blocks_to_free = tuple(self._blocks_to_free), []
         return request_ids
-
-
-def _schedule_tokens(batch: _StepBatch, request: Request, num_new_tokens: int,
-                     num_slots: int = 0) -> None:
-    batch.request_ids.append(request.request_id)
-    batch.num_scheduled_tokens.append(num_new_tokens)
-    batch.num_computed_tokens.append(request.num_computed_tokens)
-    request.num_computed_tokens += num_new_tokens - num_slots
-    samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
-    batch.samples_token.append(samples)
-    if samples:
-        # A speculating row counts its draft slots as outputs and as computed (upper
-        # bounds, corrected by its result: actors/spec_scheduling.py).
-        request.num_computed_tokens += num_slots
-        request.num_output_placeholders += 1 + num_slots
-        batch.sampling_requests[request.request_id] = request
-        if num_slots:
-            batch.num_draft_slots[request.request_id] = num_slots
-
-
-def _slots_column(batch: _StepBatch) -> tuple[int, ...]:
-    return tuple(batch.num_draft_slots.get(request_id, 0) for request_id in batch.request_ids)
-
-
-def _grammar_rows(batch: _StepBatch) -> list[tuple[int, Request]]:
-    """(batch index, request) of the rows that sample under a grammar."""
-    rows = []
-    for index, request_id in enumerate(batch.request_ids):
-        request = batch.sampling_requests.get(request_id)
-        if request is not None and request.grammar is not None and batch.samples_token[index]:
-            rows.append((index, request))
-    return rows
-
-
-def _token_stop(request: Request, token_id: int) -> RequestFinish | None:
-    if len(request.output_token_ids) >= request.sampling_params.min_tokens:
-        if token_id in request.eos_token_set:
-            return RequestFinish(request.request_id, "stop")
-        if token_id in request.stop_token_set:
-            return RequestFinish(request.request_id, "stop", stop_token_id=token_id)
-    if request.num_tokens >= request.max_total_tokens:
-        return RequestFinish(request.request_id, "length")
-    return None
-
-
-def _check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> None:
-    """A token for a request that did not sample in the step (or two for one) is a runner
-    bug: refuse the whole step before applying any of it."""
-    if len(set(out.request_ids)) != len(out.request_ids) or not sampling.keys() >= set(
-            out.request_ids):
-        unexpected = [rid for rid in out.request_ids if rid not in sampling]
-        raise ValueError(f"step output {out.step_id}: tokens for requests that did not sample "
-                         f"in that step, or twice: {unexpected or list(out.request_ids)}")
