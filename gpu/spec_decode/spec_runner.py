@@ -10,7 +10,7 @@ per request, and a speculative step has up to 1 + K.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -66,8 +66,11 @@ def without_draft_slots(sched: SchedulerOutput) -> SchedulerOutput:
                                    num_draft_slots=(0,) * len(sched.num_draft_slots))
 
 
-def runs_without_drafts(sched: SchedulerOutput, prompt_request_ids: Container[str]) -> bool:
+def runs_without_drafts(sched: SchedulerOutput, prompt_request_ids: Collection[str]) -> bool:
     """Steps with grammar rows or prompt-logprob rows run without draft slots: the
     speculative path applies no grammar mask and scores no prompt."""
+    if not any(sched.num_draft_slots):
+        return False
     return (sched.grammar_bitmask is not None or sched.grammar_mask_deferred
-            or any(r in prompt_request_ids for r in sched.scheduled_request_ids))
+            or (bool(prompt_request_ids)
+                and any(r in prompt_request_ids for r in sched.scheduled_request_ids)))
