@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto",
+                   help="float32 on a GPU for the token-for-token check (bf16 near-ties part "
+                        "a K+1-position verify from a one-token decode)")
     p.add_argument("--runner", default="v2", choices=("v1", "v2"))
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -117,7 +120,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     from actors.speculative_config import SpeculativeConfig
     from app.llm import LLM
 
-    options = dict(device=args.device, runner=args.runner, max_num_seqs=max(args.concurrency),
+    options = dict(device=args.device, dtype=args.dtype, runner=args.runner, max_num_seqs=max(args.concurrency),
                    max_model_len=1024)
     plain = LLM(args.model, **options)
     spec = LLM(args.model, reuse=plain, speculative_config=SpeculativeConfig(

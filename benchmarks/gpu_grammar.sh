@@ -8,7 +8,8 @@
 #           (.tok/qwen3): first every constrained output must validate (json_schema, regex,
 #           choice; benchmarks/grammar_serve.py check), then 256 concurrent streamed chats,
 #           128-token messages, 512 output tokens, ignore_eos, free vs json_schema, run
-#           A B B A; the ratio of output tok/s (target >= 0.8) goes to grammar_serve.json.
+#           A B C B A (C: strings with maxLength, one wave of 256, reported without a
+#           target); the ratio of output tok/s (target >= 0.8) goes to grammar_serve.json.
 # Results land in $OUT (grammar_parity.json, grammar_check.json, serve_*.json,
 # grammar_serve.json, logs).
 #   wheels to carry in .whl (Python 3.12, manylinux x86_64): those of gpu_serve_split.sh
@@ -60,6 +61,7 @@ if ! python3 benchmarks/grammar_serve.py check --num-requests 64 --out "$OUT/gra
 fi
 
 python3 benchmarks/grammar_serve.py schema --out "$OUT/response_format.json"
+python3 benchmarks/grammar_serve.py schema --max-length 20 --out "$OUT/response_format_bounded.json"
 bench() {  # bench NAME ARGS...
   local name=$1; shift
   timeout -s INT 240 python3 -m app.cli bench serve --base-url http://127.0.0.1:8000 \
@@ -67,9 +69,10 @@ bench() {  # bench NAME ARGS...
     --temperature 1.0 --num-prompts 1024 --concurrency 256 --warmup 32 "$@" \
     --output "$OUT/serve_$name.json" 2>&1 | grep -E "^concurrency|rror"
 }
-phase "throughput, A B B A: free, json_schema, json_schema, free"
+phase "throughput, A B C B A: free, json_schema, bounded strings (one wave), json_schema, free"
 bench free_1
 bench json_1 --response-format "@$OUT/response_format.json"
+bench bounded_1 --response-format "@$OUT/response_format_bounded.json" --num-prompts 256
 bench json_2 --response-format "@$OUT/response_format.json"
 bench free_2
 curl -s localhost:8000/metrics | grep -E "^tandem:gpu_idle_fraction|^vllm:num_preemptions_total" \
@@ -77,5 +80,6 @@ curl -s localhost:8000/metrics | grep -E "^tandem:gpu_idle_fraction|^vllm:num_pr
 kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
 
 python3 benchmarks/grammar_serve.py ratio --free "$OUT/serve_free_1.json" "$OUT/serve_free_2.json" \
-  --constrained "$OUT/serve_json_1.json" "$OUT/serve_json_2.json" --out "$OUT/grammar_serve.json"
+  --constrained "$OUT/serve_json_1.json" "$OUT/serve_json_2.json" \
+  --bounded "$OUT/serve_bounded_1.json" --out "$OUT/grammar_serve.json"
 phase "done"

@@ -1,0 +1,68 @@
+"""How the batch mask fill scales with the grammar library's threads: 256 matchers of the
+throughput schema, advanced by random allowed tokens (as random weights sample them), one
+fill of the whole batch timed per step, for each thread count.
+
+    python benchmarks/grammar_fill_threads.py --tokenizer .tok/qwen3 --out fill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actors.grammar import GrammarCompiler, allocate_bitmask  # noqa: E402
+from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from benchmarks.grammar_serve import THROUGHPUT_SCHEMA  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer directory")
+    parser.add_argument("--vocab-size", type=int, default=151936)
+    parser.add_argument("--eos-token-id", type=int, default=151645, help="Qwen3 <|im_end|>")
+    parser.add_argument("--num-rows", type=int, default=256)
+    parser.add_argument("--num-steps", type=int, default=64)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    tokenizer_json = (Path(args.tokenizer) / "tokenizer.json").read_text()
+    compiler = GrammarCompiler(tokenizer_json, args.vocab_size, [args.eos_token_id])
+    spec = StructuredOutputSpec("json", json.dumps(THROUGHPUT_SCHEMA))
+    executors = {n: llguidance.LLExecutor(num_threads=n) for n in args.threads}
+    executors[0] = llguidance.LLExecutor()  # the library's default
+    times_ms: dict[int, list[float]] = {n: [] for n in executors}
+    matchers = [compiler.matcher(spec) for _ in range(args.num_rows)]
+    pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
+    bitmask = allocate_bitmask(args.num_rows, args.vocab_size)
+    rng = np.random.default_rng(0)
+    for _ in range(args.num_steps):
+        for n, executor in executors.items():
+            started = time.perf_counter()
+            llguidance.numpy.fill_next_token_bitmask_par(executor, pairs, bitmask)
+            times_ms[n].append((time.perf_counter() - started) * 1e3)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        for row, matcher in enumerate(matchers):
+            matcher.accept_token(int(rng.choice(np.flatnonzero(bits[row, :args.vocab_size]))))
+    result = {"num_rows": args.num_rows, "num_steps": args.num_steps, "cpus": os.cpu_count(),
+              "fill_ms": {("default" if n == 0 else str(n)): {
+                  "p50": float(np.median(t)), "p90": float(np.percentile(t, 90)),
+                  "mean": float(np.mean(t))} for n, t in times_ms.items()}}
+    args.out.write_text(json.dumps(result, indent=2))
+    for name, stats in result["fill_ms"].items():
+        print(f"threads {name:8s} fill ms p50 {stats['p50']:6.2f} p90 {stats['p90']:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

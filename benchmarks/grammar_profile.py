@@ -1,0 +1,160 @@
+"""Where a constrained decode step's time goes: in-process engine, one batch of JSON-schema
+requests against the same batch free, with a stack sampler over every thread.
+
+    python benchmarks/grammar_profile.py --model dummy:qwen3-0.6b --tokenizer .tok/qwen3 \\
+        --num-requests 256 --out profile.json
+
+Prints output tok/s for both arms and, per thread, the functions most often on top of the
+stack (self) and anywhere on it (inclusive) during the constrained arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from app.llm import LLM  # noqa: E402
+from benchmarks.grammar_serve import THROUGHPUT_SCHEMA  # noqa: E402
+
+
+class StackSampler:
+    """Samples every thread's Python stack each `interval_s` (own thread excluded)."""
+
+    def __init__(self, interval_s: float = 0.0005) -> None:
+        self.interval_s = interval_s
+        self.self_counts: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self.incl_counts: dict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self.num_samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        names = {}
+        while not self._stop.wait(self.interval_s):
+            names.update({t.ident: t.name for t in threading.enumerate()})
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():
+                    continue
+                name = names.get(ident, str(ident))
+                self.self_counts[name][_where(frame)] += 1
+                seen = set()
+                while frame is not None:
+                    seen.add(_where(frame))
+                    frame = frame.f_back
+                self.incl_counts[name].update(seen)
+            self.num_samples += 1
+
+    def report(self, top: int) -> dict:
+        return {name: {"self": counts.most_common(top),
+                       "focus": {w: n for w, n in self.incl_counts[name].items()
+                                 if w.split(":")[1] in FOCUS}}
+                for name, counts in self.self_counts.items()}
+
+
+FOCUS = {"step_mask", "fill_bitmasks", "_bitmask", "update_from_step", "_apply_step",
+         "schedule", "apply_grammar_bitmask", "_logits", "run_sample", "_sample_eagerly",
+         "advance", "_complete_loop", "execute", "wait", "step", "ready_masks"}
+"""Functions whose inclusive share is reported whole (time = count x interval)."""
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    return f"{Path(code.co_filename).name}:{code.co_name}"
+
+
+def _time_fills() -> tuple[list[float], list[int]]:
+    """Time every batch mask fill of the engine (wraps GrammarCompiler.fill_bitmasks)."""
+    from actors.grammar import GrammarCompiler
+
+    times_ms: list[float] = []
+    num_rows: list[int] = []
+    fill = GrammarCompiler.fill_bitmasks
+
+    def timed(self, rows, bitmask):  # noqa: ANN001 - the wrapped method's own arguments
+        started = time.perf_counter()
+        fill(self, rows, bitmask)
+        times_ms.append((time.perf_counter() - started) * 1e3)
+        num_rows.append(len(rows))
+
+    GrammarCompiler.fill_bitmasks = timed
+    return times_ms, num_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="dummy:qwen3-0.6b")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    llm = LLM(args.model, tokenizer=args.tokenizer, max_num_seqs=args.num_requests,
+              max_num_batched_tokens=16384, max_model_len=2048)
+    prompts = [f"List people as JSON, batch {i}." for i in range(args.num_requests)]
+    spec = StructuredOutputSpec("json", json.dumps(THROUGHPUT_SCHEMA))
+    arms = {"free": SamplingParams(temperature=1.0, seed=1, max_tokens=args.max_tokens,
+                                   ignore_eos=True),
+            "json": SamplingParams(temperature=1.0, seed=1, max_tokens=args.max_tokens,
+                                   ignore_eos=True, structured_output=spec)}
+    fill_ms, fill_rows = _time_fills()
+    llm.generate(prompts[:8], arms["json"])  # warm-up: compile, graphs
+    result = {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "arms": {}}
+    import torch
+
+    # Stacks are sampled in the last run of each json arm only: the sampler takes the GIL
+    # every half millisecond, so the other runs are the clean timings.
+    plan = ("free", "json", "free", "json", "free_t1", "json_t1", "free_t1", "json_t1")
+    for index, name in enumerate(plan):
+        if name.endswith("_t1"):  # as the engine core process runs on a GPU
+            torch.set_num_threads(1)
+        sampler = StackSampler()
+        sampled = name.startswith("json") and name not in plan[index + 1:]
+        started = time.perf_counter()
+        with sampler if sampled else contextlib.nullcontext():
+            outputs = llm.generate(prompts, arms[name.removesuffix("_t1")])
+        elapsed_s = time.perf_counter() - started
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        fills = {"num_fills": len(fill_ms), "mean_ms": sum(fill_ms) / max(len(fill_ms), 1),
+                 "mean_rows": sum(fill_rows) / max(len(fill_rows), 1)}
+        fill_ms.clear()
+        fill_rows.clear()
+        result["arms"].setdefault(name, []).append(
+            {"output_tok_s": num_tokens / elapsed_s, "elapsed_s": elapsed_s,
+             "stacks": sampler.report(args.top), "num_samples": sampler.num_samples,
+             "stacks_sampled": sampled, "mask_fills": fills})
+        print(f"{name:8s} {num_tokens / elapsed_s:10.1f} output tok/s ({elapsed_s:.2f} s)"
+              + f" fills {fills['num_fills']} x {fills['mean_ms']:.2f} ms"
+              f" ({fills['mean_rows']:.0f} rows)" + (" (stacks sampled)" if sampled else ""))
+    args.out.write_text(json.dumps(result, indent=1))
+    for thread, stacks in result["arms"]["json_t1"][-1]["stacks"].items():
+        print(f"--- json_t1 arm, thread {thread}")
+        print("  self: " + "; ".join(f"{w} {n}" for w, n in stacks["self"]))
+        print("  focus: " + "; ".join(f"{w} {n}" for w, n in sorted(
+            stacks["focus"].items(), key=lambda item: -item[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
