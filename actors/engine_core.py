@@ -85,7 +85,8 @@ class EngineCore:
             max_steps_in_flight=max_in_flight,
             num_speculative_tokens=(0 if config.speculative_config is None
                                     else config.speculative_config.num_speculative_tokens)),
-            KVActorClient(self.kv_actor), GrammarState(worker.model_config.vocab_size))
+            KVActorClient(self.kv_actor), GrammarState(worker.model_config.vocab_size,
+                                                       max_in_flight))
         tp_leader = getattr(worker, "tp_leader", None)
         v2_runner_cls = ModelRunnerV2 if tp_leader is None else TPRunnerV2
         runner_cls, gpu_actor_cls = ((v2_runner_cls, GPUActorV2) if runner.runner == "v2"

@@ -6,6 +6,7 @@ request with 'stop'."""
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import numpy as np
@@ -132,3 +133,22 @@ def test_a_tokenizer_the_grammar_library_cannot_use_refuses_constrained_requests
         scheduler.add_request(_request("a", CHOICE))
     scheduler.add_request(_request("b", None))
     assert scheduler.has_unfinished_requests
+
+
+def test_masks_alive_together_never_share_memory_and_a_finished_row_allows_everything() -> None:
+    tokenizer = _tokenizer()
+    grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2)
+    grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
+    row = types.SimpleNamespace(
+        grammar=grammars.matcher(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        is_finished=False, num_output_placeholders=1)
+    digits = {tokenizer.encode(str(d))[0] for d in range(10)}
+    masks = [grammars.plan_step(step_id, [(0, row)])[0] for step_id in range(3)]
+    for i, mask in enumerate(masks):
+        assert mask is not None and digits <= _allowed(mask.bitmask[0])
+        assert len(_allowed(mask.bitmask[0])) < tokenizer.vocab_size // 2
+        assert not any(np.shares_memory(mask.bitmask, other.bitmask) for other in masks[:i])
+    row.is_finished = True  # its buffer held the digits-only row just before
+    again = [grammars.plan_step(step_id, [(0, row)])[0] for step_id in range(3, 6)]
+    assert all(mask is not None and (mask.bitmask == -1).all() for mask in again)
