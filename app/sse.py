@@ -3,7 +3,9 @@
     data: {chunk}\\n\\n ... data: [DONE]\\n\\n
 
 Per choice: a role chunk once the first output exists (chat only), content chunks, then
-exactly one chunk with finish_reason. With `include_usage` a last chunk has `choices: []`
+exactly one chunk with finish_reason. A completions choice's first chunk also carries the
+echoed prompt (with its logprobs) and vLLM's `prompt_logprobs`; a chat stream's first chunk
+carries `prompt_logprobs` once. With `include_usage` a last chunk has `choices: []`
 and the usage; `continuous_usage_stats` puts cumulative usage on every chunk. An error
 after the headers is an error event followed by [DONE]. While nothing arrives for
 `keep_alive_s` seconds (queued, long prefill) an SSE comment keeps proxies from cutting the
