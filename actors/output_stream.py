@@ -75,8 +75,9 @@ class StreamDelta:
     """On the final delta, the request's timeline for metrics and traces (when the
     engine keeps records)."""
     prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
-    """On the final delta of a request that asked for them: one entry per prompt token,
-    None for the first (nothing precedes it)."""
+    """Once, on the first delta read after the prompt's prefill ended (the one with the
+    first output token, or the final one), for a request that asked for them: one entry
+    per prompt token, None for the first (nothing precedes it)."""
 
     @property
     def finished(self) -> bool:
@@ -115,6 +116,7 @@ class RequestStream:
         self._on_first_token: Callable[[str], None] | None = None
         self._on_finished: Callable[[str], None] | None = None
         self._prompt_logprobs: list[LogprobEntry | None] | None = None
+        self._prompt_logprobs_read = False
 
     def observe(self, on_first_token: Callable[[str], None],
                 on_finished: Callable[[str], None]) -> None:
@@ -250,14 +252,22 @@ class RequestStream:
             num_output_tokens=self._num_output_tokens, first_token_time=self.first_token_time,
             finish_time=self.finish_time,
             record=self.record if self._finish_reason is not None else None,
-            prompt_logprobs=(tuple(self._prompt_logprobs) if self._prompt_logprobs is not None
-                             and self._finish_reason is not None else None))
+            prompt_logprobs=self._take_prompt_logprobs())
         self._token_ids.clear()
         self._text_parts.clear()
         if self._logprobs is not None:
             self._logprobs = []
         self._final_read = self._finish_reason is not None
         return delta
+
+    def _take_prompt_logprobs(self) -> tuple[LogprobEntry | None, ...] | None:
+        """The whole prompt's logprobs, once: an output token (or the end) means its
+        prefill is over, and each step sets a request's prompt logprobs before its tokens."""
+        if (self._prompt_logprobs is None or self._prompt_logprobs_read
+                or (self.first_token_time is None and self._finish_reason is None)):
+            return None
+        self._prompt_logprobs_read = True
+        return tuple(self._prompt_logprobs)
 
     def _signal_done(self) -> None:
         if self._done is not None:

@@ -6,6 +6,10 @@ field (chat and completions).
 
 One entry per prompt token; the first is null (nothing precedes it). Each entry holds the
 prompt token and the top `prompt_logprobs` tokens at that position, as vLLM's does.
+
+Streamed, they ride on each completions choice's first chunk (with the echoed prompt, before
+any generated text) and on a chat stream's first chunk (once), so the chunks put together
+equal the response that is not streamed.
 """
 
 from __future__ import annotations
@@ -15,18 +19,13 @@ from typing import Any
 
 from actors.output_stream import LogprobEntry
 from actors.sampling_params import SamplingParams
-from app.errors import bad_request
 from app.responses import completion_logprobs, floor_logprob
 
 
-def with_prompt_logprobs(params: SamplingParams, echo: bool, stream: bool) -> SamplingParams:
-    """Completions echo + logprobs k needs the prompt's logprobs with the top k too.
-    Streams carry no prompt logprobs: refused with a 400."""
+def with_prompt_logprobs(params: SamplingParams, echo: bool) -> SamplingParams:
+    """Completions echo + logprobs k needs the prompt's logprobs with the top k too."""
     if echo and params.logprobs is not None:
         params = params.replace(prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
-    if stream and params.prompt_logprobs is not None:
-        raise bad_request("prompt logprobs ('prompt_logprobs', or 'echo' with 'logprobs') are "
-                          "not supported with 'stream'", "stream")
     return params
 
 
@@ -62,17 +61,18 @@ def echo_completion_logprobs(prompt_entries: Sequence[LogprobEntry | None],
             "text_offset": [0, *body["text_offset"]]}
 
 
-def add_to_completion(body: dict[str, Any], choices: Sequence[Any], echo_logprobs: bool,
-                      first_token_texts: Sequence[str]) -> None:
+def add_to_completion(body: dict[str, Any], choices: Sequence[Any],
+                      echo_first_tokens: Sequence[str] | None) -> None:
     """Put each choice's prompt logprobs into a text_completion body (`choices`: the
-    ChoiceStates, in body order; `first_token_texts`: each prompt's first token)."""
+    ChoiceStates, in body order; `echo_first_tokens`: each prompt's first token when the
+    request asked for echo with logprobs)."""
     for body_choice, choice in zip(body["choices"], choices):
         if choice.prompt_logprobs is None:
             continue
         body_choice["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs)
-        if echo_logprobs:
+        if echo_first_tokens is not None:
             body_choice["logprobs"] = echo_completion_logprobs(
-                choice.prompt_logprobs, first_token_texts[choice.prompt_index], choice.logprobs)
+                choice.prompt_logprobs, echo_first_tokens[choice.prompt_index], choice.logprobs)
 
 
 def add_to_chat(body: dict[str, Any], choices: Sequence[Any]) -> None:

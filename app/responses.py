@@ -47,7 +47,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0
-    """Characters of this choice's text already sent (completions logprobs text_offset)."""
+    """The text_offset of the next token in a completions stream's logprobs."""
     record: RequestRecord | None = None
     """The engine's record of this choice, from its final delta (for the span)."""
     prompt_logprobs: tuple[LogprobEntry | None, ...] | None = None
@@ -61,11 +61,12 @@ class ChoiceState:
             self.logprobs.extend(delta.logprobs)
         self.num_output_tokens = delta.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.error = delta.error
             self.record = delta.record
-            self.prompt_logprobs = delta.prompt_logprobs
 
     @property
     def text(self) -> str:
@@ -114,6 +115,14 @@ def completion_logprobs(entries: Sequence[LogprobEntry] | None, text_offset: int
                           e.token: floor_logprob(e.logprob)} for e in entries],
         "text_offset": offsets,
     }
+
+
+def next_text_offset(logprobs: dict[str, Any] | None, default: int) -> int:
+    """Where the token after a legacy logprobs body starts (`default` when it has none), so
+    that streamed offsets continue as one response's do."""
+    if not logprobs or not logprobs["tokens"]:
+        return default
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def chat_response(meta: ResponseMeta, choices: Sequence[ChoiceState], num_prompt_tokens: int,

@@ -169,9 +169,8 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         request, state, functools.partial(_prepare_chat, state, request_id, call),
         _array_caps(state))
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
-    params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, [len(prompt.token_ids)]), False, bool(req.stream)), req, tools,
-        state.settings.engine.tensor_parallel_size)
+    params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
+                                    tools, state.settings.engine.tensor_parallel_size)
     new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -218,32 +217,32 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         _array_caps(state))
     prompt_lens = [len(p.token_ids) for p in prompts]
     params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, prompt_lens), bool(req.echo), bool(req.stream)), req,
+        sampling_params(state, req, prompt_lens), bool(req.echo)), req,
         tensor_parallel_size=state.settings.engine.tensor_parallel_size)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
                for p in range(len(prompts)) for s in range(params.n)]
-    echo_texts = None
+    echo_texts = echo_first_tokens = None
     if req.echo:
         echo_texts = [p.text if p.text is not None
                       else require_tokenizer(state, "echo").decode(list(p.token_ids))
                       for p in prompts]
+        if req.logprobs is not None:
+            echo_first_tokens = [_first_token_text(state, p.token_ids) for p in prompts]
     group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req,
                                                 call.arrival_time), params)
     if req.stream:
         formatter = CompletionChunkFormatter(meta, prompt_lens, choices, _continuous(req),
-                                             echo_texts=echo_texts)
+                                             echo_texts=echo_texts,
+                                             echo_first_tokens=echo_first_tokens)
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
     body = completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
                                prompt_token_ids=prompt_ids)
-    if params.prompt_logprobs is not None:
-        echo_logprobs = bool(req.echo) and req.logprobs is not None
-        first_tokens = [_first_token_text(state, p.token_ids) for p in prompts]
-        prompt_logprobs.add_to_completion(body, choices, echo_logprobs, first_tokens)
+    prompt_logprobs.add_to_completion(body, choices, echo_first_tokens)
     return _json(body)
 
 

@@ -3,7 +3,9 @@
     data: {chunk}\\n\\n ... data: [DONE]\\n\\n
 
 Per choice: a role chunk once the first output exists (chat only), content chunks, then
-exactly one chunk with finish_reason. With `include_usage` a last chunk has `choices: []`
+exactly one chunk with finish_reason. A completions choice's first chunk also carries the
+echoed prompt (with its logprobs) and vLLM's `prompt_logprobs`; a chat stream's first chunk
+carries `prompt_logprobs` once. With `include_usage` a last chunk has `choices: []`
 and the usage; `continuous_usage_stats` puts cumulative usage on every chunk. An error
 after the headers is an error event followed by [DONE]. While nothing arrives for
 `keep_alive_s` seconds (queued, long prefill) an SSE comment keeps proxies from cutting the
@@ -29,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from actors.admitted_group import AdmittedGroup
 from actors.output_stream import StreamDelta
+from app import prompt_logprobs
 from app.errors import error_body
 from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
@@ -38,6 +41,7 @@ from app.responses import (
     ResponseMeta,
     chat_logprobs,
     completion_logprobs,
+    next_text_offset,
     usage,
 )
 from telemetry.logging import bind_request
@@ -98,11 +102,17 @@ class ChatChunkFormatter(ChunkFormatter):
         self.echo_prefix = echo_prefix
         self._new_tool_output = tool_calls
         self._tool_outputs: dict[int, ToolCallOutput] = {}
+        self._sent_prompt_logprobs = False
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
         out = []
         if first:
             out.append(self._choice(choice.index, {"role": self.role, "content": ""}))
+            if delta.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+                # Once per response, beside the choices, as a chat response has them.
+                self._sent_prompt_logprobs = True
+                out[0]["prompt_logprobs"] = prompt_logprobs.vllm_prompt_logprobs(
+                    delta.prompt_logprobs)
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
@@ -142,24 +152,37 @@ class CompletionChunkFormatter(ChunkFormatter):
 
     def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
                  choices: Sequence[ChoiceState], continuous_usage: bool, *,
-                 echo_texts: Sequence[str] | None = None) -> None:
+                 echo_texts: Sequence[str] | None = None,
+                 echo_first_tokens: Sequence[str] | None = None) -> None:
+        """`echo_texts[i]`: prompt i's text, sent before its choices' first output (echo);
+        `echo_first_tokens[i]`: prompt i's first token when echo comes with logprobs."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.echo_texts = echo_texts
+        self.echo_first_tokens = echo_first_tokens
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
         prefix = self.echo_texts[choice.prompt_index] if first and self.echo_texts else ""
         text = prefix + delta.text
-        logprobs = None
-        if delta.logprobs is not None:
-            logprobs = completion_logprobs(delta.logprobs, choice.text_offset + len(prefix))
-        choice.text_offset += len(text)
+        logprobs = self._logprobs(choice, delta, len(prefix))
+        choice.text_offset = next_text_offset(logprobs, choice.text_offset + len(text))
         # A step's tokens get a chunk even when they decode to no text yet (a character
         # split over tokens, a model served without a tokenizer), so clients see the pace.
         if not (text or delta.token_ids or delta.logprobs or delta.finished):
             return []
-        return [self.chunk({"index": choice.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason,
-                            "stop_reason": delta.stop_reason})]
+        body = {"index": choice.index, "text": text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if delta.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
+        return [self.chunk(body)]
+
+    def _logprobs(self, choice: ChoiceState, delta: StreamDelta, prefix_len: int
+                  ) -> dict[str, Any] | None:
+        """The prompt's tokens (echo with logprobs, on the first chunk) then the delta's."""
+        if delta.prompt_logprobs is not None and self.echo_first_tokens is not None:
+            return prompt_logprobs.echo_completion_logprobs(
+                delta.prompt_logprobs, self.echo_first_tokens[choice.prompt_index],
+                delta.logprobs)
+        return completion_logprobs(delta.logprobs, choice.text_offset + prefix_len)
 
 
 class EventStreamResponse(Response):

@@ -1,6 +1,7 @@
 """Prompt logprobs on their way out of the core and through the front end: each front end
 gets its own requests' rows, entries land at their prompt positions (a recomputed chunk
-after a preemption overwrites with the same values), and the final delta carries them. And
+after a preemption overwrites with the same values), and the delta with the first output
+token carries them, once (a stream sends them before any generated text). And
 a grammar's 'stop' keeps its last token's text (EOS's is dropped)."""
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ async def test_entries_land_at_their_positions_and_ride_on_the_final_delta() -> 
     assert [e.token_id for e in entries[1:]] == list(range(10, 10 + num_prompt - 1))
     assert [len(e.top_logprobs) for e in entries[1:]] == [1] * (num_prompt - 1)
     assert entries[1].rank == 1 and entries[1].logprob == -1.0
+
+
+async def test_the_first_tokens_delta_carries_them_once() -> None:
+    processor, stream, request = _processor(prompt_logprobs=0)
+    num_prompt = len(request.prompt_token_ids)
+    processor.process_outputs(EngineCoreOutputs(1, prompt_logprobs=_rows(("a",), [1], [2])))
+    processor.process_outputs(EngineCoreOutputs(
+        2, ("a",), np.array([5], np.int32),
+        prompt_logprobs=_rows(("a",), [3], [num_prompt - 3])))
+    first = await stream.get()
+    assert first is not None and not first.finished and first.token_ids == (5,)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == num_prompt
+    assert all(e is not None for e in first.prompt_logprobs[1:])
+    processor.process_outputs(EngineCoreOutputs(3, ("a",), np.array([6], np.int32),
+                                                finished=(RequestFinish("a", "length"),)))
+    last = await stream.get()
+    assert last is not None and last.finished and last.prompt_logprobs is None
 
 
 async def test_a_grammar_stop_keeps_the_last_tokens_text_and_eos_does_not() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._hf_reference import hf_reference_model
-from tests.app._server_fixtures import RunningServer
+from tests.app._server_fixtures import RunningServer, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -164,3 +164,83 @@ def test_local_completions_loglikelihood_task(server: RunningServer, tmp_path: P
             assert loglikelihood == pytest.approx(expected, abs=5e-3)
     accuracy = results["results"]["tandem_tiny_mc"]["acc,none"]
     assert 0.0 <= accuracy <= 1.0
+
+
+def _by_index(chunks: list[dict]) -> dict[int, list[dict]]:
+    choices: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choices.setdefault(choice["index"], []).append(choice)
+    return choices
+
+
+def _joined_logprobs(pieces: list[dict]) -> dict[str, list]:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [v for p in pieces if p["logprobs"] for v in p["logprobs"][k]] for k in keys}
+
+
+def test_streamed_echo_with_logprobs_equals_the_response(server: RunningServer) -> None:
+    """Each choice's first chunk (n=2, two prompts) echoes its prompt with the prompt's
+    logprobs before any generated text; its chunks put together equal the response."""
+    client = openai_client(server)
+    prompts = [_tokens(server, CONTEXT), _tokens(server, "The capital of France is")]
+    kwargs = {"model": "default", "prompt": prompts, "n": 2, "max_tokens": 4,
+              "temperature": 0, "echo": True, "logprobs": 2}
+    whole = client.completions.create(**kwargs).model_dump()["choices"]
+    streamed = _by_index([c.model_dump() for c in client.completions.create(stream=True,
+                                                                            **kwargs)])
+    assert sorted(streamed) == [c["index"] for c in whole] == [0, 1, 2, 3]
+    for choice in whole:
+        pieces = streamed[choice["index"]]
+        prompt_ids = prompts[choice["index"] // 2]
+        first = pieces[0]["logprobs"]
+        assert pieces[0]["text"].startswith(server.state.tokenizer.decode(prompt_ids))
+        assert len(first["tokens"]) > len(prompt_ids) and first["token_logprobs"][0] is None
+        assert "".join(p["text"] for p in pieces) == choice["text"]
+        assert pieces[0]["prompt_logprobs"] == choice["prompt_logprobs"]
+        assert all("prompt_logprobs" not in p or p["prompt_logprobs"] is None
+                   for p in pieces[1:])
+        joined, expected = _joined_logprobs(pieces), choice["logprobs"]
+        assert joined["tokens"] == expected["tokens"]
+        assert joined["text_offset"] == expected["text_offset"]
+        assert joined["token_logprobs"][0] is None and joined["top_logprobs"][0] is None
+        assert joined["token_logprobs"][1:] == pytest.approx(expected["token_logprobs"][1:],
+                                                             abs=1e-4)
+        assert joined["top_logprobs"][1:] == [pytest.approx(top, abs=1e-4)
+                                              for top in expected["top_logprobs"][1:]]
+
+
+def _sse_chunks(server: RunningServer, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        raw = b"".join(response.iter_raw()).decode()
+    events = [e for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def test_streamed_prompt_logprobs_field_on_the_first_chunk(server: RunningServer,
+                                                           http: httpx.Client) -> None:
+    """vLLM's prompt_logprobs in a stream: on each completions choice's first chunk (no
+    echo: no prompt text), once at the top of a chat stream's first chunk."""
+    prompt = _tokens(server, CONTEXT)
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    pieces = _by_index(_sse_chunks(server, "/v1/completions", body))[0]
+    assert pieces[0]["prompt_logprobs"] == _close(whole["prompt_logprobs"])
+    assert all("prompt_logprobs" not in p for p in pieces[1:])
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "temperature": 0, "prompt_logprobs": 0, "n": 2}
+    expected = http.post("/v1/chat/completions", json=chat).json()["prompt_logprobs"]
+    chunks = _sse_chunks(server, "/v1/chat/completions", chat)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["prompt_logprobs"] == _close(expected)
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+
+
+def _close(entries: list) -> list:
+    """vLLM prompt_logprobs entries with each logprob compared within float tolerance."""
+    return [None if e is None else {t: {**v, "logprob": pytest.approx(v["logprob"], abs=1e-4)}
+                                    for t, v in e.items()} for e in entries]
