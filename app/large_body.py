@@ -232,19 +232,22 @@ def _too_many(key: str, cap: int) -> Exception:
 def validate(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     """`model.model_validate(data)` as a 400 on failure. Unknown fields keep their names
     (they are logged) but not their values: they are ignored, so nothing of them is held
-    for the request's life. A long `messages` list is validated in slices first (the model
-    then takes the validated messages as they are)."""
+    for the request's life. A long `messages` list is validated in slices first; the model
+    is then validated with its first message and takes the whole list as it is (checking
+    each validated message again is one call over all of them)."""
     known = model.model_fields
     if any(key not in known for key in data):
         data = {key: value if key in known else None for key, value in data.items()}
     messages = data.get("messages")
-    if ("messages" in model.model_fields and isinstance(messages, list)
-            and len(messages) > VALIDATION_SLICE):
-        data = {**data, "messages": _validated_messages(messages)}
+    validated: list[ChatMessage] | None = None
+    if "messages" in known and isinstance(messages, list) and len(messages) > VALIDATION_SLICE:
+        validated = _validated_messages(messages)
+        data = {**data, "messages": validated[:1]}
     try:
-        return model.model_validate(data)
+        checked = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    return checked if validated is None else checked.model_copy(update={"messages": validated})
 
 
 def _validated_messages(messages: list[Any]) -> list[ChatMessage]:

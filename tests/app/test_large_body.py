@@ -96,6 +96,10 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
                                           "vendor_field": {"big": [1] * 1000}})
     assert len(ok.messages) == 2 * VALIDATION_SLICE
     assert ok.model_extra == {"vendor_field": None}  # ignored fields keep only their name
+    distinct = [{"role": "user", "content": str(i)} for i in range(2 * VALIDATION_SLICE + 1)]
+    whole = validate(ChatCompletionRequest, {"messages": distinct, "max_tokens": 3})
+    assert [m.content for m in whole.messages] == [str(i) for i in range(len(distinct))]
+    assert whole.max_tokens == 3 and whole.model_fields_set == {"messages", "max_tokens"}
 
 
 async def _prepare(body: bytes, prepare: Any) -> Any:
