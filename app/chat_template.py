@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -30,6 +30,8 @@ CHATML_TEMPLATE = (
 )
 """Fallback for models that ship no template but use ChatML tokens."""
 
+JOIN_SLICE = 4096
+"""Rendered pieces joined per call."""
 TEXT_PART_SEPARATOR = "\n"
 """Joins the text parts of a message whose content is a list of parts."""
 
@@ -97,11 +99,11 @@ def render_chat_template(
     compiled = compile_chat_template(template)
     normalized = normalize_messages(messages)
     try:
-        return compiled.render(
+        return _joined(compiled.generate(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,
             **template_kwargs,
-        )
+        ))
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:
@@ -110,6 +112,21 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     finally:
         release_gradually(normalized)
+
+
+def _joined(pieces: Iterator[str]) -> str:
+    """"".join(pieces), a slice at a time: jinja's render joins all pieces (one or more per
+    message) in one call, which then frees them in the same call; for a conversation of
+    hundreds of thousands of messages that call holds the GIL for tens of milliseconds."""
+    parts: list[str] = []
+    piece_slice: list[str] = []
+    for piece in pieces:
+        piece_slice.append(piece)
+        if len(piece_slice) == JOIN_SLICE:
+            parts.append("".join(piece_slice))
+            piece_slice.clear()
+    parts.append("".join(piece_slice))
+    return "".join(parts)
 
 
 @functools.lru_cache(maxsize=32)

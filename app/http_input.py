@@ -18,7 +18,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from app.errors import APIError, bad_request
-from app.large_body import GC_PAUSE, decode_in_steps, release_gradually, validate
+from app.large_body import (GC_PAUSE, SHORT_SWITCHES, decode_in_steps, release_gradually,
+                             validate)
 from app.server_state import ServerState
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -27,7 +28,8 @@ _LOADING_RETRY_AFTER_S = 5
 OFF_LOOP_BODY_BYTES = 8192
 """Requests with larger bodies are decoded, validated and turned into prompts in a worker
 thread (the tokenizer gives the GIL back while it works; the chat template renders in
-Python, which the event loop's thread interrupts every few milliseconds)."""
+Python, which the event loop's thread interrupts within a short switch interval: see
+app.large_body)."""
 LARGE_BODY_BYTES = 1 << 20
 """Larger bodies are decoded in steps with the garbage collector paused (app.large_body)."""
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -136,8 +138,14 @@ def _large_body_limiter() -> anyio.CapacityLimiter:
 
 def _prepare_off_loop(body: bytes, prepare: Callable[[dict[str, Any]], T],
                       array_caps: Mapping[str, int]) -> T:
-    if len(body) <= LARGE_BODY_BYTES:
-        return prepare(decode_json_object(body))
+    with SHORT_SWITCHES:
+        if len(body) <= LARGE_BODY_BYTES:
+            return prepare(decode_json_object(body))
+        return _prepare_large(body, prepare, array_caps)
+
+
+def _prepare_large(body: bytes, prepare: Callable[[dict[str, Any]], T],
+                   array_caps: Mapping[str, int]) -> T:
     with GC_PAUSE:
         data: dict[str, Any] = {}
         try:

@@ -1,9 +1,14 @@
 """Decoding and validating a large request body in a worker thread without stalling the
 event loop.
 
-A worker thread only helps where it gives the GIL back: Python code does so every few
-milliseconds, one C call (the JSON decoder on a whole body, pydantic on a whole list)
-does not until it returns. So for a large body:
+A worker thread only helps where it gives the GIL back: Python code does so once the
+event loop's thread has waited for it a switch interval, one C call (the JSON decoder on a
+whole body, pydantic on a whole list) not until it returns. The event loop takes the GIL
+anew for every I/O callback, so it waits up to a switch interval per callback: CPython's
+default of 5 ms made a /health answered through a few dozen callbacks, with other uploads'
+callbacks queued among them, wait hundreds of milliseconds behind the worker. So while a
+worker prepares a request the switch interval is SHORT_SWITCH_INTERVAL_S (SHORT_SWITCHES),
+and for a large body:
 
 - the top-level object is decoded member by member, and its arrays and objects item by
   item (a long array of small items is what a body of many messages or prompts is made
@@ -23,11 +28,13 @@ deeper): its cost is bounded by --max-request-body-bytes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import re
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -43,6 +50,9 @@ RELEASE_SLICE = 4096
 """Objects freed per step by release_gradually."""
 NUMBERS_SLICE_CHARS = 1 << 18
 """An array of numbers is decoded about this many characters at a time."""
+SHORT_SWITCH_INTERVAL_S = 0.0005
+"""The GIL's switch interval while a worker prepares a request: about the longest the event
+loop's thread then waits for the GIL per callback (a switch costs microseconds)."""
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _AFTER_KEY = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
 _AFTER_MEMBER = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
@@ -63,29 +73,51 @@ def release_gradually(items: list[Any] | dict[Any, Any]) -> None:
         del items[-RELEASE_SLICE:]
 
 
-class _GCPause:
-    """Turns the cyclic garbage collector off while any thread is inside (it is global)."""
+class _WhileInside:
+    """Applies a process-wide setting while any thread is inside; the last thread out
+    restores it. `apply` makes the change and returns what undoes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, apply: Callable[[], Callable[[], None]]) -> None:
+        self._apply = apply
         self._lock = threading.Lock()
         self._num_inside = 0
-        self._was_enabled = False
+        self._restore: Callable[[], None] = _nothing
 
     def __enter__(self) -> None:
         with self._lock:
             if self._num_inside == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
+                self._restore = self._apply()
             self._num_inside += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._num_inside -= 1
-            if self._num_inside == 0 and self._was_enabled:
-                gc.enable()
+            if self._num_inside == 0:
+                self._restore()
+                self._restore = _nothing
 
 
-GC_PAUSE = _GCPause()
+def _nothing() -> None:
+    pass
+
+
+def _pause_gc() -> Callable[[], None]:
+    if not gc.isenabled():
+        return _nothing
+    gc.disable()
+    return gc.enable
+
+
+def _shorten_switch_interval() -> Callable[[], None]:
+    previous_s = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous_s, SHORT_SWITCH_INTERVAL_S))
+    return functools.partial(sys.setswitchinterval, previous_s)
+
+
+GC_PAUSE = _WhileInside(_pause_gc)
+"""The cyclic garbage collector is off while any thread is inside."""
+SHORT_SWITCHES = _WhileInside(_shorten_switch_interval)
+"""The GIL's switch interval is at most SHORT_SWITCH_INTERVAL_S while any thread is inside."""
 
 
 def decode_in_steps(body: bytes, caps: Mapping[str, int], parse_constant: Any) -> Any:
@@ -200,19 +232,22 @@ def _too_many(key: str, cap: int) -> Exception:
 def validate(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     """`model.model_validate(data)` as a 400 on failure. Unknown fields keep their names
     (they are logged) but not their values: they are ignored, so nothing of them is held
-    for the request's life. A long `messages` list is validated in slices first (the model
-    then takes the validated messages as they are)."""
+    for the request's life. A long `messages` list is validated in slices first; the model
+    is then validated with its first message and takes the whole list as it is (checking
+    each validated message again is one call over all of them)."""
     known = model.model_fields
     if any(key not in known for key in data):
         data = {key: value if key in known else None for key, value in data.items()}
     messages = data.get("messages")
-    if ("messages" in model.model_fields and isinstance(messages, list)
-            and len(messages) > VALIDATION_SLICE):
-        data = {**data, "messages": _validated_messages(messages)}
+    validated: list[ChatMessage] | None = None
+    if "messages" in known and isinstance(messages, list) and len(messages) > VALIDATION_SLICE:
+        validated = _validated_messages(messages)
+        data = {**data, "messages": validated[:1]}
     try:
-        return model.model_validate(data)
+        checked = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    return checked if validated is None else checked.model_copy(update={"messages": validated})
 
 
 def _validated_messages(messages: list[Any]) -> list[ChatMessage]:

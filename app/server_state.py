@@ -26,6 +26,7 @@ from app.engine_connection import (
     EngineStartError,
     ProcessOptions,
 )
+from app.prompt_bounds import chars_per_token
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
 from app.tokenizer_loader import load_generation_config, load_tokenizer
 from telemetry.logging import EngineStatsLog
@@ -267,10 +268,13 @@ class ServerState:
 
 
 def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
-    """The front end's tokenizer, with its chat template compiled and its encoder and
-    decoder run once, so the first request pays for neither."""
+    """The front end's tokenizer, with its chat template compiled, its encoder and decoder
+    run once and its characters-per-token bound computed, so the first request pays for
+    none of them (reading the vocabulary for the bound is one call that holds the GIL,
+    tens of milliseconds for a large vocabulary)."""
     tokenizer = load_tokenizer(model, tokenizer_source)
     if tokenizer is not None:
+        chars_per_token(tokenizer)
         text = "warm up"
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}],

@@ -9,6 +9,8 @@ parsing do not count against the server.
 
     python benchmarks/hostile_health.py --out benchmarks/results/hostile_health.json
     python benchmarks/hostile_health.py --scenarios chat_15mb,messages_400k
+    python benchmarks/hostile_health.py --scenarios messages_400k_x4 --repeat 5 \
+        --baseline /path/to/other/checkout      # before/after, alternating, one run
 
 Scenarios follow the issue's sizes. On a build without the fixes `n_2e70` wedges the
 server for good (run it last, or leave it out).
@@ -109,10 +111,10 @@ def _server_log() -> Any:
     return open(path, "wb") if path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
 
 
-def _start_server(port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _start_server(port: int, root: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
     server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port),
-                               "--device", "cpu", "--log-level", "warning"], cwd=ROOT, env=env,
+                               "--device", "cpu", "--log-level", "warning"], cwd=root, env=env,
                               stdout=subprocess.DEVNULL, stderr=_server_log())
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -162,44 +164,79 @@ def _run(url: str, pid: int, name: str, timeout_s: float) -> dict[str, Any]:
             "rss_before_mib": rss_before, "rss_after_mib": _rss_mib(pid)}
 
 
-def main() -> int:
+def _commit(root: Path) -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=False)
+    return done.stdout.strip() or "unknown"
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, from: {', '.join(SCENARIOS)}")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds one hostile request may take (default 180)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the scenario list this many times (default 1)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout (e.g. before a change): its server runs beside "
+                             "this one's and each scenario alternates between the two")
     args = parser.parse_args()
-    names = [name for name in args.scenarios.split(",") if name]
-    unknown = sorted(set(names) - set(SCENARIOS))
+    args.names = [name for name in args.scenarios.split(",") if name]
+    unknown = sorted(set(args.names) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenarios: {', '.join(unknown)}")
-    port = _free_port()
-    server = _start_server(port)
+    return args
+
+
+def main() -> int:
+    args = _parse_args()
+    roots = {"this": ROOT} if args.baseline is None else {"baseline": args.baseline.resolve(),
+                                                           "this": ROOT}
+    servers: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     load_before = os.getloadavg()
     results = []
     try:
-        for name in names:
-            results.append(_run(f"http://127.0.0.1:{port}", server.pid, name, args.timeout))
-            print(json.dumps(results[-1]), flush=True)
+        for arm, root in roots.items():
+            port = _free_port()
+            servers[arm] = (f"http://127.0.0.1:{port}", _start_server(port, root))
+        for repeat in range(args.repeat):
+            for name in args.names:
+                for arm, (url, server) in servers.items():
+                    result = _run(url, server.pid, name, args.timeout)
+                    results.append({"arm": arm, "repeat": repeat, **result})
+                    print(json.dumps(results[-1]), flush=True)
     finally:
-        server.terminate()
-        server.wait(60)
+        for _, server in servers.values():
+            server.terminate()
+            server.wait(60)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         machine = {"cpus": os.cpu_count(), "load_average_before": load_before,
                    "load_average_after": os.getloadavg()}
+        arms = {arm: {"root": str(root), "commit": _commit(root)} for arm, root in roots.items()}
         args.out.write_text(json.dumps({"target_health_s": TARGET_HEALTH_S, "machine": machine,
+                                        "command": " ".join(sys.argv), "arms": arms,
                                         "results": results}, indent=2) + "\n")
-    print(f"\n{'scenario':<18} {'MB':>6} {'status':>10} {'request s':>10} "
-          f"{'health max ms':>14} {'median ms':>10} {'RSS MiB before/after':>22}")
-    for r in results:
-        statuses = ",".join(str(s) for s in sorted(set(r["statuses"]), key=str))
-        print(f"{r['scenario']:<18} {r['body_bytes'] / 1e6:>6.1f} {statuses:>10} "
-              f"{r['request_s']:>10.2f} {r['health_max_s'] * 1000:>14.0f} "
-              f"{r['health_median_s'] * 1000:>10.1f} "
-              f"{r['rss_before_mib']:>10.0f}/{r['rss_after_mib']:<10.0f}")
-    return 0 if all(r["health_under_target"] for r in results) else 1
+    _print_table(results)
+    return 0 if all(r["health_under_target"] for r in results if r["arm"] == "this") else 1
+
+
+def _print_table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'scenario':<18} {'arm':<9} {'runs':>4} {'status':>10} {'request s':>10} "
+          f"{'health max ms':>14} {'(median run)':>13} {'median ms':>10} "
+          f"{'RSS MiB first/last':>20}")
+    for key in dict.fromkeys((r["scenario"], r["arm"]) for r in results):
+        runs = [r for r in results if (r["scenario"], r["arm"]) == key]
+        statuses = ",".join(str(s) for s in sorted({s for r in runs for s in r["statuses"]},
+                                                     key=str))
+        maxima_ms = [r["health_max_s"] * 1000 for r in runs]
+        print(f"{key[0]:<18} {key[1]:<9} {len(runs):>4} {statuses:>10} "
+              f"{max(r['request_s'] for r in runs):>10.2f} {max(maxima_ms):>14.0f} "
+              f"{statistics.median(maxima_ms):>13.0f} "
+              f"{statistics.median(r['health_median_s'] for r in runs) * 1000:>10.1f} "
+              f"{runs[0]['rss_before_mib']:>9.0f}/{runs[-1]['rss_after_mib']:<10.0f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import pytest
 
 from app.chat_template import (
     CHATML_TEMPLATE,
+    JOIN_SLICE,
     ChatTemplateError,
     normalize_messages,
     render_chat_template,
@@ -68,6 +69,20 @@ def test_renders_like_transformers(name):
         **kwargs,
     )
     assert ours == rendered[0]
+
+
+@pytest.mark.parametrize("num_messages", [JOIN_SLICE - 1, JOIN_SLICE, 2 * JOIN_SLICE + 3])
+def test_a_long_conversation_renders_whole(num_messages):
+    """The rendered pieces are joined a slice at a time: none lost or reordered."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"}
+                for i in range(num_messages)]
+    ours = render_chat_template(CHATML_TEMPLATE, messages, add_generation_prompt=True)
+    rendered, _generation_indices = render_jinja_template(
+        conversations=[messages], chat_template=CHATML_TEMPLATE, add_generation_prompt=True)
+    assert ours == rendered[0]
+    assert ours.count("<|im_start|>") == num_messages + 1
 
 
 def test_tojson_keeps_non_ascii():

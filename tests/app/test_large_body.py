@@ -1,19 +1,27 @@
 """Decoding a large body in steps gives what json.loads gives (or refuses what it refuses),
-refuses an over-long capped array before decoding the rest, and validating messages in
-slices names the same bad field as validating them at once."""
+refuses an over-long capped array before decoding the rest, validating messages in slices
+names the same bad field as validating them at once, and a worker preparing a request
+shortens the GIL's switch interval only while it works."""
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.errors import APIError
-from app.http_input import decode_json_object
-from app.large_body import VALIDATION_SLICE, decode_in_steps, validate
+from starlette.requests import Request
+
+from app.errors import APIError, bad_request
+from app.http_input import (LARGE_BODY_BYTES, OFF_LOOP_BODY_BYTES, decode_json_object,
+                            prepare_request)
+from app.large_body import (GC_PAUSE, SHORT_SWITCH_INTERVAL_S, SHORT_SWITCHES,
+                            VALIDATION_SLICE, decode_in_steps, validate)
 from app.schemas import ChatCompletionRequest
 
 
@@ -88,3 +96,57 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
                                           "vendor_field": {"big": [1] * 1000}})
     assert len(ok.messages) == 2 * VALIDATION_SLICE
     assert ok.model_extra == {"vendor_field": None}  # ignored fields keep only their name
+    distinct = [{"role": "user", "content": str(i)} for i in range(2 * VALIDATION_SLICE + 1)]
+    whole = validate(ChatCompletionRequest, {"messages": distinct, "max_tokens": 3})
+    assert [m.content for m in whole.messages] == [str(i) for i in range(len(distinct))]
+    assert whole.max_tokens == 3 and whole.model_fields_set == {"messages", "max_tokens"}
+
+
+async def _prepare(body: bytes, prepare: Any) -> Any:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    state = SimpleNamespace(settings=SimpleNamespace(
+        max_request_body_bytes=4 * LARGE_BODY_BYTES, request_body_timeout_s=60.0))
+    return await prepare_request(Request(scope, receive), state, prepare)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pad_bytes", [2 * OFF_LOOP_BODY_BYTES, 2 * LARGE_BODY_BYTES])
+async def test_a_worker_prepares_a_request_with_short_gil_switches(pad_bytes: int) -> None:
+    """The event loop takes the GIL for each callback and waits up to a switch interval
+    for a worker running Python: while a worker prepares a request that wait is short (and
+    for a large body the garbage collector is off); afterwards both are as they were, also
+    when the request is refused."""
+    default_s = sys.getswitchinterval()
+    assert default_s > SHORT_SWITCH_INTERVAL_S and gc.isenabled()
+    body = json.dumps({"pad": "x" * pad_bytes}).encode()
+    seen_s, gc_enabled = await _prepare(body, lambda data: (sys.getswitchinterval(),
+                                                            gc.isenabled()))
+    assert seen_s == pytest.approx(SHORT_SWITCH_INTERVAL_S)
+    assert gc_enabled is (pad_bytes <= LARGE_BODY_BYTES)
+    assert sys.getswitchinterval() == default_s and gc.isenabled()
+
+    def refuse(data: dict[str, Any]) -> None:
+        raise bad_request("refused")
+
+    with pytest.raises(APIError):
+        await _prepare(body, refuse)
+    assert sys.getswitchinterval() == default_s and gc.isenabled()
+
+
+def test_settings_are_restored_when_the_last_user_leaves() -> None:
+    default_s = sys.getswitchinterval()
+    with SHORT_SWITCHES:
+        with SHORT_SWITCHES:
+            pass
+        assert sys.getswitchinterval() == pytest.approx(SHORT_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == default_s
+    gc.disable()
+    try:
+        with GC_PAUSE:
+            pass
+        assert not gc.isenabled()  # paused before: left paused
+    finally:
+        gc.enable()

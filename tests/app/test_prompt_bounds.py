@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
+from app import prompt_bounds
 from app.prompt_bounds import (
     MAX_CANONICAL_DECOMPOSITION_CHARS,
     chars_per_token,
     text_cannot_fit,
 )
+from app.server_state import _load_warm_tokenizer
 from app.tokenizer import Tokenizer as AppTokenizer
 from gpu.weights.gguf_file import GGUFFile
 from tests._hf_reference import embedded_gguf_path
@@ -116,3 +118,11 @@ def test_byte_fallback_covers_every_character() -> None:
     assert chars_per_token(tokenizer).max_chars == 6  # type: ignore[union-attr]
     text = "語" * 50
     assert not text_cannot_fit(text, tokenizer, len(tokenizer.encode(text)))
+
+
+def test_the_served_tokenizer_has_its_bound_before_the_first_request() -> None:
+    # Reading the vocabulary is one call that holds the GIL (tens of milliseconds for a
+    # large vocabulary): a request's worker thread must not be the one to pay it.
+    tokenizer = _load_warm_tokenizer("default", None)
+    assert tokenizer in prompt_bounds._bounds
+    assert prompt_bounds._bounds[tokenizer] == chars_per_token(tokenizer)
