@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--runs", nargs="+", default=["free", "json", "free", "json", "free_t1",
+                                                      "json_t1", "free_t1", "json_t1"],
+                        help="arms in order; _t1: with one torch CPU thread")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     llm = LLM(args.model, tokenizer=args.tokenizer, max_num_seqs=args.num_requests,
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Stacks are sampled in the last run of each json arm only: the sampler takes the GIL
     # every half millisecond, so the other runs are the clean timings.
-    plan = ("free", "json", "free", "json", "free_t1", "json_t1", "free_t1", "json_t1")
+    plan = tuple(args.runs)
     for index, name in enumerate(plan):
         if name.endswith("_t1"):  # as the engine core process runs on a GPU
             torch.set_num_threads(1)
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             outputs = llm.generate(prompts, arms[name.removesuffix("_t1")])
         elapsed_s = time.perf_counter() - started
         num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        if name.startswith("json"):
+            print(f"  e.g. {outputs[0].outputs[0].text[:160]!r}")
         fills = {"num_fills": len(fill_ms), "mean_ms": sum(fill_ms) / max(len(fill_ms), 1),
                  "mean_rows": sum(fill_rows) / max(len(fill_rows), 1)}
         fill_ms.clear()
@@ -148,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
               + f" fills {fills['num_fills']} x {fills['mean_ms']:.2f} ms"
               f" ({fills['mean_rows']:.0f} rows)" + (" (stacks sampled)" if sampled else ""))
     args.out.write_text(json.dumps(result, indent=1))
-    for thread, stacks in result["arms"]["json_t1"][-1]["stacks"].items():
-        print(f"--- json_t1 arm, thread {thread}")
+    last_json = [name for name in plan if name.startswith("json")][-1:]
+    for thread, stacks in (result["arms"][last_json[0]][-1]["stacks"].items()
+                           if last_json else ()):
+        print(f"--- {last_json[0]} arm, thread {thread}")
         print("  self: " + "; ".join(f"{w} {n}" for w, n in stacks["self"]))
         print("  focus: " + "; ".join(f"{w} {n}" for w, n in sorted(
             stacks["focus"].items(), key=lambda item: -item[1])))

@@ -57,7 +57,8 @@ def test_the_densest_text_fits_exactly_and_one_token_more_does_not(tokenizer: Ap
 SAMPLES = st.lists(st.one_of(
     st.sampled_from([" ", "\n", "\t", "#", "0", "1", "a", "é", "中", "😀", "\u0301", "\x04",
                      "\x1d", "<|im_start|>", "<|im_end|>", DENSEST, "#" * 80, "=" * 64]),
-    st.characters()), max_size=60).map("".join)
+    # Lone surrogates never get this far: a body holding one is refused with a 400.
+    st.characters(exclude_categories=("Cs",))), max_size=60).map("".join)
 
 
 @settings(max_examples=400, deadline=None)
