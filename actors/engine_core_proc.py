@@ -10,7 +10,6 @@ outlives the server that started it.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -61,7 +60,6 @@ async def _serve(config: EngineConfig, address: str, max_consecutive_failed_step
             return 0
         from actors.engine_core import EngineCore
 
-        _limit_cpu_threads(loaded.worker.device.type)
         try:
             core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
                               max_consecutive_failed_steps=max_consecutive_failed_steps,
@@ -72,16 +70,6 @@ async def _serve(config: EngineConfig, address: str, max_consecutive_failed_step
         return 1 if core.dead_reason is not None else 0
     finally:
         endpoint.close()
-
-
-def _limit_cpu_threads(device_type: str) -> None:
-    """On a GPU the core's CPU tensor work is small copies, and torch's intra-op pool (a
-    thread per core) only competes with the grammar masks' threads and the launcher; keep
-    one unless OMP_NUM_THREADS says otherwise."""
-    if device_type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)
 
 
 async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
