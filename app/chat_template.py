@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -88,14 +89,33 @@ def _join_text_parts(parts: list[Any], message_index: int) -> str:
     return TEXT_PART_SEPARATOR.join(texts)
 
 
+@dataclass(frozen=True, slots=True)
+class RenderLimit:
+    """Stop rendering once the text, not counting the `dropped` characters, is longer
+    than `max_chars` (it can only grow)."""
+    max_chars: int
+    dropped: str = ""
+
+
+class RenderedTooLong(Exception):
+    """The rendered text passed its RenderLimit after `num_chars` characters."""
+
+    def __init__(self, num_chars: int) -> None:
+        super().__init__(num_chars)
+        self.num_chars = num_chars
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
+    *,
+    limit: RenderLimit | None = None,
     **template_kwargs: Any,
 ) -> str:
     """Render `messages` through `template`; extra keyword arguments (bos_token, tools,
-    enable_thinking, ...) become template variables. Raises ChatTemplateError."""
+    enable_thinking, ...) become template variables. Raises ChatTemplateError, and
+    RenderedTooLong as soon as the text passes `limit`."""
     compiled = compile_chat_template(template)
     normalized = normalize_messages(messages)
     try:
@@ -103,8 +123,8 @@ def render_chat_template(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,
             **template_kwargs,
-        ))
-    except ChatTemplateError:
+        ), limit)
+    except (ChatTemplateError, RenderedTooLong):
         raise
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc.message or exc}") from None
@@ -114,19 +134,29 @@ def render_chat_template(
         release_gradually(normalized)
 
 
-def _joined(pieces: Iterator[str]) -> str:
+def _joined(pieces: Iterator[str], limit: RenderLimit | None) -> str:
     """"".join(pieces), a slice at a time: jinja's render joins all pieces (one or more per
     message) in one call, which then frees them in the same call; for a conversation of
-    hundreds of thousands of messages that call holds the GIL for tens of milliseconds."""
+    hundreds of thousands of messages that call holds the GIL for tens of milliseconds.
+    Past `limit` the rest is never rendered."""
     parts: list[str] = []
     piece_slice: list[str] = []
+    num_counted = 0
     for piece in pieces:
         piece_slice.append(piece)
         if len(piece_slice) == JOIN_SLICE:
             parts.append("".join(piece_slice))
             piece_slice.clear()
+            if limit is not None:
+                num_counted += _num_counted(parts[-1], limit)
+                if num_counted > limit.max_chars:
+                    raise RenderedTooLong(sum(map(len, parts)))
     parts.append("".join(piece_slice))
     return "".join(parts)
+
+
+def _num_counted(text: str, limit: RenderLimit) -> int:
+    return len(text) - sum(text.count(char) for char in limit.dropped)
 
 
 @functools.lru_cache(maxsize=32)

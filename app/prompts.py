@@ -12,10 +12,11 @@ from actors.admission import child_sampling_params
 from actors.generation_defaults import RequestDefaults, resolve_sampling_params
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams, SamplingParamsError
-from app.chat_template import ChatTemplateError, normalize_messages
+from app.chat_template import (ChatTemplateError, RenderedTooLong, RenderLimit,
+                               normalize_messages)
 from app.errors import bad_request, context_length_error, text_too_long_error
 from app.large_body import release_gradually
-from app.prompt_bounds import text_cannot_fit
+from app.prompt_bounds import chars_per_token, text_cannot_fit
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
 from actors.logits_processors import validate_request_params
@@ -68,14 +69,19 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest,
         kwargs.setdefault("tools", tools)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     last = normalize_messages(messages[-1:])[0]
+    limit = state.max_model_len - 1 if req.truncate_prompt_tokens is None else None
+    render_limit = (None if limit is None or req.continue_final_message
+                    else _render_limit(tokenizer, limit))
     try:
         text = _render(tokenizer, messages, bool(req.add_generation_prompt),
-                       bool(req.continue_final_message), kwargs)
+                       bool(req.continue_final_message), kwargs, render_limit)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+    except RenderedTooLong as exc:
+        assert limit is not None
+        raise text_too_long_error(exc.num_chars, limit, state.max_model_len) from None
     finally:
         release_gradually(messages)
-    limit = state.max_model_len - 1 if req.truncate_prompt_tokens is None else None
     token_ids = encode_checked(tokenizer, text, bool(req.add_special_tokens), limit,
                                state.max_model_len)
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
@@ -98,10 +104,17 @@ def template_kwargs(requested: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+def _render_limit(tokenizer: Any, max_num_tokens: int) -> RenderLimit | None:
+    """Where rendering may stop: text that long (the prompt bound's characters per token)
+    cannot fit. A continued final message cuts the text after rendering, so it gets none."""
+    bound = chars_per_token(tokenizer)
+    return None if bound is None else RenderLimit(max_num_tokens * bound.max_chars, bound.dropped)
+
+
 def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-            continue_final: bool, kwargs: dict[str, Any]) -> str:
+            continue_final: bool, kwargs: dict[str, Any], limit: RenderLimit | None) -> str:
     text: str = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              **kwargs)
+                                              limit=limit, **kwargs)
     if not continue_final:
         return text
     # The template closes the final message; continuing it means cutting right after its text.

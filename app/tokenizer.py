@@ -12,7 +12,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from app.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
+from app.chat_template import (CHATML_TEMPLATE, ChatTemplateError, RenderLimit,
+                               render_chat_template)
 from app.gguf_tokenizer import build_gguf_tokenizer
 
 CHATML_START = "<|im_start|>"
@@ -164,9 +165,12 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        limit: RenderLimit | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render a conversation to the prompt text. Raises ChatTemplateError."""
+        """Render a conversation to the prompt text. Raises ChatTemplateError, and
+        RenderedTooLong once the text passes `limit`."""
         template = self.chat_template
         if template is None:
             if self.raw.token_to_id(CHATML_START) is None:
@@ -176,7 +180,8 @@ class Tokenizer:
                 )
             template = CHATML_TEMPLATE
         context = {**self._special_token_strings(), **template_kwargs}
-        return render_chat_template(template, messages, add_generation_prompt, **context)
+        return render_chat_template(template, messages, add_generation_prompt, limit=limit,
+                                    **context)
 
     def _special_token_strings(self) -> dict[str, str]:
         named = {

@@ -8,6 +8,8 @@ from app.chat_template import (
     CHATML_TEMPLATE,
     JOIN_SLICE,
     ChatTemplateError,
+    RenderedTooLong,
+    RenderLimit,
     normalize_messages,
     render_chat_template,
 )
@@ -83,6 +85,23 @@ def test_a_long_conversation_renders_whole(num_messages):
         conversations=[messages], chat_template=CHATML_TEMPLATE, add_generation_prompt=True)
     assert ours == rendered[0]
     assert ours.count("<|im_start|>") == num_messages + 1
+
+
+def test_rendering_stops_once_the_text_passes_its_limit():
+    """A conversation far beyond the limit is never rendered whole; one within it renders
+    as without a limit, and dropped characters do not count towards it."""
+    messages = [{"role": "user", "content": "x\x04"} for _ in range(20 * JOIN_SLICE)]
+    full = render_chat_template(CHATML_TEMPLATE, messages)
+    with pytest.raises(RenderedTooLong) as raised:
+        render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(len(full) // 10))
+    assert len(full) // 10 < raised.value.num_chars <= len(full) // 5
+    assert render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(len(full))) == full
+    num_dropped = full.count("\x04")
+    assert render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(
+        len(full) - num_dropped, dropped="\x04")) == full
+    with pytest.raises(RenderedTooLong):
+        render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(
+            len(full) - num_dropped - 1))
 
 
 def test_tojson_keeps_non_ascii():
