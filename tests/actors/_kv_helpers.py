@@ -52,6 +52,24 @@ class DirectKVClient:
         self.manager.free(request_ids)
 
 
+def assert_workload_drained(scheduler: Scheduler, manager: KVCacheManager, num_blocks: int,
+                            num_requests: int, finished: dict[str, str], aborted: set[str],
+                            num_outputs: dict[str, int], max_tokens: dict[str, int]) -> None:
+    """After a fake-device workload: every block back, nothing running or waiting, every
+    request r0.. finished once (the aborted ones as 'abort'), and each 'length' finish
+    after exactly its max_tokens outputs."""
+    assert run_sync(scheduler.schedule()) is None  # releases the last finished requests' blocks
+    manager.check_invariants()
+    usage = manager.stats()
+    assert usage.num_used_blocks == 0 and usage.num_free_blocks == num_blocks
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    assert set(finished) == {f"r{index}" for index in range(num_requests)}
+    assert {rid for rid, reason in finished.items() if reason == "abort"} == aborted
+    for request_id, reason in finished.items():
+        if reason == "length":
+            assert num_outputs[request_id] == max_tokens[request_id]
+
+
 def engine_request(request_id: str, prompt: Iterable[int], max_tokens: int | None = 8,
                    arrival_time: float = 0.0, priority: int = 0,
                    cache_salt: str | None = None) -> EngineRequest:

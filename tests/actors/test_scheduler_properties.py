@@ -14,7 +14,8 @@ from actors.messages import SchedulerOutput
 from actors.request import RequestStatus
 from actors.scheduler import Scheduler
 from actors.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import DirectKVClient, FakeRunner, engine_request, run_sync
+from tests.actors._kv_helpers import (DirectKVClient, FakeRunner, assert_workload_drained,
+                                      engine_request, run_sync)
 
 _TEMPLATES = [[random.Random(seed).randrange(30) for _ in range(64)] for seed in range(3)]
 
@@ -179,13 +180,5 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
             break
     else:
         raise AssertionError("the workload did not finish: the scheduler stopped making progress")
-    assert run_sync(scheduler.schedule()) is None  # releases the last finished requests' blocks
-    manager.check_invariants()
-    usage = manager.stats()
-    assert usage.num_used_blocks == 0 and usage.num_free_blocks == num_blocks
-    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
-    assert set(runner.finished) == {f"r{index}" for index in range(num_requests)}
-    assert {rid for rid, reason in runner.finished.items() if reason == "abort"} == aborted
-    for request_id, reason in runner.finished.items():
-        if reason == "length":
-            assert runner.num_outputs[request_id] == runner.max_tokens[request_id]
+    assert_workload_drained(scheduler, manager, num_blocks, num_requests, runner.finished,
+                            aborted, runner.num_outputs, runner.max_tokens)

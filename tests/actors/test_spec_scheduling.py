@@ -15,7 +15,8 @@ from actors.messages import EngineRequest, StepOutput, StepStats
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
 from actors.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import DirectKVClient, engine_request, run_sync
+from tests.actors._kv_helpers import (DirectKVClient, assert_workload_drained,
+                                      engine_request, run_sync)
 from tests.actors._spec_fake_runner import SpecFakeRunner
 
 
@@ -154,13 +155,6 @@ def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size
             break
     else:
         raise AssertionError("the workload did not finish")
-    assert run_sync(scheduler.schedule()) is None
-    manager.check_invariants()
-    usage = manager.stats()
-    assert usage.num_used_blocks == 0 and usage.num_free_blocks == num_blocks
-    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
-    assert set(runner.finished) == {f"r{index}" for index in range(num_requests)}
-    assert {rid for rid, reason in runner.finished.items() if reason == "abort"} == aborted
-    for request_id, reason in runner.finished.items():
-        if reason == "length":
-            assert len(runner.outputs[request_id]) == runner.max_tokens[request_id]
+    assert_workload_drained(scheduler, manager, num_blocks, num_requests, runner.finished,
+                            aborted, {rid: len(out) for rid, out in runner.outputs.items()},
+                            runner.max_tokens)
