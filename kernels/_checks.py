@@ -63,6 +63,14 @@ def check_same_num_rows(name: str, tensor: torch.Tensor, num_rows: int) -> None:
                          "(one per request row, like the other per-request tensors)")
 
 
+def check_offsets(name: str, offsets: torch.Tensor, num_reqs: int, exact: bool = False) -> None:
+    """Prefix sums over `num_reqs` rows: num_reqs + 1 entries (or more where the tensor is
+    padded, unless `exact`)."""
+    num_entries = offsets.shape[0]
+    if num_entries < num_reqs + 1 or (exact and num_entries != num_reqs + 1):
+        raise ValueError(f"{name} needs num_reqs + 1 = {num_reqs + 1} entries, has {num_entries}")
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All named tensors must share one device, which is returned."""
     devices = {t.device for t in tensors.values()}

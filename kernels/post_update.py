@@ -22,6 +22,7 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
+    check_offsets,
     check_step_counts,
     read_step_counts,
     check_dtype_and_rank,
@@ -93,11 +94,7 @@ def _check_args(
             f"len(idx_mapping)={idx_mapping.shape[0]} and "
             f"len(sampled_token_ids)={sampled_token_ids.shape[0]}"
         )
-    if query_start_loc.shape[0] < num_reqs + 1:
-        raise ValueError(
-            f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, has "
-            f"{query_start_loc.shape[0]}"
-        )
+    check_offsets("query_start_loc", query_start_loc, num_reqs)
     device = check_same_device(
         idx_mapping=idx_mapping, query_start_loc=query_start_loc,
         sampled_token_ids=sampled_token_ids, num_computed_tokens=num_computed_tokens,

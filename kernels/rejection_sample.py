@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import check_dtype_and_rank, check_triton_device, need_triton
+from kernels._checks import (check_dtype_and_rank, check_offsets, check_triton_device,
+                             need_triton)
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.gumbel_sample import gumbel_sample_ref, gumbel_sample_triton
 
@@ -106,9 +107,7 @@ def _check_args(
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
     check_dtype_and_rank("positions", positions, torch.int64, 1)
     num_reqs = idx_mapping.shape[0]
-    if cu_num_logits.shape[0] != num_reqs + 1:
-        raise ValueError(f"cu_num_logits needs num_reqs + 1 = {num_reqs + 1} entries, has "
-                         f"{cu_num_logits.shape[0]}")
+    check_offsets("cu_num_logits", cu_num_logits, num_reqs, exact=True)
     if draft_token_ids.shape[0] != num_reqs or positions.shape[0] != num_reqs:
         raise ValueError("draft_token_ids and positions need one row per scheduled request "
                          f"({num_reqs}), got {draft_token_ids.shape[0]} and {positions.shape[0]}")
@@ -237,9 +236,7 @@ def accept_draft_prefix(
     check_dtype_and_rank("draft_token_ids", draft_token_ids, torch.int32, 2)
     check_dtype_and_rank("sampled", sampled, torch.int64, 1)
     num_reqs, max_num_drafts = draft_token_ids.shape
-    if cu_num_logits.shape[0] != num_reqs + 1:
-        raise ValueError(f"cu_num_logits needs num_reqs + 1 = {num_reqs + 1} entries, has "
-                         f"{cu_num_logits.shape[0]}")
+    check_offsets("cu_num_logits", cu_num_logits, num_reqs, exact=True)
     if not (HAS_TRITON and sampled.is_cuda):
         return _accept_prefix_ref(cu_num_logits, draft_token_ids, sampled)
     output = torch.empty((num_reqs, max_num_drafts + 1), dtype=torch.int64, device=sampled.device)

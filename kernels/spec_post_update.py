@@ -21,6 +21,7 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
+    check_offsets,
     check_dtype_and_rank,
     check_row_state,
     check_same_device,
@@ -89,9 +90,7 @@ def _check_args(
     check_dtype_and_rank("num_accepted", num_accepted, torch.int32, 1)
     check_row_state(num_computed_tokens, total_len, token_ids, last_sampled)
     num_reqs = idx_mapping.shape[0]
-    if query_start_loc.shape[0] < num_reqs + 1:
-        raise ValueError(f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, has "
-                         f"{query_start_loc.shape[0]}")
+    check_offsets("query_start_loc", query_start_loc, num_reqs)
     for name, tensor in (("num_draft_slots", num_draft_slots), ("num_accepted", num_accepted),
                          ("output_token_ids", output_token_ids)):
         if tensor.shape[0] != num_reqs:
