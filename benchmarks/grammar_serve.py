@@ -42,6 +42,16 @@ THROUGHPUT_SCHEMA = {"type": "array", "minItems": 200, "items": {
         "age": {"type": "integer", "minimum": 0, "maximum": 1000},
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
     "required": ["name", "age", "tags"], "additionalProperties": False}}
+
+
+def throughput_schema(max_length: int | None = None) -> dict[str, Any]:
+    """THROUGHPUT_SCHEMA, its strings bounded to `max_length` characters when given."""
+    schema = copy.deepcopy(THROUGHPUT_SCHEMA)
+    if max_length is not None:
+        schema["items"]["properties"]["name"]["maxLength"] = max_length
+    return schema
+
+
 REGEX = r"[a-z]{3,8}-[0-9]{2,4}"
 CHOICES = ["alpha", "beta", "gamma"]
 
@@ -130,11 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p_ratio.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "schema":
-        schema = copy.deepcopy(THROUGHPUT_SCHEMA)
-        if args.max_length is not None:
-            schema["items"]["properties"]["name"]["maxLength"] = args.max_length
         args.out.write_text(json.dumps({"type": "json_schema", "json_schema": {
-            "name": "people", "schema": schema, "strict": True}}))
+            "name": "people", "schema": throughput_schema(args.max_length), "strict": True}}))
         return 0
     if args.command == "check":
         results = asyncio.run(check(args.base_url, args.num_requests))
