@@ -35,8 +35,8 @@ DEFAULT_CACHE_SIZE = 256
 MASK_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 """Threads filling a batch's masks. 256 JSON rows of a 150k vocabulary on the H200 host (16
 CPUs, benchmarks/results/grammar/fill_threads_h200.json) fill in 2.05 ms with 4 threads,
-2.31 with 16 and 3.46 with one: past 4 the threads add nothing, and in the engine they
-compete with the launcher and the thread waiting on the device."""
+2.15 with 8 and 2.31 with 16 (a warm lexer cache in each): past 4 the threads add nothing,
+and in the engine they compete with the launcher and the thread waiting on the device."""
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON on one line with fixed separators (as OpenAI writes it): with free whitespace a
 weak model can spend its whole budget on newlines before the first key."""
