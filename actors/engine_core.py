@@ -50,6 +50,7 @@ from actors.warmup import WARMUP_CLIENT, warmup_requests
 from gpu.distributed.tp_engine import TPRunnerV2
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
+from gpu.sampling.grammar_mask import mask_buffer_allocator
 from gpu.worker import ModelWorker
 from telemetry.logging import log_startup
 
@@ -85,8 +86,9 @@ class EngineCore:
             max_steps_in_flight=max_in_flight,
             num_speculative_tokens=(0 if config.speculative_config is None
                                     else config.speculative_config.num_speculative_tokens)),
-            KVActorClient(self.kv_actor), GrammarState(worker.model_config.vocab_size,
-                                                       max_in_flight))
+            KVActorClient(self.kv_actor), GrammarState(
+                worker.model_config.vocab_size, max_in_flight,
+                allocate_buffer=mask_buffer_allocator(worker.device)))
         tp_leader = getattr(worker, "tp_leader", None)
         v2_runner_cls = ModelRunnerV2 if tp_leader is None else TPRunnerV2
         runner_cls, gpu_actor_cls = ((v2_runner_cls, GPUActorV2) if runner.runner == "v2"

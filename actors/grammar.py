@@ -32,11 +32,12 @@ from actors.structured_output import StructuredOutputSpec
 _LLGUIDANCE_FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                        "grammar": "grammar"}
 DEFAULT_CACHE_SIZE = 256
-MASK_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-"""Threads filling a batch's masks. 256 JSON rows of a 150k vocabulary on the H200 host (16
-CPUs, benchmarks/results/grammar/fill_threads_h200.json) fill in 2.05 ms with 4 threads,
-2.15 with 8 and 2.31 with 16 (a warm lexer cache in each): past 4 the threads add nothing,
-and in the engine they compete with the launcher and the thread waiting on the device."""
+MASK_FILL_THREADS = max(1, min(2, (os.cpu_count() or 1) // 2))
+"""Threads filling a batch's masks. Inside the engine on the H200 host (16 CPUs, 256 JSON
+rows of a 150k vocabulary, benchmarks/results/grammar/h200/profile_filler.json and
+profile_pinned.json), 2 threads filled in 2.0-2.2 ms where 4 took 2.5-2.7 and 8 or 16
+more: the fill shares the CPUs with the core thread, the launcher and the thread waiting
+on the device, and more threads only contend with them."""
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON on one line with fixed separators (as OpenAI writes it): with free whitespace a
 weak model can spend its whole budget on newlines before the first key."""

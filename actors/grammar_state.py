@@ -5,7 +5,8 @@ step's token bitmask, and the finish a grammar decides.
     request.grammar = grammars.matcher(params)   # at arrival; GrammarError -> refused
     mask, deferred = grammars.plan_step(id, rows)  # when a step is scheduled
     finish = grammars.advance(request, token)    # per sampled token (Scheduler.update_from_step)
-    for step_id, mask in grammars.ready_masks()  # after each update: deferred masks, now exact
+    for step_id, pending in grammars.ready_masks()  # after each update: deferred masks, now
+        filler.submit(step_id, pending)             # exact, filled off the core thread
 
 A matcher must have seen every earlier output token before it can say what may come next.
 Constrained requests are scheduled like the others, two steps in flight; when one of them
@@ -14,15 +15,24 @@ forward and waits for the mask only before sampling, and the core builds that ma
 as the previous step's tokens have advanced the matchers (while the forward runs). So a
 constrained row waits at most one step's result for its mask, and a step with no
 constrained row never waits.
+
+A deferred mask is filled on a thread of its own (`MaskFiller`): the grammar library
+releases the GIL while it computes, so the core thread meanwhile sends the step's outputs
+and schedules the next step instead of doing the two in turn. A matcher is never advanced
+while its mask is being filled: its next token comes from the step that waits for the mask.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import structlog
 
 from actors.grammar import GrammarCompiler, GrammarError, GrammarMatcher, num_bitmask_words
 from actors.messages import GrammarBitmask, GrammarVocab, RequestFinish
@@ -31,12 +41,38 @@ from actors.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from actors.request import Request
 
+log = structlog.get_logger("tandem.grammar")
+
+
+@dataclass(slots=True)
+class PendingMask:
+    """A step's mask whose matchers are up to date, not yet computed (the rows of requests
+    that finished meanwhile already allow everything)."""
+
+    compiler: GrammarCompiler
+    live: list[tuple[GrammarMatcher, int]]
+    """(matcher, row of the bitmask) of the rows still running."""
+    mask: GrammarBitmask
+
+    def fill(self) -> GrammarBitmask:
+        if self.live:
+            self.compiler.fill_bitmasks(self.live, self.mask.bitmask)
+        return self.mask
+
+
+def _allocate(num_rows: int, num_words: int) -> np.ndarray:
+    return np.empty((num_rows, num_words), np.int32)
+
 
 class GrammarState:
-    def __init__(self, vocab_size: int, max_steps_in_flight: int = 2) -> None:
+    def __init__(self, vocab_size: int, max_steps_in_flight: int = 2,
+                 allocate_buffer: Callable[[int, int], np.ndarray] = _allocate) -> None:
         """`vocab_size`: the model's logits width (masks cover it whole);
-        `max_steps_in_flight`: the scheduler's bound (masks alive at once)."""
+        `max_steps_in_flight`: the scheduler's bound (masks alive at once);
+        `allocate_buffer(num_rows, num_words)`: an int32 mask buffer (the runner's, which
+        uploads page-locked ones without a copy)."""
         self.vocab_size = vocab_size
+        self._allocate_buffer = allocate_buffer
         self._num_buffers = max_steps_in_flight + 1
         self._compiler: GrammarCompiler | None = None
         self._vocab_error: str | None = None
@@ -87,18 +123,18 @@ class GrammarState:
         if self._deferred or not _is_up_to_date(rows):
             self._deferred.append((step_id, rows))
             return None, True
-        return self._bitmask(rows), False
+        return self._pending(rows).fill(), False
 
-    def ready_masks(self) -> list[tuple[int, GrammarBitmask]]:
+    def ready_masks(self) -> list[tuple[int, PendingMask]]:
         """The deferred masks whose matchers have now seen every earlier token, oldest
-        first (call after each step's tokens were applied)."""
+        first, to be filled in that order (call after each step's tokens were applied)."""
         ready = []
         while self._deferred and _is_up_to_date(self._deferred[0][1]):
             step_id, rows = self._deferred.popleft()
-            ready.append((step_id, self._bitmask(rows)))
+            ready.append((step_id, self._pending(rows)))
         return ready
 
-    def _bitmask(self, rows: Sequence[tuple[int, Request]]) -> GrammarBitmask:
+    def _pending(self, rows: Sequence[tuple[int, Request]]) -> PendingMask:
         """Rows of requests that finished meanwhile allow everything (their token is
         dropped)."""
         assert self._compiler is not None
@@ -109,10 +145,8 @@ class GrammarState:
                 bitmask[i] = -1
             else:
                 live.append((request.grammar, i))
-        if live:
-            self._compiler.fill_bitmasks(live, bitmask)
-        return GrammarBitmask(np.fromiter((index for index, _ in rows), dtype=np.int32,
-                                          count=len(rows)), bitmask)
+        indices = np.fromiter((index for index, _ in rows), dtype=np.int32, count=len(rows))
+        return PendingMask(self._compiler, live, GrammarBitmask(indices, bitmask))
 
     def _buffer(self, num_rows: int) -> np.ndarray:
         """[num_rows, num_words] int32 from a ring of reused buffers: a fresh 5 MB array per
@@ -122,11 +156,11 @@ class GrammarState:
         still in use."""
         slot = self._next_buffer
         self._next_buffer = (slot + 1) % self._num_buffers
+        num_words = num_bitmask_words(self.vocab_size)
         if slot == len(self._buffers):
-            self._buffers.append(np.empty((0, num_bitmask_words(self.vocab_size)), np.int32))
+            self._buffers.append(np.empty((0, num_words), np.int32))
         if len(self._buffers[slot]) < num_rows:
-            self._buffers[slot] = np.empty((num_rows, num_bitmask_words(self.vocab_size)),
-                                           np.int32)
+            self._buffers[slot] = self._allocate_buffer(num_rows, num_words)
         return self._buffers[slot][:num_rows]
 
     @staticmethod
@@ -147,3 +181,35 @@ def _is_up_to_date(rows: Sequence[tuple[int, Request]]) -> bool:
     """Every row's request has no token in flight but the one this step samples."""
     return all(request.num_output_placeholders <= 1 or request.is_finished
                for _, request in rows)
+
+
+class MaskFiller:
+    """Fills deferred masks on a thread of its own, in the order submitted, and hands each
+    to `provide(step_id, mask)` (thread-safe, the runner's) as soon as it is computed; a
+    fill that fails hands over the exception, so its step fails instead of waiting."""
+
+    def __init__(self, provide: Callable[[int, GrammarBitmask | BaseException], None]) -> None:
+        self._provide = provide
+        self._jobs: queue.SimpleQueue[tuple[int, PendingMask] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, step_id: int, pending: PendingMask) -> None:
+        if self._thread is None:  # engines that never see a grammar start no thread
+            self._thread = threading.Thread(target=self._run, name="tandem-grammar-fill",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((step_id, pending))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            step_id, pending = job
+            try:
+                mask: GrammarBitmask | BaseException = pending.fill()
+            except Exception as exc:  # noqa: BLE001 - the step fails with it, the core goes on
+                log.error("grammar_mask_failed", step_id=step_id, error=repr(exc))
+                mask = exc
+            self._provide(step_id, mask)

@@ -21,6 +21,7 @@ import structlog
 from actors.base import Actor
 from actors.core_outputs import CoreOutputs
 from actors.grammar import GrammarError
+from actors.grammar_state import MaskFiller
 from actors.kv_messages import KVUsage
 from actors.messages import (
     AbortRequests,
@@ -66,10 +67,11 @@ class SchedulerActor(Actor):
                  outputs: CoreOutputs, max_steps_in_flight: int,
                  kv_usage: Callable[[], Awaitable[KVUsage]],
                  num_free_rows: Callable[[], int | None],
-                 provide_grammar_mask: Callable[[int, GrammarBitmask], None] | None = None
-                 ) -> None:
-        """`provide_grammar_mask(step_id, mask)`: hands a deferred grammar mask to the
-        runner, whose step waits for it before sampling."""
+                 provide_grammar_mask: Callable[[int, GrammarBitmask | BaseException], None]
+                 | None = None) -> None:
+        """`provide_grammar_mask(step_id, mask)`: hands a deferred grammar mask (or why it
+        could not be computed) to the runner, whose step waits for it before sampling;
+        called from the mask filler's thread."""
         super().__init__()
         self.scheduler = scheduler
         self._submit_step = submit_step
@@ -77,7 +79,8 @@ class SchedulerActor(Actor):
         self._max_steps_in_flight = max_steps_in_flight
         self._kv_usage = kv_usage
         self._num_free_rows = num_free_rows
-        self._provide_grammar_mask = provide_grammar_mask
+        self._mask_filler = (None if provide_grammar_mask is None
+                             else MaskFiller(provide_grammar_mask))
         self._drain_events: list[anyio.Event] = []
         self._admitted_by_step: dict[int, list[tuple[int, AdmittedRequest]]] = {}
 
@@ -124,9 +127,9 @@ class SchedulerActor(Actor):
     def _apply_step(self, out: StepOutput) -> None:
         prompt_clients = self._prompt_logprobs_clients(out)
         result = self.scheduler.update_from_step(out)
-        for step_id, mask in result.grammar_masks:  # first: a launched step waits for it
-            assert self._provide_grammar_mask is not None
-            self._provide_grammar_mask(step_id, mask)
+        for step_id, pending in result.grammar_masks:  # first: a launched step waits for it
+            assert self._mask_filler is not None
+            self._mask_filler.submit(step_id, pending)
         self._outputs.step(out, result, self._admitted_by_step.pop(out.step_id, ()),
                            self.stats(), prompt_clients)
 
@@ -170,6 +173,10 @@ class SchedulerActor(Actor):
             prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
             num_free_rows=self._num_free_rows())
+
+    async def on_stop(self) -> None:
+        if self._mask_filler is not None:
+            self._mask_filler.close()
 
     async def on_idle(self) -> None:
         while self.scheduler.num_steps_in_flight < self._max_steps_in_flight:

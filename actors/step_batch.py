@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from actors.kv_messages import RunningAlloc
-from actors.messages import GrammarBitmask, RequestFinish, StepOutput
+from actors.grammar_state import PendingMask
+from actors.messages import RequestFinish, StepOutput
 from actors.request import Request, RequestStatus
 
 
@@ -41,7 +42,7 @@ class StepResult:
     """Drafts verified per row (speculative steps only)."""
     finished: list[tuple[Request, RequestFinish]] = field(default_factory=list)
     """Requests this step finished: token-level stops and failures."""
-    grammar_masks: list[tuple[int, GrammarBitmask]] = field(default_factory=list)
+    grammar_masks: list[tuple[int, PendingMask]] = field(default_factory=list)
     """Deferred grammar masks of steps in flight, ready now: (step id, mask)."""
 
 

@@ -63,8 +63,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the greedy equality check (bf16 timings: random weights make "
+                        "near-ties that a K+1-token forward rounds differently; the check "
+                        "runs in float32)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="of the timed runs (the equality check is greedy): with random "
+                        "weights, 1.0 makes nearly every draft fail (the cost of speculation "
+                        "that never pays)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/spec_cpu.json"))
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="after the runs, profile one run per arm and concurrency into "
+                        "DIR/kernels_{arm}_c{N}.txt (torch.profiler tables)")
     return p.parse_args(argv)
 
 
@@ -81,11 +92,12 @@ def make_prompts(llm: Any, count: int, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def run_batch(llm: Any, prompts: list[list[int]], num_tokens: int
+def run_batch(llm: Any, prompts: list[list[int]], num_tokens: int, temperature: float = 0.0
               ) -> tuple[float, list[tuple[int, ...]]]:
     from actors.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
+                            max_tokens=num_tokens, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
@@ -93,6 +105,19 @@ def run_batch(llm: Any, prompts: list[list[int]], num_tokens: int
     if any(len(t) != num_tokens for t in tokens):
         raise RuntimeError("a request decoded fewer tokens than asked for")
     return elapsed, tokens
+
+
+def step_breakdown(llm: Any) -> dict[str, dict[str, float | int]]:
+    """Mean device, idle and launch (CPU) ms of the last run's steps, speculative steps (with
+    draft slots) apart from the others."""
+    groups: dict[str, list[Any]] = {"spec": [], "plain": []}
+    for stats in llm.last_step_stats:
+        groups["spec" if stats.spec is not None else "plain"].append(stats)
+    return {name: {"num_steps": len(steps),
+                   "device_ms": 1e3 * statistics.fmean(s.step_time_s for s in steps),
+                   "idle_ms": 1e3 * statistics.fmean(s.gpu_idle_s for s in steps),
+                   "launch_ms": 1e3 * statistics.fmean(s.prepare_time_s for s in steps)}
+            for name, steps in groups.items() if steps}
 
 
 def acceptance(llm: Any) -> dict[str, float | int]:
@@ -107,13 +132,26 @@ def acceptance(llm: Any) -> dict[str, float | int]:
             "num_steps": len(llm.last_step_stats)}
 
 
-def measure(llm: Any, prompts: list[list[int]], num_tokens: int) -> dict[str, Any]:
-    first_s, _ = run_batch(llm, prompts, 1)
-    total_s, _ = run_batch(llm, prompts, num_tokens)
+def measure(llm: Any, prompts: list[list[int]], num_tokens: int, temperature: float
+            ) -> dict[str, Any]:
+    first_s, _ = run_batch(llm, prompts, 1, temperature)
+    total_s, _ = run_batch(llm, prompts, num_tokens, temperature)
     return {"first_token_s": first_s, "total_s": total_s,
             "tpot_ms": 1e3 * (total_s - first_s) / (num_tokens - 1),
             "output_tok_s": len(prompts) * num_tokens / total_s, **acceptance(llm),
-            "load_average": load_average()}
+            "steps": step_breakdown(llm), "load_average": load_average()}
+
+
+def profile_kernels(llm: Any, prompts: list[list[int]], num_tokens: int, temperature: float,
+                    path: Path) -> None:
+    """One run under torch.profiler: its device kernels by total time, to `path` (the CPU
+    ops of the engine's threads are not recorded)."""
+    import torch
+
+    with torch.profiler.profile() as profiler:
+        run_batch(llm, prompts, num_tokens, temperature)
+    path.write_text(profiler.key_averages().table(sort_by="self_device_time_total",
+                                                  row_limit=40))
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -149,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                               "correctness": {}, "runs": []}
     plain, spec = load(args)
     prompts = make_prompts(plain, max(args.concurrency), plain.worker.model_config.vocab_size)
-    for concurrency in args.concurrency:
+    for concurrency in args.concurrency if args.check else ():
         check = check_greedy(plain, spec, prompts[:concurrency], args.max_tokens)
         record["correctness"][str(concurrency)] = check
         print(f"greedy check c={concurrency}: {check['num_equal']}/{check['num_requests']} equal, "
@@ -163,13 +201,20 @@ def main(argv: list[str] | None = None) -> int:
         order = ("off", "on", "on", "off") if repeat % 2 == 0 else ("on", "off", "off", "on")
         for concurrency in args.concurrency:
             for arm in order:
-                figures = measure(arms[arm], prompts[:concurrency], args.max_tokens)
+                figures = measure(arms[arm], prompts[:concurrency], args.max_tokens,
+                                  args.temperature)
                 record["runs"].append({"arm": arm, "concurrency": concurrency, "repeat": repeat,
                                        **figures})
                 _write(args.output, record)
     record["summary"] = summarise(record["runs"], args.concurrency)
     _write(args.output, record)
     print_table(record["summary"])
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        for concurrency in args.concurrency:
+            for arm, llm in arms.items():
+                profile_kernels(llm, prompts[:concurrency], args.max_tokens, args.temperature,
+                                args.profile_dir / f"kernels_{arm}_c{concurrency}.txt")
     return 0
 
 
@@ -185,6 +230,7 @@ def summarise(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[str,
         row["acceptance_rate"] = statistics.median(r["acceptance_rate"] for r in on_runs)
         row["mean_acceptance_length"] = statistics.median(r["mean_acceptance_length"]
                                                           for r in on_runs)
+        row["steps_on_last_run"] = on_runs[-1]["steps"]
         summary[str(concurrency)] = row
     return summary
 
@@ -196,6 +242,9 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{concurrency:>5} {row['tpot_ms_off']:>12.2f} {row['tpot_ms_on']:>11.2f} "
               f"{row['tpot_change']:>+8.1%} {row['acceptance_rate']:>7.2f} "
               f"{row['mean_acceptance_length']:>9.2f}")
+        for kind, steps in row["steps_on_last_run"].items():
+            print(f"      {kind:5s} steps {steps['num_steps']:4d}: device {steps['device_ms']:.2f} "
+                  f"ms, idle {steps['idle_ms']:.2f} ms, launch {steps['launch_ms']:.2f} ms")
 
 
 def _write(output: Path, record: dict[str, Any]) -> None:

@@ -22,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import llguidance  # noqa: E402
+import llguidance.numpy  # noqa: E402
+
 from actors.sampling_params import SamplingParams  # noqa: E402
 from actors.structured_output import StructuredOutputSpec  # noqa: E402
 from app.llm import LLM  # noqa: E402
@@ -83,8 +86,9 @@ def _where(frame) -> str:
     return f"{Path(code.co_filename).name}:{code.co_name}"
 
 
-def _time_fills() -> tuple[list[float], list[int]]:
-    """Time every batch mask fill of the engine (wraps GrammarCompiler.fill_bitmasks)."""
+def _time_fills(executor: dict) -> tuple[list[float], list[int]]:
+    """Time every batch mask fill of the engine (wraps GrammarCompiler.fill_bitmasks); the
+    fill uses `executor["now"]` instead of the engine's own when one is set."""
     from actors.grammar import GrammarCompiler
 
     times_ms: list[float] = []
@@ -93,12 +97,87 @@ def _time_fills() -> tuple[list[float], list[int]]:
 
     def timed(self, rows, bitmask):  # noqa: ANN001 - the wrapped method's own arguments
         started = time.perf_counter()
-        fill(self, rows, bitmask)
+        if executor.get("now") is None:
+            fill(self, rows, bitmask)
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                executor["now"], [(m._matcher, row) for m, row in rows], bitmask)
         times_ms.append((time.perf_counter() - started) * 1e3)
         num_rows.append(len(rows))
 
     GrammarCompiler.fill_bitmasks = timed
     return times_ms, num_rows
+
+
+def _time_mask_waits() -> list[float]:
+    """Time the runner thread's waits for deferred masks (wraps DeferredMasks.step_mask)."""
+    from gpu.sampling.grammar_mask import DeferredMasks
+
+    waits_ms: list[float] = []
+    step_mask = DeferredMasks.step_mask
+
+    def timed(self, sched):  # noqa: ANN001 - the wrapped method's own arguments
+        started = time.perf_counter()
+        mask = step_mask(self, sched)
+        if sched.grammar_mask_deferred:
+            waits_ms.append((time.perf_counter() - started) * 1e3)
+        return mask
+
+    DeferredMasks.step_mask = timed
+    return waits_ms
+
+
+TIMED = ("actors.scheduler_actor:SchedulerActor._apply_step",
+         "actors.scheduler:Scheduler.update_from_step", "actors.scheduler:Scheduler.schedule",
+         "actors.core_outputs:CoreOutputs.step", "gpu.runner_v2.runner:apply_grammar_bitmask",
+         "gpu.runner_v2.runner:ModelRunnerV2.execute")
+"""Functions timed per call in every arm (module:attribute; a function is patched in the
+module that calls it)."""
+
+
+def _time_calls(targets: tuple[str, ...]) -> dict[str, list[float]]:
+    """Wraps each target to record its duration in ms per call (coroutines included)."""
+    import importlib
+    import inspect
+
+    durations: dict[str, list[float]] = {target: [] for target in targets}
+    for target in targets:
+        module_name, _, path = target.partition(":")
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, name)
+        record = durations[target]
+        if inspect.iscoroutinefunction(original):
+            async def timed(*args, _original=original, _record=record, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return await _original(*args, **kwargs)
+                finally:
+                    _record.append((time.perf_counter() - started) * 1e3)
+        else:
+            def timed(*args, _original=original, _record=record, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    _record.append((time.perf_counter() - started) * 1e3)
+        setattr(owner, name, timed)
+    return durations
+
+
+def _arm_options(name: str) -> tuple[str, int | None, float | None, bool]:
+    """(base arm, fill threads, switch interval in s, one torch thread) of an arm name:
+    base[_t1][_f<threads>][_si<microseconds>]."""
+    base, *suffixes = name.split("_")
+    threads = switch_s = None
+    for suffix in suffixes:
+        if suffix.startswith("si"):
+            switch_s = int(suffix[2:]) * 1e-6
+        elif suffix.startswith("f"):
+            threads = int(suffix[1:])
+    return base, threads, switch_s, "t1" in suffixes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--runs", nargs="+", default=["free", "json", "free", "json", "free_t1",
                                                       "json_t1", "free_t1", "json_t1"],
-                        help="arms in order; _t1: with one torch CPU thread")
+                        help="arms in order, base[_t1][_fN][_siUS]: _t1 one torch CPU "
+                             "thread, _fN N mask-fill threads, _siUS a GIL switch interval")
+    parser.add_argument("--stack-arm", default="json",
+                        help="the arm whose last run samples stacks (the others run clean)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     llm = LLM(args.model, tokenizer=args.tokenizer, max_num_seqs=args.num_requests,
@@ -121,39 +203,54 @@ def main(argv: list[str] | None = None) -> int:
                                    ignore_eos=True),
             "json": SamplingParams(temperature=1.0, seed=1, max_tokens=args.max_tokens,
                                    ignore_eos=True, structured_output=spec)}
-    fill_ms, fill_rows = _time_fills()
+    executor: dict = {}
+    fill_ms, fill_rows = _time_fills(executor)
+    waits_ms = _time_mask_waits()
+    call_ms = _time_calls(TIMED)
     llm.generate(prompts[:8], arms["json"])  # warm-up: compile, graphs
+    for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
+        timings.clear()
     result = {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "arms": {}}
     import torch
 
-    # Stacks are sampled in the last run of each json arm only: the sampler takes the GIL
-    # every half millisecond, so the other runs are the clean timings.
+    # Stacks are sampled in the last run of one arm only: the sampler takes the GIL every
+    # half millisecond, so the other runs are the clean timings.
     plan = tuple(args.runs)
+    default_switch_s = sys.getswitchinterval()
+    default_torch_threads = torch.get_num_threads()
     for index, name in enumerate(plan):
-        if name.endswith("_t1"):  # as the engine core process runs on a GPU
-            torch.set_num_threads(1)
+        base, threads, switch_s, one_torch_thread = _arm_options(name)
+        torch.set_num_threads(1 if one_torch_thread else default_torch_threads)
+        sys.setswitchinterval(switch_s or default_switch_s)
+        executor["now"] = None if threads is None else llguidance.LLExecutor(num_threads=threads)
         sampler = StackSampler()
-        sampled = name.startswith("json") and name not in plan[index + 1:]
+        sampled = name == args.stack_arm and name not in plan[index + 1:]
         started = time.perf_counter()
         with sampler if sampled else contextlib.nullcontext():
-            outputs = llm.generate(prompts, arms[name.removesuffix("_t1")])
+            outputs = llm.generate(prompts, arms[base])
         elapsed_s = time.perf_counter() - started
         num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         if name.startswith("json"):
             print(f"  e.g. {outputs[0].outputs[0].text[:160]!r}")
         fills = {"num_fills": len(fill_ms), "mean_ms": sum(fill_ms) / max(len(fill_ms), 1),
-                 "mean_rows": sum(fill_rows) / max(len(fill_rows), 1)}
-        fill_ms.clear()
-        fill_rows.clear()
+                 "mean_rows": sum(fill_rows) / max(len(fill_rows), 1),
+                 "mask_wait_ms_mean": sum(waits_ms) / max(len(waits_ms), 1)}
+        calls = {target.rpartition(":")[2]: {"num_calls": len(ms), "mean_ms": sum(ms) / max(len(ms), 1)}
+                 for target, ms in call_ms.items()}
+        for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
+            timings.clear()
         result["arms"].setdefault(name, []).append(
             {"output_tok_s": num_tokens / elapsed_s, "elapsed_s": elapsed_s,
              "stacks": sampler.report(args.top), "num_samples": sampler.num_samples,
-             "stacks_sampled": sampled, "mask_fills": fills})
+             "stacks_sampled": sampled, "mask_fills": fills, "calls": calls})
         print(f"{name:8s} {num_tokens / elapsed_s:10.1f} output tok/s ({elapsed_s:.2f} s)"
               + f" fills {fills['num_fills']} x {fills['mean_ms']:.2f} ms"
-              f" ({fills['mean_rows']:.0f} rows)" + (" (stacks sampled)" if sampled else ""))
+              f" ({fills['mean_rows']:.0f} rows), mask wait {fills['mask_wait_ms_mean']:.2f} ms"
+              + (" (stacks sampled)" if sampled else ""))
+        print("    " + ", ".join(f"{name} {c['num_calls']} x {c['mean_ms']:.2f}"
+                                 for name, c in calls.items()))
     args.out.write_text(json.dumps(result, indent=1))
-    last_json = [name for name in plan if name.startswith("json")][-1:]
+    last_json = [args.stack_arm] if args.stack_arm in plan else []
     for thread, stacks in (result["arms"][last_json[0]][-1]["stacks"].items()
                            if last_json else ()):
         print(f"--- {last_json[0]} arm, thread {thread}")

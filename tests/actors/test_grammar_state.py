@@ -6,6 +6,7 @@ request with 'stop'."""
 from __future__ import annotations
 
 import functools
+import queue
 import types
 from typing import Any
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from actors.grammar import GrammarError
-from actors.grammar_state import GrammarState
+from actors.grammar_state import GrammarState, MaskFiller
 from actors.kv_cache_manager import KVCacheManager
 from actors.messages import EngineRequest, GrammarVocab, StepOutput, StepStats
 from actors.sampling_params import SamplingParams
@@ -70,7 +71,8 @@ def test_a_constrained_step_behind_a_token_in_flight_gets_its_mask_after_that_to
     assert second is not None and second.scheduled_request_ids == ("free", "num")
     assert second.grammar_bitmask is None and second.grammar_mask_deferred
     result = scheduler.update_from_step(answer(first, overrides={"num": digit}))
-    ((step_id, mask),) = result.grammar_masks
+    ((step_id, pending),) = result.grammar_masks
+    mask = pending.fill()
     assert step_id == second.step_id and mask.batch_indices.tolist() == [1]
     after_one_digit = _allowed(mask.bitmask[0])
     assert digit in after_one_digit and not set(tokenizer.eos_token_ids) & after_one_digit
@@ -88,8 +90,8 @@ def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
                         StepStats(first.step_id, 1, 1, 0), error="boom",
                         failed_request_ids=first.scheduled_request_ids)
     result = scheduler.update_from_step(failed)
-    ((step_id, mask),) = result.grammar_masks
-    assert step_id == second.step_id and (mask.bitmask == -1).all()  # the request is gone
+    ((step_id, pending),) = result.grammar_masks
+    assert step_id == second.step_id and (pending.fill().bitmask == -1).all()  # the request is gone
 
 
 def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> None:
@@ -152,3 +154,53 @@ def test_masks_alive_together_never_share_memory_and_a_finished_row_allows_every
     row.is_finished = True  # its buffer held the digits-only row just before
     again = [grammars.plan_step(step_id, [(0, row)])[0] for step_id in range(3, 6)]
     assert all(mask is not None and (mask.bitmask == -1).all() for mask in again)
+
+
+def test_masks_are_filled_in_the_buffers_the_runner_allocates() -> None:
+    # The runner hands out page-locked buffers on CUDA: a mask must be written into one of
+    # them (not copied out of another), or the upload pays a staging copy again.
+    tokenizer = _tokenizer()
+    allocated: list[np.ndarray] = []
+
+    def allocate(num_rows: int, num_words: int) -> np.ndarray:
+        allocated.append(np.empty((num_rows, num_words), np.int32))
+        return allocated[-1]
+
+    grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2, allocate_buffer=allocate)
+    grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
+    rows = [(i, types.SimpleNamespace(
+        grammar=grammars.matcher(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        is_finished=False, num_output_placeholders=1)) for i in range(2)]
+    masks = [grammars.plan_step(step_id, rows)[0] for step_id in range(5)]
+    assert len(allocated) == 3  # one per ring slot, reused after
+    for step_id, mask in enumerate(masks):
+        assert mask is not None and np.shares_memory(mask.bitmask, allocated[step_id % 3])
+
+
+def test_the_filler_hands_over_masks_in_order_and_a_failed_fill_as_its_error() -> None:
+    tokenizer = _tokenizer()
+    grammars = GrammarState(tokenizer.vocab_size)
+    grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
+    row = types.SimpleNamespace(
+        grammar=grammars.matcher(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        is_finished=False, num_output_placeholders=2)
+    assert grammars.plan_step(4, [(0, row)]) == (None, True)  # a token in flight: deferred
+    row.num_output_placeholders = 1
+    (good,) = grammars.ready_masks()
+
+    class Broken:
+        def fill(self) -> None:
+            raise RuntimeError("library failure")
+
+    provided: queue.SimpleQueue = queue.SimpleQueue()
+    filler = MaskFiller(lambda step_id, mask: provided.put((step_id, mask)))
+    filler.submit(*good)
+    filler.submit(5, Broken())
+    filler.close()
+    step_id, mask = provided.get(timeout=10)
+    digits = {tokenizer.encode(str(d))[0] for d in range(10)}
+    assert step_id == 4 and digits <= _allowed(mask.bitmask[0])
+    step_id, error = provided.get(timeout=10)
+    assert step_id == 5 and isinstance(error, RuntimeError)
