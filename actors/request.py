@@ -21,12 +21,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # By value: hashing a member runs Enum.__hash__ in Python, and this is asked per
+        # request per step.
+        return self._value_ in _FINISHED_REASONS
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason ('stop', 'length', 'abort', 'error'), None if unfinished."""
-        return self.value if self in _FINISHED else None
+        return self._value_ if self._value_ in _FINISHED_REASONS else None
 
     @classmethod
     def from_finish_reason(cls, reason: str) -> RequestStatus:
@@ -40,6 +42,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 _BY_REASON = {status.value: status for status in _FINISHED}
+_FINISHED_REASONS = frozenset(_BY_REASON)
 
 
 @dataclass(eq=False, slots=True)

@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from actors.kv_messages import RunningAlloc
+from actors.kv_messages import RunningAllocs
 from actors.messages import GrammarBitmask, RequestFinish, StepOutput
 from actors.request import Request, RequestStatus
-
-
-@dataclass(slots=True, eq=False)
-class PlannedRun:
-    request: Request
-    num_new_tokens: int
-    alloc: RunningAlloc
-    num_draft_slots: int = 0
-
-
-Granted = tuple[PlannedRun, tuple[int, ...]]
-"""A running entry that got its blocks, with the block ids appended this step."""
 
 
 @dataclass(slots=True)
@@ -45,17 +34,88 @@ class StepResult:
     """Deferred grammar masks of steps in flight, ready now: (step id, mask)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class StepBatch:
-    """The columns of a SchedulerOutput, filled in batch order."""
+    """A step's rows as columns, in batch order: the running requests first (planned before
+    the KV allocation, so preemption may drop some), then the requests admitted from the
+    queue. No request changes until `start_rows` commits the step."""
 
-    request_ids: list[str]
-    num_scheduled_tokens: list[int]
-    num_computed_tokens: list[int]
-    samples_token: list[bool]
-    sampling_requests: dict[str, Request]
-    num_draft_slots: dict[str, int] = field(default_factory=dict)
-    """Speculating rows' draft slots (absent: 0)."""
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Each row's computed tokens before the step."""
+    num_draft_slots: list[int] = field(default_factory=list)
+    """Of the scheduled tokens, the draft slots after the row's last token (speculation)."""
+    samples_token: list[bool] = field(default_factory=list)
+    new_block_ids: list[tuple[int, ...]] = field(default_factory=list)
+    """Blocks the step's allocation appends to the row's table (running rows)."""
+
+    def add(self, request: Request, num_new_tokens: int, num_draft_slots: int = 0,
+            num_known_tokens: int | None = None) -> None:
+        """Run `num_new_tokens` of `request` from its computed tokens, the last
+        `num_draft_slots` of them draft slots. The row samples when it reaches the end of
+        the request's known-or-placeholder tokens (`num_known_tokens`, if the caller has
+        them at hand)."""
+        if num_known_tokens is None:
+            num_known_tokens = request.num_tokens_with_placeholders
+        num_computed = request.num_computed_tokens
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_new_tokens)
+        self.num_computed_tokens.append(num_computed)
+        self.num_draft_slots.append(num_draft_slots)
+        self.samples_token.append(num_computed + num_new_tokens - num_draft_slots
+                                  >= num_known_tokens)
+        self.new_block_ids.append(())
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def request_ids(self) -> list[str]:
+        return [request.request_id for request in self.requests]
+
+    def running_allocs(self) -> RunningAllocs:
+        """The KV each row's blocks must hold once the step ran."""
+        return RunningAllocs(tuple(self.request_ids()), tuple(map(
+            operator.add, self.num_computed_tokens, self.num_scheduled_tokens)))
+
+    def set_new_block_ids(self, new_block_ids: Sequence[tuple[int, ...]]) -> None:
+        """The blocks an allocation granted to the first len(new_block_ids) rows."""
+        self.new_block_ids[:len(new_block_ids)] = new_block_ids
+
+    def rows(self, start: int, stop: int, without: Request | None = None) -> StepBatch:
+        """Rows [start, stop), less `without`'s (a preempted request)."""
+        keep = [index for index in range(start, stop) if self.requests[index] is not without]
+        return StepBatch(*([column[index] for index in keep] for column in self._columns()))
+
+    def joined(self, other: StepBatch) -> StepBatch:
+        return StepBatch(*(mine + theirs
+                           for mine, theirs in zip(self._columns(), other._columns())))
+
+    def _columns(self) -> tuple[list, ...]:
+        return (self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
+                self.num_draft_slots, self.samples_token, self.new_block_ids)
+
+
+def start_rows(batch: StepBatch) -> tuple[dict[str, Request], dict[str, int]]:
+    """Commit the step in its requests: each row's new blocks and scheduled tokens, and an
+    output placeholder per sampling row. Returns the sampling rows' requests and the draft
+    slots of those that speculate, by request id."""
+    sampling: dict[str, Request] = {}
+    draft_slots: dict[str, int] = {}
+    for request, num_new, num_slots, samples, new_block_ids in zip(
+            batch.requests, batch.num_scheduled_tokens, batch.num_draft_slots,
+            batch.samples_token, batch.new_block_ids):
+        if new_block_ids:
+            request.block_ids.extend(new_block_ids)
+        # A speculating row counts its draft slots as outputs and as computed (upper
+        # bounds, corrected by its result: actors/spec_scheduling.py).
+        request.num_computed_tokens += num_new
+        if samples:
+            request.num_output_placeholders += 1 + num_slots
+            sampling[request.request_id] = request
+            if num_slots:
+                draft_slots[request.request_id] = num_slots
+    return sampling, draft_slots
 
 
 class WaitingQueue:
@@ -88,36 +148,11 @@ class WaitingQueue:
             yield self._entries[index][1]
 
 
-def schedule_tokens(batch: StepBatch, request: Request, num_new_tokens: int,
-                     num_slots: int = 0) -> None:
-    batch.request_ids.append(request.request_id)
-    batch.num_scheduled_tokens.append(num_new_tokens)
-    batch.num_computed_tokens.append(request.num_computed_tokens)
-    request.num_computed_tokens += num_new_tokens - num_slots
-    samples = request.num_computed_tokens >= request.num_tokens_with_placeholders
-    batch.samples_token.append(samples)
-    if samples:
-        # A speculating row counts its draft slots as outputs and as computed (upper
-        # bounds, corrected by its result: actors/spec_scheduling.py).
-        request.num_computed_tokens += num_slots
-        request.num_output_placeholders += 1 + num_slots
-        batch.sampling_requests[request.request_id] = request
-        if num_slots:
-            batch.num_draft_slots[request.request_id] = num_slots
-
-
-def slots_column(batch: StepBatch) -> tuple[int, ...]:
-    return tuple(batch.num_draft_slots.get(request_id, 0) for request_id in batch.request_ids)
-
-
 def grammar_rows(batch: StepBatch) -> list[tuple[int, Request]]:
     """(batch index, request) of the rows that sample under a grammar."""
-    rows = []
-    for index, request_id in enumerate(batch.request_ids):
-        request = batch.sampling_requests.get(request_id)
-        if request is not None and request.grammar is not None and batch.samples_token[index]:
-            rows.append((index, request))
-    return rows
+    return [(index, request) for index, (request, samples)
+            in enumerate(zip(batch.requests, batch.samples_token))
+            if samples and request.grammar is not None]
 
 
 def token_stop(request: Request, token_id: int) -> RequestFinish | None:
