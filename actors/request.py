@@ -57,6 +57,9 @@ class Request:
     cache_salt: str | None = None
     client_index: int = 0
     """The front end that owns the request."""
+    num_prompt_tokens: int = 0
+    """len(prompt_token_ids), kept apart: the per-step counts below read it for every
+    running request, and the prompt tuple would be one more object to load each time."""
     max_total_tokens: int = 0
     """Prompt plus max_tokens, capped at max_model_len (fixed at arrival)."""
     eos_token_set: frozenset[int] = frozenset()
@@ -100,14 +103,11 @@ class Request:
                    sampling_params=params, arrival_time=request.arrival_time,
                    max_model_len=max_model_len, priority=request.priority,
                    eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
-                   client_index=request.client_index, max_total_tokens=max_total_tokens,
+                   client_index=request.client_index, num_prompt_tokens=num_prompt_tokens,
+                   max_total_tokens=max_total_tokens,
                    eos_token_set=frozenset() if params.ignore_eos else frozenset(
                        request.eos_token_ids),
                    stop_token_set=frozenset(params.stop_token_ids), queued_time=queued_time)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -116,12 +116,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus known output tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return (len(self.prompt_token_ids) + len(self.output_token_ids)
-                + self.num_output_placeholders)
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
