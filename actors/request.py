@@ -62,9 +62,12 @@ class Request:
     running request, and the prompt tuple would be one more object to load each time."""
     max_total_tokens: int = 0
     """Prompt plus max_tokens, capped at max_model_len (fixed at arrival)."""
-    eos_token_set: frozenset[int] = frozenset()
-    """Tokens that end the request with 'stop' (empty with ignore_eos)."""
-    stop_token_set: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    """Outputs before a stop token counts (SamplingParams.min_tokens)."""
+    stop_tokens: dict[int, int | None] = field(default_factory=dict)
+    """Tokens that end the request with 'stop' once min_tokens outputs exist: each of
+    stop_token_ids maps to itself (the finish names it), each EOS (unless ignore_eos) to
+    None; EOS wins a token that is both. One lookup per sampled token."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is computed or scheduled (advanced when a step is scheduled)."""
@@ -105,9 +108,9 @@ class Request:
                    eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
                    client_index=request.client_index, num_prompt_tokens=num_prompt_tokens,
                    max_total_tokens=max_total_tokens,
-                   eos_token_set=frozenset() if params.ignore_eos else frozenset(
-                       request.eos_token_ids),
-                   stop_token_set=frozenset(params.stop_token_ids), queued_time=queued_time)
+                   min_tokens=params.min_tokens,
+                   stop_tokens=_stop_tokens(params, request.eos_token_ids),
+                   queued_time=queued_time)
 
     @property
     def num_output_tokens(self) -> int:
@@ -129,3 +132,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def _stop_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]
+                 ) -> dict[int, int | None]:
+    stop_tokens: dict[int, int | None] = {token_id: token_id
+                                          for token_id in params.stop_token_ids}
+    if not params.ignore_eos:
+        stop_tokens.update(dict.fromkeys(eos_token_ids))
+    return stop_tokens

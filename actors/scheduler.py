@@ -42,15 +42,16 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import correct_after_step, emitted_counts, num_draft_slots
+from actors.spec_scheduling import emitted_counts, num_draft_slots
 from actors.step_batch import (
     StepBatch,
     StepResult,
     WaitingQueue,
+    append_one_each,
+    append_runs,
     check_tokens_are_expected,
     grammar_rows,
     start_rows,
-    token_stop,
 )
 
 
@@ -179,9 +180,13 @@ class Scheduler:
         requests = [sampling.pop(request_id) for request_id in out.request_ids]
         token_ids = out.sampled_token_ids.tolist()
         if draft_slots or out.num_sampled_tokens is not None or out.num_draft_tokens is not None:
-            self._append_runs(out, requests, token_ids, counts, draft_slots, result)
+            finished = append_runs(out, requests, token_ids, counts, draft_slots,
+                                   self._next_step_id, result)
         else:
-            self._append_one_each(requests, token_ids, result)
+            finished = append_one_each(requests, token_ids, result)
+        for request, finish in finished:
+            self._finish(request, RequestStatus.from_finish_reason(finish.reason))
+        result.finished.extend(finished)
         self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
                    f"step {out.step_id} returned no token", result)
         return self._with_ready_masks(result)
@@ -203,55 +208,6 @@ class Scheduler:
         if self.grammars is not None:
             result.grammar_masks = self.grammars.ready_masks()
         return result
-
-    def _append_one_each(self, requests: list[Request], token_ids: list[int],
-                         result: StepResult) -> None:
-        """A step without speculation: one token per request, in the order of `requests`."""
-        for row, (request, token_id) in enumerate(zip(requests, token_ids)):
-            if request.is_finished:
-                continue  # aborted while the step ran
-            request.output_token_ids.append(token_id)
-            request.num_output_placeholders -= 1
-            self._keep(request, row, 1, _token_finish(request, token_id), result)
-
-    def _append_runs(self, out: StepOutput, requests: list[Request], token_ids: list[int],
-                     counts: list[int], draft_slots: dict[str, int],
-                     result: StepResult) -> None:
-        """A speculative step: a run of `counts[i]` tokens per request."""
-        num_drafts = None if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
-        start = 0
-        for row, (request, count) in enumerate(zip(requests, counts)):
-            if not request.is_finished:  # else aborted while the step ran
-                self._append_tokens(request, token_ids[start:start + count], start,
-                                    draft_slots.get(request.request_id, 0), result)
-                if num_drafts is not None:
-                    result.num_drafts.append(num_drafts[row])
-            start += count
-
-    def _append_tokens(self, request: Request, tokens: list[int], row: int, num_slots: int,
-                       result: StepResult) -> None:
-        """Append one request's emitted tokens, stopping at the first token-level stop."""
-        num_kept = 0
-        finish = None
-        for token_id in tokens:
-            request.output_token_ids.append(token_id)
-            num_kept += 1
-            finish = _token_finish(request, token_id)
-            if finish is not None:
-                break
-        correct_after_step(request, num_slots, len(tokens), self._next_step_id)
-        self._keep(request, row, num_kept, finish, result)
-
-    def _keep(self, request: Request, row: int, num_tokens: int, finish: RequestFinish | None,
-              result: StepResult) -> None:
-        """Record the tokens appended to `request` (from `row` of the step's tokens) and
-        finish it if they stopped it."""
-        result.rows.append(row)
-        result.requests.append(request)
-        result.num_tokens.append(num_tokens)
-        if finish is not None:
-            self._finish(request, RequestStatus.from_finish_reason(finish.reason))
-            result.finished.append((request, finish))
 
     def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
         for request_id in request_ids:
@@ -407,11 +363,3 @@ class Scheduler:
         request_ids, self._blocks_to_free = tuple(self._blocks_to_free), []
         return request_ids
 
-
-def _token_finish(request: Request, token_id: int) -> RequestFinish | None:
-    """What the token just appended to `request`'s outputs finishes: a token-level stop,
-    else the request's grammar, which sees every token (grammar rows never speculate)."""
-    finish = token_stop(request, token_id)
-    if finish is None and request.grammar is not None:
-        finish = GrammarState.advance(request, token_id)
-    return finish

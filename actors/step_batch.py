@@ -9,9 +9,11 @@ import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from actors.grammar_state import GrammarState
 from actors.kv_messages import RunningAllocs
 from actors.messages import GrammarBitmask, RequestFinish, StepOutput
 from actors.request import Request, RequestStatus
+from actors.spec_scheduling import correct_after_step
 
 
 @dataclass(slots=True)
@@ -155,14 +157,70 @@ def grammar_rows(batch: StepBatch) -> list[tuple[int, Request]]:
             if samples and request.grammar is not None]
 
 
-def token_stop(request: Request, token_id: int) -> RequestFinish | None:
-    if len(request.output_token_ids) >= request.sampling_params.min_tokens:
-        if token_id in request.eos_token_set:
-            return RequestFinish(request.request_id, "stop")
-        if token_id in request.stop_token_set:
-            return RequestFinish(request.request_id, "stop", stop_token_id=token_id)
+def append_one_each(requests: list[Request], token_ids: list[int], result: StepResult
+                    ) -> list[tuple[Request, RequestFinish]]:
+    """Apply a step without speculation (one token per request: requests[i] sampled
+    token_ids[i]) to `result`; returns the requests its tokens finish, with their finish."""
+    finished = []
+    for row, (request, token_id) in enumerate(zip(requests, token_ids)):
+        if request.is_finished:
+            continue  # aborted while the step ran
+        request.output_token_ids.append(token_id)
+        request.num_output_placeholders -= 1
+        result.rows.append(row)
+        finish = token_finish(request, token_id)
+        if finish is not None:
+            finished.append((request, finish))
+    result.requests = [requests[row] for row in result.rows]
+    result.num_tokens = [1] * len(result.rows)
+    return finished
+
+
+def append_runs(out: StepOutput, requests: list[Request], token_ids: list[int],
+                counts: list[int], draft_slots: dict[str, int], next_step_id: int,
+                result: StepResult) -> list[tuple[Request, RequestFinish]]:
+    """Apply a speculative step (requests[i] emitted a run of counts[i] tokens) to
+    `result`, each run up to its first stop; returns the requests it finishes, with their
+    finish. `next_step_id`: the next step the scheduler will build."""
+    num_drafts = None if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
+    finished = []
+    start = 0
+    for row, (request, count) in enumerate(zip(requests, counts)):
+        if not request.is_finished:  # else aborted while the step ran
+            num_kept, finish = _append_run(request, token_ids[start:start + count])
+            correct_after_step(request, draft_slots.get(request.request_id, 0), count,
+                               next_step_id)
+            result.rows.append(start)
+            result.requests.append(request)
+            result.num_tokens.append(num_kept)
+            if num_drafts is not None:
+                result.num_drafts.append(num_drafts[row])
+            if finish is not None:
+                finished.append((request, finish))
+        start += count
+    return finished
+
+
+def _append_run(request: Request, tokens: list[int]) -> tuple[int, RequestFinish | None]:
+    """Append `tokens` up to the first that finishes the request: (tokens kept, finish)."""
+    for num_kept, token_id in enumerate(tokens, 1):
+        request.output_token_ids.append(token_id)
+        finish = token_finish(request, token_id)
+        if finish is not None:
+            return num_kept, finish
+    return len(tokens), None
+
+
+def token_finish(request: Request, token_id: int) -> RequestFinish | None:
+    """What the token just appended to `request`'s outputs finishes: a token-level stop,
+    else the request's grammar, which sees every token (grammar rows never speculate)."""
+    if token_id in request.stop_tokens and len(request.output_token_ids) >= request.min_tokens:
+        return RequestFinish(request.request_id, "stop",
+                             stop_token_id=request.stop_tokens[token_id])
     if request.num_tokens >= request.max_total_tokens:
         return RequestFinish(request.request_id, "length")
+    if request.grammar is not None:
+        return GrammarState.advance(request, token_id)
     return None
 
 
