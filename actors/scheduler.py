@@ -157,11 +157,11 @@ class Scheduler:
     def update_from_step(self, out: StepOutput) -> StepResult:
         """Apply a step's sampled tokens and decide which requests they finish.
 
-        The token-level stops are decided here and nowhere else, in vLLM's order: EOS
-        (unless ignore_eos) and stop_token_ids count from the min_tokens-th output token
-        on, then max_tokens / the context length. A finished request's blocks are freed
-        with the next allocation and its row with the next step. Stop strings are the
-        front end's, which aborts the request when it finds one.
+        The token-level stops are decided here (step_batch.token_finish) and nowhere else,
+        in vLLM's order: EOS (unless ignore_eos) and stop_token_ids count from the
+        min_tokens-th output token on, then max_tokens / the context length. A finished
+        request's blocks are freed with the next allocation and its row with the next step.
+        Stop strings are the front end's, which aborts the request when it finds one.
 
         Steps must be reported in the order they were scheduled. A request that sampled in
         the step but got no token is finished with 'error'.
@@ -180,6 +180,7 @@ class Scheduler:
         requests = [sampling.pop(request_id) for request_id in out.request_ids]
         token_ids = out.sampled_token_ids.tolist()
         if draft_slots or out.num_sampled_tokens is not None or out.num_draft_tokens is not None:
+            # a speculative step: a run of tokens per request
             finished = append_runs(out, requests, token_ids, counts, draft_slots,
                                    self._next_step_id, result)
         else:
@@ -275,12 +276,11 @@ class Scheduler:
             num_ok = allocation.num_running_ok
             pending.set_new_block_ids(allocation.new_block_ids)
             if num_ok == len(pending):
-                return granted.joined(pending) if granted else pending, allocation.waiting
+                return granted.joined(pending), allocation.waiting
             victim = self._pick_victim()
             self._preempt(victim)
-            granted = granted.joined(pending.rows(0, num_ok, without=victim))
-            granted = granted.rows(0, len(granted), without=victim)
-            pending = pending.rows(num_ok, len(pending), without=victim)
+            granted = granted.joined(pending.rows(0, num_ok)).without(victim)
+            pending = pending.rows(num_ok, len(pending)).without(victim)
             waiting_entries = ()
             if not pending:
                 return granted, ()
@@ -362,4 +362,3 @@ class Scheduler:
     def _take_blocks_to_free(self) -> tuple[str, ...]:
         request_ids, self._blocks_to_free = tuple(self._blocks_to_free), []
         return request_ids
-

@@ -84,12 +84,18 @@ class StepBatch:
         """The blocks an allocation granted to the first len(new_block_ids) rows."""
         self.new_block_ids[:len(new_block_ids)] = new_block_ids
 
-    def rows(self, start: int, stop: int, without: Request | None = None) -> StepBatch:
-        """Rows [start, stop), less `without`'s (a preempted request)."""
-        keep = [index for index in range(start, stop) if self.requests[index] is not without]
+    def rows(self, start: int, stop: int) -> StepBatch:
+        return StepBatch(*(column[start:stop] for column in self._columns()))
+
+    def without(self, request: Request) -> StepBatch:
+        """The rows of every request but `request` (one just preempted)."""
+        keep = [index for index, row_request in enumerate(self.requests)
+                if row_request is not request]
         return StepBatch(*([column[index] for index in keep] for column in self._columns()))
 
     def joined(self, other: StepBatch) -> StepBatch:
+        if not self:
+            return other
         return StepBatch(*(mine + theirs
                            for mine, theirs in zip(self._columns(), other._columns())))
 

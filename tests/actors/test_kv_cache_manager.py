@@ -85,6 +85,15 @@ def test_blocks_are_published_only_once_computed_tokens_cover_them() -> None:
     assert admit_one(manager, waiting("c", prompt), budget=1).num_cached_tokens == 48
 
 
+def test_a_chunk_that_fills_a_held_block_publishes_it() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    prompt = range(64)
+    admit_one(manager, waiting("a", prompt), budget=20)  # block 0 full, block 1 partial
+    allocation = step(manager, running=RunningAllocs(("a",), (32,)))
+    assert allocation.new_block_ids == ((),)  # block 1 was held already
+    assert admit_one(manager, waiting("b", prompt), budget=1).num_cached_tokens == 32
+
+
 def test_salt_isolates_cached_prefixes() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
     admit_one(manager, waiting("a", range(33), salt="tenant-1"))
@@ -191,6 +200,12 @@ def test_bad_steps_are_rejected_before_anything_changes() -> None:
         manager.allocate_step(AllocateStep((), RunningAllocs(), (waiting("e", []),), 10))
     with pytest.raises(ValueError, match="token_budget"):
         manager.allocate_step(AllocateStep((), RunningAllocs(), (), -1))
+    with pytest.raises(ValueError, match="'a' is listed twice"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a", "a"), (4, 4)), (), 10))
+    with pytest.raises(ValueError, match="'a': num_tokens must be >= 0"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a",), (-1,)), (), 10))
+    with pytest.raises(ValueError, match="1 running requests but 2 token counts"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a",), (4, 4)), (), 10))
     manager.check_invariants()
 
 
@@ -207,7 +222,8 @@ async def test_kv_cache_actor_serves_its_messages() -> None:
     actor = KVCacheActor(KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE))
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        allocation = await actor.ask(AllocateStep((), RunningAllocs(), (waiting("a", range(20)),), 100))
+        allocation = await actor.ask(AllocateStep((), RunningAllocs(), (waiting("a", range(20)),),
+                                                  100))
         assert allocation.waiting[0].num_new_tokens == 20
         usage = await actor.ask(KVStats())
         assert isinstance(usage, KVUsage) and usage.num_used_blocks == 2 and usage.usage_perc == 0.5
