@@ -233,8 +233,8 @@ def token_finish(request: Request, token_id: int) -> RequestFinish | None:
 def check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> None:
     """A token for a request that did not sample in the step (or two for one) is a runner
     bug: refuse the whole step before applying any of it."""
-    if len(set(out.request_ids)) != len(out.request_ids) or not sampling.keys() >= set(
-            out.request_ids):
+    request_ids = set(out.request_ids)
+    if len(request_ids) != len(out.request_ids) or not sampling.keys() >= request_ids:
         unexpected = [rid for rid in out.request_ids if rid not in sampling]
         raise ValueError(f"step output {out.step_id}: tokens for requests that did not sample "
                          f"in that step, or twice: {unexpected or list(out.request_ids)}")
