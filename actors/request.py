@@ -28,7 +28,7 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason ('stop', 'length', 'abort', 'error'), None if unfinished."""
-        return self._value_ if self._value_ in _FINISHED_REASONS else None
+        return self.value if self in _FINISHED else None
 
     @classmethod
     def from_finish_reason(cls, reason: str) -> RequestStatus:
@@ -107,8 +107,7 @@ class Request:
                    max_model_len=max_model_len, priority=request.priority,
                    eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
                    client_index=request.client_index, num_prompt_tokens=num_prompt_tokens,
-                   max_total_tokens=max_total_tokens,
-                   min_tokens=params.min_tokens,
+                   max_total_tokens=max_total_tokens, min_tokens=params.min_tokens,
                    stop_tokens=_stop_tokens(params, request.eos_token_ids),
                    queued_time=queued_time)
 
