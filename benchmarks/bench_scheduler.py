@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import statistics
@@ -198,7 +199,7 @@ def _compare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     report: dict[str, dict[str, Any]] = {
         arm: {"code_root": str(root), "commit": _git_commit(root), "results": []}
         for arm, root in arms.items()}
-    for batch_size in args.batch_sizes:
+    for repeat, batch_size in itertools.product(range(args.repeats), args.batch_sizes):
         children = {arm: _Child(root, batch_size, args) for arm, root in arms.items()}
         times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
         turn_ratios = []
@@ -211,7 +212,7 @@ def _compare(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                                / statistics.median(a + b for a, b in turn_ms["after"]))
         for arm, child in children.items():
             report[arm]["scheduler_file"] = child.scheduler_file
-            report[arm]["results"].append({**summarize(batch_size, times[arm]),
+            report[arm]["results"].append({"repeat": repeat, **summarize(batch_size, times[arm]),
                                            "profile_top_tottime": child.close()})
         after = report["after"]["results"][-1]
         after["speedup"] = report["before"]["results"][-1]["step_ms_p50"] / after["step_ms_p50"]
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="another checkout to compare with (its scheduler, this script)")
     parser.add_argument("--turn-steps", type=int, default=4,
                         help="with --baseline: steps per turn of each checkout")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --baseline: comparisons per batch size, fresh processes each")
     parser.add_argument("--code-root", type=Path, default=None,
                         help="the checkout to measure (default: this script's)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_steps_in_flight": 1, "tokens": "every request samples token 7",
                 "grammars": "GrammarState present, no constrained request"}
     if args.baseline is not None:
-        workload["turn_steps"] = args.turn_steps
+        workload.update(turn_steps=args.turn_steps, repeats=args.repeats)
     if args.baseline is not None:
         report = {**header, "workload": workload, **_compare(args)}
         for before, after in zip(report["before"]["results"], report["after"]["results"]):
