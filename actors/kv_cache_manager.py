@@ -28,7 +28,7 @@ from actors.kv_messages import (
     FreeRequests,
     KVStats,
     KVUsage,
-    RunningAlloc,
+    RunningAllocs,
     StepAllocation,
     WaitingAlloc,
     WaitingGrant,
@@ -84,12 +84,7 @@ class KVCacheManager:
     def allocate_step(self, msg: AllocateStep) -> StepAllocation:
         self._validate(msg)
         self.free(msg.free_request_ids)
-        new_block_ids: list[tuple[int, ...]] = []
-        for entry in msg.running:
-            blocks = self._allocate_running(entry)
-            if blocks is None:
-                break
-            new_block_ids.append(blocks)
+        new_block_ids = self._allocate_running(msg.running)
         grants: list[WaitingGrant] = []
         if len(new_block_ids) == len(msg.running):
             grants = self._admit_waiting(msg.waiting, msg.token_budget)
@@ -127,15 +122,24 @@ class KVCacheManager:
 
     # ---- internals ------------------------------------------------------------------
 
-    def _allocate_running(self, entry: RunningAlloc) -> tuple[int, ...] | None:
-        state = self._requests[entry.request_id]
-        num_missing = -(-entry.num_tokens // self.block_size) - len(state.block_ids)
-        if num_missing > self.pool.num_allocatable_blocks:
-            return None
-        new_blocks = self.pool.allocate(num_missing) if num_missing > 0 else []
-        state.block_ids.extend(new_blocks)
-        self._publish_full_blocks(state, entry.num_tokens)
-        return tuple(new_blocks)
+    def _allocate_running(self, running: RunningAllocs) -> list[tuple[int, ...]]:
+        """The blocks appended to each entry's table, in order, up to the first entry the
+        pool cannot serve. Most decode rows need no new block (one in block_size does) and
+        have offered every hashed block already: for them this is a lookup and a compare."""
+        new_block_ids: list[tuple[int, ...]] = []
+        for request_id, num_tokens in zip(running.request_ids, running.num_tokens):
+            state = self._requests[request_id]
+            num_missing = -(-num_tokens // self.block_size) - len(state.block_ids)
+            new_blocks: tuple[int, ...] = ()
+            if num_missing > 0:
+                if num_missing > self.pool.num_allocatable_blocks:
+                    break
+                new_blocks = tuple(self.pool.allocate(num_missing))
+                state.block_ids.extend(new_blocks)
+            if state.num_offered_blocks < len(state.block_hashes):
+                self._publish_full_blocks(state, num_tokens)
+            new_block_ids.append(new_blocks)
+        return new_block_ids
 
     def _admit_waiting(self, entries: Sequence[WaitingAlloc],
                        token_budget: int) -> list[WaitingGrant]:
@@ -203,15 +207,7 @@ class KVCacheManager:
         if msg.token_budget < 0:
             raise ValueError(f"token_budget must be >= 0, got {msg.token_budget}")
         freed = set(msg.free_request_ids)
-        running_ids: set[str] = set()
-        for entry in msg.running:
-            if entry.request_id not in self._requests or entry.request_id in freed:
-                raise ValueError(f"running request {entry.request_id!r} holds no blocks")
-            if entry.request_id in running_ids:
-                raise ValueError(f"running request {entry.request_id!r} is listed twice")
-            if entry.num_tokens < 0:
-                raise ValueError(f"running request {entry.request_id!r}: num_tokens must be >= 0")
-            running_ids.add(entry.request_id)
+        running_ids = self._validate_running(msg.running, freed)
         waiting_ids: set[str] = set()
         for entry in msg.waiting:
             request_id = entry.request_id
@@ -227,6 +223,24 @@ class KVCacheManager:
             if entry.max_num_new_tokens < 1:
                 raise ValueError(f"waiting request {request_id!r}: max_num_new_tokens must be >= 1")
             waiting_ids.add(request_id)
+
+    def _validate_running(self, running: RunningAllocs, freed: set[str]) -> set[str]:
+        """The running entries' ids; checked as whole columns, since a batch holds many."""
+        request_ids = running.request_ids
+        running_ids = set(request_ids)
+        if len(running.num_tokens) != len(request_ids):
+            raise ValueError(f"{len(request_ids)} running requests but "
+                             f"{len(running.num_tokens)} token counts")
+        if not running_ids <= self._requests.keys() or not running_ids.isdisjoint(freed):
+            request_id = next(r for r in request_ids if r not in self._requests or r in freed)
+            raise ValueError(f"running request {request_id!r} holds no blocks")
+        if len(running_ids) != len(request_ids):
+            request_id = next(r for i, r in enumerate(request_ids) if r in request_ids[:i])
+            raise ValueError(f"running request {request_id!r} is listed twice")
+        if request_ids and min(running.num_tokens) < 0:
+            request_id = request_ids[running.num_tokens.index(min(running.num_tokens))]
+            raise ValueError(f"running request {request_id!r}: num_tokens must be >= 0")
+        return running_ids
 
 
 class KVCacheActor(Actor):

@@ -6,12 +6,16 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class RunningAlloc:
-    """Make a running request's blocks hold `num_tokens` tokens (computed + scheduled this
-    step). Idempotent: asking again for the same or fewer tokens allocates nothing."""
+class RunningAllocs:
+    """Make each running request's blocks hold its `num_tokens` tokens (computed + scheduled
+    this step), as columns in batch order (one message carries a whole batch, so no object
+    per request). Idempotent: asking again for the same or fewer tokens allocates nothing."""
 
-    request_id: str
-    num_tokens: int
+    request_ids: tuple[str, ...] = ()
+    num_tokens: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,7 @@ class AllocateStep:
     """
 
     free_request_ids: tuple[str, ...]
-    running: tuple[RunningAlloc, ...]
+    running: RunningAllocs
     waiting: tuple[WaitingAlloc, ...]
     token_budget: int
 

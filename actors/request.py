@@ -21,7 +21,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # By value: hashing a member runs Enum.__hash__ in Python, and this is asked per
+        # request per step.
+        return self._value_ in _FINISHED_REASONS
 
     @property
     def finish_reason(self) -> str | None:
@@ -40,6 +42,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 _BY_REASON = {status.value: status for status in _FINISHED}
+_FINISHED_REASONS = frozenset(_BY_REASON)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,11 +57,17 @@ class Request:
     cache_salt: str | None = None
     client_index: int = 0
     """The front end that owns the request."""
+    num_prompt_tokens: int = 0
+    """len(prompt_token_ids), kept apart: the per-step counts below read it for every
+    running request, and the prompt tuple would be one more object to load each time."""
     max_total_tokens: int = 0
     """Prompt plus max_tokens, capped at max_model_len (fixed at arrival)."""
-    eos_token_set: frozenset[int] = frozenset()
-    """Tokens that end the request with 'stop' (empty with ignore_eos)."""
-    stop_token_set: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    """Outputs before a stop token counts (SamplingParams.min_tokens)."""
+    stop_tokens: dict[int, int | None] = field(default_factory=dict)
+    """Tokens that end the request with 'stop' once min_tokens outputs exist: each of
+    stop_token_ids maps to itself (the finish names it), each EOS (unless ignore_eos) to
+    None; EOS wins a token that is both. One lookup per sampled token."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is computed or scheduled (advanced when a step is scheduled)."""
@@ -97,14 +106,10 @@ class Request:
                    sampling_params=params, arrival_time=request.arrival_time,
                    max_model_len=max_model_len, priority=request.priority,
                    eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
-                   client_index=request.client_index, max_total_tokens=max_total_tokens,
-                   eos_token_set=frozenset() if params.ignore_eos else frozenset(
-                       request.eos_token_ids),
-                   stop_token_set=frozenset(params.stop_token_ids), queued_time=queued_time)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+                   client_index=request.client_index, num_prompt_tokens=num_prompt_tokens,
+                   max_total_tokens=max_total_tokens, min_tokens=params.min_tokens,
+                   stop_tokens=_stop_tokens(params, request.eos_token_ids),
+                   queued_time=queued_time)
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,12 +118,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus known output tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return (len(self.prompt_token_ids) + len(self.output_token_ids)
-                + self.num_output_placeholders)
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
@@ -127,3 +131,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def _stop_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]
+                 ) -> dict[int, int | None]:
+    stop_tokens: dict[int, int | None] = {token_id: token_id
+                                          for token_id in params.stop_token_ids}
+    if not params.ignore_eos:
+        stop_tokens.update(dict.fromkeys(eos_token_ids))
+    return stop_tokens

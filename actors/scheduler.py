@@ -28,7 +28,6 @@ from actors.grammar_state import GrammarState
 from actors.kv_messages import (
     AllocateStep,
     KVUsage,
-    RunningAlloc,
     StepAllocation,
     WaitingAlloc,
     WaitingGrant,
@@ -43,18 +42,16 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import correct_after_step, emitted_counts, num_draft_slots
+from actors.spec_scheduling import emitted_counts, num_draft_slots
 from actors.step_batch import (
-    Granted,
-    PlannedRun,
     StepBatch,
     StepResult,
     WaitingQueue,
+    append_one_each,
+    append_runs,
     check_tokens_are_expected,
     grammar_rows,
-    schedule_tokens,
-    slots_column,
-    token_stop,
+    start_rows,
 )
 
 
@@ -147,58 +144,64 @@ class Scheduler:
         if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
         started = time.perf_counter()
-        planned, token_budget = self._plan_running()
+        running, token_budget = self._plan_running()
         waiting_entries, waiting_requests = self._plan_waiting(token_budget)
-        if not planned and not waiting_entries:
+        if not running and not waiting_entries:
             await self.free_finished_blocks()
             return None
-        satisfied, grants = await self._allocate(planned, waiting_entries, token_budget)
-        if not satisfied and not grants:
+        batch, grants = await self._allocate(running, waiting_entries, token_budget)
+        if not batch and not grants:
             return None
-        return self._commit(satisfied, grants, waiting_requests, started)
+        return self._commit(batch, grants, waiting_requests, started)
 
     def update_from_step(self, out: StepOutput) -> StepResult:
         """Apply a step's sampled tokens and decide which requests they finish.
 
-        The token-level stops are decided here and nowhere else, in vLLM's order: EOS
-        (unless ignore_eos) and stop_token_ids count from the min_tokens-th output token
-        on, then max_tokens / the context length. A finished request's blocks are freed
-        with the next allocation and its row with the next step. Stop strings are the
-        front end's, which aborts the request when it finds one.
+        The token-level stops are decided here (step_batch.token_finish) and nowhere else,
+        in vLLM's order: EOS (unless ignore_eos) and stop_token_ids count from the
+        min_tokens-th output token on, then max_tokens / the context length. A finished
+        request's blocks are freed with the next allocation and its row with the next step.
+        Stop strings are the front end's, which aborts the request when it finds one.
 
         Steps must be reported in the order they were scheduled. A request that sampled in
         the step but got no token is finished with 'error'.
         """
+        sampling, draft_slots = self._pop_in_flight(out)
+        result = StepResult()
+        if out.error is not None:
+            self._fail(out.failed_request_ids, out.error, result)
+        counts = emitted_counts(out, draft_slots)
+        if counts is None:
+            self._fail(tuple(sampling), f"step {out.step_id} returned "
+                       f"{len(out.sampled_token_ids)} tokens for {len(out.request_ids)} "
+                       "requests (more than their draft slots allow, or counts that do not "
+                       "add up)", result)
+            return self._with_ready_masks(result)
+        requests = [sampling.pop(request_id) for request_id in out.request_ids]
+        token_ids = out.sampled_token_ids.tolist()
+        if draft_slots or out.num_sampled_tokens is not None or out.num_draft_tokens is not None:
+            # a speculative step: a run of tokens per request
+            finished = append_runs(out, requests, token_ids, counts, draft_slots,
+                                   self._next_step_id, result)
+        else:
+            finished = append_one_each(requests, token_ids, result)
+        for request, finish in finished:
+            self._finish(request, RequestStatus.from_finish_reason(finish.reason))
+        result.finished.extend(finished)
+        self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
+                   f"step {out.step_id} returned no token", result)
+        return self._with_ready_masks(result)
+
+    def _pop_in_flight(self, out: StepOutput) -> tuple[dict[str, Request], dict[str, int]]:
+        """The sampling requests and draft slots of the oldest step in flight, which `out`
+        must report."""
         if not self._in_flight or self._in_flight[0][0] != out.step_id:
             expected = self._in_flight[0][0] if self._in_flight else None
             raise ValueError(f"step output {out.step_id} out of order; expected {expected}")
         _, sampling, draft_slots = self._in_flight[0]
         check_tokens_are_expected(out, sampling)
         self._in_flight.popleft()
-        result = StepResult()
-        if out.error is not None:
-            self._fail(out.failed_request_ids, out.error, result)
-        token_ids = out.sampled_token_ids.tolist()
-        counts = emitted_counts(out, draft_slots)
-        if counts is None:
-            self._fail(tuple(sampling), f"step {out.step_id} returned {len(token_ids)} tokens "
-                       f"for {len(out.request_ids)} requests (more than their draft slots "
-                       "allow, or counts that do not add up)", result)
-            return self._with_ready_masks(result)
-        num_drafts = None if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
-        start = 0
-        for row, (request_id, count) in enumerate(zip(out.request_ids, counts)):
-            request = sampling.pop(request_id)
-            tokens = token_ids[start:start + count]
-            if not request.is_finished:  # else aborted while the step ran
-                self._append_tokens(request, tokens, draft_slots.get(request_id, 0), result)
-                result.rows.append(start)
-                if num_drafts is not None:
-                    result.num_drafts.append(num_drafts[row])
-            start += count
-        self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
-                   f"step {out.step_id} returned no token", result)
-        return self._with_ready_masks(result)
+        return sampling, draft_slots
 
     def _with_ready_masks(self, result: StepResult) -> StepResult:
         """Every step result releases the deferred masks it made exact: a step waiting for
@@ -206,26 +209,6 @@ class Scheduler:
         if self.grammars is not None:
             result.grammar_masks = self.grammars.ready_masks()
         return result
-
-    def _append_tokens(self, request: Request, tokens: list[int], num_slots: int,
-                       result: StepResult) -> None:
-        """Append one request's emitted tokens, stopping at the first token-level stop."""
-        num_kept = 0
-        finish = None
-        for token_id in tokens:
-            request.output_token_ids.append(token_id)
-            num_kept += 1
-            finish = token_stop(request, token_id)
-            if finish is None and request.grammar is not None:  # grammar rows never speculate
-                finish = GrammarState.advance(request, token_id)
-            if finish is not None:
-                break
-        correct_after_step(request, num_slots, len(tokens), self._next_step_id)
-        result.requests.append(request)
-        result.num_tokens.append(num_kept)
-        if finish is not None:
-            self._finish(request, RequestStatus.from_finish_reason(finish.reason))
-            result.finished.append((request, finish))
 
     def _fail(self, request_ids: Sequence[str], error: str, result: StepResult) -> None:
         for request_id in request_ids:
@@ -236,24 +219,24 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------
 
-    def _plan_running(self) -> tuple[list[PlannedRun], int]:
+    def _plan_running(self) -> tuple[StepBatch, int]:
         token_budget = self.config.max_num_batched_tokens
-        planned: list[PlannedRun] = []
+        num_speculative_tokens = self.config.num_speculative_tokens
+        batch = StepBatch()
         for request in self._running.values():
             if token_budget == 0:
                 break
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            num_slots = num_draft_slots(request, self.config.num_speculative_tokens, token_budget,
-                                        self._next_step_id)
+            num_slots = num_draft_slots(request, num_speculative_tokens, token_budget,
+                                        self._next_step_id) if num_speculative_tokens else 0
             num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
             if num_new <= 0:
                 continue
-            alloc = RunningAlloc(request.request_id, request.num_computed_tokens + num_new)
-            planned.append(PlannedRun(request, num_new, alloc, num_slots))
+            batch.add(request, num_new, num_slots, num_pending)
             token_budget -= num_new
-        return planned, token_budget
+        return batch, token_budget
 
     def _plan_waiting(self, token_budget: int) -> tuple[list[WaitingAlloc], dict[str, Request]]:
         max_entries = min(self.config.max_num_seqs - len(self._running), token_budget)
@@ -275,32 +258,32 @@ class Scheduler:
                 break
         return entries, requests
 
-    async def _allocate(self, planned: list[PlannedRun], waiting: list[WaitingAlloc],
-                        token_budget: int,
-                        ) -> tuple[list[Granted], tuple[WaitingGrant, ...]]:
-        """Ask for blocks, preempting until every remaining running entry gets its blocks.
+    async def _allocate(self, running: StepBatch, waiting: list[WaitingAlloc],
+                        token_budget: int) -> tuple[StepBatch, tuple[WaitingGrant, ...]]:
+        """Ask for blocks, preempting until every remaining running row gets its blocks;
+        returns those rows (with their new blocks) and the admitted waiting requests' grants.
 
         Waiting requests are admitted only when nothing had to be preempted.
         """
-        satisfied: list[Granted] = []
-        pending = planned
+        granted = StepBatch()
+        pending = running
         waiting_entries = tuple(waiting)
         while True:
             allocation = await self._kv.allocate_step(AllocateStep(
-                self._take_blocks_to_free(), tuple(run.alloc for run in pending),
-                waiting_entries, token_budget))
+                self._take_blocks_to_free(), pending.running_allocs(), waiting_entries,
+                token_budget))
             self.kv_usage = allocation.usage or self.kv_usage
             num_ok = allocation.num_running_ok
-            satisfied.extend(zip(pending[:num_ok], allocation.new_block_ids))
+            pending.set_new_block_ids(allocation.new_block_ids)
             if num_ok == len(pending):
-                return satisfied, allocation.waiting
+                return granted.joined(pending), allocation.waiting
             victim = self._pick_victim()
             self._preempt(victim)
-            pending = [run for run in pending[num_ok:] if run.request is not victim]
-            satisfied = [item for item in satisfied if item[0].request is not victim]
+            granted = granted.joined(pending.rows(0, num_ok)).without(victim)
+            pending = pending.rows(num_ok, len(pending)).without(victim)
             waiting_entries = ()
             if not pending:
-                return satisfied, ()
+                return granted, ()
 
     def _pick_victim(self) -> Request:
         # Lowest priority (highest value) first; among equals the most recently admitted.
@@ -309,33 +292,32 @@ class Scheduler:
 
     # ---- committing -----------------------------------------------------------------
 
-    def _commit(self, satisfied: list[Granted], grants: Sequence[WaitingGrant],
+    def _commit(self, batch: StepBatch, grants: Sequence[WaitingGrant],
                 waiting_requests: dict[str, Request], started: float) -> SchedulerOutput:
-        batch = StepBatch([], [], [], [], {})
-        for run, new_block_ids in satisfied:
-            run.request.block_ids.extend(new_block_ids)
-            schedule_tokens(batch, run.request, run.num_new_tokens, run.num_draft_slots)
+        num_running = len(batch)
         new_requests = [self._admit(waiting_requests[grant.request_id], grant, batch)
                         for grant in grants]
+        sampling, draft_slots = start_rows(batch)
         step_id = self._next_step_id
         self._next_step_id += 1
-        self._in_flight.append((step_id, batch.sampling_requests, batch.num_draft_slots))
+        self._in_flight.append((step_id, sampling, draft_slots))
         grammar_bitmask, mask_deferred = None, False
         if self.grammars is not None:
             grammar_bitmask, mask_deferred = self.grammars.plan_step(step_id, grammar_rows(batch))
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
+        request_ids = tuple(batch.request_ids())
         return SchedulerOutput(
             step_id=step_id, new_requests=tuple(new_requests),
             cached_requests=CachedRequestData(
-                request_ids=tuple(run.request.request_id for run, _ in satisfied),
-                new_block_ids=tuple(new_block_ids for _, new_block_ids in satisfied)),
-            scheduled_request_ids=tuple(batch.request_ids),
+                request_ids=request_ids[:num_running],
+                new_block_ids=tuple(batch.new_block_ids[:num_running])),
+            scheduled_request_ids=request_ids,
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
             samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
             schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
             grammar_mask_deferred=mask_deferred,
-            num_draft_slots=slots_column(batch) if batch.num_draft_slots else ())
+            num_draft_slots=tuple(batch.num_draft_slots) if draft_slots else ())
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: StepBatch) -> NewRequestData:
         self._waiting.remove(request)
@@ -352,7 +334,7 @@ class Scheduler:
             prompt_len=request.num_prompt_tokens, block_ids=grant.block_ids,
             num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids)
-        schedule_tokens(batch, request, grant.num_new_tokens)
+        batch.add(request, grant.num_new_tokens)
         return new_request
 
     def _preempt(self, request: Request) -> None:

@@ -83,10 +83,10 @@ def correct_after_step(request: Request, num_slots: int, num_emitted: int,
 def emitted_counts(out: StepOutput, draft_slots: dict[str, int]) -> list[int] | None:
     """Tokens each request of `out` emitted; None when they do not add up or a request
     emitted more than its last token plus its draft slots."""
-    if out.num_sampled_tokens is None:
+    if out.num_sampled_tokens is None:  # one each, which any row's slots allow
         counts = [1] * len(out.request_ids)
-    else:
-        counts = out.num_sampled_tokens.tolist()
+        return counts if len(counts) == len(out.sampled_token_ids) else None
+    counts = out.num_sampled_tokens.tolist()
     if len(counts) != len(out.request_ids) or sum(counts) != len(out.sampled_token_ids):
         return None
     for request_id, count in zip(out.request_ids, counts):

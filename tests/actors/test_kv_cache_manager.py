@@ -11,7 +11,7 @@ from actors.kv_messages import (
     FreeRequests,
     KVStats,
     KVUsage,
-    RunningAlloc,
+    RunningAllocs,
     StepAllocation,
     WaitingAlloc,
 )
@@ -26,7 +26,7 @@ def waiting(request_id: str, tokens: list[int] | range, salt: str | None = None,
 
 
 def step(manager: KVCacheManager, *, free: tuple[str, ...] = (),
-         running: tuple[RunningAlloc, ...] = (), admit: tuple[WaitingAlloc, ...] = (),
+         running: RunningAllocs = RunningAllocs(), admit: tuple[WaitingAlloc, ...] = (),
          budget: int = 10_000) -> StepAllocation:
     allocation = manager.allocate_step(AllocateStep(free, running, admit, budget))
     manager.check_invariants()
@@ -81,8 +81,17 @@ def test_blocks_are_published_only_once_computed_tokens_cover_them() -> None:
     prompt = range(64)
     admit_one(manager, waiting("a", prompt), budget=20)  # block 0 full, block 1 partial
     assert admit_one(manager, waiting("b", prompt), budget=1).num_cached_tokens == 16
-    step(manager, running=(RunningAlloc("a", 64),))
+    step(manager, running=RunningAllocs(("a",), (64,)))
     assert admit_one(manager, waiting("c", prompt), budget=1).num_cached_tokens == 48
+
+
+def test_a_chunk_that_fills_a_held_block_publishes_it() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    prompt = range(64)
+    admit_one(manager, waiting("a", prompt), budget=20)  # block 0 full, block 1 partial
+    allocation = step(manager, running=RunningAllocs(("a",), (32,)))
+    assert allocation.new_block_ids == ((),)  # block 1 was held already
+    assert admit_one(manager, waiting("b", prompt), budget=1).num_cached_tokens == 32
 
 
 def test_salt_isolates_cached_prefixes() -> None:
@@ -123,7 +132,7 @@ def test_a_freed_prefix_loses_its_tail_block_before_its_head() -> None:
 def test_running_allocation_stops_at_the_first_failure_and_keeps_earlier_grants() -> None:
     manager = KVCacheManager(num_blocks=5, block_size=BLOCK_SIZE)
     step(manager, admit=(waiting("a", range(16)), waiting("b", range(100, 116))))
-    allocation = step(manager, running=(RunningAlloc("a", 48), RunningAlloc("b", 64)),
+    allocation = step(manager, running=RunningAllocs(("a", "b"), (48, 64)),
                       admit=(waiting("c", range(200, 201)),))
     assert allocation.num_running_ok == 1
     assert len(allocation.new_block_ids) == 1 and len(allocation.new_block_ids[0]) == 2
@@ -153,8 +162,8 @@ def test_token_budget_chunks_and_bounds_admission() -> None:
 def test_running_alloc_is_idempotent() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     admit_one(manager, waiting("a", range(5)))
-    first = step(manager, running=(RunningAlloc("a", 17),))
-    again = step(manager, running=(RunningAlloc("a", 17),))
+    first = step(manager, running=RunningAllocs(("a",), (17,)))
+    again = step(manager, running=RunningAllocs(("a",), (17,)))
     assert len(first.new_block_ids[0]) == 1 and again.new_block_ids == ((),)
     assert len(manager.block_ids("a")) == 2
 
@@ -183,14 +192,20 @@ def test_bad_steps_are_rejected_before_anything_changes() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
     admit_one(manager, waiting("a", range(5)))
     with pytest.raises(ValueError, match="'ghost' holds no blocks"):
-        manager.allocate_step(AllocateStep(("a",), (RunningAlloc("ghost", 4),), (), 10))
+        manager.allocate_step(AllocateStep(("a",), RunningAllocs(("ghost",), (4,)), (), 10))
     assert manager.has_request("a")
     with pytest.raises(ValueError, match="already holds blocks"):
-        manager.allocate_step(AllocateStep((), (), (waiting("a", range(3)),), 10))
+        manager.allocate_step(AllocateStep((), RunningAllocs(), (waiting("a", range(3)),), 10))
     with pytest.raises(ValueError, match="no tokens"):
-        manager.allocate_step(AllocateStep((), (), (waiting("e", []),), 10))
+        manager.allocate_step(AllocateStep((), RunningAllocs(), (waiting("e", []),), 10))
     with pytest.raises(ValueError, match="token_budget"):
-        manager.allocate_step(AllocateStep((), (), (), -1))
+        manager.allocate_step(AllocateStep((), RunningAllocs(), (), -1))
+    with pytest.raises(ValueError, match="'a' is listed twice"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a", "a"), (4, 4)), (), 10))
+    with pytest.raises(ValueError, match="'a': num_tokens must be >= 0"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a",), (-1,)), (), 10))
+    with pytest.raises(ValueError, match="1 running requests but 2 token counts"):
+        manager.allocate_step(AllocateStep((), RunningAllocs(("a",), (4, 4)), (), 10))
     manager.check_invariants()
 
 
@@ -207,7 +222,8 @@ async def test_kv_cache_actor_serves_its_messages() -> None:
     actor = KVCacheActor(KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE))
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
-        allocation = await actor.ask(AllocateStep((), (), (waiting("a", range(20)),), 100))
+        allocation = await actor.ask(AllocateStep((), RunningAllocs(), (waiting("a", range(20)),),
+                                                  100))
         assert allocation.waiting[0].num_new_tokens == 20
         usage = await actor.ask(KVStats())
         assert isinstance(usage, KVUsage) and usage.num_used_blocks == 2 and usage.usage_perc == 0.5

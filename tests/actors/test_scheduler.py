@@ -320,6 +320,10 @@ def _stop_request(request_id: str, **params: object) -> EngineRequest:
     ({"max_tokens": 8, "stop_token_ids": (42,)}, [5, 42], "stop", 42, 2),
     ({"max_tokens": 8, "stop_token_ids": (42,), "min_tokens": 2}, [42, 42], "stop", 42, 2),
     ({"max_tokens": 3}, [5, 6, 7], "length", None, 3),
+    # EOS listed as a stop token id too: EOS wins (no stop token named) unless ignored
+    ({"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,)}, [EOS_TOKEN_ID], "stop", None, 1),
+    ({"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,), "ignore_eos": True},
+     [5, EOS_TOKEN_ID], "stop", EOS_TOKEN_ID, 2),
 ])
 def test_token_level_stops_are_decided_in_the_scheduler(
         params: dict[str, object], tokens: list[int], reason: str, stop_token_id: int | None,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.kv_cache_manager import KVCacheManager
-from actors.kv_messages import AllocateStep, RunningAlloc, WaitingAlloc
+from actors.kv_messages import AllocateStep, RunningAllocs, WaitingAlloc
 from actors.messages import SchedulerOutput
 from actors.request import RequestStatus
 from actors.scheduler import Scheduler
@@ -65,23 +65,24 @@ def test_kv_cache_manager_random_operations(seed: int, num_blocks: int, block_si
             if rng.random() < 0.6:
                 request.token_ids += [rng.randrange(30) for _ in range(rng.randrange(3))]
                 target = rng.randint(request.num_computed_tokens, len(request.token_ids))
-                running.append((rid, RunningAlloc(rid, target)))
+                running.append((rid, target))
         waiting = [_ModelRequest(_prompt(rng, rng.randint(1, 20)), 0)
                    for _ in range(rng.randrange(3))]
         entries = tuple(WaitingAlloc(f"w{op_index}.{i}", tuple(w.token_ids), len(w.token_ids),
                                      rng.randint(1, 30), rng.choice([None, "salt"]))
                         for i, w in enumerate(waiting))
         allocation = manager.allocate_step(AllocateStep(
-            free_ids, tuple(alloc for _, alloc in running), entries, rng.randrange(40)))
+            free_ids, RunningAllocs(tuple(rid for rid, _ in running), tuple(n for _, n in running)),
+            entries, rng.randrange(40)))
         manager.check_invariants()
         assert allocation.num_running_ok <= len(running)
-        for rid, alloc in running[:allocation.num_running_ok]:
+        for rid, num_tokens in running[:allocation.num_running_ok]:
             request = held[rid]
             block_ids = manager.block_ids(rid)
-            assert len(block_ids) * block_size >= alloc.num_tokens
+            assert len(block_ids) * block_size >= num_tokens
             _write_and_check(kv, block_ids, request, request.num_computed_tokens,
-                             alloc.num_tokens, block_size)
-            request.num_computed_tokens = alloc.num_tokens
+                             num_tokens, block_size)
+            request.num_computed_tokens = num_tokens
         if allocation.num_running_ok < len(running):
             assert allocation.waiting == ()
         for grant, entry, request in zip(allocation.waiting, entries, waiting):
