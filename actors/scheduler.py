@@ -42,7 +42,7 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import emitted_counts, num_draft_slots
+from actors.spec_scheduling import emitted_counts, num_draft_slots, step_speculates
 from actors.step_batch import (
     StepBatch,
     StepResult,
@@ -222,6 +222,10 @@ class Scheduler:
     def _plan_running(self) -> tuple[StepBatch, int]:
         token_budget = self.config.max_num_batched_tokens
         num_speculative_tokens = self.config.num_speculative_tokens
+        if num_speculative_tokens and not step_speculates(self._running.values(),
+                                                          num_speculative_tokens,
+                                                          self._next_step_id):
+            num_speculative_tokens = 0
         batch = StepBatch()
         for request in self._running.values():
             if token_budget == 0:

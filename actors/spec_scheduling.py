@@ -29,6 +29,8 @@ over the drafts). They decode one token per step next to speculating rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from actors.messages import StepOutput
 from actors.request import Request, RequestStatus
 
@@ -42,6 +44,14 @@ def speculates(request: Request) -> bool:
 
 MAX_BACKOFF_STEPS = 16
 """Longest pause in a request's speculation after its drafts kept failing."""
+
+MIN_SPECULATING_SHARE = 0.5
+"""A step runs draft slots only when at least this share of its decoding rows would use
+them. A speculative step costs more than a plain one whatever number of its rows
+speculate (its tail after the forward runs eagerly: on the H200 with qwen3-0.6b bf16,
+1.7 ms against 1.4 at one row, 2.7 against 1.6 at 32; benchmarks/results/spec_h200.json),
+a price that a few speculating rows among many cannot pay back. Rows held back this way
+keep their back-off state and speculate together at a later step."""
 
 
 def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
@@ -57,6 +67,20 @@ def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget:
         return 0
     num_outputs_left = request.max_total_tokens - request.num_tokens_with_placeholders
     return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
+
+
+def step_speculates(running: Iterable[Request], num_speculative_tokens: int,
+                    step_id: int) -> bool:
+    """Whether step `step_id` runs draft slots at all: enough of its decoding rows would
+    use them (MIN_SPECULATING_SHARE)."""
+    num_decoding = num_ready = 0
+    for request in running:
+        if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
+            continue  # prefilling
+        num_decoding += 1
+        num_ready += num_draft_slots(request, num_speculative_tokens,
+                                     num_speculative_tokens + 1, step_id) > 0
+    return num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding
 
 
 def correct_after_step(request: Request, num_slots: int, num_emitted: int,

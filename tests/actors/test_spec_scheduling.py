@@ -79,6 +79,23 @@ def test_penalty_rows_decode_one_token_beside_speculating_rows() -> None:
     assert run_sync(scheduler.schedule()).num_draft_slots == (2, 0)
 
 
+def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
+    # A speculative step costs more whatever number of its rows speculate: one row of
+    # three is not worth it, two of three are.
+    for num_plain, expected in ((1, ()), (2, (2, 2, 0))):
+        scheduler = _scheduler(k=2, max_steps_in_flight=1)
+        for i in range(num_plain):
+            scheduler.add_request(engine_request(f"plain{i}", range(8), max_tokens=10))
+        for i in range(3 - num_plain):
+            scheduler.add_request(_request(f"penalised{i}", range(8), max_tokens=10,
+                                           repetition_penalty=1.2))
+        first = run_sync(scheduler.schedule())
+        scheduler.update_from_step(_emit(first, [[1]] * 3))
+        step = run_sync(scheduler.schedule())
+        assert step.num_draft_slots == expected
+        assert step.num_scheduled_tokens == tuple(1 + k for k in expected or (0, 0, 0))
+
+
 def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
     scheduler = _scheduler(k=2, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(8), max_tokens=60))
