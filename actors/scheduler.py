@@ -42,7 +42,12 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import emitted_counts, num_draft_slots, step_speculates
+from actors.spec_scheduling import (
+    blocks_speculation,
+    emitted_counts,
+    num_draft_slots,
+    step_speculates,
+)
 from actors.step_batch import (
     StepBatch,
     StepResult,
@@ -69,6 +74,8 @@ class Scheduler:
         self._kv = kv
         self.grammars = grammars
         self._requests: dict[str, Request] = {}  # every unfinished request
+        self._blocking_speculation: dict[str, Request] = {}
+        """Unfinished requests with a grammar or prompt logprobs (spec_scheduling)."""
         self._running: dict[str, Request] = {}  # holding a runner row, in admission order
         self._waiting = WaitingQueue()
         self._blocks_to_free: list[str] = []  # ids whose KV blocks the manager may still hold
@@ -119,6 +126,8 @@ class Scheduler:
                 raise ValueError("this engine does not apply structured outputs")
             request.grammar = self.grammars.matcher(request.sampling_params)
         self._requests[request.request_id] = request
+        if blocks_speculation(request):
+            self._blocking_speculation[request.request_id] = request
         self._waiting.push(request)
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
@@ -222,9 +231,9 @@ class Scheduler:
     def _plan_running(self) -> tuple[StepBatch, int]:
         token_budget = self.config.max_num_batched_tokens
         num_speculative_tokens = self.config.num_speculative_tokens
-        if num_speculative_tokens and not step_speculates(self._running.values(),
-                                                          num_speculative_tokens,
-                                                          self._next_step_id):
+        if num_speculative_tokens and not step_speculates(
+                self._running.values(), self._blocking_speculation.values(),
+                num_speculative_tokens, self._next_step_id):
             num_speculative_tokens = 0
         batch = StepBatch()
         for request in self._running.values():
@@ -362,6 +371,7 @@ class Scheduler:
         self._blocks_to_free.append(request.request_id)
         request.status = status
         del self._requests[request.request_id]
+        self._blocking_speculation.pop(request.request_id, None)
 
     def _take_blocks_to_free(self) -> tuple[str, ...]:
         request_ids, self._blocks_to_free = tuple(self._blocks_to_free), []

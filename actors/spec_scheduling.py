@@ -24,7 +24,11 @@ the wider forward is paid about once every MAX_BACKOFF_STEPS steps.
 
 Rows that do not speculate: requests with penalties (their output counts would have to
 see the drafts) and requests with a structured output (the grammar would have to advance
-over the drafts). They decode one token per step next to speculating rows.
+over the drafts). They decode one token per step next to speculating rows. Whole steps
+run without draft slots when a request with a grammar runs (the speculative step applies
+no grammar mask) or one whose prompt logprobs are due could be in it (it scores no
+prompt), and when too few rows would speculate (`step_speculates`): the scheduler alone
+decides what a step runs, and the runners refuse a step that breaks these rules.
 """
 
 from __future__ import annotations
@@ -69,10 +73,21 @@ def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget:
     return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
 
 
-def step_speculates(running: Iterable[Request], num_speculative_tokens: int,
-                    step_id: int) -> bool:
-    """Whether step `step_id` runs draft slots at all: enough of its decoding rows would
-    use them (MIN_SPECULATING_SHARE)."""
+def blocks_speculation(request: Request) -> bool:
+    """Whether `request`, while unfinished, may keep whole steps from speculating (see
+    `step_speculates`): it has a grammar or wants prompt logprobs."""
+    return request.grammar is not None or request.sampling_params.prompt_logprobs is not None
+
+
+def step_speculates(running: Iterable[Request], blockers: Iterable[Request],
+                    num_speculative_tokens: int, step_id: int) -> bool:
+    """Whether step `step_id` runs draft slots at all: none of the unfinished `blockers`
+    (`blocks_speculation`) may sample under a grammar or score its prompt in it, and
+    enough of its decoding rows would use them (MIN_SPECULATING_SHARE)."""
+    for request in blockers:
+        if request.grammar is not None or request.status is not RequestStatus.RUNNING \
+                or request.num_computed_tokens < request.num_prompt_tokens:
+            return False  # a grammar row, or a prompt to score (now or once admitted)
     num_decoding = num_ready = 0
     for request in running:
         if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:

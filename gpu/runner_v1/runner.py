@@ -37,7 +37,7 @@ from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
 from gpu.spec_decode.ngram_proposer import NgramProposer
-from gpu.spec_decode.spec_runner import runs_without_drafts, without_draft_slots
+from gpu.spec_decode.spec_runner import check_speculative_step
 from gpu.spec_decode.v1_spec import execute_spec_step
 from gpu.worker import ModelWorker
 from kernels.topk_logprobs import topk_logprobs
@@ -94,9 +94,8 @@ class ModelRunnerV1:
         started = time.perf_counter()
         self._update_states(sched)
         if self.proposer is not None and any(sched.num_draft_slots):
-            if not runs_without_drafts(sched, self._prompt_requests):
-                return execute_spec_step(self, sched, started)
-            sched = without_draft_slots(sched)
+            check_speculative_step(sched, self._prompt_requests)
+            return execute_spec_step(self, sched, started)
         reqs = [self.requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self.build_inputs(reqs, num_scheduled)

@@ -31,11 +31,7 @@ from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from gpu.spec_decode.spec_runner import (
-    launch_spec_step,
-    runs_without_drafts,
-    without_draft_slots,
-)
+from gpu.spec_decode.spec_runner import check_speculative_step, launch_spec_step
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
@@ -97,10 +93,11 @@ class ModelRunnerV2:
         start_event = self._record_event()
         self._sync_states(sched)
         if self.drafts is not None:
-            sched = self.drafts.trim_slots(self._maybe_without_drafts(sched), self.states.row_of)
+            sched = self.drafts.trim_slots(sched, self.states.row_of)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):
+            check_speculative_step(sched, self._prompt_requests)
             return launch_spec_step(self, sched, plan, started, start_event)
         sampled, hidden = self._run(plan, sched)
         if self.drafts is not None:
@@ -115,10 +112,6 @@ class ModelRunnerV2:
         return PendingStep(sched.step_id, sched.scheduled_request_ids,
                            np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing,
                            prompt)
-
-    def _maybe_without_drafts(self, sched: SchedulerOutput) -> SchedulerOutput:
-        return (without_draft_slots(sched) if runs_without_drafts(sched, self._prompt_requests)
-                else sched)
 
     def finish_launch(self, to_copy: CopyT, sched: SchedulerOutput, plan: StepPlan,
                       started: float, start_event: torch.cuda.Event | None

@@ -10,14 +10,13 @@ per request, and a speculative step has up to 1 + K.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-import msgspec
 import numpy as np
 import torch
 
 from actors.messages import SchedulerOutput
+from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from gpu.runner_v2.step_plan import StepPlan
 from gpu.sampling.sampler import batch_ops
 from gpu.spec_decode.spec_output import SpecCopy, SpecPendingStep
@@ -55,22 +54,13 @@ def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPl
                            num_speculative_tokens=drafts.num_speculative_tokens)
 
 
-def without_draft_slots(sched: SchedulerOutput) -> SchedulerOutput:
-    """`sched` with every row cut to its last token (no draft slots); the scheduler's
-    correction counts from the tokens emitted, so it needs no other change."""
-    if not any(sched.num_draft_slots):
-        return sched
-    num_scheduled = tuple(n - k for n, k in zip(sched.num_scheduled_tokens, sched.num_draft_slots,
-                                                strict=True))
-    return msgspec.structs.replace(sched, num_scheduled_tokens=num_scheduled,
-                                   num_draft_slots=(0,) * len(sched.num_draft_slots))
-
-
-def runs_without_drafts(sched: SchedulerOutput, prompt_request_ids: Collection[str]) -> bool:
-    """Steps with grammar rows or prompt-logprob rows run without draft slots: the
-    speculative path applies no grammar mask and scores no prompt."""
-    if not any(sched.num_draft_slots):
-        return False
-    return (sched.grammar_bitmask is not None or sched.grammar_mask_deferred
-            or (bool(prompt_request_ids)
-                and any(r in prompt_request_ids for r in sched.scheduled_request_ids)))
+def check_speculative_step(sched: SchedulerOutput, prompt_requests: dict[str, PromptRequest]
+                           ) -> None:
+    """Refuse a step with draft slots that samples under a grammar or scores a prompt: the
+    speculative path does neither, and the scheduler never plans such a step
+    (actors/spec_scheduling.py)."""
+    if sched.grammar_bitmask is not None or sched.grammar_mask_deferred:
+        raise ValueError(f"step {sched.step_id}: draft slots beside grammar rows")
+    if plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
+                        sched.num_scheduled_tokens, prompt_requests) is not None:
+        raise ValueError(f"step {sched.step_id}: draft slots beside a prompt to score")

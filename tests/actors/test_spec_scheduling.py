@@ -20,8 +20,10 @@ from tests.actors._kv_helpers import (DirectKVClient, assert_workload_drained,
 from tests.actors._spec_fake_runner import SpecFakeRunner
 
 
-def _scheduler(k: int, max_steps_in_flight: int = 2, num_blocks: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+def _scheduler(k: int, max_steps_in_flight: int = 2, num_blocks: int = 64,
+               max_num_batched_tokens: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=64,
                              block_size=4, max_steps_in_flight=max_steps_in_flight,
                              num_speculative_tokens=k)
     return Scheduler(config, DirectKVClient(KVCacheManager(num_blocks, 4)))
@@ -33,7 +35,10 @@ def _request(request_id: str, prompt: range, **params: object) -> EngineRequest:
 
 
 def _emit(out, tokens_per_request: list[list[int]]) -> StepOutput:
-    return StepOutput(step_id=out.step_id, request_ids=out.scheduled_request_ids,
+    """The step's result: tokens_per_request[i] for its i-th sampling row."""
+    return StepOutput(step_id=out.step_id,
+                      request_ids=tuple(r for r, samples in zip(out.scheduled_request_ids,
+                                                                out.samples_token) if samples),
                       sampled_token_ids=np.asarray([t for ts in tokens_per_request for t in ts]),
                       logprobs=None, stats=StepStats(out.step_id, out.num_reqs, 0, 0),
                       num_sampled_tokens=np.asarray([len(ts) for ts in tokens_per_request], np.int32))
@@ -94,6 +99,23 @@ def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
         step = run_sync(scheduler.schedule())
         assert step.num_draft_slots == expected
         assert step.num_scheduled_tokens == tuple(1 + k for k in expected or (0, 0, 0))
+
+
+def test_no_step_speculates_while_a_prompt_is_due_for_scoring() -> None:
+    # The speculative path scores no prompt: a prompt-logprob request keeps every step
+    # plain while it waits or prefills, and speculation resumes once it decodes.
+    scheduler = _scheduler(k=2, max_steps_in_flight=1, max_num_batched_tokens=17)
+    scheduler.add_request(engine_request("plain", range(8), max_tokens=20))
+    first = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(first, [[1]]))
+    scheduler.add_request(_request("scored", range(30, 60), max_tokens=20, prompt_logprobs=1))
+    chunk = run_sync(scheduler.schedule())
+    assert chunk.scheduled_request_ids == ("plain", "scored") and chunk.num_draft_slots == ()
+    scheduler.update_from_step(_emit(chunk, [[2]]))
+    last_chunk = run_sync(scheduler.schedule())
+    assert last_chunk.num_draft_slots == ()
+    scheduler.update_from_step(_emit(last_chunk, [[3], [4]]))
+    assert run_sync(scheduler.schedule()).num_draft_slots == (2, 2)
 
 
 def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
