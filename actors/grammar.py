@@ -32,12 +32,13 @@ from actors.structured_output import StructuredOutputSpec
 _LLGUIDANCE_FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                        "grammar": "grammar"}
 DEFAULT_CACHE_SIZE = 256
-MASK_FILL_THREADS = max(1, min(2, (os.cpu_count() or 1) // 2))
-"""Threads filling a batch's masks. Inside the engine on the H200 host (16 CPUs, 256 JSON
-rows of a 150k vocabulary, benchmarks/results/grammar/h200/profile_filler.json and
-profile_pinned.json), 2 threads filled in 2.0-2.2 ms where 4 took 2.5-2.7 and 8 or 16
-more: the fill shares the CPUs with the core thread, the launcher and the thread waiting
-on the device, and more threads only contend with them."""
+MASK_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+"""Threads filling a batch's masks. On the H200 host (16 CPUs, 256 JSON rows of a 150k
+vocabulary, benchmarks/results/grammar/h200/summary.json): in-process, 2 threads filled a
+little faster than 4 (2.0-2.2 against 2.5-2.7 ms) at the same throughput, and 8 or 16
+slower (they contend with the core thread, the launcher and the thread waiting on the
+device); served, 4 threads gave 0.77 of unconstrained throughput and 2 gave 0.69 (one
+run each way, other changes between them), so 4 stays."""
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON on one line with fixed separators (as OpenAI writes it): with free whitespace a
 weak model can spend its whole budget on newlines before the first key."""
