@@ -197,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             print("greedy outputs differ with speculation: stopping", file=sys.stderr)
             return 1
     arms = {"off": plain, "on": spec}
+    # One untimed pass per arm and concurrency first: the first runs compile kernels for
+    # the speculative step's many shapes (26 ms steps on the H200) and time a cold first
+    # token, which made the first timed runs of each arm meaningless.
+    for concurrency in args.concurrency:
+        for llm in arms.values():
+            measure(llm, prompts[:concurrency], args.max_tokens, args.temperature)
     for repeat in range(args.repeats):
         order = ("off", "on", "on", "off") if repeat % 2 == 0 else ("on", "off", "off", "on")
         for concurrency in args.concurrency:
