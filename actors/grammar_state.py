@@ -53,11 +53,16 @@ class PendingMask:
     live: list[tuple[GrammarMatcher, int]]
     """(matcher, row of the bitmask) of the rows still running."""
     mask: GrammarBitmask
+    filled: threading.Event
+    """Set once the fill has ended (its buffer may then be handed out again)."""
 
     def fill(self) -> GrammarBitmask:
-        if self.live:
-            self.compiler.fill_bitmasks(self.live, self.mask.bitmask)
-        return self.mask
+        try:
+            if self.live:
+                self.compiler.fill_bitmasks(self.live, self.mask.bitmask)
+            return self.mask
+        finally:
+            self.filled.set()
 
 
 def _allocate(num_rows: int, num_words: int) -> np.ndarray:
@@ -81,6 +86,7 @@ class GrammarState:
         self._deferred: deque[tuple[int, Sequence[tuple[int, Request]]]] = deque()
         """Scheduled steps whose masks wait for earlier tokens, in step order."""
         self._buffers: list[np.ndarray] = []
+        self._filled: list[threading.Event] = []
         self._next_buffer = 0
 
     @property
@@ -138,7 +144,7 @@ class GrammarState:
         """Rows of requests that finished meanwhile allow everything (their token is
         dropped)."""
         assert self._compiler is not None
-        bitmask = self._buffer(len(rows))
+        bitmask, filled = self._buffer(len(rows))
         live = []
         for i, (_, request) in enumerate(rows):
             if request.is_finished:
@@ -146,22 +152,26 @@ class GrammarState:
             else:
                 live.append((request.grammar, i))
         indices = np.fromiter((index for index, _ in rows), dtype=np.int32, count=len(rows))
-        return PendingMask(self._compiler, live, GrammarBitmask(indices, bitmask))
+        return PendingMask(self._compiler, live, GrammarBitmask(indices, bitmask), filled)
 
-    def _buffer(self, num_rows: int) -> np.ndarray:
-        """[num_rows, num_words] int32 from a ring of reused buffers: a fresh 5 MB array per
-        step (256 rows of a 150k vocabulary) costs its page faults, 2-3 ms on the step's
-        critical path. A mask lives until its step samples, and no more steps than the
-        scheduler keeps in flight hold one, so a ring one longer never hands out a buffer
-        still in use."""
+    def _buffer(self, num_rows: int) -> tuple[np.ndarray, threading.Event]:
+        """A [num_rows, num_words] int32 buffer from a ring of reused ones, and the event its
+        fill sets: a fresh 5 MB array per step (256 rows of a 150k vocabulary) costs its
+        page faults, 2-3 ms on the step's critical path. A mask lives until its step
+        samples, and no more steps than the scheduler keeps in flight hold one, so a ring
+        one longer hands out a buffer no step still reads; one whose fill has not ended
+        (its step failed without waiting for it) is replaced, not shared."""
         slot = self._next_buffer
         self._next_buffer = (slot + 1) % self._num_buffers
         num_words = num_bitmask_words(self.vocab_size)
         if slot == len(self._buffers):
             self._buffers.append(np.empty((0, num_words), np.int32))
-        if len(self._buffers[slot]) < num_rows:
+            self._filled.append(threading.Event())
+            self._filled[slot].set()
+        if len(self._buffers[slot]) < num_rows or not self._filled[slot].is_set():
             self._buffers[slot] = self._allocate_buffer(num_rows, num_words)
-        return self._buffers[slot][:num_rows]
+        self._filled[slot] = threading.Event()
+        return self._buffers[slot][:num_rows], self._filled[slot]
 
     @staticmethod
     def advance(request: Request, token_id: int) -> RequestFinish | None:

@@ -94,10 +94,11 @@ class ModelRunnerV2:
         self._sync_states(sched)
         if self.drafts is not None:
             sched = self.drafts.trim_slots(sched, self.states.row_of)
+            if any(sched.num_draft_slots):
+                check_speculative_step(sched, self._prompt_requests)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):
-            check_speculative_step(sched, self._prompt_requests)
             return launch_spec_step(self, sched, plan, started, start_event)
         sampled, hidden = self._run(plan, sched)
         if self.drafts is not None:

@@ -176,6 +176,17 @@ def test_masks_are_filled_in_the_buffers_the_runner_allocates() -> None:
     assert len(allocated) == 3  # one per ring slot, reused after
     for step_id, mask in enumerate(masks):
         assert mask is not None and np.shares_memory(mask.bitmask, allocated[step_id % 3])
+    # A mask whose fill has not ended (its step failed without waiting for it) keeps its
+    # buffer: the ring hands out a new one in its place.
+    for _, row in rows:
+        row.num_output_placeholders = 2
+    assert grammars.plan_step(5, rows) == (None, True)
+    for _, row in rows:
+        row.num_output_placeholders = 1
+    ((_, unfilled),) = grammars.ready_masks()
+    later = [grammars.plan_step(step_id, rows)[0] for step_id in range(6, 9)]
+    assert len(allocated) == 4
+    assert not any(np.shares_memory(unfilled.mask.bitmask, mask.bitmask) for mask in later)
 
 
 def test_the_filler_hands_over_masks_in_order_and_a_failed_fill_as_its_error() -> None:
