@@ -85,8 +85,8 @@ class GrammarState:
         are then refused with it)."""
         self._deferred: deque[tuple[int, Sequence[tuple[int, Request]]]] = deque()
         """Scheduled steps whose masks wait for earlier tokens, in step order."""
-        self._buffers: list[np.ndarray] = []
-        self._filled: list[threading.Event] = []
+        self._ring: list[tuple[np.ndarray, threading.Event | None]] = []
+        """Mask buffers and the events their last fills set (None: never handed out)."""
         self._next_buffer = 0
 
     @property
@@ -163,15 +163,15 @@ class GrammarState:
         (its step failed without waiting for it) is replaced, not shared."""
         slot = self._next_buffer
         self._next_buffer = (slot + 1) % self._num_buffers
-        num_words = num_bitmask_words(self.vocab_size)
-        if slot == len(self._buffers):
-            self._buffers.append(np.empty((0, num_words), np.int32))
-            self._filled.append(threading.Event())
-            self._filled[slot].set()
-        if len(self._buffers[slot]) < num_rows or not self._filled[slot].is_set():
-            self._buffers[slot] = self._allocate_buffer(num_rows, num_words)
-        self._filled[slot] = threading.Event()
-        return self._buffers[slot][:num_rows], self._filled[slot]
+        if slot == len(self._ring):
+            buffer = self._allocate_buffer(num_rows, num_bitmask_words(self.vocab_size))
+            self._ring.append((buffer, None))
+        buffer, last_fill = self._ring[slot]
+        if len(buffer) < num_rows or (last_fill is not None and not last_fill.is_set()):
+            buffer = self._allocate_buffer(num_rows, num_bitmask_words(self.vocab_size))
+        filled = threading.Event()
+        self._ring[slot] = (buffer, filled)
+        return buffer[:num_rows], filled
 
     @staticmethod
     def advance(request: Request, token_id: int) -> RequestFinish | None:

@@ -42,12 +42,7 @@ from actors.messages import (
 )
 from actors.request import Request, RequestStatus
 from actors.scheduler_config import SchedulerConfig
-from actors.spec_scheduling import (
-    blocks_speculation,
-    emitted_counts,
-    num_draft_slots,
-    step_speculates,
-)
+from actors.spec_scheduling import blocks_speculation, emitted_counts, wanted_draft_slots
 from actors.step_batch import (
     StepBatch,
     StepResult,
@@ -231,19 +226,18 @@ class Scheduler:
     def _plan_running(self) -> tuple[StepBatch, int]:
         token_budget = self.config.max_num_batched_tokens
         num_speculative_tokens = self.config.num_speculative_tokens
-        if num_speculative_tokens and not step_speculates(
-                self._running.values(), self._blocking_speculation.values(),
-                num_speculative_tokens, self._next_step_id):
-            num_speculative_tokens = 0
+        wanted_slots = wanted_draft_slots(
+            self._running.values(), self._blocking_speculation.values(), num_speculative_tokens,
+            self._next_step_id) if num_speculative_tokens else None
         batch = StepBatch()
-        for request in self._running.values():
+        for index, request in enumerate(self._running.values()):
             if token_budget == 0:
                 break
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            num_slots = num_draft_slots(request, num_speculative_tokens, token_budget,
-                                        self._next_step_id) if num_speculative_tokens else 0
+            num_slots = (0 if wanted_slots is None
+                         else max(0, min(wanted_slots[index], token_budget - 1)))
             num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
             if num_new <= 0:
                 continue

@@ -27,7 +27,7 @@ see the drafts) and requests with a structured output (the grammar would have to
 over the drafts). They decode one token per step next to speculating rows. Whole steps
 run without draft slots when a request with a grammar runs (the speculative step applies
 no grammar mask) or one whose prompt logprobs are due could be in it (it scores no
-prompt), and when too few rows would speculate (`step_speculates`): the scheduler alone
+prompt), and when too few rows would speculate (`wanted_draft_slots`): the scheduler alone
 decides what a step runs, and the runners refuse a step that breaks these rules.
 """
 
@@ -53,7 +53,8 @@ MIN_SPECULATING_SHARE = 0.5
 """A step runs draft slots only when at least this share of its decoding rows would use
 them. A speculative step costs more than a plain one whatever number of its rows
 speculate (its tail after the forward runs eagerly: on the H200 with qwen3-0.6b bf16,
-1.7 ms against 1.4 at one row, 2.7 against 1.6 at 32; benchmarks/results/spec_h200.json),
+1.7 ms against 1.4 at one row, 2.7 against 1.6 at 32;
+benchmarks/results/spec_bf16/summary.json),
 a price that a few speculating rows among many cannot pay back. Rows held back this way
 keep their back-off state and speculate together at a later step."""
 
@@ -75,27 +76,30 @@ def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget:
 
 def blocks_speculation(request: Request) -> bool:
     """Whether `request`, while unfinished, may keep whole steps from speculating (see
-    `step_speculates`): it has a grammar or wants prompt logprobs."""
+    `wanted_draft_slots`): it has a grammar or wants prompt logprobs."""
     return request.grammar is not None or request.sampling_params.prompt_logprobs is not None
 
 
-def step_speculates(running: Iterable[Request], blockers: Iterable[Request],
-                    num_speculative_tokens: int, step_id: int) -> bool:
-    """Whether step `step_id` runs draft slots at all: none of the unfinished `blockers`
-    (`blocks_speculation`) may sample under a grammar or score its prompt in it, and
-    enough of its decoding rows would use them (MIN_SPECULATING_SHARE)."""
+def wanted_draft_slots(running: Iterable[Request], blockers: Iterable[Request],
+                       num_speculative_tokens: int, step_id: int) -> list[int] | None:
+    """The draft slots each of `running` would take in step `step_id` (`num_draft_slots`
+    before the token budget), or None when the step runs none: one of the unfinished
+    `blockers` (`blocks_speculation`) may sample under a grammar or score its prompt in
+    it, or too few of its decoding rows would speculate (MIN_SPECULATING_SHARE)."""
     for request in blockers:
         if request.grammar is not None or request.status is not RequestStatus.RUNNING \
                 or request.num_computed_tokens < request.num_prompt_tokens:
-            return False  # a grammar row, or a prompt to score (now or once admitted)
+            return None  # a grammar row, or a prompt to score (now or once admitted)
+    wanted = []
     num_decoding = num_ready = 0
     for request in running:
-        if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
-            continue  # prefilling
-        num_decoding += 1
-        num_ready += num_draft_slots(request, num_speculative_tokens,
-                                     num_speculative_tokens + 1, step_id) > 0
-    return num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding
+        num_slots = num_draft_slots(request, num_speculative_tokens,
+                                    num_speculative_tokens + 1, step_id)
+        wanted.append(num_slots)
+        num_decoding += request.num_tokens_with_placeholders - request.num_computed_tokens == 1
+        num_ready += num_slots > 0
+    return wanted if num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding \
+        else None
 
 
 def correct_after_step(request: Request, num_slots: int, num_emitted: int,
