@@ -21,6 +21,9 @@ replay back to back on the persistent buffers (gpu/input_buffers.py, V2StepState
   kernels): the seeded Gumbel draw, post_update. Batches with logit bias, penalties or
   logprobs sample eagerly on the head graph's logits instead.
 
+A speculative step's tail (head over K + 1 rows per request, sampling, acceptance,
+post-update, drafting) has graphs of its own, built on these: gpu/spec_decode/spec_graphs.py.
+
 All graphs share one memory pool and are captured largest first, so the smaller ones
 reuse the larger ones' activation memory. Capture runs every kernel once with zero real
 requests (step_counts = 0): nothing is read from or written to the KV cache or the rows.

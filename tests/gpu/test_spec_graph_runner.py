@@ -6,6 +6,7 @@ run eagerly on the same padded buffers; the gpu-marked test captures real graphs
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,16 +21,15 @@ from gpu.attention.base import allocate_kv_cache
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.cuda_graphs import StepGraphs
 from gpu.input_buffers import InputBuffers
-from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.runner_v2.step_plan import GraphSizes
 from gpu.runner_v2.step_state import V2StepState
 from gpu.weights.dummy import dummy_weights
+from tests.gpu import test_cuda_graphs as graph_tests
 
-TINY = ModelConfig(architecture="qwen3", vocab_size=24, hidden_size=64, intermediate_size=96,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
+# The step-graph tests' tiny model with a vocabulary small enough that drafts get accepted.
+TINY = dataclasses.replace(graph_tests.TINY, vocab_size=24)
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
 MAX_REQS = 8
