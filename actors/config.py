@@ -59,6 +59,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     """--speculative-config (actors/speculative_config.py): ngram speculative decoding, on
     either runner (actors/spec_scheduling.py, gpu/spec_decode/)."""
+    spec_tail_graphs: bool = True
+    """With speculation on V2 and CUDA graphs: replay the speculative step's head,
+    sampling, acceptance and drafting as CUDA graphs (gpu/spec_decode/spec_graphs.py);
+    False launches them eagerly (the Python API's switch for measuring the difference)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -8,7 +8,9 @@ and 32, through the offline engine (tandem's LLM).
 
 Correctness first: for every concurrency, greedy outputs with speculation must equal those
 without, token for token, or the run stops (exit 1). Then arms run interleaved (off on
-off on ... ABBA per repeat). TPOT is the batch's decode time per output token:
+off on ... ABBA per repeat). --eager-tail-arm adds a third arm, speculation with the
+step's tail launched eagerly instead of replayed as CUDA graphs (the A/B of
+gpu/spec_decode/spec_graphs.py; the same without graphs, as on CPU). TPOT is the batch's decode time per output token:
 (time for N tokens - time for 1 token) / (N - 1), every request decoding exactly N tokens
 (ignore_eos), as benchmarks/cpu_offline.py measures decode speed. Acceptance comes from
 the steps' SpecDecodeStats: rate = accepted / draft tokens, mean acceptance length =
@@ -72,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "weights, 1.0 makes nearly every draft fail (the cost of speculation "
                         "that never pays)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+    p.add_argument("--eager-tail-arm", action="store_true",
+                   help="also time speculation with the step's tail launched eagerly (no "
+                        "speculative tail CUDA graphs): arm 'on_eager_tail'")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/spec_cpu.json"))
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="after the runs, profile one run per arm and concurrency into "
@@ -154,17 +159,21 @@ def profile_kernels(llm: Any, prompts: list[list[int]], num_tokens: int, tempera
                                                   row_limit=40))
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any]:
+def load(args: argparse.Namespace) -> dict[str, Any]:
+    """The arms: 'off' (no speculation), 'on', and with --eager-tail-arm 'on_eager_tail'."""
     from actors.speculative_config import SpeculativeConfig
     from app.llm import LLM
 
     options = dict(device=args.device, dtype=args.dtype, runner=args.runner, max_num_seqs=max(args.concurrency),
                    max_model_len=1024)
     plain = LLM(args.model, **options)
-    spec = LLM(args.model, reuse=plain, speculative_config=SpeculativeConfig(
-        "ngram", args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max),
-        **options)
-    return plain, spec
+    config = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_min,
+                               args.prompt_lookup_max)
+    arms = {"off": plain, "on": LLM(args.model, reuse=plain, speculative_config=config, **options)}
+    if args.eager_tail_arm:
+        arms["on_eager_tail"] = LLM(args.model, reuse=plain, speculative_config=config,
+                                    spec_tail_graphs=False, **options)
+    return arms
 
 
 def check_greedy(plain: Any, spec: Any, prompts: list[list[int]], num_tokens: int
@@ -185,18 +194,21 @@ def main(argv: list[str] | None = None) -> int:
                               "workload": {k: (str(v) if isinstance(v, Path) else v)
                                            for k, v in vars(args).items()},
                               "correctness": {}, "runs": []}
-    plain, spec = load(args)
+    arms = load(args)
+    plain = arms["off"]
     prompts = make_prompts(plain, max(args.concurrency), plain.worker.model_config.vocab_size)
     for concurrency in args.concurrency if args.check else ():
-        check = check_greedy(plain, spec, prompts[:concurrency], args.max_tokens)
-        record["correctness"][str(concurrency)] = check
-        print(f"greedy check c={concurrency}: {check['num_equal']}/{check['num_requests']} equal, "
-              f"acceptance {check['acceptance_rate']:.2f}", flush=True)
-        if check["num_equal"] != check["num_requests"]:
-            _write(args.output, record)
-            print("greedy outputs differ with speculation: stopping", file=sys.stderr)
-            return 1
-    arms = {"off": plain, "on": spec}
+        for arm in (a for a in arms if a != "off"):
+            check = check_greedy(plain, arms[arm], prompts[:concurrency], args.max_tokens)
+            key = str(concurrency) if arm == "on" else f"{concurrency}_{arm}"
+            record["correctness"][key] = check
+            print(f"greedy check {arm} c={concurrency}: {check['num_equal']}/"
+                  f"{check['num_requests']} equal, acceptance {check['acceptance_rate']:.2f}",
+                  flush=True)
+            if check["num_equal"] != check["num_requests"]:
+                _write(args.output, record)
+                print("greedy outputs differ with speculation: stopping", file=sys.stderr)
+                return 1
     # One untimed pass per arm and concurrency first: the first runs compile kernels for
     # the speculative step's many shapes (26 ms steps on the H200) and time a cold first
     # token, which made the first timed runs of each arm meaningless.
@@ -204,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         for llm in arms.values():
             measure(llm, prompts[:concurrency], args.max_tokens, args.temperature)
     for repeat in range(args.repeats):
-        order = ("off", "on", "on", "off") if repeat % 2 == 0 else ("on", "off", "off", "on")
+        names = list(arms) if repeat % 2 == 0 else list(reversed(arms))
+        order = names + names[::-1]  # ABBA (ABCCBA with the eager-tail arm)
         for concurrency in args.concurrency:
             for arm in order:
                 figures = measure(arms[arm], prompts[:concurrency], args.max_tokens,
@@ -212,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 record["runs"].append({"arm": arm, "concurrency": concurrency, "repeat": repeat,
                                        **figures})
                 _write(args.output, record)
-    record["summary"] = summarise(record["runs"], args.concurrency)
+    record["summary"] = summarise(record["runs"], args.concurrency, list(arms))
     _write(args.output, record)
     print_table(record["summary"])
     if args.profile_dir is not None:
@@ -224,19 +237,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarise(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], concurrencies: list[int],
+              arms: tuple[str, ...] | list[str] = ("off", "on")) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for concurrency in concurrencies:
         row: dict[str, Any] = {}
-        for arm in ("off", "on"):
+        for arm in arms:
             arm_runs = [r for r in runs if r["arm"] == arm and r["concurrency"] == concurrency]
             row[f"tpot_ms_{arm}"] = statistics.median(r["tpot_ms"] for r in arm_runs)
         row["tpot_change"] = row["tpot_ms_on"] / row["tpot_ms_off"] - 1
+        if "on_eager_tail" in arms:
+            row["tpot_change_on_eager_tail"] = (row["tpot_ms_on_eager_tail"] / row["tpot_ms_off"]
+                                                - 1)
         on_runs = [r for r in runs if r["arm"] == "on" and r["concurrency"] == concurrency]
         row["acceptance_rate"] = statistics.median(r["acceptance_rate"] for r in on_runs)
         row["mean_acceptance_length"] = statistics.median(r["mean_acceptance_length"]
                                                           for r in on_runs)
         row["steps_on_last_run"] = on_runs[-1]["steps"]
+        if "on_eager_tail" in arms:
+            row["steps_on_eager_tail_last_run"] = [
+                r for r in runs if r["arm"] == "on_eager_tail"
+                and r["concurrency"] == concurrency][-1]["steps"]
         summary[str(concurrency)] = row
     return summary
 
@@ -248,9 +269,17 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"{concurrency:>5} {row['tpot_ms_off']:>12.2f} {row['tpot_ms_on']:>11.2f} "
               f"{row['tpot_change']:>+8.1%} {row['acceptance_rate']:>7.2f} "
               f"{row['mean_acceptance_length']:>9.2f}")
-        for kind, steps in row["steps_on_last_run"].items():
-            print(f"      {kind:5s} steps {steps['num_steps']:4d}: device {steps['device_ms']:.2f} "
-                  f"ms, idle {steps['idle_ms']:.2f} ms, launch {steps['launch_ms']:.2f} ms")
+        _print_steps(row["steps_on_last_run"])
+        if "tpot_ms_on_eager_tail" in row:
+            print(f"      eager tail: TPOT {row['tpot_ms_on_eager_tail']:.2f} ms "
+                  f"({row['tpot_change_on_eager_tail']:+.1%})")
+            _print_steps(row["steps_on_eager_tail_last_run"])
+
+
+def _print_steps(breakdown: dict[str, dict[str, float | int]]) -> None:
+    for kind, steps in breakdown.items():
+        print(f"      {kind:5s} steps {steps['num_steps']:4d}: device {steps['device_ms']:.2f} "
+              f"ms, idle {steps['idle_ms']:.2f} ms, launch {steps['launch_ms']:.2f} ms")
 
 
 def _write(output: Path, record: dict[str, Any]) -> None:

@@ -21,6 +21,9 @@ replay back to back on the persistent buffers (gpu/input_buffers.py, V2StepState
   kernels): the seeded Gumbel draw, post_update. Batches with logit bias, penalties or
   logprobs sample eagerly on the head graph's logits instead.
 
+A speculative step's tail (head over K + 1 rows per request, sampling, acceptance,
+post-update, drafting) has graphs of its own, built on these: gpu/spec_decode/spec_graphs.py.
+
 All graphs share one memory pool and are captured largest first, so the smaller ones
 reuse the larger ones' activation memory. Capture runs every kernel once with zero real
 requests (step_counts = 0): nothing is read from or written to the KV cache or the rows.
@@ -59,7 +62,7 @@ their attention uses decode-sized query tiles (16 rows), which read the KV cache
 decode kernel's bandwidth; larger ones keep the prefill tiles (64 rows), which re-read a
 long chunk's keys a quarter as often."""
 
-__all__ = ["StepGraphs", "capture_sizes", "mixed_capture_sizes", "padded_batch_size",
+__all__ = ["StepGraphs", "Replayable", "capture_sizes", "mixed_capture_sizes", "padded_batch_size",
            "decode_metadata", "measure_graph_memory"]
 
 
@@ -119,7 +122,7 @@ def _mixed_metadata(buffers: InputBuffers, shape: ForwardShape, max_seq_len: int
         query_tile=16 if decode_tiles else None)
 
 
-class _Replayable:
+class Replayable:
     """One captured function: a CUDA graph replaying its kernels (and returning the same
     output tensor every time), or off CUDA the function itself."""
 
@@ -166,9 +169,9 @@ class StepGraphs:
         self._buffers = buffers
         self._block_size = block_size
         self._max_model_len = max_model_len
-        self._forward: dict[ForwardShape, _Replayable] = {}
-        self._head: dict[int, _Replayable] = {}
-        self._sample: dict[tuple[int, bool], _Replayable] = {}
+        self._forward: dict[ForwardShape, Replayable] = {}
+        self._head: dict[int, Replayable] = {}
+        self._sample: dict[tuple[int, bool], Replayable] = {}
         self.capture_time_s = 0.0
 
     @property
@@ -218,7 +221,7 @@ class StepGraphs:
 
     def capture_forward(self, shape: ForwardShape, pool: tuple[int, int] | None) -> None:
         buffers = self._buffers
-        self._zero_counts(decode_rows=shape.num_reqs if shape.is_decode else 0)
+        self.zero_counts(decode_rows=shape.num_reqs if shape.is_decode else 0)
         metadata = (decode_metadata(buffers, shape.num_reqs, self._max_model_len) if shape.is_decode
                     else _mixed_metadata(buffers, shape, self._max_model_len))
         num_tokens = shape.num_tokens
@@ -229,25 +232,25 @@ class StepGraphs:
                                  self._kv_caches, metadata)
             self._state.hidden[:num_tokens].copy_(hidden)
 
-        self._forward[shape] = _Replayable(forward, buffers.device, pool)
+        self._forward[shape] = Replayable(forward, buffers.device, pool)
 
     def capture_head(self, num_rows: int, pool: tuple[int, int] | None) -> None:
         buffers, state = self._buffers, self._state
-        self._zero_counts(decode_rows=num_rows)  # last-token rows 0..num_rows-1
+        self.zero_counts(decode_rows=num_rows)  # last-token rows 0..num_rows-1
 
         def head() -> torch.Tensor:
             rows = buffers.query_start_loc[1:num_rows + 1].long() - 1
             return self._model.compute_logits(state.hidden.index_select(0, rows),
                                               out=state.logits[:num_rows])
 
-        self._head[num_rows] = _Replayable(head, buffers.device, pool)
+        self._head[num_rows] = Replayable(head, buffers.device, pool)
 
     def capture_sample(self, key: tuple[int, bool], pool: tuple[int, int] | None) -> None:
         """The sampling graph of key = (num_rows, whether it runs the threshold kernels)."""
         num_rows, filters = key
         buffers, state = self._buffers, self._state
         rows_state = state.states
-        self._zero_counts(decode_rows=num_rows)
+        self.zero_counts(decode_rows=num_rows)
         state.sampling_state.flush_to_device()
 
         def sample() -> torch.Tensor:
@@ -260,7 +263,7 @@ class StepGraphs:
                         step_counts=buffers.step_counts)
             return sampled
 
-        self._sample[key] = _Replayable(sample, buffers.device, pool)
+        self._sample[key] = Replayable(sample, buffers.device, pool)
 
     def _prepare(self, shape: ForwardShape) -> None:
         buffers, rows_state = self._buffers, self._state.states
@@ -278,7 +281,7 @@ class StepGraphs:
                              buffers.slot_mapping[:num_tokens], num_reqs=num_reqs,
                              num_tokens=num_tokens, step_counts=counts)
 
-    def _zero_counts(self, decode_rows: int) -> None:
+    def zero_counts(self, decode_rows: int) -> None:
         """A capture step: no real request (nothing read from or written to the KV cache or
         the rows); query_start_loc one token per row for the first decode_rows rows (decode
         padding, valid last-token rows), no tokens after them."""

@@ -13,6 +13,10 @@ With s_b = a_b = 0 this is kernels/post_update.py (a partial prefill chunk only 
 its computed count). Rolling back num_computed_tokens is all the reuse of rejected KV
 slots needs: the next step computes those positions again and overwrites their entries.
 Writes at or past max_model_len are dropped (the scheduler never lets a row get there).
+
+With `step_counts` ([num_reqs, num_tokens] int32 on the device, as inside a CUDA graph)
+the batch is padded: only the first step_counts[0] requests are updated, so padding
+entries (which name some real row) never touch the row state.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from kernels._checks import (
     check_contiguous_rows,
     check_offsets,
     check_dtype_and_rank,
+    check_step_counts,
+    read_step_counts,
     check_row_state,
     check_same_device,
     check_token_history_device,
@@ -47,10 +53,15 @@ if HAS_TRITON:
         token_ids_stride,
         last_sampled_ptr,
         max_model_len,
+        step_counts_ptr,
+        HAS_STEP_COUNTS: tl.constexpr,
         NUM_OUTPUTS: tl.constexpr,
         NUM_OUTPUTS_POW2: tl.constexpr,
     ):
         batch_idx = tl.program_id(0)
+        if HAS_STEP_COUNTS:
+            if batch_idx >= tl.load(step_counts_ptr):
+                return
         row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
         query_len = tl.load(query_start_loc_ptr + batch_idx + 1) - tl.load(
             query_start_loc_ptr + batch_idx)
@@ -82,8 +93,10 @@ def _check_args(
     total_len: torch.Tensor,
     token_ids: torch.Tensor,
     last_sampled: torch.Tensor,
+    step_counts: torch.Tensor | None = None,
 ) -> int:
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
+    check_step_counts(step_counts, total_len.device)
     check_dtype_and_rank("query_start_loc", query_start_loc, torch.int32, 1)
     check_dtype_and_rank("num_draft_slots", num_draft_slots, torch.int32, 1)
     check_dtype_and_rank("output_token_ids", output_token_ids, torch.int64, 2)
@@ -114,12 +127,18 @@ def spec_post_update_ref(
     total_len: torch.Tensor,  # [max_num_reqs] int32, updated in place
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, updated in place
     last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Torch reference of `spec_post_update` (see the module doc); no host sync."""
+    """Torch reference of `spec_post_update` (see the module doc); no host sync unless
+    step_counts is given."""
     num_reqs = _check_args(idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
-                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled)
+                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled,
+                           step_counts)
+    num_reqs = read_step_counts(step_counts, num_reqs, None)[0]
     if num_reqs == 0:
         return
+    idx_mapping, num_draft_slots = idx_mapping[:num_reqs], num_draft_slots[:num_reqs]
+    output_token_ids, num_accepted = output_token_ids[:num_reqs], num_accepted[:num_reqs]
     rows = idx_mapping.long()
     query_lens = query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]
     num_computed = num_computed_tokens[rows] + query_lens - (num_draft_slots - num_accepted)
@@ -154,11 +173,14 @@ def spec_post_update_triton(
     total_len: torch.Tensor,  # [max_num_reqs] int32
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, rows contiguous
     last_sampled: torch.Tensor,  # [max_num_reqs] int64
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
-    """Triton launcher of `spec_post_update`: one program per scheduled request."""
+    """Triton launcher of `spec_post_update`: one program per scheduled request (up to the
+    device-side count with step_counts)."""
     need_triton("spec_post_update_triton")
     num_reqs = _check_args(idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
-                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled)
+                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled,
+                           step_counts)
     check_triton_device("spec_post_update_triton", total_len.device)
     check_contiguous_rows(idx_mapping=idx_mapping, query_start_loc=query_start_loc,
                           num_draft_slots=num_draft_slots, output_token_ids=output_token_ids,
@@ -170,7 +192,9 @@ def spec_post_update_triton(
     _spec_post_update_kernel[(num_reqs,)](
         idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
         output_token_ids.stride(0), num_accepted, num_computed_tokens, total_len, token_ids,
-        token_ids.stride(0), last_sampled, token_ids.shape[1], NUM_OUTPUTS=num_outputs,
+        token_ids.stride(0), last_sampled, token_ids.shape[1],
+        total_len if step_counts is None else step_counts,
+        HAS_STEP_COUNTS=step_counts is not None, NUM_OUTPUTS=num_outputs,
         NUM_OUTPUTS_POW2=triton.next_power_of_2(num_outputs))
 
 
@@ -184,8 +208,9 @@ def spec_post_update(
     total_len: torch.Tensor,  # [max_num_reqs] int32, updated in place
     token_ids: torch.Tensor,  # [max_num_reqs, max_model_len] int32, device or pinned host (UVA)
     last_sampled: torch.Tensor,  # [max_num_reqs] int64, updated in place
+    step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Advance the request state after a speculative step (see the module doc)."""
     impl = spec_post_update_triton if HAS_TRITON and total_len.is_cuda else spec_post_update_ref
     impl(idx_mapping, query_start_loc, num_draft_slots, output_token_ids, num_accepted,
-         num_computed_tokens, total_len, token_ids, last_sampled)
+         num_computed_tokens, total_len, token_ids, last_sampled, step_counts)

@@ -26,7 +26,8 @@ class SpecCopy:
 class SpecPendingStep(PendingStep):
     """A launched speculative step; `result()` packs the emitted tokens request-major."""
 
-    def __init__(self, *args: object, cu_num_logits_np: np.ndarray,  # [num_reqs + 1]
+    def __init__(self, *args: object,
+                 cu_num_logits_np: np.ndarray | None,  # [num_reqs + 1], read for logprobs
                  num_speculative_tokens: int, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._cu_num_logits_np = cu_num_logits_np

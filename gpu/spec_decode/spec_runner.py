@@ -4,8 +4,11 @@ forward (its graph when one holds the step) -> head over the logit rows -> sampl
 post-update (gpu/spec_decode/spec_step.py) -> next drafts from the updated history
 (gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens to the host.
 
-The head, sampling and post-update run eagerly: the whole-step graphs hold one logit row
-per request, and a speculative step has up to 1 + K.
+The tail (head, sampling, acceptance, post-update, drafts) replays a CUDA graph of the
+step's padded request count (gpu/spec_decode/spec_graphs.py: K + 1 logit rows per
+request, the unused ones never accepted) unless the step needs logit bias, min_tokens,
+penalties or logprobs, or no graph holds it; then it runs eagerly over the variable
+logit layout (1 + s rows for a request with s draft slots).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from actors.messages import SchedulerOutput
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from gpu.runner_v2.step_plan import StepPlan
-from gpu.sampling.sampler import batch_ops
+from gpu.sampling.sampler import BatchOps, batch_ops
+from gpu.spec_decode.spec_graphs import SpecTailGraphs
 from gpu.spec_decode.spec_output import SpecCopy, SpecPendingStep
 from gpu.spec_decode.spec_step import spec_layout, verify_and_update
 
@@ -30,28 +34,63 @@ def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPl
                      started: float, start_event: torch.cuda.Event | None) -> SpecPendingStep:
     drafts = runner.drafts
     assert drafts is not None
+    ops = batch_ops(runner.sampling_state, plan.idx_mapping_np)
+    max_num_logprobs = int(runner.num_logprobs_np[plan.idx_mapping_np].max())
+    spec_graphs = runner.spec_graphs
+    if (spec_graphs is not None and plan.tail_graphed and spec_graphs.holds(plan.num_rows_padded)
+            and not ops.rewrites_logits and max_num_logprobs < 0):
+        to_copy, cu_num_logits_np = _launch_graphed_tail(runner, spec_graphs, sched, plan,
+                                                         ops.filters), None
+    else:
+        to_copy, cu_num_logits_np = _launch_eager_tail(
+            runner, sched, plan, ops, None if max_num_logprobs < 0 else max_num_logprobs)
+    copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, started, start_event)
+    return SpecPendingStep(sched.step_id, sched.scheduled_request_ids,
+                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats,
+                           timing, cu_num_logits_np=cu_num_logits_np,
+                           num_speculative_tokens=drafts.num_speculative_tokens)
+
+
+def _launch_graphed_tail(runner: ModelRunnerV2, spec_graphs: SpecTailGraphs,
+                         sched: SchedulerOutput, plan: StepPlan, filters: bool) -> SpecCopy:
+    """The forward (its graph, or eagerly into the graphs' hidden-state buffer), then the
+    tail graph of the step's padded size (gpu/spec_decode/spec_graphs.py)."""
+    spec_graphs.upload_slots(np.asarray(sched.num_draft_slots, dtype=np.int32),
+                             plan.num_rows_padded)
+    hidden = runner.forward_hidden(plan)
+    graph_hidden = runner.step_state.hidden
+    if hidden is not graph_hidden:
+        graph_hidden[:plan.num_tokens].copy_(hidden[:plan.num_tokens])
+    runner.sampling_state.flush_to_device()
+    # The graph's output is overwritten by the next replay, possibly before this step's
+    # copy to the host has read it: the copy reads a clone.
+    packed = spec_graphs.run(plan.num_rows_padded, filters)[:plan.num_reqs].clone()
+    num_outputs = spec_graphs.drafts.num_speculative_tokens + 1
+    return SpecCopy(packed[:, :num_outputs], packed[:, num_outputs], packed[:, num_outputs + 1],
+                    None, None, None)
+
+
+def _launch_eager_tail(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPlan,
+                       ops: BatchOps, max_num_logprobs: int | None
+                       ) -> tuple[SpecCopy, np.ndarray]:
+    """The forward, then the tail launched op by op over the variable logit layout
+    (gpu/spec_decode/spec_step.py); also the layout's cu_num_logits on the host."""
+    drafts = runner.drafts
+    assert drafts is not None
     num_reqs = plan.num_reqs
     buffers = runner.buffers
     layout = spec_layout(plan, sched.num_draft_slots, runner.device)
     hidden = runner.forward_hidden(plan)
     logits = runner.worker.model.compute_logits(hidden[layout.logits_indices_gpu])
-    max_num_logprobs = int(runner.num_logprobs_np[plan.idx_mapping_np].max())
     idx_mapping_gpu = buffers.idx_mapping[:num_reqs]
     sampled = verify_and_update(
         logits, layout, idx_mapping_gpu, buffers.query_start_loc[:num_reqs + 1],
-        buffers.positions, runner.states, runner.sampler, drafts,
-        batch_ops(runner.sampling_state, layout.logit_rows_np),
-        None if max_num_logprobs < 0 else max_num_logprobs)
+        buffers.positions, runner.states, runner.sampler, drafts, ops, max_num_logprobs)
     drafts.propose(runner.states, idx_mapping_gpu)
     out = sampled.sampler
-    copy, event, stats, timing = runner.finish_launch(
-        SpecCopy(sampled.output_token_ids, sampled.num_accepted, sampled.num_draft_tokens,
-                 out.logprob_token_ids, out.logprobs, out.sampled_ranks),
-        sched, plan, started, start_event)
-    return SpecPendingStep(sched.step_id, sched.scheduled_request_ids,
-                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats,
-                           timing, cu_num_logits_np=layout.cu_num_logits_np,
-                           num_speculative_tokens=drafts.num_speculative_tokens)
+    return (SpecCopy(sampled.output_token_ids, sampled.num_accepted, sampled.num_draft_tokens,
+                     out.logprob_token_ids, out.logprobs, out.sampled_ranks),
+            layout.cu_num_logits_np)
 
 
 def check_speculative_step(sched: SchedulerOutput, prompt_requests: dict[str, PromptRequest]

@@ -4,7 +4,9 @@ write the emitted tokens.
 The forward is the ordinary one (a mixed CUDA graph when one holds the step's tokens,
 eager otherwise): a decoding row with s draft slots runs 1 + s tokens, its last token
 and then its drafts, read from the token history (gpu/spec_decode/device_drafts.py).
-What differs is the tail, which runs eagerly:
+What differs is the tail, run here eagerly over a variable layout of logit rows (the
+steps that need logit bias, min_tokens, penalties or logprobs, and those no graph holds;
+the others replay its fixed-shape twin, gpu/spec_decode/spec_graphs.py):
 
 - head: the LM head over 1 + s logit rows per speculating row (1 for the other rows);
 - sampling: the ordinary sampler over every logit row (bias, min-tokens, min-p, top-k,

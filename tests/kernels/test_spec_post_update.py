@@ -101,3 +101,32 @@ def test_dispatcher_runs_the_reference_off_cuda() -> None:
     state = _state()
     _step(spec_post_update, state, [2, 1, 1], [1, 0, 0], [[3, 4], [5, -1], [6, -1]], [1, 0, 0])
     assert state["total_len"].tolist() == [8, 10, 9]
+
+
+def compare_padded_to_unpadded(impl_name: str, device: str) -> None:
+    """A batch padded with entries naming a real row, under step_counts, updates exactly
+    what the unpadded batch does."""
+    impl = {"ref": spec_post_update_ref, "triton": spec_post_update_triton}[impl_name]
+    padded, plain = _state(device), _state(device)
+    _step(impl, plain, [4, 3, 4], [3, 0, 3], [[70, 71, -1, -1], [99, -1, -1, -1],
+                                               [80, 81, 82, 83]], [1, 0, 3])
+    # Two padding entries name row 0 (a real row of the step), with no tokens and no slots.
+    query_start_loc = torch.tensor([0, 4, 7, 11, 11, 11], dtype=torch.int32, device=device)
+    impl(torch.tensor([0, 1, 2, 0, 0], dtype=torch.int32, device=device), query_start_loc,
+         torch.tensor([3, 0, 3, 0, 0], dtype=torch.int32, device=device),
+         torch.tensor([[70, 71, -1, -1], [99, -1, -1, -1], [80, 81, 82, 83], [5, -1, -1, -1],
+                       [6, -1, -1, -1]], dtype=torch.int64, device=device),
+         torch.tensor([1, 0, 3, 0, 0], dtype=torch.int32, device=device),
+         padded["num_computed_tokens"], padded["total_len"], padded["token_ids"],
+         padded["last_sampled"], step_counts=torch.tensor([3, 11], dtype=torch.int32, device=device))
+    for name in plain:
+        assert torch.equal(padded[name].cpu(), plain[name].cpu()), name
+
+
+def test_padding_entries_past_step_counts_change_nothing() -> None:
+    compare_padded_to_unpadded("ref", "cpu")
+
+
+test_triton_padding_in_interpreter, test_triton_padding_on_cuda = triton_vs_reference_tests(
+    compare_padded_to_unpadded, interpreted={"impl_name": "triton", "device": "cpu"},
+    on_cuda={"impl_name": "triton", "device": "cuda"})

@@ -1,0 +1,214 @@
+"""CUDA graphs of a speculative step's tail: head, sampling, acceptance, post-update, drafts.
+
+Launched eagerly from Python, the tail of a speculative V2 step (the LM head over the
+logit rows, the sampler, accept_draft_prefix, spec_post_update, the ngram proposer) is
+dozens of small kernels, and on a small model the device waits on that CPU time. So the
+tail is captured too, per padded request count P (the decode sizes, up to
+MAX_SPEC_GRAPH_LOGIT_ROWS logit rows) and with or without the min-p / top-k / top-p
+threshold kernels, in one fixed shape:
+
+- logit rows: P * (K + 1), request b owning rows b * (K + 1) .. b * (K + 1) + K. Row j of
+  a request with s draft slots reads the token at index end_b - 1 - s + min(j, s): rows
+  j <= s are exactly those of the variable layout (spec_step.spec_layout); the rows past
+  s repeat row s and are never accepted, because the drafts compared with them are masked
+  to -1 (accept_draft_prefix stops at the first -1).
+- padding requests (b >= the step's count, which the kernels read from
+  InputBuffers.step_counts) have no tokens and no slots and name the step's first request
+  row: spec_post_update skips them, and every write the proposer makes for them (draft
+  table, history past the known tokens) repeats that row's own write with the same
+  values, since the drafts are a function of the row's history alone.
+- sampling is Sampler.sample_graphable (temperature, min-p / top-k / top-p, the seeded
+  Gumbel draw keyed on the position): at every real logit row the token the ordinary
+  sampler draws. Steps that need logit bias, min_tokens, penalties or logprobs keep the
+  eager tail (gpu/spec_decode/spec_step.py), as do steps larger than the largest graph.
+
+Per step the CPU uploads num_draft_slots [P] beside the runner's step metadata; nothing
+else. `spec_tail` is the one function both ways run: the graph captures it, and off
+CUDA it runs eagerly on the same buffers (which is how the tests check it).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import structlog
+import torch
+
+from actors.speculative_config import SpeculativeConfig
+from gpu.cuda_graphs import Replayable, StepGraphs
+from gpu.input_buffers import InputBuffers
+from gpu.runner_v2.states import RequestStates
+from gpu.runner_v2.step_state import V2StepState
+from gpu.sampling.sampler import Sampler
+from gpu.spec_decode.device_drafts import DeviceDrafts
+from kernels.rejection_sample import accept_draft_prefix
+from kernels.spec_post_update import spec_post_update
+
+log = structlog.get_logger("tandem.spec_graphs")
+
+MAX_SPEC_GRAPH_LOGIT_ROWS = 512
+"""Largest P * (K + 1) captured: the graph holds its [rows, vocab] float32 logits (about
+0.3 GiB at 512 rows of a 152k vocabulary); larger steps launch few enough kernels per
+token that the eager tail costs little."""
+
+
+def spec_graph_sizes(decode_sizes: Sequence[int], num_speculative_tokens: int) -> tuple[int, ...]:
+    """The padded request counts whose speculative tail is captured."""
+    rows_per_req = num_speculative_tokens + 1
+    return tuple(n for n in decode_sizes if n * rows_per_req <= MAX_SPEC_GRAPH_LOGIT_ROWS)
+
+
+def fixed_logits_indices(
+    query_start_loc: torch.Tensor,  # [P + 1] int32, padding entries at the token count
+    num_draft_slots: torch.Tensor,  # [P] int32, 0 for padding requests
+    num_speculative_tokens: int,
+) -> torch.Tensor:  # [P, K + 1] int64, token index of each logit row
+    """Token index of each fixed logit row (see the module doc). A padding request reads
+    the step's last token (index 0 in a step of none), a valid row of the hidden states."""
+    ends = query_start_loc[1:].long()[:, None]
+    slots = num_draft_slots.long()[:, None]
+    offsets = torch.arange(num_speculative_tokens + 1, device=ends.device)[None, :]
+    return (ends - 1 - slots + torch.minimum(offsets, slots)).clamp(min=0)
+
+
+def spec_tail(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,  # [>= num_tokens, hidden_size], the step's final hidden states
+    buffers: InputBuffers,
+    num_draft_slots: torch.Tensor,  # [P] int32
+    states: RequestStates,
+    sampler: Sampler,
+    drafts: DeviceDrafts,
+    filters: bool,
+) -> torch.Tensor:  # [P, K + 3] int64: emitted tokens (-1 after), accepted, drafts verified
+    """The fixed-shape tail of a speculative step over P padded requests: sample every
+    logit row, accept each request's matching draft prefix, write the emitted tokens,
+    propose the next drafts. No host sync and no host-side decision: capturable."""
+    num_reqs_padded = num_draft_slots.shape[0]
+    num_spec = drafts.num_speculative_tokens
+    query_start_loc = buffers.query_start_loc[:num_reqs_padded + 1]
+    is_real = torch.arange(num_reqs_padded, device=hidden.device) < buffers.step_counts[0]
+    batch_rows = buffers.idx_mapping[:num_reqs_padded]
+    rows = torch.where(is_real, batch_rows, batch_rows[0])  # [P] int32
+    indices = fixed_logits_indices(query_start_loc, num_draft_slots, num_spec).view(-1)
+    logits = model.compute_logits(hidden.index_select(0, indices))
+    logit_rows = rows[:, None].expand(num_reqs_padded, num_spec + 1).reshape(-1)
+    # Logit row j of a request reads its token at position p and predicts position p + 1.
+    sampled = sampler.sample_graphable(logits, logit_rows, buffers.positions[indices] + 1,
+                                       filters)
+    state_rows = rows.long()
+    slots = num_draft_slots[:, None]
+    draft_columns = torch.arange(num_spec, device=hidden.device)[None, :]
+    masked_drafts = torch.where(draft_columns < slots, drafts.draft_token_ids_gpu[state_rows], -1)
+    cu_num_logits = torch.arange(0, (num_reqs_padded + 1) * (num_spec + 1), num_spec + 1,
+                                 dtype=torch.int32, device=hidden.device)
+    output, num_accepted = accept_draft_prefix(cu_num_logits, masked_drafts, sampled)
+    num_draft_tokens = torch.minimum(drafts.num_drafts_gpu[state_rows], num_draft_slots)
+    spec_post_update(rows, query_start_loc, num_draft_slots, output, num_accepted,
+                     states.num_computed_gpu, states.total_len_gpu, states.token_ids_gpu,
+                     states.last_sampled_gpu, step_counts=buffers.step_counts)
+    drafts.propose(states, rows)
+    return torch.cat([output, num_accepted[:, None].long(), num_draft_tokens[:, None].long()],
+                     dim=1)
+
+
+class SpecTailGraphs:
+    """The speculative tail's graphs (see the module doc) and the draft tables they read
+    and write; off CUDA `run` calls spec_tail eagerly on the same buffers."""
+
+    def __init__(self, model: torch.nn.Module, step_state: V2StepState, config: SpeculativeConfig,
+                 decode_sizes: Sequence[int]) -> None:
+        if step_state.hidden is None:
+            raise ValueError("the step state has no graph outputs (built with_graph_outputs=False)")
+        buffers = step_state.buffers
+        self.drafts = DeviceDrafts(config, buffers.max_num_reqs, buffers.device)
+        self.sizes = spec_graph_sizes(decode_sizes, config.num_speculative_tokens)
+        self.num_draft_slots_gpu = torch.zeros(buffers.max_num_reqs, dtype=torch.int32,
+                                               device=buffers.device)
+        self._model = model
+        self._state = step_state
+        self._tails: dict[tuple[int, bool], Replayable] = {}
+        self.capture_time_s = 0.0
+
+    def holds(self, num_reqs_padded: int) -> bool:
+        """Whether a step padded to num_reqs_padded requests has a captured tail."""
+        return num_reqs_padded in self.sizes
+
+    @torch.inference_mode()
+    def capture(self, step_graphs: StepGraphs, pool: tuple[int, int] | None = None) -> float:
+        """Capture every tail, largest first, into `pool` (a fresh one by default); returns
+        the seconds it took. The capture steps have no real request (step_counts = 0): no
+        row's computed count, length or history moves."""
+        started = time.perf_counter()
+        is_cuda = self._state.buffers.device.type == "cuda"
+        if pool is None and is_cuda:
+            pool = torch.cuda.graph_pool_handle()
+        self._state.sampling_state.flush_to_device()
+        for size in sorted(self.sizes, reverse=True):
+            for filters in (True, False):
+                step_graphs.zero_counts(decode_rows=size)
+                self.num_draft_slots_gpu.zero_()
+                self._tails[size, filters] = Replayable(self._tail_fn(size, filters),
+                                                        self._state.buffers.device, pool)
+        if is_cuda:
+            torch.cuda.synchronize()
+        self.capture_time_s = time.perf_counter() - started
+        return self.capture_time_s
+
+    def upload_slots(self, num_draft_slots_np: np.ndarray,  # [num_reqs] int
+                     num_reqs_padded: int) -> None:
+        """Send the step's draft slots (0 for padding requests) through a fresh pinned
+        buffer, as upload_step_meta does: no in-flight copy reads it again."""
+        device = self.num_draft_slots_gpu.device
+        staging = torch.zeros(num_reqs_padded, dtype=torch.int32,
+                              pin_memory=device.type == "cuda")
+        staging.numpy()[:num_draft_slots_np.shape[0]] = num_draft_slots_np
+        self.num_draft_slots_gpu[:num_reqs_padded].copy_(staging, non_blocking=True)
+
+    def run(self, num_reqs_padded: int, filters: bool) -> torch.Tensor:
+        """[P, K + 3] int64 (spec_tail's result), in a tensor the next replay overwrites."""
+        return self._tails[num_reqs_padded, filters]()
+
+    def _tail_fn(self, size: int, filters: bool) -> Callable[[], torch.Tensor]:
+        state, slots = self._state, self.num_draft_slots_gpu[:size]
+
+        def tail() -> torch.Tensor:
+            return spec_tail(self._model, state.hidden, state.buffers, slots, state.states,
+                             state.sampler, self.drafts, filters)
+
+        return tail
+
+
+_CAPTURED: weakref.WeakKeyDictionary[StepGraphs, dict[SpeculativeConfig, SpecTailGraphs]] = (
+    weakref.WeakKeyDictionary())
+
+
+def spec_tail_graphs(step_graphs: StepGraphs, model: torch.nn.Module, step_state: V2StepState,
+                     config: SpeculativeConfig) -> SpecTailGraphs:
+    """The speculative tail graphs of a loaded model's step graphs under `config`, captured
+    by the first runner that asks (a model loaded without speculation may serve an engine
+    with it) and kept as long as the step graphs: runners come and go, the capture stays."""
+    per_config = _CAPTURED.setdefault(step_graphs, {})
+    graphs = per_config.get(config)
+    if graphs is None:
+        graphs = SpecTailGraphs(model, step_state, config, step_graphs.sizes.decode)
+        free_before = _free_device_bytes(step_state.buffers.device)
+        graphs.capture(step_graphs)
+        log.info("spec_tail_graphs_captured", num_graphs=2 * len(graphs.sizes),
+                 sizes=",".join(map(str, graphs.sizes)),
+                 capture_time_s=round(graphs.capture_time_s, 2),
+                 memory_gib=round((free_before - _free_device_bytes(step_state.buffers.device))
+                                  / (1 << 30), 3))
+        per_config[config] = graphs
+    return graphs
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
