@@ -95,7 +95,8 @@ def spec_tail(
     rows = torch.where(is_real, batch_rows, batch_rows[0])  # [P] int32
     indices = fixed_logits_indices(query_start_loc, num_draft_slots, num_spec).view(-1)
     logits = model.compute_logits(hidden.index_select(0, indices))
-    logit_rows = rows[:, None].expand(num_reqs_padded, num_spec + 1).reshape(-1)
+    # contiguous(): for one request the reshape would be a stride-0 view.
+    logit_rows = rows[:, None].expand(num_reqs_padded, num_spec + 1).contiguous().view(-1)
     # Logit row j of a request reads its token at position p and predicts position p + 1.
     sampled = sampler.sample_graphable(logits, logit_rows, buffers.positions[indices] + 1,
                                        filters)
