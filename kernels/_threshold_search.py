@@ -7,8 +7,8 @@ keeps a bracket (lo, hi] known to hold T and narrows it, one pass over the row a
 by a histogram of the bracket (kernels/_threshold_bins.py), or, where that makes no
 progress, by counting against a few pivots. Every pass also sums the exact count and mass
 of the tokens above hi, so a bracket chosen from bounds is checked, never trusted. Once
-the bracket holds at most CAPACITY tokens they are copied out, sorted in registers and
-resolved exactly.
+the bracket holds at most CAPACITY tokens they are copied out and resolved exactly in
+registers.
 
 Per-row state lives in two small tables (columns below) so that a fixed sequence of
 launches (a CUDA graph) can carry rows that need different numbers of passes.
@@ -272,6 +272,14 @@ if HAS_TRITON:
                     cnt_above + cnt_upper, new_cnt_in, False, PIVOT)
 
     @triton.jit
+    def exact_sum(weights):
+        """sum(weights) for weights in [0, 1] (counts, masses relative to the max) in 2^-40
+        fixed point: integer sums are the same in any order, so the order the chunks
+        appended the candidates in (which the batch's other rows change) cannot change a
+        threshold."""
+        return tl.sum((weights * 1099511627776.0).to(tl.int64), axis=0).to(tl.float32) * (1.0 / 1099511627776.0)
+
+    @triton.jit
     def largest_reaching(values, valid, weights, need, floor_key):
         """The largest x among `values` with sum(weights where values >= x) >= need, found by
         bisection over the float order in (floor_key, key(max)]; the float of floor_key if
@@ -281,7 +289,7 @@ if HAS_TRITON:
         hi_key = tl.maximum(hi_key, lo_key)
         for _ in range(32):
             mid = lo_key + (hi_key - lo_key + 1) // 2
-            reached = tl.sum(tl.where(valid & (values >= from_key(mid)), weights, 0.0), axis=0) >= need
+            reached = exact_sum(tl.where(valid & (values >= from_key(mid)), weights, 0.0)) >= need
             lo_key = tl.where(reached, mid, lo_key)
             hi_key = tl.where(reached, hi_key, mid - 1)
         return from_key(lo_key)
@@ -295,9 +303,7 @@ if HAS_TRITON:
         i = tl.arange(0, CAP)
         num_candidates = tl.load(state_i + I_NUM_CANDIDATES)
         valid = i < tl.minimum(num_candidates, CAP)
-        # Sorted, so that every sum below runs in one order whatever order the chunks
-        # appended in (the batch's other rows change that order).
-        values = tl.sort(tl.load(candidates_ptr + i, mask=valid, other=float("-inf")), descending=True)
+        values = tl.load(candidates_ptr + i, mask=valid, other=float("-inf"))
         mass = tl.where(valid, tl.exp(values - tl.load(state_f + F_MAX)), 0.0)
         lowest_key = float_key(tl.min(tl.where(valid, values, float("inf")), axis=0))
         everything = tl.load(state_i + I_ACTION) == COMPACT_ALL
@@ -306,7 +312,7 @@ if HAS_TRITON:
         search_k = tl.load(state_i + I_PHASE) == SEARCH_K
         top_k = tl.load(state_i + I_TOP_K).to(tl.float32)
         need = tl.where(search_k, top_k - base_cnt, tl.load(state_f + F_TARGET) - base_mass)
-        have = tl.where(search_k, num_candidates.to(tl.float32), tl.sum(mass, axis=0))
+        have = tl.where(search_k, num_candidates.to(tl.float32), exact_sum(mass))
         misplaced = (need <= 0.0) | (need > have) | (num_candidates > CAP)
         if misplaced & (tl.load(state_i + I_RESTARTED) == 0):
             restart(state_f, state_i, pivots_ptr)
@@ -314,7 +320,7 @@ if HAS_TRITON:
             kth = largest_reaching(values, valid, valid.to(tl.float32), need, lowest_key)
             greater = valid & (values > kth)
             cnt_greater = base_cnt + tl.sum(greater.to(tl.float32), axis=0)
-            mass_greater = base_mass + tl.sum(tl.where(greater, mass, 0.0), axis=0)
+            mass_greater = base_mass + exact_sum(tl.where(greater, mass, 0.0))
             if everything & (tl.load(state_i + I_HAS_P) != 0):
                 # Top-p over exactly the k best ranks: of the k-th value's ties, only those
                 # ranked within k count (its total is the mass of the top k).

@@ -15,9 +15,9 @@ The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p
 kernels/top_k_top_p.py). The Triton version searches for the threshold
 (kernels/_threshold_search.py, kernels/_threshold_bins.py): a statistics pass (max, mean,
 spread; min-p alone ends here), then histogram passes of 126 bins that narrow a bracket
-around the answer until it holds at most 1024 tokens (one pass for a small top-k, usually
-two for top-p), and a pass that copies those out to be sorted and resolved exactly in
-registers. A fixed sequence of launches (so that it can be captured in a CUDA graph)
+around the answer until it holds at most 1024 tokens (one pass for a small top-k, one or
+two for top-p, three for p near 1), and a pass that copies those out to be resolved
+exactly in registers. A fixed sequence of launches (so that it can be captured in a CUDA graph)
 carries most rows to the end; a last kernel finishes any row that needs more passes
 (ties, extreme spreads), alone. Every pass splits a row in fixed 8192-token chunks and
 sums them in chunk order, so a row's threshold does not depend on the batch it is in.
@@ -38,7 +38,7 @@ from kernels.top_k_top_p import top_k_top_p_thresholds
 
 CHUNK = 8192
 BLOCK = 512
-NUM_GRAPHED_ROUNDS = 3
+NUM_GRAPHED_ROUNDS = 4
 MAX_FINISH_ROUNDS = 64
 _NUM_STATS = 8
 TOP_P_BINS_SPAN = 12.0
@@ -234,10 +234,23 @@ def sampling_thresholds_triton(
     need_triton("sampling_thresholds_triton")
     _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
     check_triton_device("sampling_thresholds_triton", logits.device)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=logits.device)
+    thresholds, _ = _launch(logits, idx_mapping, (idx_mapping, temperature, top_k, top_p, min_p),
+                            chunk, MAX_FINISH_ROUNDS)
+    return thresholds
+
+
+def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 0
+            idx_mapping: torch.Tensor,  # [num_rows] int32
+            filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
+            chunk: int, max_finish_rounds: int,
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # thresholds [num_rows], int state [num_rows, NUM_I]
+    """The launch sequence; the int state tells tests how far each row got before the
+    finishing kernel (phase, restarts)."""
+    temperature = filters[1]
     num_rows, vocab_size = logits.shape
     thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    if num_rows == 0:
-        return thresholds
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunks_p2 = triton.next_power_of_2(num_chunks)
     device = logits.device
@@ -248,7 +261,6 @@ def sampling_thresholds_triton(
     partials = torch.empty((num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device)
     bin_counts = torch.empty((num_rows, num_chunks, search.NUM_BINS), dtype=torch.int32, device=device)
     candidates = torch.empty((num_rows, search.CAPACITY), dtype=torch.float32, device=device)
-    filters = (idx_mapping, temperature, top_k, top_p, min_p)
     _stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), *filters, stats, vocab_size,
                                           CHUNK=chunk, BLOCK=BLOCK, NUM_STATS=_NUM_STATS)
     _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, vocab_size, num_chunks,
@@ -260,9 +272,9 @@ def sampling_thresholds_triton(
         _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
                                     num_chunks, CHUNKS_P2=chunks_p2)
     _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
-                                thresholds, vocab_size, num_chunks, MAX_FINISH_ROUNDS, CHUNK=chunk,
+                                thresholds, vocab_size, num_chunks, max_finish_rounds, CHUNK=chunk,
                                 BLOCK=BLOCK, CHUNKS_P2=chunks_p2)
-    return thresholds
+    return thresholds, state_i
 
 
 def sampling_thresholds(
