@@ -10,7 +10,7 @@ sampling graphs run it). `old_sort_top_p` times the previous sort-based top-p pa
 comparison, and `sweep` the threshold search's chunk and block sizes on top-p.
 
 First, the thresholds alone (benchmarks/_threshold_ab.py): top-p, top-k + top-p, min-p,
-top-k and top-p 0.99 on Gaussian and heavy-tailed logits, each checked against the
+top-k and top-p 0.99 on Gaussian and peaked logits, each checked against the
 sort-based reference (kept mass, batch invariance, graph == eager), then timed as graph
 replays, interleaved with a baseline checkout's kernels: --baseline-root, by default the
 checkout this one sits in (a copy of the branch in a folder of main's checkout), if any.
