@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels.sampling_thresholds import sampling_thresholds_ref
-from tests.kernels._triton_interpreter import needs_triton, run_in_triton_interpreter
+from tests.kernels._triton_interpreter import cuda_test, needs_triton, run_in_triton_interpreter
 from tests.kernels.test_sampling_thresholds import _assert_thresholds_match
 
 NEG_INF = float("-inf")
@@ -69,7 +69,7 @@ def check_stress_rows_match_reference_and_are_batch_invariant(vocab: int, chunk:
     assert torch.equal(again, actual[subset]), (again, actual[subset])
 
 
-def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int) -> None:
+def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, device: str = "cpu") -> None:
     """Gaussian rows need no finishing passes: on a wide row (std 3.75 after temperature, as
     bench_sampler.py draws them) top-p 0.9 and a small top-k (+ top-p) take one histogram
     pass and the copy-out; the rest at most two more; none restarts."""
@@ -79,19 +79,23 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int) 
     settings = [(0.8, 0, 0.9, 0.0), (0.8, 50, 0.9, 0.0), (0.8, 50, 1.0, 0.0), (1.0, 0, 0.5, 0.0),
                 (0.8, 0, 0.99, 0.0), (1.0, vocab // 3, 1.0, 0.0), (1.0, 0, 0.9, 0.05)]
     scale = torch.tensor([3.0, 3.0, 3.0, 1.0, 3.0, 3.0, 0.3])
-    logits = torch.randn(len(settings), vocab, generator=generator) * scale[:, None]
-    filters = _filters(settings)
-    rows = torch.arange(len(settings), dtype=torch.int32)
+    logits = (torch.randn(len(settings), vocab, generator=generator) * scale[:, None]).to(device)
+    filters = [f.to(device) for f in _filters(settings)]
+    rows = torch.arange(len(settings), dtype=torch.int32, device=device)
     expected = sampling_thresholds_ref(logits, rows, *filters)
     default_rounds = module.NUM_GRAPHED_ROUNDS
-    for num_rounds, finished in ((2, [0, 1, 2]), (default_rounds, list(range(len(settings))))):
-        module.NUM_GRAPHED_ROUNDS = num_rounds
-        thresholds, state = module._launch(logits[finished], rows[finished], (rows, *filters), chunk,
-                                           max_finish_rounds=0)
-        assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
-        assert (state[:, RESTARTED] == 0).all(), state[:, RESTARTED]
-        _assert_thresholds_match(logits[finished], rows[finished], filters, thresholds, expected[finished])
-    module.NUM_GRAPHED_ROUNDS = default_rounds
+    try:
+        for num_rounds, finished in ((2, [0, 1, 2]), (default_rounds, list(range(len(settings))))):
+            module.NUM_GRAPHED_ROUNDS = num_rounds
+            thresholds, state = module._launch(logits[finished], rows[finished], (rows, *filters),
+                                               chunk, max_finish_rounds=0)
+            state = state.cpu()
+            assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
+            assert (state[:, RESTARTED] == 0).all(), state[:, RESTARTED]
+            _assert_thresholds_match(logits[finished].cpu(), rows[finished].cpu(), filters,
+                                     thresholds.cpu(), expected[finished].cpu())
+    finally:
+        module.NUM_GRAPHED_ROUNDS = default_rounds
 
 
 @needs_triton
@@ -105,3 +109,8 @@ def test_stress_rows_in_interpreter() -> None:
 def test_typical_rows_finish_within_the_graphed_rounds_in_interpreter() -> None:
     run_in_triton_interpreter(__file__, "check_typical_rows_finish_within_the_graphed_rounds",
                               kwargs={"vocab": 8192, "chunk": 2048})
+
+
+@cuda_test
+def test_typical_rows_finish_within_the_graphed_rounds_on_cuda() -> None:
+    check_typical_rows_finish_within_the_graphed_rounds(151936, 8192, "cuda")
