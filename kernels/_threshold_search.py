@@ -30,7 +30,8 @@ if HAS_TRITON:
     BINS = _c(NUM_BINS)
     # float state columns
     F_MAX, F_FLOOR, F_TOP_P, F_LO, F_HI = _c(0), _c(1), _c(2), _c(3), _c(4)
-    F_CNT_ABOVE, F_MASS_ABOVE, F_TARGET, F_THRESHOLD = _c(5), _c(6), _c(7), _c(8)
+    # (no columns for what lies above hi: every pass sums it afresh, see T_CNT_ABOVE)
+    F_TARGET, F_THRESHOLD = _c(7), _c(8)
     F_START, F_INV_WIDTH = _c(9), _c(10)  # lo where the phase's search began; bins per unit
     # int state columns
     I_PHASE, I_ACTION, I_TOP_K, I_NUM_CANDIDATES, I_HAS_P, I_ROUND = _c(0), _c(1), _c(2), _c(3), _c(4), _c(5)
@@ -236,7 +237,6 @@ if HAS_TRITON:
         tl.store(state_f + F_TARGET, target)
         tl.store(state_f + F_LO, new_lo)
         tl.store(state_f + F_HI, new_hi)
-        tl.store(state_f + F_CNT_ABOVE, new_cnt_above)
         if new_cnt_above + new_cnt_in <= CAP:
             tl.store(state_i + I_ACTION, COMPACT_ALL)
         elif new_cnt_in <= CAP:

@@ -129,8 +129,6 @@ if HAS_TRITON:
             tl.store(state_f + search.F_MAX, row_max)
             tl.store(state_f + search.F_FLOOR, floor)
             tl.store(state_f + search.F_TOP_P, top_p)
-            tl.store(state_f + search.F_CNT_ABOVE, 0.0)
-            tl.store(state_f + search.F_MASS_ABOVE, 0.0)
             tl.store(state_f + search.F_TARGET, tl.where(has_k, top_k.to(tl.float32), -1.0))
             tl.store(state_f + search.F_THRESHOLD, floor)
             tl.store(state_i + search.I_TOP_K, top_k)
