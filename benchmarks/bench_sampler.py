@@ -9,6 +9,12 @@ included, and as replays of a CUDA graph of the call (the device time, as the ru
 sampling graphs run it). `old_sort_top_p` times the previous sort-based top-p path for
 comparison, and `sweep` the threshold search's chunk and block sizes on top-p.
 
+First, the thresholds alone (benchmarks/_threshold_ab.py): top-p, top-k + top-p, min-p,
+top-k and top-p 0.99 on Gaussian and peaked logits, each checked against the
+sort-based reference (kept mass, batch invariance, graph == eager), then timed as graph
+replays, interleaved with a baseline checkout's kernels: --baseline-root, by default the
+checkout this one sits in (a copy of the branch in a folder of main's checkout), if any.
+
     python benchmarks/bench_sampler.py --out benchmarks/results/sampler.json
 """
 
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _device_record import run_record, write_json  # noqa: E402
+from _threshold_ab import run as run_threshold_ab  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from gpu.sampling.sampler import Sampler  # noqa: E402
 from gpu.sampling.state import SamplingState  # noqa: E402
@@ -54,6 +61,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--paths", nargs="*", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--baseline-root", type=Path, default=_enclosing_checkout(),
+                        help="a checkout whose kernels/sampling_thresholds.py is timed beside this one's")
+    parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler needs a CUDA GPU")
@@ -63,6 +73,8 @@ def main() -> None:
     record = run_record("sampler", {"batch": args.batch, "vocab": args.vocab, "dtype": "float32",
                                     "logits": "randn * 3"})
     record["one_logits_read_ms_at_peak"] = read_ms
+    record["thresholds"] = run_threshold_ab(args.batch, args.vocab, None if args.no_baseline else args.baseline_root)
+    write_json(args.out, record)
     record["paths"] = {}
     for name in args.paths:
         params, max_num_logprobs = PATHS[name]
@@ -77,6 +89,15 @@ def main() -> None:
         record["sweep_top_p"] = _sweep(logits)
     write_json(args.out, record)
     print(f"wrote {args.out}")
+
+
+def _enclosing_checkout() -> Path | None:
+    """The checkout this one was copied into, if any (its kernels are the baseline)."""
+    here = Path(__file__).resolve().parents[1]
+    for parent in here.parents:
+        if (parent / "kernels" / "sampling_thresholds.py").exists():
+            return parent
+    return None
 
 
 def _sampler_call(params: SamplingParams, max_num_logprobs: int | None, logits: torch.Tensor

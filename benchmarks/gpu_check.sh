@@ -81,7 +81,7 @@ for b in $BENCH; do
         2>&1 | tail -25 | tee -a "$LOG" ;;
     sampler)
       phase "bench sampler"
-      timeout 150 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -24 | tee -a "$LOG" ;;
+      timeout 300 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -40 | tee -a "$LOG" ;;
   esac
 done
 phase "done"

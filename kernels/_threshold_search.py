@@ -3,9 +3,12 @@
 The search finds, per logit row, the value T where a cumulative weight taken in descending
 value order first reaches a target: weight 1 per token for top-k (T = the k-th largest),
 exp(y - max) per token for top-p (T = the value whose inclusive mass reaches p * Z). It
-keeps a bracket (lo, hi] known to hold T, with the weight of everything above hi, and
-narrows it by counting against a few pivots per pass over the row; once the bracket holds
-at most CAPACITY tokens they are copied out, sorted in registers and resolved exactly.
+keeps a bracket (lo, hi] known to hold T and narrows it, one pass over the row at a time:
+by a histogram of the bracket (kernels/_threshold_bins.py), or, where that makes no
+progress, by counting against a few pivots. Every pass also sums the exact count and mass
+of the tokens above hi, so a bracket chosen from bounds is checked, never trusted. Once
+the bracket holds at most CAPACITY tokens they are copied out and resolved exactly in
+registers.
 
 Per-row state lives in two small tables (columns below) so that a fixed sequence of
 launches (a CUDA graph) can carry rows that need different numbers of passes.
@@ -14,23 +17,32 @@ launches (a CUDA graph) can carry rows that need different numbers of passes.
 from kernels._triton import HAS_TRITON, tl, triton
 
 NUM_PIVOTS = 8
+NUM_BINS = 128  # per histogram pass: 126 even bins, one for the bracket below them, one outside
 CAPACITY = 1024
 NUM_F = 16  # float state columns per row
 NUM_I = 8  # int state columns per row
-NUM_PARTIALS = 2 * NUM_PIVOTS + 4  # per chunk: counts and masses above each pivot, then 4 more
+NUM_PARTIALS = 2 * NUM_PIVOTS + 6  # per chunk: counts and masses above each pivot, then totals
 
 if HAS_TRITON:
     _c = tl.constexpr
     # the sizes above, for kernels
     PIVOTS, CAP, ROW_F, ROW_I, ROW_P = _c(NUM_PIVOTS), _c(CAPACITY), _c(NUM_F), _c(NUM_I), _c(NUM_PARTIALS)
+    BINS = _c(NUM_BINS)
     # float state columns
     F_MAX, F_FLOOR, F_TOP_P, F_LO, F_HI = _c(0), _c(1), _c(2), _c(3), _c(4)
-    F_CNT_ABOVE, F_MASS_ABOVE, F_TARGET, F_THRESHOLD = _c(5), _c(6), _c(7), _c(8)
+    # (no columns for what lies above hi: every pass sums it afresh, see T_CNT_ABOVE)
+    F_TARGET, F_THRESHOLD = _c(7), _c(8)
+    F_START, F_INV_WIDTH = _c(9), _c(10)  # lo where the phase's search began; bins per unit
     # int state columns
     I_PHASE, I_ACTION, I_TOP_K, I_NUM_CANDIDATES, I_HAS_P, I_ROUND = _c(0), _c(1), _c(2), _c(3), _c(4), _c(5)
+    I_RESTARTED = _c(6)
+    # per-chunk totals after the per-pivot sums: tokens in (lo, hi] (count, mass, min, max),
+    # then the count and mass of those above hi
+    T_CNT_IN, T_MASS_IN, T_MIN_IN = _c(2 * NUM_PIVOTS), _c(2 * NUM_PIVOTS + 1), _c(2 * NUM_PIVOTS + 2)
+    T_MAX_IN, T_CNT_ABOVE, T_MASS_ABOVE = _c(2 * NUM_PIVOTS + 3), _c(2 * NUM_PIVOTS + 4), _c(2 * NUM_PIVOTS + 5)
     # phases and actions
     DONE, SEARCH_K, SEARCH_P = _c(0), _c(1), _c(2)
-    NONE, PIVOT, COMPACT, COMPACT_ALL = _c(0), _c(1), _c(2), _c(3)
+    NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = _c(0), _c(1), _c(2), _c(3), _c(4)
 
     @triton.jit
     def scaled(x, temperature):
@@ -51,16 +63,6 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def upper_normal_quantile(q):
-        """z with P(Z > z) = q for a standard normal (Abramowitz-Stegun 26.2.23, |err| < 5e-4:
-        it only places pivots, so the search stays exact whatever it returns)."""
-        q = tl.minimum(tl.maximum(q, 1e-12), 1.0 - 1e-7)
-        tail = tl.minimum(q, 1.0 - q)
-        t = tl.sqrt(-2.0 * tl.log(tail))
-        z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
-        return tl.where(q < 0.5, z, -z)
-
-    @triton.jit
     def linspace_pivots(lo, hi):
         """NUM_PIVOTS descending pivots strictly between lo and hi: evenly spaced in value,
         or in the float order (int keys) once the bracket is a few thousand floats wide."""
@@ -73,87 +75,92 @@ if HAS_TRITON:
         return tl.where(key_hi - key_lo <= 4096, by_key, by_value)
 
     @triton.jit
-    def _pivot_block(logits_row, cols, end, temperature, row_max, lo, hi, pivots):
+    def bracket_block(logits_row, cols, end, temperature, row_max, lo, hi):
+        """One block's scaled values, which of them are in (lo, hi] and which (finite) above
+        hi, and their masses exp(y - row_max)."""
         y = scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")), temperature)
-        valid = (y > lo) & (y <= hi)
-        mass = tl.where(valid, tl.exp(y - row_max), 0.0)
-        above = valid[:, None] & (y[:, None] > pivots[None, :])
-        return (y, valid, mass, tl.sum(above.to(tl.float32), axis=0),
-                tl.sum(tl.where(above, mass[:, None], 0.0), axis=0))
+        return y, (y > lo) & (y <= hi), (y > hi) & (y < float("inf")), tl.exp(y - row_max)
+
+    @triton.jit
+    def zero_totals(BLOCK: tl.constexpr):
+        zeros = tl.zeros([BLOCK], tl.float32)
+        return (zeros, zeros, tl.full([BLOCK], float("inf"), tl.float32),
+                tl.full([BLOCK], float("-inf"), tl.float32), zeros, zeros)
+
+    @triton.jit
+    def add_totals(in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass):
+        """Per-lane running totals of a pass: count, mass, min and max of the tokens in the
+        bracket, count and mass of those above it."""
+        return (in_cnt + inside.to(tl.float32), in_mass + tl.where(inside, mass, 0.0),
+                tl.minimum(in_min, tl.where(inside, y, float("inf"))),
+                tl.maximum(in_max, tl.where(inside, y, float("-inf"))),
+                up_cnt + above.to(tl.float32), up_mass + tl.where(above, mass, 0.0))
+
+    @triton.jit
+    def store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass):
+        tl.store(partials_ptr + T_CNT_IN, tl.sum(in_cnt, axis=0))
+        tl.store(partials_ptr + T_MASS_IN, tl.sum(in_mass, axis=0))
+        tl.store(partials_ptr + T_MIN_IN, tl.min(in_min, axis=0))
+        tl.store(partials_ptr + T_MAX_IN, tl.max(in_max, axis=0))
+        tl.store(partials_ptr + T_CNT_ABOVE, tl.sum(up_cnt, axis=0))
+        tl.store(partials_ptr + T_MASS_ABOVE, tl.sum(up_mass, axis=0))
 
     @triton.jit
     def pivot_chunk_pass(logits_row, partials_ptr, temperature, row_max, lo, hi, pivots_ptr,
                          start, end, BLOCK: tl.constexpr):
         """Per pivot: count and mass (exp(y - row_max)) of this chunk's tokens in (lo, hi]
-        above the pivot; also their total count and mass, min and max. The per-pivot sums
-        are reduced every block rather than kept per lane, and two blocks are loaded per
-        iteration: registers stay low and bytes in flight high, for a memory-bound pass."""
+        above the pivot; then the chunk's totals. The per-pivot sums are reduced every block
+        rather than kept per lane, and two blocks are loaded per iteration: registers stay
+        low and bytes in flight high, for a memory-bound pass."""
         pivots = tl.load(pivots_ptr + tl.arange(0, PIVOTS))
         sum_cnt = tl.zeros([PIVOTS], tl.float32)
         sum_mass = tl.zeros([PIVOTS], tl.float32)
-        in_cnt = tl.zeros([BLOCK], tl.float32)
-        in_mass = tl.zeros([BLOCK], tl.float32)
-        in_min = tl.full([BLOCK], float("inf"), tl.float32)
-        in_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = zero_totals(BLOCK)
         for offset in range(start, end, 2 * BLOCK):
-            cols = offset + tl.arange(0, BLOCK)
-            y0, valid0, mass0, cnt0, sum0 = _pivot_block(logits_row, cols, end, temperature,
-                                                        row_max, lo, hi, pivots)
-            y1, valid1, mass1, cnt1, sum1 = _pivot_block(logits_row, cols + BLOCK, end, temperature,
-                                                        row_max, lo, hi, pivots)
-            sum_cnt += cnt0 + cnt1
-            sum_mass += sum0 + sum1
-            in_cnt += valid0.to(tl.float32) + valid1.to(tl.float32)
-            in_mass += mass0 + mass1
-            in_min = tl.minimum(in_min, tl.minimum(tl.where(valid0, y0, float("inf")),
-                                                   tl.where(valid1, y1, float("inf"))))
-            in_max = tl.maximum(in_max, tl.maximum(tl.where(valid0, y0, float("-inf")),
-                                                   tl.where(valid1, y1, float("-inf"))))
+            for half in tl.static_range(2):
+                cols = offset + half * BLOCK + tl.arange(0, BLOCK)
+                y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max,
+                                                       lo, hi)
+                hit = inside[:, None] & (y[:, None] > pivots[None, :])
+                sum_cnt += tl.sum(hit.to(tl.float32), axis=0)
+                sum_mass += tl.sum(tl.where(hit, mass[:, None], 0.0), axis=0)
+                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
+                    in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
         j = tl.arange(0, PIVOTS)
         tl.store(partials_ptr + j, sum_cnt)
         tl.store(partials_ptr + PIVOTS + j, sum_mass)
-        tl.store(partials_ptr + 2 * PIVOTS, tl.sum(in_cnt, axis=0))
-        tl.store(partials_ptr + 2 * PIVOTS + 1, tl.sum(in_mass, axis=0))
-        tl.store(partials_ptr + 2 * PIVOTS + 2, tl.min(in_min, axis=0))
-        tl.store(partials_ptr + 2 * PIVOTS + 3, tl.max(in_max, axis=0))
+        store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
     @triton.jit
-    def compact_chunk_pass(logits_row, candidates_ptr, count_ptr, temperature, lo, hi, start, end,
-                           BLOCK: tl.constexpr):
+    def compact_chunk_pass(logits_row, partials_ptr, candidates_ptr, count_ptr, temperature,
+                           row_max, lo, hi, start, end, BLOCK: tl.constexpr):
         """Append this chunk's tokens in (lo, hi] to the row's candidates (at most CAPACITY
-        are stored; the count keeps counting)."""
+        are stored; the count keeps counting), and store the chunk's totals."""
+        in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = zero_totals(BLOCK)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
-            y = scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")), temperature)
-            valid = (y > lo) & (y <= hi)
-            num_valid = tl.sum(valid.to(tl.int32), axis=0)
-            if num_valid > 0:
-                base = tl.atomic_add(count_ptr, num_valid)
-                slot = base + tl.cumsum(valid.to(tl.int32), axis=0) - 1
-                tl.store(candidates_ptr + slot, y, mask=valid & (slot < CAP))
+            y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
+            num_inside = tl.sum(inside.to(tl.int32), axis=0)
+            if num_inside > 0:
+                base = tl.atomic_add(count_ptr, num_inside)
+                slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
+            in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
+                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
+        store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
     @triton.jit
-    def chunk_pass(logits_ptr, logits_stride, partials_ptr, candidates_ptr, state_f_ptr,
-                   state_i_ptr, pivots_ptr, row, chunk, num_chunks, temperature, vocab_size,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """One chunk of a row's pass: whatever the row's state asks for."""
-        action = tl.load(state_i_ptr + row * ROW_I + I_ACTION)
-        phase = tl.load(state_i_ptr + row * ROW_I + I_PHASE)
-        if (phase != DONE) & (action != NONE):
-            logits_row = logits_ptr + row.to(tl.int64) * logits_stride
-            start = chunk * CHUNK
-            end = tl.minimum(start + CHUNK, vocab_size)
-            lo = tl.load(state_f_ptr + row * ROW_F + F_LO)
-            hi = tl.load(state_f_ptr + row * ROW_F + F_HI)
-            if action == PIVOT:
-                pivot_chunk_pass(logits_row, partials_ptr + (row * num_chunks + chunk) * ROW_P,
-                                 temperature, tl.load(state_f_ptr + row * ROW_F + F_MAX), lo, hi,
-                                 pivots_ptr + row * PIVOTS, start, end, BLOCK)
-            else:
-                top = tl.where(action == COMPACT_ALL, float("inf"), hi)
-                compact_chunk_pass(logits_row, candidates_ptr + row * CAP,
-                                   state_i_ptr + row * ROW_I + I_NUM_CANDIDATES, temperature, lo,
-                                   top, start, end, BLOCK)
+    def reduce_totals(partials_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+        """A row's totals over its chunks, summed in chunk order (batch invariant)."""
+        chunks = tl.arange(0, CHUNKS_P2)
+        in_range = chunks < num_chunks
+        tail = partials_ptr + chunks * ROW_P
+        return (tl.sum(tl.load(tail + T_CNT_IN, mask=in_range, other=0.0), axis=0),
+                tl.sum(tl.load(tail + T_MASS_IN, mask=in_range, other=0.0), axis=0),
+                tl.min(tl.load(tail + T_MIN_IN, mask=in_range, other=float("inf")), axis=0),
+                tl.max(tl.load(tail + T_MAX_IN, mask=in_range, other=float("-inf")), axis=0),
+                tl.sum(tl.load(tail + T_CNT_ABOVE, mask=in_range, other=0.0), axis=0),
+                tl.sum(tl.load(tail + T_MASS_ABOVE, mask=in_range, other=0.0), axis=0))
 
     @triton.jit
     def _at(values, index, SIZE: tl.constexpr):
@@ -161,25 +168,26 @@ if HAS_TRITON:
         return tl.sum(tl.where(tl.arange(0, SIZE) == index, values, 0.0), axis=0)
 
     @triton.jit
-    def first_pivots(row_max, mean, std, lo, phase, top_k, top_p, num_finite):
-        """Pivots for a row's first pass, placed where a normal sample of this mean and std
-        would put the answer, plus a few near the max (peaked rows) and far below; where
-        they land affects only how many passes the search takes, never its result."""
-        std = tl.maximum(std, 1e-6)
-        if phase == SEARCH_K:
-            expected = mean + std * upper_normal_quantile(top_k.to(tl.float32) / num_finite)
-        else:
-            # Mass-weighted, a normal sample is a normal shifted by std^2, cut at the max.
-            shift = mean + std * std
-            below_max = 0.5 * (1.0 + tl.math.erf((row_max - shift) / (std * 1.4142135)))
-            expected = shift + std * upper_normal_quantile(1.0 - below_max * (1.0 - top_p))
-        j = tl.arange(0, PIVOTS)
-        pivots = tl.where(j == 0, row_max - 0.05 * std, 0.5 * (row_max + expected))
-        offsets = tl.where(j == 2, 0.375, tl.where(j == 3, 0.125, tl.where(j == 4, -0.125, tl.where(
-            j == 5, -0.375, tl.where(j == 6, -1.0, -2.5)))))
-        pivots = tl.where(j >= 2, expected + offsets * std, pivots)
-        pivots = tl.minimum(tl.maximum(pivots, lo), row_max)
-        return tl.sort(pivots, descending=True)
+    def start_histogram(state_f, state_i, lo, hi, bins_lo):
+        """Next pass: a histogram of (lo, hi], NUM_BINS - 2 even bins over (bins_lo, hi] and
+        a last bin for what lies below (kernels/_threshold_bins.py)."""
+        tl.store(state_f + F_LO, lo)
+        tl.store(state_f + F_HI, hi)
+        span = hi - tl.maximum(bins_lo, lo)
+        tl.store(state_f + F_INV_WIDTH, tl.where(span > 0.0, tl.minimum((BINS - 2) / span, 1e30), 1e30))
+        tl.store(state_i + I_ACTION, HISTOGRAM)
+
+    @triton.jit
+    def restart(state_f, state_i, pivots_ptr):
+        """A bracket chosen from bounds missed the answer (or float sums disagree at a knife
+        edge): search the phase's whole range again, by pivots and exact sums, once."""
+        lo = tl.load(state_f + F_START)
+        hi = tl.load(state_f + F_MAX)
+        tl.store(state_i + I_RESTARTED, 1)
+        tl.store(state_f + F_LO, lo)
+        tl.store(state_f + F_HI, hi)
+        tl.store(state_i + I_ACTION, PIVOT)
+        tl.store(pivots_ptr + tl.arange(0, PIVOTS), linspace_pivots(lo, hi))
 
     @triton.jit
     def resolve_top_k(state_f, state_i, pivots_ptr, kth, cnt_greater, mass_greater):
@@ -195,60 +203,60 @@ if HAS_TRITON:
         else:
             tl.store(state_i + I_PHASE, SEARCH_P)
             tl.store(state_i + I_ROUND, 0)
-            tl.store(state_f + F_LO, kth)
-            tl.store(state_f + F_HI, row_max)
-            tl.store(state_f + F_CNT_ABOVE, 0.0)
-            tl.store(state_f + F_MASS_ABOVE, 0.0)
+            tl.store(state_f + F_START, kth)
             tl.store(state_f + F_TARGET, target)
             if cnt_greater <= CAP:
+                tl.store(state_f + F_LO, kth)
+                tl.store(state_f + F_HI, row_max)
                 tl.store(state_i + I_ACTION, COMPACT_ALL)
             else:
-                tl.store(state_i + I_ACTION, PIVOT)
-                tl.store(pivots_ptr + tl.arange(0, PIVOTS), linspace_pivots(kth, row_max))
+                start_histogram(state_f, state_i, kth, row_max, kth)
 
     @triton.jit
-    def decide_after_pivots(state_f, state_i, pivots_ptr, partials_ptr, num_chunks,
-                            CHUNKS_P2: tl.constexpr):
-        """Narrow the bracket to the pivot interval where the weight reaches the target."""
-        chunks = tl.arange(0, CHUNKS_P2)
-        in_range = chunks < num_chunks
-        j = tl.arange(0, PIVOTS)
-        rows = partials_ptr + chunks[:, None] * ROW_P + j[None, :]
-        cnt_j = tl.sum(tl.load(rows, mask=in_range[:, None], other=0.0), axis=0)
-        mass_j = tl.sum(tl.load(rows + PIVOTS, mask=in_range[:, None], other=0.0), axis=0)
-        tail = partials_ptr + chunks * ROW_P + 2 * PIVOTS
-        cnt_in = tl.sum(tl.load(tail, mask=in_range, other=0.0), axis=0)
-        mass_in = tl.sum(tl.load(tail + 1, mask=in_range, other=0.0), axis=0)
-        min_in = tl.min(tl.load(tail + 2, mask=in_range, other=float("inf")), axis=0)
-        max_in = tl.max(tl.load(tail + 3, mask=in_range, other=float("-inf")), axis=0)
+    def settle_phase(state_f, state_i, cnt_in, mass_in, mass_above):
+        """The phase and target after a counting pass: on the first pass, a top-k as large as
+        the survivors keeps them all (top-p, if any, alone decides) and top-p's target
+        p * (the survivors' mass) becomes known."""
         phase = tl.load(state_i + I_PHASE)
         first_round = tl.load(state_i + I_ROUND) == 0
-        cnt_above = tl.load(state_f + F_CNT_ABOVE)
-        mass_above = tl.load(state_f + F_MASS_ABOVE)
         target = tl.load(state_f + F_TARGET)
-        # A top-k as large as the survivors keeps them all: top-p (if any) alone decides.
         k_inactive = (phase == SEARCH_K) & first_round & (cnt_in <= tl.load(state_i + I_TOP_K).to(tl.float32))
         has_p = tl.load(state_i + I_HAS_P) != 0
         phase = tl.where(k_inactive, tl.where(has_p, SEARCH_P, DONE), phase)
         pending = (phase == SEARCH_P) & (k_inactive | (target < 0.0))
         target = tl.where(pending, tl.load(state_f + F_TOP_P) * (mass_above + mass_in), target)
-        if phase == DONE:  # min-p survivors (or everything) kept
-            tl.store(state_f + F_THRESHOLD, tl.load(state_f + F_FLOOR))
-            tl.store(state_i + I_PHASE, DONE)
-        elif (min_in == max_in) | (cnt_in <= 0.0):  # one value left in the bracket: the answer
-            if phase == SEARCH_K:
-                resolve_top_k(state_f, state_i, pivots_ptr, max_in, cnt_above, mass_above)
-            else:
-                tl.store(state_f + F_THRESHOLD, tl.where(cnt_in > 0.0, max_in, tl.load(state_f + F_FLOOR)))
-                tl.store(state_i + I_PHASE, DONE)
-        else:
-            narrow_bracket(state_f, state_i, pivots_ptr, phase, target, cnt_j, mass_j, cnt_in,
-                           cnt_above, mass_above)
+        return phase, target
 
     @triton.jit
-    def narrow_bracket(state_f, state_i, pivots_ptr, phase, target, cnt_j, mass_j, cnt_in,
-                       cnt_above, mass_above):
+    def set_bracket(state_f, state_i, pivots_ptr, phase, target, new_lo, new_hi, new_cnt_above,
+                    new_cnt_in, progress, next_action):
+        """Store a narrowed bracket and pick the next pass: copy it out if it fits (with all
+        above it if that fits too), else `next_action` while the count shrinks, else pivots."""
+        tl.store(state_i + I_PHASE, phase)
+        tl.store(state_i + I_ROUND, tl.load(state_i + I_ROUND) + 1)
+        tl.store(state_f + F_TARGET, target)
+        tl.store(state_f + F_LO, new_lo)
+        tl.store(state_f + F_HI, new_hi)
+        if new_cnt_above + new_cnt_in <= CAP:
+            tl.store(state_i + I_ACTION, COMPACT_ALL)
+        elif new_cnt_in <= CAP:
+            tl.store(state_i + I_ACTION, COMPACT)
+        elif progress & (next_action == HISTOGRAM):
+            start_histogram(state_f, state_i, new_lo, new_hi, new_lo)
+        else:
+            tl.store(state_i + I_ACTION, PIVOT)
+            tl.store(pivots_ptr + tl.arange(0, PIVOTS), linspace_pivots(new_lo, new_hi))
+
+    @triton.jit
+    def narrow_by_pivots(state_f, state_i, pivots_ptr, partials_ptr, num_chunks, phase, target,
+                         cnt_in, cnt_above, mass_above, CHUNKS_P2: tl.constexpr):
+        """Narrow the bracket to the pivot interval where the weight reaches the target."""
+        chunks = tl.arange(0, CHUNKS_P2)
         j = tl.arange(0, PIVOTS)
+        rows = partials_ptr + chunks[:, None] * ROW_P + j[None, :]
+        in_range = (chunks < num_chunks)[:, None]
+        cnt_j = tl.sum(tl.load(rows, mask=in_range, other=0.0), axis=0)
+        mass_j = tl.sum(tl.load(rows + PIVOTS, mask=in_range, other=0.0), axis=0)
         pivots = tl.load(pivots_ptr + j)
         use_mass = phase == SEARCH_P
         weight_j = tl.where(use_mass, mass_j, cnt_j)
@@ -259,22 +267,17 @@ if HAS_TRITON:
         new_lo = tl.where(found, _at(pivots, first, PIVOTS), tl.load(state_f + F_LO))
         new_hi = tl.where(upper >= 0, _at(pivots, upper, PIVOTS), tl.load(state_f + F_HI))
         cnt_upper = _at(cnt_j, upper, PIVOTS)
-        new_cnt_above = cnt_above + cnt_upper
         new_cnt_in = tl.where(found, _at(cnt_j, first, PIVOTS), cnt_in) - cnt_upper
-        tl.store(state_i + I_PHASE, phase)
-        tl.store(state_i + I_ROUND, tl.load(state_i + I_ROUND) + 1)
-        tl.store(state_f + F_TARGET, target)
-        tl.store(state_f + F_LO, new_lo)
-        tl.store(state_f + F_HI, new_hi)
-        tl.store(state_f + F_CNT_ABOVE, new_cnt_above)
-        tl.store(state_f + F_MASS_ABOVE, mass_above + _at(mass_j, upper, PIVOTS))
-        if new_cnt_above + new_cnt_in <= CAP:
-            tl.store(state_i + I_ACTION, COMPACT_ALL)
-        elif new_cnt_in <= CAP:
-            tl.store(state_i + I_ACTION, COMPACT)
-        else:
-            tl.store(state_i + I_ACTION, PIVOT)
-            tl.store(pivots_ptr + j, linspace_pivots(new_lo, new_hi))
+        set_bracket(state_f, state_i, pivots_ptr, phase, target, new_lo, new_hi,
+                    cnt_above + cnt_upper, new_cnt_in, False, PIVOT)
+
+    @triton.jit
+    def exact_sum(weights):
+        """sum(weights) for weights in [0, 1] (counts, masses relative to the max) in 2^-40
+        fixed point: integer sums are the same in any order, so the order the chunks
+        appended the candidates in (which the batch's other rows change) cannot change a
+        threshold."""
+        return tl.sum((weights * 1099511627776.0).to(tl.int64), axis=0).to(tl.float32) * (1.0 / 1099511627776.0)
 
     @triton.jit
     def largest_reaching(values, valid, weights, need, floor_key):
@@ -286,30 +289,38 @@ if HAS_TRITON:
         hi_key = tl.maximum(hi_key, lo_key)
         for _ in range(32):
             mid = lo_key + (hi_key - lo_key + 1) // 2
-            reached = tl.sum(tl.where(valid & (values >= from_key(mid)), weights, 0.0), axis=0) >= need
+            reached = exact_sum(tl.where(valid & (values >= from_key(mid)), weights, 0.0)) >= need
             lo_key = tl.where(reached, mid, lo_key)
             hi_key = tl.where(reached, hi_key, mid - 1)
         return from_key(lo_key)
 
     @triton.jit
-    def decide_after_compaction(state_f, state_i, pivots_ptr, candidates_ptr):
+    def decide_after_compaction(state_f, state_i, pivots_ptr, partials_ptr, candidates_ptr,
+                                num_chunks, CHUNKS_P2: tl.constexpr):
         """The bracket's tokens (or every token above lo) are in the candidates: read the
-        answer off their cumulative weights, in registers."""
+        answer off their cumulative weights, in registers, after the pass's exact totals
+        confirm that the answer is among them."""
         i = tl.arange(0, CAP)
-        valid = i < tl.minimum(tl.load(state_i + I_NUM_CANDIDATES), CAP)
+        num_candidates = tl.load(state_i + I_NUM_CANDIDATES)
+        valid = i < tl.minimum(num_candidates, CAP)
         values = tl.load(candidates_ptr + i, mask=valid, other=float("-inf"))
         mass = tl.where(valid, tl.exp(values - tl.load(state_f + F_MAX)), 0.0)
         lowest_key = float_key(tl.min(tl.where(valid, values, float("inf")), axis=0))
         everything = tl.load(state_i + I_ACTION) == COMPACT_ALL
-        base_cnt = tl.where(everything, 0.0, tl.load(state_f + F_CNT_ABOVE))
-        base_mass = tl.where(everything, 0.0, tl.load(state_f + F_MASS_ABOVE))
+        _, _, _, _, base_cnt, base_mass = reduce_totals(partials_ptr, num_chunks, CHUNKS_P2)
         tl.store(state_i + I_NUM_CANDIDATES, 0)
-        if tl.load(state_i + I_PHASE) == SEARCH_K:
-            top_k = tl.load(state_i + I_TOP_K).to(tl.float32)
-            kth = largest_reaching(values, valid, valid.to(tl.float32), top_k - base_cnt, lowest_key)
+        search_k = tl.load(state_i + I_PHASE) == SEARCH_K
+        top_k = tl.load(state_i + I_TOP_K).to(tl.float32)
+        need = tl.where(search_k, top_k - base_cnt, tl.load(state_f + F_TARGET) - base_mass)
+        have = tl.where(search_k, num_candidates.to(tl.float32), exact_sum(mass))
+        misplaced = (need <= 0.0) | (need > have) | (num_candidates > CAP)
+        if misplaced & (tl.load(state_i + I_RESTARTED) == 0):
+            restart(state_f, state_i, pivots_ptr)
+        elif search_k:
+            kth = largest_reaching(values, valid, valid.to(tl.float32), need, lowest_key)
             greater = valid & (values > kth)
             cnt_greater = base_cnt + tl.sum(greater.to(tl.float32), axis=0)
-            mass_greater = base_mass + tl.sum(tl.where(greater, mass, 0.0), axis=0)
+            mass_greater = base_mass + exact_sum(tl.where(greater, mass, 0.0))
             if everything & (tl.load(state_i + I_HAS_P) != 0):
                 # Top-p over exactly the k best ranks: of the k-th value's ties, only those
                 # ranked within k count (its total is the mass of the top k).
@@ -322,21 +333,5 @@ if HAS_TRITON:
             else:
                 resolve_top_k(state_f, state_i, pivots_ptr, kth, cnt_greater, mass_greater)
         else:
-            threshold = largest_reaching(values, valid, mass, tl.load(state_f + F_TARGET) - base_mass,
-                                         lowest_key)
-            tl.store(state_f + F_THRESHOLD, threshold)
+            tl.store(state_f + F_THRESHOLD, largest_reaching(values, valid, mass, need, lowest_key))
             tl.store(state_i + I_PHASE, DONE)
-
-    @triton.jit
-    def decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr, row, num_chunks,
-               CHUNKS_P2: tl.constexpr):
-        state_f = state_f_ptr + row * ROW_F
-        state_i = state_i_ptr + row * ROW_I
-        action = tl.load(state_i + I_ACTION)
-        if (tl.load(state_i + I_PHASE) != DONE) & (action != NONE):
-            if action == PIVOT:
-                decide_after_pivots(state_f, state_i, pivots_ptr + row * PIVOTS,
-                                    partials_ptr + row * num_chunks * ROW_P, num_chunks, CHUNKS_P2)
-            else:
-                decide_after_compaction(state_f, state_i, pivots_ptr + row * PIVOTS,
-                                        candidates_ptr + row * CAP)

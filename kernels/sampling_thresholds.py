@@ -13,13 +13,14 @@ the tokens below the threshold as it samples.
 
 The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p.py,
 kernels/top_k_top_p.py). The Triton version searches for the threshold
-(kernels/_threshold_search.py): a statistics pass (max, mean, spread), then pivot passes
-that count tokens and their mass above a few candidate values and narrow a bracket around
-the answer, until the bracket holds at most 1024 tokens; those are copied out, sorted in
-registers and resolved exactly. A fixed sequence of launches (so that it can be captured
-in a CUDA graph) carries most rows to the end; a last kernel finishes any row that needs
-more passes, alone. Every pass splits a row in fixed 8192-token chunks, so a row's sums,
-and therefore its threshold, do not depend on the batch it is in.
+(kernels/_threshold_search.py, kernels/_threshold_bins.py): a statistics pass (max, mean,
+spread; min-p alone ends here), then histogram passes of 126 bins that narrow a bracket
+around the answer until it holds at most 1024 tokens (one pass for a small top-k, one or
+two for top-p, three for p near 1), and a pass that copies those out to be resolved
+exactly in registers. A fixed sequence of launches (so that it can be captured in a CUDA graph)
+carries most rows to the end; a last kernel finishes any row that needs more passes
+(ties, extreme spreads), alone. Every pass splits a row in fixed 8192-token chunks and
+sums them in chunk order, so a row's threshold does not depend on the batch it is in.
 
 Masses are float32 sums in another order than the reference's cumulative sum, so a row
 whose p falls within float32 rounding of a cumulative mass may keep one token more or less.
@@ -27,6 +28,7 @@ whose p falls within float32 rounding of a cumulative mass may keep one token mo
 
 import torch
 
+from kernels import _threshold_bins as bins
 from kernels import _threshold_search as search
 from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
@@ -36,11 +38,18 @@ from kernels.top_k_top_p import top_k_top_p_thresholds
 
 CHUNK = 8192
 BLOCK = 512
-NUM_GRAPHED_ROUNDS = 3
+NUM_GRAPHED_ROUNDS = 4
 MAX_FINISH_ROUNDS = 64
 _NUM_STATS = 8
+TOP_P_BINS_SPAN = 12.0
+"""Top-p's first histogram spans ln(num_tokens) + this below the max: all the tokens below
+it together hold less than e^-12 of the max token's mass, so any p short of 1 - 6e-6 cuts
+inside the span (the rest share one bin and take more passes)."""
+TOP_K_BINS_STDS = 6.0
+"""Top-k's first histogram spans the max down to this many standard deviations below the mean."""
 
 if HAS_TRITON:
+    _P_SPAN, _K_STDS = tl.constexpr(TOP_P_BINS_SPAN), tl.constexpr(TOP_K_BINS_STDS)
 
     @triton.jit
     def _row_filters(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
@@ -90,7 +99,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _plan_kernel(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr,
-                     state_f_ptr, state_i_ptr, pivots_ptr, vocab_size, num_chunks,
+                     state_f_ptr, state_i_ptr, vocab_size, num_chunks,
                      CHUNKS_P2: tl.constexpr, NUM_STATS: tl.constexpr):
         row = tl.program_id(0)
         _, top_k, top_p, min_p, has_k, has_p, has_min_p = _row_filters(
@@ -99,6 +108,7 @@ if HAS_TRITON:
         state_i = state_i_ptr + row * search.ROW_I
         tl.store(state_i + search.I_NUM_CANDIDATES, 0)
         tl.store(state_i + search.I_ROUND, 0)
+        tl.store(state_i + search.I_RESTARTED, 0)
         tl.store(state_i + search.I_ACTION, search.NONE)
         tl.store(state_i + search.I_PHASE, search.DONE)
         tl.store(state_f + search.F_THRESHOLD, float("-inf"))
@@ -119,42 +129,39 @@ if HAS_TRITON:
             tl.store(state_f + search.F_MAX, row_max)
             tl.store(state_f + search.F_FLOOR, floor)
             tl.store(state_f + search.F_TOP_P, top_p)
-            tl.store(state_f + search.F_LO, lo)
-            tl.store(state_f + search.F_HI, row_max)
-            tl.store(state_f + search.F_CNT_ABOVE, 0.0)
-            tl.store(state_f + search.F_MASS_ABOVE, 0.0)
             tl.store(state_f + search.F_TARGET, tl.where(has_k, top_k.to(tl.float32), -1.0))
             tl.store(state_f + search.F_THRESHOLD, floor)
             tl.store(state_i + search.I_TOP_K, top_k)
             tl.store(state_i + search.I_HAS_P, has_p.to(tl.int32))
             tl.store(state_i + search.I_PHASE, phase)
             if (phase != search.DONE) & (row_max > float("-inf")):
-                tl.store(state_i + search.I_ACTION, search.PIVOT)
-                tl.store(pivots_ptr + row * search.PIVOTS + tl.arange(0, search.PIVOTS),
-                         search.first_pivots(row_max, mean, std, lo, phase, top_k, top_p, num_finite))
+                tl.store(state_f + search.F_START, lo)
+                bins_lo = tl.where(phase == search.SEARCH_K, mean - _K_STDS * std,
+                                   row_max - (tl.log(num_finite) + _P_SPAN))
+                search.start_histogram(state_f, state_i, lo, row_max, bins_lo)
             else:
                 tl.store(state_i + search.I_PHASE, search.DONE)
 
     @triton.jit
     def _round_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
-                      candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, vocab_size,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
+                      vocab_size, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
-        search.chunk_pass(logits_ptr, logits_stride, partials_ptr, candidates_ptr, state_f_ptr,
-                          state_i_ptr, pivots_ptr, row, tl.program_id(1), tl.num_programs(1),
-                          temperature, vocab_size, CHUNK, BLOCK)
+        bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr, candidates_ptr,
+                        state_f_ptr, state_i_ptr, pivots_ptr, row, tl.program_id(1),
+                        tl.num_programs(1), temperature, vocab_size, CHUNK, BLOCK)
 
     @triton.jit
-    def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr,
-                       num_chunks, CHUNKS_P2: tl.constexpr):
-        search.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr,
-                      tl.program_id(0), num_chunks, CHUNKS_P2)
+    def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
+                       candidates_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+        bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
+                    candidates_ptr, tl.program_id(0), num_chunks, CHUNKS_P2)
 
     @triton.jit
     def _finish_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
-                       candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, thresholds_ptr,
-                       vocab_size, num_chunks, max_rounds,
+                       bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
+                       thresholds_ptr, vocab_size, num_chunks, max_rounds,
                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
         """Rows the fixed rounds did not finish: the same passes, by one program."""
         row = tl.program_id(0)
@@ -163,12 +170,12 @@ if HAS_TRITON:
         rounds = 0
         while (tl.load(phase_ptr, volatile=True) != search.DONE) & (rounds < max_rounds):
             for chunk in range(0, num_chunks):
-                search.chunk_pass(logits_ptr, logits_stride, partials_ptr, candidates_ptr,
-                                  state_f_ptr, state_i_ptr, pivots_ptr, row, chunk, num_chunks,
-                                  temperature, vocab_size, CHUNK, BLOCK)
+                bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr,
+                                candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, row, chunk,
+                                num_chunks, temperature, vocab_size, CHUNK, BLOCK)
             tl.debug_barrier()
-            search.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, candidates_ptr, row,
-                          num_chunks, CHUNKS_P2)
+            bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
+                        candidates_ptr, row, num_chunks, CHUNKS_P2)
             tl.debug_barrier()
             rounds += 1
         threshold = tl.load(state_f_ptr + row * search.ROW_F + search.F_THRESHOLD)
@@ -225,10 +232,23 @@ def sampling_thresholds_triton(
     need_triton("sampling_thresholds_triton")
     _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
     check_triton_device("sampling_thresholds_triton", logits.device)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=logits.device)
+    thresholds, _ = _launch(logits, idx_mapping, (idx_mapping, temperature, top_k, top_p, min_p),
+                            chunk, MAX_FINISH_ROUNDS)
+    return thresholds
+
+
+def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 0
+            idx_mapping: torch.Tensor,  # [num_rows] int32
+            filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
+            chunk: int, max_finish_rounds: int,
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # thresholds [num_rows], int state [num_rows, NUM_I]
+    """The launch sequence; the int state tells tests how far each row got before the
+    finishing kernel (phase, restarts)."""
+    temperature = filters[1]
     num_rows, vocab_size = logits.shape
     thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    if num_rows == 0:
-        return thresholds
     num_chunks = triton.cdiv(vocab_size, chunk)
     chunks_p2 = triton.next_power_of_2(num_chunks)
     device = logits.device
@@ -237,23 +257,22 @@ def sampling_thresholds_triton(
     state_i = torch.empty((num_rows, search.NUM_I), dtype=torch.int32, device=device)
     pivots = torch.empty((num_rows, search.NUM_PIVOTS), dtype=torch.float32, device=device)
     partials = torch.empty((num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device)
+    bin_counts = torch.empty((num_rows, num_chunks, search.NUM_BINS), dtype=torch.int32, device=device)
     candidates = torch.empty((num_rows, search.CAPACITY), dtype=torch.float32, device=device)
-    filters = (idx_mapping, temperature, top_k, top_p, min_p)
     _stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), *filters, stats, vocab_size,
                                           CHUNK=chunk, BLOCK=BLOCK, NUM_STATS=_NUM_STATS)
-    _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, pivots, vocab_size, num_chunks,
+    _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, vocab_size, num_chunks,
                               CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
+    buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
     for _ in range(NUM_GRAPHED_ROUNDS):
         _round_kernel[(num_rows, num_chunks)](logits, logits.stride(0), idx_mapping, temperature,
-                                              partials, candidates, state_f, state_i, pivots,
-                                              vocab_size, CHUNK=chunk, BLOCK=BLOCK)
-        _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, candidates, num_chunks,
-                                    CHUNKS_P2=chunks_p2)
-    _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, partials,
-                                candidates, state_f, state_i, pivots, thresholds, vocab_size,
-                                num_chunks, MAX_FINISH_ROUNDS, CHUNK=chunk, BLOCK=BLOCK,
-                                CHUNKS_P2=chunks_p2)
-    return thresholds
+                                              *buffers, vocab_size, CHUNK=chunk, BLOCK=BLOCK)
+        _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
+                                    num_chunks, CHUNKS_P2=chunks_p2)
+    _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
+                                thresholds, vocab_size, num_chunks, max_finish_rounds, CHUNK=chunk,
+                                BLOCK=BLOCK, CHUNKS_P2=chunks_p2)
+    return thresholds, state_i
 
 
 def sampling_thresholds(

@@ -1,0 +1,116 @@
+"""The sort-free threshold search's passes: crafted rows that stress its histogram and
+fallback paths (flat rows, ties at the boundary, p near 0 and 1, k of 1 and vocab - 1,
+extreme temperatures, wide outliers) against the reference, batch invariance of each row,
+and how many of the graphed rounds typical rows need (so that none is left to the slow
+finishing kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling_thresholds import sampling_thresholds_ref
+from tests.kernels._triton_interpreter import cuda_test, needs_triton, run_in_triton_interpreter
+from tests.kernels.test_sampling_thresholds import _assert_thresholds_match
+
+NEG_INF = float("-inf")
+PHASE, RESTARTED = 0, 6  # columns of the search's int state (kernels/_threshold_search.py)
+
+
+def _stress_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[float, int, float, float]]]:
+    """Logits [16, vocab] and each row's (temperature, top_k, top_p, min_p)."""
+    generator = torch.Generator().manual_seed(11)
+    randn = lambda scale: torch.randn(vocab, generator=generator) * scale  # noqa: E731
+    ties = torch.round(randn(2.0) * 2) / 2
+    two_values = (torch.arange(vocab) % 2).float()
+    few_finite = torch.full((vocab,), NEG_INF)
+    few_finite[[5, vocab // 2, vocab - 1]] = torch.tensor([1.0, 2.0, 0.5])
+    outliers = randn(1.0)
+    outliers[:7] = -1e4
+    peaked = randn(1.0)
+    peaked[vocab // 3] = 20.0
+    rows = [
+        (torch.full((vocab,), 0.25), (1.0, 0, 0.5, 0.0)),  # flat: every token ties
+        (torch.full((vocab,), 0.25), (1.0, 1, 1.0, 0.0)),
+        (ties, (1.0, 37, 1.0, 0.0)),  # ties at the k-th value
+        (ties, (1.0, 0, 0.7, 0.0)),
+        (randn(3.0), (1.0, 0, 1e-6, 0.0)),  # p near 0: the max alone
+        (randn(3.0), (1.0, 0, 0.99999, 0.0)),  # p near 1: nearly everything
+        (randn(3.0), (0.8, 1, 0.9, 0.0)),
+        (randn(3.0), (1.0, vocab - 1, 1.0, 0.0)),
+        (randn(3.0), (1.0, vocab - 1, 0.95, 0.0)),
+        (randn(3.0), (0.05, 0, 0.9, 0.0)),  # temperature extremes
+        (randn(0.1), (5.0, 0, 0.9, 0.0)),
+        (randn(2.0), (1.0, 20, 0.8, 0.1)),  # all three filters
+        (two_values, (1.0, 0, 0.6, 0.0)),  # half the row ties at the answer
+        (few_finite, (1.0, 2, 0.9, 0.0)),
+        (outliers, (1.0, 100, 1.0, 0.0)),  # a wide range: the histogram's bins are coarse
+        (peaked, (1.0, 0, 0.95, 0.0)),
+    ]
+    return torch.stack([logits for logits, _ in rows]), [filters for _, filters in rows]
+
+
+def _filters(settings: list[tuple[float, int, float, float]]) -> list[torch.Tensor]:
+    temperature, top_k, top_p, min_p = zip(*settings)
+    return [torch.tensor(temperature), torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p),
+            torch.tensor(min_p)]
+
+
+def check_stress_rows_match_reference_and_are_batch_invariant(vocab: int, chunk: int) -> None:
+    from kernels import sampling_thresholds as module
+
+    logits, settings = _stress_rows(vocab)
+    filters = _filters(settings)
+    rows = torch.arange(len(settings), dtype=torch.int32)
+    actual = module.sampling_thresholds_triton(logits, rows, *filters, chunk=chunk)
+    _assert_thresholds_match(logits, rows, filters, actual, sampling_thresholds_ref(logits, rows, *filters))
+    # The same rows in another batch, in another order: bit for bit the same thresholds.
+    subset = torch.tensor([15, 3, 12, 7, 0, 9, 14])
+    again = module.sampling_thresholds_triton(logits[subset], rows[subset], *filters, chunk=chunk)
+    assert torch.equal(again, actual[subset]), (again, actual[subset])
+
+
+def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, device: str = "cpu") -> None:
+    """Gaussian rows need no finishing passes: on a wide row (std 3.75 after temperature, as
+    bench_sampler.py draws them) top-p 0.9 and a small top-k (+ top-p) take one histogram
+    pass and the copy-out; the rest at most two more; none restarts."""
+    from kernels import sampling_thresholds as module
+
+    generator = torch.Generator().manual_seed(5)
+    settings = [(0.8, 0, 0.9, 0.0), (0.8, 50, 0.9, 0.0), (0.8, 50, 1.0, 0.0), (1.0, 0, 0.5, 0.0),
+                (0.8, 0, 0.99, 0.0), (1.0, vocab // 3, 1.0, 0.0), (1.0, 0, 0.9, 0.05)]
+    scale = torch.tensor([3.0, 3.0, 3.0, 1.0, 3.0, 3.0, 0.3])
+    logits = (torch.randn(len(settings), vocab, generator=generator) * scale[:, None]).to(device)
+    filters = [f.to(device) for f in _filters(settings)]
+    rows = torch.arange(len(settings), dtype=torch.int32, device=device)
+    expected = sampling_thresholds_ref(logits, rows, *filters)
+    default_rounds = module.NUM_GRAPHED_ROUNDS
+    try:
+        for num_rounds, finished in ((2, [0, 1, 2]), (default_rounds, list(range(len(settings))))):
+            module.NUM_GRAPHED_ROUNDS = num_rounds
+            thresholds, state = module._launch(logits[finished], rows[finished], (rows, *filters),
+                                               chunk, max_finish_rounds=0)
+            state = state.cpu()
+            assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
+            assert (state[:, RESTARTED] == 0).all(), state[:, RESTARTED]
+            _assert_thresholds_match(logits[finished].cpu(), rows[finished].cpu(), filters,
+                                     thresholds.cpu(), expected[finished].cpu())
+    finally:
+        module.NUM_GRAPHED_ROUNDS = default_rounds
+
+
+@needs_triton
+def test_stress_rows_in_interpreter() -> None:
+    # 1100 tokens over 256-token chunks: a partial last chunk, k = vocab - 1 past the capacity.
+    run_in_triton_interpreter(__file__, "check_stress_rows_match_reference_and_are_batch_invariant",
+                              kwargs={"vocab": 1100, "chunk": 256})
+
+
+@needs_triton
+def test_typical_rows_finish_within_the_graphed_rounds_in_interpreter() -> None:
+    run_in_triton_interpreter(__file__, "check_typical_rows_finish_within_the_graphed_rounds",
+                              kwargs={"vocab": 8192, "chunk": 2048})
+
+
+@cuda_test
+def test_typical_rows_finish_within_the_graphed_rounds_on_cuda() -> None:
+    check_typical_rows_finish_within_the_graphed_rounds(151936, 8192, "cuda")
