@@ -46,7 +46,7 @@ def speculates(request: Request) -> bool:
             and params.repetition_penalty == 1.0 and params.structured_output is None)
 
 
-MAX_BACKOFF_STEPS = 16
+MAX_BACKOFF_STEPS = 64
 """Longest pause in a request's speculation after its drafts kept failing."""
 
 MIN_SPECULATING_SHARE = 0.5

@@ -1,0 +1,86 @@
+"""Where the sampling-threshold search spends its time on a CUDA device: each kernel's
+device time per call (torch.profiler), for the filter cases of benchmarks/_threshold_ab.py
+at 256 x 151,936 float32 logits, plus the whole call's time replayed as a CUDA graph.
+
+    python3 benchmarks/profile_thresholds.py --out $OUT/threshold_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._threshold_ab import CASES, _filters, make_logits  # noqa: E402
+from kernels.sampling_thresholds import sampling_thresholds  # noqa: E402
+
+
+def kernel_table(call, num_calls: int) -> dict[str, dict[str, float]]:
+    """Per kernel name: launches and device microseconds per call of `call`."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_calls):
+            call()
+        torch.cuda.synchronize()
+    table: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0.0, "us": 0.0})
+    for event in prof.key_averages():
+        if event.device_type.name != "CUDA":
+            continue
+        row = table[event.key[:60]]
+        row["launches"] += event.count / num_calls
+        row["us"] += event.device_time_total / num_calls
+    return dict(sorted(table.items(), key=lambda item: -item[1]["us"]))
+
+
+def graph_us(call, num_replays: int = 50) -> float:
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(num_replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / num_replays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    args = parser.parse_args()
+    results = {}
+    for kind in ("randn3", "peaked"):
+        logits = make_logits(kind, args.rows, args.vocab)
+        for name, case in CASES.items():
+            filters = _filters(case, args.rows)
+            idx_mapping = filters[0]
+
+            def call():
+                return sampling_thresholds(logits, idx_mapping, *filters[1:])
+            for _ in range(3):
+                call()
+            table = kernel_table(call, 10)
+            results[f"{kind}/{name}"] = {"graph_us": graph_us(call), "kernels": table}
+            print(f"{kind:7s} {name:12s} graph {results[f'{kind}/{name}']['graph_us']:7.1f} us")
+            for kernel, row in list(table.items())[:8]:
+                print(f"    {row['us']:8.1f} us  x{row['launches']:4.1f}  {kernel}")
+    args.out.write_text(json.dumps({"rows": args.rows, "vocab": args.vocab,
+                                    "device": torch.cuda.get_device_name(),
+                                    "cases": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
