@@ -52,9 +52,8 @@ MAX_BACKOFF_STEPS = 64
 MIN_SPECULATING_SHARE = 0.5
 """A step runs draft slots only when at least this share of its decoding rows would use
 them. A speculative step costs more than a plain one whatever number of its rows
-speculate (its tail after the forward runs eagerly: on the H200 with qwen3-0.6b bf16,
-1.7 ms against 1.4 at one row, 2.7 against 1.6 at 32;
-benchmarks/results/spec_bf16/summary.json),
+speculate (on the H200 with qwen3-0.6b bf16 and the tail graphed, 1.6 ms of device time
+against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/results/spec_graphs/summary.json),
 a price that a few speculating rows among many cannot pay back. Rows held back this way
 keep their back-off state and speculate together at a later step."""
 

@@ -10,8 +10,8 @@
 #           128-token messages, 512 output tokens, ignore_eos, free vs json_schema, run
 #           A B C B A (C: strings with maxLength, one wave of 256, reported without a
 #           target); the ratio of output tok/s (target >= 0.8) goes to grammar_serve.json.
-# Results land in $OUT (grammar_parity.json, grammar_check.json, serve_*.json,
-# grammar_serve.json, logs).
+# Results land in $OUT (grammar_parity.json, grammar_check.json, grammar_serve.json, logs;
+# serve_runs.tgz holds serve_*.json and the server's log).
 #   wheels to carry in .whl (Python 3.12, manylinux x86_64): those of gpu_serve_split.sh
 #   plus llguidance, jsonschema, jsonschema-specifications, referencing, rpds-py, attrs
 #   (and xgrammar, apache-tvm-ffi for the library phase only). llguidance must be >= 1.9
@@ -75,11 +75,13 @@ bench json_1 --response-format "@$OUT/response_format.json"
 bench bounded_1 --response-format "@$OUT/response_format_bounded.json" --num-prompts 256
 bench json_2 --response-format "@$OUT/response_format.json"
 bench free_2
-curl -s localhost:8000/metrics | grep -E "^tandem:gpu_idle_fraction|^vllm:num_preemptions_total" \
+curl -s localhost:8000/metrics | grep -E "^tandem:gpu_idle_fraction|^vllm:num_preemptions_total|^vllm:request_success_total" \
   > "$OUT/metrics_grammar.txt"
 kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
 
 python3 benchmarks/grammar_serve.py ratio --free "$OUT/serve_free_1.json" "$OUT/serve_free_2.json" \
   --constrained "$OUT/serve_json_1.json" "$OUT/serve_json_2.json" \
   --bounded "$OUT/serve_bounded_1.json" --out "$OUT/grammar_serve.json"
+# The device hands back a few files per call: the per-run results and logs travel as one.
+(cd "$OUT" && tar czf serve_runs.tgz --remove-files serve_*.json server_grammar.log)
 phase "done"

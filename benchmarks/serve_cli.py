@@ -114,7 +114,8 @@ def describe_level(level: dict[str, Any]) -> str:
             f"TTFT {ms('ttft', 'median_ms')}/{ms('ttft', 'p99_ms')} "
             f"TPOT {ms('tpot', 'median_ms')}/{ms('tpot', 'p99_ms')} "
             f"ITL {ms('itl', 'median_ms')}/{ms('itl', 'p99_ms')} "
-            f"E2EL {ms('e2el', 'median_ms')}/{ms('e2el', 'p99_ms')}")
+            f"E2EL {ms('e2el', 'median_ms')}/{ms('e2el', 'p99_ms')}"
+            + (f" | first error: {level['errors'][0]}" if level.get("errors") else ""))
 
 
 def _positive_ints(text: str, flag: str) -> tuple[int, ...]:

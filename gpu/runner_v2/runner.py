@@ -99,16 +99,18 @@ class ModelRunnerV2:
         start_event = self._record_event()
         self._sync_states(sched)
         if self.drafts is not None:
-            sched = self.drafts.trim_slots(sched, self.states.row_of)
+            sched = self.drafts.trim_slots(sched, self.states)
             if any(sched.num_draft_slots):
                 check_speculative_step(sched, self._prompt_requests)
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):
+            self.drafts.refresh(self.states, plan.idx_mapping_np,
+                                self.buffers.idx_mapping[:plan.num_reqs], sched.num_draft_slots)
             return launch_spec_step(self, sched, plan, started, start_event)
-        sampled, hidden = self._run(plan, sched)
         if self.drafts is not None:
-            self.drafts.propose(self.states, self.buffers.idx_mapping[:plan.num_reqs])
+            self.drafts.mark_stale()
+        sampled, hidden = self._run(plan, sched)
         prompt_rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
                                        sched.num_scheduled_tokens, self._prompt_requests)
         prompt = (None if prompt_rows is None  # blocking copy: in such steps only

@@ -1,17 +1,24 @@
-"""The V2 runner's drafts: proposed on the device after each step, read by the next.
+"""The V2 runner's drafts: proposed on the device, read by the speculative step.
 
-After a step's post-update has appended the tokens it accepted, `propose` runs the ngram
-kernel (kernels/ngram_propose.py) over the step's rows, on their persistent token
-history, and writes each row's drafts twice, both on the device:
+`propose` runs the ngram kernel (kernels/ngram_propose.py) over a step's rows, on their
+persistent token history, and writes each row's drafts twice, both on the device:
 
 - into the token history right after the row's known tokens (positions total_len ..
-  total_len + d - 1, which hold nothing yet), so the next step's input preparation, which
+  total_len + d - 1, which hold nothing yet), so the step's input preparation, which
   reads token_ids[row, num_computed ..], feeds the last token and then the drafts without
   any change (inside the forward CUDA graphs too);
 - into `draft_token_ids_gpu` [max_num_reqs, K] (-1 past a row's drafts), which the
   verification compares against the sampled tokens.
 
-Nothing crosses to the CPU: the scheduler planned the next step with K draft slots per
+When: a speculative step's tail proposes for its rows once their accepted tokens are in
+the history, so a speculative step that follows one finds its drafts ready. A plain step
+proposes nothing (most steps are plain where drafts do not pay, and none of them would
+read a draft); it moves its rows' histories, so the next speculative step first proposes
+for its rows (`refresh`). The two copies of a draft always come from one proposal, which
+verification relies on: a draft is accepted only where the token fed after it is the one
+the table names.
+
+Nothing crosses to the CPU: the scheduler planned the step with K draft slots per
 decoding row before these drafts existed (actors/spec_scheduling.py). A slot without a
 draft runs whatever the history holds past the drafts (a valid token id: the history
 only ever holds tokens), and its -1 table entry keeps it from being accepted.
@@ -41,16 +48,40 @@ class DeviceDrafts:
                                               dtype=torch.int32, device=device)
         self.num_drafts_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._offsets = torch.arange(config.num_speculative_tokens, device=device)
+        self._fresh_rows: np.ndarray | None = None
+        """Rows whose drafts match their history as of the last step launched (see the
+        module doc); None once a plain step has run."""
 
-    def trim_slots(self, sched: SchedulerOutput, row_of: dict[str, int]) -> SchedulerOutput:
+    def refresh(
+        self,
+        states: RequestStates,
+        rows_np: np.ndarray,  # [num_reqs] int, the step's rows
+        idx_mapping_gpu: torch.Tensor,  # [num_reqs] int32, the same rows on the device
+        num_draft_slots: tuple[int, ...],  # [num_reqs]
+    ) -> None:
+        """Before a speculative step: propose for its rows unless every row with draft
+        slots holds drafts proposed since its history last moved; the step's tail will
+        propose again, so afterwards its rows count as fresh."""
+        speculating = rows_np[np.asarray(num_draft_slots) > 0]
+        if self._fresh_rows is None or not np.isin(speculating, self._fresh_rows).all():
+            self.propose(states, idx_mapping_gpu)
+        self._fresh_rows = np.array(rows_np, copy=True)
+
+    def mark_stale(self) -> None:
+        """A plain step was launched: its rows' histories moved past their drafts."""
+        self._fresh_rows = None
+
+    def trim_slots(self, sched: SchedulerOutput, states: RequestStates) -> SchedulerOutput:
         """`sched` with each speculating row cut to its last token plus its drafts (CPU
-        only: this reads the draft counts, which on a GPU would wait for the device). The
-        scheduler's correction does not change: it counts from the emitted tokens."""
+        only: this reads the draft counts, which on a GPU would wait for the device;
+        proposed first where stale). The scheduler's correction does not change: it
+        counts from the emitted tokens."""
         if not self.trims_on_cpu or self.num_drafts_gpu.is_cuda or not sched.num_draft_slots:
             return sched
         slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
-        rows = np.fromiter((row_of[r] for r in sched.scheduled_request_ids), dtype=np.int64,
-                           count=slots.size)
+        rows = np.fromiter((states.row_of[r] for r in sched.scheduled_request_ids),
+                           dtype=np.int64, count=slots.size)
+        self.refresh(states, rows, torch.from_numpy(rows.astype(np.int32)), sched.num_draft_slots)
         trimmed = np.minimum(slots, self.num_drafts_gpu.numpy()[rows])
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64) - slots + trimmed
         return msgspec.structs.replace(sched, num_scheduled_tokens=tuple(num_scheduled.tolist()),

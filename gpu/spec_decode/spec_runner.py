@@ -1,8 +1,10 @@
 """The V2 runner's speculative step, launched like any step: nothing waits for the device.
 
-forward (its graph when one holds the step) -> head over the logit rows -> sample, accept,
-post-update (gpu/spec_decode/spec_step.py) -> next drafts from the updated history
-(gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens to the host.
+(drafts proposed first when a plain step ran since the last speculative one:
+`DeviceDrafts.refresh`) -> forward (its graph when one holds the step) -> head over the
+logit rows -> sample, accept, post-update (gpu/spec_decode/spec_step.py) -> next drafts
+from the updated history (gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens
+to the host.
 
 The tail (head, sampling, acceptance, post-update, drafts) replays a CUDA graph of the
 step's padded request count (gpu/spec_decode/spec_graphs.py: K + 1 logit rows per

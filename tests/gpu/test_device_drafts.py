@@ -38,12 +38,43 @@ def test_drafts_follow_the_known_tokens_and_fill_the_table() -> None:
     assert drafts.num_drafts_gpu[2] == 0
 
 
+def _sched(step_id: int, ids: tuple[str, ...], slots: tuple[int, ...]) -> SchedulerOutput:
+    return SchedulerOutput(step_id=step_id, new_requests=(), cached_requests=CachedRequestData(),
+                           scheduled_request_ids=ids, num_scheduled_tokens=tuple(1 + n for n in slots),
+                           num_computed_tokens=(10,) * len(ids), samples_token=(True,) * len(ids),
+                           finished_request_ids=frozenset(), num_draft_slots=slots)
+
+
 def test_cpu_steps_run_only_the_slots_that_hold_a_draft() -> None:
+    # row 0 repeats "1 2" and drafts 3 4 (2 fit in 8 columns); row 1 repeats nothing.
+    states = _states([[1, 2, 3, 4, 1, 2], [5, 6, 7, 8]], max_model_len=8)
+    states.row_of.update({"a": 0, "b": 1, "c": 1})
     drafts = DeviceDrafts(SpeculativeConfig("ngram", 4, 1, 2), 2, torch.device("cpu"))
-    drafts.num_drafts_gpu[:] = torch.tensor([2, 0], dtype=torch.int32)
     sched = SchedulerOutput(step_id=0, new_requests=(), cached_requests=CachedRequestData(),
                             scheduled_request_ids=("a", "b", "c"), num_scheduled_tokens=(5, 5, 9),
                             num_computed_tokens=(10, 10, 0), samples_token=(True, True, False),
                             finished_request_ids=frozenset(), num_draft_slots=(4, 4, 0))
-    trimmed = drafts.trim_slots(sched, {"a": 0, "b": 1, "c": 1})
+    trimmed = drafts.trim_slots(sched, states)
     assert trimmed.num_scheduled_tokens == (3, 1, 9) and trimmed.num_draft_slots == (2, 0, 0)
+
+
+def test_a_speculative_step_after_a_plain_one_proposes_afresh() -> None:
+    """Drafts are proposed by speculative steps only: one that follows a plain step (which
+    moved the history) proposes first, one that follows a speculative step over the same
+    rows reuses what that step's tail proposed."""
+    states = _states([[1, 2, 3, 1, 2], [7, 7, 7]], max_model_len=12)
+    states.row_of.update({"a": 0, "b": 1})
+    drafts = DeviceDrafts(SpeculativeConfig("ngram", 2, 1, 2), 2, torch.device("cpu"))
+    calls = []
+    propose = drafts.propose
+    drafts.propose = lambda *args: (calls.append(1), propose(*args))  # type: ignore[method-assign]
+    drafts.trim_slots(_sched(0, ("a", "b"), (2, 2)), states)
+    assert len(calls) == 1 and drafts.draft_token_ids_gpu[0].tolist() == [3, 1]
+    drafts.trim_slots(_sched(1, ("a",), (2,)), states)  # "a" ran in the speculative step
+    assert len(calls) == 1
+    drafts.mark_stale()  # a plain step appends a token to row 0: "1 2 3 1 2 3"
+    states.token_ids_gpu[0, 5] = 3
+    states.total_len_gpu[0] = 6
+    drafts.trim_slots(_sched(2, ("a", "b"), (2, 2)), states)
+    assert len(calls) == 2 and drafts.draft_token_ids_gpu[0].tolist() == [1, 2]
+    assert states.token_ids_gpu[0, 6:8].tolist() == [1, 2]  # the history carries the same drafts
