@@ -1,6 +1,7 @@
 """Where the sampling-threshold search spends its time on a CUDA device: each kernel's
-device time per call (torch.profiler), for the filter cases of benchmarks/_threshold_ab.py
-at 256 x 151,936 float32 logits, plus the whole call's time replayed as a CUDA graph.
+device time per call (torch.profiler) and per launch within a call (round by round), for
+the filter cases of benchmarks/_threshold_ab.py at 256 x 151,936 float32 logits, plus the
+whole call's time replayed as a CUDA graph.
 
     python3 benchmarks/profile_thresholds.py --out $OUT/threshold_kernels.json
 """
@@ -21,20 +22,28 @@ from benchmarks._threshold_ab import CASES, _filters, make_logits  # noqa: E402
 from kernels.sampling_thresholds import sampling_thresholds  # noqa: E402
 
 
-def kernel_table(call, num_calls: int) -> dict[str, dict[str, float]]:
-    """Per kernel name: launches and device microseconds per call of `call`."""
+def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
+    """Per kernel name: launches and device microseconds per call of `call`; and per kernel
+    name, the microseconds of its i-th launch within a call (the rounds one by one: a
+    round whose rows are all done exits at once, a working one makes a full pass)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_calls):
             call()
         torch.cuda.synchronize()
     table: dict[str, dict[str, float]] = defaultdict(lambda: {"launches": 0.0, "us": 0.0})
-    for event in prof.key_averages():
-        if event.device_type.name != "CUDA":
-            continue
-        row = table[event.key[:60]]
-        row["launches"] += event.count / num_calls
-        row["us"] += event.device_time_total / num_calls
-    return dict(sorted(table.items(), key=lambda item: -item[1]["us"]))
+    launches: dict[str, list[float]] = defaultdict(list)
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    for event in kernels:
+        name = event.name[:60]
+        table[name]["launches"] += 1 / num_calls
+        table[name]["us"] += event.device_time_total / num_calls
+        launches[name].append(event.device_time_total)
+    by_launch = {}
+    for name, times in launches.items():
+        per_call = len(times) // num_calls
+        by_launch[name] = [round(sum(times[i::per_call]) / num_calls, 1) for i in range(per_call)]
+    return dict(sorted(table.items(), key=lambda item: -item[1]["us"])), by_launch
 
 
 def graph_us(call, num_replays: int = 50) -> float:
@@ -72,11 +81,13 @@ def main() -> None:
                 return sampling_thresholds(logits, idx_mapping, *filters[1:])
             for _ in range(3):
                 call()
-            table = kernel_table(call, 10)
-            results[f"{kind}/{name}"] = {"graph_us": graph_us(call), "kernels": table}
+            table, by_launch = kernel_table(call, 10)
+            results[f"{kind}/{name}"] = {"graph_us": graph_us(call), "kernels": table,
+                                         "us_by_launch": by_launch}
             print(f"{kind:7s} {name:12s} graph {results[f'{kind}/{name}']['graph_us']:7.1f} us")
             for kernel, row in list(table.items())[:8]:
-                print(f"    {row['us']:8.1f} us  x{row['launches']:4.1f}  {kernel}")
+                print(f"    {row['us']:8.1f} us  x{row['launches']:4.1f}  {kernel}  "
+                      f"{by_launch[kernel] if len(by_launch[kernel]) > 1 else ''}")
     args.out.write_text(json.dumps({"rows": args.rows, "vocab": args.vocab,
                                     "device": torch.cuda.get_device_name(),
                                     "cases": results}, indent=1))
