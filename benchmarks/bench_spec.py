@@ -254,6 +254,8 @@ def summarise(runs: list[dict[str, Any]], concurrencies: list[int],
         row["mean_acceptance_length"] = statistics.median(r["mean_acceptance_length"]
                                                           for r in on_runs)
         row["steps_on_last_run"] = on_runs[-1]["steps"]
+        row["steps_off_last_run"] = [r for r in runs if r["arm"] == "off"
+                                     and r["concurrency"] == concurrency][-1]["steps"]
         if "on_eager_tail" in arms:
             row["steps_on_eager_tail_last_run"] = [
                 r for r in runs if r["arm"] == "on_eager_tail"
@@ -270,6 +272,8 @@ def print_table(summary: dict[str, Any]) -> None:
               f"{row['tpot_change']:>+8.1%} {row['acceptance_rate']:>7.2f} "
               f"{row['mean_acceptance_length']:>9.2f}")
         _print_steps(row["steps_on_last_run"])
+        print("      without speculation:")
+        _print_steps(row["steps_off_last_run"])
         if "tpot_ms_on_eager_tail" in row:
             print(f"      eager tail: TPOT {row['tpot_ms_on_eager_tail']:.2f} ms "
                   f"({row['tpot_change_on_eager_tail']:+.1%})")
