@@ -17,7 +17,7 @@ from actors.config import EngineConfig
 from actors.model_source import resolve_model_path
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
-from gpu.spec_decode.spec_graphs import spec_tail_graphs
+from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
 from gpu.distributed.group import TPGroup, min_over_ranks
 from gpu.distributed.tp_model import load_tp_model
 from gpu.input_buffers import InputBuffers
@@ -168,11 +168,9 @@ class ModelWorker:
                  capture_time_s=round(capture_time_s, 2),
                  memory_gib=round(used_bytes / (1 << 30), 3),
                  estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3))
-        spec = self.config.speculative_config
-        if spec is not None and self.config.spec_tail_graphs and self.tp_group is None:
-            # Captured now, while nothing else runs on the device (a runner would capture
-            # them on its first use otherwise: a model reused under speculation).
-            spec_tail_graphs(graphs, self.model, self.step_state, spec)
+        # Captured now, while nothing else runs on the device (a runner captures them on
+        # its first use otherwise: a model reused under speculation).
+        spec_tail_graphs_for(graphs, self.model, self.step_state, self.config)
         return graphs
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from gpu.spec_decode.spec_graphs import spec_tail_graphs
+from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
 from gpu.spec_decode.spec_runner import check_speculative_step, launch_spec_step
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
@@ -82,10 +82,9 @@ class ModelRunnerV2:
         self.deferred_masks = DeferredMasks()
         spec = config.speculative_config
         self.drafts = None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device)
-        self.spec_graphs = None
-        if (spec is not None and self.graphs is not None and config.spec_tail_graphs
-                and self.sharded_sampler is None):
-            self.spec_graphs = spec_tail_graphs(self.graphs, worker.model, self.step_state, spec)
+        self.spec_graphs = (None if self.graphs is None else
+                            spec_tail_graphs_for(self.graphs, worker.model, self.step_state, config))
+        if self.spec_graphs is not None:
             self.drafts = self.spec_graphs.drafts  # the tables its graphs read and write
 
     def close(self) -> None:

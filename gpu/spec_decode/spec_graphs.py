@@ -37,9 +37,11 @@ import numpy as np
 import structlog
 import torch
 
+from actors.config import EngineConfig
 from actors.speculative_config import SpeculativeConfig
 from gpu.cuda_graphs import Replayable, StepGraphs
 from gpu.input_buffers import InputBuffers
+from gpu.models.llama import DecoderModel
 from gpu.runner_v2.states import RequestStates
 from gpu.runner_v2.step_state import V2StepState
 from gpu.sampling.sampler import Sampler
@@ -185,6 +187,17 @@ class SpecTailGraphs:
 
 _CAPTURED: weakref.WeakKeyDictionary[StepGraphs, dict[SpeculativeConfig, SpecTailGraphs]] = (
     weakref.WeakKeyDictionary())
+
+
+def spec_tail_graphs_for(step_graphs: StepGraphs, model: DecoderModel,
+                         step_state: V2StepState, config: EngineConfig) -> SpecTailGraphs | None:
+    """The tail graphs `config` runs with (`spec_tail_graphs`), or None where the tail runs
+    eagerly: no speculation, `spec_tail_graphs` off, or a tensor-parallel model (its
+    ranks sample the batch between them)."""
+    spec = config.speculative_config
+    if spec is None or not config.spec_tail_graphs or model.tp is not None:
+        return None
+    return spec_tail_graphs(step_graphs, model, step_state, spec)
 
 
 def spec_tail_graphs(step_graphs: StepGraphs, model: torch.nn.Module, step_state: V2StepState,
