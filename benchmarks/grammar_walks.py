@@ -5,8 +5,9 @@ refused, or that ended early (the grammar complete). A probe for failures of the
 library itself under long, odd outputs (what random weights produce under a mask).
 
     python benchmarks/grammar_walks.py --tokenizer .tok/qwen3/tokenizer.json \
-        --response-format benchmarks/results/grammar/h200/serve_merged/response_format.json \
         --walks 256 --steps 512 --out walks.json
+
+The schema is the serve benchmark's (benchmarks/grammar_serve.py, throughput_schema).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
 from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from benchmarks.grammar_serve import throughput_schema  # noqa: E402
 
 
 def walk(compiler: GrammarCompiler, spec: StructuredOutputSpec, num_walks: int, num_steps: int,
@@ -53,8 +55,8 @@ def walk(compiler: GrammarCompiler, spec: StructuredOutputSpec, num_walks: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json")
-    parser.add_argument("--response-format", type=Path, required=True,
-                        help="an OpenAI json_schema response_format (JSON file)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="bound the schema's strings (maxLength), as the serve benchmark can")
     parser.add_argument("--vocab-size", type=int, default=151936, help="the model's logits width")
     parser.add_argument("--eos", type=int, nargs="+", default=[151645, 151643])
     parser.add_argument("--walks", type=int, default=256)
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    schema = json.loads(args.response_format.read_text())["json_schema"]["schema"]
+    schema = throughput_schema(args.max_length)
     compiler = GrammarCompiler(args.tokenizer.read_text(), args.vocab_size, args.eos)
     started = time.perf_counter()
     result = walk(compiler, StructuredOutputSpec("json", json.dumps(schema)), args.walks,

@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._threshold_ab import CASES, _filters, make_logits  # noqa: E402
-from kernels.sampling_thresholds import sampling_thresholds  # noqa: E402
+import kernels.sampling_thresholds as thresholds  # noqa: E402
+from benchmarks._threshold_ab import CASES, _filters, graph_us, make_logits  # noqa: E402
 
 
 def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
@@ -46,24 +46,6 @@ def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dic
     return dict(sorted(table.items(), key=lambda item: -item[1]["us"])), by_launch
 
 
-def graph_us(call, num_replays: int = 50) -> float:
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(num_replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / num_replays
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -74,15 +56,15 @@ def main() -> None:
     for kind in ("randn3", "peaked"):
         logits = make_logits(kind, args.rows, args.vocab)
         for name, case in CASES.items():
-            filters = _filters(case, args.rows)
-            idx_mapping = filters[0]
+            filters = _filters(case, args.rows)  # idx_mapping, then the request filters
 
             def call():
-                return sampling_thresholds(logits, idx_mapping, *filters[1:])
+                return thresholds.sampling_thresholds(logits, *filters)
             for _ in range(3):
                 call()
             table, by_launch = kernel_table(call, 10)
-            results[f"{kind}/{name}"] = {"graph_us": graph_us(call), "kernels": table,
+            results[f"{kind}/{name}"] = {"graph_us": graph_us(thresholds, logits, case),
+                                         "kernels": table,
                                          "us_by_launch": by_launch}
             print(f"{kind:7s} {name:12s} graph {results[f'{kind}/{name}']['graph_us']:7.1f} us")
             for kernel, row in list(table.items())[:8]:
