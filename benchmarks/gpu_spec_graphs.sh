@@ -13,7 +13,7 @@
 # Results land in $OUT (spec_fp32.json, spec_bf16_t0.json, spec_bf16_t1.json,
 # spec_graphs.log); the tables are printed at the end.
 #   wheels to carry in .whl: what device_env.sh already carries (no tokenizer is needed).
-#   usage (device tool, carry .whl .tok):  bash benchmarks/gpu_spec_graphs.sh
+#   usage (device tool, carry .whl .tok):  [REPEATS=2] bash benchmarks/gpu_spec_graphs.sh
 set -u
 . benchmarks/device_env.sh
 LOG="$OUT/spec_graphs.log"
@@ -29,6 +29,6 @@ timeout -s ABRT 130 $BENCH --dtype float32 --repeats 1 --output "$OUT/spec_fp32.
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "float32 greedy check failed: no bf16 timings" | tee -a "$LOG"; exit 1; }
 for T in 0 1; do
   echo "== bf16, temperature $T" | tee -a "$LOG"
-  timeout -s ABRT 120 $BENCH --dtype bfloat16 --no-check --repeats 2 --temperature $T \
+  timeout -s ABRT 120 $BENCH --dtype bfloat16 --no-check --repeats ${REPEATS:-2} --temperature $T \
     --output "$OUT/spec_bf16_t$T.json" 2>&1 | keep | tee -a "$LOG"
 done
