@@ -13,7 +13,7 @@
 # Results land in $OUT (spec_fp32.json, spec_bf16_t0.json, spec_bf16_t1.json,
 # spec_graphs.log); the tables are printed at the end.
 #   wheels to carry in .whl: what device_env.sh already carries (no tokenizer is needed).
-#   usage (device tool, carry .whl .tok):  [REPEATS=2] bash benchmarks/gpu_spec_graphs.sh
+#   usage (device tool, carry .whl .tok):  [REPEATS=2] [EAGER_ARM= (no eager-tail arm)] bash benchmarks/gpu_spec_graphs.sh
 set -u
 . benchmarks/device_env.sh
 LOG="$OUT/spec_graphs.log"
@@ -23,12 +23,12 @@ timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "spec 
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "CUDA tests failed: no timings" | tee -a "$LOG"; exit 1; }
 # Keep the graph capture lines (sizes, seconds, memory), drop the other info lines.
 keep() { awk '!/\[info/ || /graphs_captured/'; }
-BENCH="python3 -m benchmarks.bench_spec --model dummy:qwen3-0.6b --device cuda --concurrency 1 32 --max-tokens 128 --eager-tail-arm"
+BENCH="python3 -m benchmarks.bench_spec --model dummy:qwen3-0.6b --device cuda --concurrency 1 32 --max-tokens 128 ${EAGER_ARM---eager-tail-arm}"
 timeout -s ABRT 130 $BENCH --dtype float32 --repeats 1 --output "$OUT/spec_fp32.json" 2>&1 \
   | keep | tee -a "$LOG"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "float32 greedy check failed: no bf16 timings" | tee -a "$LOG"; exit 1; }
 for T in 0 1; do
   echo "== bf16, temperature $T" | tee -a "$LOG"
-  timeout -s ABRT 120 $BENCH --dtype bfloat16 --no-check --repeats ${REPEATS:-2} --temperature $T \
+  timeout -s ABRT $((50 * ${REPEATS:-2} + 20)) $BENCH --dtype bfloat16 --no-check --repeats ${REPEATS:-2} --temperature $T \
     --output "$OUT/spec_bf16_t$T.json" 2>&1 | keep | tee -a "$LOG"
 done
