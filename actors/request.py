@@ -88,6 +88,8 @@ class Request:
     emitted nothing beyond its last token (actors/spec_scheduling.py)."""
     spec_resume_step: int = 0
     """The step id from which it may run draft slots again."""
+    spec_accepting: bool = False
+    """Whether its latest reported speculative step emitted a draft."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, max_model_len: int,

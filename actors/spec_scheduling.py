@@ -20,7 +20,11 @@ shrinks under an in-flight step.
 A request whose slots emitted nothing (no draft matched, or every draft was rejected)
 pauses its speculation for a number of steps that doubles with each such run, up to
 MAX_BACKOFF_STEPS: where drafts do not pay (text that repeats nothing, random weights)
-the wider forward is paid about once every MAX_BACKOFF_STEPS steps.
+the wider forward is paid about once every MAX_BACKOFF_STEPS steps. Until one of its
+speculative steps has emitted a draft (a new request, or one whose latest speculative step
+reported nothing accepted), a request speculates in one step at a time: with two steps in
+flight, the step after a probe is planned before the probe reports, and would pay the
+wider forward again on the same unconfirmed bet.
 
 Rows that do not speculate: requests with penalties (their output counts would have to
 see the drafts) and requests with a structured output (the grammar would have to advance
@@ -33,6 +37,7 @@ decides what a step runs, and the runners refuse a step that breaks these rules.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from actors.messages import StepOutput
@@ -56,6 +61,17 @@ speculate (on the H200 with qwen3-0.6b bf16 and the tail graphed, 1.6 ms of devi
 against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/results/spec_graphs/summary.json),
 a price that a few speculating rows among many cannot pay back. Rows held back this way
 keep their back-off state and speculate together at a later step."""
+
+
+PROBE_PENDING = sys.maxsize
+"""spec_resume_step of a request whose unconfirmed speculative step has not reported."""
+
+
+def start_speculating(request: Request) -> None:
+    """`request` runs draft slots in the step being committed: unless its latest reported
+    speculative step emitted a draft, it runs none again until this one reports."""
+    if not request.spec_accepting:
+        request.spec_resume_step = PROBE_PENDING
 
 
 def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
@@ -110,7 +126,8 @@ def correct_after_step(request: Request, num_slots: int, num_emitted: int,
     request runs without them for 1, 2, 4, ... MAX_BACKOFF_STEPS steps after each such run
     in a row. Tokens never depend on this, only the speed does."""
     if num_slots:
-        if num_emitted > 1:
+        request.spec_accepting = num_emitted > 1
+        if request.spec_accepting:
             request.spec_backoff_steps = 0
         else:
             request.spec_backoff_steps = min(max(1, 2 * request.spec_backoff_steps),

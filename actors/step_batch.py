@@ -13,7 +13,7 @@ from actors.grammar_state import GrammarState, PendingMask
 from actors.kv_messages import RunningAllocs
 from actors.messages import RequestFinish, StepOutput
 from actors.request import Request, RequestStatus
-from actors.spec_scheduling import correct_after_step
+from actors.spec_scheduling import correct_after_step, start_speculating
 
 
 @dataclass(slots=True)
@@ -123,6 +123,7 @@ def start_rows(batch: StepBatch) -> tuple[dict[str, Request], dict[str, int]]:
             sampling[request.request_id] = request
             if num_slots:
                 draft_slots[request.request_id] = num_slots
+                start_speculating(request)
     return sampling, draft_slots
 
 

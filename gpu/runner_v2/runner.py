@@ -104,8 +104,6 @@ class ModelRunnerV2:
         plan = plan_step(sched, self.states.row_of, self._graph_sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):
-            self.drafts.refresh(self.states, plan.idx_mapping_np,
-                                self.buffers.idx_mapping[:plan.num_reqs], sched.num_draft_slots)
             return launch_spec_step(self, sched, plan, started, start_event)
         if self.drafts is not None:
             self.drafts.mark_stale()

@@ -14,7 +14,8 @@ When: a speculative step's tail proposes for its rows once their accepted tokens
 the history, so a speculative step that follows one finds its drafts ready. A plain step
 proposes nothing (most steps are plain where drafts do not pay, and none of them would
 read a draft); it moves its rows' histories, so the next speculative step first proposes
-for its rows (`refresh`). The two copies of a draft always come from one proposal, which
+for its rows (`needs_refresh`; gpu/spec_decode/spec_runner.py replays a captured proposal
+where the step's tail is graphed). The two copies of a draft always come from one proposal, which
 verification relies on: a draft is accepted only where the token fed after it is the one
 the table names.
 
@@ -52,20 +53,18 @@ class DeviceDrafts:
         """Rows whose drafts match their history as of the last step launched (see the
         module doc); None once a plain step has run."""
 
-    def refresh(
+    def needs_refresh(
         self,
-        states: RequestStates,
-        rows_np: np.ndarray,  # [num_reqs] int, the step's rows
-        idx_mapping_gpu: torch.Tensor,  # [num_reqs] int32, the same rows on the device
+        rows_np: np.ndarray,  # [num_reqs] int, the speculative step's rows
         num_draft_slots: tuple[int, ...],  # [num_reqs]
-    ) -> None:
-        """Before a speculative step: propose for its rows unless every row with draft
-        slots holds drafts proposed since its history last moved; the step's tail will
-        propose again, so afterwards its rows count as fresh."""
+    ) -> bool:
+        """Whether a speculative step over `rows_np` must propose before it runs: some row
+        with draft slots holds no drafts proposed since its history last moved. The step's
+        tail proposes again, so afterwards its rows count as fresh."""
         speculating = rows_np[np.asarray(num_draft_slots) > 0]
-        if self._fresh_rows is None or not np.isin(speculating, self._fresh_rows).all():
-            self.propose(states, idx_mapping_gpu)
+        stale = self._fresh_rows is None or not np.isin(speculating, self._fresh_rows).all()
         self._fresh_rows = np.array(rows_np, copy=True)
+        return stale
 
     def mark_stale(self) -> None:
         """A plain step was launched: its rows' histories moved past their drafts."""
@@ -81,7 +80,8 @@ class DeviceDrafts:
         slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
         rows = np.fromiter((states.row_of[r] for r in sched.scheduled_request_ids),
                            dtype=np.int64, count=slots.size)
-        self.refresh(states, rows, torch.from_numpy(rows.astype(np.int32)), sched.num_draft_slots)
+        if self.needs_refresh(rows, sched.num_draft_slots):
+            self.propose(states, torch.from_numpy(rows.astype(np.int32)))
         trimmed = np.minimum(slots, self.num_drafts_gpu.numpy()[rows])
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64) - slots + trimmed
         return msgspec.structs.replace(sched, num_scheduled_tokens=tuple(num_scheduled.tolist()),

@@ -22,6 +22,10 @@ threshold kernels, in one fixed shape:
   sampler draws. Steps that need logit bias, min_tokens, penalties or logprobs keep the
   eager tail (gpu/spec_decode/spec_step.py), as do steps larger than the largest graph.
 
+A proposal alone (DeviceDrafts.propose over the padded rows) is captured per P as well:
+a speculative step after plain ones proposes before its forward, and launched eagerly
+those dozen small launches cost the CPU more than the device.
+
 Per step the CPU uploads num_draft_slots [P] beside the runner's step metadata; nothing
 else. `spec_tail` is the one function both ways run: the graph captures it, and off
 CUDA it runs eagerly on the same buffers (which is how the tests check it).
@@ -76,6 +80,15 @@ def fixed_logits_indices(
     return (ends - 1 - slots + torch.minimum(offsets, slots)).clamp(min=0)
 
 
+def padded_rows(buffers: InputBuffers, num_reqs_padded: int
+                ) -> torch.Tensor:  # [P] int32, padding requests naming the first row
+    """The step's request rows, padded to P with its first row (see the module doc)."""
+    is_real = (torch.arange(num_reqs_padded, device=buffers.device)
+               < buffers.step_counts[0])
+    batch_rows = buffers.idx_mapping[:num_reqs_padded]
+    return torch.where(is_real, batch_rows, batch_rows[0])
+
+
 def spec_tail(
     model: torch.nn.Module,
     hidden: torch.Tensor,  # [>= num_tokens, hidden_size], the step's final hidden states
@@ -92,9 +105,7 @@ def spec_tail(
     num_reqs_padded = num_draft_slots.shape[0]
     num_spec = drafts.num_speculative_tokens
     query_start_loc = buffers.query_start_loc[:num_reqs_padded + 1]
-    is_real = torch.arange(num_reqs_padded, device=hidden.device) < buffers.step_counts[0]
-    batch_rows = buffers.idx_mapping[:num_reqs_padded]
-    rows = torch.where(is_real, batch_rows, batch_rows[0])  # [P] int32
+    rows = padded_rows(buffers, num_reqs_padded)
     indices = fixed_logits_indices(query_start_loc, num_draft_slots, num_spec).view(-1)
     logits = model.compute_logits(hidden.index_select(0, indices))
     # contiguous(): for one request the reshape would be a stride-0 view.
@@ -134,6 +145,7 @@ class SpecTailGraphs:
         self._model = model
         self._state = step_state
         self._tails: dict[tuple[int, bool], Replayable] = {}
+        self._proposals: dict[int, Replayable] = {}
         self.capture_time_s = 0.0
 
     def holds(self, num_reqs_padded: int) -> bool:
@@ -156,6 +168,8 @@ class SpecTailGraphs:
                 self.num_draft_slots_gpu.zero_()
                 self._tails[size, filters] = Replayable(self._tail_fn(size, filters),
                                                         self._state.buffers.device, pool)
+            self._proposals[size] = Replayable(self._propose_fn(size),
+                                               self._state.buffers.device, pool)
         if is_cuda:
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - started
@@ -174,6 +188,19 @@ class SpecTailGraphs:
     def run(self, num_reqs_padded: int, filters: bool) -> torch.Tensor:
         """[P, K + 3] int64 (spec_tail's result), in a tensor the next replay overwrites."""
         return self._tails[num_reqs_padded, filters]()
+
+    def propose(self, num_reqs_padded: int) -> None:
+        """Propose drafts for the step's rows (DeviceDrafts.propose over its padded rows):
+        one replay where eager launches would cost the CPU more than the device."""
+        self._proposals[num_reqs_padded]()
+
+    def _propose_fn(self, size: int) -> Callable[[], None]:
+        state = self._state
+
+        def propose() -> None:
+            self.drafts.propose(state.states, padded_rows(state.buffers, size))
+
+        return propose
 
     def _tail_fn(self, size: int, filters: bool) -> Callable[[], torch.Tensor]:
         state, slots = self._state, self.num_draft_slots_gpu[:size]
@@ -211,7 +238,7 @@ def spec_tail_graphs(step_graphs: StepGraphs, model: torch.nn.Module, step_state
         graphs = SpecTailGraphs(model, step_state, config, step_graphs.sizes.decode)
         free_before = _free_device_bytes(step_state.buffers.device)
         graphs.capture(step_graphs)
-        log.info("spec_tail_graphs_captured", num_graphs=2 * len(graphs.sizes),
+        log.info("spec_tail_graphs_captured", num_graphs=3 * len(graphs.sizes),
                  sizes=",".join(map(str, graphs.sizes)),
                  capture_time_s=round(graphs.capture_time_s, 2),
                  memory_gib=round((free_before - _free_device_bytes(step_state.buffers.device))

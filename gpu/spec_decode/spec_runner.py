@@ -1,7 +1,7 @@
 """The V2 runner's speculative step, launched like any step: nothing waits for the device.
 
 (drafts proposed first when a plain step ran since the last speculative one:
-`DeviceDrafts.refresh`) -> forward (its graph when one holds the step) -> head over the
+`DeviceDrafts.needs_refresh`, a captured proposal where the tail is graphed) -> forward (its graph when one holds the step) -> head over the
 logit rows -> sample, accept, post-update (gpu/spec_decode/spec_step.py) -> next drafts
 from the updated history (gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens
 to the host.
@@ -39,8 +39,14 @@ def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPl
     ops = batch_ops(runner.sampling_state, plan.idx_mapping_np)
     max_num_logprobs = int(runner.num_logprobs_np[plan.idx_mapping_np].max())
     spec_graphs = runner.spec_graphs
-    if (spec_graphs is not None and plan.tail_graphed and spec_graphs.holds(plan.num_rows_padded)
-            and not ops.rewrites_logits and max_num_logprobs < 0):
+    graphed = (spec_graphs is not None and plan.tail_graphed
+               and spec_graphs.holds(plan.num_rows_padded))
+    if drafts.needs_refresh(plan.idx_mapping_np, sched.num_draft_slots):
+        if graphed and spec_graphs is not None:
+            spec_graphs.propose(plan.num_rows_padded)
+        else:
+            drafts.propose(runner.states, runner.buffers.idx_mapping[:plan.num_reqs])
+    if graphed and not ops.rewrites_logits and max_num_logprobs < 0:
         to_copy, cu_num_logits_np = _launch_graphed_tail(runner, spec_graphs, sched, plan,
                                                          ops.filters), None
     else:

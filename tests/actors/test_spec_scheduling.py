@@ -137,6 +137,34 @@ def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
     assert run_sync(scheduler.schedule()).num_draft_slots == (2,)
 
 
+def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> None:
+    # Two steps in flight: the step after a probe is planned before the probe reports.
+    # Until a draft is accepted, that step runs no slots; once one is, both steps do.
+    scheduler = _scheduler(k=2, max_steps_in_flight=2)
+    scheduler.add_request(engine_request("r", range(8), max_tokens=60))
+    prefill = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(prefill, [[1]]))
+    probe = run_sync(scheduler.schedule())
+    after_probe = run_sync(scheduler.schedule())
+    assert probe.num_draft_slots == (2,) and after_probe.num_draft_slots == ()
+    scheduler.update_from_step(_emit(probe, [[5, 6, 7]]))  # both drafts accepted
+    scheduler.update_from_step(_emit(after_probe, [[8]]))
+    confirmed = run_sync(scheduler.schedule())
+    following = run_sync(scheduler.schedule())
+    assert confirmed.num_draft_slots == (2,) and following.num_draft_slots == (2,)
+    scheduler.update_from_step(_emit(confirmed, [[9]]))  # nothing accepted: unconfirmed
+    in_flight = [following]
+    slots = []
+    for _ in range(6):  # two steps in flight throughout, nothing accepted
+        in_flight.append(run_sync(scheduler.schedule()))
+        slots.append(in_flight[-1].num_draft_slots[0] if in_flight[-1].num_draft_slots else 0)
+        out = in_flight.pop(0)
+        scheduler.update_from_step(_emit(out, [[11]] if not out.num_draft_slots else [[12]]))
+    # following's failure doubles the back-off to 2 steps; then a single probe, not the
+    # two in a row that planning ahead of its report would give
+    assert slots == [0, 0, 0, 2, 0, 0]
+
+
 def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
     scheduler = _scheduler(k=1, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(8), max_tokens=10))

@@ -62,15 +62,19 @@ class _Engine:
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]
         assert (self.runner.spec_graphs is not None) == tail_graphs
         self.runner.drafts.trims_on_cpu = False  # slots without drafts, as on a GPU
-        self.num_tail_replays = 0
+        self.replays = {"run": 0, "propose": 0}
         if tail_graphs:
-            run = self.runner.spec_graphs.run
+            for name in self.replays:
+                self._count(self.runner.spec_graphs, name)
 
-            def counted(*args: object) -> torch.Tensor:
-                self.num_tail_replays += 1
-                return run(*args)
+    def _count(self, graphs: object, name: str) -> None:
+        replay = getattr(graphs, name)
 
-            self.runner.spec_graphs.run = counted  # type: ignore[method-assign]
+        def counted(*args: object) -> torch.Tensor | None:
+            self.replays[name] += 1
+            return replay(*args)
+
+        setattr(graphs, name, counted)
 
     def step(self, sched: SchedulerOutput) -> tuple[list[int], list[int], list[int]]:
         out = self.runner.execute(sched).result()
@@ -89,8 +93,8 @@ def _prompts(rng: np.random.Generator) -> dict[str, tuple[int, ...]]:
 
 
 def _run_script(engines: list[_Engine], prompts: dict[str, tuple[int, ...]]) -> list[tuple]:
-    """Prefill r0..r3, then speculative steps of K slots per row, l4 (logprobs) joining for
-    a few steps and leaving; every engine runs each step, which the first one's emitted
+    """Prefill r0..r3, then speculative steps of K slots per row (step 10 plain), l4
+    (logprobs) joining for a few steps and leaving; every engine runs each step, which the first one's emitted
     counts plan (they must agree anyway)."""
     blocks = iter(range(NUM_BLOCKS))
     total = {}
@@ -116,7 +120,9 @@ def _run_script(engines: list[_Engine], prompts: dict[str, tuple[int, ...]]) -> 
         names = [n for n in PARAMS if n in total] if step_id < 8 else first
         if step_id == 3:
             names = first + ["l4"]
-        num_slots = tuple(0 if n not in total else SPEC.num_speculative_tokens for n in names)
+        speculates = step_id != 10  # a plain step: step 11 proposes before its forward
+        num_slots = tuple(SPEC.num_speculative_tokens if n in total and speculates else 0
+                          for n in names)
         computed = tuple(total[n] - 1 if n in total else 0 for n in names)
         scheduled = tuple(s + 1 if n in total else len(prompts[n]) for n, s in zip(names, num_slots))
         run(SchedulerOutput(step_id, tuple(new(n) for n in names if n not in total),
@@ -135,8 +141,9 @@ def _check_tail_graphs_match_the_eager_tail(device: str) -> None:
     model.load_weights(dummy_weights(TINY, torch.float32, device_, seed=5))
     graphed, eager = _Engine(model, device_, True), _Engine(model, device_, False)
     results = _run_script([graphed, eager], _prompts(np.random.default_rng(1)))
-    # Steps 3..7 hold the logprobs request and take the eager tail; the 7 others replay.
-    assert graphed.num_tail_replays == 7
+    # Steps 3..7 hold the logprobs request and take the eager tail, step 10 is plain; the
+    # 6 others replay a tail. Steps 1 and 11 follow plain steps: they replay a proposal.
+    assert graphed.replays == {"run": 6, "propose": 2}
     num_drafts = sum(sum(r[2]) for r in results)
     num_accepted = sum(sum(r[1]) - len(r[1]) for r in results[1:])
     assert num_drafts > 0 and num_accepted > 0  # both paths verified and accepted drafts
