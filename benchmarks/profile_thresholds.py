@@ -1,7 +1,8 @@
 """Where the sampling-threshold search spends its time on a CUDA device: each kernel's
 device time per call (torch.profiler) and per launch within a call (round by round), for
-the filter cases of benchmarks/_threshold_ab.py at 256 x 151,936 float32 logits, plus the
-whole call's time replayed as a CUDA graph.
+the filter cases of benchmarks/_threshold_ab.py at 256 x 151,936 float32 logits; the
+whole call's time replayed as a CUDA graph, for the round launches as shipped and in the
+other shapes of ARMS (interleaved); and the round kernel's registers and spills.
 
     python3 benchmarks/profile_thresholds.py --out $OUT/threshold_kernels.json
 """
@@ -18,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels._threshold_search as search  # noqa: E402
 import kernels.sampling_thresholds as thresholds  # noqa: E402
 from benchmarks._threshold_ab import CASES, _filters, graph_us, make_logits  # noqa: E402
 
@@ -46,33 +48,82 @@ def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dic
     return dict(sorted(table.items(), key=lambda item: -item[1]["us"])), by_launch
 
 
+ARMS = {  # name: (ROUND_ACTIONS, ROUND_NUM_WARPS)
+    "split": (thresholds.ROUND_ACTIONS, thresholds.ROUND_NUM_WARPS),
+    "merged": ((search.NUM_NONE,), thresholds.ROUND_NUM_WARPS),
+    "split_8_warps": (thresholds.ROUND_ACTIONS, 8),
+}
+"""The round launches as the kernels ship them (split: one per kind of pass), as one launch
+running every kind (merged), and split with twice the warps: the same search, so the same
+thresholds, in other launch shapes."""
+
+
+def set_arm(name: str) -> None:
+    thresholds.ROUND_ACTIONS, thresholds.ROUND_NUM_WARPS = ARMS[name]
+
+
+def compiled_registers() -> list[dict[str, object]]:
+    """Registers and spills of every compiled variant of the round kernel."""
+    variants = []
+    for cache in getattr(thresholds._round_kernel, "device_caches", {}).values():
+        for key, kernel in cache[0].items():
+            variants.append({"key": str(key)[-120:], "num_regs": getattr(kernel, "n_regs", None),
+                             "num_spills": getattr(kernel, "n_spills", None),
+                             "num_warps": kernel.metadata.num_warps})
+    return variants
+
+
+def profile_case(logits: torch.Tensor, name: str, case: tuple, repeats: int) -> dict[str, object]:
+    """Per arm, graph replay times interleaved `repeats` times (checked against the shipped
+    arm's thresholds); the kernel table of the shipped arm."""
+    filters = _filters(case, logits.shape[0])  # idx_mapping, then the request filters
+
+    def call():
+        return thresholds.sampling_thresholds(logits, *filters)
+
+    set_arm("split")
+    expected = call()
+    entry: dict[str, object] = {f"{arm}_graph_us": [] for arm in ARMS}
+    for arm in ARMS:
+        set_arm(arm)
+        entry[f"{arm}_equal"] = bool(torch.equal(call(), expected))
+    for _ in range(repeats):
+        for arm in ARMS:
+            set_arm(arm)
+            entry[f"{arm}_graph_us"].append(graph_us(thresholds, logits, case))
+    set_arm("split")
+    for _ in range(3):
+        call()
+    entry["kernels"], entry["us_by_launch"] = kernel_table(call, 10)
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     results = {}
     for kind in ("randn3", "peaked"):
         logits = make_logits(kind, args.rows, args.vocab)
         for name, case in CASES.items():
-            filters = _filters(case, args.rows)  # idx_mapping, then the request filters
-
-            def call():
-                return thresholds.sampling_thresholds(logits, *filters)
-            for _ in range(3):
-                call()
-            table, by_launch = kernel_table(call, 10)
-            results[f"{kind}/{name}"] = {"graph_us": graph_us(thresholds, logits, case),
-                                         "kernels": table,
-                                         "us_by_launch": by_launch}
-            print(f"{kind:7s} {name:12s} graph {results[f'{kind}/{name}']['graph_us']:7.1f} us")
+            entry = results[f"{kind}/{name}"] = profile_case(logits, name, case, args.repeats)
+            print(f"{kind:7s} {name:12s} " + "  ".join(
+                f"{arm} {sorted(entry[f'{arm}_graph_us'])[len(entry[f'{arm}_graph_us']) // 2]:7.1f} us"
+                f"{'' if entry[f'{arm}_equal'] else ' (DIFFERS)'}" for arm in ARMS))
+            table, by_launch = entry["kernels"], entry["us_by_launch"]
             for kernel, row in list(table.items())[:8]:
                 print(f"    {row['us']:8.1f} us  x{row['launches']:4.1f}  {kernel}  "
                       f"{by_launch[kernel] if len(by_launch[kernel]) > 1 else ''}")
+    registers = compiled_registers()
+    for variant in registers:
+        print("round kernel", variant)
     args.out.write_text(json.dumps({"rows": args.rows, "vocab": args.vocab,
-                                    "device": torch.cuda.get_device_name(),
-                                    "cases": results}, indent=1))
+                                    "device": torch.cuda.get_device_name(), "arms": list(ARMS),
+                                    "round_kernel_variants": registers, "cases": results},
+                                   indent=1))
 
 
 if __name__ == "__main__":

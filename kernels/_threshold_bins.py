@@ -134,12 +134,21 @@ if HAS_TRITON:
     @triton.jit
     def chunk_pass(logits_ptr, logits_stride, partials_ptr, bins_ptr, candidates_ptr, state_f_ptr,
                    state_i_ptr, pivots_ptr, row, chunk, num_chunks, temperature, vocab_size,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """One chunk of a row's pass: whatever the row's state asks for."""
+                   ACTION: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One chunk of a row's pass if the row's state asks for ACTION (COMPACT: either
+        copy-out; NONE: whatever it asks for). A launch compiled for one kind of pass keeps
+        the registers of that pass alone: the pivot pass's [BLOCK, PIVOTS] sums would
+        otherwise cut the occupancy of every pass, and these passes are memory bound."""
         state_f = state_f_ptr + row * search.ROW_F
         state_i = state_i_ptr + row * search.ROW_I
         action = tl.load(state_i + search.I_ACTION)
-        if (tl.load(state_i + search.I_PHASE) != search.DONE) & (action != search.NONE):
+        if ACTION == search.COMPACT:
+            wanted = (action == search.COMPACT) | (action == search.COMPACT_ALL)
+        elif ACTION == search.NONE:
+            wanted = action != search.NONE
+        else:
+            wanted = action == ACTION
+        if (tl.load(state_i + search.I_PHASE) != search.DONE) & wanted:
             logits_row = logits_ptr + row.to(tl.int64) * logits_stride
             start = chunk * CHUNK
             end = tl.minimum(start + CHUNK, vocab_size)
@@ -147,19 +156,23 @@ if HAS_TRITON:
             hi = tl.load(state_f + search.F_HI)
             row_max = tl.load(state_f + search.F_MAX)
             partials = partials_ptr + (row * num_chunks + chunk) * search.ROW_P
-            if action == search.PIVOT:
-                search.pivot_chunk_pass(logits_row, partials, temperature, row_max, lo, hi,
-                                        pivots_ptr + row * search.PIVOTS, start, end, BLOCK)
-            elif action == search.HISTOGRAM:
-                histogram_chunk_pass(logits_row, partials,
-                                     bins_ptr + (row * num_chunks + chunk) * search.BINS, temperature,
-                                     row_max, lo, hi, tl.load(state_f + search.F_INV_WIDTH), start,
-                                     end, BLOCK)
-            else:
-                top = tl.where(action == search.COMPACT_ALL, float("inf"), hi)
-                search.compact_chunk_pass(logits_row, partials, candidates_ptr + row * search.CAP,
-                                          state_i + search.I_NUM_CANDIDATES, temperature, row_max,
-                                          lo, top, start, end, BLOCK)
+            if (ACTION == search.PIVOT) | (ACTION == search.NONE):
+                if action == search.PIVOT:
+                    search.pivot_chunk_pass(logits_row, partials, temperature, row_max, lo, hi,
+                                            pivots_ptr + row * search.PIVOTS, start, end, BLOCK)
+            if (ACTION == search.HISTOGRAM) | (ACTION == search.NONE):
+                if action == search.HISTOGRAM:
+                    histogram_chunk_pass(logits_row, partials,
+                                         bins_ptr + (row * num_chunks + chunk) * search.BINS,
+                                         temperature, row_max, lo, hi,
+                                         tl.load(state_f + search.F_INV_WIDTH), start, end, BLOCK)
+            if (ACTION == search.COMPACT) | (ACTION == search.NONE):
+                if (action == search.COMPACT) | (action == search.COMPACT_ALL):
+                    top = tl.where(action == search.COMPACT_ALL, float("inf"), hi)
+                    search.compact_chunk_pass(logits_row, partials,
+                                              candidates_ptr + row * search.CAP,
+                                              state_i + search.I_NUM_CANDIDATES, temperature,
+                                              row_max, lo, top, start, end, BLOCK)
 
     @triton.jit
     def decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bins_ptr, candidates_ptr, row,

@@ -23,6 +23,8 @@ NUM_F = 16  # float state columns per row
 NUM_I = 8  # int state columns per row
 NUM_PARTIALS = 2 * NUM_PIVOTS + 6  # per chunk: counts and masses above each pivot, then totals
 
+NUM_NONE, NUM_PIVOT, NUM_COMPACT, NUM_HISTOGRAM = 0, 1, 2, 4  # the actions below, for launchers
+
 if HAS_TRITON:
     _c = tl.constexpr
     # the sizes above, for kernels
@@ -42,7 +44,8 @@ if HAS_TRITON:
     T_MAX_IN, T_CNT_ABOVE, T_MASS_ABOVE = _c(2 * NUM_PIVOTS + 3), _c(2 * NUM_PIVOTS + 4), _c(2 * NUM_PIVOTS + 5)
     # phases and actions
     DONE, SEARCH_K, SEARCH_P = _c(0), _c(1), _c(2)
-    NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = _c(0), _c(1), _c(2), _c(3), _c(4)
+    NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = (_c(NUM_NONE), _c(NUM_PIVOT), _c(NUM_COMPACT),
+                                                    _c(3), _c(NUM_HISTOGRAM))
 
     @triton.jit
     def scaled(x, temperature):

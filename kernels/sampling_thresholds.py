@@ -41,6 +41,11 @@ BLOCK = 512
 NUM_GRAPHED_ROUNDS = 4
 MAX_FINISH_ROUNDS = 64
 _NUM_STATS = 8
+ROUND_ACTIONS = (search.NUM_HISTOGRAM, search.NUM_COMPACT, search.NUM_PIVOT)
+"""A round's pass launches, one per kind of pass (kernels/_threshold_bins.chunk_pass): a
+row runs in the one its state asks for, the others exit at once. (NUM_NONE: one launch
+that runs whichever each row asks for.)"""
+ROUND_NUM_WARPS = 4
 TOP_P_BINS_SPAN = 12.0
 """Top-p's first histogram spans ln(num_tokens) + this below the max: all the tokens below
 it together hold less than e^-12 of the max token's mass, so any p short of 1 - 6e-6 cuts
@@ -145,12 +150,13 @@ if HAS_TRITON:
     @triton.jit
     def _round_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
                       bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
-                      vocab_size, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      vocab_size, ACTION: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """The chunks of the rows whose next pass is ACTION (see bins.chunk_pass)."""
         row = tl.program_id(0)
         temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
         bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr, candidates_ptr,
                         state_f_ptr, state_i_ptr, pivots_ptr, row, tl.program_id(1),
-                        tl.num_programs(1), temperature, vocab_size, CHUNK, BLOCK)
+                        tl.num_programs(1), temperature, vocab_size, ACTION, CHUNK, BLOCK)
 
     @triton.jit
     def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
@@ -172,7 +178,7 @@ if HAS_TRITON:
             for chunk in range(0, num_chunks):
                 bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr,
                                 candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, row, chunk,
-                                num_chunks, temperature, vocab_size, CHUNK, BLOCK)
+                                num_chunks, temperature, vocab_size, search.NONE, CHUNK, BLOCK)
             tl.debug_barrier()
             bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
                         candidates_ptr, row, num_chunks, CHUNKS_P2)
@@ -227,8 +233,8 @@ def sampling_thresholds_triton(
     min_p: torch.Tensor,  # [max_num_reqs] float32
     chunk: int = CHUNK,
 ) -> torch.Tensor:  # [num_rows] float32
-    """Triton launcher: 4 + 2 * NUM_GRAPHED_ROUNDS launches of fixed shape (see the module
-    doc); no host sync, so it can be captured in a CUDA graph."""
+    """Triton launcher: 3 + (1 + len(ROUND_ACTIONS)) * NUM_GRAPHED_ROUNDS launches of
+    fixed shape (see the module doc); no host sync, so it can be captured in a CUDA graph."""
     need_triton("sampling_thresholds_triton")
     _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
     check_triton_device("sampling_thresholds_triton", logits.device)
@@ -265,8 +271,11 @@ def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 
                               CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
     buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
     for _ in range(NUM_GRAPHED_ROUNDS):
-        _round_kernel[(num_rows, num_chunks)](logits, logits.stride(0), idx_mapping, temperature,
-                                              *buffers, vocab_size, CHUNK=chunk, BLOCK=BLOCK)
+        for action in ROUND_ACTIONS:
+            _round_kernel[(num_rows, num_chunks)](logits, logits.stride(0), idx_mapping,
+                                                  temperature, *buffers, vocab_size, ACTION=action,
+                                                  CHUNK=chunk, BLOCK=BLOCK,
+                                                  num_warps=ROUND_NUM_WARPS)
         _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
                                     num_chunks, CHUNKS_P2=chunks_p2)
     _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
