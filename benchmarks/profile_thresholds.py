@@ -19,7 +19,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels._threshold_search as search  # noqa: E402
 import kernels.sampling_thresholds as thresholds  # noqa: E402
 from benchmarks._threshold_ab import CASES, _filters, graph_us, make_logits  # noqa: E402
 
@@ -48,18 +47,22 @@ def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dic
     return dict(sorted(table.items(), key=lambda item: -item[1]["us"])), by_launch
 
 
-ARMS = {  # name: (ROUND_ACTIONS, ROUND_NUM_WARPS)
-    "split": (thresholds.ROUND_ACTIONS, thresholds.ROUND_NUM_WARPS),
-    "merged": ((search.NUM_NONE,), thresholds.ROUND_NUM_WARPS),
-    "split_8_warps": (thresholds.ROUND_ACTIONS, 8),
+_HISTOGRAMS, _COPIES, _PIVOTS = (False, True, False), (False, False, True), (True, False, False)
+ARMS = {  # name: (ROUND_LAUNCHES, ROUND_NUM_WARPS, ROUND_BLOCKS)
+    "shipped": (thresholds.ROUND_LAUNCHES, thresholds.ROUND_NUM_WARPS, thresholds.ROUND_BLOCKS),
+    "with_pivot_launch": ((_HISTOGRAMS, _COPIES, _PIVOTS), 4, (512, 512, 512)),
+    "merged": (((True, True, True),), 4, (512,)),
+    "histogram_block_1024": ((_HISTOGRAMS, _COPIES), 4, (1024, 512)),
+    "histogram_block_2048": ((_HISTOGRAMS, _COPIES), 4, (2048, 512)),
 }
-"""The round launches as the kernels ship them (split: one per kind of pass), as one launch
-running every kind (merged), and split with twice the warps: the same search, so the same
-thresholds, in other launch shapes."""
+"""The round launches as the kernels ship them, with a launch for pivot passes too, as one
+launch running every kind of pass (merged), and with larger histogram blocks: the same
+search in other launch shapes (a threshold may differ at a float knife edge: other
+summation orders)."""
 
 
 def set_arm(name: str) -> None:
-    thresholds.ROUND_ACTIONS, thresholds.ROUND_NUM_WARPS = ARMS[name]
+    thresholds.ROUND_LAUNCHES, thresholds.ROUND_NUM_WARPS, thresholds.ROUND_BLOCKS = ARMS[name]
 
 
 def compiled_registers() -> list[dict[str, object]]:
@@ -81,7 +84,7 @@ def profile_case(logits: torch.Tensor, name: str, case: tuple, repeats: int) -> 
     def call():
         return thresholds.sampling_thresholds(logits, *filters)
 
-    set_arm("split")
+    set_arm("shipped")
     expected = call()
     entry: dict[str, object] = {f"{arm}_graph_us": [] for arm in ARMS}
     for arm in ARMS:
@@ -91,7 +94,7 @@ def profile_case(logits: torch.Tensor, name: str, case: tuple, repeats: int) -> 
         for arm in ARMS:
             set_arm(arm)
             entry[f"{arm}_graph_us"].append(graph_us(thresholds, logits, case))
-    set_arm("split")
+    set_arm("shipped")
     for _ in range(3):
         call()
     entry["kernels"], entry["us_by_launch"] = kernel_table(call, 10)

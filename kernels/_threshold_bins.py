@@ -133,22 +133,20 @@ if HAS_TRITON:
 
     @triton.jit
     def chunk_pass(logits_ptr, logits_stride, partials_ptr, bins_ptr, candidates_ptr, state_f_ptr,
-                   state_i_ptr, pivots_ptr, row, chunk, num_chunks, temperature, vocab_size,
-                   ACTION: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """One chunk of a row's pass if the row's state asks for ACTION (COMPACT: either
-        copy-out; NONE: whatever it asks for). A launch compiled for one kind of pass keeps
-        the registers of that pass alone: the pivot pass's [BLOCK, PIVOTS] sums would
-        otherwise cut the occupancy of every pass, and these passes are memory bound."""
+                   state_i_ptr, pivots_ptr, row, chunk, num_chunks, temperature_ptr,
+                   idx_mapping_ptr, vocab_size, PIVOTS: tl.constexpr, HISTOGRAMS: tl.constexpr,
+                   COPIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One chunk of a row's pass, if its kind is one this launch runs (PIVOTS,
+        HISTOGRAMS, COPIES: pivot counts, histograms, copy-outs). A launch compiled for
+        fewer kinds keeps only their registers; a row whose kind it does not run waits."""
         state_f = state_f_ptr + row * search.ROW_F
         state_i = state_i_ptr + row * search.ROW_I
         action = tl.load(state_i + search.I_ACTION)
-        if ACTION == search.COMPACT:
-            wanted = (action == search.COMPACT) | (action == search.COMPACT_ALL)
-        elif ACTION == search.NONE:
-            wanted = action != search.NONE
-        else:
-            wanted = action == ACTION
+        is_copy = (action == search.COMPACT) | (action == search.COMPACT_ALL)
+        wanted = (((action == search.PIVOT) & PIVOTS) | ((action == search.HISTOGRAM) & HISTOGRAMS)
+                  | (is_copy & COPIES))
         if (tl.load(state_i + search.I_PHASE) != search.DONE) & wanted:
+            temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
             logits_row = logits_ptr + row.to(tl.int64) * logits_stride
             start = chunk * CHUNK
             end = tl.minimum(start + CHUNK, vocab_size)
@@ -156,18 +154,18 @@ if HAS_TRITON:
             hi = tl.load(state_f + search.F_HI)
             row_max = tl.load(state_f + search.F_MAX)
             partials = partials_ptr + (row * num_chunks + chunk) * search.ROW_P
-            if (ACTION == search.PIVOT) | (ACTION == search.NONE):
+            if PIVOTS:
                 if action == search.PIVOT:
                     search.pivot_chunk_pass(logits_row, partials, temperature, row_max, lo, hi,
                                             pivots_ptr + row * search.PIVOTS, start, end, BLOCK)
-            if (ACTION == search.HISTOGRAM) | (ACTION == search.NONE):
+            if HISTOGRAMS:
                 if action == search.HISTOGRAM:
                     histogram_chunk_pass(logits_row, partials,
                                          bins_ptr + (row * num_chunks + chunk) * search.BINS,
                                          temperature, row_max, lo, hi,
                                          tl.load(state_f + search.F_INV_WIDTH), start, end, BLOCK)
-            if (ACTION == search.COMPACT) | (ACTION == search.NONE):
-                if (action == search.COMPACT) | (action == search.COMPACT_ALL):
+            if COPIES:
+                if is_copy:
                     top = tl.where(action == search.COMPACT_ALL, float("inf"), hi)
                     search.compact_chunk_pass(logits_row, partials,
                                               candidates_ptr + row * search.CAP,
@@ -176,12 +174,15 @@ if HAS_TRITON:
 
     @triton.jit
     def decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bins_ptr, candidates_ptr, row,
-               num_chunks, CHUNKS_P2: tl.constexpr):
+               num_chunks, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr):
+        """Act on the pass a row just made (PIVOTS: whether pivot passes ran; if not, a row
+        waiting for one made none)."""
         state_f = state_f_ptr + row * search.ROW_F
         state_i = state_i_ptr + row * search.ROW_I
         action = tl.load(state_i + search.I_ACTION)
         partials = partials_ptr + row * num_chunks * search.ROW_P
-        if (tl.load(state_i + search.I_PHASE) != search.DONE) & (action != search.NONE):
+        ran = (action != search.NONE) & ((action != search.PIVOT) | PIVOTS)
+        if (tl.load(state_i + search.I_PHASE) != search.DONE) & ran:
             if (action == search.PIVOT) | (action == search.HISTOGRAM):
                 decide_after_counts(state_f, state_i, pivots_ptr + row * search.PIVOTS, partials,
                                     bins_ptr + row * num_chunks * search.BINS, num_chunks, CHUNKS_P2)

@@ -23,8 +23,6 @@ NUM_F = 16  # float state columns per row
 NUM_I = 8  # int state columns per row
 NUM_PARTIALS = 2 * NUM_PIVOTS + 6  # per chunk: counts and masses above each pivot, then totals
 
-NUM_NONE, NUM_PIVOT, NUM_COMPACT, NUM_HISTOGRAM = 0, 1, 2, 4  # the actions below, for launchers
-
 if HAS_TRITON:
     _c = tl.constexpr
     # the sizes above, for kernels
@@ -44,8 +42,7 @@ if HAS_TRITON:
     T_MAX_IN, T_CNT_ABOVE, T_MASS_ABOVE = _c(2 * NUM_PIVOTS + 3), _c(2 * NUM_PIVOTS + 4), _c(2 * NUM_PIVOTS + 5)
     # phases and actions
     DONE, SEARCH_K, SEARCH_P = _c(0), _c(1), _c(2)
-    NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = (_c(NUM_NONE), _c(NUM_PIVOT), _c(NUM_COMPACT),
-                                                    _c(3), _c(NUM_HISTOGRAM))
+    NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = _c(0), _c(1), _c(2), _c(3), _c(4)
 
     @triton.jit
     def scaled(x, temperature):
@@ -137,20 +134,27 @@ if HAS_TRITON:
     @triton.jit
     def compact_chunk_pass(logits_row, partials_ptr, candidates_ptr, count_ptr, temperature,
                            row_max, lo, hi, start, end, BLOCK: tl.constexpr):
-        """Append this chunk's tokens in (lo, hi] to the row's candidates (at most CAPACITY
-        are stored; the count keeps counting), and store the chunk's totals."""
+        """Store the chunk's totals, then append its tokens in (lo, hi] to the row's
+        candidates (at most CAPACITY are stored; the count keeps counting). The totals pass
+        keeps per-lane sums only: the block-wide count that placing candidates needs costs
+        a reduction across warps per block, paid only by chunks that hold a candidate (the
+        bracket holds at most CAPACITY tokens of a row, most chunks none)."""
         in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = zero_totals(BLOCK)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
             y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
-            num_inside = tl.sum(inside.to(tl.int32), axis=0)
-            if num_inside > 0:
-                base = tl.atomic_add(count_ptr, num_inside)
-                slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
             in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
                 in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
         store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
+        if tl.sum(in_cnt, axis=0) > 0.0:
+            for offset in range(start, end, BLOCK):
+                cols = offset + tl.arange(0, BLOCK)
+                y, inside, _, _ = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
+                num_inside = tl.sum(inside.to(tl.int32), axis=0)
+                if num_inside > 0:
+                    base = tl.atomic_add(count_ptr, num_inside)
+                    slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                    tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
 
     @triton.jit
     def reduce_totals(partials_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
@@ -244,7 +248,7 @@ if HAS_TRITON:
             tl.store(state_i + I_ACTION, COMPACT_ALL)
         elif new_cnt_in <= CAP:
             tl.store(state_i + I_ACTION, COMPACT)
-        elif progress & (next_action == HISTOGRAM):
+        elif (next_action == HISTOGRAM) & progress:
             start_histogram(state_f, state_i, new_lo, new_hi, new_lo)
         else:
             tl.store(state_i + I_ACTION, PIVOT)

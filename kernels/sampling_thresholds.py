@@ -41,11 +41,15 @@ BLOCK = 512
 NUM_GRAPHED_ROUNDS = 4
 MAX_FINISH_ROUNDS = 64
 _NUM_STATS = 8
-ROUND_ACTIONS = (search.NUM_HISTOGRAM, search.NUM_COMPACT, search.NUM_PIVOT)
-"""A round's pass launches, one per kind of pass (kernels/_threshold_bins.chunk_pass): a
-row runs in the one its state asks for, the others exit at once. (NUM_NONE: one launch
-that runs whichever each row asks for.)"""
+ROUND_LAUNCHES: tuple[tuple[bool, bool, bool], ...] = ((False, True, False), (False, False, True))
+"""A round's pass launches, each running the kinds of pass it names (pivot counts,
+histograms, copy-outs; kernels/_threshold_bins.chunk_pass) for the rows that ask for
+them, the others exiting at once: one launch per kind keeps each pass to its own
+registers. A kind no launch runs (pivots: restarts and histograms that make no progress,
+rare) is left to the finishing kernel."""
 ROUND_NUM_WARPS = 4
+ROUND_BLOCKS = (BLOCK, BLOCK)
+"""Tokens per block of each launch of ROUND_LAUNCHES."""
 TOP_P_BINS_SPAN = 12.0
 """Top-p's first histogram spans ln(num_tokens) + this below the max: all the tokens below
 it together hold less than e^-12 of the max token's mass, so any p short of 1 - 6e-6 cuts
@@ -150,19 +154,19 @@ if HAS_TRITON:
     @triton.jit
     def _round_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
                       bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
-                      vocab_size, ACTION: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        """The chunks of the rows whose next pass is ACTION (see bins.chunk_pass)."""
-        row = tl.program_id(0)
-        temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
+                      vocab_size, PIVOTS: tl.constexpr, HISTOGRAMS: tl.constexpr,
+                      COPIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """The chunks of the rows whose next pass is of a kind this launch runs."""
         bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr, candidates_ptr,
-                        state_f_ptr, state_i_ptr, pivots_ptr, row, tl.program_id(1),
-                        tl.num_programs(1), temperature, vocab_size, ACTION, CHUNK, BLOCK)
+                        state_f_ptr, state_i_ptr, pivots_ptr, tl.program_id(0), tl.program_id(1),
+                        tl.num_programs(1), temperature_ptr, idx_mapping_ptr, vocab_size, PIVOTS,
+                        HISTOGRAMS, COPIES, CHUNK, BLOCK)
 
     @triton.jit
     def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                       candidates_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+                       candidates_ptr, num_chunks, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr):
         bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                    candidates_ptr, tl.program_id(0), num_chunks, CHUNKS_P2)
+                    candidates_ptr, tl.program_id(0), num_chunks, CHUNKS_P2, PIVOTS)
 
     @triton.jit
     def _finish_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
@@ -171,17 +175,17 @@ if HAS_TRITON:
                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
         """Rows the fixed rounds did not finish: the same passes, by one program."""
         row = tl.program_id(0)
-        temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
         phase_ptr = state_i_ptr + row * search.ROW_I + search.I_PHASE
         rounds = 0
         while (tl.load(phase_ptr, volatile=True) != search.DONE) & (rounds < max_rounds):
             for chunk in range(0, num_chunks):
                 bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr,
                                 candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, row, chunk,
-                                num_chunks, temperature, vocab_size, search.NONE, CHUNK, BLOCK)
+                                num_chunks, temperature_ptr, idx_mapping_ptr, vocab_size, True,
+                                True, True, CHUNK, BLOCK)
             tl.debug_barrier()
             bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                        candidates_ptr, row, num_chunks, CHUNKS_P2)
+                        candidates_ptr, row, num_chunks, CHUNKS_P2, True)
             tl.debug_barrier()
             rounds += 1
         threshold = tl.load(state_f_ptr + row * search.ROW_F + search.F_THRESHOLD)
@@ -233,7 +237,7 @@ def sampling_thresholds_triton(
     min_p: torch.Tensor,  # [max_num_reqs] float32
     chunk: int = CHUNK,
 ) -> torch.Tensor:  # [num_rows] float32
-    """Triton launcher: 3 + (1 + len(ROUND_ACTIONS)) * NUM_GRAPHED_ROUNDS launches of
+    """Triton launcher: 3 + (1 + len(ROUND_LAUNCHES)) * NUM_GRAPHED_ROUNDS launches of
     fixed shape (see the module doc); no host sync, so it can be captured in a CUDA graph."""
     need_triton("sampling_thresholds_triton")
     _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
@@ -270,14 +274,15 @@ def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 
     _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, vocab_size, num_chunks,
                               CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
     buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
+    pivots_in_rounds = any(kinds[0] for kinds in ROUND_LAUNCHES)
     for _ in range(NUM_GRAPHED_ROUNDS):
-        for action in ROUND_ACTIONS:
-            _round_kernel[(num_rows, num_chunks)](logits, logits.stride(0), idx_mapping,
-                                                  temperature, *buffers, vocab_size, ACTION=action,
-                                                  CHUNK=chunk, BLOCK=BLOCK,
-                                                  num_warps=ROUND_NUM_WARPS)
+        for (with_pivots, with_histograms, with_copies), block in zip(ROUND_LAUNCHES, ROUND_BLOCKS):
+            _round_kernel[(num_rows, num_chunks)](
+                logits, logits.stride(0), idx_mapping, temperature, *buffers, vocab_size,
+                PIVOTS=with_pivots, HISTOGRAMS=with_histograms, COPIES=with_copies, CHUNK=chunk,
+                BLOCK=block, num_warps=ROUND_NUM_WARPS)
         _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
-                                    num_chunks, CHUNKS_P2=chunks_p2)
+                                    num_chunks, CHUNKS_P2=chunks_p2, PIVOTS=pivots_in_rounds)
     _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
                                 thresholds, vocab_size, num_chunks, max_finish_rounds, CHUNK=chunk,
                                 BLOCK=BLOCK, CHUNKS_P2=chunks_p2)

@@ -17,7 +17,7 @@ PHASE, RESTARTED = 0, 6  # columns of the search's int state (kernels/_threshold
 
 
 def _stress_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[float, int, float, float]]]:
-    """Logits [16, vocab] and each row's (temperature, top_k, top_p, min_p)."""
+    """Logits [17, vocab] and each row's (temperature, top_k, top_p, min_p)."""
     generator = torch.Generator().manual_seed(11)
     randn = lambda scale: torch.randn(vocab, generator=generator) * scale  # noqa: E731
     ties = torch.round(randn(2.0) * 2) / 2
@@ -28,6 +28,8 @@ def _stress_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[float, int, float
     outliers[:7] = -1e4
     peaked = randn(1.0)
     peaked[vocab // 3] = 20.0
+    dense = randn(1e-6) + 1.0  # a bulk within a few floats and one token far above it
+    dense[0] = 1e30
     rows = [
         (torch.full((vocab,), 0.25), (1.0, 0, 0.5, 0.0)),  # flat: every token ties
         (torch.full((vocab,), 0.25), (1.0, 1, 1.0, 0.0)),
@@ -45,6 +47,8 @@ def _stress_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[float, int, float
         (few_finite, (1.0, 2, 0.9, 0.0)),
         (outliers, (1.0, 100, 1.0, 0.0)),  # a wide range: the histogram's bins are coarse
         (peaked, (1.0, 0, 0.95, 0.0)),
+        # the histogram makes no progress in the bulk: pivot passes (the finishing kernel)
+        (dense, (1.0, 300, 1.0, 0.0)),
     ]
     return torch.stack([logits for logits, _ in rows]), [filters for _, filters in rows]
 
@@ -64,7 +68,7 @@ def check_stress_rows_match_reference_and_are_batch_invariant(vocab: int, chunk:
     actual = module.sampling_thresholds_triton(logits, rows, *filters, chunk=chunk)
     _assert_thresholds_match(logits, rows, filters, actual, sampling_thresholds_ref(logits, rows, *filters))
     # The same rows in another batch, in another order: bit for bit the same thresholds.
-    subset = torch.tensor([15, 3, 12, 7, 0, 9, 14])
+    subset = torch.tensor([15, 3, 16, 12, 7, 0, 9, 14])
     again = module.sampling_thresholds_triton(logits[subset], rows[subset], *filters, chunk=chunk)
     assert torch.equal(again, actual[subset]), (again, actual[subset])
 
