@@ -52,13 +52,11 @@ ARMS = {  # name: (ROUND_LAUNCHES, ROUND_NUM_WARPS, ROUND_BLOCKS)
     "shipped": (thresholds.ROUND_LAUNCHES, thresholds.ROUND_NUM_WARPS, thresholds.ROUND_BLOCKS),
     "with_pivot_launch": ((_HISTOGRAMS, _COPIES, _PIVOTS), 4, (512, 512, 512)),
     "merged": (((True, True, True),), 4, (512,)),
-    "histogram_block_1024": ((_HISTOGRAMS, _COPIES), 4, (1024, 512)),
-    "histogram_block_2048": ((_HISTOGRAMS, _COPIES), 4, (2048, 512)),
 }
-"""The round launches as the kernels ship them, with a launch for pivot passes too, as one
-launch running every kind of pass (merged), and with larger histogram blocks: the same
-search in other launch shapes (a threshold may differ at a float knife edge: other
-summation orders)."""
+"""The round launches as the kernels ship them, with a launch for pivot passes too, and as
+one launch running every kind of pass (merged): the same search in other launch shapes.
+(Larger histogram blocks, 1024 and 2048 tokens, were slower: results/gpu_step/
+threshold_rounds_blocks.json.)"""
 
 
 def set_arm(name: str) -> None:

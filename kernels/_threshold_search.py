@@ -134,27 +134,20 @@ if HAS_TRITON:
     @triton.jit
     def compact_chunk_pass(logits_row, partials_ptr, candidates_ptr, count_ptr, temperature,
                            row_max, lo, hi, start, end, BLOCK: tl.constexpr):
-        """Store the chunk's totals, then append its tokens in (lo, hi] to the row's
-        candidates (at most CAPACITY are stored; the count keeps counting). The totals pass
-        keeps per-lane sums only: the block-wide count that placing candidates needs costs
-        a reduction across warps per block, paid only by chunks that hold a candidate (the
-        bracket holds at most CAPACITY tokens of a row, most chunks none)."""
+        """Append this chunk's tokens in (lo, hi] to the row's candidates (at most CAPACITY
+        are stored; the count keeps counting), and store the chunk's totals. Each token in
+        the bracket takes its slot by an atomic of its own: a block-wide count would cost a
+        reduction across warps per block, and the bracket holds few of a row's tokens."""
         in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = zero_totals(BLOCK)
+        counter = count_ptr + tl.zeros([BLOCK], tl.int32)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
             y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
+            slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
+            tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
             in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
                 in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
         store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
-        if tl.sum(in_cnt, axis=0) > 0.0:
-            for offset in range(start, end, BLOCK):
-                cols = offset + tl.arange(0, BLOCK)
-                y, inside, _, _ = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
-                num_inside = tl.sum(inside.to(tl.int32), axis=0)
-                if num_inside > 0:
-                    base = tl.atomic_add(count_ptr, num_inside)
-                    slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                    tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
 
     @triton.jit
     def reduce_totals(partials_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
