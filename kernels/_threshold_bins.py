@@ -28,26 +28,19 @@ if HAS_TRITON:
     def histogram_chunk_pass(logits_row, partials_ptr, bins_ptr, temperature, row_max, lo, hi,
                              inv_width, start, end, BLOCK: tl.constexpr):
         """This chunk's token count per bin, and its totals (as a pivot pass stores them).
-        The bracket's part below the even bins is counted per lane, and a block with no
-        token in the even bins (most blocks once the bracket is narrow) skips the
-        histogram, the costly part of the pass."""
+        (Skipping the histogram in blocks with no token in the even bins made the pass
+        slower: the test costs a reduction per block, and a first pass finds tokens there
+        in every block; benchmarks/results/gpu_step/threshold_rounds.json.)"""
         counts = tl.zeros([search.BINS], tl.int32)
-        num_below = tl.zeros([BLOCK], tl.int32)
         in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.zero_totals(BLOCK)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
             y, inside, above, mass = search.bracket_block(logits_row, cols, end, temperature,
                                                           row_max, lo, hi)
-            bins = bin_of(y, lo, hi, inv_width)
-            num_below += (bins == search.BINS - 2).to(tl.int32)
-            even = bins < search.BINS - 2
-            if tl.max(even.to(tl.int32), axis=0) > 0:
-                counts += tl.histogram(tl.where(even, bins, search.BINS - 1), search.BINS)
+            counts += tl.histogram(bin_of(y, lo, hi, inv_width), search.BINS)
             in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.add_totals(
                 in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
-        b = tl.arange(0, search.BINS)
-        counts = tl.where(b == search.BINS - 2, tl.sum(num_below, axis=0), counts)
-        tl.store(bins_ptr + b, counts)
+        tl.store(bins_ptr + tl.arange(0, search.BINS), counts)
         search.store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
     @triton.jit
