@@ -55,8 +55,20 @@ KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 Batch = list[tuple[int, StreamDelta]]
 
 
+_UNICODE_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
+                        (b"\xe2\x80\xa9", b"\\u2029"))
+"""U+0085, U+2028, U+2029 in UTF-8, and their JSON escapes."""
+
+
 def sse_event(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    """One `data:` event. JSON leaves U+0085, U+2028 and U+2029 unescaped, and clients that
+    split lines the way Python's str.splitlines does (httpx's iter_lines among them) would
+    end the line there and read half an event: those three go out escaped."""
+    body = orjson.dumps(payload)
+    if b"\xe2\x80" in body or b"\xc2\x85" in body:
+        for raw, escaped in _UNICODE_LINE_BREAKS:
+            body = body.replace(raw, escaped)
+    return b"data: " + body + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.serve_client import sse_lines  # noqa: E402
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
     "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -90,7 +93,7 @@ async def _one(http: httpx.AsyncClient, model: str, fields: dict[str, Any], inde
     text, finish = [], None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if line.startswith("data: ") and line != "data: [DONE]":
                 for choice in json.loads(line[6:]).get("choices", []):
                     text.append(choice["delta"].get("content") or "")

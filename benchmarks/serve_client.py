@@ -15,7 +15,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,19 @@ def arrival_offsets_s(num_requests: int, request_rate: float, seed: int) -> list
     return offsets
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The response's lines as Server-Sent Events end them: at LF or CRLF. (httpx's
+    aiter_lines also ends a line at U+2028, U+2029 and U+0085, which a JSON string may
+    hold unescaped: it would cut such an event in two.)"""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
     """POST one streamed request and time its SSE events; never raises for a bad answer."""
     timeline = StreamTimeline(sent_s=time.perf_counter())
@@ -152,7 +165,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 return RequestResult(success=False, error=f"HTTP {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue  # blank separators and ': keep-alive' comments
                 data = line[5:].strip()

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import anyio
 import httpx
 
+from benchmarks.serve_client import sse_lines
 from benchmarks.soak_workload import PlannedRequest
 
 Outcome = Literal["completed", "client_aborted", "rejected", "refused", "failed"]
@@ -124,7 +125,7 @@ async def _read_stream(response: httpx.Response, planned: PlannedRequest, events
         raise _Invalid(f"stream with content-type {response.headers.get('content-type')}")
     chunks: list[dict[str, Any]] = []
     done = False
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response):
         if not line.startswith("data: "):
             continue
         if done:

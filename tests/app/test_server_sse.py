@@ -16,7 +16,7 @@ import pytest
 from actors.output_stream import RequestStream
 from app.responses import ChoiceState, ResponseMeta
 from app.keep_alive import KeepAliveClock
-from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions
+from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions, sse_event
 from tests.app._server_fixtures import ENGINE, RunningServer
 
 pytestmark = pytest.mark.slow
@@ -126,3 +126,14 @@ def test_error_after_headers_is_an_error_event_then_done() -> None:
     error = json.loads(events[-2][len(b"data: "):])["error"]
     assert error["code"] == 500 and "req-1" in error["message"]
     assert events[-1] == b"data: [DONE]" and group.closed
+
+
+def test_unicode_line_breaks_go_out_escaped() -> None:
+    # JSON may carry U+0085, U+2028 and U+2029 raw; clients that split lines as
+    # str.splitlines does (httpx's iter_lines) would cut the event there.
+    text = "a\u2028b\x85c\u2029d \u201cquoted\u201d \u2026"
+    event = sse_event({"choices": [{"delta": {"content": text}}]})
+    lines = event.decode().splitlines()
+    assert lines[1:] == [""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["delta"]["content"] == text
+    assert "\u201c" in event.decode()  # other characters stay as they are

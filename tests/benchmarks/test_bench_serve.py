@@ -6,16 +6,19 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
+import httpx
 import pytest
 
 from benchmarks.serve_client import (
     ServeBenchConfig,
     arrival_offsets_s,
     run_serve_benchmark,
+    sse_lines,
 )
 from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
 from app.tokenizer_loader import load_tokenizer
@@ -236,3 +239,21 @@ def test_live_run_against_a_real_server(server: Any, tmp_path: Path, endpoint: s
         assert level["e2el"]["median_ms"] > level["ttft"]["median_ms"]
         assert level["output_throughput_tok_s"] == pytest.approx(
             3 * output_len / level["duration_s"])
+
+
+def test_sse_lines_end_only_at_line_feeds() -> None:
+    # An event split across reads, CRLF endings, and a raw U+2028 inside its JSON (which
+    # httpx's aiter_lines would take for a line end).
+    chunks = [b'data: {"t": "a\xe2\x80\xa8', b'b"}\r\n\r\ndata: [DO', b"NE]\n\n"]
+
+    async def body() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def read() -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            async with client.stream("GET", "http://test/") as response:
+                return [line async for line in sse_lines(response)]
+
+    assert anyio.run(read) == ['data: {"t": "a\u2028b"}', "", "data: [DONE]", ""]
