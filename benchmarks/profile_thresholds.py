@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.sampling_thresholds as thresholds  # noqa: E402
-from benchmarks._threshold_ab import CASES, _filters, graph_us, make_logits  # noqa: E402
+from benchmarks._threshold_ab import CASES, _filters, graph_us, make_logits, median  # noqa: E402
 
 
 def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
@@ -48,19 +48,19 @@ def kernel_table(call, num_calls: int) -> tuple[dict[str, dict[str, float]], dic
 
 
 _HISTOGRAMS, _COPIES, _PIVOTS = (False, True, False), (False, False, True), (True, False, False)
-ARMS = {  # name: (ROUND_LAUNCHES, ROUND_NUM_WARPS, ROUND_BLOCKS)
-    "shipped": (thresholds.ROUND_LAUNCHES, thresholds.ROUND_NUM_WARPS, thresholds.ROUND_BLOCKS),
-    "with_pivot_launch": ((_HISTOGRAMS, _COPIES, _PIVOTS), 4, (512, 512, 512)),
-    "merged": (((True, True, True),), 4, (512,)),
+ARMS = {  # name: ROUND_LAUNCHES
+    "shipped": thresholds.ROUND_LAUNCHES,
+    "with_pivot_launch": (_HISTOGRAMS, _COPIES, _PIVOTS),
+    "merged": ((True, True, True),),
 }
 """The round launches as the kernels ship them, with a launch for pivot passes too, and as
 one launch running every kind of pass (merged): the same search in other launch shapes.
-(Larger histogram blocks, 1024 and 2048 tokens, were slower: results/gpu_step/
-threshold_rounds_blocks.json.)"""
+(Larger histogram blocks, 1024 and 2048 tokens, and 8 warps were slower:
+results/gpu_step/threshold_rounds_blocks.json, threshold_rounds_split3.json.)"""
 
 
 def set_arm(name: str) -> None:
-    thresholds.ROUND_LAUNCHES, thresholds.ROUND_NUM_WARPS, thresholds.ROUND_BLOCKS = ARMS[name]
+    thresholds.ROUND_LAUNCHES = ARMS[name]
 
 
 def compiled_registers() -> list[dict[str, object]]:
@@ -74,7 +74,7 @@ def compiled_registers() -> list[dict[str, object]]:
     return variants
 
 
-def profile_case(logits: torch.Tensor, name: str, case: tuple, repeats: int) -> dict[str, object]:
+def profile_case(logits: torch.Tensor, case: tuple, repeats: int) -> dict[str, object]:
     """Per arm, graph replay times interleaved `repeats` times (checked against the shipped
     arm's thresholds); the kernel table of the shipped arm."""
     filters = _filters(case, logits.shape[0])  # idx_mapping, then the request filters
@@ -110,9 +110,9 @@ def main() -> None:
     for kind in ("randn3", "peaked"):
         logits = make_logits(kind, args.rows, args.vocab)
         for name, case in CASES.items():
-            entry = results[f"{kind}/{name}"] = profile_case(logits, name, case, args.repeats)
+            entry = results[f"{kind}/{name}"] = profile_case(logits, case, args.repeats)
             print(f"{kind:7s} {name:12s} " + "  ".join(
-                f"{arm} {sorted(entry[f'{arm}_graph_us'])[len(entry[f'{arm}_graph_us']) // 2]:7.1f} us"
+                f"{arm} {median(entry[f'{arm}_graph_us']):7.1f} us"
                 f"{'' if entry[f'{arm}_equal'] else ' (DIFFERS)'}" for arm in ARMS))
             table, by_launch = entry["kernels"], entry["us_by_launch"]
             for kernel, row in list(table.items())[:8]:

@@ -47,9 +47,6 @@ histograms, copy-outs; kernels/_threshold_bins.chunk_pass) for the rows that ask
 them, the others exiting at once: one launch per kind keeps each pass to its own
 registers. A kind no launch runs (pivots: restarts and histograms that make no progress,
 rare) is left to the finishing kernel."""
-ROUND_NUM_WARPS = 4
-ROUND_BLOCKS = (BLOCK, BLOCK)
-"""Tokens per block of each launch of ROUND_LAUNCHES."""
 TOP_P_BINS_SPAN = 12.0
 """Top-p's first histogram spans ln(num_tokens) + this below the max: all the tokens below
 it together hold less than e^-12 of the max token's mass, so any p short of 1 - 6e-6 cuts
@@ -276,11 +273,11 @@ def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 
     buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
     pivots_in_rounds = any(kinds[0] for kinds in ROUND_LAUNCHES)
     for _ in range(NUM_GRAPHED_ROUNDS):
-        for (with_pivots, with_histograms, with_copies), block in zip(ROUND_LAUNCHES, ROUND_BLOCKS):
+        for with_pivots, with_histograms, with_copies in ROUND_LAUNCHES:
             _round_kernel[(num_rows, num_chunks)](
                 logits, logits.stride(0), idx_mapping, temperature, *buffers, vocab_size,
                 PIVOTS=with_pivots, HISTOGRAMS=with_histograms, COPIES=with_copies, CHUNK=chunk,
-                BLOCK=block, num_warps=ROUND_NUM_WARPS)
+                BLOCK=BLOCK)
         _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
                                     num_chunks, CHUNKS_P2=chunks_p2, PIVOTS=pivots_in_rounds)
     _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
