@@ -81,11 +81,11 @@ class ModelRunnerV2:
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
         spec = config.speculative_config
-        self.drafts = None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device)
         self.spec_graphs = (None if self.graphs is None else
                             spec_tail_graphs_for(self.graphs, worker.model, self.step_state, config))
-        if self.spec_graphs is not None:
-            self.drafts = self.spec_graphs.drafts  # the tables its graphs read and write
+        # With tail graphs, the draft tables are the ones those graphs read and write.
+        self.drafts = (self.spec_graphs.drafts if self.spec_graphs is not None
+                       else None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device))
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""

@@ -1,10 +1,10 @@
 """The V2 runner's speculative step, launched like any step: nothing waits for the device.
 
 (drafts proposed first when a plain step ran since the last speculative one:
-`DeviceDrafts.needs_refresh`, a captured proposal where the tail is graphed) -> forward (its graph when one holds the step) -> head over the
-logit rows -> sample, accept, post-update (gpu/spec_decode/spec_step.py) -> next drafts
-from the updated history (gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens
-to the host.
+`DeviceDrafts.needs_refresh`, a captured proposal where the tail is graphed) -> forward
+(its graph when one holds the step) -> head over the logit rows -> sample, accept,
+post-update (gpu/spec_decode/spec_step.py) -> next drafts from the updated history
+(gpu/spec_decode/device_drafts.py) -> copy of the emitted tokens to the host.
 
 The tail (head, sampling, acceptance, post-update, drafts) replays a CUDA graph of the
 step's padded request count (gpu/spec_decode/spec_graphs.py: K + 1 logit rows per
@@ -39,14 +39,15 @@ def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPl
     ops = batch_ops(runner.sampling_state, plan.idx_mapping_np)
     max_num_logprobs = int(runner.num_logprobs_np[plan.idx_mapping_np].max())
     spec_graphs = runner.spec_graphs
-    graphed = (spec_graphs is not None and plan.tail_graphed
-               and spec_graphs.holds(plan.num_rows_padded))
+    if spec_graphs is not None and not (plan.tail_graphed
+                                        and spec_graphs.holds(plan.num_rows_padded)):
+        spec_graphs = None  # no graph of this step's size
     if drafts.needs_refresh(plan.idx_mapping_np, sched.num_draft_slots):
-        if graphed and spec_graphs is not None:
+        if spec_graphs is not None:
             spec_graphs.propose(plan.num_rows_padded)
         else:
             drafts.propose(runner.states, runner.buffers.idx_mapping[:plan.num_reqs])
-    if graphed and not ops.rewrites_logits and max_num_logprobs < 0:
+    if spec_graphs is not None and not ops.rewrites_logits and max_num_logprobs < 0:
         to_copy, cu_num_logits_np = _launch_graphed_tail(runner, spec_graphs, sched, plan,
                                                          ops.filters), None
     else:
