@@ -241,25 +241,20 @@ def summarise(runs: list[dict[str, Any]], concurrencies: list[int],
               arms: tuple[str, ...] | list[str] = ("off", "on")) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for concurrency in concurrencies:
-        row: dict[str, Any] = {}
-        for arm in arms:
-            arm_runs = [r for r in runs if r["arm"] == arm and r["concurrency"] == concurrency]
-            row[f"tpot_ms_{arm}"] = statistics.median(r["tpot_ms"] for r in arm_runs)
+        by_arm = {arm: [r for r in runs if r["arm"] == arm and r["concurrency"] == concurrency]
+                  for arm in arms}
+        row: dict[str, Any] = {f"tpot_ms_{arm}": statistics.median(r["tpot_ms"] for r in arm_runs)
+                               for arm, arm_runs in by_arm.items()}
         row["tpot_change"] = row["tpot_ms_on"] / row["tpot_ms_off"] - 1
         if "on_eager_tail" in arms:
             row["tpot_change_on_eager_tail"] = (row["tpot_ms_on_eager_tail"] / row["tpot_ms_off"]
                                                 - 1)
-        on_runs = [r for r in runs if r["arm"] == "on" and r["concurrency"] == concurrency]
+        on_runs = by_arm["on"]
         row["acceptance_rate"] = statistics.median(r["acceptance_rate"] for r in on_runs)
         row["mean_acceptance_length"] = statistics.median(r["mean_acceptance_length"]
                                                           for r in on_runs)
-        row["steps_on_last_run"] = on_runs[-1]["steps"]
-        row["steps_off_last_run"] = [r for r in runs if r["arm"] == "off"
-                                     and r["concurrency"] == concurrency][-1]["steps"]
-        if "on_eager_tail" in arms:
-            row["steps_on_eager_tail_last_run"] = [
-                r for r in runs if r["arm"] == "on_eager_tail"
-                and r["concurrency"] == concurrency][-1]["steps"]
+        for arm, arm_runs in by_arm.items():
+            row[f"steps_{arm}_last_run"] = arm_runs[-1]["steps"]
         summary[str(concurrency)] = row
     return summary
 
