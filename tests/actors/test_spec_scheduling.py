@@ -44,6 +44,16 @@ def _emit(out, tokens_per_request: list[list[int]]) -> StepOutput:
                       num_sampled_tokens=np.asarray([len(ts) for ts in tokens_per_request], np.int32))
 
 
+def _decoding(k: int, max_steps_in_flight: int, max_tokens: int) -> Scheduler:
+    """A scheduler whose one request "r" (8 prompt tokens) has been prefilled and sampled
+    its first token: its next step decodes."""
+    scheduler = _scheduler(k=k, max_steps_in_flight=max_steps_in_flight)
+    scheduler.add_request(engine_request("r", range(8), max_tokens=max_tokens))
+    prefill = run_sync(scheduler.schedule())
+    scheduler.update_from_step(_emit(prefill, [[1]]))
+    return scheduler
+
+
 def test_a_decoding_row_gets_k_slots_and_is_corrected_by_its_emitted_count() -> None:
     scheduler = _scheduler(k=3, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(10), max_tokens=20))
@@ -119,10 +129,7 @@ def test_no_step_speculates_while_a_prompt_is_due_for_scoring() -> None:
 
 
 def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
-    scheduler = _scheduler(k=2, max_steps_in_flight=1)
-    scheduler.add_request(engine_request("r", range(8), max_tokens=60))
-    out = run_sync(scheduler.schedule())
-    scheduler.update_from_step(_emit(out, [[1]]))
+    scheduler = _decoding(k=2, max_steps_in_flight=1, max_tokens=60)
     slots = []
     for _ in range(12):
         out = run_sync(scheduler.schedule())
@@ -140,10 +147,7 @@ def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
 def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> None:
     # Two steps in flight: the step after a probe is planned before the probe reports.
     # Until a draft is accepted, that step runs no slots; once one is, both steps do.
-    scheduler = _scheduler(k=2, max_steps_in_flight=2)
-    scheduler.add_request(engine_request("r", range(8), max_tokens=60))
-    prefill = run_sync(scheduler.schedule())
-    scheduler.update_from_step(_emit(prefill, [[1]]))
+    scheduler = _decoding(k=2, max_steps_in_flight=2, max_tokens=60)
     probe = run_sync(scheduler.schedule())
     after_probe = run_sync(scheduler.schedule())
     assert probe.num_draft_slots == (2,) and after_probe.num_draft_slots == ()
@@ -166,10 +170,7 @@ def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> 
 
 
 def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
-    scheduler = _scheduler(k=1, max_steps_in_flight=1)
-    scheduler.add_request(engine_request("r", range(8), max_tokens=10))
-    first = run_sync(scheduler.schedule())
-    scheduler.update_from_step(_emit(first, [[1]]))
+    scheduler = _decoding(k=1, max_steps_in_flight=1, max_tokens=10)
     spec = run_sync(scheduler.schedule())
     result = scheduler.update_from_step(_emit(spec, [[2, 3, 4]]))
     assert [f.reason for _, f in result.finished] == ["error"]
