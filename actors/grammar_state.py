@@ -196,12 +196,22 @@ def _is_up_to_date(rows: Sequence[tuple[int, Request]]) -> bool:
 class MaskFiller:
     """Fills deferred masks on a thread of its own, in the order submitted, and hands each
     to `provide(step_id, mask)` (thread-safe, the runner's) as soon as it is computed; a
-    fill that fails hands over the exception, so its step fails instead of waiting."""
+    fill that fails hands over the exception, so its step fails instead of waiting.
+
+    `submit` waits (at most START_WAIT_S) until the filler has taken the job. The filler
+    needs the GIL to start a fill, and the core thread goes on running Python after
+    submitting: left to the interpreter's switch interval, the fill could start
+    milliseconds late, on the constrained step's critical path. Waiting hands the GIL over
+    at once; the fill itself runs without it."""
+
+    START_WAIT_S = 0.002
+    wait_for_start = True  # a benchmark arm turns it off to measure the handoff
 
     def __init__(self, provide: Callable[[int, GrammarBitmask | BaseException], None]) -> None:
         self._provide = provide
         self._jobs: queue.SimpleQueue[tuple[int, PendingMask] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._taken = threading.Semaphore(0)
 
     def submit(self, step_id: int, pending: PendingMask) -> None:
         if self._thread is None:  # engines that never see a grammar start no thread
@@ -209,6 +219,8 @@ class MaskFiller:
                                             daemon=True)
             self._thread.start()
         self._jobs.put((step_id, pending))
+        if self.wait_for_start:
+            self._taken.acquire(timeout=self.START_WAIT_S)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -217,6 +229,7 @@ class MaskFiller:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             step_id, pending = job
+            self._taken.release()
             try:
                 mask: GrammarBitmask | BaseException = pending.fill()
             except Exception as exc:  # noqa: BLE001 - the step fails with it, the core goes on

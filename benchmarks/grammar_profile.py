@@ -25,9 +25,11 @@ sys.path.insert(0, str(ROOT))
 import llguidance  # noqa: E402
 import llguidance.numpy  # noqa: E402
 
+from actors.grammar_state import MaskFiller  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from actors.structured_output import StructuredOutputSpec  # noqa: E402
 from app.llm import LLM  # noqa: E402
+from benchmarks._mask_chain import MaskChain  # noqa: E402
 from benchmarks.grammar_serve import THROUGHPUT_SCHEMA  # noqa: E402
 
 
@@ -169,7 +171,8 @@ def _time_calls(targets: tuple[str, ...]) -> dict[str, list[float]]:
 
 def _arm_options(name: str) -> tuple[str, int | None, float | None, bool]:
     """(base arm, fill threads, switch interval in s, one torch thread) of an arm name:
-    base[_t1][_f<threads>][_si<microseconds>]."""
+    base[_t1][_f<threads>][_si<microseconds>][_nohand] (_nohand: the core thread does not
+    wait for the filler to take a mask job, MaskFiller.wait_for_start)."""
     base, *suffixes = name.split("_")
     threads = switch_s = None
     for suffix in suffixes:
@@ -189,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--runs", nargs="+", default=["free", "json", "free", "json", "free_t1",
                                                       "json_t1", "free_t1", "json_t1"],
-                        help="arms in order, base[_t1][_fN][_siUS]: _t1 one torch CPU "
-                             "thread, _fN N mask-fill threads, _siUS a GIL switch interval")
+                        help="arms in order, base[_t1][_fN][_siUS][_nohand]: _t1 one torch "
+                             "CPU thread, _fN N mask-fill threads, _siUS a GIL switch "
+                             "interval, _nohand no handoff to the mask filler")
     parser.add_argument("--stack-arm", default="json",
                         help="the arm whose last run samples stacks (the others run clean)")
     parser.add_argument("--out", type=Path, required=True)
@@ -207,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     fill_ms, fill_rows = _time_fills(executor)
     waits_ms = _time_mask_waits()
     call_ms = _time_calls(TIMED)
+    chain = MaskChain.install()
     llm.generate(prompts[:8], arms["json"])  # warm-up: compile, graphs
     for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
         timings.clear()
+    chain.clear()
     result = {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "arms": {}}
     import torch
 
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1 if one_torch_thread else default_torch_threads)
         sys.setswitchinterval(switch_s or default_switch_s)
         executor["now"] = None if threads is None else llguidance.LLExecutor(num_threads=threads)
+        MaskFiller.wait_for_start = not name.endswith("_nohand")
         sampler = StackSampler()
         sampled = name == args.stack_arm and name not in plan[index + 1:]
         started = time.perf_counter()
@@ -239,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                  for target, ms in call_ms.items()}
         for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
             timings.clear()
+        mask_chain = chain.summary()
+        chain.clear()
         result["arms"].setdefault(name, []).append(
             {"output_tok_s": num_tokens / elapsed_s, "elapsed_s": elapsed_s,
+             "mask_chain_ms": mask_chain,
              "stacks": sampler.report(args.top), "num_samples": sampler.num_samples,
              "stacks_sampled": sampled, "mask_fills": fills, "calls": calls})
         print(f"{name:8s} {num_tokens / elapsed_s:10.1f} output tok/s ({elapsed_s:.2f} s)"
@@ -249,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
               + (" (stacks sampled)" if sampled else ""))
         print("    " + ", ".join(f"{name} {c['num_calls']} x {c['mean_ms']:.2f}"
                                  for name, c in calls.items()))
+        if mask_chain:
+            print("    chain (median ms): " + "; ".join(f"{label} {v['median']}"
+                                                     for label, v in mask_chain.items()))
     args.out.write_text(json.dumps(result, indent=1))
     last_json = [args.stack_arm] if args.stack_arm in plan else []
     for thread, stacks in (result["arms"][last_json[0]][-1]["stacks"].items()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import queue
+import threading
+import time
 import types
 from typing import Any
 
@@ -215,3 +217,27 @@ def test_the_filler_hands_over_masks_in_order_and_a_failed_fill_as_its_error() -
     assert step_id == 4 and digits <= _allowed(mask.bitmask[0])
     step_id, error = provided.get(timeout=10)
     assert step_id == 5 and isinstance(error, RuntimeError)
+
+
+def test_submit_returns_once_the_filler_took_the_job_and_never_waits_behind_a_fill() -> None:
+    """The handoff puts the fill's start on the submitting thread's clock instead of the
+    interpreter's switch interval; a filler still busy with an earlier mask must not hold
+    the core thread for longer than START_WAIT_S."""
+    release = threading.Event()
+
+    class Slow:
+        def fill(self) -> str:
+            release.wait(10)
+            return "mask"
+
+    provided: queue.SimpleQueue = queue.SimpleQueue()
+    filler = MaskFiller(lambda step_id, mask: provided.put((step_id, mask)))
+    filler.submit(1, Slow())
+    assert filler._jobs.empty()  # taken before submit returned
+    started = time.perf_counter()
+    filler.submit(2, Slow())  # the filler is inside step 1's fill
+    assert time.perf_counter() - started < MaskFiller.START_WAIT_S + 0.5
+    assert not filler._jobs.empty()
+    release.set()
+    filler.close()
+    assert [provided.get(timeout=10) for _ in range(2)] == [(1, "mask"), (2, "mask")]
