@@ -2,7 +2,7 @@
 stand-alone kernels with the search's own grid (rows x 8192-token chunks), blocks and
 device functions, each doing part of a pass over 256 x 151,936 float32 logits (randn):
 
-    read         the statistics pass's work (max, min, sums): a plain read
+    read         the statistics pass as shipped (max, min, sums): a plain read
     copy         a copy-out as shipped: the bracket's tokens take slots by atomics, each
                  block's stores wait for its atomics, plus the pass's totals
     copy_later   the same, each block's stores issued one block later (the atomics'
@@ -32,6 +32,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import _threshold_bins as bins  # noqa: E402
 from kernels import _threshold_search as search  # noqa: E402
+from kernels import sampling_thresholds as thresholds  # noqa: E402
 from kernels.sampling_thresholds import BLOCK, CHUNK  # noqa: E402
 
 
@@ -57,39 +58,30 @@ def _variant_kernel(logits_ptr, stride, bounds_ptr, partials_ptr, bins_ptr, cand
     last_in = tl.zeros([BLOCK], tl.int1)
     for offset in range(start, end, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
-        if VARIANT == 0:  # read
-            y = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf"))
-            finite = (y > float("-inf")) & (y < float("inf"))
-            in_max = tl.maximum(in_max, tl.where(finite, y, float("-inf")))
-            in_min = tl.minimum(in_min, tl.where(finite, y, float("inf")))
-            in_mass += tl.where(finite, y, 0.0)
-            up_mass += tl.where(finite, y * y, 0.0)
-            in_cnt += finite.to(tl.float32)
-        else:
-            y, inside, above, mass = search.bracket_block(row_ptr, cols, end, 1.0, row_max, lo, hi)
-            if VARIANT == 1:  # copy
+        y, inside, above, mass = search.bracket_block(row_ptr, cols, end, 1.0, row_max, lo, hi)
+        if VARIANT == 1:  # copy
+            slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
+            tl.store(cands + slot, y, mask=inside & (slot < search.CAP))
+        if VARIANT == 2:  # copy_later
+            tl.store(cands + last_slot, last_y, mask=last_in & (last_slot < search.CAP))
+            last_slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
+            last_y = y
+            last_in = inside
+        if VARIANT == 6:  # copy_gated
+            if tl.sum(inside.to(tl.int32), axis=0) > 0:
                 slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
                 tl.store(cands + slot, y, mask=inside & (slot < search.CAP))
-            if VARIANT == 2:  # copy_later
-                tl.store(cands + last_slot, last_y, mask=last_in & (last_slot < search.CAP))
-                last_slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
-                last_y = y
-                last_in = inside
-            if VARIANT == 6:  # copy_gated
-                if tl.sum(inside.to(tl.int32), axis=0) > 0:
-                    slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
-                    tl.store(cands + slot, y, mask=inside & (slot < search.CAP))
-            if VARIANT == 7:  # copy_scan
-                num_inside = tl.sum(inside.to(tl.int32), axis=0)
-                if num_inside > 0:
-                    base = tl.atomic_add(count_ptr + row, num_inside, sem="relaxed")
-                    slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
-                    tl.store(cands + slot, y, mask=inside & (slot < search.CAP))
-            if (VARIANT == 4) | (VARIANT == 5):  # histogram, bins_only
-                counts += tl.histogram(bins.bin_of(y, lo, hi, inv_width), search.BINS)
-            if VARIANT != 5:
-                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.add_totals(
-                    in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
+        if VARIANT == 7:  # copy_scan
+            num_inside = tl.sum(inside.to(tl.int32), axis=0)
+            if num_inside > 0:
+                base = tl.atomic_add(count_ptr + row, num_inside, sem="relaxed")
+                slot = base + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                tl.store(cands + slot, y, mask=inside & (slot < search.CAP))
+        if (VARIANT == 4) | (VARIANT == 5):  # histogram, bins_only
+            counts += tl.histogram(bins.bin_of(y, lo, hi, inv_width), search.BINS)
+        if VARIANT != 5:
+            in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.add_totals(
+                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
     if VARIANT == 2:
         tl.store(cands + last_slot, last_y, mask=last_in & (last_slot < search.CAP))
     if (VARIANT == 4) | (VARIANT == 5):
@@ -98,7 +90,7 @@ def _variant_kernel(logits_ptr, stride, bounds_ptr, partials_ptr, bins_ptr, cand
     search.store_totals(partials, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
 
-VARIANTS = {"read": 0, "copy": 1, "copy_later": 2, "totals": 3, "histogram": 4, "bins_only": 5,
+VARIANTS = {"read": -1, "copy": 1, "copy_later": 2, "totals": 3, "histogram": 4, "bins_only": 5,
             "copy_gated": 6, "copy_scan": 7}
 
 
@@ -124,8 +116,18 @@ def main() -> None:
     candidates = torch.zeros(args.rows * search.CAPACITY, device="cuda")
     counter = torch.zeros(args.rows, dtype=torch.int32, device="cuda")
 
+    stats = torch.empty(args.rows * num_chunks * 8, device="cuda")
+    rows = torch.arange(args.rows, dtype=torch.int32, device="cuda")
+    ones = torch.ones(args.rows, device="cuda")
+    top_k = torch.full((args.rows,), 50, dtype=torch.int32, device="cuda")
+
     def launch(variant: int) -> None:
         counter.zero_()
+        if variant < 0:
+            thresholds._stats_kernel[(args.rows, num_chunks)](
+                logits, logits.stride(0), rows, ones, top_k, ones, ones * 0, stats, args.vocab,
+                CHUNK=CHUNK, BLOCK=BLOCK, NUM_STATS=8)
+            return
         _variant_kernel[(args.rows, num_chunks)](
             logits, logits.stride(0), bounds, partials, bin_counts, candidates, counter,
             args.vocab, VARIANT=variant, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
