@@ -115,6 +115,7 @@ if HAS_TRITON:
         tl.store(state_i + search.I_NUM_CANDIDATES, 0)
         tl.store(state_i + search.I_ROUND, 0)
         tl.store(state_i + search.I_RESTARTED, 0)
+        tl.store(state_i + search.I_GUESSED, 0)
         tl.store(state_i + search.I_ACTION, search.NONE)
         tl.store(state_i + search.I_PHASE, search.DONE)
         tl.store(state_f + search.F_THRESHOLD, float("-inf"))
@@ -142,9 +143,12 @@ if HAS_TRITON:
             tl.store(state_i + search.I_PHASE, phase)
             if (phase != search.DONE) & (row_max > float("-inf")):
                 tl.store(state_f + search.F_START, lo)
-                bins_lo = tl.where(phase == search.SEARCH_K, mean - _K_STDS * std,
-                                   row_max - (tl.log(num_finite) + _P_SPAN))
-                search.start_histogram(state_f, state_i, lo, row_max, bins_lo)
+                if phase == search.SEARCH_K:
+                    search.start_top_k(state_f, state_i, lo, row_max, mean - _K_STDS * std, top_k,
+                                       num_finite, mean, std)
+                else:
+                    search.start_histogram(state_f, state_i, lo, row_max,
+                                           row_max - (tl.log(num_finite) + _P_SPAN))
             else:
                 tl.store(state_i + search.I_PHASE, search.DONE)
 

@@ -13,7 +13,8 @@ from tests.kernels._triton_interpreter import cuda_test, needs_triton, run_in_tr
 from tests.kernels.test_sampling_thresholds import _assert_thresholds_match
 
 NEG_INF = float("-inf")
-PHASE, RESTARTED = 0, 6  # columns of the search's int state (kernels/_threshold_search.py)
+PHASE, ACTION, RESTARTED = 0, 1, 6  # columns of the search's int state (kernels/_threshold_search.py)
+HISTOGRAM = 4  # an action
 
 
 def _stress_rows(vocab: int) -> tuple[torch.Tensor, list[tuple[float, int, float, float]]]:
@@ -75,8 +76,9 @@ def check_stress_rows_match_reference_and_are_batch_invariant(vocab: int, chunk:
 
 def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, device: str = "cpu") -> None:
     """Gaussian rows need no finishing passes: on a wide row (std 3.75 after temperature, as
-    bench_sampler.py draws them) top-p 0.9 and a small top-k (+ top-p) take one histogram
-    pass and the copy-out; the rest at most two more; none restarts."""
+    bench_sampler.py draws them) a small top-k (+ top-p) takes one copy-out above its
+    guessed cut, top-p 0.9 one histogram pass and the copy-out; the rest at most two more;
+    none restarts."""
     from kernels import sampling_thresholds as module
 
     generator = torch.Generator().manual_seed(5)
@@ -89,9 +91,11 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, 
     expected = sampling_thresholds_ref(logits, rows, *filters)
     default_rounds = module.NUM_GRAPHED_ROUNDS
     try:
-        for num_rounds, finished in ((2, [0, 1, 2]), (default_rounds, list(range(len(settings))))):
+        for num_rounds, finished in ((1, [1, 2]), (2, [0, 1, 2]),
+                                     (default_rounds, list(range(len(settings))))):
             module.NUM_GRAPHED_ROUNDS = num_rounds
-            thresholds, state = module._launch(logits[finished], rows[finished], (rows, *filters),
+            thresholds, state = module._launch(logits[finished], rows[finished],
+                                               (rows[finished], *filters),
                                                chunk, max_finish_rounds=0)
             state = state.cpu()
             assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
@@ -100,6 +104,48 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, 
                                      thresholds.cpu(), expected[finished].cpu())
     finally:
         module.NUM_GRAPHED_ROUNDS = default_rounds
+
+
+def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: int,
+                                                           device: str = "cpu") -> None:
+    """Rows where the normal fit's cut misses: too few tokens above it (a few far spikes
+    inflate the spread) or more than the candidates hold (a tight cluster far above the
+    bulk). After one round such a row is not done but searching by histogram; given the
+    graphed rounds it matches the reference, without a restart."""
+    from kernels import sampling_thresholds as module
+
+    generator = torch.Generator().manual_seed(7)
+    spikes = torch.randn(vocab, generator=generator)
+    spikes[:40] = 200.0  # the cut lands above the bulk: 40 tokens above it
+    cluster = torch.randn(vocab, generator=generator)
+    num_clustered = max(1200, vocab // 20)  # all above the cut, more than the 1024 candidates
+    cluster[:num_clustered] = 20.0 + 0.01 * torch.randn(num_clustered, generator=generator)
+    logits = torch.stack([spikes, cluster]).to(device)
+    filters = [f.to(device) for f in _filters([(1.0, 50, 1.0, 0.0), (1.0, 50, 0.9, 0.0)])]
+    rows = torch.arange(2, dtype=torch.int32, device=device)
+    default_rounds = module.NUM_GRAPHED_ROUNDS
+    try:
+        module.NUM_GRAPHED_ROUNDS = 1
+        _, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
+        assert (state[:, PHASE].cpu() != 0).all() and (state[:, ACTION].cpu() == HISTOGRAM).all(), state
+    finally:
+        module.NUM_GRAPHED_ROUNDS = default_rounds
+    thresholds, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
+    state = state.cpu()
+    assert (state[:, PHASE] == 0).all() and (state[:, RESTARTED] == 0).all(), state
+    _assert_thresholds_match(logits.cpu(), rows.cpu(), [f.cpu() for f in filters], thresholds.cpu(),
+                             sampling_thresholds_ref(logits, rows, *filters).cpu())
+
+
+@needs_triton
+def test_a_missed_top_k_guess_falls_back_in_interpreter() -> None:
+    run_in_triton_interpreter(__file__, "check_a_missed_top_k_guess_falls_back_to_the_histogram",
+                              kwargs={"vocab": 8192, "chunk": 2048})
+
+
+@cuda_test
+def test_a_missed_top_k_guess_falls_back_on_cuda() -> None:
+    check_a_missed_top_k_guess_falls_back_to_the_histogram(151936, 8192, "cuda")
 
 
 @needs_triton
