@@ -23,7 +23,7 @@ fit of the row puts 1.5 k + 32 tokens above it): when at least k and at most CAP
 that one pass resolves the row (with top-p inside the top k), saving the histogram pass;
 else the row searches by histogram as if no guess had been made (one pass lost). Language
 model rows have a heavier upper tail than the fit: on the embedded model's logits about
-twice the expected count lies above the cut, within bounds for every row up to k = 100
+twice the expected count lies above the cut, within bounds for all 127 rows up to k = 128
 (benchmarks/results/gpu_step/top_k_guess_real_logits.json)."""
 NUM_BINS = 128  # per histogram pass: 126 even bins, one for the bracket below them, one outside
 CAPACITY = 1024
