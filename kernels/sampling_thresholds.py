@@ -15,9 +15,11 @@ The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p
 kernels/top_k_top_p.py). The Triton version searches for the threshold
 (kernels/_threshold_search.py, kernels/_threshold_bins.py): a statistics pass (max, mean,
 spread; min-p alone ends here), then histogram passes of 126 bins that narrow a bracket
-around the answer until it holds at most 1024 tokens (one pass for a small top-k, one or
-two for top-p, three for p near 1), and a pass that copies those out to be resolved
-exactly in registers. A fixed sequence of launches (so that it can be captured in a CUDA graph)
+around the answer until it holds at most 1024 tokens (one or two for top-p, three for p
+near 1), and a pass that copies those out to be resolved exactly in registers. A small
+top-k skips the histograms: its first pass copies out every token above a cut guessed from
+the statistics, which holds the answer on typical rows, and searches by histogram only
+when it does not. A fixed sequence of launches (so that it can be captured in a CUDA graph)
 carries most rows to the end; a last kernel finishes any row that needs more passes
 (ties, extreme spreads), alone. Every pass splits a row in fixed 8192-token chunks and
 sums them in chunk order, so a row's threshold does not depend on the batch it is in.
