@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 
 from kernels.sampling_thresholds import sampling_thresholds_ref
-from tests.kernels._triton_interpreter import cuda_test, needs_triton, run_in_triton_interpreter
+from tests.kernels._triton_interpreter import (
+    needs_triton,
+    run_in_triton_interpreter,
+    triton_vs_reference_tests,
+)
 from tests.kernels.test_sampling_thresholds import _assert_thresholds_match
 
 NEG_INF = float("-inf")
@@ -127,7 +131,8 @@ def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: in
     try:
         module.NUM_GRAPHED_ROUNDS = 1
         _, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
-        assert (state[:, PHASE].cpu() != 0).all() and (state[:, ACTION].cpu() == HISTOGRAM).all(), state
+        state = state.cpu()
+        assert (state[:, PHASE] != 0).all() and (state[:, ACTION] == HISTOGRAM).all(), state
     finally:
         module.NUM_GRAPHED_ROUNDS = default_rounds
     thresholds, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
@@ -137,15 +142,11 @@ def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: in
                              sampling_thresholds_ref(logits, rows, *filters).cpu())
 
 
-@needs_triton
-def test_a_missed_top_k_guess_falls_back_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_a_missed_top_k_guess_falls_back_to_the_histogram",
-                              kwargs={"vocab": 8192, "chunk": 2048})
-
-
-@cuda_test
-def test_a_missed_top_k_guess_falls_back_on_cuda() -> None:
-    check_a_missed_top_k_guess_falls_back_to_the_histogram(151936, 8192, "cuda")
+(test_a_missed_top_k_guess_falls_back_in_interpreter,
+ test_a_missed_top_k_guess_falls_back_on_cuda) = (
+    triton_vs_reference_tests(check_a_missed_top_k_guess_falls_back_to_the_histogram,
+                              interpreted={"vocab": 8192, "chunk": 2048},
+                              on_cuda={"vocab": 151936, "chunk": 8192, "device": "cuda"}))
 
 
 @needs_triton
@@ -155,12 +156,8 @@ def test_stress_rows_in_interpreter() -> None:
                               kwargs={"vocab": 1100, "chunk": 256})
 
 
-@needs_triton
-def test_typical_rows_finish_within_the_graphed_rounds_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_typical_rows_finish_within_the_graphed_rounds",
-                              kwargs={"vocab": 8192, "chunk": 2048})
-
-
-@cuda_test
-def test_typical_rows_finish_within_the_graphed_rounds_on_cuda() -> None:
-    check_typical_rows_finish_within_the_graphed_rounds(151936, 8192, "cuda")
+(test_typical_rows_finish_within_the_graphed_rounds_in_interpreter,
+ test_typical_rows_finish_within_the_graphed_rounds_on_cuda) = (
+    triton_vs_reference_tests(check_typical_rows_finish_within_the_graphed_rounds,
+                              interpreted={"vocab": 8192, "chunk": 2048},
+                              on_cuda={"vocab": 151936, "chunk": 8192, "device": "cuda"}))
