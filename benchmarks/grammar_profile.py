@@ -183,7 +183,34 @@ def _arm_options(name: str) -> tuple[str, int | None, float | None, bool]:
     return base, threads, switch_s, "t1" in suffixes
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Timings:
+    """Every per-call timing of the engine this profile records, taken and reset per run."""
+
+    def __init__(self) -> None:
+        self.executor: dict = {}
+        self.fill_ms, self.fill_rows = _time_fills(self.executor)
+        self.waits_ms = _time_mask_waits()
+        self.call_ms = _time_calls(TIMED)
+        self.chain = MaskChain.install()
+
+    def take(self) -> tuple[dict, dict, dict]:
+        """(mask fills, calls, mask chain) since the last take, then cleared."""
+        fills = {"num_fills": len(self.fill_ms), "mean_ms": _mean(self.fill_ms),
+                 "mean_rows": _mean(self.fill_rows), "mask_wait_ms_mean": _mean(self.waits_ms)}
+        calls = {target.rpartition(":")[2]: {"num_calls": len(ms), "mean_ms": _mean(ms)}
+                 for target, ms in self.call_ms.items()}
+        chain = self.chain.summary()
+        for timings in (self.fill_ms, self.fill_rows, self.waits_ms, *self.call_ms.values()):
+            timings.clear()
+        self.chain.clear()
+        return fills, calls, chain
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="dummy:qwen3-0.6b")
     parser.add_argument("--tokenizer", default=None)
@@ -198,7 +225,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack-arm", default="json",
                         help="the arm whose last run samples stacks (the others run clean)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _print_run(name: str, record: dict) -> None:
+    fills, calls, chain = record["mask_fills"], record["calls"], record["mask_chain_ms"]
+    print(f"{name:8s} {record['output_tok_s']:10.1f} output tok/s ({record['elapsed_s']:.2f} s)"
+          f" fills {fills['num_fills']} x {fills['mean_ms']:.2f} ms"
+          f" ({fills['mean_rows']:.0f} rows), mask wait {fills['mask_wait_ms_mean']:.2f} ms"
+          + (" (stacks sampled)" if record["stacks_sampled"] else ""))
+    print("    " + ", ".join(f"{call} {c['num_calls']} x {c['mean_ms']:.2f}"
+                             for call, c in calls.items()))
+    if chain:
+        print("    chain (median ms): " + "; ".join(f"{label} {v['median']}"
+                                                 for label, v in chain.items()))
+
+
+def _print_stacks(arm: str, stacks_by_thread: dict) -> None:
+    for thread, stacks in stacks_by_thread.items():
+        print(f"--- {arm} arm, thread {thread}")
+        print("  self: " + "; ".join(f"{w} {n}" for w, n in stacks["self"]))
+        print("  focus: " + "; ".join(f"{w} {n}" for w, n in sorted(
+            stacks["focus"].items(), key=lambda item: -item[1])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     llm = LLM(args.model, tokenizer=args.tokenizer, max_num_seqs=args.num_requests,
               max_num_batched_tokens=16384, max_model_len=2048)
     prompts = [f"List people as JSON, batch {i}." for i in range(args.num_requests)]
@@ -207,15 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                                    ignore_eos=True),
             "json": SamplingParams(temperature=1.0, seed=1, max_tokens=args.max_tokens,
                                    ignore_eos=True, structured_output=spec)}
-    executor: dict = {}
-    fill_ms, fill_rows = _time_fills(executor)
-    waits_ms = _time_mask_waits()
-    call_ms = _time_calls(TIMED)
-    chain = MaskChain.install()
+    timings = _Timings()
     llm.generate(prompts[:8], arms["json"])  # warm-up: compile, graphs
-    for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
-        timings.clear()
-    chain.clear()
+    timings.take()
     result = {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "arms": {}}
     import torch
 
@@ -228,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         base, threads, switch_s, one_torch_thread = _arm_options(name)
         torch.set_num_threads(1 if one_torch_thread else default_torch_threads)
         sys.setswitchinterval(switch_s or default_switch_s)
-        executor["now"] = None if threads is None else llguidance.LLExecutor(num_threads=threads)
+        timings.executor["now"] = (None if threads is None
+                                   else llguidance.LLExecutor(num_threads=threads))
         MaskFiller.wait_for_start = not name.endswith("_nohand")
         sampler = StackSampler()
         sampled = name == args.stack_arm and name not in plan[index + 1:]
@@ -239,37 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         if name.startswith("json"):
             print(f"  e.g. {outputs[0].outputs[0].text[:160]!r}")
-        fills = {"num_fills": len(fill_ms), "mean_ms": sum(fill_ms) / max(len(fill_ms), 1),
-                 "mean_rows": sum(fill_rows) / max(len(fill_rows), 1),
-                 "mask_wait_ms_mean": sum(waits_ms) / max(len(waits_ms), 1)}
-        calls = {target.rpartition(":")[2]: {"num_calls": len(ms), "mean_ms": sum(ms) / max(len(ms), 1)}
-                 for target, ms in call_ms.items()}
-        for timings in (fill_ms, fill_rows, waits_ms, *call_ms.values()):
-            timings.clear()
-        mask_chain = chain.summary()
-        chain.clear()
-        result["arms"].setdefault(name, []).append(
-            {"output_tok_s": num_tokens / elapsed_s, "elapsed_s": elapsed_s,
-             "mask_chain_ms": mask_chain,
-             "stacks": sampler.report(args.top), "num_samples": sampler.num_samples,
-             "stacks_sampled": sampled, "mask_fills": fills, "calls": calls})
-        print(f"{name:8s} {num_tokens / elapsed_s:10.1f} output tok/s ({elapsed_s:.2f} s)"
-              + f" fills {fills['num_fills']} x {fills['mean_ms']:.2f} ms"
-              f" ({fills['mean_rows']:.0f} rows), mask wait {fills['mask_wait_ms_mean']:.2f} ms"
-              + (" (stacks sampled)" if sampled else ""))
-        print("    " + ", ".join(f"{name} {c['num_calls']} x {c['mean_ms']:.2f}"
-                                 for name, c in calls.items()))
-        if mask_chain:
-            print("    chain (median ms): " + "; ".join(f"{label} {v['median']}"
-                                                     for label, v in mask_chain.items()))
+        fills, calls, mask_chain = timings.take()
+        record = {"output_tok_s": num_tokens / elapsed_s, "elapsed_s": elapsed_s,
+                  "mask_chain_ms": mask_chain, "stacks": sampler.report(args.top),
+                  "num_samples": sampler.num_samples, "stacks_sampled": sampled,
+                  "mask_fills": fills, "calls": calls}
+        result["arms"].setdefault(name, []).append(record)
+        _print_run(name, record)
     args.out.write_text(json.dumps(result, indent=1))
-    last_json = [args.stack_arm] if args.stack_arm in plan else []
-    for thread, stacks in (result["arms"][last_json[0]][-1]["stacks"].items()
-                           if last_json else ()):
-        print(f"--- {last_json[0]} arm, thread {thread}")
-        print("  self: " + "; ".join(f"{w} {n}" for w, n in stacks["self"]))
-        print("  focus: " + "; ".join(f"{w} {n}" for w, n in sorted(
-            stacks["focus"].items(), key=lambda item: -item[1])))
+    if args.stack_arm in plan:
+        _print_stacks(args.stack_arm, result["arms"][args.stack_arm][-1]["stacks"])
     return 0
 
 
