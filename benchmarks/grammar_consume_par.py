@@ -19,37 +19,24 @@ import time
 from pathlib import Path
 
 import llguidance
-import llguidance.numpy
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.grammar import GrammarCompiler, allocate_bitmask  # noqa: E402
-from actors.structured_output import StructuredOutputSpec  # noqa: E402
-from benchmarks.grammar_serve import throughput_schema  # noqa: E402
-
-
-def random_allowed(bitmask: np.ndarray, rng: np.random.Generator) -> list[int]:
-    """One allowed token per row of a [rows, words] int32 mask."""
-    return [int(rng.choice(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))))
-            for row in bitmask]
+from actors.grammar import allocate_bitmask  # noqa: E402
+from benchmarks.grammar_fill_threads import (  # noqa: E402
+    add_batch_arguments,
+    random_allowed,
+    throughput_matchers,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", required=True, help="a tokenizer directory")
-    parser.add_argument("--vocab-size", type=int, default=151936)
-    parser.add_argument("--eos-token-id", type=int, default=151645, help="Qwen3 <|im_end|>")
-    parser.add_argument("--num-rows", type=int, default=256)
-    parser.add_argument("--num-steps", type=int, default=60)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path, required=True)
+    add_batch_arguments(parser, num_steps=60, threads=[1, 2])
     args = parser.parse_args()
-    compiler = GrammarCompiler((Path(args.tokenizer) / "tokenizer.json").read_text(),
-                               args.vocab_size, [args.eos_token_id])
-    spec = StructuredOutputSpec("json", json.dumps(throughput_schema(None)))
-    matchers = [compiler.matcher(spec) for _ in range(args.num_rows)]
+    compiler, matchers = throughput_matchers(args)
     bitmask = allocate_bitmask(args.num_rows, args.vocab_size)
     executors = {f"par_{n}": llguidance.LLExecutor(num_threads=n) for n in args.threads}
     arms = ["serial", *executors]
@@ -57,7 +44,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for step in range(args.num_steps):
         compiler.fill_bitmasks([(m, row) for row, m in enumerate(matchers)], bitmask)
-        tokens = random_allowed(bitmask, rng)
+        tokens = random_allowed(bitmask, args.vocab_size, rng)
         arm = arms[step % len(arms)]
         started = time.perf_counter()
         if arm == "serial":

@@ -23,31 +23,50 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.grammar import GrammarCompiler, allocate_bitmask  # noqa: E402
+from actors.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
 from actors.structured_output import StructuredOutputSpec  # noqa: E402
 from benchmarks.grammar_serve import throughput_schema  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_batch_arguments(parser: argparse.ArgumentParser, num_steps: int,
+                        threads: list[int]) -> None:
+    """The options of a benchmark over a batch of throughput-schema matchers."""
     parser.add_argument("--tokenizer", required=True, help="a tokenizer directory")
     parser.add_argument("--vocab-size", type=int, default=151936)
     parser.add_argument("--eos-token-id", type=int, default=151645, help="Qwen3 <|im_end|>")
     parser.add_argument("--num-rows", type=int, default=256)
-    parser.add_argument("--num-steps", type=int, default=64)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--max-length", type=int, default=None,
-                        help="bound the schema's strings (maxLength): the library's slow case")
+    parser.add_argument("--num-steps", type=int, default=num_steps)
+    parser.add_argument("--threads", type=int, nargs="+", default=threads)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+
+
+def throughput_matchers(args: argparse.Namespace, max_length: int | None = None
+                        ) -> tuple[GrammarCompiler, list[GrammarMatcher]]:
+    """A compiler for the tokenizer of `args` and args.num_rows fresh matchers of the
+    throughput schema."""
     tokenizer_json = (Path(args.tokenizer) / "tokenizer.json").read_text()
     compiler = GrammarCompiler(tokenizer_json, args.vocab_size, [args.eos_token_id])
-    spec = StructuredOutputSpec("json", json.dumps(throughput_schema(args.max_length)))
+    spec = StructuredOutputSpec("json", json.dumps(throughput_schema(max_length)))
+    return compiler, [compiler.matcher(spec) for _ in range(args.num_rows)]
+
+
+def random_allowed(bitmask: np.ndarray, vocab_size: int, rng: np.random.Generator) -> list[int]:
+    """One token per row that the row of `bitmask` ([rows, words] int32) allows."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    return [int(rng.choice(np.flatnonzero(row[:vocab_size]))) for row in bits]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_batch_arguments(parser, num_steps=64, threads=[1, 2, 4, 8, 16])
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="bound the schema's strings (maxLength): the library's slow case")
+    args = parser.parse_args(argv)
+    compiler, matchers = throughput_matchers(args, args.max_length)
     executors = {n: llguidance.LLExecutor(num_threads=n) for n in args.threads}
     executors[0] = llguidance.LLExecutor()  # the library's default
     times_ms: dict[int, list[float]] = {n: [] for n in executors}
     cold_ms: list[float] = []
-    matchers = [compiler.matcher(spec) for _ in range(args.num_rows)]
     pairs = [(m._matcher, row) for row, m in enumerate(matchers)]
     bitmask = allocate_bitmask(args.num_rows, args.vocab_size)
     rng = np.random.default_rng(0)
@@ -62,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             llguidance.numpy.fill_next_token_bitmask_par(executor, pairs, bitmask)
             times_ms[n].append((time.perf_counter() - started) * 1e3)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-        for row, matcher in enumerate(matchers):
-            matcher.accept_token(int(rng.choice(np.flatnonzero(bits[row, :args.vocab_size]))))
+        for matcher, token in zip(matchers, random_allowed(bitmask, args.vocab_size, rng)):
+            matcher.accept_token(token)
     result = {"num_rows": args.num_rows, "num_steps": args.num_steps, "cpus": os.cpu_count(),
               "max_length": args.max_length,
               "fill_ms": {("default" if n == 0 else str(n)): {
