@@ -1,7 +1,7 @@
 """How often the threshold search's guessed top-k cut holds on a real language model's
 logits: the embedded model (SmolLM2-135M-Instruct, transformers on its GGUF, CPU) scores
 its own greedy answers to a few chat prompts, and for each position and k the count of
-tokens above the cut the search would guess (kernels/_threshold_search.start_top_k: mean
+tokens above the cut the search would guess (kernels/_threshold_guess.start_top_k: mean
 + std * the normal quantile with 1.5 k + 32 tokens above it) must lie in [k, CAPACITY] for
 the one-pass path to resolve the row.
 
@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from actors.sampling_params import SamplingParams  # noqa: E402
 from app.llm import LLM  # noqa: E402
-from kernels._threshold_search import CAPACITY, MAX_GUESSED_TOP_K  # noqa: E402
+from kernels._threshold_guess import MAX_GUESSED_TOP_K  # noqa: E402
+from kernels._threshold_search import CAPACITY  # noqa: E402
 from tests._hf_reference import hf_reference_model  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",

@@ -17,14 +17,6 @@ launches (a CUDA graph) can carry rows that need different numbers of passes.
 from kernels._triton import HAS_TRITON, tl, triton
 
 NUM_PIVOTS = 8
-MAX_GUESSED_TOP_K = 128
-"""A top-k up to this many starts by copying out every token above a guessed cut (a normal
-fit of the row puts 1.5 k + 32 tokens above it): when at least k and at most CAPACITY are,
-that one pass resolves the row (with top-p inside the top k), saving the histogram pass;
-else the row searches by histogram as if no guess had been made (one pass lost). Language
-model rows have a heavier upper tail than the fit: on the embedded model's logits about
-twice the expected count lies above the cut, within bounds for all 127 rows up to k = 128
-(benchmarks/results/gpu_step/top_k_guess_real_logits.json)."""
 NUM_BINS = 128  # per histogram pass: 126 even bins, one for the bracket below them, one outside
 CAPACITY = 1024
 NUM_F = 16  # float state columns per row
@@ -41,11 +33,10 @@ if HAS_TRITON:
     # (no columns for what lies above hi: every pass sums it afresh, see T_CNT_ABOVE)
     F_TARGET, F_THRESHOLD = _c(7), _c(8)
     F_START, F_INV_WIDTH = _c(9), _c(10)  # lo where the phase's search began; bins per unit
-    F_BINS_LO = _c(11)  # where a top-k's first histogram puts its lowest even bin
+    F_BINS_LO = _c(11)  # where the histogram after a missed guess puts its lowest even bin
     # int state columns
     I_PHASE, I_ACTION, I_TOP_K, I_NUM_CANDIDATES, I_HAS_P, I_ROUND = _c(0), _c(1), _c(2), _c(3), _c(4), _c(5)
     I_RESTARTED, I_GUESSED = _c(6), _c(7)  # I_GUESSED: the pending copy is above a guessed cut
-    GUESSED_MAX_K = _c(MAX_GUESSED_TOP_K)
     # per-chunk totals after the per-pivot sums: tokens in (lo, hi] (count, mass, min, max),
     # then the count and mass of those above hi
     T_CNT_IN, T_MASS_IN, T_MIN_IN = _c(2 * NUM_PIVOTS), _c(2 * NUM_PIVOTS + 1), _c(2 * NUM_PIVOTS + 2)
@@ -188,31 +179,6 @@ if HAS_TRITON:
         tl.store(state_i + I_ACTION, HISTOGRAM)
 
     @triton.jit
-    def normal_tail_quantile(q):
-        """z with P(N(0, 1) > z) = q for 0 < q <= 0.5 (Abramowitz and Stegun 26.2.23,
-        within 5e-4): only a guess is made of it."""
-        t = tl.sqrt(-2.0 * tl.log(tl.minimum(tl.maximum(q, 1e-30), 0.5)))
-        return t - ((2.515517 + 0.802853 * t + 0.010328 * t * t)
-                    / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t))
-
-    @triton.jit
-    def start_top_k(state_f, state_i, lo, row_max, bins_lo, top_k, num_tokens, mean, std):
-        """A top-k search's first pass: for a small k, a copy of every token above the cut
-        where a normal fit (mean, std of num_tokens) expects 1.5 k + 32 of them; else (and
-        when that copy holds fewer than k or more than CAP) a histogram from bins_lo."""
-        tl.store(state_f + F_BINS_LO, bins_lo)
-        expected = 1.5 * top_k.to(tl.float32) + 32.0
-        cut = mean + std * normal_tail_quantile(expected / num_tokens)
-        guess = (top_k <= GUESSED_MAX_K) & (2.0 * expected < num_tokens) & (cut > lo) & (cut < row_max)
-        tl.store(state_i + I_GUESSED, guess.to(tl.int32))
-        if guess:
-            tl.store(state_f + F_LO, cut)
-            tl.store(state_f + F_HI, row_max)
-            tl.store(state_i + I_ACTION, COMPACT_ALL)
-        else:
-            start_histogram(state_f, state_i, lo, row_max, bins_lo)
-
-    @triton.jit
     def restart(state_f, state_i, pivots_ptr):
         """A bracket chosen from bounds missed the answer (or float sums disagree at a knife
         edge): search the phase's whole range again, by pivots and exact sums, once."""
@@ -351,7 +317,9 @@ if HAS_TRITON:
         misplaced = (need <= 0.0) | (need > have) | (num_candidates > CAP)
         guessed = tl.load(state_i + I_GUESSED) != 0
         tl.store(state_i + I_GUESSED, 0)
-        if misplaced & guessed:  # the guessed cut missed: search as if it had not been tried
+        if misplaced & guessed:  # the guess missed: search as if it had not been tried
+            # (top-p's target comes from the histogram's exact total again, as without a guess)
+            tl.store(state_f + F_TARGET, tl.where(search_k, tl.load(state_f + F_TARGET), -1.0))
             start_histogram(state_f, state_i, tl.load(state_f + F_START), tl.load(state_f + F_MAX),
                             tl.load(state_f + F_BINS_LO))
         elif misplaced & (tl.load(state_i + I_RESTARTED) == 0):

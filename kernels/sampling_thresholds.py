@@ -14,15 +14,17 @@ the tokens below the threshold as it samples.
 The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p.py,
 kernels/top_k_top_p.py). The Triton version searches for the threshold
 (kernels/_threshold_search.py, kernels/_threshold_bins.py): a statistics pass (max, mean,
-spread; min-p alone ends here), then histogram passes of 126 bins that narrow a bracket
-around the answer until it holds at most 1024 tokens (one or two for top-p, three for p
-near 1), and a pass that copies those out to be resolved exactly in registers. A small
-top-k skips the histograms: its first pass copies out every token above a cut guessed from
-the statistics, which holds the answer on typical rows, and searches by histogram only
-when it does not. A fixed sequence of launches (so that it can be captured in a CUDA graph)
-carries most rows to the end; a last kernel finishes any row that needs more passes
-(ties, extreme spreads), alone. Every pass splits a row in fixed 8192-token chunks and
-sums them in chunk order, so a row's threshold does not depend on the batch it is in.
+spread, and for top-p alone the total mass; min-p alone ends here), then histogram passes
+of 126 bins that narrow a bracket around the answer until it holds at most 1024 tokens
+(one or two for top-p, three for p near 1), and a pass that copies those out to be
+resolved exactly in registers. A small top-k and top-p alone skip the histograms: their
+first pass copies out the tokens where a normal fit of the statistics puts the answer
+(kernels/_threshold_guess.py), which holds it on typical rows, and they search by
+histogram only when it does not. A fixed sequence of launches (so that it can be captured
+in a CUDA graph) carries most rows to the end; a last kernel finishes any row that needs
+more passes (ties, extreme spreads), alone. Every pass splits a row in fixed 8192-token
+chunks and sums them in chunk order, so a row's threshold does not depend on the batch it
+is in.
 
 Masses are float32 sums in another order than the reference's cumulative sum, so a row
 whose p falls within float32 rounding of a cumulative mass may keep one token more or less.
@@ -31,6 +33,7 @@ whose p falls within float32 rounding of a cumulative mass may keep one token mo
 import torch
 
 from kernels import _threshold_bins as bins
+from kernels import _threshold_guess as guess
 from kernels import _threshold_search as search
 from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
@@ -72,6 +75,46 @@ if HAS_TRITON:
         return tl.load(temperature_ptr + req), top_k, top_p, min_p, has_k, has_p, has_min_p
 
     @triton.jit
+    def _guesses_top_p(has_k, has_p, has_min_p):
+        """Top-p alone (over every finite token) starts from a guess and needs the row's mass."""
+        return has_p & ~has_k & ~has_min_p
+
+    @triton.jit
+    def _chunk_stats(logits_row, out, temperature, start, end, BLOCK: tl.constexpr,
+                     WITH_MASS: tl.constexpr):
+        """Store a chunk's max, min, sum, sum of squares and count of its finite values and
+        (WITH_MASS) the sum of exp(y - the chunk's max): per lane, each value's exp against
+        the lane's running max, the sum rescaled when the max grows (one exp a value)."""
+        run_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        run_min = tl.full([BLOCK], float("inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK], tl.float32)
+        run_sq = tl.zeros([BLOCK], tl.float32)
+        run_num = tl.zeros([BLOCK], tl.float32)
+        run_mass = tl.zeros([BLOCK], tl.float32)
+        for offset in range(start, end, BLOCK):
+            cols = offset + tl.arange(0, BLOCK)
+            y = search.scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")),
+                              temperature)
+            finite = (y > float("-inf")) & (y < float("inf"))
+            if WITH_MASS:
+                gap = tl.exp(-tl.abs(y - run_max))
+                run_mass = tl.where(finite, tl.where(y > run_max, run_mass * gap + 1.0, run_mass + gap),
+                                    run_mass)
+            run_max = tl.maximum(run_max, tl.where(finite, y, float("-inf")))
+            run_min = tl.minimum(run_min, tl.where(finite, y, float("inf")))
+            run_sum += tl.where(finite, y, 0.0)
+            run_sq += tl.where(finite, y * y, 0.0)
+            run_num += finite.to(tl.float32)
+        chunk_max = tl.max(run_max, axis=0)
+        tl.store(out, chunk_max)
+        tl.store(out + 1, tl.min(run_min, axis=0))
+        tl.store(out + 2, tl.sum(run_sum, axis=0))
+        tl.store(out + 3, tl.sum(run_sq, axis=0))
+        tl.store(out + 4, tl.sum(run_num, axis=0))
+        tl.store(out + 5, tl.sum(tl.where(run_mass > 0.0, run_mass * tl.exp(run_max - chunk_max), 0.0),
+                                 axis=0))
+
+    @triton.jit
     def _stats_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, top_k_ptr,
                       top_p_ptr, min_p_ptr, stats_ptr, vocab_size,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_STATS: tl.constexpr):
@@ -79,31 +122,14 @@ if HAS_TRITON:
         chunk = tl.program_id(1)
         temperature, _, _, _, has_k, has_p, has_min_p = _row_filters(
             idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size)
-        if has_k | has_p | has_min_p:
-            logits_row = logits_ptr + row.to(tl.int64) * logits_stride
-            start = chunk * CHUNK
-            end = tl.minimum(start + CHUNK, vocab_size)
-            run_max = tl.full([BLOCK], float("-inf"), tl.float32)
-            run_min = tl.full([BLOCK], float("inf"), tl.float32)
-            run_sum = tl.zeros([BLOCK], tl.float32)
-            run_sq = tl.zeros([BLOCK], tl.float32)
-            run_num = tl.zeros([BLOCK], tl.float32)
-            for offset in range(start, end, BLOCK):
-                cols = offset + tl.arange(0, BLOCK)
-                y = search.scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")),
-                                  temperature)
-                finite = (y > float("-inf")) & (y < float("inf"))
-                run_max = tl.maximum(run_max, tl.where(finite, y, float("-inf")))
-                run_min = tl.minimum(run_min, tl.where(finite, y, float("inf")))
-                run_sum += tl.where(finite, y, 0.0)
-                run_sq += tl.where(finite, y * y, 0.0)
-                run_num += finite.to(tl.float32)
-            out = stats_ptr + (row * tl.num_programs(1) + chunk) * NUM_STATS
-            tl.store(out, tl.max(run_max, axis=0))
-            tl.store(out + 1, tl.min(run_min, axis=0))
-            tl.store(out + 2, tl.sum(run_sum, axis=0))
-            tl.store(out + 3, tl.sum(run_sq, axis=0))
-            tl.store(out + 4, tl.sum(run_num, axis=0))
+        logits_row = logits_ptr + row.to(tl.int64) * logits_stride
+        start = chunk * CHUNK
+        end = tl.minimum(start + CHUNK, vocab_size)
+        out = stats_ptr + (row * tl.num_programs(1) + chunk) * NUM_STATS
+        if _guesses_top_p(has_k, has_p, has_min_p):
+            _chunk_stats(logits_row, out, temperature, start, end, BLOCK, True)
+        elif has_k | has_p | has_min_p:
+            _chunk_stats(logits_row, out, temperature, start, end, BLOCK, False)
 
     @triton.jit
     def _plan_kernel(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr,
@@ -125,7 +151,8 @@ if HAS_TRITON:
             chunks = tl.arange(0, CHUNKS_P2)
             in_range = chunks < num_chunks
             stats = stats_ptr + (row * num_chunks + chunks) * NUM_STATS
-            row_max = tl.max(tl.load(stats, mask=in_range, other=float("-inf")), axis=0)
+            maxima = tl.load(stats, mask=in_range, other=float("-inf"))
+            row_max = tl.max(maxima, axis=0)
             row_min = tl.min(tl.load(stats + 1, mask=in_range, other=float("inf")), axis=0)
             num_finite = tl.maximum(tl.sum(tl.load(stats + 4, mask=in_range, other=0.0), axis=0), 1.0)
             mean = tl.sum(tl.load(stats + 2, mask=in_range, other=0.0), axis=0) / num_finite
@@ -145,12 +172,18 @@ if HAS_TRITON:
             tl.store(state_i + search.I_PHASE, phase)
             if (phase != search.DONE) & (row_max > float("-inf")):
                 tl.store(state_f + search.F_START, lo)
+                p_bins_lo = row_max - (tl.log(num_finite) + _P_SPAN)
                 if phase == search.SEARCH_K:
-                    search.start_top_k(state_f, state_i, lo, row_max, mean - _K_STDS * std, top_k,
-                                       num_finite, mean, std)
+                    guess.start_top_k(state_f, state_i, lo, row_max, mean - _K_STDS * std, top_k,
+                                      num_finite, mean, std)
+                elif _guesses_top_p(has_k, has_p, has_min_p):
+                    chunk_mass = tl.load(stats + 5, mask=in_range, other=0.0)
+                    mass = tl.sum(tl.where(chunk_mass > 0.0, chunk_mass * tl.exp(maxima - row_max), 0.0),
+                                  axis=0)
+                    guess.start_top_p(state_f, state_i, lo, row_max, p_bins_lo, top_p, mass,
+                                      num_finite, mean, std)
                 else:
-                    search.start_histogram(state_f, state_i, lo, row_max,
-                                           row_max - (tl.log(num_finite) + _P_SPAN))
+                    search.start_histogram(state_f, state_i, lo, row_max, p_bins_lo)
             else:
                 tl.store(state_i + search.I_PHASE, search.DONE)
 

@@ -80,9 +80,9 @@ def check_stress_rows_match_reference_and_are_batch_invariant(vocab: int, chunk:
 
 def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, device: str = "cpu") -> None:
     """Gaussian rows need no finishing passes: on a wide row (std 3.75 after temperature, as
-    bench_sampler.py draws them) a small top-k (+ top-p) takes one copy-out above its
-    guessed cut, top-p 0.9 one histogram pass and the copy-out; the rest at most two more;
-    none restarts."""
+    bench_sampler.py draws them) a small top-k (+ top-p) and top-p alone take one copy-out
+    where the fit guesses the answer; top-p with min-p one histogram pass and the copy-out;
+    a large top-k at most two more; none restarts."""
     from kernels import sampling_thresholds as module
 
     generator = torch.Generator().manual_seed(5)
@@ -95,7 +95,7 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, 
     expected = sampling_thresholds_ref(logits, rows, *filters)
     default_rounds = module.NUM_GRAPHED_ROUNDS
     try:
-        for num_rounds, finished in ((1, [1, 2]), (2, [0, 1, 2]),
+        for num_rounds, finished in ((1, [0, 1, 2, 3, 4]),
                                      (default_rounds, list(range(len(settings))))):
             module.NUM_GRAPHED_ROUNDS = num_rounds
             thresholds, state = module._launch(logits[finished], rows[finished],
@@ -110,23 +110,14 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, 
         module.NUM_GRAPHED_ROUNDS = default_rounds
 
 
-def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: int,
-                                                           device: str = "cpu") -> None:
-    """Rows where the normal fit's cut misses: too few tokens above it (a few far spikes
-    inflate the spread) or more than the candidates hold (a tight cluster far above the
-    bulk). After one round such a row is not done but searching by histogram; given the
-    graphed rounds it matches the reference, without a restart."""
+def _assert_missed_guesses_fall_back(logits: torch.Tensor,
+                                     settings: list[tuple[float, int, float, float]], chunk: int) -> None:
+    """After one round each row is not done but searching by histogram; given the graphed
+    rounds it matches the reference, without a restart."""
     from kernels import sampling_thresholds as module
 
-    generator = torch.Generator().manual_seed(7)
-    spikes = torch.randn(vocab, generator=generator)
-    spikes[:40] = 200.0  # the cut lands above the bulk: 40 tokens above it
-    cluster = torch.randn(vocab, generator=generator)
-    num_clustered = max(1200, vocab // 20)  # all above the cut, more than the 1024 candidates
-    cluster[:num_clustered] = 20.0 + 0.01 * torch.randn(num_clustered, generator=generator)
-    logits = torch.stack([spikes, cluster]).to(device)
-    filters = [f.to(device) for f in _filters([(1.0, 50, 1.0, 0.0), (1.0, 50, 0.9, 0.0)])]
-    rows = torch.arange(2, dtype=torch.int32, device=device)
+    filters = [f.to(logits.device) for f in _filters(settings)]
+    rows = torch.arange(len(settings), dtype=torch.int32, device=logits.device)
     default_rounds = module.NUM_GRAPHED_ROUNDS
     try:
         module.NUM_GRAPHED_ROUNDS = 1
@@ -142,9 +133,44 @@ def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: in
                              sampling_thresholds_ref(logits, rows, *filters).cpu())
 
 
+def check_a_missed_top_k_guess_falls_back_to_the_histogram(vocab: int, chunk: int,
+                                                           device: str = "cpu") -> None:
+    """Rows where the normal fit's cut misses: too few tokens above it (a few far spikes
+    inflate the spread) or more than the candidates hold (a tight cluster far above the
+    bulk)."""
+    generator = torch.Generator().manual_seed(7)
+    spikes = torch.randn(vocab, generator=generator)
+    spikes[:40] = 200.0  # the cut lands above the bulk: 40 tokens above it
+    cluster = torch.randn(vocab, generator=generator)
+    num_clustered = max(1200, vocab // 20)  # all above the cut, more than the 1024 candidates
+    cluster[:num_clustered] = 20.0 + 0.01 * torch.randn(num_clustered, generator=generator)
+    _assert_missed_guesses_fall_back(torch.stack([spikes, cluster]).to(device),
+                                     [(1.0, 50, 1.0, 0.0), (1.0, 50, 0.9, 0.0)], chunk)
+
+
+def check_a_missed_top_p_guess_falls_back_to_the_histogram(vocab: int, chunk: int,
+                                                           device: str = "cpu") -> None:
+    """Top-p alone, where the fit's window misses: a tight cluster at the answer (more
+    tokens in the window than the candidates hold), and a block of strong candidates above
+    the bulk that the fit does not describe."""
+    generator = torch.Generator().manual_seed(9)
+    cluster = torch.randn(vocab, generator=generator)
+    num_clustered = max(3000, vocab // 20)
+    cluster[:num_clustered] = 3.0 + 1e-3 * torch.randn(num_clustered, generator=generator)
+    strong = torch.randn(vocab, generator=generator)
+    strong[:2000] = 5.0 + torch.rand(2000, generator=generator)
+    _assert_missed_guesses_fall_back(torch.stack([cluster, strong]).to(device),
+                                     [(1.0, 0, 0.5, 0.0), (1.0, 0, 0.9, 0.0)], chunk)
+
+
 (test_a_missed_top_k_guess_falls_back_in_interpreter,
  test_a_missed_top_k_guess_falls_back_on_cuda) = (
     triton_vs_reference_tests(check_a_missed_top_k_guess_falls_back_to_the_histogram,
+                              interpreted={"vocab": 8192, "chunk": 2048},
+                              on_cuda={"vocab": 151936, "chunk": 8192, "device": "cuda"}))
+(test_a_missed_top_p_guess_falls_back_in_interpreter,
+ test_a_missed_top_p_guess_falls_back_on_cuda) = (
+    triton_vs_reference_tests(check_a_missed_top_p_guess_falls_back_to_the_histogram,
                               interpreted={"vocab": 8192, "chunk": 2048},
                               on_cuda={"vocab": 151936, "chunk": 8192, "device": "cuda"}))
 
