@@ -88,8 +88,8 @@ if HAS_TRITON:
         tl.store(state_f + search.F_BINS_LO, bins_lo)
         rank = top_p_rank(top_p, mass, row_max, num_tokens, mean, std)
         everything = rank <= _HALF_WINDOW
-        num_below_lo = tl.minimum(tl.maximum(rank + _HALF_WINDOW, _MIN_ABOVE), num_tokens - 1.0)
-        cut_lo = fitted_cut(mean, std, num_below_lo, num_tokens)
+        num_above_lo = tl.minimum(tl.maximum(rank + _HALF_WINDOW, _MIN_ABOVE), num_tokens - 1.0)
+        cut_lo = fitted_cut(mean, std, num_above_lo, num_tokens)
         cut_hi = tl.where(everything, row_max,
                           tl.minimum(fitted_cut(mean, std, rank - _HALF_WINDOW, num_tokens), row_max))
         guess = (std > 0.0) & (mass > 0.0) & (cut_lo > lo) & (cut_lo < cut_hi)
