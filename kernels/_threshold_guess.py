@@ -43,28 +43,38 @@ if HAS_TRITON:
                     / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t))
 
     @triton.jit
+    def normal_quantile(x):
+        """z with P(N(0, 1) <= z) = x, for any 0 < x < 1 (to normal_tail_quantile's accuracy)."""
+        return tl.where(x <= 0.5, -normal_tail_quantile(x), normal_tail_quantile(1.0 - x))
+
+    @triton.jit
     def fitted_cut(mean, std, num_above, num_tokens):
         """Where the normal fit puts num_above of num_tokens above (any 0 < num_above < num_tokens)."""
-        q = num_above / num_tokens
-        z = tl.where(q <= 0.5, normal_tail_quantile(q), -normal_tail_quantile(1.0 - q))
-        return mean + std * z
+        return mean - std * normal_quantile(num_above / num_tokens)
+
+    @triton.jit
+    def start_guessed_copy(state_f, state_i, guess, cut_lo, cut_hi, action, lo, row_max, bins_lo):
+        """A guessed first pass: if `guess`, `action` (a copy-out) of (cut_lo, cut_hi]; else,
+        and when the copy misses, a histogram of (lo, row_max] from bins_lo."""
+        tl.store(state_f + search.F_BINS_LO, bins_lo)
+        tl.store(state_i + search.I_GUESSED, guess.to(tl.int32))
+        if guess:
+            tl.store(state_f + search.F_LO, cut_lo)
+            tl.store(state_f + search.F_HI, cut_hi)
+            tl.store(state_i + search.I_ACTION, action)
+        else:
+            search.start_histogram(state_f, state_i, lo, row_max, bins_lo)
 
     @triton.jit
     def start_top_k(state_f, state_i, lo, row_max, bins_lo, top_k, num_tokens, mean, std):
         """A top-k search's first pass: for a small k, a copy of every token above the cut
         where the fit expects 1.5 k + 32 of them; else (and when that copy holds fewer than
         k or more than CAP) a histogram from bins_lo."""
-        tl.store(state_f + search.F_BINS_LO, bins_lo)
         expected = 1.5 * top_k.to(tl.float32) + 32.0
         cut = fitted_cut(mean, std, expected, num_tokens)
         guess = (top_k <= GUESSED_MAX_K) & (2.0 * expected < num_tokens) & (cut > lo) & (cut < row_max)
-        tl.store(state_i + search.I_GUESSED, guess.to(tl.int32))
-        if guess:
-            tl.store(state_f + search.F_LO, cut)
-            tl.store(state_f + search.F_HI, row_max)
-            tl.store(state_i + search.I_ACTION, search.COMPACT_ALL)
-        else:
-            search.start_histogram(state_f, state_i, lo, row_max, bins_lo)
+        start_guessed_copy(state_f, state_i, guess, cut, row_max, search.COMPACT_ALL, lo, row_max,
+                           bins_lo)
 
     @triton.jit
     def top_p_rank(top_p, mass, row_max, num_tokens, mean, std):
@@ -76,8 +86,7 @@ if HAS_TRITON:
         log_below = tl.log((1.0 - top_p) * mass) - tl.log(num_tokens) - (mean + 0.5 * std * std - row_max)
         in_bulk = log_below < 0.0
         below = tl.exp(tl.minimum(log_below, 0.0))
-        u = tl.where(below <= 0.5, -normal_tail_quantile(below), normal_tail_quantile(1.0 - below))
-        z = u + std  # (t - mean) / std
+        z = normal_quantile(below) + std  # (t - mean) / std
         return tl.where(in_bulk, num_tokens * 0.5 * (1.0 - tl.math.erf(z * 0.7071067811865476)), 0.0)
 
     @triton.jit
@@ -85,7 +94,6 @@ if HAS_TRITON:
         """Top-p alone's first pass: a copy of the tokens the fit expects within
         TOP_P_HALF_WINDOW ranks of its guess (of all those above, near the top); its target
         p * mass is known from the statistics pass. Else a histogram from bins_lo."""
-        tl.store(state_f + search.F_BINS_LO, bins_lo)
         rank = top_p_rank(top_p, mass, row_max, num_tokens, mean, std)
         everything = rank <= _HALF_WINDOW
         num_above_lo = tl.minimum(tl.maximum(rank + _HALF_WINDOW, _MIN_ABOVE), num_tokens - 1.0)
@@ -93,11 +101,7 @@ if HAS_TRITON:
         cut_hi = tl.where(everything, row_max,
                           tl.minimum(fitted_cut(mean, std, rank - _HALF_WINDOW, num_tokens), row_max))
         guess = (std > 0.0) & (mass > 0.0) & (cut_lo > lo) & (cut_lo < cut_hi)
-        tl.store(state_i + search.I_GUESSED, guess.to(tl.int32))
-        if guess:
-            tl.store(state_f + search.F_LO, cut_lo)
-            tl.store(state_f + search.F_HI, cut_hi)
-            tl.store(state_f + search.F_TARGET, top_p * mass)
-            tl.store(state_i + search.I_ACTION, tl.where(everything, search.COMPACT_ALL, search.COMPACT))
-        else:
-            search.start_histogram(state_f, state_i, lo, row_max, bins_lo)
+        tl.store(state_f + search.F_TARGET, tl.where(guess, top_p * mass, -1.0))
+        start_guessed_copy(state_f, state_i, guess, cut_lo, cut_hi,
+                           tl.where(everything, search.COMPACT_ALL, search.COMPACT), lo, row_max,
+                           bins_lo)

@@ -111,8 +111,9 @@ if HAS_TRITON:
         tl.store(out + 2, tl.sum(run_sum, axis=0))
         tl.store(out + 3, tl.sum(run_sq, axis=0))
         tl.store(out + 4, tl.sum(run_num, axis=0))
-        tl.store(out + 5, tl.sum(tl.where(run_mass > 0.0, run_mass * tl.exp(run_max - chunk_max), 0.0),
-                                 axis=0))
+        if WITH_MASS:
+            tl.store(out + 5, tl.sum(tl.where(run_mass > 0.0, run_mass * tl.exp(run_max - chunk_max), 0.0),
+                                     axis=0))
 
     @triton.jit
     def _stats_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, top_k_ptr,
