@@ -56,12 +56,7 @@ def one_round(logits: torch.Tensor, temperature: float, top_p: float) -> dict[st
     filters = (torch.full((num_rows,), temperature, device=device),
                torch.zeros(num_rows, dtype=torch.int32, device=device),
                torch.full((num_rows,), top_p, device=device), torch.zeros(num_rows, device=device))
-    default_rounds = module.NUM_GRAPHED_ROUNDS
-    try:
-        module.NUM_GRAPHED_ROUNDS = 1
-        _, state = module._launch(logits, rows, (rows, *filters), module.CHUNK, 0)
-    finally:
-        module.NUM_GRAPHED_ROUNDS = default_rounds
+    _, state = module._launch(logits, rows, (rows, *filters), module.CHUNK, 0, num_rounds=1)
     thresholds = module.sampling_thresholds_triton(logits, rows, *filters).cpu()
     expected = module.sampling_thresholds_ref(logits, rows, *filters).cpu()
     cpu_logits = logits.cpu()

@@ -289,10 +289,11 @@ def sampling_thresholds_triton(
 def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 0
             idx_mapping: torch.Tensor,  # [num_rows] int32
             filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
-            chunk: int, max_finish_rounds: int,
+            chunk: int, max_finish_rounds: int, num_rounds: int | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor]:  # thresholds [num_rows], int state [num_rows, NUM_I]
-    """The launch sequence; the int state tells tests how far each row got before the
-    finishing kernel (phase, restarts)."""
+    """The launch sequence, with num_rounds graphed rounds (NUM_GRAPHED_ROUNDS by default);
+    the int state tells tests how far each row got before the finishing kernel (phase,
+    restarts)."""
     temperature = filters[1]
     num_rows, vocab_size = logits.shape
     thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
@@ -312,7 +313,7 @@ def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 
                               CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
     buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
     pivots_in_rounds = any(kinds[0] for kinds in ROUND_LAUNCHES)
-    for _ in range(NUM_GRAPHED_ROUNDS):
+    for _ in range(NUM_GRAPHED_ROUNDS if num_rounds is None else num_rounds):
         for with_pivots, with_histograms, with_copies in ROUND_LAUNCHES:
             _round_kernel[(num_rows, num_chunks)](
                 logits, logits.stride(0), idx_mapping, temperature, *buffers, vocab_size,

@@ -93,21 +93,16 @@ def check_typical_rows_finish_within_the_graphed_rounds(vocab: int, chunk: int, 
     filters = [f.to(device) for f in _filters(settings)]
     rows = torch.arange(len(settings), dtype=torch.int32, device=device)
     expected = sampling_thresholds_ref(logits, rows, *filters)
-    default_rounds = module.NUM_GRAPHED_ROUNDS
-    try:
-        for num_rounds, finished in ((1, [0, 1, 2, 3, 4]),
-                                     (default_rounds, list(range(len(settings))))):
-            module.NUM_GRAPHED_ROUNDS = num_rounds
-            thresholds, state = module._launch(logits[finished], rows[finished],
-                                               (rows[finished], *filters),
-                                               chunk, max_finish_rounds=0)
-            state = state.cpu()
-            assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
-            assert (state[:, RESTARTED] == 0).all(), state[:, RESTARTED]
-            _assert_thresholds_match(logits[finished].cpu(), rows[finished].cpu(), filters,
-                                     thresholds.cpu(), expected[finished].cpu())
-    finally:
-        module.NUM_GRAPHED_ROUNDS = default_rounds
+    for num_rounds, finished in ((1, [0, 1, 2, 3, 4]),
+                                 (module.NUM_GRAPHED_ROUNDS, list(range(len(settings))))):
+        thresholds, state = module._launch(logits[finished], rows[finished],
+                                           (rows[finished], *filters), chunk,
+                                           max_finish_rounds=0, num_rounds=num_rounds)
+        state = state.cpu()
+        assert (state[:, PHASE] == 0).all(), (num_rounds, state[:, PHASE])
+        assert (state[:, RESTARTED] == 0).all(), state[:, RESTARTED]
+        _assert_thresholds_match(logits[finished].cpu(), rows[finished].cpu(), filters,
+                                 thresholds.cpu(), expected[finished].cpu())
 
 
 def _assert_missed_guesses_fall_back(logits: torch.Tensor,
@@ -118,14 +113,9 @@ def _assert_missed_guesses_fall_back(logits: torch.Tensor,
 
     filters = [f.to(logits.device) for f in _filters(settings)]
     rows = torch.arange(len(settings), dtype=torch.int32, device=logits.device)
-    default_rounds = module.NUM_GRAPHED_ROUNDS
-    try:
-        module.NUM_GRAPHED_ROUNDS = 1
-        _, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
-        state = state.cpu()
-        assert (state[:, PHASE] != 0).all() and (state[:, ACTION] == HISTOGRAM).all(), state
-    finally:
-        module.NUM_GRAPHED_ROUNDS = default_rounds
+    _, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0, num_rounds=1)
+    state = state.cpu()
+    assert (state[:, PHASE] != 0).all() and (state[:, ACTION] == HISTOGRAM).all(), state
     thresholds, state = module._launch(logits, rows, (rows, *filters), chunk, max_finish_rounds=0)
     state = state.cpu()
     assert (state[:, PHASE] == 0).all() and (state[:, RESTARTED] == 0).all(), state
