@@ -11,6 +11,7 @@ No torch here: the core may be another process (ZMQ endpoint) or share this even
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,11 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self.is_running = False
+        self.last_heard_at = time.monotonic()
+        """When the core last sent anything (a process core sends a Heartbeat at least every
+        HEARTBEAT_INTERVAL_S): app/engine_watchdog.py judges a stall by it."""
+        self.heard = anyio.Event()
+        """Set once the core has sent anything: the connection stands."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -158,6 +164,8 @@ class EngineClient:
                 message = await self.endpoint.receive()
             except TransportClosed:
                 return
+            self.last_heard_at = time.monotonic()
+            self.heard.set()
             if isinstance(message, EngineCoreOutputs):
                 self.sampler_actor.tell(message)
             elif isinstance(message, UtilityResult):

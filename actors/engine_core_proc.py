@@ -5,6 +5,11 @@ It ignores SIGINT and SIGTERM: a terminal's Ctrl-C or a container stop reaches e
 process of the group, and the core must keep running while the front ends drain; they
 send Shutdown when they are done. It dies with its parent (PR_SET_PDEATHSIG), so no core
 outlives the server that started it.
+
+It reads the launch secret on stdin (actors/launch_secret.py) and serves only peers that
+present it. From the moment it binds until it exits, a task on its event loop sends every
+front end a Heartbeat, so a front end notices a core that is stopped or whose loop is
+blocked (app/engine_watchdog.py).
 """
 
 from __future__ import annotations
@@ -20,8 +25,15 @@ import structlog
 
 from actors import event_loop
 from actors.config import EngineConfig
+from actors.launch_secret import read_secret
+from actors.messages import (
+    HEARTBEAT_INTERVAL_S,
+    ClientHello,
+    EngineStartupFailed,
+    Heartbeat,
+    Shutdown,
+)
 from actors.parent_death import die_with_parent
-from actors.messages import ClientHello, EngineStartupFailed, Shutdown
 from actors.transport import TransportClosed, ZmqCoreEndpoint
 
 log = structlog.get_logger("tandem.engine_core")
@@ -40,36 +52,61 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json=args.log_format == "json", level=args.log_level,
                       process_name="engine_core")
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-    return event_loop.run(_serve, config, args.address, args.max_consecutive_failed_steps)
+    return event_loop.run(_serve, config, args.address, read_secret(),
+                          args.max_consecutive_failed_steps)
 
 
-async def _serve(config: EngineConfig, address: str, max_consecutive_failed_steps: int) -> int:
+async def _serve(config: EngineConfig, address: str, secret: bytes,
+                 max_consecutive_failed_steps: int) -> int:
     started = time.perf_counter()
-    endpoint = ZmqCoreEndpoint(address)
-    clients: set[int] = set()
-    shutdown = anyio.Event()
+    endpoint = ZmqCoreEndpoint(address, secret)
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_greet_while_loading, endpoint, clients, shutdown)
-            try:
-                loaded = await anyio.to_thread.run_sync(_load, config)
-            except Exception as exc:  # noqa: BLE001 - reported to the front ends, then exit
-                return await _report_failure(endpoint, clients, exc)
+            tg.start_soon(_send_heartbeats, endpoint)
+            exit_code = await _load_and_run(config, endpoint, started,
+                                            max_consecutive_failed_steps)
             tg.cancel_scope.cancel()
-        if shutdown.is_set():
-            return 0
-        from actors.engine_core import EngineCore
-
-        try:
-            core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
-                              max_consecutive_failed_steps=max_consecutive_failed_steps,
-                              started_at=started, known_clients=clients)
-            await core.run(warm_up=loaded.worker.device.type == "cuda")
-        finally:
-            loaded.worker.close()  # tensor-parallel workers stop with the core
-        return 1 if core.dead_reason is not None else 0
+        return exit_code
     finally:
         endpoint.close()
+
+
+async def _load_and_run(config: EngineConfig, endpoint: ZmqCoreEndpoint, started: float,
+                        max_consecutive_failed_steps: int) -> int:
+    clients: set[int] = set()
+    shutdown = anyio.Event()
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_greet_while_loading, endpoint, clients, shutdown)
+        try:
+            loaded = await anyio.to_thread.run_sync(_load, config)
+        except Exception as exc:  # noqa: BLE001 - reported to the front ends, then exit
+            failure = exc
+        tg.cancel_scope.cancel()  # the greeter never returns on its own
+    if failure is not None:
+        return await _report_failure(endpoint, clients, failure)
+    if shutdown.is_set():
+        return 0
+    from actors.engine_core import EngineCore
+
+    try:
+        core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
+                          max_consecutive_failed_steps=max_consecutive_failed_steps,
+                          started_at=started, known_clients=clients)
+        await core.run(warm_up=loaded.worker.device.type == "cuda")
+    finally:
+        loaded.worker.close()  # tensor-parallel workers stop with the core
+    return 1 if core.dead_reason is not None else 0
+
+
+async def _send_heartbeats(endpoint: ZmqCoreEndpoint) -> None:
+    """From this event loop, not a thread of its own: a loop that stops turning must fall
+    silent (steps run on the GPU actor's threads, so a long one does not delay this)."""
+    heartbeat = Heartbeat()
+    while True:
+        for client_index in endpoint.client_indices:
+            endpoint.send(client_index, heartbeat)
+        await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
 
 async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
@@ -80,7 +117,7 @@ async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
             message = await endpoint.receive()
         except TransportClosed:
             return
-        if isinstance(message, ClientHello):
+        if isinstance(message, ClientHello) and message.client_index is not None:
             clients.add(message.client_index)
         elif isinstance(message, Shutdown):
             shutdown.set()

@@ -105,13 +105,16 @@ class _GPUActorBase:
 
 
 def failed_step(step_id: int, request_ids: tuple[str, ...], exc: BaseException) -> StepOutput:
-    """A step that raised: every request in it fails; the engine keeps serving the rest."""
+    """A step that raised: every request in it fails; the engine keeps serving the rest. The
+    error its requests end with reaches their clients, so it names no internals (the log has
+    them)."""
     log.error("step_failed", step_id=step_id, error=repr(exc), exc_info=exc)
     return StepOutput(step_id=step_id, request_ids=(), sampled_token_ids=np.zeros(0, np.int64),
                       logprobs=None,
                       stats=StepStats(step_id=step_id, num_reqs=len(request_ids), num_tokens=0,
                                       num_prefill_tokens=0),
-                      error=f"{type(exc).__name__}: {exc}", failed_request_ids=request_ids)
+                      error=f"the engine failed to run step {step_id} ({type(exc).__name__}); "
+                            "the server log has the details", failed_request_ids=request_ids)
 
 
 class GPUActorV2(_GPUActorBase):

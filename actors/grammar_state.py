@@ -2,7 +2,8 @@
 step's token bitmask, and the finish a grammar decides.
 
     grammars.set_vocab(vocab)                    # GrammarVocab from a front end, once
-    request.grammar = grammars.matcher(params)   # at arrival; GrammarError -> refused
+    future = grammars.compile(params)            # at arrival; off the core thread when new
+    request.grammar = future.result()            # once done; GrammarError -> the request fails
     mask, deferred = grammars.plan_step(id, rows)  # when a step is scheduled
     finish = grammars.advance(request, token)    # per sampled token (Scheduler.update_from_step)
     for step_id, pending in grammars.ready_masks()  # after each update: deferred masks, now
@@ -24,17 +25,25 @@ while its mask is being filled: its next token comes from the step that waits fo
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
 
-from actors.grammar import GrammarCompiler, GrammarError, GrammarMatcher, num_bitmask_words
+from actors.grammar import (
+    CompileThreads,
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    num_bitmask_words,
+)
 from actors.messages import GrammarBitmask, GrammarVocab, RequestFinish
 from actors.sampling_params import SamplingParams
 
@@ -42,6 +51,10 @@ if TYPE_CHECKING:
     from actors.request import Request
 
 log = structlog.get_logger("tandem.grammar")
+
+COMPILE_THREADS = 2
+"""New specs compile this many at a time: one slow schema (the front end lets a compile
+take up to its time budget) does not hold up every other constrained request."""
 
 
 @dataclass(slots=True)
@@ -79,45 +92,42 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._allocate_buffer = allocate_buffer
         self._num_buffers = max_steps_in_flight + 1
-        self._compiler: GrammarCompiler | None = None
-        self._vocab_error: str | None = None
-        """Why the front end's tokenizer could not be compiled against (constrained requests
-        are then refused with it)."""
+        self._compiler: Future[GrammarCompiler] | None = None
+        """Built on a compile thread from the first GrammarVocab (reading a large vocabulary
+        takes a second, which the step loop must not wait for)."""
         self._deferred: deque[tuple[int, Sequence[tuple[int, Request]]]] = deque()
         """Scheduled steps whose masks wait for earlier tokens, in step order."""
         self._ring: list[tuple[np.ndarray, threading.Event | None]] = []
         """Mask buffers and the events their last fills set (None: never handed out)."""
         self._next_buffer = 0
-
-    @property
-    def has_vocab(self) -> bool:
-        return self._compiler is not None
+        self._compile_threads = CompileThreads(COMPILE_THREADS, "tandem-grammar-compile")
 
     def set_vocab(self, vocab: GrammarVocab) -> None:
         """Compile against this tokenizer from now on (the first front end's wins: every
         front end serves the same model)."""
         if self._compiler is None:
-            try:
-                self._compiler = GrammarCompiler(vocab.tokenizer_json, self.vocab_size,
-                                                 vocab.eos_token_ids)
-            except Exception as exc:  # noqa: BLE001 - a bad tokenizer must not stop the core
-                self._vocab_error = f"{type(exc).__name__}: {exc}"
-                raise GrammarError(f"the grammar library cannot use this tokenizer: "
-                                   f"{self._vocab_error}") from exc
+            self._compiler = self._compile_threads.submit(functools.partial(
+                GrammarCompiler, vocab.tokenizer_json, self.vocab_size, vocab.eos_token_ids))
+            self._compiler.add_done_callback(_log_vocab_refused)
 
-    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for the request's structured output (None without one). Raises
-        GrammarError when the spec cannot be compiled or no tokenizer was sent."""
+    def compile(self, params: SamplingParams) -> Future[GrammarMatcher]:
+        """A fresh matcher for the request's structured output: done at once when the spec
+        was compiled before, else compiled on a compile thread (the future then carries the
+        GrammarError of a spec that does not compile, or of a tokenizer the grammar library
+        cannot use). Raises GrammarError at once when no tokenizer was sent."""
         spec = params.structured_output
-        if spec is None:
-            return None
-        if self._vocab_error is not None:
-            raise GrammarError(f"structured outputs are unavailable: the grammar library "
-                               f"cannot use the model's tokenizer ({self._vocab_error})")
-        if self._compiler is None:
+        assert spec is not None
+        compiler = self._compiler
+        if compiler is None:
             raise GrammarError("structured outputs need the model's tokenizer, and the front "
                                "end sent none")
-        return self._compiler.matcher(spec)
+        if compiler.done() and compiler.exception() is None:
+            matcher = compiler.result().cached_matcher(spec)
+            if matcher is not None:
+                done: Future[GrammarMatcher] = Future()
+                done.set_result(matcher)
+                return done
+        return self._compile_threads.submit(lambda: _usable(compiler).matcher(spec))
 
     def plan_step(self, step_id: int, rows: Sequence[tuple[int, Request]]
                   ) -> tuple[GrammarBitmask | None, bool]:
@@ -143,7 +153,7 @@ class GrammarState:
     def _pending(self, rows: Sequence[tuple[int, Request]]) -> PendingMask:
         """Rows of requests that finished meanwhile allow everything (their token is
         dropped)."""
-        assert self._compiler is not None
+        assert self._compiler is not None  # a request with a matcher had it compiled
         bitmask, filled = self._buffer(len(rows))
         live = []
         for i, (_, request) in enumerate(rows):
@@ -152,7 +162,8 @@ class GrammarState:
             else:
                 live.append((request.grammar, i))
         indices = np.fromiter((index for index, _ in rows), dtype=np.int32, count=len(rows))
-        return PendingMask(self._compiler, live, GrammarBitmask(indices, bitmask), filled)
+        return PendingMask(self._compiler.result(), live, GrammarBitmask(indices, bitmask),
+                           filled)
 
     def _buffer(self, num_rows: int) -> tuple[np.ndarray, threading.Event]:
         """A [num_rows, num_words] int32 buffer from a ring of reused ones, and the event its
@@ -185,6 +196,20 @@ class GrammarState:
         if matcher.is_terminated:
             return RequestFinish(request.request_id, "stop")
         return None
+
+
+def _usable(compiler: Future[GrammarCompiler]) -> GrammarCompiler:
+    """The compiler once built (on a compile thread: the build may still run on another)."""
+    try:
+        return compiler.result()
+    except Exception as exc:  # noqa: BLE001 - every constrained request is refused with it
+        raise GrammarError(f"structured outputs are unavailable: the grammar library cannot "
+                           f"use the model's tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
+def _log_vocab_refused(compiler: Future[GrammarCompiler]) -> None:
+    if compiler.exception() is not None:
+        log.error("grammar_vocab_refused", error=repr(compiler.exception()))
 
 
 def _is_up_to_date(rows: Sequence[tuple[int, Request]]) -> bool:

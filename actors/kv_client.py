@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from actors.kv_cache_manager import KVCacheActor
 from actors.kv_messages import AllocateStep, FreeRequests, StepAllocation
+
+
+class KVClient(Protocol):
+    """What the scheduler asks of the KV cache (KVActorClient, or a direct one in tests)."""
+
+    async def allocate_step(self, msg: AllocateStep) -> StepAllocation: ...
+
+    async def free(self, request_ids: Sequence[str]) -> None: ...
 
 
 class KVActorClient:

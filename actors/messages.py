@@ -1,12 +1,15 @@
 """Every message tandem's actors exchange, typed (msgspec structs), in one module.
 
-Two groups:
+Four groups:
 
 - the protocol between the front end (API-server processes: HTTP, tokenizer, output
   processing) and the engine core (scheduler, KV cache manager, GPU actor). These cross a
   process boundary (actors/transport.py), so they are plain data: numbers, strings, tuples
   and numpy arrays, never objects with behaviour;
-- the messages inside the engine core (scheduler -> GPU actor -> scheduler).
+- the messages inside the engine core (scheduler -> GPU actor -> scheduler);
+- the messages inside a front end (to its output processor);
+- a front end's messages to its grammar checker processes, which compile new structured
+  output specs where a crash or a hang harms no one else.
 
 Messages are per request or per step, never per token per request: a step's results
 travel as one message with arrays for the whole batch.
@@ -20,6 +23,7 @@ import msgspec
 import numpy as np
 
 from actors.sampling_params import SamplingParams
+from actors.structured_output import StructuredOutputSpec
 
 # ==== front end -> engine core =========================================================
 
@@ -51,9 +55,16 @@ class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
 
 class ClientHello(msgspec.Struct, frozen=True, tag="hello"):
     """A front end (re)connected. Requests an earlier process with the same index left
-    behind are aborted; the core answers with EngineReady once it is warm."""
+    behind are aborted; the core answers with EngineReady once it is warm.
 
-    client_index: int
+    Over ZMQ the hello is what authenticates a peer: the core's endpoint ignores every
+    other message of a peer until it has said hello with the launch's secret."""
+
+    client_index: int | None
+    """None: a peer that is no front end and only sends Shutdown (the supervisor); the
+    transport authenticates it and passes its hello on to no one."""
+    secret: bytes = b""
+    """The per-launch secret (actors/launch_secret.py); the ZMQ client endpoint fills it in."""
 
 
 class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
@@ -106,6 +117,17 @@ class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed"):
     message: str
     is_user_error: bool
     """The configuration is at fault (exit code 2), not a bug (exit code 1)."""
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+"""How often a core process sends Heartbeat; a front end's stall bound must be longer."""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    """The engine core's event loop still turns: sent to every front end every
+    HEARTBEAT_INTERVAL_S by a task on that loop (steps run on the GPU actor's threads, so
+    a long step does not delay it). A core that is stopped (SIGSTOP) or whose loop is
+    blocked falls silent, and the front end reports it stalled."""
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
@@ -241,7 +263,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 ToEngineCore = (EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab
                 | Shutdown)
-ToFrontEnd = EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
+ToFrontEnd = (EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
+              | Heartbeat)
 
 
 # ==== inside the engine core: scheduler -> GPU actor ===================================
@@ -356,3 +379,30 @@ class FailRequests(msgspec.Struct, frozen=True):
     """End every open request with an error: the engine core is gone."""
 
     message: str
+
+
+# ==== a front end <-> its grammar checker processes (app/grammar_checker.py) ============
+
+
+class GrammarCheckerStart(msgspec.Struct, frozen=True, tag="checker_start"):
+    """The first message to a checker process: what to compile against (the engine core
+    compiles against the same, GrammarVocab)."""
+
+    tokenizer_json: str | None
+    """None for a model served without a tokenizer: specs are then only validated."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class GrammarCheck(msgspec.Struct, frozen=True, tag="check"):
+    """Compile this spec; answered by GrammarVerdict."""
+
+    spec: StructuredOutputSpec
+
+
+class GrammarVerdict(msgspec.Struct, frozen=True, tag="verdict"):
+    error: str | None = None
+    """Why the spec does not compile; None when it does."""
+
+
+ToGrammarChecker = GrammarCheckerStart | GrammarCheck

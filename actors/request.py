@@ -11,6 +11,8 @@ from actors.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    """Its structured output's grammar is compiling; it joins the waiting queue after."""
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"

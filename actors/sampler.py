@@ -185,9 +185,12 @@ class OutputProcessor:
                     break
         except Exception as exc:  # one bad request must not stop the front end
             log.error("output_processing_failed", request_id=request_id, exc_info=exc)
-            return self._finish_early(request_id, "error", f"{type(exc).__name__}: {exc}", now)
+            return self._finish_early(request_id, "error", "processing the output failed "
+                                      f"({type(exc).__name__}); the server log has the details",
+                                      now)
+        error = finish.error if reason == "error" and finish is not None else None
         state.stream.push(tokens[start:position + 1], "".join(pieces), entries,
-                          finish_reason=reason, stop_reason=stop_reason, now=now)
+                          finish_reason=reason, stop_reason=stop_reason, error=error, now=now)
         self._note_token_time(state, now)
         if reason is not None:
             del self._requests[request_id]

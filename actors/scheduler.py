@@ -22,13 +22,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from concurrent.futures import Future
 
+from actors.grammar import GrammarError, GrammarMatcher
 from actors.grammar_state import GrammarState
+from actors.kv_client import KVClient
 from actors.kv_messages import (
     AllocateStep,
     KVUsage,
-    StepAllocation,
     WaitingAlloc,
     WaitingGrant,
 )
@@ -53,12 +54,6 @@ from actors.step_batch import (
     grammar_rows,
     start_rows,
 )
-
-
-class KVClient(Protocol):
-    async def allocate_step(self, msg: AllocateStep) -> StepAllocation: ...
-
-    async def free(self, request_ids: Sequence[str]) -> None: ...
 
 
 class Scheduler:
@@ -111,19 +106,47 @@ class Scheduler:
 
     # ---- requests in and out --------------------------------------------------------
 
-    def add_request(self, engine_request: EngineRequest) -> None:
+    def add_request(self, engine_request: EngineRequest) -> Future[GrammarMatcher] | None:
+        """Queue a request. One with a structured output whose grammar is new waits until
+        its compile, returned here, is done and given to `grammar_compiled`. Raises
+        ValueError for a request the engine cannot take."""
         if engine_request.request_id in self._requests:
             raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
         request = Request.from_engine_request(engine_request, self.config.max_model_len,
                                               queued_time=time.monotonic())
+        compiling = None
         if request.sampling_params.structured_output is not None:
             if self.grammars is None:
                 raise ValueError("this engine does not apply structured outputs")
-            request.grammar = self.grammars.matcher(request.sampling_params)
+            compiling = self.grammars.compile(request.sampling_params)
+            if compiling.done() and compiling.exception() is None:
+                request.grammar, compiling = compiling.result(), None
+            else:  # a compile error, too, reaches the request through grammar_compiled
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._requests[request.request_id] = request
         if blocks_speculation(request):
             self._blocking_speculation[request.request_id] = request
+        if compiling is None:
+            self._waiting.push(request)
+        return compiling
+
+    def grammar_compiled(self, request_id: str, compiled: Future[GrammarMatcher]
+                         ) -> RequestFinish | None:
+        """Queue a request whose grammar has compiled; the request's error finish when it
+        did not compile. Nothing for a request that ended meanwhile."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+            return None
+        try:
+            request.grammar = compiled.result()
+        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            error = (str(exc) if isinstance(exc, GrammarError)
+                     else f"compiling its grammar failed ({type(exc).__name__})")
+            return RequestFinish(request_id, "error", error=error)
+        request.status = RequestStatus.WAITING
         self._waiting.push(request)
+        return None
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[str]:
         """Abort the unfinished ones among `request_ids`; returns those aborted."""
@@ -359,7 +382,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             del self._running[request.request_id]
             self._rows_to_free.add(request.request_id)
-        else:
+        elif request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
             self._waiting.remove(request)
         # Waiting requests hold no blocks, but the KV manager may keep their prompt hashes.
         self._blocks_to_free.append(request.request_id)

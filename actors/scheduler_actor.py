@@ -12,15 +12,17 @@ AbortRequests); outputs leave through `CoreOutputs`, one message per step per fr
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import structlog
 
-from actors.base import Actor
+from actors.base import Actor, ActorStopped
 from actors.core_outputs import CoreOutputs
-from actors.grammar import GrammarError
 from actors.grammar_state import MaskFiller
 from actors.kv_messages import KVUsage
 from actors.messages import (
@@ -53,6 +55,15 @@ class AbortClient:
     """Abort every request of one front end (it restarted: nobody reads them any more)."""
 
     client_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarCompiled:
+    """A new request's grammar has compiled (or failed to): from the compile thread."""
+
+    request_id: str
+    client_index: int
+    future: Future[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +102,8 @@ class SchedulerActor(Actor):
             self._add_request(message)
         elif isinstance(message, AbortRequests):
             self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, GrammarCompiled):
+            self._grammar_compiled(message)
         elif isinstance(message, GrammarVocab):
             self._set_grammar_vocab(message)
         elif isinstance(message, AbortClient):
@@ -109,20 +122,34 @@ class SchedulerActor(Actor):
         return None
 
     def _set_grammar_vocab(self, vocab: GrammarVocab) -> None:
-        if self.scheduler.grammars is None:
-            return
-        try:
+        if self.scheduler.grammars is not None:
             self.scheduler.grammars.set_vocab(vocab)
-        except GrammarError as exc:  # constrained requests are refused with it from now on
-            log.error("grammar_vocab_refused", error=str(exc))
 
     def _add_request(self, request: EngineRequest) -> None:
         try:
-            self.scheduler.add_request(request)
+            compiling = self.scheduler.add_request(request)
         except ValueError as exc:  # refused here: the request's stream must still end
             log.warning("request_refused", request_id=request.request_id, error=str(exc))
             self._outputs.finish([(request.client_index,
                                    RequestFinish(request.request_id, "error", error=str(exc)))])
+            return
+        if compiling is not None:  # the compile thread's answer comes back as a message
+            loop = asyncio.get_running_loop()
+            message = GrammarCompiled(request.request_id, request.client_index, compiling)
+            compiling.add_done_callback(
+                lambda _: loop.call_soon_threadsafe(self._tell_unless_stopped, message))
+
+    def _grammar_compiled(self, compiled: GrammarCompiled) -> None:
+        finish = self.scheduler.grammar_compiled(compiled.request_id, compiled.future)
+        if finish is not None:
+            log.warning("request_refused", request_id=compiled.request_id, error=finish.error)
+            self._outputs.finish([(compiled.client_index, finish)])
+
+    def _tell_unless_stopped(self, message: object) -> None:
+        try:
+            self.tell(message)
+        except ActorStopped:  # the engine is stopping: nobody waits for the request
+            pass
 
     def _apply_step(self, out: StepOutput) -> None:
         prompt_clients = self._prompt_logprobs_clients(out)

@@ -91,8 +91,10 @@ def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget:
 
 def blocks_speculation(request: Request) -> bool:
     """Whether `request`, while unfinished, may keep whole steps from speculating (see
-    `wanted_draft_slots`): it has a grammar or wants prompt logprobs."""
-    return request.grammar is not None or request.sampling_params.prompt_logprobs is not None
+    `wanted_draft_slots`): it has a structured output (its grammar may still be compiling)
+    or wants prompt logprobs."""
+    params = request.sampling_params
+    return params.structured_output is not None or params.prompt_logprobs is not None
 
 
 def wanted_draft_slots(running: Iterable[Request], blockers: Iterable[Request],

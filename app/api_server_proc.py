@@ -1,6 +1,7 @@
 """One API-server process of `tandem serve --api-server-count N`
 (`python -m app.api_server_proc`, started by the supervisor): Hypercorn on the listening
-socket it inherits, in front of the engine core the supervisor started. No torch."""
+socket it inherits, in front of the engine core the supervisor started (whose socket
+asks for the launch secret the supervisor writes to this process's stdin). No torch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import msgspec
 
 from actors import event_loop
+from actors.launch_secret import read_secret
 from actors.parent_death import die_with_parent
 from app.engine_connection import EngineAttachment
 from app.serve_settings import ServeSettings
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(json=settings.log_format == "json", level=settings.log_level,
                       process_name=f"api_server_{args.client_index}")
-    attach = EngineAttachment(args.engine_address, args.engine_pid, args.client_index)
+    attach = EngineAttachment(args.engine_address, args.engine_pid, args.client_index,
+                              read_secret())
     sock = socket.socket(fileno=args.fd)
     server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
     exit_code: int = event_loop.run(server.serve)

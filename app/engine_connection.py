@@ -7,11 +7,16 @@
 
 Either way the front end holds an `EngineClient` and hears EngineReady, EngineDead or
 EngineStartupFailed; a core process that dies is noticed at once and reported as dead.
+
+A core process this front end starts gets a fresh launch secret (actors/launch_secret.py)
+and an ipc folder of its own (0700). The folder goes as soon as the core has answered:
+the one front end stays connected, and nothing else needs the socket's path, so a crash
+of this process later leaves nothing behind (and no other process can connect at all).
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
@@ -23,6 +28,7 @@ import structlog
 
 from actors.config import EngineConfig
 from actors.engine_client import EngineClient
+from actors.launch_secret import new_secret
 from actors.messages import (
     EngineReady,
     EngineStartupFailed,
@@ -53,6 +59,8 @@ class EngineAttachment:
     address: str
     pid: int
     client_index: int
+    secret: bytes
+    """The launch secret the core's socket asks for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,7 @@ class EngineConnection:
         self._startup_failure: EngineStartupFailed | None = None
         self._ready_or_failed: anyio.Event | None = None
         self._ipc_dir: str | None = None
+        self._secret = new_secret()
         self._scope: anyio.CancelScope | None = None
         self._stopping = False
 
@@ -107,7 +116,7 @@ class EngineConnection:
             self._ipc_dir = tempfile.mkdtemp(prefix="tandem-")
             options = self._options
             self._process = start_engine_process(
-                self._config, ipc_address(self._ipc_dir),
+                self._config, ipc_address(self._ipc_dir), self._secret,
                 max_consecutive_failed_steps=options.max_consecutive_failed_steps,
                 log_format=options.log_format, log_level=options.log_level)
 
@@ -120,16 +129,21 @@ class EngineConnection:
         if self._preloaded is not None:
             await self._run_in_process(task_status)
             return
-        async with anyio.create_task_group() as tg:
-            self._scope = tg.cancel_scope
-            client = self._connect()
-            await tg.start(client.run)
-            tg.start_soon(self._watch_process, tg.cancel_scope)
-            await self._ready_or_failed.wait()
-            if self.ready is None:
-                tg.cancel_scope.cancel()
-                raise self._start_error()
-            task_status.started(self.ready)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                client = self._connect()
+                await tg.start(client.run)
+                tg.start_soon(self._watch_process, tg.cancel_scope)
+                if self._ipc_dir is not None:
+                    tg.start_soon(self._remove_ipc_dir_once_heard, client)
+                await self._ready_or_failed.wait()
+                if self.ready is None:
+                    tg.cancel_scope.cancel()
+                    raise self._start_error()
+                task_status.started(self.ready)
+        finally:
+            self._remove_ipc_dir()  # a start that failed before the core answered
 
     async def shutdown(self) -> None:
         """Stop the core this front end owns (in-process, or a process it started) after
@@ -151,8 +165,7 @@ class EngineConnection:
             self._scope.cancel()
         if self.client is not None:
             self.client.close()
-        if self._ipc_dir is not None:
-            _remove_ipc_dir(self._ipc_dir)
+        self._remove_ipc_dir()
 
     # ---- the three ways -----------------------------------------------------------------
 
@@ -178,13 +191,15 @@ class EngineConnection:
     def _connect(self) -> EngineClient:
         if self._attach is not None:
             address, client_index = self._attach.address, self._attach.client_index
+            secret = self._attach.secret
         else:
             self.spawn()
             assert self._ipc_dir is not None
-            address, client_index = ipc_address(self._ipc_dir), 0
+            address, client_index, secret = ipc_address(self._ipc_dir), 0, self._secret
         callbacks = self._callbacks
         self.client = EngineClient(
-            ZmqClientEndpoint(address, client_index), self._tokenizer, client_index=client_index,
+            ZmqClientEndpoint(address, client_index, secret), self._tokenizer,
+            client_index=client_index,
             on_request_finished=callbacks.on_request_finished,
             step_observers=callbacks.step_observers,
             on_scheduler_stats=callbacks.on_scheduler_stats, on_ready=self._on_ready,
@@ -221,6 +236,17 @@ class EngineConnection:
             self._callbacks.on_dead(f"the engine core process (pid {pid}) exited"
                                     + ("" if returncode is None else f" with code {returncode}"))
 
+    async def _remove_ipc_dir_once_heard(self, client: EngineClient) -> None:
+        """A connected DEALER keeps its connection without the socket's path, and no other
+        front end will connect to a core this one started."""
+        await client.heard.wait()
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
     def _start_error(self) -> EngineStartError:
         failure = self._startup_failure
         if failure is not None:
@@ -229,14 +255,3 @@ class EngineConnection:
         return EngineStartError(f"the engine core process exited during startup (code {code}); "
                                 "its log above says why", is_user_error=code == 2)
 
-
-def _remove_ipc_dir(path: str) -> None:
-    for name in os.listdir(path) if os.path.isdir(path) else ():
-        try:
-            os.unlink(os.path.join(path, name))
-        except OSError:
-            pass
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass

@@ -18,6 +18,7 @@ import msgspec
 import structlog
 
 from actors.config import EngineConfig
+from actors.launch_secret import start_with_secret
 
 log = structlog.get_logger("tandem.engine_process")
 
@@ -25,18 +26,20 @@ ENGINE_CORE_MODULE = "actors.engine_core_proc"
 _POLL_S = 0.1
 
 
-def start_engine_process(config: EngineConfig, address: str, *, max_consecutive_failed_steps: int,
-                         log_format: str, log_level: str) -> subprocess.Popen[bytes]:
-    """Start the engine core's process bound to `address` (ZMQ ipc). It dies with its
-    parent (PR_SET_PDEATHSIG), ignores SIGINT/SIGTERM (the front end drains first, then
-    sends Shutdown) and logs to the same stderr."""
+def start_engine_process(config: EngineConfig, address: str, secret: bytes, *,
+                         max_consecutive_failed_steps: int, log_format: str,
+                         log_level: str) -> subprocess.Popen[bytes]:
+    """Start the engine core's process bound to `address` (ZMQ ipc), serving the peers
+    that present `secret` (handed over on its stdin). It dies with its parent
+    (PR_SET_PDEATHSIG), ignores SIGINT/SIGTERM (the front end drains first, then sends
+    Shutdown) and logs to the same stderr."""
     command = [sys.executable, "-m", ENGINE_CORE_MODULE, "--address", address,
                "--config", msgspec.json.encode(config).decode(),
                "--max-consecutive-failed-steps", str(max_consecutive_failed_steps),
                "--log-format", log_format, "--log-level", log_level,
                "--parent-pid", str(os.getpid())]
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True,
-                               env={**os.environ, "TANDEM_PROCESS_NAME": "engine_core"})
+    process = start_with_secret(command, secret, close_fds=True,
+                                env={**os.environ, "TANDEM_PROCESS_NAME": "engine_core"})
     log.info("engine_process_started", pid=process.pid)
     return process
 

@@ -82,7 +82,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def internal_error(request_id: str) -> APIError:
+def internal_error(request_id: str, reason: str | None = None) -> APIError:
+    """A 500 for a request that failed; `reason`, the engine's words for it when it gave
+    any (a grammar the output broke, a step that failed), goes to the client too."""
+    if reason:
+        return APIError(500, f"Internal server error (request id {request_id}): {reason}")
     return APIError(500, f"Internal server error (request id {request_id}); the server log "
                          "has the details")
 

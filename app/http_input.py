@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from app.errors import APIError, bad_request
-from app.large_body import (GC_PAUSE, SHORT_SWITCHES, decode_in_steps, release_gradually,
+from app.large_body import (GC_PAUSE, SHORT_SWITCHES, decode_in_steps, release_unshared,
                              validate)
 from app.server_state import ServerState
 
@@ -77,6 +77,9 @@ def require_serving(state: ServerState) -> None:
                        retry_after_s=_LOADING_RETRY_AFTER_S)
     if state.phase == "draining":
         raise APIError(503, "The server is shutting down; retry on another replica",
+                       retry_after_s=retry)
+    if state.phase == "stalled":
+        raise APIError(503, "The engine has stopped answering; retry shortly",
                        retry_after_s=retry)
     raise APIError(503, "The engine is not running", retry_after_s=retry)
 
@@ -157,9 +160,7 @@ def _prepare_large(body: bytes, prepare: Callable[[dict[str, Any]], T],
             error = exc.with_traceback(None)
             error.__context__ = error.__cause__ = None
         finally:
-            for value in data.values():  # validation copied what the request keeps
-                if isinstance(value, (list, dict)):
-                    release_gradually(value)
+            release_unshared(data)
     raise error
 
 

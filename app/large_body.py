@@ -20,7 +20,10 @@ and for a large body:
   objects, none in a reference cycle, which it would otherwise walk again and again (the
   model's objects too), holding the GIL for seconds;
 - large lists are emptied a slice at a time once done with (release_gradually): freeing
-  them whole is one call too.
+  them whole is one call too. Only those that nothing but the decoded body holds
+  (release_unshared): a field the schema keeps as it is (typed Any or holding Any, such as
+  guided_json, tools or response_format) is the very object decoded, and the request
+  still uses it.
 
 What remains in one C call is one item of those (a message, a prompt, a value nested
 deeper): its cost is bounded by --max-request-body-bytes.
@@ -71,6 +74,25 @@ def release_gradually(items: list[Any] | dict[Any, Any]) -> None:
         return
     while items:
         del items[-RELEASE_SLICE:]
+
+
+def release_unshared(data: dict[str, Any]) -> None:
+    """Empty `data` (a decoded body, done with), each list or dict of it that nothing else
+    holds a slice at a time (release_gradually); those something else holds stay whole."""
+    while data:
+        _, value = data.popitem()
+        if isinstance(value, (list, dict)) and sys.getrefcount(value) <= _ONLY_LOCAL_REFCOUNT:
+            release_gradually(value)
+
+
+def _only_local_refcount() -> int:
+    """What sys.getrefcount says of an object that one local variable alone holds (the
+    call's own references differ between Python versions)."""
+    value: list[Any] = []
+    return sys.getrefcount(value)
+
+
+_ONLY_LOCAL_REFCOUNT = _only_local_refcount()
 
 
 class _WhileInside:

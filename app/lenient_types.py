@@ -28,6 +28,17 @@ def _to_int(value: Any) -> Any:
     return value
 
 
+def int_as_read(value: Any) -> int | None:
+    """The integer a lenient int field reads from a raw JSON value (`4`, `4.0`, `"4"`),
+    bounds not applied; None where it reads none (the field then refuses the value). For
+    checks made on the decoded body before the schema: they see what the request will use."""
+    try:
+        value = _to_int(value)
+    except ValueError:  # a string of more digits than int() converts: refused as well
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _to_float(value: Any) -> Any:
     if isinstance(value, str) and re.fullmatch(FLOAT_PATTERN, value):
         return float(value)

@@ -70,8 +70,8 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
                              max_model_len=_COUNT, tokens={"type": "array", "items": _COUNT},
                              token_strs={"type": ["array", "null"], "items": _STR}),
     "DetokenizeResponse": _obj(["prompt"], prompt=_STR),
-    "Health": _obj(["status"], status={"enum": ["ok", "loading", "draining", "stopped",
-                                                "dead"]}),
+    "Health": _obj(["status"], status={"enum": ["ok", "loading", "draining", "stalled",
+                                                "stopped", "dead"]}),
     "Version": _obj(["version", "runner"], version=_STR,
                     runner={"type": ["string", "null"]},
                     runner_reason={"type": ["string", "null"]},
@@ -82,7 +82,7 @@ _ERROR_DESCRIPTIONS = {
     408: "The request body did not arrive in time", 413: "Request body too large",
     415: "Unsupported Content-Type", 429: "Overloaded: retry after Retry-After seconds",
     500: "The engine failed this request (the message names the request id)",
-    503: "Loading, draining, or the engine is dead: retry after Retry-After seconds",
+    503: "Loading, draining, or the engine is stalled or dead: retry after Retry-After seconds",
 }
 _BODY_ERRORS = (400, 401, 404, 408, 413, 415, 503)
 

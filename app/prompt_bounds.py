@@ -22,12 +22,20 @@ text or cover an unbounded run with one token (a whitespace pre-tokenizer, WordP
 [UNK] for a whole word, fused unknown runs, an added token that swallows the spaces around
 it, a stripping normalizer, a configured truncation) has none, and its text is tokenized
 in full.
+
+The same bound cuts a text whose last k tokens are all that is kept (truncate_prompt_tokens
+= k) before it is tokenized: those k tokens cover at most k * L * S characters of its end.
+The cut changes the tokens of the word (pre-token) it falls in, so TRUNCATION_MARGIN_CHARS
+more are kept before them: the last k tokens of the tail are then those of the whole text
+unless a single word is longer than the margin. Without a bound the whole text is tokenized
+(as much as --max-request-body-bytes lets a body hold).
 """
 
 from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +50,9 @@ _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Unicod
 _SPLITTING_PRE_TOKENIZERS = frozenset({"Split", "Punctuation"})
 _BYTE_FALLBACK_TOKENS = tuple(f"<0x{byte:02X}>" for byte in range(256))
 _COUNT_WINDOW_CHARS = 1 << 20
-
+TRUNCATION_MARGIN_CHARS = 1 << 14
+"""Characters kept before the end of a text that its last k tokens can cover, when it is
+cut before tokenizing (far longer than a word of text; a few milliseconds of tokenizing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +76,34 @@ def text_cannot_fit(text: str, tokenizer: Any, max_num_tokens: int) -> bool:
         return False
     limit = max_num_tokens * bound.max_chars
     num_dropped = 0
-    for start in range(0, len(text), _COUNT_WINDOW_CHARS):  # a window per call: short holds
-        end = start + _COUNT_WINDOW_CHARS
-        num_dropped += sum(text.count(char, start, end) for char in bound.dropped)
+    for num_in_window in _num_dropped_per_window(text, bound.dropped, 0, len(text)):
+        num_dropped += num_in_window
         if len(text) - num_dropped <= limit:
             return False
     return True
+
+
+def truncation_start(text: str, tokenizer: Any, num_tokens: int) -> int:
+    """Where `text` may be cut so that tokenizing `text[start:]` ends in the same
+    `num_tokens` tokens as tokenizing all of it (see the module's docstring); 0 when the
+    tokenizer has no bound (then all of it is tokenized)."""
+    bound = chars_per_token(tokenizer)
+    if bound is None:
+        return 0
+    num_chars = num_tokens * bound.max_chars + TRUNCATION_MARGIN_CHARS
+    start = end = len(text)
+    while num_chars > 0 and start > 0:  # the tail needs num_chars characters not dropped
+        start, end = max(start - num_chars, 0), start
+        num_chars = sum(_num_dropped_per_window(text, bound.dropped, start, end))
+    return start
+
+
+def _num_dropped_per_window(text: str, dropped: str, start: int, end: int) -> Iterator[int]:
+    """How many of text[start:end] are `dropped` characters, one window at a time (one call
+    per window: each holds the GIL shortly)."""
+    for window_start in range(start, end, _COUNT_WINDOW_CHARS):
+        window_end = min(window_start + _COUNT_WINDOW_CHARS, end)
+        yield sum(text.count(char, window_start, window_end) for char in dropped)
 
 
 def chars_per_token(tokenizer: Any) -> CharsPerToken | None:

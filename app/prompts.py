@@ -16,7 +16,8 @@ from app.chat_template import (ChatTemplateError, RenderedTooLong, RenderLimit,
                                normalize_messages)
 from app.errors import bad_request, context_length_error, text_too_long_error
 from app.large_body import release_gradually
-from app.prompt_bounds import chars_per_token, text_cannot_fit
+from app.prompt_bounds import chars_per_token, text_cannot_fit, truncation_start
+from app.request_limits import num_tokens_kept
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
 from actors.logits_processors import validate_request_params
@@ -69,8 +70,11 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest,
         kwargs.setdefault("tools", tools)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     last = normalize_messages(messages[-1:])[0]
-    limit = state.max_model_len - 1 if req.truncate_prompt_tokens is None else None
-    render_limit = (None if limit is None or req.continue_final_message
+    limit = state.max_model_len - 1
+    # A conversation cut to its last tokens is rendered whole (its end is what is kept); a
+    # continued final message is cut after rendering.
+    cut_to = _num_tokens_cut_to(req.truncate_prompt_tokens, state.max_model_len)
+    render_limit = (None if cut_to is not None or req.continue_final_message
                     else _render_limit(tokenizer, limit))
     try:
         text = _render(tokenizer, messages, bool(req.add_generation_prompt),
@@ -78,12 +82,11 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest,
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     except RenderedTooLong as exc:
-        assert limit is not None
         raise text_too_long_error(exc.num_chars, limit, state.max_model_len) from None
     finally:
         release_gradually(messages)
-    token_ids = encode_checked(tokenizer, text, bool(req.add_special_tokens), limit,
-                               state.max_model_len)
+    token_ids = encode_prompt(tokenizer, text, bool(req.add_special_tokens),
+                              req.truncate_prompt_tokens, state.max_model_len)
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
     echo_prefix = ""
     if req.echo and last.get("role") == role and isinstance(last.get("content"), str):
@@ -126,6 +129,30 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_promp
     return text[:cut + len(final)]
 
 
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool,
+                  truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The token ids of prompt `text`, of which truncate_and_check keeps the last k when
+    truncate_prompt_tokens sets a k below the context length: then only a tail of the text
+    long enough for those k is tokenized (app.prompt_bounds.truncation_start), so its size,
+    not the text's, is the cost. Otherwise text that surely has more tokens than the context
+    holds is refused before it is tokenized."""
+    cut_to = _num_tokens_cut_to(truncate_prompt_tokens, max_model_len)
+    if cut_to is None:
+        return encode_checked(tokenizer, text, add_special_tokens, max_model_len - 1,
+                              max_model_len)
+    tail = text[truncation_start(text, tokenizer, cut_to):]
+    ids: list[int] = tokenizer.encode(tail, add_special_tokens)
+    return ids
+
+
+def _num_tokens_cut_to(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The k of truncate_prompt_tokens where it can make a prompt too long for the context
+    fit; None where it cannot (unset, or keeping no fewer tokens than the context holds: a
+    prompt too long stays too long, and is refused as without it)."""
+    num_kept = num_tokens_kept(truncate_prompt_tokens, max_model_len)
+    return num_kept if num_kept is not None and num_kept < max_model_len else None
+
+
 def encode_checked(tokenizer: Any, text: str, add_special_tokens: bool,
                    max_num_tokens: int | None, max_model_len: int) -> list[int]:
     """`text`'s token ids; text that surely has more than `max_num_tokens` tokens (None:
@@ -148,13 +175,12 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Promp
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     max_model_len, vocab_size = state.max_model_len, state.vocab_size
-    limit = max_model_len - 1 if req.truncate_prompt_tokens is None else None
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            ids = encode_checked(require_tokenizer(state, "prompt"), item,
-                                 bool(req.add_special_tokens), limit,
-                                 max_model_len)
+            ids = encode_prompt(require_tokenizer(state, "prompt"), item,
+                                bool(req.add_special_tokens), req.truncate_prompt_tokens,
+                                max_model_len)
             prompt = Prompt(tuple(ids), item)
         else:
             if item and max(item) >= vocab_size:
@@ -171,10 +197,9 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Promp
 def truncate_and_check(prompt: Prompt, truncate_to: int | None, max_model_len: int) -> Prompt:
     """Apply truncate_prompt_tokens (keep the last k; -1 = the context length), then refuse
     a prompt that leaves no room for output."""
-    if truncate_to is not None:
-        keep = max_model_len - 1 if truncate_to == -1 else truncate_to
-        if keep and len(prompt.token_ids) > keep:
-            prompt = Prompt(prompt.token_ids[-keep:], None)
+    keep = num_tokens_kept(truncate_to, max_model_len)
+    if keep is not None and len(prompt.token_ids) > keep:
+        prompt = Prompt(prompt.token_ids[-keep:], None)
     if len(prompt.token_ids) >= max_model_len:
         raise context_length_error(len(prompt.token_ids), max_model_len)
     return prompt

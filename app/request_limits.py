@@ -4,18 +4,19 @@ validates it element by element and before any per-prompt or per-sample object e
 A 62-byte request for n = 10**21 samples, or a body of millions of tiny prompts, must cost
 microseconds to refuse, not minutes of building objects that are then refused. The
 admission actor enforces the same limits on the engine requests it is given (for every
-caller, not only HTTP); these checks only move the HTTP refusal before the work. A value of
-the wrong type is left to the schema, which names it.
+caller, not only HTTP); these checks only move the HTTP refusal before the work. A number is
+checked as the schema will read it (app.lenient_types: `1e6` and `"1000000"` are the
+integer 1000000); a value of the wrong type is left to the schema, which names it.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 from actors.admission import AdmissionLimits
 from app.errors import bad_request, context_length_error
+from app.lenient_types import int_as_read
 
 
 def check_generation_size(data: Mapping[str, Any], limits: AdmissionLimits, *,
@@ -34,10 +35,12 @@ def check_generation_size(data: Mapping[str, Any], limits: AdmissionLimits, *,
         raise bad_request(f"this request needs {num_sequences} sequences ({len(prompts)} "
                           f"prompts x n = {n}); the server holds at most {capacity} at once",
                           "n")
-    keep = _num_tokens_kept(data.get("truncate_prompt_tokens"), max_model_len)
+    keep = _num_tokens_kept(data, max_model_len)
     for prompt in prompts:
-        if isinstance(prompt, list) and min(len(prompt), keep) >= max_model_len:
-            raise context_length_error(min(len(prompt), keep), max_model_len)
+        if isinstance(prompt, list):
+            num_kept = len(prompt) if keep is None else min(len(prompt), keep)
+            if num_kept >= max_model_len:
+                raise context_length_error(num_kept, max_model_len)
     _check_count(data, "stop", limits.max_stop_strings, "stop strings")
     _check_count(data, "logit_bias", limits.max_logit_bias_entries, "logit_bias entries")
     _check_count(data, "stop_token_ids", vocab_size, "stop token ids")
@@ -47,9 +50,9 @@ def drop_truncated_tokens(data: dict[str, Any], max_model_len: int) -> None:
     """Cut token-list prompts to what truncate_prompt_tokens keeps before anything validates
     them: a client may send any number of ids to keep the last few, and validating them all
     is one long call. (Text prompts are cut once tokenized.)"""
-    keep = _num_tokens_kept(data.get("truncate_prompt_tokens"), max_model_len)
+    keep = _num_tokens_kept(data, max_model_len)
     prompt = data.get("prompt")
-    if keep == sys.maxsize or not isinstance(prompt, list):
+    if keep is None or not isinstance(prompt, list):
         return
     if _is_token_list(prompt):
         if len(prompt) > keep:
@@ -82,17 +85,24 @@ def _is_token_list(prompt: list[Any]) -> bool:
     return bool(prompt) and isinstance(prompt[0], int) and not isinstance(prompt[0], bool)
 
 
-def _num_tokens_kept(truncate_prompt_tokens: Any, max_model_len: int) -> int:
-    """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: as many as the
-    context leaves room for; unset or 0: all, sys.maxsize)."""
-    keep = _int_or(truncate_prompt_tokens, 0)
-    if keep == -1:
+def num_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps: -1 as many as the
+    context leaves room for; None (unset, 0) all of them."""
+    if truncate_prompt_tokens == -1:
         return max_model_len - 1
-    return keep if keep > 0 else sys.maxsize
+    if truncate_prompt_tokens is None or truncate_prompt_tokens <= 0:
+        return None
+    return truncate_prompt_tokens
+
+
+def _num_tokens_kept(data: Mapping[str, Any], max_model_len: int) -> int | None:
+    return num_tokens_kept(int_as_read(data.get("truncate_prompt_tokens")), max_model_len)
 
 
 def _int_or(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    """`value` as the schema reads an integer; `default` where it reads none."""
+    read = int_as_read(value)
+    return default if read is None else read
 
 
 def _check_count(data: Mapping[str, Any], field: str, limit: int, what: str) -> None:

@@ -30,12 +30,13 @@ from telemetry.tracing import Tracing
 
 log = structlog.get_logger("tandem.server")
 
-_REJECTION_BY_PHASE = {"loading": "loading", "draining": "draining"}
+_REJECTION_BY_PHASE = {"loading": "loading", "draining": "draining", "stalled": "engine_stalled"}
 
 
 def rejection_reason(status: int, server_phase: str) -> str | None:
     """The `tandem:rejected_requests` label for a request refused before the engine saw it:
-    429 when admission is full, 503 while loading, draining or after the engine stopped.
+    429 when admission is full, 503 while loading, draining, while the engine is stalled or
+    after it stopped.
     None for statuses that are the request's own fault (400, 404, ...)."""
     if status == 429:
         return "overloaded"

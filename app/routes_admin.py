@@ -49,7 +49,8 @@ def admin_routes() -> list[Route]:
 
 
 async def health(request: Request) -> Response:
-    """200 while serving; 503 while loading, draining, or when the engine is dead."""
+    """200 while serving; 503 while loading, draining, or when the engine is stalled (its
+    process has not answered for --engine-stall-timeout) or dead."""
     state = server_state(request)
     if state.phase == "serving":
         return _json({"status": "ok"})

@@ -170,7 +170,8 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         _array_caps(state))
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
     params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
-                                    tools, state.settings.engine.tensor_parallel_size)
+                                    state.grammar_checker, tools,
+                                    state.settings.engine.tensor_parallel_size)
     new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -217,7 +218,7 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         _array_caps(state))
     prompt_lens = [len(p.token_ids) for p in prompts]
     params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, prompt_lens), bool(req.echo)), req,
+        sampling_params(state, req, prompt_lens), bool(req.echo)), req, state.grammar_checker,
         tensor_parallel_size=state.settings.engine.tensor_parallel_size)
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -372,7 +373,7 @@ async def _collect(request: Request, group: AdmittedGroup, choices: Sequence[Cho
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
         log.error("request_failed", request_id=request_id, error=failed[0].error)
-        raise internal_error(request_id)
+        raise internal_error(request_id, failed[0].error)
     return True
 
 

@@ -113,6 +113,15 @@ def _add_admission_args(p: Any) -> None:
                      help="this many failed engine steps in a row mark the engine dead: /health "
                           "answers 503 and new requests are refused (default 5). "
                           "Env: TANDEM_MAX_CONSECUTIVE_FAILED_STEPS")
+    adm.add_argument("--engine-stall-timeout", type=float,
+                     default=_env("engine_stall_timeout", 10.0, float),
+                     help="seconds the engine core may stay silent before it is reported "
+                          "stalled: /health answers 503 'stalled' and new requests get 503 + "
+                          "Retry-After, until it answers again. The core sends a heartbeat "
+                          "every 0.5 s from its event loop while its steps run on their own "
+                          "threads, so however long a step takes (a long prefill on a CPU) it "
+                          "does not count; an idle server is never stalled. At least 1, or 0 "
+                          "to disable (default 10). Env: TANDEM_ENGINE_STALL_TIMEOUT")
     adm.add_argument("--clamp-max-tokens", action="store_true",
                      default=_env_flag("clamp_max_tokens"),
                      help="shorten max_tokens to fit the context instead of answering 400. "
@@ -124,6 +133,13 @@ def _add_admission_args(p: Any) -> None:
                           "'auto': hermes (<tool_call>{...}</tool_call>, Hermes and Qwen), "
                           "llama3_json (Llama 3.x JSON calls), none, or auto (default: from the "
                           "chat template). Env: TANDEM_TOOL_CALL_PARSER")
+    api.add_argument("--grammar-compile-timeout", type=float,
+                     default=_env("grammar_compile_timeout", 10.0, float),
+                     help="seconds a new structured output spec (JSON schema, regex, grammar, "
+                          "choice) may take to compile; a longer one is refused with 400. Each "
+                          "new spec is compiled first in a checker process of its own, so a "
+                          "spec that would hang or crash the compiler harms no other request "
+                          "(default 10). Env: TANDEM_GRAMMAR_COMPILE_TIMEOUT")
 
 
 def _add_process_args(p: Any) -> None:
@@ -160,11 +176,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         keep_alive_interval_s=args.keep_alive_interval, shutdown_timeout_s=args.shutdown_timeout,
         clamp_max_tokens=args.clamp_max_tokens, max_n=args.max_n, access_log=args.access_log,
         max_consecutive_failed_steps=args.max_consecutive_failed_steps,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout,
         request_body_timeout_s=args.request_body_timeout, send_timeout_s=args.send_timeout,
         priority_scheduling=args.scheduling_policy == "priority", api_server_count=args.api_server_count,
         log_format=args.log_format, log_level=args.log_level,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser,
+        grammar_compile_timeout_s=args.grammar_compile_timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,6 +226,7 @@ def _supervise(settings: Any) -> int:
 
 def _check_args(args: argparse.Namespace) -> None:
     from app.cli_errors import UserFacingError
+    from app.engine_watchdog import MIN_STALL_TIMEOUT_S
 
     checks = [(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
               (args.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
@@ -221,7 +240,11 @@ def _check_args(args: argparse.Namespace) -> None:
               (args.send_timeout >= 0, "--send-timeout must be >= 0"),
               (args.max_consecutive_failed_steps >= 1,
                "--max-consecutive-failed-steps must be at least 1"),
+              (args.engine_stall_timeout == 0
+               or args.engine_stall_timeout >= MIN_STALL_TIMEOUT_S,
+               f"--engine-stall-timeout must be 0 or at least {MIN_STALL_TIMEOUT_S:g}"),
               (args.max_n >= 1, "--max-n must be at least 1"),
+              (args.grammar_compile_timeout > 0, "--grammar-compile-timeout must be > 0"),
               (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]")]
     for ok, message in checks:
         if not ok:

@@ -30,6 +30,10 @@ class ServeSettings:
     access_log: bool = False
     max_consecutive_failed_steps: int = 5
     """This many failed engine steps in a row mark the engine dead: /health 503."""
+    engine_stall_timeout_s: float = 10.0
+    """An engine-core process silent this long (no heartbeat from its event loop) is
+    reported stalled: /health 503 'stalled', new requests 503, until it answers again.
+    0: never (app/engine_watchdog.py)."""
     keep_alive_timeout_s: float = 65.0
     """An idle connection (no request yet, or between requests) is closed after this; a
     request's headers must arrive within it."""
@@ -43,6 +47,8 @@ class ServeSettings:
     tool_call_parser: str = "auto"
     """How tool calls are read out of model text: hermes, llama3_json, none, or auto (from
     the chat template)."""
+    grammar_compile_timeout_s: float = 10.0
+    """The most a new structured output spec may take to compile (in a checker process)."""
     api_server_count: int = 1
     """Front-end processes sharing the listening socket, in front of one engine core."""
     log_format: str = "json"

@@ -16,8 +16,9 @@ import structlog
 
 from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
 from actors.engine_client import EngineUnavailable
-from actors.messages import EngineReady, SchedulerStats
+from actors.messages import EngineReady, GrammarCheckerStart, SchedulerStats
 from actors.model_source import ModelLoadError
+from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock
 from app.engine_connection import (
     EngineAttachment,
@@ -26,6 +27,7 @@ from app.engine_connection import (
     EngineStartError,
     ProcessOptions,
 )
+from app.engine_watchdog import EngineWatchdog
 from app.prompt_bounds import chars_per_token
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
 from app.tokenizer_loader import load_generation_config, load_tokenizer
@@ -38,7 +40,9 @@ __all__ = ["EMBEDDED_MODEL_NAME", "EngineSnapshot", "ServeSettings", "ServerStat
 
 log = structlog.get_logger("tandem.server")
 
-Phase = Literal["loading", "serving", "draining", "stopped", "dead"]
+Phase = Literal["loading", "serving", "stalled", "draining", "stopped", "dead"]
+"""'stalled': the engine core has not answered for the stall bound (app/engine_watchdog.py);
+it turns back to 'serving' when the core answers again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class ServerState:
         """The actors.engine_client.EngineClient once the core is ready."""
         self.connection: EngineConnection | None = None
         self.admission: AdmissionActor | None = None
+        self.grammar_checker: GrammarChecker
+        """Checks new structured-output specs (set once the engine is ready)."""
         self.tokenizer: Any = None
         self.generation_config: dict[str, Any] = {}
         self.max_model_len = 0
@@ -113,9 +119,13 @@ class ServerState:
         started = time.perf_counter()
         connection = self.connection = self._make_connection()
         connection.spawn()
-        self.tokenizer = await anyio.to_thread.run_sync(_load_warm_tokenizer, config.model,
-                                                        config.tokenizer)
-        self.generation_config = load_generation_config(config.model)
+        try:
+            self.tokenizer = await anyio.to_thread.run_sync(_load_warm_tokenizer, config.model,
+                                                            config.tokenizer)
+            self.generation_config = load_generation_config(config.model)
+        except Exception:
+            await connection.shutdown()  # the core it spawned, and its ipc folder
+            raise
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         async with anyio.create_task_group() as tg:
             with anyio.CancelScope() as start_scope:
@@ -135,7 +145,15 @@ class ServerState:
                      startup_s=round(time.perf_counter() - started, 3))
             assert self.admission is not None
             tg.start_soon(self.admission.run)
-            await self._stop_engine.wait()
+            watchdog = self._make_watchdog(connection)
+            if watchdog is not None:
+                tg.start_soon(watchdog.run)
+            try:
+                await self._stop_engine.wait()
+            finally:
+                await self.grammar_checker.aclose()
+            if watchdog is not None:
+                watchdog.stop()
             self.admission.close()
             await connection.shutdown()
 
@@ -150,6 +168,29 @@ class ServerState:
         return EngineConnection(self.settings.engine, callbacks,
                                 preloaded=self._preloaded, attach=self._attach,
                                 process_options=options)
+
+    def _make_watchdog(self, connection: EngineConnection) -> EngineWatchdog | None:
+        timeout_s = self.settings.engine_stall_timeout_s
+        client = connection.client
+        if connection.inprocess_core is not None or timeout_s <= 0 or client is None:
+            return None  # a core on this event loop cannot stall without this loop
+        return EngineWatchdog(timeout_s, lambda: client.last_heard_at, self._on_engine_stalled,
+                              self._on_engine_resumed)
+
+    def _on_engine_stalled(self, silent_s: float) -> None:
+        if self.phase == "dead":  # its process is gone: silence says nothing more
+            return
+        if self.phase == "serving":
+            self.phase = "stalled"
+        log.error("engine_stalled", silent_s=round(silent_s, 3),
+                  stall_timeout_s=self.settings.engine_stall_timeout_s)
+
+    def _on_engine_resumed(self) -> None:
+        if self.phase == "dead":
+            return
+        if self.phase == "stalled":
+            self.phase = "serving"
+        log.warning("engine_resumed")
 
     def _check_tokenizer_fits(self, info: EngineReady) -> None:
         if self.tokenizer is not None and self.tokenizer.vocab_size > info.vocab_size:
@@ -173,6 +214,11 @@ class ServerState:
             max_queued_prompt_tokens=self.settings.max_queued_prompt_tokens,
             max_n=self.settings.max_n, retry_after_s=self.settings.retry_after_s)
         self.admission = AdmissionActor(connection.client, limits)
+        tokenizer = self.tokenizer
+        self.grammar_checker = GrammarChecker(
+            lambda: GrammarCheckerStart(None if tokenizer is None else tokenizer.raw.to_str(),
+                                        info.vocab_size, self.eos_token_ids),
+            timeout_s=self.settings.grammar_compile_timeout_s)
         if self.phase == "loading":
             self.phase = "serving"
 
@@ -194,7 +240,7 @@ class ServerState:
         """The core cannot serve (steps keep failing, or its process died): /health turns
         503 (an orchestrator then restarts the server), new requests get 503, every
         admitted request ends with an error, and the process exits 1 when it is stopped."""
-        if self.phase in ("loading", "serving"):
+        if self.phase in ("loading", "serving", "stalled"):
             self.phase = "dead"
         self.exit_code = 1
         if self.admission is not None:
@@ -214,7 +260,7 @@ class ServerState:
     async def drain(self, timeout_s: float, force: anyio.Event, flush_timeout_s: float) -> None:
         """Refuse new work, give in-flight requests `timeout_s`, abort the rest, then ask
         Hypercorn to stop."""
-        if self.phase in ("serving", "loading"):
+        if self.phase in ("serving", "stalled", "loading"):
             self.phase = "draining"
         admission = self.admission
         if admission is not None:

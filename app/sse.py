@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 from actors.admitted_group import AdmittedGroup
 from actors.output_stream import StreamDelta
 from app import prompt_logprobs
-from app.errors import error_body
+from app.errors import internal_error
 from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
 from app.tool_calls.output import ToolCallOutput
@@ -217,6 +217,8 @@ class EventStreamResponse(Response):
         self.request_id = request_id
         self.telemetry = telemetry
         self._started = [False] * len(group.streams)
+        self._failure: str | None = None
+        """Why a choice failed, in the engine's words (the stream's error event says it)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         telemetry = self.telemetry
@@ -256,8 +258,8 @@ class EventStreamResponse(Response):
                 self.telemetry.failed(exc)
             failed = True
         if failed:
-            message = f"Internal server error (request id {self.request_id})"
-            await send_bytes(sse_event(error_body(500, message)) + DONE_EVENT)
+            error = internal_error(self.request_id, self._failure)
+            await send_bytes(sse_event(error.body()) + DONE_EVENT)
             return
         tail = sse_event(self.formatter.chunk(None)) if self.options.include_usage else b""
         await send_bytes(tail + DONE_EVENT)
@@ -271,6 +273,7 @@ class EventStreamResponse(Response):
             _count(choice, delta)
             if delta.finish_reason == "error":
                 log.error("request_failed", request_id=self.request_id, error=delta.error)
+                self._failure = delta.error
                 if out:
                     await send_bytes(bytes(out))
                 return True

@@ -8,8 +8,9 @@ Accepted, as OpenAI and vLLM spell them (at most one per request):
                       | {"json_object": true}
     guided_json, guided_regex, guided_choice, guided_grammar   (vLLM's older names)
 
-An invalid schema, regex or grammar is a 400 naming the field and the problem, found by the
-same grammar library the engine compiles with (in a worker thread when the text is long).
+An invalid schema, regex or grammar, or one over a budget (actors/grammar_limits.py, the
+compile time budget), is a 400 naming the field and the problem, found by compiling it as
+the engine will, in a checker process (app/grammar_checker.py).
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import anyio
-
-from actors.grammar import GrammarError, check_spec
 from actors.sampling_params import SamplingParams
 from actors.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
-from app.errors import bad_request
+from app.errors import APIError, bad_request
+from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
 from app.tool_calls.request import NO_TOOLS, ToolPlan
 
-OFF_LOOP_SPEC_CHARS = 4096
-"""Specs longer than this are checked in a worker thread."""
+CHECKER_RETRY_AFTER_S = 5
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -41,10 +39,12 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
 
 
-async def constrain_params(params: SamplingParams, request: object, tools: ToolPlan = NO_TOOLS,
+async def constrain_params(params: SamplingParams, request: object,
+                           checker: GrammarChecker, tools: ToolPlan = NO_TOOLS,
                            tensor_parallel_size: int = 1) -> SamplingParams:
     """`params` with the request's checked output constraint (from its fields, or from a
-    required / named tool choice) and the decoding its tool-call parser needs."""
+    required / named tool choice) and the decoding its tool-call parser needs. `checker`
+    compiles new specs where they can harm no one."""
     fields = {name: getattr(request, name, None) for name in CONSTRAINT_FIELDS}
     found = structured_output_spec(fields)
     if tools.structured_output is not None:
@@ -57,7 +57,7 @@ async def constrain_params(params: SamplingParams, request: object, tools: ToolP
         if tensor_parallel_size > 1:
             raise bad_request(f"{found[1]}: structured outputs are not available with "
                               "--tensor-parallel-size > 1", found[1])
-        await check_structured_output(*found)
+        await check_structured_output(checker, *found)
         changes["structured_output"] = found[0]
     if tools.needs_special_tokens:
         changes["skip_special_tokens"] = False
@@ -87,16 +87,19 @@ def structured_output_spec(fields: Mapping[str, Any]) -> tuple[StructuredOutputS
     return found[0] if found else None
 
 
-async def check_structured_output(spec: StructuredOutputSpec, param: str) -> None:
-    """400 naming `param` when the spec cannot be compiled into a grammar."""
+async def check_structured_output(checker: GrammarChecker, spec: StructuredOutputSpec,
+                                  param: str) -> None:
+    """400 naming `param` when the spec cannot be compiled into a grammar (or is over a
+    budget); 503 when no grammar checker could look at it."""
     try:
-        if len(spec.text) > OFF_LOOP_SPEC_CHARS:
-            await anyio.to_thread.run_sync(check_spec, spec)
-        else:
-            check_spec(spec)
-    except GrammarError as exc:
-        problem = " ".join(str(exc).split())
-        raise bad_request(f"{param}: invalid {_KIND_NAMES[spec.kind]}: {problem}", param) from None
+        problem = await checker.check(spec)
+    except GrammarCheckerUnavailable as exc:
+        raise APIError(503, f"{param}: the server cannot check structured output specs "
+                            f"right now ({exc}); retry shortly",
+                       retry_after_s=CHECKER_RETRY_AFTER_S) from None
+    if problem is not None:
+        problem = " ".join(problem.split())
+        raise bad_request(f"{param}: invalid {_KIND_NAMES[spec.kind]}: {problem}", param)
 
 
 def _response_format(fmt: Any) -> StructuredOutputSpec | None:
@@ -156,12 +159,14 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutputSpec:
 
 
 def _schema_text(schema: Any, param: str) -> str:
-    if isinstance(schema, str):  # vLLM takes a schema as JSON text too
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise bad_request(f"{param} is not valid JSON", param) from None
-    if not isinstance(schema, (dict, bool)):
-        raise bad_request(f"{param} must be a JSON schema object", param)
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=False)
-
+    try:
+        if isinstance(schema, str):  # vLLM takes a schema as JSON text too
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise bad_request(f"{param} is not valid JSON", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request(f"{param} must be a JSON schema object", param)
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=False)
+    except RecursionError:  # a schema in a string escapes the body's bound on nesting
+        raise bad_request(f"{param} nests too deeply", param) from None

@@ -16,6 +16,10 @@ sharing one listening socket, watched by this (torch-free) parent.
   one says hello); more than MAX_RESTARTS in RESTART_WINDOW_S and the server exits 1.
 - The engine core dying is seen by every API server at once (/health 503 'dead').
 - Every child dies with the supervisor (PR_SET_PDEATHSIG): no orphans.
+- The engine core serves only peers that present this launch's secret, which every child
+  gets on its stdin (actors/launch_secret.py); the supervisor presents it too, to send
+  Shutdown. The ipc folder (0700) lives as long as the supervisor: a restarted API server
+  connects again. It is removed however the supervisor exits, SIGKILL aside.
 """
 
 from __future__ import annotations
@@ -31,11 +35,9 @@ from collections import deque
 
 import msgspec
 import structlog
-import zmq
 
-from actors.codec import Codec
-from actors.messages import Shutdown
-from actors.transport import ipc_address
+from actors.launch_secret import new_secret, start_with_secret
+from actors.transport import ipc_address, send_shutdown
 from app.engine_process import start_engine_process, stop_process
 from app.serve_settings import ServeSettings
 from app.server import bind_listening_socket
@@ -57,6 +59,8 @@ class Supervisor:
         self._metrics_dir = os.path.join(self._workdir, "metrics")
         os.mkdir(self._metrics_dir)
         self._address = ipc_address(self._workdir)
+        self._secret = new_secret()
+        self._engine: subprocess.Popen[bytes] | None = None
         self._api_servers: dict[int, subprocess.Popen[bytes]] = {}
         self._restarts: deque[float] = deque()
         self._signals: deque[int] = deque()
@@ -67,21 +71,23 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda signum, frame: self._signals.append(signum))
         settings = self.settings
-        self._engine = start_engine_process(
-            settings.engine, self._address,
-            max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
-            log_format=settings.log_format, log_level=settings.log_level)
         try:
+            engine = self._engine = start_engine_process(
+                settings.engine, self._address, self._secret,
+                max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
+                log_format=settings.log_format, log_level=settings.log_level)
             for index in range(settings.api_server_count):
                 self._api_servers[index] = self._start_api_server(index)
             host = f"[{settings.host}]" if ":" in settings.host else settings.host
             log.info("server_listening", url=f"http://{host}:{self.port}",
                      model=settings.engine.model, api_servers=settings.api_server_count,
-                     engine_pid=self._engine.pid)
+                     engine_pid=engine.pid)
             self._supervise()
         finally:
-            self._stop_engine()
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            try:
+                self._stop_engine()
+            finally:
+                shutil.rmtree(self._workdir, ignore_errors=True)
         return self.exit_code
 
     def _supervise(self) -> None:
@@ -128,6 +134,7 @@ class Supervisor:
         self._api_servers[index] = self._start_api_server(index)
 
     def _start_api_server(self, index: int) -> subprocess.Popen[bytes]:
+        assert self._engine is not None
         command = [sys.executable, "-m", "app.api_server_proc", "--fd", str(self.sock.fileno()),
                    "--client-index", str(index), "--engine-address", self._address,
                    "--engine-pid", str(self._engine.pid),
@@ -137,23 +144,17 @@ class Supervisor:
                "TANDEM_PROCESS_NAME": f"api_server_{index}"}
         # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
         # forwards one signal (two would skip the drain).
-        return subprocess.Popen(command, pass_fds=(self.sock.fileno(),), env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return start_with_secret(command, self._secret, pass_fds=(self.sock.fileno(),),
+                                 env=env, start_new_session=True)
 
     def _stop_engine(self) -> None:
+        if self._engine is None:  # it never started
+            return
         if self._engine.poll() is None:
-            _send_shutdown(self._address)
+            send_shutdown(self._address, self._secret)
             stop_process(self._engine, timeout_s=30.0)
         if self._engine.returncode not in (0, None) and self.exit_code == 0:
             self.exit_code = 1
-
-
-def _send_shutdown(address: str) -> None:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
-    sock.send(Codec().encode(Shutdown()))
-    sock.close()
 
 
 def _mark_process_dead(pid: int, directory: str) -> None:

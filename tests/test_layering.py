@@ -16,7 +16,7 @@ LEAVES = {"actors/config.py": {"actors.speculative_config"},
           "actors/speculative_config.py": set(), "actors/model_source.py": set(),
           "actors/structured_output.py": set(),
           "actors/sampling_params.py": {"actors.structured_output"},
-          "actors/messages.py": {"actors.sampling_params"},
+          "actors/messages.py": {"actors.sampling_params", "actors.structured_output"},
           "actors/codec.py": {"actors.messages"}}
 """Leaf module -> the project modules it may import (nothing else of the project)."""
 FRONT_END_MODULES = ("app.cli", "app.serve_cmd", "app.server", "app.server_state",

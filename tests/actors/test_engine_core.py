@@ -14,6 +14,7 @@ from actors.engine_client import EngineClient
 from actors.engine_core import EngineCore
 from actors.engine_startup import reuse_engine
 from actors.inprocess_engine import InProcessEngine
+from actors.launch_secret import new_secret
 from actors.messages import EngineRequest
 from actors.sampling_params import SamplingParams
 from actors.transport import ZmqClientEndpoint, ZmqCoreEndpoint, ipc_address
@@ -55,8 +56,9 @@ def test_zmq_and_in_process_transports_give_identical_tokens(tmp_path: Path) -> 
 
     async def over_zmq() -> list[tuple[tuple[int, ...], str | None]]:
         address = ipc_address(str(tmp_path))
-        core = EngineCore(loaded.worker, loaded.runner, ZmqCoreEndpoint(address), CONFIG)
-        client = EngineClient(ZmqClientEndpoint(address, 0), tokenizer)
+        secret = new_secret()
+        core = EngineCore(loaded.worker, loaded.runner, ZmqCoreEndpoint(address, secret), CONFIG)
+        client = EngineClient(ZmqClientEndpoint(address, 0, secret), tokenizer)
         async with anyio.create_task_group() as tg:
             await tg.start(core.run)
             await tg.start(client.run)

@@ -83,6 +83,16 @@ def test_invalid_specs_raise_grammar_error() -> None:
             _compiler().matcher(spec)
 
 
+@pytest.mark.parametrize("choices", [
+    ["a", "ab", 'a"b', "\\x", "é€😀", "line\nbreak", "{brace}", "  spaces  ", "|bar|"],
+    [f"option {i}" for i in range(5000)],  # past the 2,000 alternatives of one parser row
+])
+def test_a_choice_yields_exactly_one_of_its_strings(choices: list[str]) -> None:
+    spec = StructuredOutputSpec("choice", json.dumps(choices))
+    outputs = {_sample_under_mask(spec, seed) for seed in range(8)}
+    assert outputs <= set(choices) and outputs
+
+
 # ---- property: sampling under the mask yields valid JSON ---------------------------------
 
 _KEYS = st.sampled_from(["id", "name", "tags", "size", "ok", "kind", "note"])

@@ -18,7 +18,7 @@ import pytest
 from actors.grammar import GrammarError
 from actors.grammar_state import GrammarState, MaskFiller
 from actors.kv_cache_manager import KVCacheManager
-from actors.messages import EngineRequest, GrammarVocab, StepOutput, StepStats
+from actors.messages import EngineRequest, GrammarVocab, RequestFinish, StepOutput, StepStats
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
 from actors.scheduler_config import SchedulerConfig
@@ -52,6 +52,16 @@ def _request(request_id: str, spec: StructuredOutputSpec | None) -> EngineReques
                          eos_token_ids=_tokenizer().eos_token_ids)
 
 
+def _add(scheduler: Scheduler, request: EngineRequest) -> RequestFinish | None:
+    """Add a request and, when its grammar compiles on a compile thread, wait for it as the
+    scheduler actor does; the request's error finish when it does not compile."""
+    compiling = scheduler.add_request(request)
+    if compiling is None:
+        return None
+    compiling.exception(timeout=30)
+    return scheduler.grammar_compiled(request.request_id, compiling)
+
+
 def _allowed(bitmask_row: np.ndarray) -> set[int]:
     bits = (bitmask_row.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
     return set(np.flatnonzero(bits.reshape(-1)).tolist())
@@ -59,8 +69,8 @@ def _allowed(bitmask_row: np.ndarray) -> set[int]:
 
 def test_a_constrained_step_behind_a_token_in_flight_gets_its_mask_after_that_token() -> None:
     scheduler = _scheduler()
-    scheduler.add_request(_request("free", None))
-    scheduler.add_request(_request("num", StructuredOutputSpec("regex", "[0-9]{3}")))
+    _add(scheduler, _request("free", None))
+    _add(scheduler, _request("num", StructuredOutputSpec("regex", "[0-9]{3}")))
     tokenizer = _tokenizer()
     digit = tokenizer.encode("7")[0]
     first = schedule(scheduler)
@@ -85,7 +95,7 @@ def test_a_constrained_step_behind_a_token_in_flight_gets_its_mask_after_that_to
 
 def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
     scheduler = _scheduler()
-    scheduler.add_request(_request("choice", CHOICE))
+    _add(scheduler, _request("choice", CHOICE))
     first, second = schedule(scheduler), schedule(scheduler)
     assert first is not None and second is not None and second.grammar_mask_deferred
     failed = StepOutput(first.step_id, (), np.zeros(0, np.int64), None,
@@ -98,7 +108,7 @@ def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
 
 def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> None:
     scheduler = _scheduler()
-    scheduler.add_request(_request("r", StructuredOutputSpec("regex", "ab[0-9]")))
+    _add(scheduler, _request("r", StructuredOutputSpec("regex", "ab[0-9]")))
     tokenizer = _tokenizer()
     token_ids = tokenizer.encode("ab") + tokenizer.encode("7")
     finishes = []
@@ -114,10 +124,11 @@ def test_the_mask_follows_the_tokens_given_and_a_finished_grammar_stops() -> Non
 
 def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> None:
     with pytest.raises(GrammarError, match="tokenizer"):
-        _scheduler(with_vocab=False).add_request(_request("a", CHOICE))
+        _add(_scheduler(with_vocab=False), _request("a", CHOICE))
     scheduler = _scheduler()
-    with pytest.raises(GrammarError):
-        scheduler.add_request(_request("b", StructuredOutputSpec("regex", "(")))
+    finish = _add(scheduler, _request("b", StructuredOutputSpec("regex", "(")))
+    assert finish is not None and finish.reason == "error"
+    assert finish.error is not None and "unclosed group" in finish.error  # the library's words
     assert not scheduler.has_unfinished_requests
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                              block_size=16)
@@ -127,16 +138,69 @@ def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> Non
     run_sync(no_grammars.free_finished_blocks())
 
 
+def _gate_compiles(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[threading.Event, list[str]]:
+    """Compiles wait for the returned event; the list gets the name of each compile's thread."""
+    release = threading.Event()
+    thread_names: list[str] = []
+    compiler = scheduler.grammars._compiler.result(30)
+    compile_matcher = compiler.matcher
+
+    def gated_matcher(spec: StructuredOutputSpec) -> Any:
+        thread_names.append(threading.current_thread().name)
+        release.wait(30)
+        return compile_matcher(spec)
+
+    monkeypatch.setattr(compiler, "matcher", gated_matcher)
+    return release, thread_names
+
+
+def test_a_new_grammar_compiles_off_the_core_thread_while_other_requests_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = _scheduler()
+    release, thread_names = _gate_compiles(scheduler, monkeypatch)
+    compiling = scheduler.add_request(_request("json", StructuredOutputSpec("regex", "[a-z]{4}")))
+    scheduler.add_request(_request("free", None))
+    assert compiling is not None and not compiling.done()
+    first = schedule(scheduler)
+    assert first is not None and first.scheduled_request_ids == ("free",)
+    release.set()
+    compiling.result(timeout=30)
+    assert thread_names[0].startswith("tandem-grammar-compile")
+    assert scheduler.grammar_compiled("json", compiling) is None
+    second = schedule(scheduler)
+    assert second is not None and second.scheduled_request_ids == ("free", "json")
+    assert second.grammar_bitmask is not None
+    # Compiled once: the same spec again is a copy of the cached grammar, at once.
+    assert scheduler.add_request(_request("again", StructuredOutputSpec("regex", "[a-z]{4}"))
+                                 ) is None
+
+
+def test_a_request_aborted_while_its_grammar_compiles_is_gone_when_the_compile_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = _scheduler()
+    release, _ = _gate_compiles(scheduler, monkeypatch)
+    compiling = scheduler.add_request(_request("r", StructuredOutputSpec("regex", "[a-z]{5}")))
+    assert compiling is not None
+    assert scheduler.abort_requests(["r"]) == ["r"]
+    assert not scheduler.has_unfinished_requests
+    release.set()
+    compiling.result(timeout=30)
+    assert scheduler.grammar_compiled("r", compiling) is None
+    assert not scheduler.has_unfinished_requests and scheduler.num_waiting == 0
+    run_sync(scheduler.free_finished_blocks())
+
+
 def test_a_tokenizer_the_grammar_library_cannot_use_refuses_constrained_requests_only() -> None:
     # What a grammar library of another version, or a broken tokenizer.json, does: the core
     # must keep serving (free requests run) and refuse constrained ones with the reason.
     scheduler = _scheduler(with_vocab=False)
-    with pytest.raises(GrammarError, match="cannot use this tokenizer"):
-        scheduler.grammars.set_vocab(GrammarVocab("{not a tokenizer", (0,)))
-    with pytest.raises(GrammarError, match="cannot use the model's tokenizer"):
-        scheduler.add_request(_request("a", CHOICE))
-    scheduler.add_request(_request("b", None))
-    assert scheduler.has_unfinished_requests
+    scheduler.grammars.set_vocab(GrammarVocab("{not a tokenizer", (0,)))
+    for request_id in ("a", "b"):
+        refused = _add(scheduler, _request(request_id, CHOICE))
+        assert refused is not None and "cannot use the model's tokenizer" in refused.error
+    assert _add(scheduler, _request("c", None)) is None
+    assert scheduler.get_request("c") is not None and scheduler.num_waiting == 1
 
 
 def test_masks_alive_together_never_share_memory_and_a_finished_row_allows_everything() -> None:
@@ -144,8 +208,8 @@ def test_masks_alive_together_never_share_memory_and_a_finished_row_allows_every
     grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
     row = types.SimpleNamespace(
-        grammar=grammars.matcher(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        grammar=grammars.compile(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
         is_finished=False, num_output_placeholders=1)
     digits = {tokenizer.encode(str(d))[0] for d in range(10)}
     masks = [grammars.plan_step(step_id, [(0, row)])[0] for step_id in range(3)]
@@ -171,8 +235,8 @@ def test_masks_are_filled_in_the_buffers_the_runner_allocates() -> None:
     grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2, allocate_buffer=allocate)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
     rows = [(i, types.SimpleNamespace(
-        grammar=grammars.matcher(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        grammar=grammars.compile(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
         is_finished=False, num_output_placeholders=1)) for i in range(2)]
     masks = [grammars.plan_step(step_id, rows)[0] for step_id in range(5)]
     assert len(allocated) == 3  # one per ring slot, reused after
@@ -196,8 +260,8 @@ def test_the_filler_hands_over_masks_in_order_and_a_failed_fill_as_its_error() -
     grammars = GrammarState(tokenizer.vocab_size)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
     row = types.SimpleNamespace(
-        grammar=grammars.matcher(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))),
+        grammar=grammars.compile(SamplingParams(
+            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
         is_finished=False, num_output_placeholders=2)
     assert grammars.plan_step(4, [(0, row)]) == (None, True)  # a token in flight: deferred
     row.num_output_placeholders = 1

@@ -99,7 +99,8 @@ async def test_a_request_whose_output_cannot_be_processed_fails_alone():
     h.add("b", max_tokens=5)
     update = h.step({"a": bad, "b": ids("x")[0]})
     assert update.finished == {"a": "error"} and update.request_ids == ("b",)
-    assert (await h.read_all("a")).error == "RuntimeError: cannot decode"
+    error = (await h.read_all("a")).error  # it reaches the client: the type, not the text
+    assert error is not None and "RuntimeError" in error and "cannot decode" not in error
 
 
 async def test_abort_closes_the_stream_and_later_tokens_are_ignored():
@@ -183,3 +184,17 @@ async def test_sampler_actor_routes_messages_and_aborts_leftovers_on_stop():
         "a": "abort", "b": "stop", "c": "abort"}
     with pytest.raises(TypeError, match="unexpected message"):
         await SamplerActor(h.processor, on_stopped=stopped.append).handle("nonsense")
+
+
+async def test_an_error_that_comes_with_a_token_keeps_its_text():
+    # A grammar the sampled token broke finishes the request in the same step as that
+    # token; its reason must reach the client, not only 'error'.
+    h = Harness()
+    h.add("a", max_tokens=5)
+    token = ids("x")[0]
+    h.processor.process_outputs(EngineCoreOutputs(
+        0, ("a",), np.array([token], np.int32),
+        finished=(RequestFinish("a", "error", error="the output left its grammar: row"),)))
+    out = await h.read_all("a")
+    assert (out.finish_reason, out.error, out.text) == (
+        "error", "the output left its grammar: row", "x")

@@ -1,12 +1,17 @@
 """The protocol on the wire: every message survives the codec (numpy arrays without
-per-element work), and the ZMQ and in-process transports carry the same messages."""
+per-element work), the ZMQ and in-process transports carry the same messages, and the
+core's ZMQ endpoint serves only the peers that present the launch secret, whatever else
+reaches its socket."""
 
 from __future__ import annotations
 
+import anyio
 import numpy as np
 import pytest
+import structlog
 
 from actors.codec import Codec
+from actors.launch_secret import new_secret
 from actors.messages import (
     AbortRequests,
     AdmittedRequest,
@@ -16,8 +21,9 @@ from actors.messages import (
     EngineReady,
     EngineRequest,
     EngineStartupFailed,
-    LogprobsArrays,
     GrammarVocab,
+    Heartbeat,
+    LogprobsArrays,
     PromptLogprobs,
     RequestFinish,
     SchedulerStats,
@@ -34,7 +40,9 @@ from actors.transport import (
     ZmqClientEndpoint,
     ZmqCoreEndpoint,
     ipc_address,
+    send_shutdown,
 )
+from tests.actors._hostile_peer import send_hostile_frames
 
 STATS = SchedulerStats(num_running=2, num_waiting=1, num_preemptions_total=3,
                        num_total_kv_blocks=64, num_free_kv_blocks=10, kv_usage_perc=0.8,
@@ -70,7 +78,7 @@ TO_FRONT_END = [
     EngineReady("dummy:qwen3-0.6b", "qwen3", 4096, 151936, 16, 100, 1 << 20, 256, "v2",
                 "no fallback rule applies", "default", "cuda:0", 9.5, 123),
     EngineStartupFailed("model not found: /x", True), EngineDead("5 steps failed"),
-    UtilityResult(7, stats=STATS), UtilityResult(8, error="broken"),
+    UtilityResult(7, stats=STATS), UtilityResult(8, error="broken"), Heartbeat(),
 ]
 
 
@@ -126,9 +134,9 @@ async def test_in_process_channel_routes_by_client_and_closes() -> None:
 
 
 async def test_zmq_routes_answers_to_the_front_end_that_said_hello(tmp_path) -> None:
-    address = ipc_address(str(tmp_path))
-    core = ZmqCoreEndpoint(address)
-    clients = [ZmqClientEndpoint(address, index) for index in range(2)]
+    address, secret = ipc_address(str(tmp_path)), new_secret()
+    core = ZmqCoreEndpoint(address, secret)
+    clients = [ZmqClientEndpoint(address, index, secret) for index in range(2)]
     try:
         for index, client in enumerate(clients):
             client.send(ClientHello(index))
@@ -143,4 +151,71 @@ async def test_zmq_routes_answers_to_the_front_end_that_said_hello(tmp_path) -> 
         core.send(5, EngineDead("nobody"))  # unknown front end: dropped, not raised
     finally:
         for endpoint in (core, *clients):
+            endpoint.close()
+
+
+# ---- hostile peers on the core's socket ----------------------------------------------
+
+
+async def _receive_into(core: ZmqCoreEndpoint, received: list[object]) -> None:
+    received.append(await core.receive())
+
+
+def _dropped_lines(logs: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [line for line in logs if line["event"] == "engine_socket_frame_dropped"]
+
+
+async def test_the_core_endpoint_drops_what_an_unauthenticated_peer_sends(tmp_path) -> None:
+    """Garbage, wrong shapes and forged hellos never reach the core or raise, and a forged
+    hello for index 0 does not take the real front end 0's replies."""
+    address, secret = ipc_address(str(tmp_path)), new_secret()
+    core = ZmqCoreEndpoint(address, secret)
+    client = ZmqClientEndpoint(address, 0, secret)
+    try:
+        client.send(ClientHello(0))
+        assert _equal(await core.receive(), ClientHello(0))
+        received: list[object] = []
+        with structlog.testing.capture_logs() as logs, anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: _receive_into(core, received))
+                send_hostile_frames(tmp_path / "engine.sock")
+                while not _dropped_lines(logs):  # the flood has reached the core
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.2)
+                client.send(AbortRequests(("real",)))
+        assert len(received) == 1 and _equal(received[0], AbortRequests(("real",)))
+        assert len(_dropped_lines(logs)) == 1  # a flood costs one line per interval
+        assert core.client_indices == (0,)
+        core.send(0, TO_FRONT_END[2])
+        with anyio.fail_after(5):
+            assert _equal(await client.receive(), TO_FRONT_END[2])
+    finally:
+        core.close()
+        client.close()
+
+
+async def test_an_authenticated_hello_takes_an_index_over_and_the_supervisor_only_speaks(
+        tmp_path) -> None:
+    """The supervisor restarts a dead API server: the new process's hello (with the secret)
+    takes its index over. The supervisor's own hello (no index) reaches no one; its
+    Shutdown does."""
+    address, secret = ipc_address(str(tmp_path)), new_secret()
+    core = ZmqCoreEndpoint(address, secret)
+    first, restarted = (ZmqClientEndpoint(address, 1, secret) for _ in range(2))
+    try:
+        first.send(ClientHello(1))
+        assert _equal(await core.receive(), ClientHello(1))
+        restarted.send(ClientHello(1))
+        assert _equal(await core.receive(), ClientHello(1))
+        core.send(1, TO_FRONT_END[2])
+        with anyio.fail_after(5):
+            assert _equal(await restarted.receive(), TO_FRONT_END[2])
+        first.send(AbortRequests(("from the old process",)))  # its peer lost its standing
+        await anyio.sleep(0.2)
+        send_shutdown(address, secret)
+        with anyio.fail_after(5):
+            assert _equal(await core.receive(), Shutdown())
+        assert core.client_indices == (1,)
+    finally:
+        for endpoint in (core, first, restarted):
             endpoint.close()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,12 +72,14 @@ def test_the_engine_refuses_before_loading_the_model(args: tuple[str, ...], env:
     assert "model_loaded" not in result.stderr
 
 
-def test_serve_stops_when_its_engine_refuses() -> None:
+def test_serve_stops_when_its_engine_refuses(tmp_path: Path) -> None:
     result = _tandem("serve", "--port", "0", "--device", "cpu", "--log-format", "console",
-                     "--runner", "v2", "--logits-processors", SAMPLE)
+                     "--runner", "v2", "--logits-processors", SAMPLE,
+                     env={"TMPDIR": str(tmp_path)})
     assert result.returncode != 0
     assert "does not support custom logits processors" in result.stderr
     assert "model_loaded" not in result.stderr
+    assert not list(tmp_path.glob("tandem-*")), "the engine's ipc folder was left behind"
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
 """Hostile request bodies: cheap to send, each must be refused cheaply. Sizes that are
-refused, samples and prompts beyond the limits, text that cannot fit the context, lone
-surrogates, oversized detokenize requests, priorities nobody enabled and a redirect that
-would trust the Host header. Each test also checks that /health kept answering within a
-second and that memory came back (tests/app/_hostile.py)."""
+refused (also written as a float or a string of digits, which the schema reads as integers),
+samples and prompts beyond the limits, text that cannot fit the context or is cut to its
+last tokens, lone surrogates, oversized detokenize requests, priorities nobody enabled and
+a redirect that would trust the Host header. Each test also checks that /health kept
+answering within a second and that memory came back (tests/app/_hostile.py)."""
 
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,6 +94,40 @@ def test_prompts_times_n_and_token_lists_are_checked_first(server: RunningServer
     assert "5000 input tokens" in _refused(too_many_kept, "input_tokens")["message"]
 
 
+MAX_REFUSAL_S = 0.05
+"""The issue's bound on refusing a request by its size (today: about a millisecond)."""
+ONE_MESSAGE = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("path,body", [(CMPL, {"prompt": "hi", "max_tokens": 1}),
+                                       (CHAT, ONE_MESSAGE)], ids=["completions", "chat"])
+@pytest.mark.parametrize("n", [1e6, "1000000"], ids=["float", "string"])
+def test_n_read_leniently_is_refused_before_any_sample_exists(
+        server: RunningServer, http: httpx.Client, path: str, body: dict[str, Any],
+        n: Any) -> None:
+    """The schema reads 1e6 and "1000000" as the integer 1000000 (as vLLM does): the early
+    bound must see that integer too, not let it through to build a million samples."""
+    data = json.dumps({**body, "n": n}).encode()
+    durations_s = []
+    with hostile(server.url):
+        for _ in range(5):
+            started = time.perf_counter()
+            error = _refused(_post(http, path, data), "n")
+            durations_s.append(time.perf_counter() - started)
+    assert "at most 16, got 1000000" in error["message"]
+    assert statistics.median(durations_s) < MAX_REFUSAL_S, durations_s
+
+
+@pytest.mark.parametrize("keep", ["9", 9.0], ids=["string", "float"])
+def test_truncate_prompt_tokens_read_leniently_cuts_token_lists_first(
+        server: RunningServer, http: httpx.Client, keep: Any) -> None:
+    body = (b'{"max_tokens": 1, "truncate_prompt_tokens": ' + json.dumps(keep).encode()
+            + b', "prompt": ' + _items(b"7", 300_000) + b"}")
+    with hostile(server.url):
+        kept = _post(http, CMPL, body)
+    assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 9, kept.text
+
+
 @pytest.mark.parametrize("field,value", [
     ("top_k", 2**70), ("min_tokens", 2**70), ("truncate_prompt_tokens", 2**70),
     ("stop_token_ids", [2**70]), ("priority", 2**40), ("max_tokens", 2**64),
@@ -161,6 +198,34 @@ def test_many_small_messages_are_refused_off_the_event_loop(server: RunningServe
         error = _refused(_post(http, CHAT, body), "input_tokens")
         _refused(_post(http, "/tokenize", body.replace(b'"max_tokens": 1, ', b"")))
     assert "characters" in error["message"]
+
+
+HUGE_TEXT = "ab " * 5_200_000
+"""The issue's 15.6 MB prompt."""
+MAX_TRUNCATED_ANSWER_S = 5.0
+"""Tokenizing all of HUGE_TEXT took 35 s on a 2-core machine, with /health held meanwhile."""
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT], ids=["completions", "chat"])
+def test_a_huge_text_with_truncate_prompt_tokens_is_cut_before_it_is_tokenized(
+        server: RunningServer, http: httpx.Client, path: str) -> None:
+    prompt = ({"prompt": HUGE_TEXT} if path == CMPL
+              else {"messages": [{"role": "user", "content": HUGE_TEXT}]})
+
+    def truncated(keep: int) -> bytes:
+        return json.dumps({**prompt, "max_tokens": 1, "truncate_prompt_tokens": keep}).encode()
+
+    with hostile(server.url):
+        started = time.perf_counter()
+        response = _post(http, path, truncated(100))
+        answered_s = time.perf_counter() - started
+        # Keeping the whole context (or all, 0) cuts nothing: too long, by its length alone.
+        refusals = [_refused(_post(http, path, truncated(keep)), "input_tokens")
+                    for keep in (MAX_MODEL_LEN, 0)]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 100
+    assert answered_s < MAX_TRUNCATED_ANSWER_S
+    assert all("characters" in error["message"] for error in refusals), refusals
 
 
 def test_the_bound_refuses_only_what_cannot_fit(http: httpx.Client) -> None:

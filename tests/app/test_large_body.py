@@ -1,7 +1,8 @@
 """Decoding a large body in steps gives what json.loads gives (or refuses what it refuses),
 refuses an over-long capped array before decoding the rest, validating messages in slices
-names the same bad field as validating them at once, and a worker preparing a request
-shortens the GIL's switch interval only while it works."""
+names the same bad field as validating them at once, a decoded body is emptied afterwards
+without touching what the request still holds, and a worker preparing a request shortens
+the GIL's switch interval only while it works."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from starlette.requests import Request
 from app.errors import APIError, bad_request
 from app.http_input import (LARGE_BODY_BYTES, OFF_LOOP_BODY_BYTES, decode_json_object,
                             prepare_request)
+from app import large_body
 from app.large_body import (GC_PAUSE, SHORT_SWITCH_INTERVAL_S, SHORT_SWITCHES,
-                            VALIDATION_SLICE, decode_in_steps, validate)
+                            VALIDATION_SLICE, decode_in_steps, release_unshared, validate)
 from app.schemas import ChatCompletionRequest
 
 
@@ -100,6 +102,29 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
     whole = validate(ChatCompletionRequest, {"messages": distinct, "max_tokens": 3})
     assert [m.content for m in whole.messages] == [str(i) for i in range(len(distinct))]
     assert whole.max_tokens == 3 and whole.model_fields_set == {"messages", "max_tokens"}
+
+
+def test_only_what_the_body_alone_holds_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    released: list[Any] = []
+    monkeypatch.setattr(large_body, "release_gradually",
+                        lambda items: released.append(type(items)(items)))  # a copy
+    schema, tools = {"type": "object"}, [{"type": "function"}]
+    data = {"messages": [{"role": "user"}] * 3, "guided_json": schema, "tools": tools,
+            "pad": {"x": [1]}, "n": 2}
+    release_unshared(data)
+    assert data == {}
+    assert schema == {"type": "object"} and tools == [{"type": "function"}]
+    assert released == [{"x": [1]}, [{"role": "user"}] * 3]
+
+
+def test_a_validated_request_keeps_its_loosely_typed_fields_whole() -> None:
+    data = {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"},
+            "tools": [{"type": "function"}], "chat_template_kwargs": {"a": {"b": [1]}},
+            "response_format": {"type": "json_object"}}
+    expected = json.loads(json.dumps(data))
+    req = validate(ChatCompletionRequest, data)
+    release_unshared(data)
+    assert req.model_dump(include=set(expected), exclude_none=True) == expected
 
 
 async def _prepare(body: bytes, prepare: Any) -> Any:

@@ -4,7 +4,9 @@ text."""
 
 from __future__ import annotations
 
+import functools
 import unicodedata
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,9 +17,13 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from app import prompt_bounds
 from app.prompt_bounds import (
     MAX_CANONICAL_DECOMPOSITION_CHARS,
+    TRUNCATION_MARGIN_CHARS,
+    CharsPerToken,
     chars_per_token,
     text_cannot_fit,
+    truncation_start,
 )
+from app.prompts import encode_prompt
 from app.server_state import _load_warm_tokenizer
 from app.tokenizer import Tokenizer as AppTokenizer
 from gpu.weights.gguf_file import GGUFFile
@@ -127,3 +133,75 @@ def test_the_served_tokenizer_has_its_bound_before_the_first_request() -> None:
     tokenizer = _load_warm_tokenizer("default", None)
     assert tokenizer in prompt_bounds._bounds
     assert prompt_bounds._bounds[tokenizer] == chars_per_token(tokenizer)
+
+
+# ---- truncate_prompt_tokens: the text is cut before it is tokenized --------------------
+
+MAX_MODEL_LEN = 2048
+REPO = Path(__file__).resolve().parents[2]
+NORMAL_TEXTS = {
+    "prose and markdown": (REPO / "README.md").read_text(),
+    "python": (REPO / "app" / "prompts.py").read_text(),
+    "many scripts": "Grüße aus Köln! 東京は晴れ。 Привет, мир. 🙂 مرحبا ¿Qué tal? 1234.5\n",
+    "chat markup": ("<|im_start|>user\nHello there<|im_end|>\n"
+                    "<|im_start|>assistant\nHi!<|im_end|>\n"),
+    "dropped characters": "a\x04b \x1d\x1d\x1d word\x13 " + "\x06" * 40 + "\n",
+}
+
+
+def _long(text: str, num_tokens: int, bound: CharsPerToken) -> str:
+    """`text` repeated to twice what the cut keeps."""
+    num_counted = len(text) - sum(map(text.count, bound.dropped))
+    num_kept = num_tokens * bound.max_chars + TRUNCATION_MARGIN_CHARS
+    return text * (2 * num_kept // num_counted + 1)
+
+
+@functools.cache
+def _full_ids(tokenizer: AppTokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, True)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, MAX_MODEL_LEN - 1])
+@pytest.mark.parametrize("name", NORMAL_TEXTS)
+def test_a_cut_text_ends_in_the_tokens_of_the_whole_text(tokenizer: AppTokenizer, name: str,
+                                                         num_tokens: int) -> None:
+    bound = chars_per_token(tokenizer)
+    assert bound is not None
+    text = _long(NORMAL_TEXTS[name], num_tokens, bound)
+    assert 0 < truncation_start(text, tokenizer, num_tokens)
+    ids = encode_prompt(tokenizer, text, True, num_tokens, MAX_MODEL_LEN)
+    assert ids[-num_tokens:] == _full_ids(tokenizer, text)[-num_tokens:]
+
+
+WORDS = st.sampled_from(["the", " ", "\n\n", "naïve", "中文", "😀", "don't", "3.14", "#", "==",
+                         "<|im_end|>", "\t", DENSEST, "\x04", "ab\x1dcd"]) | st.text(max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(WORDS, min_size=1, max_size=40), num_tokens=st.integers(1, 40))
+def test_a_cut_text_of_words_ends_in_the_same_tokens(tokenizer: AppTokenizer,
+                                                     words: list[str], num_tokens: int) -> None:
+    bound = chars_per_token(tokenizer)
+    assert bound is not None
+    # Each repetition ends in a word, so no run of spaces or marks is longer than it.
+    text = _long(" ".join(words) + " end.\n", num_tokens, bound)
+    tail = text[truncation_start(text, tokenizer, num_tokens):]
+    assert tokenizer.encode(tail)[-num_tokens:] == tokenizer.encode(text)[-num_tokens:]
+
+
+def test_dropped_characters_move_the_cut_back(tokenizer: AppTokenizer) -> None:
+    bound = chars_per_token(tokenizer)
+    assert bound is not None and bound.dropped
+    plain = "x " * 100_000
+    dropped = bound.dropped[0] * 50_000
+    cut = truncation_start(plain, tokenizer, 10)
+    assert cut > 0 and truncation_start(plain + dropped, tokenizer, 10) == cut
+    everything_dropped = dropped * 10
+    assert truncation_start(everything_dropped, tokenizer, 10) == 0
+
+
+def test_without_a_bound_the_whole_text_is_tokenized() -> None:
+    wordpiece = _wrap(Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")))
+    text = "a " * 100_000
+    assert truncation_start(text, wordpiece, 3) == 0
+    assert encode_prompt(wordpiece, text, False, 3, MAX_MODEL_LEN) == wordpiece.encode(text)

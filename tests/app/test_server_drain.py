@@ -135,7 +135,7 @@ def test_serve_help_lists_every_server_flag_with_its_environment_variable() -> N
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-queued-requests",
                  "--max-queued-prompt-tokens", "--max-request-body-bytes", "--keep-alive-interval",
                  "--shutdown-timeout", "--clamp-max-tokens", "--log-level", "--log-format",
-                 "--max-model-len", "--runner"):
+                 "--engine-stall-timeout", "--max-model-len", "--runner"):
         assert flag in text
         if flag not in ("--max-model-len", "--runner"):
             assert "TANDEM_" + flag[2:].upper().replace("-", "_") in text, flag

@@ -8,9 +8,11 @@ from typing import Any
 import anyio
 import pytest
 
+from actors.messages import GrammarCheckerStart
 from actors.sampling_params import SamplingParams
 from actors.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
 from app.errors import APIError
+from app.grammar_checker import GrammarChecker
 from app.structured_outputs import constrain_params, structured_output_spec
 from app.tool_calls.request import tool_plan
 
@@ -64,7 +66,15 @@ class _Request:
 
 
 def _constrain(request: _Request, **kwargs: Any) -> SamplingParams:
-    return anyio.run(lambda: constrain_params(SamplingParams(), request, **kwargs))
+    async def constrain() -> SamplingParams:
+        # No tokenizer: the checker process validates specs without compiling them.
+        checker = GrammarChecker(lambda: GrammarCheckerStart(None, 1024, ()), timeout_s=60)
+        try:
+            return await constrain_params(SamplingParams(), request, checker, **kwargs)
+        finally:
+            await checker.aclose()
+
+    return anyio.run(constrain)
 
 
 def test_tool_choice_brings_its_schema_and_parser_decoding() -> None:
