@@ -8,12 +8,12 @@ from typing import Any
 
 import anyio
 
-from actors.config import EngineConfig
-from actors.engine_client import EngineClient
-from actors.engine_core import EngineCore
-from actors.messages import EngineReady, EngineRequest, StepStats
-from actors.output_stream import RequestStream
-from actors.transport import InProcessChannel
+from actors.protocol.config import EngineConfig
+from actors.frontend.engine_client import EngineClient
+from actors.core.engine_core import EngineCore
+from actors.protocol.messages import EngineReady, EngineRequest, StepStats
+from actors.frontend.output_stream import RequestStream
+from actors.protocol.transport import InProcessChannel
 
 
 class InProcessEngine:

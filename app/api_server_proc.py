@@ -11,9 +11,9 @@ import sys
 
 import msgspec
 
-from actors import event_loop
-from actors.launch_secret import read_secret
-from actors.parent_death import die_with_parent
+from actors.protocol import event_loop
+from actors.protocol.launch_secret import read_secret
+from actors.protocol.parent_death import die_with_parent
 from app.engine_connection import EngineAttachment
 from app.serve_settings import ServeSettings
 

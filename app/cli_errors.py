@@ -11,7 +11,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by what the user asked for (files, flags, parameters), not by a bug.
     Imports the engine's modules (torch): for the CLI and the engine core's process, never
     for a front end's request path."""
-    from actors.engine_startup import load_errors
+    from actors.core.engine_startup import load_errors
 
     return load_errors()
 
@@ -19,8 +19,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def flag_errors() -> tuple[type[BaseException], ...]:
     """Errors in the flags themselves, found while building the configuration; these
     modules load no torch, so the front end can report them too."""
-    from actors.config import ConfigError
-    from actors.logits_processors import LogitsProcessorLoadError
-    from actors.speculative_config import SpeculativeConfigError
+    from actors.protocol.config import ConfigError
+    from actors.protocol.logits_processors import LogitsProcessorLoadError
+    from actors.protocol.speculative_config import SpeculativeConfigError
 
     return (ConfigError, SpeculativeConfigError, LogitsProcessorLoadError)

@@ -11,9 +11,9 @@ import dataclasses
 import os
 from typing import Any
 
-from actors.config import EngineConfig
-from actors.speculative_config import parse_speculative_config
-from actors.logits_processors import parse_logits_processor_specs
+from actors.protocol.config import EngineConfig
+from actors.protocol.speculative_config import parse_speculative_config
+from actors.protocol.logits_processors import parse_logits_processor_specs
 
 _DEFAULTS = EngineConfig()
 
@@ -89,7 +89,7 @@ def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
     g.add_argument("--logits-processors", metavar="MODULE:CLASS[,...]",
                    default=_env("logits_processors", ""),
                    help="custom logits processors (subclasses of "
-                        "actors.logits_processors.LogitsProcessor), applied in this "
+                        "actors.protocol.logits_processors.LogitsProcessor), applied in this "
                         "order; requests pass them arguments in 'vllm_xargs'. They run on the "
                         "V1 runner: setting any selects V1 (forcing V2 is an error). "
                         "Env: TANDEM_LOGITS_PROCESSORS")

@@ -8,7 +8,7 @@
 Either way the front end holds an `EngineClient` and hears EngineReady, EngineDead or
 EngineStartupFailed; a core process that dies is noticed at once and reported as dead.
 
-A core process this front end starts gets a fresh launch secret (actors/launch_secret.py)
+A core process this front end starts gets a fresh launch secret (actors/protocol/launch_secret.py)
 and an ipc folder of its own (0700). The folder goes as soon as the core has answered:
 the one front end stays connected, and nothing else needs the socket's path, so a crash
 of this process later leaves nothing behind (and no other process can connect at all).
@@ -26,17 +26,17 @@ from typing import Any
 import anyio
 import structlog
 
-from actors.config import EngineConfig
-from actors.engine_client import EngineClient
-from actors.launch_secret import new_secret
-from actors.messages import (
+from actors.protocol.config import EngineConfig
+from actors.frontend.engine_client import EngineClient
+from actors.protocol.launch_secret import new_secret
+from actors.protocol.messages import (
     EngineReady,
     EngineStartupFailed,
     SchedulerStats,
     Shutdown,
     StepStats,
 )
-from actors.transport import TransportClosed, ZmqClientEndpoint, ipc_address
+from actors.protocol.transport import TransportClosed, ZmqClientEndpoint, ipc_address
 from app.engine_process import start_engine_process, stop_process, wait_process_exit
 
 log = structlog.get_logger("tandem.server")
@@ -99,7 +99,7 @@ class EngineConnection:
 
     @property
     def inprocess_core(self) -> Any:
-        """The actors.engine_core.EngineCore when it shares this event loop (tests reach
+        """The actors.core.engine_core.EngineCore when it shares this event loop (tests reach
         into it to inject faults); None when the core is another process."""
         return self._inprocess.core if self._inprocess is not None else None
 
@@ -170,7 +170,7 @@ class EngineConnection:
     # ---- the three ways -----------------------------------------------------------------
 
     async def _run_in_process(self, task_status: anyio.abc.TaskStatus[EngineReady]) -> None:
-        from actors.engine_startup import reuse_engine
+        from actors.core.engine_startup import reuse_engine
         from actors.inprocess_engine import InProcessEngine
 
         loaded = reuse_engine(self._preloaded, self._config)

@@ -1,6 +1,6 @@
 """The engine core as a process, seen from a front end: started (or attached to), watched,
 told to shut down. The front end never imports torch; the core's process does
-(`python -m actors.engine_core_proc`).
+(`python -m actors.core.engine_core_proc`).
 
 Death is noticed at once through a pidfd, which works for any process, not only children:
 with several API servers the supervisor starts the core and each front end watches it.
@@ -17,12 +17,12 @@ import anyio
 import msgspec
 import structlog
 
-from actors.config import EngineConfig
-from actors.launch_secret import start_with_secret
+from actors.protocol.config import EngineConfig
+from actors.protocol.launch_secret import start_with_secret
 
 log = structlog.get_logger("tandem.engine_process")
 
-ENGINE_CORE_MODULE = "actors.engine_core_proc"
+ENGINE_CORE_MODULE = "actors.core.engine_core_proc"
 _POLL_S = 0.1
 
 

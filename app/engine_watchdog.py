@@ -1,5 +1,5 @@
 """Whether the engine core still answers: a core process sends every front end a Heartbeat
-every HEARTBEAT_INTERVAL_S from its event loop (actors/engine_core_proc.py), so a core
+every HEARTBEAT_INTERVAL_S from its event loop (actors/core/engine_core_proc.py), so a core
 that is stopped (SIGSTOP), or whose loop is blocked, falls silent. Silent for longer than
 the stall bound, it is reported stalled (/health 503 'stalled', new requests 503 +
 Retry-After) until it answers again.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import anyio
 
-from actors.messages import HEARTBEAT_INTERVAL_S
+from actors.protocol.messages import HEARTBEAT_INTERVAL_S
 
 MIN_STALL_TIMEOUT_S = 2 * HEARTBEAT_INTERVAL_S
 """A shorter bound would call a healthy core stalled between two heartbeats."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.engine_args import add_engine_args, engine_config_from_args
 
 

@@ -3,7 +3,7 @@ engine core sees it.
 
 The grammar library compiles in native code: a spec can overflow its stack (a process
 cannot catch that) or take minutes. So a front end keeps a few checker processes
-(actors/grammar_worker.py), each compiling one spec at a time exactly as the engine core
+(actors/core/grammar_worker.py), each compiling one spec at a time exactly as the engine core
 will, and gives each compile a time budget: a checker that is past it, or that died, is
 killed and replaced, and the spec is refused. A spec seen before is answered from a cache
 of verdicts without a process. Specs that pass compile in the core on its compile threads,
@@ -29,9 +29,9 @@ import msgspec
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from actors.grammar_worker import FRAME_HEADER, frame
-from actors.messages import GrammarCheck, GrammarCheckerStart, GrammarVerdict
-from actors.structured_output import StructuredOutputSpec
+from actors.protocol.codec import FRAME_HEADER, frame
+from actors.protocol.messages import GrammarCheck, GrammarCheckerStart, GrammarVerdict
+from actors.protocol.structured_output import StructuredOutputSpec
 
 log = structlog.get_logger("tandem.grammar_checker")
 
@@ -148,7 +148,7 @@ class GrammarChecker:
                 lambda: msgspec.msgpack.encode(self._make_start()))
         try:
             process = await anyio.open_process(
-                [sys.executable, "-m", "actors.grammar_worker", str(os.getpid())],
+                [sys.executable, "-m", "actors.core.grammar_worker", str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
         except OSError as exc:
             raise GrammarCheckerUnavailable(f"cannot start a grammar checker: {exc}") from exc

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import anyio
 
-from actors.output_stream import RequestStream
+from actors.frontend.output_stream import RequestStream
 
 _TICK_S = 1.0
 

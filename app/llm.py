@@ -1,7 +1,7 @@
 """Offline Python API.
 
     from app.llm import LLM
-    from actors.sampling_params import SamplingParams
+    from actors.protocol.sampling_params import SamplingParams
 
     llm = LLM(model="default")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
@@ -19,13 +19,13 @@ from typing import Any
 
 import anyio
 
-from actors.admission import child_sampling_params
-from actors.config import EngineConfig
+from actors.frontend.admission import child_sampling_params
+from actors.protocol.config import EngineConfig
 from actors.inprocess_engine import InProcessEngine
-from actors.messages import EngineRequest, StepStats
-from actors.output_stream import RequestStream
-from actors.sampling_params import SamplingParams
-from actors.engine_startup import LoadedEngine, load_engine, reuse_engine
+from actors.protocol.messages import EngineRequest, StepStats
+from actors.frontend.output_stream import RequestStream
+from actors.protocol.sampling_params import SamplingParams
+from actors.core.engine_startup import LoadedEngine, load_engine, reuse_engine
 from app.tokenizer_loader import load_tokenizer
 
 Prompt = str | Sequence[int]

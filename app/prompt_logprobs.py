@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.output_stream import LogprobEntry
-from actors.sampling_params import SamplingParams
+from actors.frontend.output_stream import LogprobEntry
+from actors.protocol.sampling_params import SamplingParams
 from app.responses import completion_logprobs, floor_logprob
 
 

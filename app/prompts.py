@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from actors.admission import child_sampling_params
-from actors.generation_defaults import RequestDefaults, resolve_sampling_params
-from actors.messages import EngineRequest
-from actors.sampling_params import SamplingParams, SamplingParamsError
+from actors.frontend.admission import child_sampling_params
+from actors.frontend.generation_defaults import RequestDefaults, resolve_sampling_params
+from actors.protocol.messages import EngineRequest
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from app.chat_template import (ChatTemplateError, RenderedTooLong, RenderLimit,
                                normalize_messages)
 from app.errors import bad_request, context_length_error, text_too_long_error
@@ -20,7 +20,7 @@ from app.prompt_bounds import chars_per_token, text_cannot_fit, truncation_start
 from app.request_limits import num_tokens_kept
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
-from actors.logits_processors import validate_request_params
+from actors.protocol.logits_processors import validate_request_params
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "template", "messages",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from actors.admission import AdmissionLimits
+from actors.frontend.admission import AdmissionLimits
 from app.errors import bad_request, context_length_error
 from app.lenient_types import int_as_read
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.output_stream import LogprobEntry, StreamDelta
+from actors.frontend.output_stream import LogprobEntry, StreamDelta
 from app.tool_calls.output import ToolCallOutput
 from telemetry.records import RequestRecord
 

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.base import ActorStopped
-from actors.engine_client import EngineUnavailable
+from actors.protocol.mailbox import ActorStopped
+from actors.frontend.engine_client import EngineUnavailable
 from app.chat_template import ChatTemplateError
 from app.errors import APIError, bad_request, context_length_error, model_not_found
 from app.http_input import (

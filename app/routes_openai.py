@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.admission import AdmissionRefused, RequestLimitError
-from actors.admitted_group import AdmittedGroup
-from actors.messages import EngineRequest
-from actors.sampling_params import SamplingParams
+from actors.frontend.admission import AdmissionRefused, RequestLimitError
+from actors.frontend.admitted_group import AdmittedGroup
+from actors.protocol.messages import EngineRequest
+from actors.protocol.sampling_params import SamplingParams
 from app.errors import (
     APIError,
     bad_request,

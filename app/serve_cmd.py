@@ -186,7 +186,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors import event_loop
+    from actors.protocol import event_loop
     from app.cli_errors import UserFacingError, flag_errors
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging

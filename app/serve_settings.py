@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from actors.config import EngineConfig
+from actors.protocol.config import EngineConfig
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 

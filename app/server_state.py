@@ -14,10 +14,10 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from actors.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
-from actors.engine_client import EngineUnavailable
-from actors.messages import EngineReady, GrammarCheckerStart, SchedulerStats
-from actors.model_source import ModelLoadError
+from actors.frontend.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
+from actors.frontend.engine_client import EngineUnavailable
+from actors.protocol.messages import EngineReady, GrammarCheckerStart, SchedulerStats
+from actors.protocol.model_source import ModelLoadError
 from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock
 from app.engine_connection import (
@@ -63,7 +63,7 @@ class ServerState:
     def __init__(self, settings: ServeSettings, preloaded: Any = None, *,
                  tracing: Tracing | None = None, attach: EngineAttachment | None = None,
                  metrics: EngineMetrics | None = None) -> None:
-        """`preloaded`: an actors.engine_startup.LoadedEngine to serve on this event loop
+        """`preloaded`: an actors.core.engine_startup.LoadedEngine to serve on this event loop
         instead of starting the engine core's process (same model and block size; tests
         and benchmarks start servers in a second). `attach`: a core process someone else
         started (--api-server-count > 1). `tracing` defaults to what the OTEL_* variables
@@ -85,7 +85,7 @@ class ServerState:
         """Why the model could not be served, when the user's configuration is at fault."""
         self.engine_info: EngineReady | None = None
         self.engine: Any = None
-        """The actors.engine_client.EngineClient once the core is ready."""
+        """The actors.frontend.engine_client.EngineClient once the core is ready."""
         self.connection: EngineConnection | None = None
         self.admission: AdmissionActor | None = None
         self.grammar_checker: GrammarChecker

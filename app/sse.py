@@ -29,8 +29,8 @@ import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from actors.admitted_group import AdmittedGroup
-from actors.output_stream import StreamDelta
+from actors.frontend.admitted_group import AdmittedGroup
+from actors.frontend.output_stream import StreamDelta
 from app import prompt_logprobs
 from app.errors import internal_error
 from app.keep_alive import KeepAliveClock

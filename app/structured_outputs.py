@@ -8,7 +8,7 @@ Accepted, as OpenAI and vLLM spell them (at most one per request):
                       | {"json_object": true}
     guided_json, guided_regex, guided_choice, guided_grammar   (vLLM's older names)
 
-An invalid schema, regex or grammar, or one over a budget (actors/grammar_limits.py, the
+An invalid schema, regex or grammar, or one over a budget (actors/core/grammar_limits.py, the
 compile time budget), is a 400 naming the field and the problem, found by compiling it as
 the engine will, in a checker process (app/grammar_checker.py).
 """
@@ -19,8 +19,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from actors.sampling_params import SamplingParams
-from actors.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
 from app.errors import APIError, bad_request
 from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
 from app.tool_calls.request import NO_TOOLS, ToolPlan

@@ -2,7 +2,7 @@
 sharing one listening socket, watched by this (torch-free) parent.
 
     supervisor --binds--> the socket, inherited by every API server
-      |-- engine core   (python -m actors.engine_core_proc)
+      |-- engine core   (python -m actors.core.engine_core_proc)
       |-- api server 0  (python -m app.api_server_proc)  records each step's timings
       |-- ...
       '-- api server N-1
@@ -17,7 +17,7 @@ sharing one listening socket, watched by this (torch-free) parent.
 - The engine core dying is seen by every API server at once (/health 503 'dead').
 - Every child dies with the supervisor (PR_SET_PDEATHSIG): no orphans.
 - The engine core serves only peers that present this launch's secret, which every child
-  gets on its stdin (actors/launch_secret.py); the supervisor presents it too, to send
+  gets on its stdin (actors/protocol/launch_secret.py); the supervisor presents it too, to send
   Shutdown. The ipc folder (0700) lives as long as the supervisor: a restarted API server
   connects again. It is removed however the supervisor exits, SIGKILL aside.
 """
@@ -36,8 +36,8 @@ from collections import deque
 import msgspec
 import structlog
 
-from actors.launch_secret import new_secret, start_with_secret
-from actors.transport import ipc_address, send_shutdown
+from actors.protocol.launch_secret import new_secret, start_with_secret
+from actors.protocol.transport import ipc_address, send_shutdown
 from app.engine_process import start_engine_process, stop_process
 from app.serve_settings import ServeSettings
 from app.server import bind_listening_socket

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from actors.model_source import ModelLoadError, is_dummy, resolve_model_path
+from actors.protocol.model_source import ModelLoadError, is_dummy, resolve_model_path
 from app.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"

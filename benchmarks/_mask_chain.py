@@ -27,9 +27,9 @@ class MaskChain:
 
     @classmethod
     def install(cls) -> MaskChain:
-        from actors.gpu_actor import _GPUActorBase
-        from actors.grammar_state import MaskFiller, PendingMask
-        from actors.scheduler_actor import SchedulerActor
+        from actors.core.gpu_actor import _GPUActorBase
+        from actors.core.grammar_state import MaskFiller, PendingMask
+        from actors.core.scheduler_actor import SchedulerActor
         from gpu.sampling.grammar_mask import DeferredMasks
 
         chain = cls()

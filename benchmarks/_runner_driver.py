@@ -58,7 +58,7 @@ class RunnerDriver:
         return tuple(range(start, start + count))
 
     def _new_request(self, request_id: str, prompt_len: int, params: Any, room: int):
-        from actors.messages import NewRequestData
+        from actors.protocol.messages import NewRequestData
 
         tokens = tuple(int(t) for t in self._rng.integers(0, self.vocab_size, prompt_len))
         return NewRequestData(request_id=request_id, token_ids=tokens, prompt_len=prompt_len,
@@ -66,7 +66,7 @@ class RunnerDriver:
                               sampling_params=params)
 
     def _sched(self, new, ids, num_scheduled, num_computed, finished=frozenset()):
-        from actors.messages import CachedRequestData, SchedulerOutput
+        from actors.protocol.messages import CachedRequestData, SchedulerOutput
 
         self._step_id += 1
         finished = frozenset(finished) | self._to_free
@@ -83,7 +83,7 @@ class RunnerDriver:
                     top_p: float = 1.0, room: int = 128) -> Batch:
         """Add and prefill num_reqs requests so that their next decode step runs at
         sequence length `context`."""
-        from actors.sampling_params import SamplingParams
+        from actors.protocol.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=4096,
                                 ignore_eos=True)
@@ -118,7 +118,7 @@ class RunnerDriver:
         return self.runner.execute(self._sched(new, ids, scheduled, computed, finished))
 
     def _prefill_request(self, request_id: str, prompt_len: int, batch: Batch):
-        from actors.messages import NewRequestData
+        from actors.protocol.messages import NewRequestData
 
         tokens = tuple(int(t) for t in self._rng.integers(0, self.vocab_size, prompt_len))
         return NewRequestData(request_id=request_id, token_ids=tokens, prompt_len=prompt_len,
@@ -172,7 +172,7 @@ class RunnerDriver:
 
 def _engine_config_class() -> type:
     try:  # where the config lives since the engine core has its own process
-        from actors.config import EngineConfig
+        from actors.protocol.config import EngineConfig
     except ImportError:
         from app.config import EngineConfig
     return EngineConfig

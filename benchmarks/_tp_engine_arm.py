@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from benchmarks.report import gpu_idle_figures, latency_figures
 from benchmarks.tandem_arm import fixed_length_params, run_engine

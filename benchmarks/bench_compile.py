@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.run_info import run_header  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from gpu.attention.base import AttentionMetadata  # noqa: E402

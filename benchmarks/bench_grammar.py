@@ -170,8 +170,8 @@ class _LLGuidance:
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def compile(self, kind: str, text: str) -> Any:
-        from actors.grammar import check_spec
-        from actors.structured_output import StructuredOutputSpec
+        from actors.core.grammar import check_spec
+        from actors.protocol.structured_output import StructuredOutputSpec
 
         definition = check_spec(StructuredOutputSpec(kind, text), self.info)  # type: ignore[arg-type]
         return self.llg.LLMatcher(self.info, definition, log_level=0)

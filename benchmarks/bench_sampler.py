@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _device_record import run_record, write_json  # noqa: E402
 from _threshold_ab import run as run_threshold_ab  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from gpu.sampling.sampler import Sampler  # noqa: E402
 from gpu.sampling.state import SamplingState  # noqa: E402
 

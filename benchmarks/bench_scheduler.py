@@ -40,12 +40,12 @@ def _code_root(argv: list[str]) -> Path:
 
 sys.path.insert(0, str(_code_root(sys.argv)))
 
-from actors.grammar_state import GrammarState  # noqa: E402
-from actors.kv_cache_manager import KVCacheManager  # noqa: E402
-from actors.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
-from actors.scheduler import Scheduler  # noqa: E402
-from actors.scheduler_config import SchedulerConfig  # noqa: E402
+from actors.core.grammar_state import GrammarState  # noqa: E402
+from actors.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
+from actors.core.scheduler import Scheduler  # noqa: E402
+from actors.core.scheduler_config import SchedulerConfig  # noqa: E402
 
 import numpy as np  # noqa: E402
 

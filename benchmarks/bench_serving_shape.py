@@ -30,8 +30,8 @@ import msgspec  # noqa: E402
 
 from _device_record import run_record, write_json  # noqa: E402
 from actors.inprocess_engine import InProcessEngine  # noqa: E402
-from actors.messages import EngineRequest, StepStats  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.messages import EngineRequest, StepStats  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from app.llm import LLM  # noqa: E402
 
 MIN_BATCH_FRACTION = 0.9

@@ -99,7 +99,7 @@ def make_prompts(llm: Any, count: int, vocab_size: int) -> list[list[int]]:
 
 def run_batch(llm: Any, prompts: list[list[int]], num_tokens: int, temperature: float = 0.0
               ) -> tuple[float, list[tuple[int, ...]]]:
-    from actors.sampling_params import SamplingParams
+    from actors.protocol.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
                             max_tokens=num_tokens, ignore_eos=True)
@@ -161,7 +161,7 @@ def profile_kernels(llm: Any, prompts: list[list[int]], num_tokens: int, tempera
 
 def load(args: argparse.Namespace) -> dict[str, Any]:
     """The arms: 'off' (no speculation), 'on', and with --eager-tail-arm 'on_eager_tail'."""
-    from actors.speculative_config import SpeculativeConfig
+    from actors.protocol.speculative_config import SpeculativeConfig
     from app.llm import LLM
 
     options = dict(device=args.device, dtype=args.dtype, runner=args.runner, max_num_seqs=max(args.concurrency),

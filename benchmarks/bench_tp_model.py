@@ -46,7 +46,7 @@ from benchmarks._tp_bench import (  # noqa: E402
     usable_tp_sizes,
 )
 
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from gpu.attention.base import AttentionMetadata, allocate_kv_cache  # noqa: E402
 from gpu.cuda_graphs import DecodeGraphs, decode_metadata  # noqa: E402
 from gpu.distributed.communicator import Communicator  # noqa: E402

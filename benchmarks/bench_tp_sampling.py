@@ -40,7 +40,7 @@ from benchmarks._tp_bench import (  # noqa: E402
     usable_tp_sizes,
 )
 
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from gpu.distributed.communicator import Communicator  # noqa: E402
 from gpu.models.parallel_layers import vocab_shard  # noqa: E402
 from gpu.sampling.batch_shard import AllGatherSampler, BatchShardedSampler  # noqa: E402

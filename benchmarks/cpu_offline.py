@@ -58,7 +58,7 @@ def chat_prompts(llm: Any, count: int) -> list[list[int]]:
 
 
 def tandem_generator(llm: Any) -> Generate:
-    from actors.sampling_params import SamplingParams
+    from actors.protocol.sampling_params import SamplingParams
 
     def generate(prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=num_tokens, ignore_eos=True, temperature=0.0)

@@ -90,7 +90,7 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
 
 def _offline_run(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """One timed `LLM.generate` over every prompt, after a short warmup on other prompts."""
-    from actors.sampling_params import SamplingParams
+    from actors.protocol.sampling_params import SamplingParams
 
     llm = _offline_llm(args.max_num_seqs)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.hf_model import hf_model_sharing_weights  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from gpu.attention.base import AttentionMetadata  # noqa: E402

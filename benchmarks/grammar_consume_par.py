@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.grammar import allocate_bitmask  # noqa: E402
+from actors.core.grammar import allocate_bitmask  # noqa: E402
 from benchmarks.grammar_fill_threads import (  # noqa: E402
     add_batch_arguments,
     random_allowed,

@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
-from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from actors.core.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
+from actors.protocol.structured_output import StructuredOutputSpec  # noqa: E402
 from benchmarks.grammar_serve import throughput_schema  # noqa: E402
 
 

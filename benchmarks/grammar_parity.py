@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.sampling_params import SamplingParams  # noqa: E402
-from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.structured_output import StructuredOutputSpec  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from benchmarks.grammar_serve import PERSON, REGEX  # noqa: E402
 

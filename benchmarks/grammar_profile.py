@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 import llguidance  # noqa: E402
 import llguidance.numpy  # noqa: E402
 
-from actors.grammar_state import MaskFiller  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
-from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from actors.core.grammar_state import MaskFiller  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.structured_output import StructuredOutputSpec  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from benchmarks._mask_chain import MaskChain  # noqa: E402
 from benchmarks.grammar_serve import THROUGHPUT_SCHEMA  # noqa: E402
@@ -91,7 +91,7 @@ def _where(frame) -> str:
 def _time_fills(executor: dict) -> tuple[list[float], list[int]]:
     """Time every batch mask fill of the engine (wraps GrammarCompiler.fill_bitmasks); the
     fill uses `executor["now"]` instead of the engine's own when one is set."""
-    from actors.grammar import GrammarCompiler
+    from actors.core.grammar import GrammarCompiler
 
     times_ms: list[float] = []
     num_rows: list[int] = []
@@ -129,9 +129,9 @@ def _time_mask_waits() -> list[float]:
     return waits_ms
 
 
-TIMED = ("actors.scheduler_actor:SchedulerActor._apply_step",
-         "actors.scheduler:Scheduler.update_from_step", "actors.scheduler:Scheduler.schedule",
-         "actors.core_outputs:CoreOutputs.step", "gpu.runner_v2.runner:apply_grammar_bitmask",
+TIMED = ("actors.core.scheduler_actor:SchedulerActor._apply_step",
+         "actors.core.scheduler:Scheduler.update_from_step", "actors.core.scheduler:Scheduler.schedule",
+         "actors.core.core_outputs:CoreOutputs.step", "gpu.runner_v2.runner:apply_grammar_bitmask",
          "gpu.runner_v2.runner:ModelRunnerV2.execute")
 """Functions timed per call in every arm (module:attribute; a function is patched in the
 module that calls it)."""

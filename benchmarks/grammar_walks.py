@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
-from actors.structured_output import StructuredOutputSpec  # noqa: E402
+from actors.core.grammar import GrammarCompiler, GrammarMatcher, allocate_bitmask  # noqa: E402
+from actors.protocol.structured_output import StructuredOutputSpec  # noqa: E402
 from benchmarks.grammar_serve import throughput_schema  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from actors.messages import StepStats
+from actors.protocol.messages import StepStats
 from benchmarks.tandem_arm import EngineRun
 from benchmarks.workloads import Workload
 from gpu.models.config import ModelConfig

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.run_info import command_line, run_header
     from benchmarks.soak_server import InProcessServer
-    from actors.config import EngineConfig
+    from actors.protocol.config import EngineConfig
     from app.server_state import ServeSettings
     from telemetry.logging import configure_logging
 

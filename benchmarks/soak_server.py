@@ -23,7 +23,7 @@ _START_TIMEOUT_S = 300.0
 
 
 class InProcessServer:
-    """`preloaded`: an actors.engine_startup.LoadedEngine to serve (see ServerState)."""
+    """`preloaded`: an actors.core.engine_startup.LoadedEngine to serve (see ServerState)."""
 
     def __init__(self, settings: ServeSettings, preloaded: Any = None) -> None:
         self.settings = settings

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import anyio
 
 from actors.inprocess_engine import InProcessEngine
-from actors.messages import EngineRequest, StepStats
-from actors.output_stream import RequestStream, StreamDelta
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineRequest, StepStats
+from actors.frontend.output_stream import RequestStream, StreamDelta
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 
 

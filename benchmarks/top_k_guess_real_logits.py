@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.protocol.sampling_params import SamplingParams  # noqa: E402
 from app.llm import LLM  # noqa: E402
 from kernels._threshold_guess import MAX_GUESSED_TOP_K  # noqa: E402
 from kernels._threshold_search import CAPACITY  # noqa: E402

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.messages import LogprobsArrays, PromptLogprobs
+from actors.protocol.messages import LogprobsArrays, PromptLogprobs
 from kernels.topk_logprobs import topk_logprobs
 
 HEAD_CHUNK_ROWS = 1024

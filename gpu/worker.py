@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from actors.config import EngineConfig
-from actors.model_source import resolve_model_path
+from actors.protocol.config import EngineConfig
+from actors.protocol.model_source import resolve_model_path
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
 from gpu.spec_decode.spec_graphs import spec_tail_graphs_for

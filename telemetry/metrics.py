@@ -56,7 +56,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class EngineStatsLike(Protocol):
-    """What the engine gauges and totals read from actors.messages.SchedulerStats."""
+    """What the engine gauges and totals read from actors.protocol.messages.SchedulerStats."""
 
     @property
     def num_running(self) -> int: ...
@@ -199,7 +199,7 @@ class EngineMetrics:
     # ---- per step -----------------------------------------------------------------------
 
     def observe_step(self, stats: Any) -> None:
-        """One finished engine step (actors.messages.StepStats). Steps that ran no tokens
+        """One finished engine step (actors.protocol.messages.StepStats). Steps that ran no tokens
         (a failed step) carry no timings and are skipped."""
         if stats.num_tokens <= 0:
             return

@@ -35,7 +35,7 @@ class SpecDecodeMetrics:
                                 ["model_name", "position"], registry=registry)
 
     def observe(self, stats: Any) -> None:
-        """One step's actors.messages.SpecDecodeStats."""
+        """One step's actors.protocol.messages.SpecDecodeStats."""
         self._num_drafts.inc(stats.num_drafts)
         self._num_draft_tokens.inc(stats.num_draft_tokens)
         self._num_accepted_tokens.inc(stats.num_accepted_tokens)

@@ -1,5 +1,8 @@
-"""The layering a reader can trust, checked: config and the protocol are leaf modules, the
-engine side never imports the front end, and the front end never imports torch."""
+"""The layering a reader can trust, checked: config and the protocol are leaf modules; the
+packages follow the process boundary (actors/protocol is all that the engine core, the
+front end and gpu/ share; the core never imports the front end nor the front end the core;
+gpu/ knows only the protocol); the engine side never imports the front end, and the front
+end never imports torch."""
 
 from __future__ import annotations
 
@@ -12,18 +15,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "actors", "gpu", "kernels", "telemetry", "benchmarks")
-LEAVES = {"actors/config.py": {"actors.speculative_config"},
-          "actors/speculative_config.py": set(), "actors/model_source.py": set(),
-          "actors/structured_output.py": set(),
-          "actors/sampling_params.py": {"actors.structured_output"},
-          "actors/messages.py": {"actors.sampling_params", "actors.structured_output"},
-          "actors/codec.py": {"actors.messages"}}
+LEAVES = {"actors/protocol/config.py": {"actors.protocol.speculative_config"},
+          "actors/protocol/speculative_config.py": set(),
+          "actors/protocol/model_source.py": set(),
+          "actors/protocol/structured_output.py": set(),
+          "actors/protocol/sampling_params.py": {"actors.protocol.structured_output"},
+          "actors/protocol/messages.py": {"actors.protocol.sampling_params",
+                                          "actors.protocol.structured_output"},
+          "actors/protocol/codec.py": {"actors.protocol.messages"}}
 """Leaf module -> the project modules it may import (nothing else of the project)."""
 FRONT_END_MODULES = ("app.cli", "app.serve_cmd", "app.server", "app.server_state",
                      "app.routes_openai", "app.routes_admin", "app.api_server_proc",
                      "app.supervisor", "app.engine_connection", "app.tokenizer_loader",
-                     "actors.engine_client", "actors.admission", "actors.sampler",
-                     "actors.transport")
+                     "actors.frontend.engine_client", "actors.frontend.admission",
+                     "actors.frontend.sampler", "actors.protocol.transport")
+SIDES = {"actors/protocol": ("actors.protocol", "telemetry"),
+         "actors/frontend": ("actors.protocol", "actors.frontend", "telemetry"),
+         "actors/core": ("actors.protocol", "actors.core", "gpu", "kernels", "telemetry"),
+         "gpu": ("actors.protocol", "gpu", "kernels", "telemetry")}
+"""Package -> the only project packages its modules may import."""
 
 
 def _project_imports(path: Path) -> set[str]:
@@ -43,6 +53,22 @@ def _modules(package: str) -> list[Path]:
 @pytest.mark.parametrize("leaf", sorted(LEAVES))
 def test_config_and_protocol_are_leaf_modules(leaf: str) -> None:
     assert _project_imports(ROOT / leaf) <= LEAVES[leaf]
+
+
+@pytest.mark.parametrize("package", sorted(SIDES))
+def test_packages_follow_the_process_boundary(package: str) -> None:
+    allowed = SIDES[package]
+    offenders = {str(path.relative_to(ROOT)): sorted(imports) for path in _modules(package)
+                 if (imports := {m for m in _project_imports(path)
+                                 if not any(m == a or m.startswith(a + ".") for a in allowed)})}
+    assert not offenders
+
+
+def test_only_the_in_process_engine_joins_the_core_and_a_front_end() -> None:
+    joined = [str(path.relative_to(ROOT)) for path in _modules("actors")
+              if {m.split(".")[1] for m in _project_imports(path)
+                  if m.startswith("actors.") and m.count(".") >= 2} >= {"core", "frontend"}]
+    assert joined == ["actors/inprocess_engine.py"]
 
 
 @pytest.mark.parametrize("package", ["gpu", "kernels", "telemetry", "actors"])
@@ -66,7 +92,7 @@ def test_the_front_end_does_not_import_torch() -> None:
             + "".join(f"import {module}\n" for module in FRONT_END_MODULES)
             + "app.cli.build_parser()\n"
             + "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-              "('torch', 'triton', 'gpu', 'kernels') or m == 'actors.engine_core')\n"
+              "('torch', 'triton', 'gpu', 'kernels') or m == 'actors.core.engine_core')\n"
             + "app.tokenizer_loader.load_tokenizer('default')\n"
             + "heavy += sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
             + "print(heavy)\nsys.exit(1 if heavy else 0)\n")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from actors.structured_output import StructuredOutputSpec
+from actors.protocol.structured_output import StructuredOutputSpec
 from app.errors import bad_request
 from app.tool_calls.output import ToolCallOutput
 from app.tool_calls.parsers import (

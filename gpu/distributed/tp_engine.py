@@ -27,9 +27,9 @@ import msgspec
 import structlog
 import torch
 
-from actors.codec import dec_hook, ext_hook
-from actors.config import EngineConfig
-from actors.messages import SchedulerOutput
+from actors.protocol.codec import dec_hook, ext_hook
+from actors.protocol.config import EngineConfig
+from actors.protocol.messages import SchedulerOutput
 from gpu.distributed.group import (
     DEFAULT_TIMEOUT_S,
     TPGroupSpec,

@@ -30,7 +30,7 @@ import msgspec
 import structlog
 import torch.distributed as dist
 
-from actors.codec import enc_hook
+from actors.protocol.codec import enc_hook
 from gpu.distributed.group import TPGroup, set_collective_timeout
 from gpu.distributed.launch import RankFailedError, WorkerGroup
 from gpu.distributed.step_broadcast import StepBroadcaster

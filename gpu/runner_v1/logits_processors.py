@@ -5,7 +5,7 @@ The runner registers requests as they take and leave its rows (`add_request`,
 `remove_request`), reports their sampled tokens (`append_output`), and each step hands
 over the step's logits with the request ids of their rows. From the previous step's
 layout and this one, `apply` derives the BatchUpdate (removed, then added, then moved,
-as in actors/logits_processors.py), so batch index i always names the request
+as in actors/protocol/logits_processors.py), so batch index i always names the request
 whose logits are row i.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.sampling_params import SamplingParams
-from actors.logits_processors import (
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.logits_processors import (
     AddedRequest,
     BatchUpdate,
     LogitsProcessor,

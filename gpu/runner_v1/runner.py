@@ -7,7 +7,7 @@ outputs are identical.
 
 Two features only this runner has: --compile-level (the model's token-wise layers
 compiled with torch.compile, gpu/runner_v1/compiled_model.py) and custom logits
-processors (actors/logits_processors.py, driven by gpu/runner_v1/logits_processors.py),
+processors (actors/protocol/logits_processors.py, driven by gpu/runner_v1/logits_processors.py),
 which see each step's logits before the sampler.
 """
 
@@ -20,9 +20,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from actors.config import EngineConfig
-from actors.logits_processors import LogitsProcessorConfig
-from actors.messages import (
+from actors.protocol.config import EngineConfig
+from actors.protocol.logits_processors import LogitsProcessorConfig
+from actors.protocol.messages import (
     LogprobsArrays,
     PromptLogprobs,
     SchedulerOutput,

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import torch
 
-from actors.messages import LogprobsArrays, PromptLogprobs, StepOutput, StepStats
+from actors.protocol.messages import LogprobsArrays, PromptLogprobs, StepOutput, StepStats
 
 CopyT = TypeVar("CopyT", bound=Any)
 

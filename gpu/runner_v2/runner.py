@@ -20,8 +20,8 @@ import numpy as np
 import structlog
 import torch
 
-from actors.messages import SchedulerOutput, StepStats
-from actors.config import EngineConfig
+from actors.protocol.messages import SchedulerOutput, StepStats
+from actors.protocol.config import EngineConfig
 from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.input_batch import build_input_batch

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.messages import NewRequestData
+from actors.protocol.messages import NewRequestData
 from kernels.staged_write import StagedWrites
 
 

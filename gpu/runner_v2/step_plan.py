@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.messages import SchedulerOutput
+from actors.protocol.messages import SchedulerOutput
 
 
 def padded_batch_size(sizes: Sequence[int], count: int) -> int | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from actors.messages import GrammarBitmask, SchedulerOutput
+from actors.protocol.messages import GrammarBitmask, SchedulerOutput
 from kernels.token_bitmask import apply_token_bitmask
 
 

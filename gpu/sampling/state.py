@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from actors.sampling_params import SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy (stored as 0)."""

@@ -20,7 +20,7 @@ verification relies on: a draft is accepted only where the token fed after it is
 the table names.
 
 Nothing crosses to the CPU: the scheduler planned the step with K draft slots per
-decoding row before these drafts existed (actors/spec_scheduling.py). A slot without a
+decoding row before these drafts existed (actors/core/spec_scheduling.py). A slot without a
 draft runs whatever the history holds past the drafts (a valid token id: the history
 only ever holds tokens), and its -1 table entry keeps it from being accepted.
 """
@@ -31,8 +31,8 @@ import msgspec
 import numpy as np
 import torch
 
-from actors.messages import SchedulerOutput
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.messages import SchedulerOutput
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.runner_v2.states import RequestStates
 from kernels.ngram_propose import ngram_propose
 

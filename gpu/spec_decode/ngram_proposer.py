@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.speculative_config import SpeculativeConfig
 from kernels.ngram_propose import ngram_propose_ref
 
 

@@ -41,8 +41,8 @@ import numpy as np
 import structlog
 import torch
 
-from actors.config import EngineConfig
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.config import EngineConfig
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.cuda_graphs import Replayable, StepGraphs
 from gpu.input_buffers import InputBuffers
 from gpu.models.llama import DecoderModel

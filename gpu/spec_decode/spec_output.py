@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import torch
 
-from actors.messages import LogprobsArrays, SpecDecodeStats, StepOutput
+from actors.protocol.messages import LogprobsArrays, SpecDecodeStats, StepOutput
 from gpu.runner_v2.async_output import PendingStep
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from actors.messages import SchedulerOutput
+from actors.protocol.messages import SchedulerOutput
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from gpu.runner_v2.step_plan import StepPlan
 from gpu.sampling.sampler import BatchOps, batch_ops
@@ -106,7 +106,7 @@ def check_speculative_step(sched: SchedulerOutput, prompt_requests: dict[str, Pr
                            ) -> None:
     """Refuse a step with draft slots that samples under a grammar or scores a prompt: the
     speculative path does neither, and the scheduler never plans such a step
-    (actors/spec_scheduling.py)."""
+    (actors/core/spec_scheduling.py)."""
     if sched.grammar_bitmask is not None or sched.grammar_mask_deferred:
         raise ValueError(f"step {sched.step_id}: draft slots beside grammar rows")
     if plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actors.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
+from actors.protocol.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
 from gpu.sampling.sampler import SamplerOutput
 from gpu.spec_decode.spec_output import spec_stats
 from kernels.rejection_sample import accept_draft_prefix

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.model_source import (  # noqa: F401 - re-exported
+from actors.protocol.model_source import (  # noqa: F401 - re-exported
     DUMMY_PREFIX,
     ModelLoadError,
     resolve_model_path,

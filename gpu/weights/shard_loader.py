@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from actors.model_source import DUMMY_PREFIX, ModelLoadError, resolve_model_path
+from actors.protocol.model_source import DUMMY_PREFIX, ModelLoadError, resolve_model_path
 from gpu.models.config import ModelConfig
 from gpu.models.parallel_layers import check_tensor_parallel_size
 from gpu.weights.dummy import dummy_weights, preset_config

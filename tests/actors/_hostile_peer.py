@@ -7,9 +7,9 @@ from pathlib import Path
 
 import zmq
 
-from actors.codec import Codec
-from actors.launch_secret import new_secret
-from actors.messages import AbortRequests, ClientHello, Shutdown
+from actors.protocol.codec import Codec
+from actors.protocol.launch_secret import new_secret
+from actors.protocol.messages import AbortRequests, ClientHello, Shutdown
 
 _LINGER_MS = 2000
 

@@ -14,13 +14,13 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from actors.kv_cache_manager import KVCacheManager
-from actors.kv_messages import AllocateStep, StepAllocation
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_messages import AllocateStep, StepAllocation
 import numpy as np
 
-from actors.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
-from actors.scheduler import Scheduler, StepResult
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
+from actors.core.scheduler import Scheduler, StepResult
+from actors.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
 EOS_TOKEN_ID = 999

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.core_outputs import CoreOutputs
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import EngineCoreOutputs, EngineRequest, LogprobsArrays, StepOutput, StepStats
-from actors.output_stream import RequestStream, StreamDelta
-from actors.sampler import OutputProcessor
-from actors.sampling_params import SamplingParams
-from actors.scheduler import Scheduler
-from actors.scheduler_config import SchedulerConfig
+from actors.core.core_outputs import CoreOutputs
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.protocol.messages import EngineCoreOutputs, EngineRequest, LogprobsArrays, StepOutput, StepStats
+from actors.frontend.output_stream import RequestStream, StreamDelta
+from actors.frontend.sampler import OutputProcessor
+from actors.protocol.sampling_params import SamplingParams
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
 from tests.actors._kv_helpers import DirectKVClient, run_sync
 from tests.actors._tokenizer_fixtures import tiny_tokenizer
 

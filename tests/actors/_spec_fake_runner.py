@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import SchedulerOutput, StepOutput, StepStats
-from actors.scheduler import Scheduler, StepResult
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.protocol.messages import SchedulerOutput, StepOutput, StepStats
+from actors.core.scheduler import Scheduler, StepResult
 from tests.actors._kv_helpers import EOS_TOKEN_ID
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import anyio
 import pytest
 
-from actors.admission import (
+from actors.frontend.admission import (
     AbortAll,
     AdmissionActor,
     AdmissionLimits,
@@ -20,9 +20,9 @@ from actors.admission import (
     check_request_limits,
     child_sampling_params,
 )
-from actors.messages import EngineRequest
-from actors.output_stream import RequestStream
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineRequest
+from actors.frontend.output_stream import RequestStream
+from actors.protocol.sampling_params import SamplingParams
 
 
 class FakeEngine:

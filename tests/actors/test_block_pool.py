@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from actors.block_pool import BlockPool
-from actors.prefix_hash import hash_block, hash_full_blocks
+from actors.core.block_pool import BlockPool
+from actors.core.prefix_hash import hash_block, hash_full_blocks
 
 # ---- prefix hashes ------------------------------------------------------------------
 
@@ -41,7 +41,7 @@ def test_known_prefix_hashes_are_extended_not_recomputed() -> None:
 
 
 def test_hashes_are_stable_across_processes() -> None:
-    code = ("from actors.prefix_hash import hash_full_blocks;"
+    code = ("from actors.core.prefix_hash import hash_full_blocks;"
             "print(hash_full_blocks(list(range(64)), 16, 'salt')[-1].hex())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == hash_full_blocks(list(range(64)), 16, "salt")[-1].hex()

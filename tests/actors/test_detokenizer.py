@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.detokenizer import MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, IncrementalDetokenizer
+from actors.frontend.detokenizer import MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, IncrementalDetokenizer
 from tests.actors._tokenizer_fixtures import (
     byte_token_id,
     smollm2_gguf_path,

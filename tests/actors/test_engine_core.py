@@ -10,14 +10,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.engine_client import EngineClient
-from actors.engine_core import EngineCore
-from actors.engine_startup import reuse_engine
+from actors.frontend.engine_client import EngineClient
+from actors.core.engine_core import EngineCore
+from actors.core.engine_startup import reuse_engine
 from actors.inprocess_engine import InProcessEngine
-from actors.launch_secret import new_secret
-from actors.messages import EngineRequest
-from actors.sampling_params import SamplingParams
-from actors.transport import ZmqClientEndpoint, ZmqCoreEndpoint, ipc_address
+from actors.protocol.launch_secret import new_secret
+from actors.protocol.messages import EngineRequest
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.transport import ZmqClientEndpoint, ZmqCoreEndpoint, ipc_address
 from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.inprocess_engine import InProcessEngine
-from actors.messages import EngineRequest
-from actors.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from actors.engine_startup import reuse_engine
+from actors.protocol.messages import EngineRequest
+from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from actors.core.engine_startup import reuse_engine
 from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 

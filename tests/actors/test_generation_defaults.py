@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from actors.generation_defaults import (
+from actors.frontend.generation_defaults import (
     RequestDefaults,
     model_sampling_defaults,
     resolve_sampling_params,
 )
-from actors.sampling_params import SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 DEFAULTS = RequestDefaults(vocab_size=1000)
 MODEL = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,

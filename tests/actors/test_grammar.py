@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.grammar import GrammarCompiler, GrammarError, allocate_bitmask
-from actors.structured_output import StructuredOutputSpec
+from actors.core.grammar import GrammarCompiler, GrammarError, allocate_bitmask
+from actors.protocol.structured_output import StructuredOutputSpec
 from app.tokenizer_loader import load_tokenizer
 from kernels.token_bitmask import apply_token_bitmask
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from actors.grammar import GrammarError, grammar_definition
-from actors.grammar_limits import (
+from actors.core.grammar import GrammarError, grammar_definition
+from actors.core.grammar_limits import (
     MAX_ALTERNATIVES,
     MAX_GRAMMAR_RULES,
     MAX_SCHEMA_DEPTH,
@@ -20,7 +20,7 @@ from actors.grammar_limits import (
     check_json_schema,
     check_lark_grammar,
 )
-from actors.structured_output import StructuredOutputSpec
+from actors.protocol.structured_output import StructuredOutputSpec
 
 
 def ref_chain(num_definitions: int) -> dict[str, Any]:
@@ -72,9 +72,9 @@ def test_bars_in_literals_and_comments_are_not_alternatives() -> None:
 
 _COMPILE_BEYOND_BUDGET = """
 import json, sys
-import actors.grammar_limits as limits
-from actors.grammar import CompileThreads, check_spec
-from actors.structured_output import StructuredOutputSpec
+import actors.core.grammar_limits as limits
+from actors.core.grammar import CompileThreads, check_spec
+from actors.protocol.structured_output import StructuredOutputSpec
 from tests.actors.test_grammar_limits import lark_chain, ref_chain
 limits.MAX_SCHEMA_DEPTH = limits.MAX_GRAMMAR_RULES = 10**9
 specs = [StructuredOutputSpec("json", json.dumps(ref_chain(1500))),

@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.grammar import GrammarError
-from actors.grammar_state import GrammarState, MaskFiller
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import EngineRequest, GrammarVocab, RequestFinish, StepOutput, StepStats
-from actors.sampling_params import SamplingParams
-from actors.scheduler import Scheduler
-from actors.scheduler_config import SchedulerConfig
-from actors.structured_output import StructuredOutputSpec
+from actors.core.grammar import GrammarError
+from actors.core.grammar_state import GrammarState, MaskFiller
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.protocol.messages import EngineRequest, GrammarVocab, RequestFinish, StepOutput, StepStats
+from actors.protocol.sampling_params import SamplingParams
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.structured_output import StructuredOutputSpec
 from app.tokenizer_loader import load_tokenizer
 from tests.actors._kv_helpers import DirectKVClient, run_sync
 from tests.actors.test_scheduler import answer, schedule

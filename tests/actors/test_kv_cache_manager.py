@@ -3,9 +3,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-import actors.prefix_hash as prefix_hash
-from actors.kv_cache_manager import KVCacheActor, KVCacheManager
-from actors.kv_messages import (
+import actors.core.prefix_hash as prefix_hash
+from actors.core.kv_cache_manager import KVCacheActor, KVCacheManager
+from actors.core.kv_messages import (
     AllocateStep,
     CheckInvariants,
     FreeRequests,

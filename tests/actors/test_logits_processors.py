@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from actors.logits_processors import (
+from actors.protocol.logits_processors import (
     LogitsProcessorLoadError,
     load_logits_processor_classes,
     parse_logits_processor_specs,
     validate_request_params,
 )
-from actors.sampling_params import SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from tests.gpu._sample_logits_processor import ForceOrBanTokens
 
 SAMPLE = "tests.gpu._sample_logits_processor:ForceOrBanTokens"

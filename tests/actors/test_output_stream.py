@@ -3,7 +3,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.output_stream import LogprobEntry, RequestStream, StreamDelta
+from actors.frontend.output_stream import LogprobEntry, RequestStream, StreamDelta
 
 
 def entry(token_id: int) -> LogprobEntry:

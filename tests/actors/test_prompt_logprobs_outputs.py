@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.core_outputs import CoreOutputs
-from actors.messages import (
+from actors.core.core_outputs import CoreOutputs
+from actors.protocol.messages import (
     EngineCoreOutputs,
     EngineRequest,
     LogprobsArrays,
@@ -18,10 +18,10 @@ from actors.messages import (
     StepOutput,
     StepStats,
 )
-from actors.output_stream import RequestStream
-from actors.sampler import OutputProcessor
-from actors.sampling_params import SamplingParams
-from actors.scheduler import StepResult
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import OutputProcessor
+from actors.protocol.sampling_params import SamplingParams
+from actors.core.scheduler import StepResult
 from tests.actors._tokenizer_fixtures import tiny_tokenizer
 
 EOS = 0

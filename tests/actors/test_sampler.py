@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from actors.logprob_text import LOGPROB_FLOOR, floor_logprobs
-from actors.messages import LogprobsArrays
+from actors.frontend.logprob_text import LOGPROB_FLOOR, floor_logprobs
+from actors.protocol.messages import LogprobsArrays
 from tests.actors._sampler_harness import EOS, Harness, STOP_ID, ids
 from tests.actors._tokenizer_fixtures import ByteLevelTokenBytes, byte_token_id, tiny_tokenizer
 

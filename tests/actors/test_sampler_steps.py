@@ -7,7 +7,7 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.messages import (
+from actors.protocol.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineRequest,
@@ -16,9 +16,9 @@ from actors.messages import (
     StepOutput,
     StepStats,
 )
-from actors.output_stream import RequestStream
-from actors.sampler import SamplerActor
-from actors.sampling_params import SamplingParams
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import SamplerActor
+from actors.protocol.sampling_params import SamplingParams
 from tests.actors._kv_helpers import run_sync
 from tests.actors._sampler_harness import EOS, Harness, ids
 from tests.actors._tokenizer_fixtures import tiny_tokenizer

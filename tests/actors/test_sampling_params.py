@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize(("field", "value"), [

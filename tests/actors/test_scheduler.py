@@ -3,16 +3,16 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.kv_cache_manager import KVCacheActor, KVCacheManager
-from actors.kv_client import KVActorClient
-from actors.kv_messages import CheckInvariants, KVStats
+from actors.core.kv_cache_manager import KVCacheActor, KVCacheManager
+from actors.core.kv_client import KVActorClient
+from actors.core.kv_messages import CheckInvariants, KVStats
 import numpy as np
 
-from actors.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
-from actors.request import RequestStatus
-from actors.scheduler import Scheduler
-from actors.scheduler_config import SchedulerConfig
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
+from actors.core.request import RequestStatus
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.sampling_params import SamplingParams
 from tests.actors._kv_helpers import (
     EOS_TOKEN_ID,
     DirectKVClient,

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv_cache_manager import KVCacheManager
-from actors.kv_messages import AllocateStep, RunningAllocs, WaitingAlloc
-from actors.messages import SchedulerOutput
-from actors.request import RequestStatus
-from actors.scheduler import Scheduler
-from actors.scheduler_config import SchedulerConfig
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_messages import AllocateStep, RunningAllocs, WaitingAlloc
+from actors.protocol.messages import SchedulerOutput
+from actors.core.request import RequestStatus
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
 from tests.actors._kv_helpers import (DirectKVClient, FakeRunner, assert_workload_drained,
                                       engine_request, run_sync)
 

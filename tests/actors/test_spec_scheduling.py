@@ -10,11 +10,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.kv_cache_manager import KVCacheManager
-from actors.messages import EngineRequest, StepOutput, StepStats
-from actors.sampling_params import SamplingParams
-from actors.scheduler import Scheduler
-from actors.scheduler_config import SchedulerConfig
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.protocol.messages import EngineRequest, StepOutput, StepStats
+from actors.protocol.sampling_params import SamplingParams
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
 from tests.actors._kv_helpers import (DirectKVClient, assert_workload_drained,
                                       engine_request, run_sync)
 from tests.actors._spec_fake_runner import SpecFakeRunner

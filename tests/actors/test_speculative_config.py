@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.speculative_config import (
+from actors.protocol.speculative_config import (
     SpeculativeConfig,
     SpeculativeConfigError,
     parse_speculative_config,

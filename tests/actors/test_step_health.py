@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.messages import StepOutput, StepStats
-from actors.step_health import StepFailureMonitor
+from actors.protocol.messages import StepOutput, StepStats
+from actors.core.step_health import StepFailureMonitor
 
 
 def _step(step_id: int, error: str | None = None) -> StepOutput:

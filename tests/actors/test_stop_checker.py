@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.stop_checker import StopStringChecker
+from actors.frontend.stop_checker import StopStringChecker
 
 
 def run(stop, pieces, include=False):

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.sampling_params import SamplingParams
-from actors.structured_output import StructuredOutputSpec
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import StructuredOutputSpec
 from app.llm import LLM
 from tests.actors.test_grammar import SCHEMAS
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import structlog
 
-from actors.codec import Codec
-from actors.launch_secret import new_secret
-from actors.messages import (
+from actors.protocol.codec import Codec
+from actors.protocol.launch_secret import new_secret
+from actors.protocol.messages import (
     AbortRequests,
     AdmittedRequest,
     ClientHello,
@@ -32,9 +32,9 @@ from actors.messages import (
     UtilityCall,
     UtilityResult,
 )
-from actors.sampling_params import SamplingParams
-from actors.structured_output import StructuredOutputSpec
-from actors.transport import (
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import StructuredOutputSpec
+from actors.protocol.transport import (
     InProcessChannel,
     TransportClosed,
     ZmqClientEndpoint,

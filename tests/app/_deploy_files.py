@@ -35,7 +35,7 @@ _FALSE_VALUES = ("", "0", "false", "no", "off")
 @functools.cache
 def serve_routes() -> frozenset[str]:
     """Paths of the real app's routes that answer GET (what probes and scrapers send)."""
-    from actors.config import EngineConfig
+    from actors.protocol.config import EngineConfig
     from app.server import create_app
     from app.server_state import ServerState, ServeSettings
 
@@ -76,7 +76,7 @@ def flag_action(env_name: str) -> argparse.Action | None:
 def env_flag_mismatch(name: str, value: str | None) -> str | None:
     """None when setting `name=value` has the same effect as passing the matching flag;
     otherwise what is wrong. `value` None: the manifest takes it from elsewhere."""
-    from actors.engine_startup import RUNNER_ENV
+    from actors.core.engine_startup import RUNNER_ENV
     from gpu.runner_selection import parse_runner_env
 
     if name == RUNNER_ENV:

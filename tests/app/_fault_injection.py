@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from actors.messages import SchedulerOutput
+from actors.protocol.messages import SchedulerOutput
 
 INJECTED_FAULT = ('Traceback (most recent call last):\n  File "/work/main/gpu/fake_kernel.py", '
                   'line 7, in launch\nRuntimeError: injected device fault')

@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 from benchmarks.soak_server import InProcessServer
-from actors.config import EngineConfig
+from actors.protocol.config import EngineConfig
 from app.serve_settings import ServeSettings
 from app.server_state import EngineSnapshot
 
@@ -22,7 +22,7 @@ ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN
 
 @functools.cache
 def shared_model() -> Any:
-    from actors.engine_startup import load_engine
+    from actors.core.engine_startup import load_engine
 
     return load_engine(ENGINE)
 

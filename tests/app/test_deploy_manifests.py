@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from app import server as server_module
 from app.cli import build_parser
-from actors.config import EngineConfig
+from actors.protocol.config import EngineConfig
 from app.server import create_app
 from app.server_state import ServerState, ServeSettings
 from tests.app._deploy_files import (

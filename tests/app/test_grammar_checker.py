@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.messages import GrammarCheckerStart
-from actors.structured_output import StructuredOutputSpec
+from actors.protocol.messages import GrammarCheckerStart
+from actors.protocol.structured_output import StructuredOutputSpec
 from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
 from app.tokenizer_loader import load_tokenizer
 from tests.actors.test_grammar_limits import lark_chain, ref_chain

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 
-from actors.output_stream import RequestStream
+from actors.frontend.output_stream import RequestStream
 from app.keep_alive import KeepAliveClock
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import app.routes_openai
-from actors.admission import AdmissionRefused
+from actors.frontend.admission import AdmissionRefused
 from app.http_input import LARGE_BODY_BYTES
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from tests.app._server_fixtures import RunningServer

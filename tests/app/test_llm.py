@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 
 pytestmark = pytest.mark.slow

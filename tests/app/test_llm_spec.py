@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from actors.inprocess_engine import InProcessEngine
-from actors.messages import EngineRequest, StepStats
-from actors.sampling_params import SamplingParams
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.messages import EngineRequest, StepStats
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.speculative_config import SpeculativeConfig
 from app.llm import LLM
 from tests.gpu._tiny_checkpoints import tiny_hf_model, write_tiny_gguf
 
@@ -180,7 +180,7 @@ def test_grammar_and_prompt_logprob_rows_beside_speculating_rows(plain: LLM, run
     # and scores no prompt): every request still gets exactly what it gets without speculation.
     import json
 
-    from actors.structured_output import StructuredOutputSpec
+    from actors.protocol.structured_output import StructuredOutputSpec
 
     spec = LLM("default", reuse=plain, runner=runner, speculative_config=NGRAM, **OPTIONS)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.config import EngineConfig
+from actors.protocol.config import EngineConfig
 from tests.app._server_fixtures import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_engine_stats_come_over_the_protocol(server: RunningServer,
 
 @pytest.fixture(scope="module")
 def tokenizerless() -> Iterator[RunningServer]:
-    from actors.engine_startup import load_engine
+    from actors.core.engine_startup import load_engine
 
     engine = EngineConfig(model="dummy:smollm2-135m", device="cpu", max_model_len=64,
                           max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16)

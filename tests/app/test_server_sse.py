@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from actors.output_stream import RequestStream
+from actors.frontend.output_stream import RequestStream
 from app.responses import ChoiceState, ResponseMeta
 from app.keep_alive import KeepAliveClock
 from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions, sse_event

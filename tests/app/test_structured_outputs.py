@@ -8,9 +8,9 @@ from typing import Any
 import anyio
 import pytest
 
-from actors.messages import GrammarCheckerStart
-from actors.sampling_params import SamplingParams
-from actors.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
+from actors.protocol.messages import GrammarCheckerStart
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
 from app.errors import APIError
 from app.grammar_checker import GrammarChecker
 from app.structured_outputs import constrain_params, structured_output_spec

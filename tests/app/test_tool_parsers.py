@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from actors.output_stream import StreamDelta
+from actors.frontend.output_stream import StreamDelta
 from app.responses import ChoiceState, ResponseMeta, chat_response
 from app.sse import ChatChunkFormatter
 from app.tool_calls.output import ToolCallOutput

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actors.messages import StepStats
+from actors.protocol.messages import StepStats
 from benchmarks.report import gpu_idle_figures, latency_figures, roofline_figures
 from benchmarks.tandem_arm import EngineRun, RequestTiming
 from benchmarks.throughput import abba_order

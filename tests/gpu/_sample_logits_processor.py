@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.logits_processors import (
+from actors.protocol.logits_processors import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorConfig,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.distributed.communicator import Communicator

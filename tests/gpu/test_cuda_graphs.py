@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from actors.sampling_params import SamplingParams
-from actors.config import EngineConfig
+from actors.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.config import EngineConfig
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes

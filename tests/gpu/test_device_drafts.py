@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.messages import SchedulerOutput, CachedRequestData
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.messages import SchedulerOutput, CachedRequestData
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.runner_v2.states import RequestStates
 from gpu.spec_decode.device_drafts import DeviceDrafts
 

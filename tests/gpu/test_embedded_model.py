@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.attention.base import allocate_kv_cache
 from tests._hf_reference import hf_reference_model

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.messages import GrammarBitmask
+from actors.protocol.messages import GrammarBitmask
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask, mask_buffer_allocator
 
 VOCAB_SIZE = 100

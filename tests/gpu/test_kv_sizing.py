@@ -23,7 +23,7 @@ def test_runner_state_counts_the_penalty_rows_allocated_after_startup() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
-    from actors.sampling_params import SamplingParams
+    from actors.protocol.sampling_params import SamplingParams
     from app.llm import LLM
 
     torch.cuda.synchronize()

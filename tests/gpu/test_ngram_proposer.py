@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.spec_decode.ngram_proposer import NgramProposer
 from tests.kernels.test_ngram_propose import oracle
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from tests._hf_reference import hf_reference_model

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gpu.sampling.sampler as sampler_module
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sampling_params import SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from gpu.sampling.state import SamplingState
 
 VOCAB = 50

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.config import EngineConfig
-from actors.messages import CachedRequestData, NewRequestData, SchedulerOutput
-from actors.sampling_params import SamplingParams
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.config import EngineConfig
+from actors.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.cuda_graphs import StepGraphs

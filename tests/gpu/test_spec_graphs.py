@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.sampling_params import SamplingParams
-from actors.speculative_config import SpeculativeConfig
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler, batch_ops

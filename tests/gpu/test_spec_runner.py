@@ -5,7 +5,7 @@ import types
 import numpy as np
 import pytest
 
-from actors.messages import GrammarBitmask
+from actors.protocol.messages import GrammarBitmask
 from gpu.prompt_logprobs import PromptRequest
 from gpu.spec_decode.spec_runner import check_speculative_step
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from gpu.distributed.group import file_rendezvous
 from gpu.distributed.launch import start_workers
 from gpu.models.config import PRESETS, ModelConfig

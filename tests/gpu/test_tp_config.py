@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from actors.config import ConfigError, EngineConfig
+from actors.protocol.config import ConfigError, EngineConfig
 from app.engine_args import add_engine_args, engine_config_from_args
-from actors.engine_startup import load_engine
+from actors.core.engine_startup import load_engine
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.config import PRESETS
 from gpu.runner_selection import RunnerSelectionError

@@ -20,11 +20,11 @@ import anyio
 import pytest
 import torch
 
-from actors.config import EngineConfig
-from actors.engine_startup import choose_runner, load_engine
+from actors.protocol.config import EngineConfig
+from actors.core.engine_startup import choose_runner, load_engine
 from actors.inprocess_engine import InProcessEngine
-from actors.messages import EngineRequest
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineRequest
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.distributed.tp_engine import TPRunnerV2, load_tp_worker
 from gpu.distributed.tp_leader import TPFailedError

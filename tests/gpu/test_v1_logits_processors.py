@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.sampling_params import SamplingParams
-from actors.logits_processors import (
+from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.logits_processors import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorConfig,

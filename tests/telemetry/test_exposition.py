@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from actors.messages import StepStats
+from actors.protocol.messages import StepStats
 from telemetry.metrics import EngineMetrics
 from telemetry.records import RequestRecord
 from telemetry.request_shape_metrics import build_1_2_5_buckets

@@ -11,8 +11,8 @@ import anyio
 import pytest
 import structlog
 
-from actors.messages import StepStats
-from actors.config import EngineConfig
+from actors.protocol.messages import StepStats
+from actors.protocol.config import EngineConfig
 from telemetry.logging import (
     EngineStatsLog,
     bind_actor,

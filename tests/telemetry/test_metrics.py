@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.messages import SchedulerStats, StepStats
+from actors.protocol.messages import SchedulerStats, StepStats
 from telemetry.metrics import IDLE_FRACTION_WINDOW_STEPS, EngineMetrics
 from telemetry.records import RequestRecord
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from telemetry.records import RequestRecord
 from telemetry.tracing import setup_tracing
 from tests.telemetry._otlp_receiver import (

@@ -8,10 +8,10 @@ import time
 import numpy as np
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from actors.messages import EngineCoreOutputs, EngineRequest, SpecDecodeStats, StepStats
-from actors.output_stream import RequestStream
-from actors.sampler import OutputProcessor
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineCoreOutputs, EngineRequest, SpecDecodeStats, StepStats
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import OutputProcessor
+from actors.protocol.sampling_params import SamplingParams
 from telemetry.metrics import EngineMetrics
 from telemetry.records import RequestRecord
 from telemetry.tracing import setup_tracing

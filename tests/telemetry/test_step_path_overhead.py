@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import structlog
 
-from actors.messages import EngineCoreOutputs, EngineRequest, StepStats
-from actors.output_stream import RequestStream
-from actors.sampler import OutputProcessor, SamplerActor
-from actors.sampling_params import SamplingParams
+from actors.protocol.messages import EngineCoreOutputs, EngineRequest, StepStats
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import OutputProcessor, SamplerActor
+from actors.protocol.sampling_params import SamplingParams
 from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import telemetry.request_span as request_span_module
-from actors.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from telemetry.records import RequestRecord
 from telemetry.request_span import NOOP_REQUEST_SPAN
 from telemetry.tracing import Tracing, TracingConfigError, extract_context, setup_tracing

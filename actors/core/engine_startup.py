@@ -1,0 +1,110 @@
+"""The engine core's startup: probe the platform, pick the runner, load the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+
+from actors.protocol.config import ConfigError, EngineConfig
+from actors.protocol.logits_processors import load_logits_processor_classes
+from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
+from gpu.distributed.tp_engine import load_tp_worker
+from gpu.models.config import ModelConfig
+from gpu.platform import Platform, probe_platform
+from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
+from gpu.weights.shard_loader import read_model_config
+from gpu.worker import ModelWorker
+
+log = structlog.get_logger("tandem.startup")
+
+RUNNER_ENV = "TANDEM_USE_V2_MODEL_RUNNER"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedEngine:
+    config: EngineConfig
+    platform: Platform
+    runner: RunnerChoice
+    worker: ModelWorker
+
+
+def selection_input(config: EngineConfig, architecture: str) -> RunnerSelectionInput:
+    return RunnerSelectionInput(
+        architecture=architecture,
+        env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
+        requested_runner=config.runner,
+        tensor_parallel_size=config.tensor_parallel_size,
+        compilation_mode="stock_torch_compile" if config.compile_level > 0 else "none",
+        custom_logits_processors=config.logits_processors,
+        speculative_method=(None if config.speculative_config is None
+                            else config.speculative_config.method),
+    )
+
+
+def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) -> RunnerChoice:
+    choice = select_runner(selection_input(config, model.architecture), platform)
+    log.info("runner_selected", runner=choice.runner, rule=choice.rule, reason=choice.reason)
+    return choice
+
+
+def check_before_load(config: EngineConfig, platform: Platform) -> None:
+    """Refuse what cannot be served before spending the model load on it: processors that
+    do not import, a forced runner that cannot run them (the
+    forced path of the selection does not depend on the architecture)."""
+    load_logits_processor_classes(config.logits_processors)
+    forced = selection_input(config, architecture="")
+    if forced.env_override is not None or forced.requested_runner != "auto":
+        select_runner(forced, platform)
+
+
+def load_engine(config: EngineConfig) -> LoadedEngine:
+    """Everything slow that happens once per process, before the engine's actors start."""
+    platform = probe_platform(config.device)
+    check_before_load(config, platform)
+    if config.tensor_parallel_size == 1:
+        worker = ModelWorker(config, platform)
+    else:
+        check_tensor_parallel(config, platform)
+        worker = load_tp_worker(config, platform)
+    try:
+        runner = choose_runner(config, platform, worker.model_config)
+    except BaseException:
+        worker.close()
+        raise
+    return LoadedEngine(config=config, platform=platform, runner=runner, worker=worker)
+
+
+def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
+    """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading
+    weights: V1 runs on one device, so a selection that lands on V1 is refused here."""
+    model = read_model_config(config.model)
+    validate_tensor_parallel(config.tensor_parallel_size, model, platform.device_type,
+                             config.device)
+    select_runner(selection_input(config, model.architecture), platform)
+
+
+def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
+    """The same loaded model under other engine options (tests, benchmarks)."""
+    if config.model != loaded.config.model or config.block_size != loaded.config.block_size:
+        raise ValueError("a reused model must keep the same model and block size")
+    check_before_load(config, loaded.platform)
+    runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
+    return LoadedEngine(config=config, platform=loaded.platform, runner=runner, worker=loaded.worker)
+
+
+def load_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a start that the configuration caused (files, flags), not a bug."""
+    from actors.protocol.config import ConfigError
+    from actors.protocol.logits_processors import LogitsProcessorLoadError
+    from actors.protocol.model_source import ModelLoadError
+    from actors.protocol.sampling_params import SamplingParamsError
+    from actors.protocol.speculative_config import SpeculativeConfigError
+    from gpu.models.config import UnsupportedModelError
+    from gpu.runner_selection import RunnerSelectionError
+    from gpu.worker import WorkerConfigError
+
+    return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
+            ModelLoadError, WorkerConfigError, TensorParallelError, SpeculativeConfigError,
+            LogitsProcessorLoadError)

@@ -1,0 +1,156 @@
+"""How the scheduler plans speculative (ngram) decoding rows and corrects them afterwards.
+
+The drafts are proposed on the device, after the previous step's tokens are known there,
+so the scheduler never sees them. It plans with an upper bound instead: a decoding row
+that speculates runs its last token plus K draft slots (fewer near max_tokens or the
+token budget), and counts every slot as an output placeholder and as computed, so its
+KV blocks cover every position the row can reach. The runner fills the slots with the
+row's drafts (slots without a draft run a filler token whose logits nobody reads) and
+emits the accepted drafts plus one token: between 1 and 1 + slots tokens.
+
+When the step's result arrives the row is corrected: placeholders drop by 1 + slots and
+`num_computed_tokens` by the rejected slots (1 + slots - emitted). A step scheduled in
+between was planned on the upper bound, so its positions are only shifted: the device
+reads its own computed count, and the correction makes the scheduler's mirror exact again
+once every step in flight has reported. The KV slots of rejected positions are reused: the
+next step computes those positions again and overwrites them. Their blocks stay with the
+request (the request grows into them), so nothing is freed early and no block table
+shrinks under an in-flight step.
+
+A request whose slots emitted nothing (no draft matched, or every draft was rejected)
+pauses its speculation for a number of steps that doubles with each such run, up to
+MAX_BACKOFF_STEPS: where drafts do not pay (text that repeats nothing, random weights)
+the wider forward is paid about once every MAX_BACKOFF_STEPS steps. Until one of its
+speculative steps has emitted a draft (a new request, or one whose latest speculative step
+reported nothing accepted), a request speculates in one step at a time: with two steps in
+flight, the step after a probe is planned before the probe reports, and would pay the
+wider forward again on the same unconfirmed bet.
+
+Rows that do not speculate: requests with penalties (their output counts would have to
+see the drafts) and requests with a structured output (the grammar would have to advance
+over the drafts). They decode one token per step next to speculating rows. Whole steps
+run without draft slots when a request with a grammar runs (the speculative step applies
+no grammar mask) or one whose prompt logprobs are due could be in it (it scores no
+prompt), and when too few rows would speculate (`wanted_draft_slots`): the scheduler alone
+decides what a step runs, and the runners refuse a step that breaks these rules.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+from actors.protocol.messages import StepOutput
+from actors.core.request import Request, RequestStatus
+
+
+def speculates(request: Request) -> bool:
+    """Whether `request` may run draft slots (see the module doc)."""
+    params = request.sampling_params
+    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0 and params.structured_output is None)
+
+
+MAX_BACKOFF_STEPS = 64
+"""Longest pause in a request's speculation after its drafts kept failing."""
+
+MIN_SPECULATING_SHARE = 0.5
+"""A step runs draft slots only when at least this share of its decoding rows would use
+them. A speculative step costs more than a plain one whatever number of its rows
+speculate (on the H200 with qwen3-0.6b bf16 and the tail graphed, 1.6 ms of device time
+against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/results/spec_graphs/summary.json),
+a price that a few speculating rows among many cannot pay back. Rows held back this way
+keep their back-off state and speculate together at a later step."""
+
+
+PROBE_PENDING = sys.maxsize
+"""spec_resume_step of a request whose unconfirmed speculative step has not reported."""
+
+
+def start_speculating(request: Request) -> None:
+    """`request` runs draft slots in the step being committed: unless its latest reported
+    speculative step emitted a draft, it runs none again until this one reports."""
+    if not request.spec_accepting:
+        request.spec_resume_step = PROBE_PENDING
+
+
+def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
+                    step_id: int) -> int:
+    """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
+    token left to compute), speculates and is not backing off; never more outputs than
+    max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
+    if num_speculative_tokens == 0 or step_id < request.spec_resume_step:
+        return 0
+    if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
+        return 0
+    if not speculates(request):
+        return 0
+    num_outputs_left = request.max_total_tokens - request.num_tokens_with_placeholders
+    return max(0, min(num_speculative_tokens, num_outputs_left - 1, token_budget - 1))
+
+
+def blocks_speculation(request: Request) -> bool:
+    """Whether `request`, while unfinished, may keep whole steps from speculating (see
+    `wanted_draft_slots`): it has a structured output (its grammar may still be compiling)
+    or wants prompt logprobs."""
+    params = request.sampling_params
+    return params.structured_output is not None or params.prompt_logprobs is not None
+
+
+def wanted_draft_slots(running: Iterable[Request], blockers: Iterable[Request],
+                       num_speculative_tokens: int, step_id: int) -> list[int] | None:
+    """The draft slots each of `running` would take in step `step_id` (`num_draft_slots`
+    before the token budget), or None when the step runs none: one of the unfinished
+    `blockers` (`blocks_speculation`) may sample under a grammar or score its prompt in
+    it, or too few of its decoding rows would speculate (MIN_SPECULATING_SHARE)."""
+    for request in blockers:
+        if request.grammar is not None or request.status is not RequestStatus.RUNNING \
+                or request.num_computed_tokens < request.num_prompt_tokens:
+            return None  # a grammar row, or a prompt to score (now or once admitted)
+    wanted = []
+    num_decoding = num_ready = 0
+    for request in running:
+        num_slots = num_draft_slots(request, num_speculative_tokens,
+                                    num_speculative_tokens + 1, step_id)
+        wanted.append(num_slots)
+        num_decoding += request.num_tokens_with_placeholders - request.num_computed_tokens == 1
+        num_ready += num_slots > 0
+    return wanted if num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding \
+        else None
+
+
+def correct_after_step(request: Request, num_slots: int, num_emitted: int,
+                       next_step_id: int) -> None:
+    """Resolve a speculating row's placeholders once its step reported `num_emitted`
+    tokens (its outputs were appended already; `next_step_id` is the next step the
+    scheduler will build), and back off: slots that
+    emitted nothing (no draft, or none accepted) cost a wider forward for nothing, so the
+    request runs without them for 1, 2, 4, ... MAX_BACKOFF_STEPS steps after each such run
+    in a row. Tokens never depend on this, only the speed does."""
+    if num_slots:
+        request.spec_accepting = num_emitted > 1
+        if request.spec_accepting:
+            request.spec_backoff_steps = 0
+        else:
+            request.spec_backoff_steps = min(max(1, 2 * request.spec_backoff_steps),
+                                             MAX_BACKOFF_STEPS)
+        request.spec_resume_step = next_step_id + request.spec_backoff_steps
+    request.num_output_placeholders -= 1 + num_slots
+    if request.status is RequestStatus.RUNNING:
+        # A preempted request restarts from 0 computed tokens: nothing to roll back.
+        request.num_computed_tokens -= 1 + num_slots - num_emitted
+
+
+def emitted_counts(out: StepOutput, draft_slots: dict[str, int]) -> list[int] | None:
+    """Tokens each request of `out` emitted; None when they do not add up or a request
+    emitted more than its last token plus its draft slots."""
+    if out.num_sampled_tokens is None:  # one each, which any row's slots allow
+        counts = [1] * len(out.request_ids)
+        return counts if len(counts) == len(out.sampled_token_ids) else None
+    counts = out.num_sampled_tokens.tolist()
+    if len(counts) != len(out.request_ids) or sum(counts) != len(out.sampled_token_ids):
+        return None
+    for request_id, count in zip(out.request_ids, counts):
+        if not 1 <= count <= 1 + draft_slots.get(request_id, 0):
+            return None
+    return counts

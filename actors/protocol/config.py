@@ -1,0 +1,90 @@
+"""Engine configuration: one frozen dataclass, filled from CLI flags or the Python API."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from actors.protocol.speculative_config import SpeculativeConfig
+
+RunnerChoice = Literal["auto", "v1", "v2"]
+DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"
+    """'default' (the embedded SmolLM2-135M-Instruct), a GGUF file, a Hugging Face
+    directory, or 'dummy:<preset>' for random weights of a preset architecture."""
+    dtype: DTypeChoice = "auto"
+    """Compute dtype; auto is float32 on CPU and bfloat16 on GPU."""
+    device: str = "auto"
+    """'auto' (CUDA when available), 'cpu' or 'cuda[:N]'."""
+    max_model_len: int | None = None
+    """Context length; None takes the model's (capped at 8192 for dummy weights)."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = None
+    """Fix the KV pool size; None sizes it from memory."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory tandem may use (weights, activations, graphs, KV)."""
+    cpu_kv_cache_bytes: int = 1 << 30
+    """KV pool size on CPU when num_kv_blocks is not set."""
+    max_num_seqs: int = 256
+    """Most requests in one step (also the runner's row count)."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens in one step; longer prompts are prefilled in chunks."""
+    enable_prefix_caching: bool = True
+    runner: RunnerChoice = "auto"
+    """Model runner; auto applies the startup selection rules."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    seed: int = 0
+    """Seed for dummy weights and for requests that set no seed."""
+    tokenizer: str | None = None
+    """Tokenizer source when it differs from the model."""
+    tensor_parallel_size: int = 1
+    """Devices (one worker process each) that one model is split over."""
+    compile_level: int = 0
+    """torch.compile of the V1 runner's model (gpu/runner_v1/compiled_model.py): 0 eager,
+    1 inductor's default mode, 2 max-autotune-no-cudagraphs. Above 0 it selects V1."""
+    logits_processors: tuple[str, ...] = ()
+    """Custom logits processors, 'module:Class' each (actors/protocol/logits_processors.py);
+    they run on the V1 runner, so any selects V1."""
+    speculative_config: SpeculativeConfig | None = None
+    """--speculative-config (actors/protocol/speculative_config.py): ngram speculative decoding, on
+    either runner (actors/core/spec_scheduling.py, gpu/spec_decode/)."""
+    spec_tail_graphs: bool = True
+    """With speculation on V2 and CUDA graphs: replay the speculative step's head,
+    sampling, acceptance and drafting as CUDA graphs (gpu/spec_decode/spec_graphs.py);
+    False launches them eagerly (the Python API's switch for measuring the difference)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.runner not in ("auto", "v1", "v2"):
+            raise ConfigError(f"runner must be auto, v1 or v2, got {self.runner!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.compile_level not in (0, 1, 2):
+            raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")
+        if isinstance(self.logits_processors, str):
+            raise ConfigError("logits_processors must be a tuple of 'module:Class' strings")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
