@@ -1,4 +1,4 @@
-"""`tandem` command line: serve, generate, bench."""
+"""`tandem` command line: serve, generate, export-tokenizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from app import export_tokenizer_cmd, generate_cmd, serve_cmd
-from benchmarks import bench_cmd
 from app.cli_errors import UserFacingError
 
 EXIT_USAGE = 2
@@ -21,7 +20,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
-    bench_cmd.add_parser(sub)
     export_tokenizer_cmd.add_parser(sub)
     return parser
 

@@ -1,4 +1,4 @@
-"""Engine flags shared by `tandem serve`, `tandem generate` and `tandem bench`.
+"""Engine flags shared by `tandem serve`, `tandem generate` and the benchmarks.
 
 Every flag has a TANDEM_<NAME> environment equivalent (e.g. --max-model-len and
 TANDEM_MAX_MODEL_LEN); a flag on the command line wins over the environment.

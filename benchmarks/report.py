@@ -1,108 +1,132 @@
-"""Figures derived from a run: vLLM's TTFT/TPOT, GPU idle between steps, and the fraction
-of the bandwidth roofline.
+"""What the results say: each result's current figures beside the last earlier entry of its
+history that ran the same workload on the same hardware, with the change in percent, and
+the dates and commits of the entries before.
 
-Roofline (decode is bound by memory bandwidth): every step reads all weights once, and
-every decoding request reads its whole KV history. For a fixed-length workload of N
-requests (input I, output O) the KV tokens read over the run are N * (O*I + O*(O-1)/2)
-(each output token attends to the prompt and to the outputs before it), so
-
-    ideal_s = (num_steps * weight_bytes + kv_tokens_read * kv_bytes_per_token) / bandwidth
-              + prefill_flops / matmul_rate
-
-and the fraction of the roofline is ideal_s / measured wall time. A large model at a large
-batch is bound by matmul throughput instead (llama-3.1-8b at batch 1024 does 16 TFLOP per
-decode step, 21 ms at 790 TFLOP/s, against 15 ms of memory traffic), so the compute floor
-2 * params * N * (I + O) / matmul_rate is reported too, with the fraction of the larger of
-the two floors.
+    python -m benchmarks.report                      # every result in benchmarks/results
+    python -m benchmarks.report throughput_w1 serve_chat --history 10
+    python -m benchmarks.report --results-dir $OUT   # what came back from the GPU machine
+    python -m benchmarks.report --results-dir $OUT --against $OUT/base   # an A/B call
+    python -m benchmarks.report --floors             # the H200's floors under W1-W3
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
-from actors.protocol.messages import StepStats
-from benchmarks.tandem_arm import EngineRun
-from benchmarks.workloads import Workload
-from gpu.models.config import ModelConfig
-
-COPY_BANDWIDTH_BYTES_PER_S = 4.26e12
-"""Device-to-device copy bandwidth measured on the H200 (bytes read + written per second)."""
-BF16_MATMUL_FLOPS_PER_S = 790e12
-"""bf16 dense matmul rate measured on the H200."""
-IDLE_MIN_BATCH = 64
+from benchmarks.recording import RESULTS_DIR, load_result
+from benchmarks.workloads import WORKLOADS, floors
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"mean_ms": 1e3 * statistics.fmean(ordered), "median_ms": 1e3 * statistics.median(ordered),
-            "p99_ms": 1e3 * pick(0.99)}
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="*", metavar="RESULT", help="result names (default: all)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--history", type=int, default=5, help="earlier entries listed (default 5)")
+    p.add_argument("--against", type=Path, metavar="DIR",
+                   help="compare with the current entries of the same results in DIR (the "
+                        "baseline of device_run.sh's A/B) instead of each result's history")
+    p.add_argument("--floors", action="store_true",
+                   help="print the bandwidth and compute floors of the GPU workloads instead")
+    return p.parse_args(argv)
 
 
-def latency_figures(run: EngineRun) -> dict[str, Any]:
-    """TTFT and TPOT with vLLM's definitions (TPOT = (latency - TTFT) / (outputs - 1))."""
-    ttft = [r.ttft_s for r in run.requests]
-    tpot = [(r.latency_s - r.ttft_s) / (r.num_output_tokens - 1) for r in run.requests
-            if r.num_output_tokens > 1]
-    return {"ttft": _percentiles(ttft), "tpot": _percentiles(tpot)}
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.floors:
+        print(floors_table())
+        return 0
+    names = args.results or sorted(p.stem for p in args.results_dir.glob("*.json"))
+    missing = [n for n in names if not (args.results_dir / f"{n}.json").is_file()]
+    if missing:
+        print(f"no such result in {args.results_dir}: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    for name in names:
+        result = load_result(args.results_dir / f"{name}.json") or {}
+        if not result.get("current"):
+            print(f"== {name}: not a result file (no current entry)")
+            continue
+        baseline = None
+        if args.against is not None:
+            against = load_result(args.against / f"{name}.json")
+            baseline = against["current"] if against else None
+        print(describe(result, args.history, baseline))
+    return 0
 
 
-def gpu_idle_figures(steps: tuple[StepStats, ...], min_batch: int = IDLE_MIN_BATCH) -> dict[str, Any]:
-    """Idle fraction = idle / (idle + step time) over steps of at least `min_batch` requests
-    (the first step has no predecessor and is left out)."""
-    timed = [s for s in steps[1:] if s.step_time_s > 0 and s.num_reqs >= min_batch]
-    if not timed:
-        return {"measured": False}
-    idle = sum(s.gpu_idle_s for s in timed)
-    busy = sum(s.step_time_s for s in timed)
-    decode = [s for s in timed if s.num_prefill_tokens == 0]
-    return {
-        "measured": True, "min_batch": min_batch, "num_steps": len(timed),
-        "idle_fraction": idle / (idle + busy),
-        "decode_idle_fraction": (sum(s.gpu_idle_s for s in decode)
-                                 / max(sum(s.gpu_idle_s + s.step_time_s for s in decode), 1e-12)),
-        "mean_step_ms": 1e3 * busy / len(timed),
-        "mean_decode_step_ms": 1e3 * statistics.fmean(s.step_time_s for s in decode) if decode else None,
-        "mean_prepare_ms": 1e3 * statistics.fmean(s.prepare_time_s for s in timed),
-    }
+def describe(result: dict[str, Any], num_history: int,
+             baseline: dict[str, Any] | None = None) -> str:
+    """The result's current figures beside `baseline`'s, or beside those of the last
+    comparable entry of its history."""
+    current = result["current"]
+    history = result["history"]
+    previous = baseline if baseline is not None else comparable(current, history)
+    lines = [f"== {result['result']} ({result['benchmark']}): {_entry_line(current)}",
+             f"   {current['command']}"]
+    width = max((len(k) for k in current["figures"]), default=0)
+    for key, value in current["figures"].items():
+        line = f"   {key:<{width}}  {_value(value):>12}"
+        if previous is not None and key in previous["figures"]:
+            before = previous["figures"][key]
+            line += f"  was {_value(before):>12}{_change(value, before)}"
+        lines.append(line)
+    if previous is not None:
+        lines.append(f"   (was: {_entry_line(previous)})")
+    for entry in history[::-1][:num_history]:
+        lines.append(f"   history: {_entry_line(entry)}")
+    return "\n".join(lines)
 
 
-def roofline_figures(model: ModelConfig, workload: Workload, num_steps: int, elapsed_s: float,
-                     dtype_bytes: int = 2) -> dict[str, Any]:
-    n, i, o = workload.num_prompts, workload.input_len, workload.output_len
-    # The head matrix is read whole each step; the embedding lookup reads a few rows only.
-    embedding_lookup = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
-    weight_bytes = (model.num_params() - embedding_lookup) * dtype_bytes
-    kv_tokens = n * (o * i + o * (o - 1) // 2)
-    kv_bytes = kv_tokens * model.kv_bytes_per_token * dtype_bytes
-    prefill_flops = 2 * model.num_params() * n * i
-    ideal_s = (num_steps * weight_bytes + kv_bytes) / COPY_BANDWIDTH_BYTES_PER_S \
-        + prefill_flops / BF16_MATMUL_FLOPS_PER_S
-    compute_floor_s = 2 * model.num_params() * n * (i + o) / BF16_MATMUL_FLOPS_PER_S
-    return {
-        "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes, "num_steps": num_steps,
-        "prefill_flops": prefill_flops, "ideal_s": ideal_s,
-        "roofline_output_tok_s": n * o / ideal_s, "fraction_of_roofline": ideal_s / elapsed_s,
-        "compute_floor_s": compute_floor_s,
-        "fraction_of_larger_floor": max(ideal_s, compute_floor_s) / elapsed_s,
-        "bandwidth_bytes_per_s": COPY_BANDWIDTH_BYTES_PER_S,
-        "matmul_flops_per_s": BF16_MATMUL_FLOPS_PER_S,
-    }
+def comparable(entry: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest earlier entry with the same workload on the same kind of hardware."""
+    for earlier in reversed(history):
+        if earlier.get("workload") == entry.get("workload") and \
+                _hardware_kind(earlier) == _hardware_kind(entry):
+            return earlier
+    return None
 
 
-def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per arm: median and spread of output tokens/s over its repeats."""
-    by_arm: dict[str, list[dict[str, Any]]] = {}
-    for run in runs:
-        if "output_tok_s" in run:
-            by_arm.setdefault(run["arm"], []).append(run)
-    summary = {}
-    for arm, arm_runs in by_arm.items():
-        rates = [r["output_tok_s"] for r in arm_runs]
-        summary[arm] = {"repeats": len(rates), "median_output_tok_s": statistics.median(rates),
-                        "min_output_tok_s": min(rates), "max_output_tok_s": max(rates),
-                        "num_prompts": arm_runs[0]["num_prompts"]}
-    return summary
+def _hardware_kind(entry: dict[str, Any]) -> str:
+    hardware = entry.get("hardware")
+    if isinstance(hardware, dict):
+        return ", ".join(hardware.get("gpus") or []) or f"cpu: {hardware.get('cpu')}"
+    return str(hardware)
+
+
+def _entry_line(entry: dict[str, Any]) -> str:
+    commit = str(entry.get("commit") or "no commit")[:12]
+    unclean = "" if entry.get("clean") else " (uncommitted changes)"
+    return f"{entry.get('date', '?')} {commit}{unclean} on {_hardware_kind(entry)}"
+
+
+def _value(value: Any) -> str:
+    return f"{value:,.6g}" if isinstance(value, int | float) and not isinstance(value, bool) \
+        else str(value)
+
+
+def _change(value: Any, before: Any) -> str:
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (value, before))
+    if not numbers or not before:
+        return ""
+    return f"  {100 * (value - before) / abs(before):+.1f}%"
+
+
+def floors_table() -> str:
+    from gpu.models.config import PRESETS
+
+    lines = ["workload | bandwidth floor (weights + KV per step) | compute floor | "
+             "ideal output tok/s"]
+    for workload in (w for w in WORKLOADS.values() if w.device == "cuda"):
+        figures = floors(PRESETS[workload.model.removeprefix("dummy:")], workload)
+        lines.append(f"{workload.name} {workload.model} {workload.num_prompts} x "
+                     f"{workload.input_len}/{workload.output_len} | {figures['ideal_s']:.2f} s | "
+                     f"{figures['compute_floor_s']:.2f} s | "
+                     f"{figures['roofline_output_tok_s']:,.0f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,6 @@
 """Soak: the real server with the embedded model on CPU under a mixed, misbehaving load.
 
-    python -m benchmarks.soak --requests 2000 --concurrency 128 \\
-        --output benchmarks/results/soak_cpu.json
+    python -m benchmarks.soak --requests 2000 --concurrency 128 --threads 2
 
 `concurrency` clients send a seeded mix (see benchmarks.soak_workload): streamed and
 non-streamed chat and text completions with random lengths and sampling parameters, a
@@ -11,28 +10,30 @@ correct finish_reason and token count or was aborted by its own client), when af
 `/metrics` shows nothing running or waiting and an empty KV cache, the engine's KV pool and
 runner rows are free and the KV cache manager's invariants hold, and when resident memory
 grew by at most `max_rss_growth_mib` over the second half of the run.
-The CI test (tests/app/test_soak.py) runs the same code, smaller.
+The CI test (tests/benchmarks/test_soak.py) runs the same code, smaller.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import os
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.server_state import EngineSnapshot
+from benchmarks import recording
 from benchmarks.soak_client import REQUEST_TIMEOUT_S, RequestOutcome, send
 from benchmarks.soak_server import RssSampler
 from benchmarks.soak_workload import SoakMix, plan_request
-from app.server_state import EngineSnapshot
 
 _MIB = 1024 * 1024
 _MAX_FAILURES_LISTED = 20
@@ -228,9 +229,23 @@ def _problems(report: dict[str, Any], config: SoakConfig) -> list[str]:
     return problems
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+@contextmanager
+def _engine_threads(threads: int) -> Iterator[None]:
+    """The server's engine core is a child process: its torch threads follow OMP_NUM_THREADS
+    as it starts."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    p = recording.parser("soak", __doc__)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -239,41 +254,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="disconnecting clients hang up at a moment drawn from [0, S] seconds "
                         "(default 30: about the median latency at concurrency 128 on 2 cores)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="the server's running batch")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the server")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads of the server's engine core")
     p.add_argument("--max-rss-growth-mib", type=float, default=256.0)
-    p.add_argument("--output", type=Path, default=Path("benchmarks/results/soak_cpu.json"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from benchmarks.run_info import command_line, run_header
-    from benchmarks.soak_server import InProcessServer
     from actors.protocol.config import EngineConfig
     from app.server_state import ServeSettings
+    from benchmarks.soak_server import InProcessServer
     from telemetry.logging import configure_logging
 
-    torch.set_num_threads(args.threads)
-    configure_logging(json=True, level="warning")
     engine = EngineConfig(model="default", device="cpu", max_model_len=2048,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     config = SoakConfig(num_requests=args.requests, concurrency=args.concurrency, seed=args.seed,
                         mix=SoakMix(max_tokens=args.max_tokens,
                                     disconnect_within_s=args.disconnect_within),
                         max_rss_growth_mib=args.max_rss_growth_mib)
-    record = run_header(command_line())
-    with InProcessServer(ServeSettings(engine=engine, port=0)) as server:
-        record["server"] = {"engine": dataclasses.asdict(engine), "torch_threads": args.threads}
-        record.update(run_soak(server, config))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
-    rss = {k: v for k, v in record["rss_mib"].items() if k != "series_elapsed_s_mib_done"}
-    print(json.dumps({**{k: record[k] for k in ("passed", "problems", "elapsed_s", "outcomes",
+    run = recording.Run("soak", args, "soak", {
+        **dataclasses.asdict(config), "engine": dataclasses.asdict(engine),
+        "torch_threads": args.threads}, argv)
+    configure_logging(json=True, level="warning")
+    with _engine_threads(args.threads):
+        server = InProcessServer(ServeSettings(engine=engine, port=0))
+    with server:
+        report = run_soak(server, config)
+    rss = {k: v for k, v in report["rss_mib"].items() if k != "series_elapsed_s_mib_done"}
+    figures = {"passed": report["passed"], "requests_per_s": report["requests_per_s"],
+               **{f"outcomes_{k}": v for k, v in sorted(report["outcomes"].items())},
+               "num_5xx": report["num_5xx"], "rss_growth_second_half_mib":
+                   rss["growth_second_half"], "rss_peak_mib": rss["peak"]}
+    run.finish(figures, report)
+    print(json.dumps({**{k: report[k] for k in ("passed", "problems", "elapsed_s", "outcomes",
                                                 "client_aborts", "num_5xx")}, "rss_mib": rss},
                      indent=2))
-    return 0 if record["passed"] else 1
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import anyio
 import httpx
 
-from benchmarks.serve_client import sse_lines
+from benchmarks.serve import sse_lines
 from benchmarks.soak_workload import PlannedRequest
 
 Outcome = Literal["completed", "client_aborted", "rejected", "refused", "failed"]

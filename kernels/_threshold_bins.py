@@ -30,7 +30,7 @@ if HAS_TRITON:
         """This chunk's token count per bin, and its totals (as a pivot pass stores them).
         (Skipping the histogram in blocks with no token in the even bins made the pass
         slower: the test costs a reduction per block, and a first pass finds tokens there
-        in every block; benchmarks/results/gpu_step/threshold_rounds.json.)"""
+        in every block; benchmarks/NOTES.md, "Threshold round launches".)"""
         counts = tl.zeros([search.BINS], tl.int32)
         in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.zero_totals(BLOCK)
         for offset in range(start, end, BLOCK):

@@ -17,13 +17,13 @@ fit of the row puts 1.5 k + 32 tokens above it): when at least k and at most CAP
 that one pass resolves the row (with top-p inside the top k). Language model rows have a
 heavier upper tail than the fit: on the embedded model's logits about twice the expected
 count lies above the cut, within bounds for all 127 rows up to k = 128
-(benchmarks/results/gpu_step/top_k_guess_real_logits.json)."""
+(benchmarks/NOTES.md, "Top-k from a guessed cut")."""
 TOP_P_HALF_WINDOW = 300.0
 """Top-p alone copies out the tokens the fit expects within this many ranks of its guess:
 600 or so, well within the CAPACITY of 1024. At 256 x 151,936 the window holds the answer
 for every row of N(0, 9) and peaked logits at p from 0.5 to 0.99 and for 255-256 of 256
 rows of N(0, 1); on the embedded model's own logits for 126 of 127 rows
-(benchmarks/top_p_guess_logits.py, results/gpu_step/top_p_guess_*.json)."""
+(benchmarks/NOTES.md, "Top-p alone from a guessed window")."""
 TOP_P_MIN_ABOVE = 256.0
 """Where the guess lies among the top few hundred tokens, or above the fitted bulk
 altogether (a few strong candidates hold more than p of the mass, common in a language

@@ -71,6 +71,14 @@ def test_only_the_in_process_engine_joins_the_core_and_a_front_end() -> None:
     assert joined == ["actors/inprocess_engine.py"]
 
 
+def test_the_product_never_imports_the_benchmarks() -> None:
+    offenders = {str(path.relative_to(ROOT)): sorted(imports)
+                 for package in ("app", "actors", "gpu", "kernels", "telemetry")
+                 for path in _modules(package)
+                 if (imports := {m for m in _project_imports(path) if m.startswith("benchmarks")})}
+    assert not offenders
+
+
 @pytest.mark.parametrize("package", ["gpu", "kernels", "telemetry", "actors"])
 def test_the_engine_side_never_imports_the_front_end(package: str) -> None:
     offenders = {str(path.relative_to(ROOT)): sorted(imports) for path in _modules(package)

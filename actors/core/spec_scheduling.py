@@ -58,9 +58,9 @@ MIN_SPECULATING_SHARE = 0.5
 """A step runs draft slots only when at least this share of its decoding rows would use
 them. A speculative step costs more than a plain one whatever number of its rows
 speculate (on the H200 with qwen3-0.6b bf16 and the tail graphed, 1.6 ms of device time
-against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/results/spec_graphs/summary.json),
-a price that a few speculating rows among many cannot pay back. Rows held back this way
-keep their back-off state and speculate together at a later step."""
+against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/NOTES.md, "Speculative decoding
+on the H200"), a price that a few speculating rows among many cannot pay back. Rows held
+back this way keep their back-off state and speculate together at a later step."""
 
 
 PROBE_PENDING = sys.maxsize

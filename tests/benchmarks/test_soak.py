@@ -1,21 +1,26 @@
 """Soak, CI form: the real server with the embedded model on CPU, 150 requests from 32
 concurrent clients (streamed and not, chat and completions, random lengths and sampling
 parameters, 20% disconnecting at random moments, 5% malformed). The long form is
-`python -m benchmarks.soak`; both run benchmarks.soak.run_soak."""
+`python -m benchmarks.soak`; both run benchmarks.soak.run_soak, and a few requests through
+the long form check what it records."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from app.server_state import ServeSettings
 from benchmarks.soak import SoakConfig, run_soak
 from benchmarks.soak_server import InProcessServer
 from benchmarks.soak_workload import SoakMix
-from app.server_state import ServeSettings
 from tests.app._server_fixtures import ENGINE, shared_model
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 API_KEY = "soak-key"
 MAX_RSS_GROWTH_MIB = 128.0
@@ -54,3 +59,19 @@ def test_soak_loses_nothing_and_leaks_nothing() -> None:
     assert server_reasons.get("stop", 0) + server_reasons.get("length", 0) >= \
         client_reasons.get("stop", 0) + client_reasons.get("length", 0)
     assert exit_code == 0
+
+
+def test_the_long_form_records_its_verdict(tmp_path: Path) -> None:
+    # A process of its own: the long form sets up logging for itself.
+    out = tmp_path / "soak.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--requests", "12", "--concurrency", "4",
+         "--max-tokens", "4", "--disconnect-within", "2", "--not-a-result", "--output", str(out)],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["workload"]["num_requests"] == 12 and record["workload"]["torch_threads"] == 1
+    assert record["figures"]["passed"] is True and record["figures"]["num_5xx"] == 0
+    assert sum(v for k, v in record["figures"].items() if k.startswith("outcomes_")) == 12
+    assert record["details"]["problems"] == []
+    assert record["details"]["after"]["kv_invariants"] == "ok"

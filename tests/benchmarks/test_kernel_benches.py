@@ -1,0 +1,35 @@
+"""The kernel benchmarks run where the CPU runs the kernels' torch references: a small
+`python -m benchmarks.paged_attention` and `python -m benchmarks.sampler`, checked against
+the reference first, and what they record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import paged_attention, sampler
+
+
+def test_paged_attention_checks_the_kernel_then_times_it(tmp_path: Path) -> None:
+    out = tmp_path / "pa.json"
+    assert paged_attention.main(["--batch", "3", "--context", "40", "--num-heads", "4",
+                                 "--num-kv-heads", "2", "--head-dim", "16", "--device", "cpu",
+                                 "--not-a-result", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["workload"]["dtype"] == "float32" and record["workload"]["batch"] == 3
+    details = record["details"]
+    assert details["kv_bytes_read"] == 2 * 3 * 40 * 2 * 16 * 4
+    assert details["max_abs_err_vs_ref"] == 0.0  # on the CPU the reference itself runs
+    assert record["figures"]["median_us"] > 0 and details["sweep"] == []
+
+
+def test_sampler_times_each_path(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    assert sampler.main(["--batch", "4", "--vocab", "300", "--device", "cpu",
+                         "--paths", "greedy", "top_p_only", "temperature_logprobs5",
+                         "--not-a-result", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["figures"]) == {"greedy_us", "top_p_only_us", "temperature_logprobs5_us"}
+    paths = record["details"]["paths"]
+    assert paths["temperature_logprobs5"]["max_num_logprobs"] == 5
+    assert all(p["median_ms"] > 0 and "graph_median_ms" not in p for p in paths.values())

@@ -1,0 +1,134 @@
+"""`python -m benchmarks.throughput`: a real run on the embedded model (every arm, steps
+observed through the engine client, the record's fields), and its figures on hand-built
+runs: ABBA order, the workloads and their floors, vLLM's TPOT, the GPU idle fraction."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.protocol.messages import StepStats
+from benchmarks.throughput import (
+    EngineRun,
+    RequestTiming,
+    abba_order,
+    gpu_idle_figures,
+    latency_figures,
+    main,
+)
+from benchmarks.workloads import (
+    WORKLOADS,
+    Workload,
+    floors,
+    random_prompts,
+    workload_by_name,
+)
+from gpu.models.config import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_a_run_on_the_embedded_model_records_every_arm(tmp_path: Path) -> None:
+    out = tmp_path / "w.json"
+    argv = ["--workload", "CPU", "--num-prompts", "3", "--input-len", "16", "--output-len", "5",
+            "--repeats", "1",
+            "--arms", "v2,v1,hf_static", "--hf-num-prompts", "2", "--not-a-result",
+            "--output", str(out)]
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["command"] == "python -m benchmarks.throughput " + " ".join(argv)
+    assert record["workload"]["name"] == "CPU" and record["workload"]["num_prompts"] == 3
+    assert record["workload"]["engine_options"]["device"] == "cpu"
+    assert {"date", "commit", "clean", "hardware", "figures", "details"} <= set(record)
+    details = record["details"]
+    assert [r["arm"] for r in details["runs"]] == ["v2", "v1", "hf_static"]
+    for run in details["runs"][:2]:
+        assert run["all_outputs_full_length"] and run["output_tokens"] == 3 * 5
+        assert run["num_steps"] >= 5  # every step reached the step observer
+        assert run["num_preemptions"] == 0
+        assert run["tpot"]["median_ms"] > 0 and run["ttft"]["median_ms"] > 0
+        assert run["floor"]["fraction_of_roofline"] > 0
+    assert details["runs"][2]["output_tokens"] == 2 * 5
+    figures = record["figures"]
+    assert figures["v2_output_tok_s"] == pytest.approx(
+        details["summary"]["v2"]["median_output_tok_s"], abs=0.05)
+    assert {"v1_output_tok_s", "hf_static_output_tok_s", "v2_over_v1", "ready_s"} <= set(figures)
+    assert details["startup"]["runner"] == "v2"
+
+
+def test_bad_arms_and_workloads_are_usage_errors() -> None:
+    def throughput(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "benchmarks.throughput", *args],
+                              check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    bad_arm = throughput("--arms", "v2,vllm", "--not-a-result")
+    assert bad_arm.returncode == 2 and "--arms must start with v2" in bad_arm.stderr
+    bad_workload = throughput("--workload", "W7", "--not-a-result")
+    assert bad_workload.returncode == 2 and "invalid choice: 'W7'" in bad_workload.stderr
+
+
+def test_abba_order_alternates_which_arm_goes_first() -> None:
+    assert abba_order(("v2", "v1"), 2) == ["v2", "v1", "v1", "v2"]
+    assert abba_order(("v2", "v1"), 3) == ["v2", "v1", "v1", "v2", "v2", "v1"]
+    assert abba_order(("v2",), 2) == ["v2", "v2"]
+
+
+def test_workloads_match_the_issue_and_prompts_are_fixed_length() -> None:
+    w1, w2, w3 = WORKLOADS["W1"], WORKLOADS["W2"], WORKLOADS["W3"]
+    def shape(w: Workload) -> tuple[str, int, int, int]:
+        return w.model, w.num_prompts, w.input_len, w.output_len
+
+    assert shape(w1) == ("dummy:qwen3-0.6b", 1024, 128, 512)
+    assert shape(w2) == ("dummy:qwen3-0.6b", 1000, 1024, 128)
+    assert shape(w3) == ("dummy:llama-3.1-8b", 1024, 128, 512)
+    assert (WORKLOADS["CPU"].model, WORKLOADS["CPU"].device) == ("default", "cpu")
+    assert workload_by_name("w2") is w2
+    with pytest.raises(ValueError, match="unknown workload 'W9'"):
+        workload_by_name("W9")
+    prompts = random_prompts(5, 7, vocab_size=11, seed=1)
+    assert [len(p) for p in prompts] == [7] * 5
+    assert all(0 <= t < 11 for p in prompts for t in p)
+    assert prompts == random_prompts(5, 7, vocab_size=11, seed=1)
+    assert len({tuple(p) for p in prompts}) == 5
+
+
+def test_tpot_follows_vllm_definition() -> None:
+    # 11 tokens, first after 0.5 s, last at 2.5 s: TPOT = (2.5 - 0.5) / 10.
+    run = EngineRun(3.0, (RequestTiming(11, 0.5, 2.5, "length"),
+                          RequestTiming(1, 0.2, 0.2, "length")), (), 0)
+    figures = latency_figures(run)
+    assert figures["tpot"]["mean_ms"] == pytest.approx(200.0)  # the 1-token request has no TPOT
+    assert figures["ttft"]["median_ms"] == pytest.approx(350.0)
+
+
+def test_gpu_idle_fraction_skips_the_first_step_and_small_batches() -> None:
+    def step(num_reqs: int, busy_s: float, idle_s: float) -> StepStats:
+        return StepStats(0, num_reqs, num_reqs, 0, step_time_s=busy_s, gpu_idle_s=idle_s)
+
+    steps = (step(128, 0.010, 5.0), step(128, 0.010, 0.001), step(8, 0.010, 0.5),
+             step(128, 0.010, 0.003))
+    figures = gpu_idle_figures(steps, min_batch=64)
+    assert figures["num_steps"] == 2
+    assert figures["idle_fraction"] == pytest.approx(0.004 / 0.024)
+    assert gpu_idle_figures((), 64) == {"measured": False}
+
+
+def test_the_floor_of_w1_is_near_the_design_figure() -> None:
+    # DESIGN.md: qwen3-0.6b in bf16 reads 1.19 GB of weights per step and 114,688 KV bytes per
+    # token; W1 on 4.26 TB/s caps output near 90k tokens/s.
+    model, workload = PRESETS["qwen3-0.6b"], WORKLOADS["W1"]
+    figures = floors(model, workload)
+    assert figures["num_steps"] == 512
+    assert figures["weight_bytes"] == pytest.approx(1.19e9, rel=0.01)
+    assert model.kv_bytes_per_token * 2 == 114688
+    kv_tokens_per_request = 512 * 128 + 512 * 511 // 2
+    assert figures["kv_bytes_read"] == 1024 * kv_tokens_per_request * 114688
+    assert 85_000 < figures["roofline_output_tok_s"] < 95_000
+    assert figures["compute_floor_s"] < figures["ideal_s"]  # W1 is bound by bandwidth
+    w3 = floors(PRESETS["llama-3.1-8b"], WORKLOADS["W3"])
+    assert w3["compute_floor_s"] > w3["ideal_s"]  # W3 by matmuls
