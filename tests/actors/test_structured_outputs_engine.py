@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import StructuredOutputSpec
 from app.llm import LLM
+from tests._embedded_model import needs_embedded_model
 from tests.actors.test_grammar import SCHEMAS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 OPTIONS = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
 MAX_TOKENS = 400

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from tests._embedded_model import embedded_gguf_path
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 CPU_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8",
@@ -23,6 +25,8 @@ CPU_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8",
 
 class ServeProcess:
     def __init__(self, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        if "--model" not in flags:
+            embedded_gguf_path()  # skips the test where the embedded model is not installed
         self.log_path = log_path
         with log_path.open("wb") as log_file:
             self.proc = subprocess.Popen(

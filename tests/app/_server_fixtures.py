@@ -14,6 +14,7 @@ from benchmarks.soak_server import InProcessServer
 from actors.protocol.config import EngineConfig
 from app.serve_settings import ServeSettings
 from app.server_state import EngineSnapshot
+from tests._embedded_model import embedded_gguf_path
 
 MAX_MODEL_LEN = 2048
 ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN,
@@ -22,8 +23,10 @@ ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN
 
 @functools.cache
 def shared_model() -> Any:
+    """The embedded model, loaded once; skips the calling test where it is not installed."""
     from actors.core.engine_startup import load_engine
 
+    embedded_gguf_path()
     return load_engine(ENGINE)
 
 

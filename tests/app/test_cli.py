@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu.weights.loader import resolve_model_path
+from tests._embedded_model import embedded_gguf_path, needs_embedded_model
 
 
 def _tandem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -27,6 +27,7 @@ def test_help_lists_subcommands_and_options() -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_generate_answers_paris_and_json_has_fields(tmp_path: Path) -> None:
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("What is 2+2?\n")
@@ -43,6 +44,7 @@ def test_generate_answers_paris_and_json_has_fields(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_generate_plain_text() -> None:
     result = _tandem("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr
@@ -66,7 +68,7 @@ def test_missing_model_file(tmp_path: Path) -> None:
 
 def test_corrupt_gguf(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
-    corrupt.write_bytes(Path(resolve_model_path("default")).read_bytes()[:4096])
+    corrupt.write_bytes(Path(embedded_gguf_path()).read_bytes()[:4096])
     _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--model", str(corrupt)),
                            str(corrupt))
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._embedded_model import needs_embedded_model
+
 SAMPLE = "tests.gpu._sample_logits_processor:ForceOrBanTokens"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
 
@@ -72,6 +74,7 @@ def test_the_engine_refuses_before_loading_the_model(args: tuple[str, ...], env:
     assert "model_loaded" not in result.stderr
 
 
+@needs_embedded_model  # `serve` resolves the model before its engine refuses
 def test_serve_stops_when_its_engine_refuses(tmp_path: Path) -> None:
     result = _tandem("serve", "--port", "0", "--device", "cpu", "--log-format", "console",
                      "--runner", "v2", "--logits-processors", SAMPLE,
@@ -83,6 +86,7 @@ def test_serve_stops_when_its_engine_refuses(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_generate_runs_a_logits_processor_on_v1() -> None:
     # ForceOrBanTokens only acts on requests with vllm_xargs; `generate` sends none, so the
     # answer is the plain one, on the runner rule 5 chose.
@@ -96,6 +100,7 @@ def test_generate_runs_a_logits_processor_on_v1() -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 @pytest.mark.parametrize(("extra", "runner"), [((), "v2"), (("--logits-processors", SAMPLE), "v1")],
                          ids=["v2", "v1-with-processors"])
 def test_generate_speculates_on_the_runner_the_other_flags_choose(extra: tuple[str, ...],

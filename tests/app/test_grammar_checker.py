@@ -15,7 +15,10 @@ from actors.protocol.messages import GrammarCheckerStart
 from actors.protocol.structured_output import StructuredOutputSpec
 from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
 from app.tokenizer_loader import load_tokenizer
+from tests._embedded_model import needs_embedded_model
 from tests.actors.test_grammar_limits import lark_chain, ref_chain
+
+pytestmark = needs_embedded_model  # every checker here starts on the embedded tokenizer
 
 
 @functools.cache

@@ -6,8 +6,9 @@ import pytest
 
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
+from tests._embedded_model import needs_embedded_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 TOPICS = [
     "the moon", "rivers", "bread", "chess", "volcanoes", "music", "bees", "winter", "trains",

@@ -27,7 +27,7 @@ from app.prompts import encode_prompt
 from app.server_state import _load_warm_tokenizer
 from app.tokenizer import Tokenizer as AppTokenizer
 from gpu.weights.gguf_file import GGUFFile
-from tests._hf_reference import embedded_gguf_path
+from tests._embedded_model import embedded_gguf_path, needs_embedded_model
 
 DENSEST = "\n" + " " * 80
 """The embedded vocabulary's longest token: 81 characters."""
@@ -127,6 +127,7 @@ def test_byte_fallback_covers_every_character() -> None:
     assert not text_cannot_fit(text, tokenizer, len(tokenizer.encode(text)))
 
 
+@needs_embedded_model
 def test_the_served_tokenizer_has_its_bound_before_the_first_request() -> None:
     # Reading the vocabulary is one call that holds the GIL (tens of milliseconds for a
     # large vocabulary): a request's worker thread must not be the one to pay it.

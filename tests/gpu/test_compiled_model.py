@@ -9,8 +9,9 @@ import torch
 
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
+from tests._embedded_model import needs_embedded_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.",
              "Tell me one fact about bees.", "Please count from one to ten."]

@@ -14,10 +14,11 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.attention.base import allocate_kv_cache
+from tests._embedded_model import needs_embedded_model
 from tests._hf_reference import hf_reference_model
 from tests.gpu._paged_kv_batch import PagedKVBook
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -7,7 +7,7 @@ import pytest
 
 from gpu.weights.dequant import GGMLType
 from gpu.weights.gguf_file import GGUFFile, GGUFFormatError
-from tests._hf_reference import embedded_gguf_path
+from tests._embedded_model import embedded_gguf_path
 
 
 def _write_all_value_types(path: str) -> dict[str, object]:

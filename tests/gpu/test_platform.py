@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-import dataclasses
+import logging
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,10 +25,39 @@ def test_cpu_platform_has_no_gpu_only_capabilities() -> None:
     assert platform.device_name
 
 
-def test_platform_is_frozen() -> None:
+def test_without_proc_the_probe_reads_the_kernel_release_and_free_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where /proc cannot be read, WSL is told from uname and available memory from the
+    free page count."""
+
+    def no_proc(path: str, *args: object, **kwargs: object) -> None:
+        raise PermissionError(path)
+
+    monkeypatch.setattr(platform_module, "open", no_proc, raising=False)
+    uname = SimpleNamespace(release="5.15.153.1-microsoft-standard-WSL2", processor="x86_64",
+                            machine="x86_64")
+    monkeypatch.setattr(platform_module.py_platform, "uname", lambda: uname)
+    free_pages, sysconf = 1234, os.sysconf
+    monkeypatch.setattr(platform_module.os, "sysconf",
+                        lambda name: free_pages if name == "SC_AVPHYS_PAGES" else sysconf(name))
     platform = probe_platform("cpu")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        platform.has_triton = True  # type: ignore[misc]
+    assert platform.is_wsl
+    page = sysconf("SC_PAGE_SIZE")
+    assert platform.free_memory_bytes == free_pages * page
+    assert platform.total_memory_bytes == sysconf("SC_PHYS_PAGES") * page
+
+
+def test_pinned_memory_that_fails_to_allocate_is_reported_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    def no_pinned_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no CUDA driver to pin memory with")
+
+    monkeypatch.setattr(platform_module.torch, "empty", no_pinned_memory)
+    with caplog.at_level(logging.WARNING, logger=platform_module.__name__):
+        assert platform_module._probe_pin_memory(is_wsl=False, force=False) is False
+    assert "pinned host memory is not available: no CUDA driver" in caplog.text
 
 
 @no_cuda

@@ -11,6 +11,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
+from tests._embedded_model import needs_embedded_model
 from tests._hf_reference import hf_reference_model
 
 OPTIONS = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "max_model_len": 256}
@@ -31,6 +32,7 @@ def test_rows_cover_each_chunk_up_to_the_last_prompt_token() -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_both_runners_match_transformers_under_chunked_prefill() -> None:
     llm = LLM("default", runner="v2", **OPTIONS)
     v1 = LLM("default", reuse=llm, runner="v1", **OPTIONS)

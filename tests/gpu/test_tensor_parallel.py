@@ -20,6 +20,7 @@ from gpu.distributed.launch import start_workers
 from gpu.models.config import PRESETS, ModelConfig
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.shard_loader import load_weight_shard
+from tests._embedded_model import needs_embedded_model
 from tests.gpu._tp_workers import (
     GreedyRun,
     SamplingCase,
@@ -91,6 +92,7 @@ def test_tp2_dummy_models_match_one_device(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_tp3_embedded_gguf_matches_one_device(tmp_path) -> None:
     # SmolLM2-135M has 9 query and 3 KV heads: TP 3 is the size that divides them.
     prompts = [[1, 9690, 314, 253, 1167], [504, 3458, 282, 4649, 314], [28, 29, 30]]

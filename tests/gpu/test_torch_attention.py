@@ -1,16 +1,23 @@
-"""TorchAttentionBackend (and TritonAttentionBackend, which runs the kernels' references
-on CPU tensors) against dense causal attention over each request's full K/V history,
-across steps that mix prefill chunks, decodes, new requests and padding tokens."""
+"""The attention backends against dense causal attention over each request's full K/V
+history, across steps that mix prefill chunks, decodes, new requests and padding tokens:
+TorchAttentionBackend; TritonAttentionBackend on CPU tensors, where it runs the kernels'
+torch references; the same backend with its Triton kernels in Triton's interpreter; and
+both on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.gpu._paged_kv_batch import PagedKVBook
 from gpu.attention.base import AttentionBackend
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend
+from tests.gpu._paged_kv_batch import PagedKVBook
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    needs_triton,
+    run_in_triton_interpreter,
+)
 
 NUM_BLOCKS = 40
 HEAD_DIM = 16
@@ -91,13 +98,34 @@ def _assert_only_scheduled_slots_written(
     assert torch.equal(after.cpu(), expected)
 
 
-@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])
+@pytest.mark.parametrize("backend_cls", [
+    pytest.param(TorchAttentionBackend, id="torch"),
+    pytest.param(TritonAttentionBackend, id="triton_backend_on_torch_references"),
+])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (9, 3)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_backend_matches_dense_causal_attention(
     backend_cls: type, num_heads: int, num_kv_heads: int, block_size: int
 ) -> None:
     _run_steps(backend_cls(), num_heads, num_kv_heads, block_size)
+
+
+def check_triton_backend_with_interpreted_kernels() -> None:
+    """Runs in a child process with TRITON_INTERPRET=1 (see tests/kernels/_triton_interpreter):
+    the backend's calls go to the Triton launchers, which the dispatchers only pick on CUDA."""
+    from gpu.attention import triton_backend
+    from kernels import kv_write, paged_attention
+
+    assert_interpreted(kv_write._kv_write_kernel, paged_attention._paged_attention_kernel)
+    triton_backend.kv_write = kv_write.kv_write_triton
+    triton_backend.paged_attention = paged_attention.paged_attention_triton
+    for num_heads, num_kv_heads, block_size in ((4, 2, 4), (9, 3, 16)):
+        _run_steps(triton_backend.TritonAttentionBackend(), num_heads, num_kv_heads, block_size)
+
+
+@needs_triton
+def test_triton_backend_with_its_kernels_in_the_interpreter_matches_dense_attention() -> None:
+    run_in_triton_interpreter(__file__, "check_triton_backend_with_interpreted_kernels")
 
 
 def test_padding_rows_of_torch_backend_are_zero() -> None:

@@ -12,6 +12,7 @@ from actors.core.engine_startup import load_engine
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.config import PRESETS
 from gpu.runner_selection import RunnerSelectionError
+from tests._embedded_model import needs_embedded_model
 
 LLAMA_8B = PRESETS["llama-3.1-8b"]
 
@@ -58,9 +59,13 @@ def test_sizes_that_fit(tp_size, device_type, num_devices) -> None:
     validate_tensor_parallel(tp_size, LLAMA_8B, device_type, "auto", num_devices)
 
 
-def test_startup_refuses_tensor_parallelism_that_does_not_fit_before_loading() -> None:
+@needs_embedded_model
+def test_startup_refuses_a_size_that_does_not_divide_the_heads_before_loading() -> None:
     with pytest.raises(TensorParallelError, match="9 attention heads"):
         load_engine(EngineConfig(model="default", device="cpu", tensor_parallel_size=2))
+
+
+def test_startup_refuses_tensor_parallelism_the_runner_cannot_run_before_loading() -> None:
     with pytest.raises(RunnerSelectionError, match="tensor parallelism"):
         load_engine(EngineConfig(model="dummy:qwen3-0.6b", device="cpu", runner="v1",
                                  tensor_parallel_size=2))

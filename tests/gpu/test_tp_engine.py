@@ -29,6 +29,7 @@ from app.llm import LLM
 from gpu.distributed.tp_engine import TPRunnerV2, load_tp_worker
 from gpu.distributed.tp_leader import TPFailedError
 from gpu.platform import probe_platform
+from tests._embedded_model import needs_embedded_model
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
 ENGINE_OPTIONS = dict(device="cpu", max_model_len=128, num_kv_blocks=48, block_size=8,
@@ -98,6 +99,7 @@ def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(tmp_path, archit
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_tp3_engine_on_the_embedded_model_gives_the_greedy_tokens_of_one_device() -> None:
     # SmolLM2-135M has 9 query and 3 KV heads: TP 3 is the size that divides them.
     prompts = ["The capital of France is"]

@@ -36,7 +36,7 @@ from gpu.weights.shard_layout import (
     take_shard,
     weight_shard_slices,
 )
-from tests._hf_reference import embedded_gguf_path
+from tests._embedded_model import embedded_gguf_path
 from tests.gpu._tiny_checkpoints import (
     save_sharded,
     tiny_hf_model,

@@ -14,7 +14,8 @@ from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import expected_weight_shapes
 from app.tokenizer_loader import load_generation_config, load_tokenizer
 from gpu.weights.loader import ModelLoadError, load_model_files, resolve_model_path
-from tests._hf_reference import embedded_gguf_path, hf_reference_dir, hf_reference_model
+from tests._embedded_model import embedded_gguf_path, needs_embedded_model
+from tests._hf_reference import hf_reference_dir, hf_reference_model
 from tests.gpu._tiny_checkpoints import (
     save_sharded,
     tiny_hf_model,
@@ -123,6 +124,7 @@ def test_gguf_export_of_tiny_model_round_trips(tiny_models, tmp_path, arch, tens
 
 
 @pytest.mark.slow
+@needs_embedded_model
 def test_embedded_gguf_equals_transformers_float32():
     start = time.perf_counter()
     files = load_model_files("default", torch.float32)
@@ -213,6 +215,7 @@ def test_dummy_8b_on_gpu_takes_seconds():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_embedded_model
 def test_embedded_gguf_on_gpu_equals_cpu():
     on_cpu = load_model_files("default", torch.float32).weights
     on_gpu = load_model_files("default", torch.float32, "cuda").weights
@@ -304,8 +307,9 @@ def test_directory_of_unsupported_architecture(tmp_path):
 
 
 def test_default_resolves_to_the_embedded_file():
+    expected = embedded_gguf_path()
     path = resolve_model_path("default")
-    assert path == resolve_model_path("") == embedded_gguf_path()
+    assert path == resolve_model_path("") == expected
     assert os.path.isfile(path)
 
 
