@@ -4,6 +4,7 @@ protocol messages cross as between processes (`roundtrip=True` even encodes them
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import anyio
@@ -16,6 +17,9 @@ from actors.frontend.output_stream import RequestStream
 from actors.protocol.transport import InProcessChannel
 
 
+MAX_RECENT_STEP_STATS = 100_000
+
+
 class InProcessEngine:
     def __init__(self, worker: Any, runner_choice: Any, config: EngineConfig | None = None, *,
                  tokenizer: Any = None, roundtrip: bool = False, warm_up: bool = False,
@@ -25,8 +29,12 @@ class InProcessEngine:
         self._channel = InProcessChannel(roundtrip=roundtrip)
         self.core = EngineCore(worker, runner_choice, self._channel.core, config,
                                max_consecutive_failed_steps=max_consecutive_failed_steps)
+        self.step_stats: collections.deque[StepStats] = collections.deque(
+            maxlen=MAX_RECENT_STEP_STATS)
+        """The latest steps' stats, as the front end hears them (offline runs report them)."""
+        observers = (*client_callbacks.pop("step_observers", ()), self.step_stats.append)
         self.client = EngineClient(self._channel.clients[0], tokenizer, on_ready=self._on_ready,
-                                   **client_callbacks)
+                                   step_observers=observers, **client_callbacks)
         self._warm_up = warm_up
         self._ready: anyio.Event | None = None
 
@@ -65,7 +73,7 @@ class InProcessEngine:
         self.core.stop()
 
     def recent_step_stats(self) -> tuple[StepStats, ...]:
-        return tuple(self.core.gpu_actor.recent_step_stats)
+        return tuple(self.step_stats)
 
     @property
     def num_preemptions_total(self) -> int:

@@ -98,9 +98,16 @@ class EngineConnection:
         self._stopping = False
 
     @property
+    def inprocess_engine(self) -> Any:
+        """The actors.inprocess_engine.InProcessEngine when the core shares this event loop
+        (tests reach into it to inject faults and read its steps); None when the core is
+        another process."""
+        return self._inprocess
+
+    @property
     def inprocess_core(self) -> Any:
-        """The actors.core.engine_core.EngineCore when it shares this event loop (tests reach
-        into it to inject faults); None when the core is another process."""
+        """The in-process engine's actors.core.engine_core.EngineCore (None when the core is
+        another process)."""
         return self._inprocess.core if self._inprocess is not None else None
 
     @property

@@ -18,6 +18,7 @@ from app.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from app.version import package_version
 
 _REQUEST_MODELS = {"ChatCompletionRequest": ChatCompletionRequest,
                    "CompletionRequest": CompletionRequest, "TokenizeRequest": TokenizeRequest,
@@ -93,8 +94,6 @@ def openapi_document(api_key_required: bool) -> bytes:
 
 @functools.cache
 def _document(api_key_required: bool) -> bytes:
-    from app.routes_admin import package_version
-
     schemas: dict[str, Any] = dict(RESPONSE_SCHEMAS)
     for name, model in _REQUEST_MODELS.items():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

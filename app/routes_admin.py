@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import os
-import tomllib
 from typing import Any
 
 import orjson
@@ -27,6 +24,7 @@ from app.http_input import (
 )
 from app.large_body import release_gradually
 from app.openapi import openapi_document
+from app.version import package_version
 from app.prompts import encode_checked, require_tokenizer, template_kwargs
 from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
@@ -90,18 +88,6 @@ async def metrics(request: Request) -> Response:
 
 
 @functools.cache
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("tandem")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml")
-        try:
-            with open(pyproject, "rb") as f:
-                return str(tomllib.load(f)["project"]["version"])
-        except (OSError, KeyError, tomllib.TOMLDecodeError):
-            return "unknown"
-
-
 async def _tokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
     return _json(await prepare_request(request, state, functools.partial(_tokenize_body, state)))

@@ -14,9 +14,16 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from actors.frontend.admission import AbortAll, AdmissionActor, AdmissionLimits, BeginDrain, FailAll
+from actors.frontend.admission import AdmissionActor, AdmissionLimits
 from actors.frontend.engine_client import EngineUnavailable
-from actors.protocol.messages import EngineReady, GrammarCheckerStart, SchedulerStats
+from actors.protocol.messages import (
+    AbortAll,
+    BeginDrain,
+    EngineReady,
+    FailAll,
+    GrammarCheckerStart,
+    SchedulerStats,
+)
 from actors.protocol.model_source import ModelLoadError
 from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock

@@ -1,9 +1,9 @@
-"""The engine core: the scheduler, KV cache manager and GPU actors behind one protocol
-endpoint. No HTTP, no tokenizer: token ids in, token ids out.
+"""The engine core: the engine loop with its scheduler (and KV cache manager) and the GPU
+actor, behind one protocol endpoint. No HTTP, no tokenizer: token ids in, token ids out.
 
-    endpoint --EngineRequest/AbortRequests--> scheduler actor <-> KV cache actor
-    scheduler actor --SchedulerOutput--> GPU actor (own threads) --StepOutput--> scheduler actor
-    scheduler actor --EngineCoreOutputs (one per step per front end)--> endpoint
+    endpoint --EngineRequest/AbortRequests/GrammarVocab--> engine loop (actors/core/engine_loop.py)
+      engine loop: schedule -> launch (GPU actor, own threads) -> collect -> update -> publish
+    engine loop --EngineCoreOutputs (one per step per front end)--> endpoint
 
 It runs in its own process under `tandem serve` (actors/core/engine_core_proc.py) and on the
 caller's event loop for the offline `LLM` and the tests (an in-process endpoint).
@@ -15,39 +15,43 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import structlog
 
-from actors.protocol.mailbox import ActorStopped
-from actors.protocol.config import EngineConfig
 from actors.core.core_outputs import CoreOutputs
-from actors.core.gpu_actor import GPUActorV1, GPUActorV2
+from actors.core.engine_loop import EngineLoop
+from actors.core.gpu_actor import GPUActor
 from actors.core.grammar_state import GrammarState
-from actors.core.kv_cache_manager import KVCacheActor, KVCacheManager
-from actors.core.kv_client import KVActorClient
-from actors.core.kv_messages import CheckInvariants, KVStats
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
+from actors.core.step_health import DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS, StepFailureMonitor
+from actors.core.warmup import WARMUP_CLIENT, warmup_requests
+from actors.protocol.config import EngineConfig
+from actors.protocol.mailbox import ActorStopped
 from actors.protocol.messages import (
+    AbortClient,
     AbortRequests,
+    CheckKVInvariants,
     ClientHello,
+    Drain,
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
     EngineRequest,
+    GetSchedulerStats,
     GrammarVocab,
+    SchedulerStats,
     Shutdown,
     ToFrontEnd,
     UtilityCall,
     UtilityResult,
 )
-from actors.core.scheduler import Scheduler
-from actors.core.scheduler_actor import AbortClient, Drain, GetStats, SchedulerActor
-from actors.core.scheduler_config import SchedulerConfig
-from actors.core.step_health import DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS, StepFailureMonitor
 from actors.protocol.transport import CoreEndpoint, TransportClosed
-from actors.core.warmup import WARMUP_CLIENT, warmup_requests
 from gpu.distributed.tp_engine import TPRunnerV2
+from gpu.runner import Runner
+from gpu.runner_selection import RunnerChoice
 from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.sampling.grammar_mask import mask_buffer_allocator
@@ -56,70 +60,58 @@ from telemetry.logging import log_startup
 
 log = structlog.get_logger("tandem.engine_core")
 
-MAX_STEPS_IN_FLIGHT = {"v2": 2, "v1": 1}
 _WARMUP_TIMEOUT_S = 600.0
 
 
 class EngineCore:
-    def __init__(self, worker: ModelWorker, runner: Any, endpoint: CoreEndpoint,
+    def __init__(self, worker: ModelWorker, runner: RunnerChoice, endpoint: CoreEndpoint,
                  config: EngineConfig | None = None, *,
                  max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
                  started_at: float | None = None, known_clients: set[int] | None = None) -> None:
-        """`runner`: the gpu.runner_selection.RunnerChoice. `config` may narrow the
-        worker's (scheduling limits, a smaller KV pool); the model, device and block size
-        are the worker's. After `max_consecutive_failed_steps` failed steps in a row the
-        core is dead: every front end hears EngineDead. `known_clients`: front ends that
-        said hello before the core was built (while the model loaded)."""
+        """`runner`: the runner the startup rules chose. `config` may narrow the worker's
+        (scheduling limits, a smaller KV pool); the model, device and block size are the
+        worker's. After `max_consecutive_failed_steps` failed steps in a row the core is
+        dead: every front end hears EngineDead. `known_clients`: front ends that said hello
+        before the core was built (while the model loaded)."""
         config = config or worker.config
         self.worker, self.config, self.runner_choice = worker, config, runner
         self.endpoint = endpoint
         self._started_at = time.perf_counter() if started_at is None else started_at
         self.num_kv_blocks = min(config.num_kv_blocks or worker.kv_spec.num_blocks,
                                  worker.kv_spec.num_blocks)
-        self.kv_actor = KVCacheActor(KVCacheManager(
-            num_blocks=self.num_kv_blocks, block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching))
-        max_in_flight = MAX_STEPS_IN_FLIGHT[runner.runner]
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=worker.max_model_len, block_size=config.block_size,
-            max_steps_in_flight=max_in_flight,
-            num_speculative_tokens=(0 if config.speculative_config is None
-                                    else config.speculative_config.num_speculative_tokens)),
-            KVActorClient(self.kv_actor), GrammarState(
-                worker.model_config.vocab_size, max_in_flight,
-                allocate_buffer=mask_buffer_allocator(worker.device)))
-        tp_leader = getattr(worker, "tp_leader", None)
-        v2_runner_cls = ModelRunnerV2 if tp_leader is None else TPRunnerV2
-        runner_cls, gpu_actor_cls = ((v2_runner_cls, GPUActorV2) if runner.runner == "v2"
-                                     else (ModelRunnerV1, GPUActorV1))
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
-        if tp_leader is not None:  # a failed rank kills the engine at once, even when idle
-            loop = asyncio.get_running_loop()
-            tp_leader.on_failure(lambda reason: loop.call_soon_threadsafe(
-                self.step_health.declare_dead, reason))
-        runner_impl = runner_cls(worker, config)
-        self.scheduler_actor = SchedulerActor(
-            self.scheduler, submit_step=self._submit_step, outputs=CoreOutputs(self._send),
-            max_steps_in_flight=max_in_flight, kv_usage=self._kv_usage,
-            num_free_rows=self._num_free_rows,
-            provide_grammar_mask=runner_impl.deferred_masks.provide)
-        self.gpu_actor = gpu_actor_cls(runner_impl,
-                                       on_step_output=self.step_health.wrap(self.scheduler_actor.tell))
+        self.gpu_actor = GPUActor(self._make_runner(worker, runner, config))
+        self.scheduler = _make_scheduler(worker, config, self.num_kv_blocks,
+                                         self.gpu_actor.max_steps_in_flight)
+        self.engine_loop = EngineLoop(self.scheduler, self.gpu_actor, CoreOutputs(self._send),
+                                      self.step_health)
         self.ready: EngineReady | None = None
         self._clients: set[int] = set(known_clients or ())
         self._internal_finished: dict[str, anyio.Event] = {}
         self._stop = anyio.Event()
 
+    def _make_runner(self, worker: ModelWorker, choice: RunnerChoice,
+                     config: EngineConfig) -> Runner:
+        if choice.runner == "v1":
+            return ModelRunnerV1(worker, config)
+        tp_leader = getattr(worker, "tp_leader", None)
+        if tp_leader is None:
+            return ModelRunnerV2(worker, config)
+        loop = asyncio.get_running_loop()  # a failed rank kills the engine at once, even idle
+        tp_leader.on_failure(lambda reason: loop.call_soon_threadsafe(
+            self.step_health.declare_dead, reason))
+        return TPRunnerV2(worker, config)
+
     # ---- the loop ---------------------------------------------------------------------
 
     async def run(self, *, warm_up: bool = False,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run every actor, warm up, answer the endpoint until Shutdown (or until the
-        endpoint closes), then abort what is left and stop in order."""
+        """Run the GPU actor and the engine loop, warm up, answer the endpoint until
+        Shutdown (or until the endpoint closes), then abort what is left and stop in
+        order."""
         async with anyio.create_task_group() as tg:
-            done = [_start(tg, actor.run) for actor in
-                    (self.kv_actor, self.gpu_actor, self.scheduler_actor)]
+            gpu_done = _start(tg, self.gpu_actor.run)
+            loop_done = _start(tg, self.engine_loop.run)
             if warm_up:
                 await self._warm_up()
             self._announce_ready()
@@ -127,12 +119,12 @@ class EngineCore:
             tg.start_soon(self._serve_endpoint, tg)
             await self._stop.wait()
             drained = anyio.Event()
-            self.scheduler_actor.tell(Drain(drained))
+            self.engine_loop.tell(Drain(drained))
             await drained.wait()
-            for actor, actor_done in zip((self.scheduler_actor, self.gpu_actor, self.kv_actor),
-                                         reversed(done)):
-                actor.close()
-                await actor_done.wait()
+            self.engine_loop.close()
+            await loop_done.wait()
+            self.gpu_actor.close()
+            await gpu_done.wait()
             tg.cancel_scope.cancel()
 
     def stop(self) -> None:
@@ -151,10 +143,10 @@ class EngineCore:
                 self.stop()
                 return
             if isinstance(message, (EngineRequest, AbortRequests, GrammarVocab)):
-                self.scheduler_actor.tell(message)
+                self.engine_loop.tell(message)
             elif isinstance(message, UtilityCall):
                 tg.start_soon(self._answer, message)
-            elif isinstance(message, ClientHello):
+            elif isinstance(message, ClientHello) and message.client_index is not None:
                 self._hello(message.client_index)
             elif isinstance(message, Shutdown):
                 self.stop()
@@ -162,7 +154,7 @@ class EngineCore:
 
     def _hello(self, client_index: int) -> None:
         if client_index in self._clients:  # the front end restarted
-            self.scheduler_actor.tell(AbortClient(client_index))
+            self.engine_loop.tell(AbortClient(client_index))
         self._clients.add(client_index)
         if self.ready is not None:
             self.endpoint.send(client_index, self.ready)
@@ -189,9 +181,11 @@ class EngineCore:
         result = UtilityResult(call.call_id)
         try:
             if call.method == "stats":
-                result = UtilityResult(call.call_id, stats=await self.scheduler_actor.ask(GetStats()))
+                stats = await self.engine_loop.ask(GetSchedulerStats())
+                assert isinstance(stats, SchedulerStats)
+                result = UtilityResult(call.call_id, stats=stats)
             elif call.method == "check_kv_invariants":
-                await self.kv_actor.ask(CheckInvariants())
+                await self.engine_loop.ask(CheckKVInvariants())
             else:
                 result = UtilityResult(call.call_id, error=f"unknown method {call.method!r}")
         except (AssertionError, ActorStopped) as exc:
@@ -199,9 +193,6 @@ class EngineCore:
         self.endpoint.send(call.client_index, result)
 
     # ---- wiring ------------------------------------------------------------------------
-
-    def _submit_step(self, sched: Any) -> None:
-        self.gpu_actor.submit(sched)
 
     def _send(self, client_index: int, message: ToFrontEnd) -> None:
         if client_index == WARMUP_CLIENT:
@@ -212,13 +203,6 @@ class EngineCore:
     def _on_dead(self, reason: str) -> None:
         for client in self._clients:
             self.endpoint.send(client, EngineDead(reason))
-
-    async def _kv_usage(self) -> Any:
-        return await self.kv_actor.ask(KVStats())
-
-    def _num_free_rows(self) -> int | None:
-        states = getattr(self.gpu_actor.runner, "states", None)
-        return getattr(states, "num_free_rows", None)
 
     # ---- warm-up -----------------------------------------------------------------------
 
@@ -231,7 +215,7 @@ class EngineCore:
                 events = [self._internal_finished.setdefault(r.request_id, anyio.Event())
                           for r in wave]
                 for request in wave:
-                    self.scheduler_actor.tell(request)
+                    self.engine_loop.tell(request)
                 for event in events:
                     await event.wait()
         log.info("engine_warmed_up", num_waves=len(waves),
@@ -256,3 +240,18 @@ def _start(tg: anyio.abc.TaskGroup, run: Callable[[], Awaitable[None]]) -> anyio
 
     tg.start_soon(_run)
     return done
+
+
+def _make_scheduler(worker: ModelWorker, config: EngineConfig, num_kv_blocks: int,
+                    max_steps_in_flight: int) -> Scheduler:
+    kv = KVCacheManager(num_blocks=num_kv_blocks, block_size=config.block_size,
+                        enable_prefix_caching=config.enable_prefix_caching)
+    spec = config.speculative_config
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=worker.max_model_len, block_size=config.block_size,
+        max_steps_in_flight=max_steps_in_flight,
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+    grammars = GrammarState(worker.model_config.vocab_size, max_steps_in_flight,
+                            allocate_buffer=mask_buffer_allocator(worker.device))
+    return Scheduler(scheduler_config, kv, grammars)

@@ -96,7 +96,6 @@ def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
 
 def load_errors() -> tuple[type[BaseException], ...]:
     """Errors of a start that the configuration caused (files, flags), not a bug."""
-    from actors.protocol.config import ConfigError
     from actors.protocol.logits_processors import LogitsProcessorLoadError
     from actors.protocol.model_source import ModelLoadError
     from actors.protocol.sampling_params import SamplingParamsError

@@ -1,22 +1,21 @@
-"""GPU actors: the runner's loop in dedicated threads, off the event loop.
+"""The GPU actor: the runner the startup rules chose (V2 or V1, gpu.runner.Runner), on two
+threads of its own, so that the engine loop never waits for the device.
 
-Two actors, one per runner, swapped at startup rather than branched inside one loop:
+    done = gpu.launch(sched)     # on the event loop: returns at once, an asyncio future
+    out = done.result()          # once done: the step's StepOutput
 
-- `GPUActorV2` overlaps: a launcher thread enqueues step N+1 while a completion thread
-  waits for step N's event and posts its result, so the device never waits for Python.
-- `GPUActorV1` is the fallback: one thread that runs a step, waits for its tokens, posts.
-
-Results go back to the event loop with `call_soon_threadsafe`, never blocking the threads.
+The launcher thread calls `runner.execute` for each step in submission order: the V2
+runner returns while the device runs the step, so step N+1 is launched while step N runs;
+the V1 runner finishes the step there. The completion thread waits for each step's outputs
+on the host, in order, and resolves its future on the event loop. A step that raises fails
+its own requests (a failed StepOutput), never the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import anyio
 import msgspec
@@ -24,71 +23,92 @@ import numpy as np
 import structlog
 
 from actors.protocol.messages import SchedulerOutput, StepOutput, StepStats
+from gpu.runner import LaunchedStep, ReadyStep, Runner
 from telemetry.logging import bind_actor
 
 log = structlog.get_logger("tandem.gpu_actor")
-_STOP = object()
-MAX_RECENT_STEP_STATS = 100_000
-"""Steps whose stats `recent_step_stats` keeps (benchmarks read them after a run)."""
+Done = asyncio.Future[StepOutput]
 
 
-class _GPUActorBase:
-    name = "gpu"
-
-    def __init__(self, runner: Any, on_step_output: Callable[[StepOutput], None]) -> None:
+class GPUActor:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
-        self._on_step_output = on_step_output
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.name = f"gpu_{runner.name}"
+        self._to_launch: queue.SimpleQueue[tuple[SchedulerOutput, Done] | None] = (
+            queue.SimpleQueue())
+        """Steps to launch, in order; None stops the threads."""
+        self._launched: queue.SimpleQueue[tuple[LaunchedStep, Done] | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.recent_step_stats: collections.deque[StepStats] = collections.deque(
-            maxlen=MAX_RECENT_STEP_STATS)
         self._rows_to_free: frozenset[str] = frozenset()
         """Finished requests a failed step may not have freed (launcher thread only)."""
-        self._thread_ended = threading.Event()
+        self._threads_ended = threading.Event()
 
-    def submit(self, sched: SchedulerOutput) -> None:
-        self._inbox.put(sched)
+    @property
+    def max_steps_in_flight(self) -> int:
+        return self.runner.max_steps_in_flight
+
+    def launch(self, sched: SchedulerOutput) -> asyncio.Future[StepOutput]:
+        """Queue the step for the device; its outputs resolve the returned future."""
+        assert self._loop is not None, "launch before run"
+        done: Done = self._loop.create_future()
+        self._to_launch.put((sched, done))
+        return done
 
     def close(self) -> None:
-        self._inbox.put(_STOP)
-        deferred = getattr(self.runner, "deferred_masks", None)
-        if deferred is not None:  # a step waiting for its grammar mask fails, not hangs
-            deferred.close()
+        """Stop after the steps already launched (a step waiting for its grammar mask
+        fails instead of waiting)."""
+        self._to_launch.put(None)
+        self.runner.deferred_masks.close()
 
     async def run(self) -> None:
+        """Run the threads until `close()`; then give the runner's state back."""
         self._loop = asyncio.get_running_loop()
         bind_actor(self.name)  # anyio copies this task's context into the worker thread
         try:
-            await anyio.to_thread.run_sync(self._thread_body, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self._run_threads, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
-            # Cancelled (another actor of the engine died): stop the thread, which would
-            # otherwise wait for steps forever and keep the engine from ending, and let it
-            # finish the step it may be running before the runner is closed.
+            # Cancelled (another part of the engine died): stop the threads, which would
+            # otherwise wait for steps forever, and let a running step end before the
+            # runner is closed.
             self.close()
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._thread_ended.wait)
+                await anyio.to_thread.run_sync(self._threads_ended.wait)
             raise
         finally:
-            close = getattr(self.runner, "close", None)  # the V2 runner hands its state back
-            if close is not None:
-                close()
+            self.runner.close()
 
-    def _thread_body(self) -> None:
+    def _run_threads(self) -> None:
+        completer = threading.Thread(target=self._complete_loop, name="tandem-gpu-complete",
+                                     daemon=True)
+        completer.start()
         try:
-            self._thread_main()
+            self._launch_loop()
         finally:
-            self._thread_ended.set()
+            self._launched.put(None)
+            completer.join()
+            self._threads_ended.set()
 
-    def _post(self, out: StepOutput) -> None:
-        assert self._loop is not None
-        self.recent_step_stats.append(out.stats)
-        self._loop.call_soon_threadsafe(self._on_step_output, out)
+    def _launch_loop(self) -> None:
+        while (job := self._to_launch.get()) is not None:
+            sched, done = job
+            self._launched.put((self._execute(sched), done))
 
-    def _execute(self, sched: SchedulerOutput) -> Any:
-        """`runner.execute`, or a failed StepOutput when it raises. A step can fail before
-        the runner freed the rows it was told to free, and nothing would name those
-        finished requests again: they are freed with the next step (freeing is
-        idempotent). The step's own requests are named again once they fail."""
+    def _complete_loop(self) -> None:
+        bind_actor(self.name)  # a plain thread starts with an empty context
+        while (launched := self._launched.get()) is not None:
+            step, done = launched
+            try:
+                out = step.result()
+            except Exception as exc:  # noqa: BLE001 - the step fails, the engine goes on
+                out = failed_step(step.step_id, step.request_ids, exc)
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_resolve, done, out)
+
+    def _execute(self, sched: SchedulerOutput) -> LaunchedStep:
+        """`runner.execute`, or a failed step when it raises. A step can fail before the
+        runner freed the rows it was told to free, and nothing would name those finished
+        requests again: they are freed with the next step (freeing is idempotent). The
+        step's own requests are named again once they fail."""
         if self._rows_to_free:
             sched = msgspec.structs.replace(
                 sched, finished_request_ids=sched.finished_request_ids | self._rows_to_free)
@@ -98,10 +118,13 @@ class _GPUActorBase:
         except Exception as exc:  # noqa: BLE001 - a failed step must not kill the engine
             re_added = {new.request_id for new in sched.new_requests}
             self._rows_to_free = sched.finished_request_ids - re_added
-            return failed_step(sched.step_id, sched.scheduled_request_ids, exc)
+            return ReadyStep(failed_step(sched.step_id, sched.scheduled_request_ids, exc),
+                             sched.scheduled_request_ids)
 
-    def _thread_main(self) -> None:
-        raise NotImplementedError
+
+def _resolve(done: Done, out: StepOutput) -> None:
+    if not done.done():  # a future cancelled at shutdown is left as it is
+        done.set_result(out)
 
 
 def failed_step(step_id: int, request_ids: tuple[str, ...], exc: BaseException) -> StepOutput:
@@ -115,44 +138,3 @@ def failed_step(step_id: int, request_ids: tuple[str, ...], exc: BaseException) 
                                       num_prefill_tokens=0),
                       error=f"the engine failed to run step {step_id} ({type(exc).__name__}); "
                             "the server log has the details", failed_request_ids=request_ids)
-
-
-class GPUActorV2(_GPUActorBase):
-    name = "gpu_v2"
-
-    def __init__(self, runner: Any, on_step_output: Callable[[StepOutput], None]) -> None:
-        super().__init__(runner, on_step_output)
-        self._launched: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-    def _thread_main(self) -> None:
-        completer = threading.Thread(target=self._complete_loop, name="tandem-gpu-complete",
-                                     daemon=True)
-        completer.start()
-        try:
-            self._launch_loop()
-        finally:
-            self._launched.put(_STOP)
-            completer.join()
-
-    def _launch_loop(self) -> None:
-        while (sched := self._inbox.get()) is not _STOP:
-            self._launched.put(self._execute(sched))
-
-    def _complete_loop(self) -> None:
-        bind_actor(self.name)  # a plain thread starts with an empty context
-        while (pending := self._launched.get()) is not _STOP:
-            if isinstance(pending, StepOutput):
-                self._post(pending)
-                continue
-            try:
-                self._post(pending.result())
-            except Exception as exc:  # noqa: BLE001
-                self._post(failed_step(pending.step_id, pending.request_ids, exc))
-
-
-class GPUActorV1(_GPUActorBase):
-    name = "gpu_v1"
-
-    def _thread_main(self) -> None:
-        while (sched := self._inbox.get()) is not _STOP:
-            self._post(self._execute(sched))

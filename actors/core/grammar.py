@@ -8,7 +8,7 @@ the packed token bitmask the sampler applies (kernels/token_bitmask.py).
     fill_bitmasks([(matcher, row)], bitmask)            # before sampling the row
     matcher.accept_token(sampled_token_id)              # after
 
-Why llguidance and not xgrammar (benchmarks/results/grammar_cpu.json, 2 CPU cores): a new
+Why llguidance and not xgrammar (benchmarks/NOTES.md, "Grammar library", 2 CPU cores): a new
 grammar costs 1-3 ms to its first mask with a 150k vocabulary against 31-46 ms for
 xgrammar's ahead-of-time compile, and agent traffic brings a new schema with nearly every
 tool list; xgrammar fills a mask faster per token (4-8 us vs 10-14 us at p50 for JSON),
@@ -51,7 +51,7 @@ _PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 grammar (a refused 3,000-way choice would otherwise come back with all 3,000 choices)."""
 MASK_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 """Threads filling a batch's masks. On the H200 host (16 CPUs, 256 JSON rows of a 150k
-vocabulary, benchmarks/results/grammar/h200/summary.json): in-process, 2 threads filled a
+vocabulary; benchmarks/NOTES.md, "Structured outputs on the H200"): in-process, 2 threads filled a
 little faster than 4 (2.0-2.2 against 2.5-2.7 ms) at the same throughput, and 8 or 16
 slower (they contend with the core thread, the launcher and the thread waiting on the
 device); served, 4 threads gave 0.77 of unconstrained throughput and 2 gave 0.69 (one
@@ -71,12 +71,13 @@ def grammar_definition(spec: StructuredOutputSpec) -> str:
     one of actors.core.grammar_limits' budgets."""
     try:
         if spec.kind == "json":
-            schema = json.loads(spec.text)
+            schema: Any = json.loads(spec.text)
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError("a JSON schema must be an object or a boolean")
             check_json_schema(schema)
-            options = dict(_JSON_LAYOUT) if spec.strict else {**_JSON_LAYOUT, "lenient": True}
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+            options: Any = dict(_JSON_LAYOUT) if spec.strict else {**_JSON_LAYOUT, "lenient": True}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema if isinstance(schema, dict) else spec.text, overrides=options)
         if spec.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(_choice_lark(json.loads(spec.text)))
         if spec.kind == "grammar":

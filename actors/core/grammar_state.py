@@ -230,7 +230,6 @@ class MaskFiller:
     at once; the fill itself runs without it."""
 
     START_WAIT_S = 0.002
-    wait_for_start = True  # a benchmark arm turns it off to measure the handoff
 
     def __init__(self, provide: Callable[[int, GrammarBitmask | BaseException], None]) -> None:
         self._provide = provide
@@ -244,8 +243,7 @@ class MaskFiller:
                                             daemon=True)
             self._thread.start()
         self._jobs.put((step_id, pending))
-        if self.wait_for_start:
-            self._taken.acquire(timeout=self.START_WAIT_S)
+        self._taken.acquire(timeout=self.START_WAIT_S)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -1,7 +1,8 @@
 """Paged KV cache bookkeeping: per-request block tables over a shared BlockPool.
 
-`KVCacheManager` is the synchronous core; `KVCacheActor` owns one and serves the messages
-of `actors.core.kv_messages`, so nothing else touches its state.
+The scheduler owns its KVCacheManager and calls it directly, once per step
+(actors/core/kv_allocation.py), as vLLM's scheduler owns its KV cache manager: both live on
+the engine loop, so a message between them would buy nothing.
 
 Prefix caching: the full blocks of the tokens known when a request is admitted (its
 prompt, or prompt + outputs when it resumes after preemption) are hashed once, at
@@ -18,15 +19,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from actors.protocol.mailbox import Actor
 from actors.core.block_pool import BlockPool
-from actors.core.kv_messages import (
+from actors.core.kv_allocation import (
     AllocateStep,
-    CheckInvariants,
-    FreeRequests,
-    KVStats,
     KVUsage,
     RunningAllocs,
     StepAllocation,
@@ -241,28 +237,3 @@ class KVCacheManager:
             request_id = request_ids[running.num_tokens.index(min(running.num_tokens))]
             raise ValueError(f"running request {request_id!r}: num_tokens must be >= 0")
         return running_ids
-
-
-class KVCacheActor(Actor):
-    """Owns one KVCacheManager; the only way to reach it from other actors."""
-
-    name = "kv_cache"
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        super().__init__()
-        self._manager = manager
-
-    async def handle(self, message: Any) -> Any:
-        manager = self._manager
-        if isinstance(message, AllocateStep):
-            return manager.allocate_step(message)
-        if isinstance(message, FreeRequests):
-            manager.free(message.request_ids)
-            return None
-        if isinstance(message, KVStats):
-            return manager.stats()
-        if isinstance(message, CheckInvariants):
-            manager.check_invariants()
-            return None
-        raise TypeError(f"{self.name} cannot handle {type(message).__name__}")
-

@@ -13,8 +13,8 @@ When a running request cannot get KV blocks, the lowest-priority, most recently 
 running request is preempted: its blocks and runner row are freed, and it waits at the
 front of the queue to be recomputed from prompt + outputs.
 
-The Scheduler is not re-entrant: its owner (the scheduler actor) must not call anything
-else while `schedule()` is awaiting the KV cache actor.
+The scheduler owns the KV cache manager and calls it directly (once per step); both live
+on the engine loop (actors/core/engine_loop.py), the only caller.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from concurrent.futures import Future
 
 from actors.core.grammar import GrammarError, GrammarMatcher
 from actors.core.grammar_state import GrammarState
-from actors.core.kv_client import KVClient
-from actors.core.kv_messages import (
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_allocation import (
     AllocateStep,
     KVUsage,
     WaitingAlloc,
@@ -57,11 +57,12 @@ from actors.core.step_batch import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVClient,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  grammars: GrammarState | None = None) -> None:
-        """`grammars`: structured outputs (None refuses requests that ask for one)."""
+        """`kv`: the KV cache this scheduler alone allocates from; `grammars`: structured
+        outputs (None refuses requests that ask for one)."""
         self.config = config
-        self._kv = kv
+        self.kv = kv
         self.grammars = grammars
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._blocking_speculation: dict[str, Request] = {}
@@ -160,13 +161,13 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------
 
-    async def free_finished_blocks(self) -> None:
+    def free_finished_blocks(self) -> None:
         """Release the KV blocks of requests that finished since the last step now (the
         next step would otherwise do it)."""
         if self._blocks_to_free:
-            await self._kv.free(self._take_blocks_to_free())
+            self.kv.free(self._take_blocks_to_free())
 
-    async def schedule(self) -> SchedulerOutput | None:
+    def schedule(self) -> SchedulerOutput | None:
         """Build the next step; None when there is nothing to run or no room in flight."""
         if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
@@ -174,9 +175,9 @@ class Scheduler:
         running, token_budget = self._plan_running()
         waiting_entries, waiting_requests = self._plan_waiting(token_budget)
         if not running and not waiting_entries:
-            await self.free_finished_blocks()
+            self.free_finished_blocks()
             return None
-        batch, grants = await self._allocate(running, waiting_entries, token_budget)
+        batch, grants = self._allocate(running, waiting_entries, token_budget)
         if not batch and not grants:
             return None
         return self._commit(batch, grants, waiting_requests, started)
@@ -288,7 +289,7 @@ class Scheduler:
                 break
         return entries, requests
 
-    async def _allocate(self, running: StepBatch, waiting: list[WaitingAlloc],
+    def _allocate(self, running: StepBatch, waiting: list[WaitingAlloc],
                         token_budget: int) -> tuple[StepBatch, tuple[WaitingGrant, ...]]:
         """Ask for blocks, preempting until every remaining running row gets its blocks;
         returns those rows (with their new blocks) and the admitted waiting requests' grants.
@@ -299,7 +300,7 @@ class Scheduler:
         pending = running
         waiting_entries = tuple(waiting)
         while True:
-            allocation = await self._kv.allocate_step(AllocateStep(
+            allocation = self.kv.allocate_step(AllocateStep(
                 self._take_blocks_to_free(), pending.running_allocs(), waiting_entries,
                 token_budget))
             self.kv_usage = allocation.usage or self.kv_usage

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from actors.core.grammar_state import GrammarState, PendingMask
-from actors.core.kv_messages import RunningAllocs
+from actors.core.kv_allocation import RunningAllocs
 from actors.protocol.messages import RequestFinish, StepOutput
 from actors.core.request import Request, RequestStatus
 from actors.core.spec_scheduling import correct_after_step, start_speculating

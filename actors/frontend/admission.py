@@ -18,13 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, assert_never
 
 import anyio
 
 from actors.frontend.admitted_group import AdmittedGroup
 from actors.protocol.mailbox import Actor, ActorStopped
-from actors.protocol.messages import EngineRequest
+from actors.protocol.messages import (
+    AbortAll,
+    Admit,
+    BeginDrain,
+    EngineDone,
+    EngineRequest,
+    FailAll,
+    Finished,
+    GetAdmissionStats,
+    Started,
+    ToAdmission,
+    WaitIdle,
+)
 from actors.frontend.output_stream import RequestStream
 from actors.protocol.sampling_params import SamplingParams
 
@@ -94,65 +106,6 @@ class AdmissionStats:
     draining: bool
 
 
-# ---- messages ----------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Admit:
-    requests: tuple[EngineRequest, ...]
-    """Every engine request of one API request (prompts x samples)."""
-    sampling_params: SamplingParams
-    """The API request's parameters, with its `n`."""
-
-
-@dataclass(frozen=True, slots=True)
-class Started:
-    """The first output token of these requests arrived."""
-
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineDone:
-    """The engine finished these requests (their readers may not have seen it yet)."""
-
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    request_ids: tuple[str, ...]
-    abort: bool = False
-    """The reader gave up: abort those the engine still runs."""
-
-
-@dataclass(frozen=True, slots=True)
-class BeginDrain:
-    """Refuse new requests with 503 from now on."""
-
-
-@dataclass(frozen=True, slots=True)
-class AbortAll:
-    """Abort every admitted request; each stream ends with finish_reason 'abort'."""
-
-
-@dataclass(frozen=True, slots=True)
-class FailAll:
-    """The engine died: end every admitted stream with an error, refuse new requests."""
-
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class WaitIdle:
-    idle: anyio.Event
-    """Set once no admitted request is left."""
-
-
-@dataclass(frozen=True, slots=True)
-class GetStats:
-    pass
-
-
 @dataclass(slots=True)
 class _Entry:
     stream: RequestStream
@@ -173,7 +126,7 @@ class _State:
     idle_waiters: list[anyio.Event] = field(default_factory=list)
 
 
-class AdmissionActor(Actor):
+class AdmissionActor(Actor[ToAdmission]):
     name = "admission"
 
     def __init__(self, engine: EngineLike, limits: AdmissionLimits) -> None:
@@ -187,15 +140,17 @@ class AdmissionActor(Actor):
     async def admit(self, requests: Sequence[EngineRequest], params: SamplingParams
                     ) -> AdmittedGroup:
         """Admit all `requests` or raise RequestLimitError / AdmissionRefused."""
-        streams: list[RequestStream] = await self.ask(Admit(tuple(requests), params))
-        return AdmittedGroup(self, streams)
+        streams = await self.ask(Admit(tuple(requests), params))
+        assert isinstance(streams, list)
+        return AdmittedGroup(self.release, streams)
 
     def release(self, request_ids: tuple[str, ...], abort: bool = False) -> None:
         """Their readers are done (`abort`: gave up early; abort what still runs)."""
         self.tell(Finished(request_ids, abort))
 
     async def stats(self) -> AdmissionStats:
-        stats: AdmissionStats = await self.ask(GetStats())
+        stats = await self.ask(GetAdmissionStats())
+        assert isinstance(stats, AdmissionStats)
         return stats
 
     async def wait_idle(self) -> None:
@@ -210,29 +165,30 @@ class AdmissionActor(Actor):
 
     # ---- actor side -------------------------------------------------------------------
 
-    async def handle(self, message: object) -> object:
-        if isinstance(message, Admit):
-            return self._admit(message)
-        if isinstance(message, Started):
-            self._mark_started(message.request_ids)
-        elif isinstance(message, EngineDone):
-            self._mark_engine_done(message.request_ids)
-        elif isinstance(message, Finished):
-            self._finish(message.request_ids, message.abort)
-        elif isinstance(message, GetStats):
-            return self._stats()
-        elif isinstance(message, WaitIdle):
-            self._state.idle_waiters.append(message.idle)
-        elif isinstance(message, BeginDrain):
-            self._state.draining = True
-        elif isinstance(message, AbortAll):
-            self._engine.abort(list(self._state.entries))
-        elif isinstance(message, FailAll):
-            admitted = list(self._state.entries)
-            self._fail_all(message.message)
-            self._engine.abort(admitted)  # their streams have ended: free their KV now
-        else:
-            raise TypeError(f"admission got an unexpected message {type(message).__name__}")
+    async def handle(self, message: ToAdmission) -> object:
+        match message:
+            case Admit():
+                return self._admit(message)
+            case Started():
+                self._mark_started(message.request_ids)
+            case EngineDone():
+                self._mark_engine_done(message.request_ids)
+            case Finished():
+                self._finish(message.request_ids, message.abort)
+            case GetAdmissionStats():
+                return self._stats()
+            case WaitIdle():
+                self._state.idle_waiters.append(message.idle)
+            case BeginDrain():
+                self._state.draining = True
+            case AbortAll():
+                self._engine.abort(list(self._state.entries))
+            case FailAll():
+                admitted = list(self._state.entries)
+                self._fail_all(message.message)
+                self._engine.abort(admitted)  # their streams have ended: free their KV now
+            case _:
+                assert_never(message)
         return None
 
     async def on_idle(self) -> None:
@@ -291,7 +247,7 @@ class AdmissionActor(Actor):
     def _report_engine_done(self, request_id: str) -> None:
         self._report(EngineDone((request_id,)))
 
-    def _report(self, message: object) -> None:
+    def _report(self, message: ToAdmission) -> None:
         try:
             self.tell(message)
         except ActorStopped:  # the engine is stopping: nothing is admitted any more

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import structlog
 
 from actors.frontend.output_stream import RequestStream, StreamDelta
 
-if TYPE_CHECKING:
-    from actors.frontend.admission import AdmissionActor
+Release = Callable[..., None]
+"""`release(request_ids, abort=False)`: the admission actor's (its readers are done)."""
 
 log = structlog.get_logger("tandem.admission")
 
@@ -19,8 +19,8 @@ class AdmittedGroup:
     each stream's end to the admission actor once its reader has seen it; `close()`
     (always, e.g. in `finally`) aborts whatever is still running and releases the rest."""
 
-    def __init__(self, admission: AdmissionActor, streams: list[RequestStream]) -> None:
-        self._admission = admission
+    def __init__(self, release: Release, streams: list[RequestStream]) -> None:
+        self._release_ids = release
         self.streams = streams
         self._done = [False] * len(streams)
 
@@ -45,11 +45,11 @@ class AdmittedGroup:
             self._done[i] = True
         if unfinished:
             try:
-                self._admission.release(unfinished, abort=True)
+                self._release_ids(unfinished, abort=True)
             except Exception:  # noqa: BLE001 - the actor is gone: the engine is stopping anyway
                 log.debug("admission_closed_before_release", num_requests=len(unfinished))
 
     def _release(self, index: int) -> None:
         if not self._done[index]:
             self._done[index] = True
-            self._admission.release((self.streams[index].request_id,))
+            self._release_ids((self.streams[index].request_id,))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -120,7 +120,7 @@ class EngineClient:
         if self._sent_grammar_vocab or self._tokenizer is None:
             return
         self._sent_grammar_vocab = True
-        raw = getattr(self._tokenizer, "raw", self._tokenizer)  # a bare tokenizers.Tokenizer too
+        raw: Any = getattr(self._tokenizer, "raw", self._tokenizer)  # a bare Tokenizer too
         self.endpoint.send(GrammarVocab(raw.to_str(),
                                         tuple(getattr(self._tokenizer, "eos_token_ids", ()))))
 
@@ -139,7 +139,7 @@ class EngineClient:
         if not self.is_running:
             raise EngineUnavailable("the engine core is not connected")
         call_id = next(self._call_ids)
-        done, box = anyio.Event(), []
+        done, box = anyio.Event(), list[UtilityResult]()
         self._calls[call_id] = (done, box)
         try:
             self.endpoint.send(UtilityCall(call_id, method, self.client_index))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import assert_never
 
 import structlog
 
@@ -34,6 +34,7 @@ from actors.protocol.messages import (
     RequestFinish,
     SchedulerStats,
     StepStats,
+    ToSampler,
 )
 from actors.frontend.output_stream import LogprobEntry, RequestStream, TopLogprob
 from actors.frontend.stop_checker import StopStringChecker
@@ -307,9 +308,8 @@ class OutputProcessor:
             log.error("request_record_failed", request_id=request.request_id, exc_info=exc)
 
 
-class SamplerActor(Actor):
-    """Wraps an OutputProcessor behind a mailbox. Messages: `RegisterRequest`,
-    `EngineCoreOutputs`, `AbortRequests`. Requests the processor ends on its own go to
+class SamplerActor(Actor[ToSampler]):
+    """Wraps an OutputProcessor behind a mailbox (its messages: ToSampler). Requests the processor ends on its own go to
     `on_stopped` (which aborts them in the engine core). Each step's `StepStats` goes to
     every one of `step_observers` (metrics, the stats log) once its outputs are pushed.
     On shutdown, requests still open finish with 'abort'."""
@@ -325,25 +325,30 @@ class SamplerActor(Actor):
         self._step_observers = tuple(step_observers)
         self._on_scheduler_stats = on_scheduler_stats
 
-    async def handle(self, message: Any) -> Any:
-        if isinstance(message, EngineCoreOutputs):
-            stopped = self.processor.process_outputs(message)
-            if stopped:
-                self._on_stopped(stopped)
-            if message.step_stats is not None:
-                for observe in self._step_observers:
-                    observe(message.step_stats)
-            if message.scheduler_stats is not None and self._on_scheduler_stats is not None:
-                self._on_scheduler_stats(message.scheduler_stats)
-        elif isinstance(message, RegisterRequest):
-            self.processor.add_request(message.request, message.stream)
-        elif isinstance(message, AbortRequests):
-            for request_id in message.request_ids:
-                self.processor.abort(request_id)
-        elif isinstance(message, FailRequests):
-            self.processor.fail_all(message.message)
-        else:
-            raise TypeError(f"sampler got an unexpected message {type(message).__name__}")
+    async def handle(self, message: ToSampler) -> object:
+        match message:
+            case EngineCoreOutputs():
+                self._process(message)
+            case RegisterRequest():
+                self.processor.add_request(message.request, message.stream)
+            case AbortRequests():
+                for request_id in message.request_ids:
+                    self.processor.abort(request_id)
+            case FailRequests():
+                self.processor.fail_all(message.message)
+            case _:
+                assert_never(message)
+        return None
+
+    def _process(self, outputs: EngineCoreOutputs) -> None:
+        stopped = self.processor.process_outputs(outputs)
+        if stopped:
+            self._on_stopped(stopped)
+        if outputs.step_stats is not None:
+            for observe in self._step_observers:
+                observe(outputs.step_stats)
+        if outputs.scheduler_stats is not None and self._on_scheduler_stats is not None:
+            self._on_scheduler_stats(outputs.scheduler_stats)
 
     async def on_stop(self) -> None:
         aborted = self.processor.abort_all()

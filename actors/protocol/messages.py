@@ -363,7 +363,100 @@ class StepOutput(msgspec.Struct, frozen=True):
     """Speculative steps: drafts each request verified (0 where it had none)."""
 
 
+# ==== inside the engine core: the engine loop's mailbox (actors/core/engine_loop.py) ====
+
+
+class GrammarCompiled(msgspec.Struct, frozen=True):
+    """A new request's grammar has compiled, or failed to (from a compile thread)."""
+
+    request_id: str
+    client_index: int
+    compiled: Any
+    """The compile's concurrent.futures.Future, done: its GrammarMatcher or its error."""
+
+
+class AbortClient(msgspec.Struct, frozen=True):
+    """Abort every request of one front end (it restarted: nobody reads them any more)."""
+
+    client_index: int
+
+
+class GetSchedulerStats(msgspec.Struct, frozen=True):
+    """Asked: answered with a fresh SchedulerStats (finishes since the last step count)."""
+
+
+class CheckKVInvariants(msgspec.Struct, frozen=True):
+    """Asked: answered with None, or fails with the AssertionError naming what is broken."""
+
+
+class Drain(msgspec.Struct, frozen=True):
+    """Abort everything queued or running; `drained` (an anyio.Event) is set once no step
+    is in flight."""
+
+    drained: Any
+
+
+ToEngineLoop = (EngineRequest | AbortRequests | GrammarVocab | GrammarCompiled | AbortClient
+                | GetSchedulerStats | CheckKVInvariants | Drain)
+
+
 # ==== inside a front end ===============================================================
+
+
+class Admit(msgspec.Struct, frozen=True):
+    """Asked of the admission actor: admit every engine request of one API request
+    (prompts x samples), answered with their streams, or refused."""
+
+    requests: tuple[EngineRequest, ...]
+    sampling_params: SamplingParams
+    """The API request's parameters, with its `n`."""
+
+
+class Started(msgspec.Struct, frozen=True):
+    """The first output token of these requests arrived."""
+
+    request_ids: tuple[str, ...]
+
+
+class EngineDone(msgspec.Struct, frozen=True):
+    """The engine finished these requests (their readers may not have seen it yet)."""
+
+    request_ids: tuple[str, ...]
+
+
+class Finished(msgspec.Struct, frozen=True):
+    """The readers of these requests are done."""
+
+    request_ids: tuple[str, ...]
+    abort: bool = False
+    """The reader gave up: abort those the engine still runs."""
+
+
+class BeginDrain(msgspec.Struct, frozen=True):
+    """Refuse new requests with 503 from now on."""
+
+
+class AbortAll(msgspec.Struct, frozen=True):
+    """Abort every admitted request; each stream ends with finish_reason 'abort'."""
+
+
+class FailAll(msgspec.Struct, frozen=True):
+    """The engine died: end every admitted stream with an error, refuse new requests."""
+
+    message: str
+
+
+class WaitIdle(msgspec.Struct, frozen=True):
+    idle: Any
+    """An anyio.Event, set once no admitted request is left."""
+
+
+class GetAdmissionStats(msgspec.Struct, frozen=True):
+    """Asked: answered with the admission actor's AdmissionStats."""
+
+
+ToAdmission = (Admit | Started | EngineDone | Finished | BeginDrain | AbortAll | FailAll
+               | WaitIdle | GetAdmissionStats)
 
 
 class RegisterRequest(msgspec.Struct, frozen=True):
@@ -379,6 +472,9 @@ class FailRequests(msgspec.Struct, frozen=True):
     """End every open request with an error: the engine core is gone."""
 
     message: str
+
+
+ToSampler = EngineCoreOutputs | RegisterRequest | AbortRequests | FailRequests
 
 
 # ==== a front end <-> its grammar checker processes (app/grammar_checker.py) ============

@@ -207,24 +207,29 @@ class ZmqCoreEndpoint:
         """The message of a well-formed frame pair from an authenticated peer (or its hello),
         else None."""
         if len(frames) != 2:  # a DEALER's one frame behind its identity, nothing else
-            return self._drops.drop("not_one_frame", num_frames=len(frames) - 1)
+            self._drops.drop("not_one_frame", num_frames=len(frames) - 1)
+            return None
         identity, payload = frames[0].bytes, frames[1]
         is_known = identity in self._authenticated
         if not is_known and len(payload) > _MAX_HELLO_BYTES:  # not a hello: never decoded
-            return self._drops.drop("unknown_peer")
+            self._drops.drop("unknown_peer")
+            return None
         try:
             message: ToEngineCore = self._codec.decode_to_core(payload.buffer)
         except Exception:  # noqa: BLE001 - any byte sequence reaches the decoder
-            return self._drops.drop("undecodable", is_known_peer=is_known)
+            self._drops.drop("undecodable", is_known_peer=is_known)
+            return None
         if isinstance(message, ClientHello):
             return self._hello(identity, message)
         if not is_known:
-            return self._drops.drop("unknown_peer")
+            self._drops.drop("unknown_peer")
+            return None
         return message
 
     def _hello(self, identity: bytes, hello: ClientHello) -> ClientHello | None:
         if not launch_secret.matches(hello.secret, self._secret):
-            return self._drops.drop("wrong_secret")
+            self._drops.drop("wrong_secret")
+            return None
         self._authenticated.add(identity)
         if hello.client_index is None:  # a peer that only sends Shutdown
             return None
@@ -252,6 +257,7 @@ class _DropLog:
         self._logged_at = -math.inf
 
     def drop(self, reason: str, **fields: Any) -> None:
+        """Count (and now and then log) a dropped frame; the caller passes nothing on."""
         self._num_dropped += 1
         now = time.monotonic()
         if now - self._logged_at >= _DROP_LOG_INTERVAL_S:
@@ -291,7 +297,7 @@ class ZmqClientEndpoint:
 def send_shutdown(address: str, secret: bytes, linger_s: float = 2.0) -> None:
     """Tell a core process to shut down, from outside any event loop (the supervisor, which
     is no front end: its hello carries no client index)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
     sock.setsockopt(zmq.IDENTITY, peer_identity(None))
     sock.connect(address)

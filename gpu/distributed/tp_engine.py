@@ -41,6 +41,7 @@ from gpu.distributed.launch import RankFailedError, WorkerGroup, start_workers
 from gpu.distributed.step_broadcast import StepBroadcaster
 from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TIMEOUT, TPFailedError, TPLeader
 from gpu.platform import Platform, probe_platform
+from gpu.runner import LaunchedStep
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
 
@@ -129,6 +130,7 @@ class TPRunnerV2:
     """The V2 runner of a tensor-parallel engine, on rank 0 (see the module doc)."""
 
     name = "v2"
+    max_steps_in_flight = 2
 
     def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
         self.leader: TPLeader = worker.tp_leader
@@ -141,7 +143,11 @@ class TPRunnerV2:
         self.states = self.inner.states
         self.deferred_masks = self.inner.deferred_masks
 
-    def execute(self, sched: SchedulerOutput) -> Any:
+    @property
+    def num_free_rows(self) -> int:
+        return self.inner.num_free_rows
+
+    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
         if sched.grammar_bitmask is not None or sched.grammar_mask_deferred:
             # The sharded sampler applies no mask, and a deferred one reaches rank 0 only.
             raise ValueError("structured outputs are not available with tensor parallelism")

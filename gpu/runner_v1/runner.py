@@ -33,6 +33,7 @@ from gpu.attention.base import AttentionMetadata
 from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.runner import ReadyStep
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
@@ -66,6 +67,7 @@ class _StepInputs(NamedTuple):
 
 class ModelRunnerV1:
     name = "v1"
+    max_steps_in_flight = 1
 
     def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
         self.worker = worker
@@ -89,8 +91,19 @@ class ModelRunnerV1:
         self.proposer = (None if spec is None
                          else NgramProposer(spec, max_num_reqs, worker.max_model_len))
 
+    def execute(self, sched: SchedulerOutput) -> ReadyStep:
+        """Run the step to its sampled tokens on the host (gpu.runner.Runner)."""
+        return ReadyStep(self._run_step(sched), sched.scheduled_request_ids)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def close(self) -> None:
+        """Nothing to give back: the V1 runner's state is its own."""
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepOutput:
+    def _run_step(self, sched: SchedulerOutput) -> StepOutput:
         started = time.perf_counter()
         self._update_states(sched)
         if self.proposer is not None and any(sched.num_draft_slots):

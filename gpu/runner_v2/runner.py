@@ -28,6 +28,7 @@ from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.runner import LaunchedStep
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.spec_decode.device_drafts import DeviceDrafts
@@ -43,6 +44,7 @@ log = structlog.get_logger("tandem.runner_v2")
 
 class ModelRunnerV2:
     name = "v2"
+    max_steps_in_flight = 2
 
     def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
         config = config or worker.config
@@ -91,8 +93,12 @@ class ModelRunnerV2:
         """Give the model's step state back (the next runner on this model may take it)."""
         self.step_state.release(self)
 
+    @property
+    def num_free_rows(self) -> int:
+        return self.states.num_free_rows
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> PendingStep:
+    def execute(self, sched: SchedulerOutput) -> LaunchedStep:
         started = time.perf_counter()
         self.step_state.check_owner(self)
         start_event = self._record_event()

@@ -15,24 +15,47 @@ logit layout (1 + s rows for a request with s draft slots).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from actors.protocol.messages import SchedulerOutput
+from gpu.input_buffers import InputBuffers
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
+from gpu.runner_v2.states import RequestStates
 from gpu.runner_v2.step_plan import StepPlan
-from gpu.sampling.sampler import BatchOps, batch_ops
+from gpu.runner_v2.step_state import V2StepState
+from gpu.sampling.sampler import BatchOps, Sampler, batch_ops
+from gpu.sampling.state import SamplingState
+from gpu.spec_decode.device_drafts import DeviceDrafts
 from gpu.spec_decode.spec_graphs import SpecTailGraphs
 from gpu.spec_decode.spec_output import SpecCopy, SpecPendingStep
 from gpu.spec_decode.spec_step import spec_layout, verify_and_update
-
-if TYPE_CHECKING:
-    from gpu.runner_v2.runner import ModelRunnerV2
+from gpu.worker import ModelWorker
 
 
-def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPlan,
+class SpecStepRunner(Protocol):
+    """What a speculative step uses of the V2 runner (gpu/runner_v2/runner.py)."""
+
+    worker: ModelWorker
+    device: torch.device
+    step_state: V2StepState
+    states: RequestStates
+    buffers: InputBuffers
+    sampling_state: SamplingState
+    sampler: Sampler
+    num_logprobs_np: np.ndarray  # [max_num_reqs] int64, -1 without logprobs
+    drafts: DeviceDrafts | None
+    spec_graphs: SpecTailGraphs | None
+
+    def forward_hidden(self, plan: StepPlan) -> torch.Tensor: ...
+
+    def finish_launch(self, to_copy: Any, sched: SchedulerOutput, plan: StepPlan,
+                      started: float, start_event: torch.cuda.Event | None) -> Any: ...
+
+
+def launch_spec_step(runner: SpecStepRunner, sched: SchedulerOutput, plan: StepPlan,
                      started: float, start_event: torch.cuda.Event | None) -> SpecPendingStep:
     drafts = runner.drafts
     assert drafts is not None
@@ -60,7 +83,7 @@ def launch_spec_step(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPl
                            num_speculative_tokens=drafts.num_speculative_tokens)
 
 
-def _launch_graphed_tail(runner: ModelRunnerV2, spec_graphs: SpecTailGraphs,
+def _launch_graphed_tail(runner: SpecStepRunner, spec_graphs: SpecTailGraphs,
                          sched: SchedulerOutput, plan: StepPlan, filters: bool) -> SpecCopy:
     """The forward (its graph, or eagerly into the graphs' hidden-state buffer), then the
     tail graph of the step's padded size (gpu/spec_decode/spec_graphs.py)."""
@@ -79,7 +102,7 @@ def _launch_graphed_tail(runner: ModelRunnerV2, spec_graphs: SpecTailGraphs,
                     None, None, None)
 
 
-def _launch_eager_tail(runner: ModelRunnerV2, sched: SchedulerOutput, plan: StepPlan,
+def _launch_eager_tail(runner: SpecStepRunner, sched: SchedulerOutput, plan: StepPlan,
                        ops: BatchOps, max_num_logprobs: int | None
                        ) -> tuple[SpecCopy, np.ndarray]:
     """The forward, then the tail launched op by op over the variable logit layout

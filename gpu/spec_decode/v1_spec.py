@@ -13,18 +13,35 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from actors.protocol.messages import LogprobsArrays, SchedulerOutput, StepOutput, StepStats
-from gpu.sampling.sampler import SamplerOutput
+from gpu.sampling.sampler import Sampler, SamplerOutput
+from gpu.sampling.state import SamplingState
+from gpu.spec_decode.ngram_proposer import NgramProposer
 from gpu.spec_decode.spec_output import spec_stats
+from gpu.worker import ModelWorker
 from kernels.rejection_sample import accept_draft_prefix
 
-if TYPE_CHECKING:
-    from gpu.runner_v1.runner import ModelRunnerV1
+
+class SpecStepRunner(Protocol):
+    """What a speculative step uses of the V1 runner (gpu/runner_v1/runner.py)."""
+
+    worker: ModelWorker
+    device: torch.device
+    requests: dict[str, Any]
+    """Request id -> the runner's state of it (row, token_ids, num_computed_tokens, ...)."""
+    sampler: Sampler
+    sampling_state: SamplingState
+    proposer: NgramProposer | None
+    logits_processors: object | None
+    forward: Callable[..., torch.Tensor]
+
+    def build_inputs(self, reqs: list[Any], num_scheduled: np.ndarray) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,7 +50,7 @@ class _Drafts:
     num_used: np.ndarray  # [num_reqs] int64, drafts each row runs
 
 
-def _drafts(runner: ModelRunnerV1, sched: SchedulerOutput, rows_np: np.ndarray) -> _Drafts:
+def _drafts(runner: SpecStepRunner, sched: SchedulerOutput, rows_np: np.ndarray) -> _Drafts:
     proposer = runner.proposer
     assert proposer is not None
     slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
@@ -50,7 +67,7 @@ def _drafts(runner: ModelRunnerV1, sched: SchedulerOutput, rows_np: np.ndarray) 
     return _Drafts(token_ids, num_used)
 
 
-def execute_spec_step(runner: ModelRunnerV1, sched: SchedulerOutput, started: float
+def execute_spec_step(runner: SpecStepRunner, sched: SchedulerOutput, started: float
                       ) -> StepOutput:
     """One V1 step in which some rows have draft slots (see the module doc)."""
     reqs = [runner.requests[r] for r in sched.scheduled_request_ids]
@@ -87,7 +104,7 @@ def execute_spec_step(runner: ModelRunnerV1, sched: SchedulerOutput, started: fl
                    num_accepted.cpu().numpy().astype(np.int64), drafts, sampled, cu, started)
 
 
-def _finish(runner: ModelRunnerV1, sched: SchedulerOutput, reqs: list[Any], num_run: np.ndarray,
+def _finish(runner: SpecStepRunner, sched: SchedulerOutput, reqs: list[Any], num_run: np.ndarray,
             output: np.ndarray, num_accepted: np.ndarray, drafts: _Drafts,
             sampled: SamplerOutput, cu: np.ndarray, started: float) -> StepOutput:
     """Advance each row by its emitted tokens and pack the step's output."""

@@ -1,4 +1,4 @@
-"""Helpers for KV cache and scheduler tests: a synchronous KV client and a fake runner.
+"""Helpers for KV cache and scheduler tests: a fake runner and workload checks.
 
 `FakeRunner` plays the GPU actor: it executes each SchedulerOutput
 as soon as it is scheduled (like the device, in submission order), keeps per-row token
@@ -10,46 +10,18 @@ step's result is returned later, so up to `max_steps_in_flight` steps overlap.
 from __future__ import annotations
 
 import random
-from collections.abc import Coroutine, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.core.kv_messages import AllocateStep, StepAllocation
 import numpy as np
 
 from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
 from actors.core.scheduler import Scheduler, StepResult
 from actors.protocol.sampling_params import SamplingParams
 
-T = TypeVar("T")
 EOS_TOKEN_ID = 999
 """The fake model's end-of-sequence token (outside its ordinary vocabulary)."""
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Drive a coroutine that never suspends to completion, without an event loop."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise RuntimeError("the coroutine suspended; run_sync only drives coroutines that never wait")
-
-
-class DirectKVClient:
-    """KVClient that calls a KVCacheManager in place and never suspends."""
-
-    def __init__(self, manager: KVCacheManager) -> None:
-        self.manager = manager
-        self.messages: list[AllocateStep] = []
-
-    async def allocate_step(self, msg: AllocateStep) -> StepAllocation:
-        self.messages.append(msg)
-        return self.manager.allocate_step(msg)
-
-    async def free(self, request_ids: Iterable[str]) -> None:
-        self.manager.free(request_ids)
 
 
 def assert_workload_drained(scheduler: Scheduler, manager: KVCacheManager, num_blocks: int,
@@ -58,7 +30,7 @@ def assert_workload_drained(scheduler: Scheduler, manager: KVCacheManager, num_b
     """After a fake-device workload: every block back, nothing running or waiting, every
     request r0.. finished once (the aborted ones as 'abort'), and each 'length' finish
     after exactly its max_tokens outputs."""
-    assert run_sync(scheduler.schedule()) is None  # releases the last finished requests' blocks
+    assert scheduler.schedule() is None  # releases the last finished requests' blocks
     manager.check_invariants()
     usage = manager.stats()
     assert usage.num_used_blocks == 0 and usage.num_free_blocks == num_blocks

@@ -15,7 +15,6 @@ from actors.frontend.sampler import OutputProcessor
 from actors.protocol.sampling_params import SamplingParams
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import DirectKVClient, run_sync
 from tests.actors._tokenizer_fixtures import tiny_tokenizer
 
 EOS = 0  # "<eos>" in the tiny tokenizer
@@ -45,7 +44,7 @@ class Harness:
         manager = KVCacheManager(num_blocks=512, block_size=16)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=max_model_len,
-            block_size=16, max_steps_in_flight=1), DirectKVClient(manager))
+            block_size=16, max_steps_in_flight=1), manager)
         self.sent: list[EngineCoreOutputs] = []
         self.core_outputs = CoreOutputs(lambda client, message: self.sent.append(message))
         self.processor = OutputProcessor(tokenizer or tiny_tokenizer())
@@ -64,7 +63,7 @@ class Harness:
              error: str | None = None, failed: tuple[str, ...] = ()) -> Step:
         """Schedule a step, answer it with `tokens` (one per request that samples, in
         batch order), and push the outputs through the front end."""
-        sched = run_sync(self.scheduler.schedule())
+        sched = self.scheduler.schedule()
         step_id = sched.step_id if sched is not None else -1
         sampled = () if sched is None else tuple(
             rid for rid, s in zip(sched.scheduled_request_ids, sched.samples_token) if s)

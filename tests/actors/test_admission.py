@@ -10,17 +10,14 @@ import anyio
 import pytest
 
 from actors.frontend.admission import (
-    AbortAll,
     AdmissionActor,
     AdmissionLimits,
     AdmissionRefused,
-    BeginDrain,
-    FailAll,
     RequestLimitError,
     check_request_limits,
     child_sampling_params,
 )
-from actors.protocol.messages import EngineRequest
+from actors.protocol.messages import AbortAll, BeginDrain, EngineRequest, FailAll
 from actors.frontend.output_stream import RequestStream
 from actors.protocol.sampling_params import SamplingParams
 

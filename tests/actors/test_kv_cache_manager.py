@@ -1,16 +1,11 @@
 from __future__ import annotations
 
-import anyio
 import pytest
 
 import actors.core.prefix_hash as prefix_hash
-from actors.core.kv_cache_manager import KVCacheActor, KVCacheManager
-from actors.core.kv_messages import (
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_allocation import (
     AllocateStep,
-    CheckInvariants,
-    FreeRequests,
-    KVStats,
-    KVUsage,
     RunningAllocs,
     StepAllocation,
     WaitingAlloc,
@@ -216,20 +211,3 @@ def test_invariant_check_reports_a_refcount_that_no_table_explains() -> None:
     with pytest.raises(AssertionError, match="refcount 2 but 1 block tables"):
         manager.check_invariants()
 
-
-@pytest.mark.anyio
-async def test_kv_cache_actor_serves_its_messages() -> None:
-    actor = KVCacheActor(KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(actor.run)
-        allocation = await actor.ask(AllocateStep((), RunningAllocs(), (waiting("a", range(20)),),
-                                                  100))
-        assert allocation.waiting[0].num_new_tokens == 20
-        usage = await actor.ask(KVStats())
-        assert isinstance(usage, KVUsage) and usage.num_used_blocks == 2 and usage.usage_perc == 0.5
-        assert await actor.ask(CheckInvariants()) is None
-        await actor.ask(FreeRequests(("a",)))
-        assert (await actor.ask(KVStats())).num_used_blocks == 0
-        with pytest.raises(TypeError, match="cannot handle str"):
-            await actor.ask("hello")
-        actor.close()

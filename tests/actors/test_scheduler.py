@@ -1,11 +1,8 @@
 from __future__ import annotations
 
-import anyio
 import pytest
 
-from actors.core.kv_cache_manager import KVCacheActor, KVCacheManager
-from actors.core.kv_client import KVActorClient
-from actors.core.kv_messages import CheckInvariants, KVStats
+from actors.core.kv_cache_manager import KVCacheManager
 import numpy as np
 
 from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
@@ -15,10 +12,8 @@ from actors.core.scheduler_config import SchedulerConfig
 from actors.protocol.sampling_params import SamplingParams
 from tests.actors._kv_helpers import (
     EOS_TOKEN_ID,
-    DirectKVClient,
     FakeRunner,
     engine_request,
-    run_sync,
 )
 
 
@@ -30,11 +25,11 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_seqs: 
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, block_size=block_size,
                              max_steps_in_flight=max_steps_in_flight)
-    return Scheduler(config, DirectKVClient(manager)), manager
+    return Scheduler(config, manager), manager
 
 
 def schedule(scheduler: Scheduler) -> SchedulerOutput | None:
-    return run_sync(scheduler.schedule())
+    return scheduler.schedule()
 
 
 def step_output(step_id: int, request_ids: tuple[str, ...], token_ids: tuple[int, ...]
@@ -278,32 +273,6 @@ def test_bad_updates_and_requests_raise_value_errors() -> None:
 def test_invalid_config_is_rejected() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8, max_model_len=8, block_size=4)
-
-
-@pytest.mark.anyio
-async def test_scheduler_runs_against_the_kv_cache_actor() -> None:
-    manager = KVCacheManager(num_blocks=8, block_size=4)
-    actor = KVCacheActor(manager)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32,
-                             block_size=4, max_steps_in_flight=2)
-    scheduler = Scheduler(config, KVActorClient(actor))
-    runner = FakeRunner(block_size=4, max_num_seqs=4)
-    for index in range(5):
-        scheduler.add_request(engine_request(f"r{index}", range(index, index + 9), max_tokens=6))
-        runner.register(f"r{index}", 6)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(actor.run)
-        with anyio.fail_after(10):
-            while scheduler.has_unfinished_requests or runner.pending_updates:
-                while (out := await scheduler.schedule()) is not None:
-                    runner.execute(out)
-                if runner.pending_updates:
-                    runner.deliver_oldest(scheduler)
-            assert await scheduler.schedule() is None  # frees the last requests' blocks
-            assert await actor.ask(CheckInvariants()) is None
-            assert (await actor.ask(KVStats())).num_used_blocks == 0
-        actor.close()
-    assert all(len(tokens) == 6 for tokens in runner.outputs.values())
 
 
 def _stop_request(request_id: str, **params: object) -> EngineRequest:

@@ -9,13 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.core.kv_messages import AllocateStep, RunningAllocs, WaitingAlloc
+from actors.core.kv_allocation import AllocateStep, RunningAllocs, WaitingAlloc
 from actors.protocol.messages import SchedulerOutput
 from actors.core.request import RequestStatus
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import (DirectKVClient, FakeRunner, assert_workload_drained,
-                                      engine_request, run_sync)
+from tests.actors._kv_helpers import FakeRunner, assert_workload_drained, engine_request
 
 _TEMPLATES = [[random.Random(seed).randrange(30) for _ in range(64)] for seed in range(3)]
 
@@ -145,7 +144,7 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
     # The pool must hold one request of max_model_len tokens, or nothing can progress.
     num_blocks = -(-config.max_model_len // config.block_size) + extra_blocks
     manager = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
-    scheduler = Scheduler(config, DirectKVClient(manager))
+    scheduler = Scheduler(config, manager)
     runner = FakeRunner(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                         manager=manager, rng=rng, eos_probability=eos_probability)
     arrivals = sorted((rng.randrange(12), index) for index in range(num_requests))
@@ -170,7 +169,7 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
             aborted.add(victim)
         if runner.pending_updates and rng.random() < 0.3:
             runner.deliver_oldest(scheduler)
-        while (out := run_sync(scheduler.schedule())) is not None:
+        while (out := scheduler.schedule()) is not None:
             _check_output(out, config)
             runner.execute(out)
             _check_scheduler(scheduler, manager)

@@ -15,8 +15,7 @@ from actors.protocol.messages import EngineRequest, StepOutput, StepStats
 from actors.protocol.sampling_params import SamplingParams
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
-from tests.actors._kv_helpers import (DirectKVClient, assert_workload_drained,
-                                      engine_request, run_sync)
+from tests.actors._kv_helpers import assert_workload_drained, engine_request
 from tests.actors._spec_fake_runner import SpecFakeRunner
 
 
@@ -26,7 +25,7 @@ def _scheduler(k: int, max_steps_in_flight: int = 2, num_blocks: int = 64,
                              max_model_len=64,
                              block_size=4, max_steps_in_flight=max_steps_in_flight,
                              num_speculative_tokens=k)
-    return Scheduler(config, DirectKVClient(KVCacheManager(num_blocks, 4)))
+    return Scheduler(config, KVCacheManager(num_blocks, 4))
 
 
 def _request(request_id: str, prompt: range, **params: object) -> EngineRequest:
@@ -49,7 +48,7 @@ def _decoding(k: int, max_steps_in_flight: int, max_tokens: int) -> Scheduler:
     its first token: its next step decodes."""
     scheduler = _scheduler(k=k, max_steps_in_flight=max_steps_in_flight)
     scheduler.add_request(engine_request("r", range(8), max_tokens=max_tokens))
-    prefill = run_sync(scheduler.schedule())
+    prefill = scheduler.schedule()
     scheduler.update_from_step(_emit(prefill, [[1]]))
     return scheduler
 
@@ -57,17 +56,17 @@ def _decoding(k: int, max_steps_in_flight: int, max_tokens: int) -> Scheduler:
 def test_a_decoding_row_gets_k_slots_and_is_corrected_by_its_emitted_count() -> None:
     scheduler = _scheduler(k=3, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(10), max_tokens=20))
-    prefill = run_sync(scheduler.schedule())
+    prefill = scheduler.schedule()
     assert prefill.num_scheduled_tokens == (10,) and prefill.num_draft_slots == ()
     scheduler.update_from_step(_emit(prefill, [[1]]))
-    spec = run_sync(scheduler.schedule())
+    spec = scheduler.schedule()
     assert spec.num_scheduled_tokens == (4,) and spec.num_draft_slots == (3,)
     assert spec.num_computed_tokens == (10,)
     scheduler.update_from_step(_emit(spec, [[2, 3]]))  # one draft accepted, two rejected
     request = scheduler.get_request("r")
     assert request.output_token_ids == [1, 2, 3]
     assert (request.num_computed_tokens, request.num_output_placeholders) == (12, 0)
-    following = run_sync(scheduler.schedule())
+    following = scheduler.schedule()
     assert following.num_computed_tokens == (12,) and following.num_scheduled_tokens == (4,)
 
 
@@ -75,9 +74,9 @@ def test_slots_stop_at_max_tokens_and_a_stop_token_cuts_the_run() -> None:
     scheduler = _scheduler(k=4, max_steps_in_flight=1)
     scheduler.add_request(engine_request("r", range(10), max_tokens=3))
     scheduler.add_request(_request("s", range(20, 30), max_tokens=None, stop_token_ids=(7,)))
-    first = run_sync(scheduler.schedule())
+    first = scheduler.schedule()
     scheduler.update_from_step(_emit(first, [[1], [1]]))
-    spec = run_sync(scheduler.schedule())
+    spec = scheduler.schedule()
     assert spec.num_draft_slots == (1, 4)  # r may emit 2 more tokens, s up to 5
     result = scheduler.update_from_step(_emit(spec, [[2, 3], [5, 7, 9]]))
     assert [f.reason for _, f in result.finished] == ["length", "stop"]
@@ -89,9 +88,9 @@ def test_penalty_rows_decode_one_token_beside_speculating_rows() -> None:
     scheduler = _scheduler(k=2, max_steps_in_flight=1)
     scheduler.add_request(engine_request("plain", range(8), max_tokens=10))
     scheduler.add_request(_request("penalised", range(8), max_tokens=10, repetition_penalty=1.2))
-    first = run_sync(scheduler.schedule())
+    first = scheduler.schedule()
     scheduler.update_from_step(_emit(first, [[1], [1]]))
-    assert run_sync(scheduler.schedule()).num_draft_slots == (2, 0)
+    assert scheduler.schedule().num_draft_slots == (2, 0)
 
 
 def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
@@ -104,9 +103,9 @@ def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
         for i in range(3 - num_plain):
             scheduler.add_request(_request(f"penalised{i}", range(8), max_tokens=10,
                                            repetition_penalty=1.2))
-        first = run_sync(scheduler.schedule())
+        first = scheduler.schedule()
         scheduler.update_from_step(_emit(first, [[1]] * 3))
-        step = run_sync(scheduler.schedule())
+        step = scheduler.schedule()
         assert step.num_draft_slots == expected
         assert step.num_scheduled_tokens == tuple(1 + k for k in expected or (0, 0, 0))
 
@@ -116,51 +115,51 @@ def test_no_step_speculates_while_a_prompt_is_due_for_scoring() -> None:
     # plain while it waits or prefills, and speculation resumes once it decodes.
     scheduler = _scheduler(k=2, max_steps_in_flight=1, max_num_batched_tokens=17)
     scheduler.add_request(engine_request("plain", range(8), max_tokens=20))
-    first = run_sync(scheduler.schedule())
+    first = scheduler.schedule()
     scheduler.update_from_step(_emit(first, [[1]]))
     scheduler.add_request(_request("scored", range(30, 60), max_tokens=20, prompt_logprobs=1))
-    chunk = run_sync(scheduler.schedule())
+    chunk = scheduler.schedule()
     assert chunk.scheduled_request_ids == ("plain", "scored") and chunk.num_draft_slots == ()
     scheduler.update_from_step(_emit(chunk, [[2]]))
-    last_chunk = run_sync(scheduler.schedule())
+    last_chunk = scheduler.schedule()
     assert last_chunk.num_draft_slots == ()
     scheduler.update_from_step(_emit(last_chunk, [[3], [4]]))
-    assert run_sync(scheduler.schedule()).num_draft_slots == (2, 2)
+    assert scheduler.schedule().num_draft_slots == (2, 2)
 
 
 def test_slots_that_emit_nothing_pause_speculation_for_doubling_spans() -> None:
     scheduler = _decoding(k=2, max_steps_in_flight=1, max_tokens=60)
     slots = []
     for _ in range(12):
-        out = run_sync(scheduler.schedule())
+        out = scheduler.schedule()
         slots.append(out.num_draft_slots[0] if out.num_draft_slots else 0)
         scheduler.update_from_step(_emit(out, [[5]]))  # nothing accepted, ever
     assert slots == [2, 0, 2, 0, 0, 2, 0, 0, 0, 0, 2, 0]
-    out = run_sync(scheduler.schedule())
+    out = scheduler.schedule()
     while not out.num_draft_slots:
         scheduler.update_from_step(_emit(out, [[5]]))
-        out = run_sync(scheduler.schedule())
+        out = scheduler.schedule()
     scheduler.update_from_step(_emit(out, [[5, 6]]))  # an accepted draft ends the pause
-    assert run_sync(scheduler.schedule()).num_draft_slots == (2,)
+    assert scheduler.schedule().num_draft_slots == (2,)
 
 
 def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> None:
     # Two steps in flight: the step after a probe is planned before the probe reports.
     # Until a draft is accepted, that step runs no slots; once one is, both steps do.
     scheduler = _decoding(k=2, max_steps_in_flight=2, max_tokens=60)
-    probe = run_sync(scheduler.schedule())
-    after_probe = run_sync(scheduler.schedule())
+    probe = scheduler.schedule()
+    after_probe = scheduler.schedule()
     assert probe.num_draft_slots == (2,) and after_probe.num_draft_slots == ()
     scheduler.update_from_step(_emit(probe, [[5, 6, 7]]))  # both drafts accepted
     scheduler.update_from_step(_emit(after_probe, [[8]]))
-    confirmed = run_sync(scheduler.schedule())
-    following = run_sync(scheduler.schedule())
+    confirmed = scheduler.schedule()
+    following = scheduler.schedule()
     assert confirmed.num_draft_slots == (2,) and following.num_draft_slots == (2,)
     scheduler.update_from_step(_emit(confirmed, [[9]]))  # nothing accepted: unconfirmed
     in_flight = [following]
     slots = []
     for _ in range(6):  # two steps in flight throughout, nothing accepted
-        in_flight.append(run_sync(scheduler.schedule()))
+        in_flight.append(scheduler.schedule())
         slots.append(in_flight[-1].num_draft_slots[0] if in_flight[-1].num_draft_slots else 0)
         out = in_flight.pop(0)
         scheduler.update_from_step(_emit(out, [[11]] if not out.num_draft_slots else [[12]]))
@@ -171,7 +170,7 @@ def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> 
 
 def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
     scheduler = _decoding(k=1, max_steps_in_flight=1, max_tokens=10)
-    spec = run_sync(scheduler.schedule())
+    spec = scheduler.schedule()
     result = scheduler.update_from_step(_emit(spec, [[2, 3, 4]]))
     assert [f.reason for _, f in result.finished] == ["error"]
 
@@ -193,7 +192,7 @@ def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size
     # Room for one full request plus a few blocks: preemptions are frequent.
     num_blocks = -(-max_model_len // block_size) + extra_blocks
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=rng.random() < 0.5)
-    scheduler = Scheduler(config, DirectKVClient(manager))
+    scheduler = Scheduler(config, manager)
     runner = SpecFakeRunner(block_size, manager, rng, eos_probability=eos_probability,
                             vocab_size=rng.choice([3, 50]))
     for index in range(num_requests):
@@ -212,7 +211,7 @@ def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size
             scheduler.abort_requests([victim])
             runner.abort([victim])
             aborted.add(victim)
-        while (out := run_sync(scheduler.schedule())) is not None:
+        while (out := scheduler.schedule()) is not None:
             assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
             runner.execute(out)
             manager.check_invariants()

@@ -1,4 +1,5 @@
-"""Messages of the KV cache actor (asked by the scheduler, once per step)."""
+"""What the scheduler asks of the KV cache manager each step (AllocateStep: free, grow the
+running requests, admit waiting ones) and what it gets back (StepAllocation, KVUsage)."""
 
 from __future__ import annotations
 
@@ -76,18 +77,6 @@ class StepAllocation:
 
 
 @dataclass(frozen=True, slots=True)
-class FreeRequests:
-    """Release requests' blocks outside a step (abort or finish when no step follows)."""
-
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class KVStats:
-    """Ask for a KVUsage snapshot."""
-
-
-@dataclass(frozen=True, slots=True)
 class KVUsage:
     num_total_blocks: int
     num_free_blocks: int
@@ -102,8 +91,3 @@ class KVUsage:
     """Tokens looked up in the prefix cache by admitted requests, cumulative."""
     prefix_cache_hits_tokens: int
     """Of those, tokens found in the cache, cumulative."""
-
-
-@dataclass(frozen=True, slots=True)
-class CheckInvariants:
-    """Ask the actor to verify its bookkeeping; the reply is None or an AssertionError."""
