@@ -9,32 +9,51 @@ from typing import Any
 
 import anyio
 
-from actors.protocol.config import EngineConfig
-from actors.frontend.engine_client import EngineClient
 from actors.core.engine_core import EngineCore
-from actors.protocol.messages import EngineReady, EngineRequest, StepStats
+from actors.frontend.engine_client import EngineClient
 from actors.frontend.output_stream import RequestStream
+from actors.protocol.config import EngineConfig
+from actors.protocol.messages import EngineReady, EngineRequest, StepStats
 from actors.protocol.transport import InProcessChannel
-
 
 MAX_RECENT_STEP_STATS = 100_000
 
 
 class InProcessEngine:
-    def __init__(self, worker: Any, runner_choice: Any, config: EngineConfig | None = None, *,
-                 tokenizer: Any = None, roundtrip: bool = False, warm_up: bool = False,
-                 max_consecutive_failed_steps: int = 5, **client_callbacks: Any) -> None:
+    def __init__(
+        self,
+        worker: Any,
+        runner_choice: Any,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        roundtrip: bool = False,
+        warm_up: bool = False,
+        max_consecutive_failed_steps: int = 5,
+        **client_callbacks: Any,
+    ) -> None:
         """`client_callbacks`: the EngineClient's on_request_finished, step_observers,
         on_scheduler_stats and on_dead."""
         self._channel = InProcessChannel(roundtrip=roundtrip)
-        self.core = EngineCore(worker, runner_choice, self._channel.core, config,
-                               max_consecutive_failed_steps=max_consecutive_failed_steps)
+        self.core = EngineCore(
+            worker,
+            runner_choice,
+            self._channel.core,
+            config,
+            max_consecutive_failed_steps=max_consecutive_failed_steps,
+        )
         self.step_stats: collections.deque[StepStats] = collections.deque(
-            maxlen=MAX_RECENT_STEP_STATS)
+            maxlen=MAX_RECENT_STEP_STATS
+        )
         """The latest steps' stats, as the front end hears them (offline runs report them)."""
         observers = (*client_callbacks.pop("step_observers", ()), self.step_stats.append)
-        self.client = EngineClient(self._channel.clients[0], tokenizer, on_ready=self._on_ready,
-                                   step_observers=observers, **client_callbacks)
+        self.client = EngineClient(
+            self._channel.clients[0],
+            tokenizer,
+            on_ready=self._on_ready,
+            step_observers=observers,
+            **client_callbacks,
+        )
         self._warm_up = warm_up
         self._ready: anyio.Event | None = None
 
@@ -42,8 +61,9 @@ class InProcessEngine:
     def ready(self) -> EngineReady | None:
         return self.client.ready
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve until `stop()`; `started` once the core has answered the client's hello.
         On stop the core aborts what is left and drains, then the client's streams end."""
         self._ready = anyio.Event()

@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     from app.server_state import ServerState
     from telemetry.logging import configure_logging
 
-    configure_logging(json=settings.log_format == "json", level=settings.log_level,
-                      process_name=f"api_server_{args.client_index}")
-    attach = EngineAttachment(args.engine_address, args.engine_pid, args.client_index,
-                              read_secret())
+    configure_logging(
+        json=settings.log_format == "json",
+        level=settings.log_level,
+        process_name=f"api_server_{args.client_index}",
+    )
+    attach = EngineAttachment(
+        args.engine_address, args.engine_pid, args.client_index, read_secret()
+    )
     sock = socket.socket(fileno=args.fd)
     server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
     exit_code: int = event_loop.run(server.serve)
@@ -40,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m app.api_server_proc",
-                                     description="one API server of `tandem serve "
-                                                 "--api-server-count N` (started by it)")
+    parser = argparse.ArgumentParser(
+        prog="python -m app.api_server_proc",
+        description="one API server of `tandem serve --api-server-count N` (started by it)",
+    )
     parser.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
     parser.add_argument("--client-index", type=int, required=True)
     parser.add_argument("--engine-address", required=True)

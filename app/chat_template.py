@@ -93,6 +93,7 @@ def _join_text_parts(parts: list[Any], message_index: int) -> str:
 class RenderLimit:
     """Stop rendering once the text, not counting the `dropped` characters, is longer
     than `max_chars` (it can only grow)."""
+
     max_chars: int
     dropped: str = ""
 
@@ -119,11 +120,14 @@ def render_chat_template(
     compiled = compile_chat_template(template)
     normalized = normalize_messages(messages)
     try:
-        return _joined(compiled.generate(
-            messages=normalized,
-            add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
-        ), limit)
+        return _joined(
+            compiled.generate(
+                messages=normalized,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            ),
+            limit,
+        )
     except (ChatTemplateError, RenderedTooLong):
         raise
     except jinja2.TemplateError as exc:
@@ -135,7 +139,7 @@ def render_chat_template(
 
 
 def _joined(pieces: Iterator[str], limit: RenderLimit | None) -> str:
-    """"".join(pieces), a slice at a time: jinja's render joins all pieces (one or more per
+    """ "".join(pieces), a slice at a time: jinja's render joins all pieces (one or more per
     message) in one call, which then frees them in the same call; for a conversation of
     hundreds of thousands of messages that call holds the GIL for tens of milliseconds.
     Past `limit` the rest is never rendered."""

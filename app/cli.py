@@ -15,8 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="tandem: an OpenAI-compatible LLM inference server with an overlapped, "
-                    "GPU-native model runner. Runs the embedded SmolLM2-135M-Instruct offline "
-                    "by default.")
+        "GPU-native model runner. Runs the embedded SmolLM2-135M-Instruct offline "
+        "by default.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)

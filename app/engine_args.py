@@ -12,8 +12,8 @@ import os
 from typing import Any
 
 from actors.protocol.config import EngineConfig
-from actors.protocol.speculative_config import parse_speculative_config
 from actors.protocol.logits_processors import parse_logits_processor_specs
+from actors.protocol.speculative_config import parse_speculative_config
 
 _DEFAULTS = EngineConfig()
 
@@ -31,83 +31,146 @@ def _bool_env(name: str, default: bool) -> bool:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=_env("model", _DEFAULTS.model),
-                   help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
-                        "directory, or dummy:<preset> (random weights: qwen3-0.6b, qwen3-8b, "
-                        "qwen3-32b, llama-3.1-8b, llama-3.1-70b, smollm2-135m, qwen2-0.5b). "
-                        "Env: TANDEM_MODEL")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   default=_env("dtype", _DEFAULTS.dtype),
-                   help="compute dtype; auto = float32 on CPU, bfloat16 on GPU")
-    g.add_argument("--device", default=_env("device", _DEFAULTS.device),
-                   help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None),
-                   help="context length in tokens (default: the model's)")
-    g.add_argument("--block-size", type=int, default=int(_env("block_size", _DEFAULTS.block_size)),
-                   help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None),
-                   help="fix the number of KV cache blocks instead of sizing from memory")
-    g.add_argument("--gpu-memory-utilization", type=float,
-                   default=float(_env("gpu_memory_utilization", _DEFAULTS.gpu_memory_utilization)),
-                   help="fraction of GPU memory for weights, activations, graphs and KV cache")
-    g.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", _DEFAULTS.max_num_seqs)),
-                   help="most requests in one step")
-    g.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(_env("max_num_batched_tokens", _DEFAULTS.max_num_batched_tokens)),
-                   help="most tokens in one step; longer prompts are prefilled in chunks")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   default=_bool_env("no_prefix_caching", False),
-                   help="disable reuse of cached prompt blocks across requests")
-    g.add_argument("--runner", choices=["auto", "v1", "v2"], default=_env("runner", _DEFAULTS.runner),
-                   help="model runner; auto applies the startup selection rules "
-                        "(TANDEM_USE_V2_MODEL_RUNNER=1/0 also forces one)")
-    g.add_argument("--enforce-eager", action="store_true", default=_bool_env("enforce_eager", False),
-                   help="disable CUDA graphs")
-    g.add_argument("--seed", type=int, default=int(_env("seed", _DEFAULTS.seed)),
-                   help="seed for dummy weights and for requests without a seed")
-    g.add_argument("--tokenizer", default=_env("tokenizer", None),
-                   help="a tokenizer.json file or a Hugging Face tokenizer directory to use "
-                        "instead of the model's own (pairs any weights, dummy ones included, "
-                        "with a real tokenizer). Env: TANDEM_TOKENIZER")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int,
-                   default=int(_env("tensor_parallel_size", _DEFAULTS.tensor_parallel_size)),
-                   help="split the model over this many GPUs of this host (one worker process "
-                        "each; needs the V2 runner and attention heads divisible by it)")
+    g.add_argument(
+        "--model",
+        default=_env("model", _DEFAULTS.model),
+        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face "
+        "directory, or dummy:<preset> (random weights: qwen3-0.6b, qwen3-8b, "
+        "qwen3-32b, llama-3.1-8b, llama-3.1-70b, smollm2-135m, qwen2-0.5b). "
+        "Env: TANDEM_MODEL",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=_env("dtype", _DEFAULTS.dtype),
+        help="compute dtype; auto = float32 on CPU, bfloat16 on GPU",
+    )
+    g.add_argument(
+        "--device", default=_env("device", _DEFAULTS.device), help="auto, cpu, cuda or cuda:N"
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env("max_model_len", None),
+        help="context length in tokens (default: the model's)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=int(_env("block_size", _DEFAULTS.block_size)),
+        help="tokens per KV cache block",
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=_env("num_kv_blocks", None),
+        help="fix the number of KV cache blocks instead of sizing from memory",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(_env("gpu_memory_utilization", _DEFAULTS.gpu_memory_utilization)),
+        help="fraction of GPU memory for weights, activations, graphs and KV cache",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int(_env("max_num_seqs", _DEFAULTS.max_num_seqs)),
+        help="most requests in one step",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(_env("max_num_batched_tokens", _DEFAULTS.max_num_batched_tokens)),
+        help="most tokens in one step; longer prompts are prefilled in chunks",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=_bool_env("no_prefix_caching", False),
+        help="disable reuse of cached prompt blocks across requests",
+    )
+    g.add_argument(
+        "--runner",
+        choices=["auto", "v1", "v2"],
+        default=_env("runner", _DEFAULTS.runner),
+        help="model runner; auto applies the startup selection rules "
+        "(TANDEM_USE_V2_MODEL_RUNNER=1/0 also forces one)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=_bool_env("enforce_eager", False),
+        help="disable CUDA graphs",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=int(_env("seed", _DEFAULTS.seed)),
+        help="seed for dummy weights and for requests without a seed",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=_env("tokenizer", None),
+        help="a tokenizer.json file or a Hugging Face tokenizer directory to use "
+        "instead of the model's own (pairs any weights, dummy ones included, "
+        "with a real tokenizer). Env: TANDEM_TOKENIZER",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=int(_env("tensor_parallel_size", _DEFAULTS.tensor_parallel_size)),
+        help="split the model over this many GPUs of this host (one worker process "
+        "each; needs the V2 runner and attention heads divisible by it)",
+    )
     _add_runner_feature_args(parser, g)
 
 
 def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
     """Features that only the V1 runner has, and what is not implemented at all."""
-    g.add_argument("-O", "--compile-level", type=int, choices=(0, 1, 2),
-                   default=int(_env("compile_level", _DEFAULTS.compile_level)),
-                   help="torch.compile the model on the V1 runner: 0 eager (default); 1 "
-                        "inductor, default mode; 2 inductor, max-autotune-no-cudagraphs. "
-                        "Compiles the token-wise layers (norms, projections, MLP, rotary) "
-                        "between the eager attention calls, at startup. The V2 runner does "
-                        "not support it yet: -O1/-O2 select V1 (forcing V2 is an error). "
-                        "Env: TANDEM_COMPILE_LEVEL")
-    g.add_argument("--logits-processors", metavar="MODULE:CLASS[,...]",
-                   default=_env("logits_processors", ""),
-                   help="custom logits processors (subclasses of "
-                        "actors.protocol.logits_processors.LogitsProcessor), applied in this "
-                        "order; requests pass them arguments in 'vllm_xargs'. They run on the "
-                        "V1 runner: setting any selects V1 (forcing V2 is an error). "
-                        "Env: TANDEM_LOGITS_PROCESSORS")
-    g.add_argument("--speculative-config", metavar="JSON",
-                   default=_env("speculative_config", None),
-                   help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (vLLM\'s keys and defaults): ngram '
-                        "(prompt-lookup) drafting, verified in one forward; greedy and seeded "
-                        "outputs are those without it. V2 drafts on the device; V1 (chosen "
-                        "by another flag or rule) on the CPU. "
-                        "Env: TANDEM_SPECULATIVE_CONFIG")
+    g.add_argument(
+        "-O",
+        "--compile-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=int(_env("compile_level", _DEFAULTS.compile_level)),
+        help="torch.compile the model on the V1 runner: 0 eager (default); 1 "
+        "inductor, default mode; 2 inductor, max-autotune-no-cudagraphs. "
+        "Compiles the token-wise layers (norms, projections, MLP, rotary) "
+        "between the eager attention calls, at startup. The V2 runner does "
+        "not support it yet: -O1/-O2 select V1 (forcing V2 is an error). "
+        "Env: TANDEM_COMPILE_LEVEL",
+    )
+    g.add_argument(
+        "--logits-processors",
+        metavar="MODULE:CLASS[,...]",
+        default=_env("logits_processors", ""),
+        help="custom logits processors (subclasses of "
+        "actors.protocol.logits_processors.LogitsProcessor), applied in this "
+        "order; requests pass them arguments in 'vllm_xargs'. They run on the "
+        "V1 runner: setting any selects V1 (forcing V2 is an error). "
+        "Env: TANDEM_LOGITS_PROCESSORS",
+    )
+    g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=_env("speculative_config", None),
+        help='speculative decoding, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        "\"prompt_lookup_max\": 5}' (vLLM's keys and defaults): ngram "
+        "(prompt-lookup) drafting, verified in one forward; greedy and seeded "
+        "outputs are those without it. V2 drafts on the device; V1 (chosen "
+        "by another flag or rule) on the CPU. "
+        "Env: TANDEM_SPECULATIVE_CONFIG",
+    )
     parser.add_argument_group(
         "parallelism",
         description="Not implemented: sequence parallelism, and pipeline parallelism under "
-                    "an external launcher (torchrun). No flag asks for them. Runner-selection "
-                    "rule 5 lists both (they would select V1), but nothing can trigger that "
-                    "today.")
+        "an external launcher (torchrun). No flag asks for them. Runner-selection "
+        "rule 5 lists both (they would select V1), but nothing can trigger that "
+        "today.",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -129,8 +192,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tensor_parallel_size": args.tensor_parallel_size,
         "compile_level": args.compile_level,
         "logits_processors": parse_logits_processor_specs(args.logits_processors or ""),
-        "speculative_config": (None if args.speculative_config is None
-                               else parse_speculative_config(args.speculative_config)),
+        "speculative_config": (
+            None
+            if args.speculative_config is None
+            else parse_speculative_config(args.speculative_config)
+        ),
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if k in known})

@@ -26,8 +26,8 @@ from typing import Any
 import anyio
 import structlog
 
-from actors.protocol.config import EngineConfig
 from actors.frontend.engine_client import EngineClient
+from actors.protocol.config import EngineConfig
 from actors.protocol.launch_secret import new_secret
 from actors.protocol.messages import (
     EngineReady,
@@ -80,9 +80,15 @@ class ProcessOptions:
 
 
 class EngineConnection:
-    def __init__(self, config: EngineConfig, callbacks: EngineCallbacks, *,
-                 preloaded: Any = None, attach: EngineAttachment | None = None,
-                 process_options: ProcessOptions = ProcessOptions()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        callbacks: EngineCallbacks,
+        *,
+        preloaded: Any = None,
+        attach: EngineAttachment | None = None,
+        process_options: ProcessOptions = ProcessOptions(),
+    ) -> None:
         self._config, self._callbacks = config, callbacks
         self._tokenizer: Any = None
         self._preloaded, self._attach, self._options = preloaded, attach, process_options
@@ -123,12 +129,15 @@ class EngineConnection:
             self._ipc_dir = tempfile.mkdtemp(prefix="tandem-")
             options = self._options
             self._process = start_engine_process(
-                self._config, ipc_address(self._ipc_dir), self._secret,
+                self._config,
+                ipc_address(self._ipc_dir),
+                self._secret,
                 max_consecutive_failed_steps=options.max_consecutive_failed_steps,
-                log_format=options.log_format, log_level=options.log_level)
+                log_format=options.log_format,
+                log_level=options.log_level,
+            )
 
-    async def run(self, tokenizer: Any, *, task_status: anyio.abc.TaskStatus[EngineReady]
-                  ) -> None:
+    async def run(self, tokenizer: Any, *, task_status: anyio.abc.TaskStatus[EngineReady]) -> None:
         """Start (or attach to) the core; `started` with its EngineReady. Raises
         EngineStartError if it cannot start. Then runs until `shutdown()`."""
         self._tokenizer = tokenizer
@@ -183,11 +192,16 @@ class EngineConnection:
         loaded = reuse_engine(self._preloaded, self._config)
         callbacks = self._callbacks
         engine = InProcessEngine(
-            loaded.worker, loaded.runner, self._config, tokenizer=self._tokenizer,
+            loaded.worker,
+            loaded.runner,
+            self._config,
+            tokenizer=self._tokenizer,
             max_consecutive_failed_steps=self._options.max_consecutive_failed_steps,
             on_request_finished=callbacks.on_request_finished,
             step_observers=callbacks.step_observers,
-            on_scheduler_stats=callbacks.on_scheduler_stats, on_dead=callbacks.on_dead)
+            on_scheduler_stats=callbacks.on_scheduler_stats,
+            on_dead=callbacks.on_dead,
+        )
         self._inprocess, self.client = engine, engine.client
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
@@ -205,12 +219,16 @@ class EngineConnection:
             address, client_index, secret = ipc_address(self._ipc_dir), 0, self._secret
         callbacks = self._callbacks
         self.client = EngineClient(
-            ZmqClientEndpoint(address, client_index, secret), self._tokenizer,
+            ZmqClientEndpoint(address, client_index, secret),
+            self._tokenizer,
             client_index=client_index,
             on_request_finished=callbacks.on_request_finished,
             step_observers=callbacks.step_observers,
-            on_scheduler_stats=callbacks.on_scheduler_stats, on_ready=self._on_ready,
-            on_dead=callbacks.on_dead, on_startup_failed=self._on_startup_failed)
+            on_scheduler_stats=callbacks.on_scheduler_stats,
+            on_ready=self._on_ready,
+            on_dead=callbacks.on_dead,
+            on_startup_failed=self._on_startup_failed,
+        )
         return self.client
 
     # ---- events ------------------------------------------------------------------------
@@ -240,8 +258,10 @@ class EngineConnection:
         if self.client is not None:
             self.client.fail_all("the engine core process stopped unexpectedly")
         if self._callbacks.on_dead is not None:
-            self._callbacks.on_dead(f"the engine core process (pid {pid}) exited"
-                                    + ("" if returncode is None else f" with code {returncode}"))
+            self._callbacks.on_dead(
+                f"the engine core process (pid {pid}) exited"
+                + ("" if returncode is None else f" with code {returncode}")
+            )
 
     async def _remove_ipc_dir_once_heard(self, client: EngineClient) -> None:
         """A connected DEALER keeps its connection without the socket's path, and no other
@@ -259,6 +279,7 @@ class EngineConnection:
         if failure is not None:
             return EngineStartError(failure.message, failure.is_user_error)
         code = self._process.poll() if self._process is not None else None
-        return EngineStartError(f"the engine core process exited during startup (code {code}); "
-                                "its log above says why", is_user_error=code == 2)
-
+        return EngineStartError(
+            f"the engine core process exited during startup (code {code}); its log above says why",
+            is_user_error=code == 2,
+        )

@@ -26,20 +26,39 @@ ENGINE_CORE_MODULE = "actors.core.engine_core_proc"
 _POLL_S = 0.1
 
 
-def start_engine_process(config: EngineConfig, address: str, secret: bytes, *,
-                         max_consecutive_failed_steps: int, log_format: str,
-                         log_level: str) -> subprocess.Popen[bytes]:
+def start_engine_process(
+    config: EngineConfig,
+    address: str,
+    secret: bytes,
+    *,
+    max_consecutive_failed_steps: int,
+    log_format: str,
+    log_level: str,
+) -> subprocess.Popen[bytes]:
     """Start the engine core's process bound to `address` (ZMQ ipc), serving the peers
     that present `secret` (handed over on its stdin). It dies with its parent
     (PR_SET_PDEATHSIG), ignores SIGINT/SIGTERM (the front end drains first, then sends
     Shutdown) and logs to the same stderr."""
-    command = [sys.executable, "-m", ENGINE_CORE_MODULE, "--address", address,
-               "--config", msgspec.json.encode(config).decode(),
-               "--max-consecutive-failed-steps", str(max_consecutive_failed_steps),
-               "--log-format", log_format, "--log-level", log_level,
-               "--parent-pid", str(os.getpid())]
-    process = start_with_secret(command, secret, close_fds=True,
-                                env={**os.environ, "TANDEM_PROCESS_NAME": "engine_core"})
+    command = [
+        sys.executable,
+        "-m",
+        ENGINE_CORE_MODULE,
+        "--address",
+        address,
+        "--config",
+        msgspec.json.encode(config).decode(),
+        "--max-consecutive-failed-steps",
+        str(max_consecutive_failed_steps),
+        "--log-format",
+        log_format,
+        "--log-level",
+        log_level,
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+    process = start_with_secret(
+        command, secret, close_fds=True, env={**os.environ, "TANDEM_PROCESS_NAME": "engine_core"}
+    )
     log.info("engine_process_started", pid=process.pid)
     return process
 

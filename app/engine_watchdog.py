@@ -24,8 +24,13 @@ MIN_STALL_TIMEOUT_S = 2 * HEARTBEAT_INTERVAL_S
 
 
 class EngineWatchdog:
-    def __init__(self, stall_timeout_s: float, last_heard_at: Callable[[], float],
-                 on_stalled: Callable[[float], None], on_resumed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        stall_timeout_s: float,
+        last_heard_at: Callable[[], float],
+        on_stalled: Callable[[float], None],
+        on_resumed: Callable[[], None],
+    ) -> None:
         """`last_heard_at()`: time.monotonic() of the core's latest message;
         `on_stalled(silent_s)` and `on_resumed()` are called on each change."""
         if stall_timeout_s < MIN_STALL_TIMEOUT_S:

@@ -41,8 +41,15 @@ _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|function-\w+|\w+\[.*\]|[A
 class APIError(Exception):
     """An error answered to the client as-is. `retry_after_s` adds a Retry-After header."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 retry_after_s: int | None = None, error_type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -57,16 +64,27 @@ class APIError(Exception):
         return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
 
-def error_body(status: int, message: str, *, param: str | None = None,
-               error_type: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type or ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
+def error_body(
+    status: int, message: str, *, param: str | None = None, error_type: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type or ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
 
 
 def error_response(error: APIError, extra_headers: Mapping[str, str] | None = None) -> Response:
     headers = {**error.headers(), **(extra_headers or {})}
-    return Response(encode_json(error.body()), status_code=error.status,
-                    media_type="application/json", headers=headers)
+    return Response(
+        encode_json(error.body()),
+        status_code=error.status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def encode_json(body: Any) -> bytes:
@@ -87,29 +105,39 @@ def internal_error(request_id: str, reason: str | None = None) -> APIError:
     any (a grammar the output broke, a step that failed), goes to the client too."""
     if reason:
         return APIError(500, f"Internal server error (request id {request_id}): {reason}")
-    return APIError(500, f"Internal server error (request id {request_id}); the server log "
-                         "has the details")
+    return APIError(
+        500, f"Internal server error (request id {request_id}); the server log has the details"
+    )
 
 
 def context_length_error(num_tokens: int, max_model_len: int) -> APIError:
-    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                         f"However, your request has {num_tokens} input tokens. Please reduce "
-                         "the length of the input messages.", param="input_tokens")
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. "
+        f"However, your request has {num_tokens} input tokens. Please reduce "
+        "the length of the input messages.",
+        param="input_tokens",
+    )
 
 
 def text_too_long_error(num_chars: int, max_num_tokens: int, max_model_len: int) -> APIError:
-    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                         f"However, your input has {num_chars} characters, more than "
-                         f"{max_num_tokens} tokens of this model can hold. Please reduce the "
-                         "length of the input.", param="input_tokens")
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. "
+        f"However, your input has {num_chars} characters, more than "
+        f"{max_num_tokens} tokens of this model can hold. Please reduce the "
+        "length of the input.",
+        param="input_tokens",
+    )
 
 
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model")
 
 
-def validation_error(exc: ValidationError, loc_prefix: tuple[str, ...] = (),
-                     index_offset: int = 0) -> APIError:
+def validation_error(
+    exc: ValidationError, loc_prefix: tuple[str, ...] = (), index_offset: int = 0
+) -> APIError:
     """A 400 listing the first few problems, `param` naming the first bad field.
     `loc_prefix` and `index_offset` place errors of a slice of a list (validated on its
     own) in the request: the slice's item i is item `index_offset + i` of that field."""

@@ -70,14 +70,23 @@ class _Checker:
             await self.process.aclose()
 
 
-_PROCESS_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                 anyio.ClosedResourceError, OSError)
+_PROCESS_GONE = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+)
 
 
 class GrammarChecker:
-    def __init__(self, start: Callable[[], GrammarCheckerStart], *,
-                 num_processes: int = DEFAULT_NUM_PROCESSES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        start: Callable[[], GrammarCheckerStart],
+        *,
+        num_processes: int = DEFAULT_NUM_PROCESSES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         """`start()`: what to compile against, asked (in a worker thread: serializing a
         large tokenizer takes a while) when the first process starts; `timeout_s`: the most
         one compile may take (and the longest a check waits for a free process)."""
@@ -105,7 +114,8 @@ class GrammarChecker:
             acquired = True
         if not acquired:
             raise GrammarCheckerUnavailable(
-                f"every grammar checker stayed busy for {self.timeout_s:g} s")
+                f"every grammar checker stayed busy for {self.timeout_s:g} s"
+            )
         try:
             error, lasting = await self._compile(payload)
         finally:
@@ -130,8 +140,10 @@ class GrammarChecker:
                 reply = await checker.ask(payload)
         except TimeoutError:
             await checker.aclose()
-            return (f"compiling it took longer than the server's limit of {self.timeout_s:g} "
-                    "seconds (--grammar-compile-timeout)"), False
+            return (
+                f"compiling it took longer than the server's limit of {self.timeout_s:g} "
+                "seconds (--grammar-compile-timeout)"
+            ), False
         except _PROCESS_GONE:
             await checker.aclose()
             log.warning("grammar_checker_crashed", returncode=checker.process.returncode)
@@ -145,11 +157,15 @@ class GrammarChecker:
     async def _spawn(self) -> _Checker:
         if self._start is None:
             self._start = await anyio.to_thread.run_sync(
-                lambda: msgspec.msgpack.encode(self._make_start()))
+                lambda: msgspec.msgpack.encode(self._make_start())
+            )
         try:
             process = await anyio.open_process(
                 [sys.executable, "-m", "actors.core.grammar_worker", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+            )
         except OSError as exc:
             raise GrammarCheckerUnavailable(f"cannot start a grammar checker: {exc}") from exc
         checker = _Checker(process)

@@ -18,8 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from app.errors import APIError, bad_request
-from app.large_body import (GC_PAUSE, SHORT_SWITCHES, decode_in_steps, release_unshared,
-                             validate)
+from app.large_body import GC_PAUSE, SHORT_SWITCHES, decode_in_steps, release_unshared, validate
 from app.server_state import ServerState
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -38,7 +37,8 @@ _SCAN_BYTES = 1 << 20
 GIL; a body full of escapes takes a while)."""
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 _LARGE_BODY_LIMITERS: weakref.WeakKeyDictionary[Any, anyio.CapacityLimiter] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 """One per event loop (a test process runs several servers, each on its own loop)."""
 
 
@@ -73,14 +73,15 @@ def require_serving(state: ServerState) -> None:
         return
     retry = state.settings.retry_after_s
     if state.phase == "loading":
-        raise APIError(503, "The model is still loading; retry shortly",
-                       retry_after_s=_LOADING_RETRY_AFTER_S)
+        raise APIError(
+            503, "The model is still loading; retry shortly", retry_after_s=_LOADING_RETRY_AFTER_S
+        )
     if state.phase == "draining":
-        raise APIError(503, "The server is shutting down; retry on another replica",
-                       retry_after_s=retry)
+        raise APIError(
+            503, "The server is shutting down; retry on another replica", retry_after_s=retry
+        )
     if state.phase == "stalled":
-        raise APIError(503, "The engine has stopped answering; retry shortly",
-                       retry_after_s=retry)
+        raise APIError(503, "The engine has stopped answering; retry shortly", retry_after_s=retry)
     raise APIError(503, "The engine is not running", retry_after_s=retry)
 
 
@@ -110,9 +111,12 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float = math.in
     return body
 
 
-async def prepare_request(request: Request, state: ServerState,
-                          prepare: Callable[[dict[str, Any]], T],
-                          array_caps: Mapping[str, int] | None = None) -> T:
+async def prepare_request(
+    request: Request,
+    state: ServerState,
+    prepare: Callable[[dict[str, Any]], T],
+    array_caps: Mapping[str, int] | None = None,
+) -> T:
     """Read the body under the server's size and time limits, decode it as a JSON object and
     return `prepare(data)`, where `prepare` validates the request and builds what the route
     needs from it (prompts, token ids). For a body over OFF_LOOP_BODY_BYTES that all runs
@@ -120,15 +124,17 @@ async def prepare_request(request: Request, state: ServerState,
     such body at a time; `array_caps` (top-level key -> most items) refuses too long arrays
     while decoding."""
     settings = state.settings
-    body = await read_body(request, settings.max_request_body_bytes,
-                           settings.request_body_timeout_s)
+    body = await read_body(
+        request, settings.max_request_body_bytes, settings.request_body_timeout_s
+    )
     if len(body) <= OFF_LOOP_BODY_BYTES:
         return prepare(decode_json_object(body))
     # Large bodies one at a time: each busy thread is one more the event loop's thread
     # shares the GIL with.
     limiter = _large_body_limiter() if len(body) > LARGE_BODY_BYTES else None
-    return await anyio.to_thread.run_sync(_prepare_off_loop, body, prepare, array_caps or {},
-                                          limiter=limiter)
+    return await anyio.to_thread.run_sync(
+        _prepare_off_loop, body, prepare, array_caps or {}, limiter=limiter
+    )
 
 
 def _large_body_limiter() -> anyio.CapacityLimiter:
@@ -139,16 +145,18 @@ def _large_body_limiter() -> anyio.CapacityLimiter:
     return limiter
 
 
-def _prepare_off_loop(body: bytes, prepare: Callable[[dict[str, Any]], T],
-                      array_caps: Mapping[str, int]) -> T:
+def _prepare_off_loop(
+    body: bytes, prepare: Callable[[dict[str, Any]], T], array_caps: Mapping[str, int]
+) -> T:
     with SHORT_SWITCHES:
         if len(body) <= LARGE_BODY_BYTES:
             return prepare(decode_json_object(body))
         return _prepare_large(body, prepare, array_caps)
 
 
-def _prepare_large(body: bytes, prepare: Callable[[dict[str, Any]], T],
-                   array_caps: Mapping[str, int]) -> T:
+def _prepare_large(
+    body: bytes, prepare: Callable[[dict[str, Any]], T], array_caps: Mapping[str, int]
+) -> T:
     with GC_PAUSE:
         data: dict[str, Any] = {}
         try:
@@ -164,8 +172,7 @@ def _prepare_large(body: bytes, prepare: Callable[[dict[str, Any]], T],
     raise error
 
 
-def decode_json_object(body: bytes, array_caps: Mapping[str, int] | None = None
-                       ) -> dict[str, Any]:
+def decode_json_object(body: bytes, array_caps: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The body as a JSON object (400 when it is not one, or holds text that is not
     Unicode). With `array_caps` the top-level arrays are decoded item by item (see
     app.large_body). The standard parser, not orjson: orjson turns integers beyond 64 bits
@@ -182,8 +189,9 @@ def decode_json_object(body: bytes, array_caps: Mapping[str, int] | None = None
     # The parser accepts a lone UTF-16 surrogate ("\ud800", or its bytes); such a string is
     # not text: encoding it for the tokenizer, a log line or a response would fail.
     if _may_hold_surrogate(body) and _holds_surrogate(data):
-        raise bad_request("The request body holds a lone UTF-16 surrogate (such as \\ud800), "
-                          "which is not text")
+        raise bad_request(
+            "The request body holds a lone UTF-16 surrogate (such as \\ud800), which is not text"
+        )
     return data
 
 
@@ -192,8 +200,10 @@ def _may_hold_surrogate(body: bytes) -> bool:
     0xED), somewhere in the body: only then is the decoded body searched for one."""
     if b"\xed" in body:
         return True
-    return any(_SURROGATE_ESCAPE.search(body, start, start + _SCAN_BYTES + 5)
-               for start in range(0, len(body), _SCAN_BYTES))
+    return any(
+        _SURROGATE_ESCAPE.search(body, start, start + _SCAN_BYTES + 5)
+        for start in range(0, len(body), _SCAN_BYTES)
+    )
 
 
 def _holds_surrogate(value: Any) -> bool:
@@ -224,8 +234,7 @@ def parse_model(model: type[ModelT], data: dict[str, Any]) -> ModelT:
 
 
 def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"The request body is larger than the server's limit of "
-                         f"{max_bytes} bytes")
+    return APIError(413, f"The request body is larger than the server's limit of {max_bytes} bytes")
 
 
 def _json_kind(value: Any) -> str:

@@ -57,16 +57,20 @@ class StrictH11Connection(h11.Connection):
             if event.http_version not in HTTP_VERSIONS:
                 raise h11.RemoteProtocolError(
                     f"HTTP/{event.http_version.decode('ascii', 'replace')} is not supported",
-                    error_status_hint=505)
+                    error_status_hint=505,
+                )
             names = {name for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 raise h11.RemoteProtocolError(
-                    "Content-Length and Transfer-Encoding together", error_status_hint=400)
+                    "Content-Length and Transfer-Encoding together", error_status_hint=400
+                )
             if _asks_for_h2c(event.headers):
-                event = h11.Request(method=event.method, target=event.target,
-                                    http_version=event.http_version,
-                                    headers=[(n, v) for n, v in event.headers
-                                             if n != b"upgrade"])
+                event = h11.Request(
+                    method=event.method,
+                    target=event.target,
+                    http_version=event.http_version,
+                    headers=[(n, v) for n, v in event.headers if n != b"upgrade"],
+                )
         return event
 
 
@@ -80,7 +84,8 @@ class Http11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection = StrictH11Connection(
-            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size)
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
         self._send_timeout_s: float | None = getattr(self.config, "send_timeout", None)
         self._aborted = False
 
@@ -90,7 +95,9 @@ class Http11Protocol(H11Protocol):
         if isinstance(event, Body) and len(event.data) > WRITE_PIECE_BYTES:
             data = event.data
             for start in range(0, len(data), WRITE_PIECE_BYTES):
-                piece = Body(stream_id=event.stream_id, data=data[start:start + WRITE_PIECE_BYTES])
+                piece = Body(
+                    stream_id=event.stream_id, data=data[start : start + WRITE_PIECE_BYTES]
+                )
                 if not await self._send_within_timeout(piece):
                     return
             return
@@ -123,6 +130,8 @@ def _peer(client: tuple[str, int] | None) -> str | None:
 def install() -> None:
     """Make Hypercorn build `Http11Protocol` for every connection (idempotent)."""
     if not hasattr(hypercorn.protocol, "H11Protocol"):
-        raise RuntimeError("this Hypercorn version builds its HTTP/1.1 protocol elsewhere; "
-                           "tandem cannot restrict it to HTTP/1.1")
+        raise RuntimeError(
+            "this Hypercorn version builds its HTTP/1.1 protocol elsewhere; "
+            "tandem cannot restrict it to HTTP/1.1"
+        )
     hypercorn.protocol.H11Protocol = Http11Protocol  # type: ignore[misc]

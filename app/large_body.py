@@ -164,8 +164,14 @@ class _StepDecoder:
         self.json = decoder
         self.scan = decoder.scan_once  # type: ignore[attr-defined]
 
-    def object(self, start: int, caps: Mapping[str, int], nested: bool = False,
-               key: str = "", cap: int | None = None) -> tuple[dict[str, Any], int]:
+    def object(
+        self,
+        start: int,
+        caps: Mapping[str, int],
+        nested: bool = False,
+        key: str = "",
+        cap: int | None = None,
+    ) -> tuple[dict[str, Any], int]:
         """The object at `start`; with `nested`, its arrays and objects in steps too."""
         text, obj = self.text, {}
         idx = _WHITESPACE.match(text, start + 1).end()  # type: ignore[union-attr]
@@ -173,8 +179,9 @@ class _StepDecoder:
             return obj, idx + 1
         while True:
             if not text.startswith('"', idx):
-                raise json.JSONDecodeError("Expecting property name enclosed in double quotes",
-                                           text, idx)
+                raise json.JSONDecodeError(
+                    "Expecting property name enclosed in double quotes", text, idx
+                )
             if cap is not None and len(obj) >= cap:
                 raise _too_many(key, cap)
             member, idx = json.decoder.scanstring(text, idx + 1)  # type: ignore[attr-defined]
@@ -221,7 +228,7 @@ class _StepDecoder:
         piece_start = start + 1
         while True:
             piece_end = text.find(",", min(piece_start + NUMBERS_SLICE_CHARS, end), end)
-            piece = text[piece_start:end if piece_end < 0 else piece_end]
+            piece = text[piece_start : end if piece_end < 0 else piece_end]
             if '"' in piece or "[" in piece or "{" in piece:
                 return self.value(start)
             if not piece.strip():
@@ -247,8 +254,9 @@ class _StepDecoder:
 
 
 def _too_many(key: str, cap: int) -> Exception:
-    return bad_request(f"'{key}' holds more than {cap} items, more than this server takes in "
-                       "one request", key)
+    return bad_request(
+        f"'{key}' holds more than {cap} items, more than this server takes in one request", key
+    )
 
 
 def validate(model: type[ModelT], data: dict[str, Any]) -> ModelT:
@@ -276,7 +284,7 @@ def _validated_messages(messages: list[Any]) -> list[ChatMessage]:
     validated: list[ChatMessage] = []
     for start in range(0, len(messages), VALIDATION_SLICE):
         try:
-            validated.extend(_MESSAGES.validate_python(messages[start:start + VALIDATION_SLICE]))
+            validated.extend(_MESSAGES.validate_python(messages[start : start + VALIDATION_SLICE]))
         except ValidationError as exc:
             raise validation_error(exc, loc_prefix=("messages",), index_offset=start) from None
     return validated

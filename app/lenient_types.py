@@ -56,15 +56,19 @@ def _to_bool(value: Any) -> Any:
 def lenient_int(**constraints: Any) -> Any:
     """An int field (with Field constraints such as ge/le) read leniently."""
     checked = Annotated[int, Field(**constraints)]
-    return Annotated[checked, BeforeValidator(_to_int,
-                                              json_schema_input_type=checked | IntString)]
+    return Annotated[checked, BeforeValidator(_to_int, json_schema_input_type=checked | IntString)]
 
 
 def lenient_float(**constraints: Any) -> Any:
     checked = Annotated[float, Field(**constraints)]
-    return Annotated[checked, BeforeValidator(_to_float,
-                                              json_schema_input_type=checked | FloatString)]
+    return Annotated[
+        checked, BeforeValidator(_to_float, json_schema_input_type=checked | FloatString)
+    ]
 
 
-LenientBool = Annotated[bool, BeforeValidator(
-    _to_bool, json_schema_input_type=bool | Annotated[int, Field(ge=0, le=1)] | BoolString)]
+LenientBool = Annotated[
+    bool,
+    BeforeValidator(
+        _to_bool, json_schema_input_type=bool | Annotated[int, Field(ge=0, le=1)] | BoolString
+    ),
+]

@@ -19,13 +19,13 @@ from typing import Any
 
 import anyio
 
-from actors.frontend.admission import child_sampling_params
-from actors.protocol.config import EngineConfig
-from actors.inprocess_engine import InProcessEngine
-from actors.protocol.messages import EngineRequest, StepStats
-from actors.frontend.output_stream import RequestStream
-from actors.protocol.sampling_params import SamplingParams
 from actors.core.engine_startup import LoadedEngine, load_engine, reuse_engine
+from actors.frontend.admission import child_sampling_params
+from actors.frontend.output_stream import RequestStream
+from actors.inprocess_engine import InProcessEngine
+from actors.protocol.config import EngineConfig
+from actors.protocol.messages import EngineRequest, StepStats
+from actors.protocol.sampling_params import SamplingParams
 from app.tokenizer_loader import load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -54,8 +54,9 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "default", *, reuse: LLM | None = None,
-                 **engine_options: Any) -> None:
+    def __init__(
+        self, model: str = "default", *, reuse: LLM | None = None, **engine_options: Any
+    ) -> None:
         """`reuse` shares another LLM's loaded model (same weights, KV memory and device)
         under different engine options: runner, scheduling limits, a smaller KV pool."""
         self.config = EngineConfig(model=model, **engine_options)
@@ -65,10 +66,14 @@ class LLM:
             self.loaded = reuse_engine(reuse.loaded, self.config)
         self.worker = self.loaded.worker
         self._owns_worker = reuse is None
-        self.tokenizer = (reuse.tokenizer if reuse is not None
-                          else load_tokenizer(self.config.model, self.config.tokenizer))
-        self.eos_token_ids: tuple[int, ...] = (self.tokenizer.eos_token_ids
-                                               if self.tokenizer is not None else ())
+        self.tokenizer = (
+            reuse.tokenizer
+            if reuse is not None
+            else load_tokenizer(self.config.model, self.config.tokenizer)
+        )
+        self.eos_token_ids: tuple[int, ...] = (
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        )
         self._next_id = 0
         self.last_num_preemptions = 0
         self.last_step_stats: tuple[StepStats, ...] = ()
@@ -94,42 +99,63 @@ class LLM:
         return self.loaded.runner.reason
 
     def apply_chat_template(self, prompt: str) -> str:
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                  add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt (text, or a list of token ids) and return outputs in input order."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
-                       else [sampling_params] * len(prompt_list))
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompt_list)
+        )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         if self.tokenizer is None:
             _check_token_id_only(prompt_list, params_list)
         return anyio.run(self._generate, prompt_list, params_list, on_finished)
 
-    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
-                        on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
-        engine = InProcessEngine(self.worker, self.loaded.runner, self.config,
-                                 tokenizer=self.tokenizer)
+    async def _generate(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        on_finished: Callable[[RequestOutput], None] | None,
+    ) -> list[RequestOutput]:
+        engine = InProcessEngine(
+            self.worker, self.loaded.runner, self.config, tokenizer=self.tokenizer
+        )
         results: list[RequestOutput | None] = [None] * len(prompts)
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
             async with anyio.create_task_group() as requests_tg:
                 for i, (prompt, p) in enumerate(zip(prompts, params)):
-                    requests_tg.start_soon(self._run_one, engine, i, prompt, p, results, on_finished)
+                    requests_tg.start_soon(
+                        self._run_one, engine, i, prompt, p, results, on_finished
+                    )
             engine.stop()
         self.last_num_preemptions = engine.num_preemptions_total
         self.last_step_stats = engine.recent_step_stats()
         return [r for r in results if r is not None]
 
-    async def _run_one(self, engine: InProcessEngine, index: int, prompt: Prompt, params: SamplingParams,
-                       results: list[RequestOutput | None],
-                       on_finished: Callable[[RequestOutput], None] | None) -> None:
+    async def _run_one(
+        self,
+        engine: InProcessEngine,
+        index: int,
+        prompt: Prompt,
+        params: SamplingParams,
+        results: list[RequestOutput | None],
+        on_finished: Callable[[RequestOutput], None] | None,
+    ) -> None:
         token_ids = tuple(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         request_id = f"offline-{self._next_id}"
         self._next_id += 1
@@ -137,17 +163,23 @@ class LLM:
         async with anyio.create_task_group() as tg:
             for sample in range(params.n):
                 request = EngineRequest(
-                    request_id=f"{request_id}-{sample}", prompt_token_ids=token_ids,
+                    request_id=f"{request_id}-{sample}",
+                    prompt_token_ids=token_ids,
                     sampling_params=child_sampling_params(params, sample),
                     arrival_time=time.monotonic(),
-                    eos_token_ids=self.eos_token_ids)
+                    eos_token_ids=self.eos_token_ids,
+                )
                 tg.start_soon(_collect, engine.add_request(request), sample, collected)
         collected.sort(key=lambda c: c.output.index)
         result = RequestOutput(
-            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=token_ids, outputs=tuple(c.output for c in collected),
-            num_cached_tokens=max(c.num_cached_tokens for c in collected), runner=self.runner,
-            prompt_logprobs=collected[0].prompt_logprobs if collected else None)
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            outputs=tuple(c.output for c in collected),
+            num_cached_tokens=max(c.num_cached_tokens for c in collected),
+            runner=self.runner,
+            prompt_logprobs=collected[0].prompt_logprobs if collected else None,
+        )
         results[index] = result
         if on_finished is not None:
             on_finished(result)
@@ -164,11 +196,20 @@ async def _collect(stream: RequestStream, index: int, collected: list[_Collected
     delta = await stream.wait_finished()
     if delta is None:  # closed without an outcome; nothing to report
         return
-    collected.append(_Collected(
-        CompletionOutput(index=index, text=delta.text, token_ids=delta.token_ids,
-                         finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-                         logprobs=delta.logprobs or None),
-        delta.num_cached_tokens, delta.prompt_logprobs))
+    collected.append(
+        _Collected(
+            CompletionOutput(
+                index=index,
+                text=delta.text,
+                token_ids=delta.token_ids,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+                logprobs=delta.logprobs or None,
+            ),
+            delta.num_cached_tokens,
+            delta.prompt_logprobs,
+        )
+    )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

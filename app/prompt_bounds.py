@@ -125,9 +125,13 @@ def _bound(raw: Any) -> CharsPerToken | None:
     try:  # each component's own description: serializing the whole tokenizer takes long
         normalizer = _spec(raw.normalizer)
         pre_tokenizer = _spec(raw.pre_tokenizer)
-        model = {"type": type(raw.model).__name__,
-                 **{name: getattr(raw.model, name, None)
-                    for name in ("byte_fallback", "unk_token", "fuse_unk")}}
+        model = {
+            "type": type(raw.model).__name__,
+            **{
+                name: getattr(raw.model, name, None)
+                for name in ("byte_fallback", "unk_token", "fuse_unk")
+            },
+        }
         added = list(raw.get_added_tokens_decoder().values())
         vocab: dict[str, int] = raw.get_vocab(with_added_tokens=True)
         truncation = raw.truncation
@@ -189,8 +193,9 @@ def _pre_tokenizer_keeps_text(spec: dict[str, Any] | None) -> bool:
     return kind in _KEEPING_PRE_TOKENIZERS
 
 
-def _dropped_chars(model: dict[str, Any], pre_tokenizer: dict[str, Any] | None,
-                   vocab: dict[str, int]) -> str | None:
+def _dropped_chars(
+    model: dict[str, Any], pre_tokenizer: dict[str, Any] | None, vocab: dict[str, int]
+) -> str | None:
     """The characters no token covers ("" when every character ends up in a token, each
     unknown one on its own); None when an unknown run may become one token or dropped
     characters cannot be told apart."""

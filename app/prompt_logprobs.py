@@ -29,8 +29,9 @@ def with_prompt_logprobs(params: SamplingParams, echo: bool) -> SamplingParams:
     return params
 
 
-def vllm_prompt_logprobs(entries: Sequence[LogprobEntry | None] | None
-                         ) -> list[dict[str, Any] | None] | None:
+def vllm_prompt_logprobs(
+    entries: Sequence[LogprobEntry | None] | None,
+) -> list[dict[str, Any] | None] | None:
     if entries is None:
         return None
     out: list[dict[str, Any] | None] = []
@@ -38,31 +39,43 @@ def vllm_prompt_logprobs(entries: Sequence[LogprobEntry | None] | None
         if entry is None:
             out.append(None)
             continue
-        ranked = {str(entry.token_id): {"logprob": floor_logprob(entry.logprob),
-                                        "rank": entry.rank, "decoded_token": entry.token}}
+        ranked = {
+            str(entry.token_id): {
+                "logprob": floor_logprob(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": entry.token,
+            }
+        }
         for rank, top in enumerate(entry.top_logprobs, start=1):
-            ranked.setdefault(str(top.token_id), {"logprob": floor_logprob(top.logprob),
-                                                  "rank": rank, "decoded_token": top.token})
+            ranked.setdefault(
+                str(top.token_id),
+                {"logprob": floor_logprob(top.logprob), "rank": rank, "decoded_token": top.token},
+            )
         out.append(ranked)
     return out
 
 
-def echo_completion_logprobs(prompt_entries: Sequence[LogprobEntry | None],
-                             first_token_text: str, output_entries: Sequence[LogprobEntry] | None
-                             ) -> dict[str, Any]:
+def echo_completion_logprobs(
+    prompt_entries: Sequence[LogprobEntry | None],
+    first_token_text: str,
+    output_entries: Sequence[LogprobEntry] | None,
+) -> dict[str, Any]:
     """The legacy logprobs of prompt then output tokens; the first prompt token has no
     logprob (null), as OpenAI's echo returns it."""
     scored = [e for e in prompt_entries[1:] if e is not None] + list(output_entries or ())
     body = completion_logprobs(scored, len(first_token_text))
     assert body is not None
-    return {"tokens": [first_token_text, *body["tokens"]],
-            "token_logprobs": [None, *body["token_logprobs"]],
-            "top_logprobs": [None, *body["top_logprobs"]],
-            "text_offset": [0, *body["text_offset"]]}
+    return {
+        "tokens": [first_token_text, *body["tokens"]],
+        "token_logprobs": [None, *body["token_logprobs"]],
+        "top_logprobs": [None, *body["top_logprobs"]],
+        "text_offset": [0, *body["text_offset"]],
+    }
 
 
-def add_to_completion(body: dict[str, Any], choices: Sequence[Any],
-                      echo_first_tokens: Sequence[str] | None) -> None:
+def add_to_completion(
+    body: dict[str, Any], choices: Sequence[Any], echo_first_tokens: Sequence[str] | None
+) -> None:
     """Put each choice's prompt logprobs into a text_completion body (`choices`: the
     ChoiceStates, in body order; `echo_first_tokens`: each prompt's first token when the
     request asked for echo with logprobs)."""
@@ -72,7 +85,8 @@ def add_to_completion(body: dict[str, Any], choices: Sequence[Any],
         body_choice["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs)
         if echo_first_tokens is not None:
             body_choice["logprobs"] = echo_completion_logprobs(
-                choice.prompt_logprobs, echo_first_tokens[choice.prompt_index], choice.logprobs)
+                choice.prompt_logprobs, echo_first_tokens[choice.prompt_index], choice.logprobs
+            )
 
 
 def add_to_chat(body: dict[str, Any], choices: Sequence[Any]) -> None:

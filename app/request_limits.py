@@ -19,8 +19,14 @@ from app.errors import bad_request, context_length_error
 from app.lenient_types import int_as_read
 
 
-def check_generation_size(data: Mapping[str, Any], limits: AdmissionLimits, *,
-                          max_model_len: int, vocab_size: int, completions: bool) -> None:
+def check_generation_size(
+    data: Mapping[str, Any],
+    limits: AdmissionLimits,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    completions: bool,
+) -> None:
     """400 when a chat or completions request asks for more than the server takes: n,
     prompts x n (at most what the server holds at once, running and queued), token-list
     prompts that cannot fit the context, and the sizes of stop, logit_bias and
@@ -32,9 +38,11 @@ def check_generation_size(data: Mapping[str, Any], limits: AdmissionLimits, *,
     num_sequences = max(len(prompts), 1) * max(n, 1)
     capacity = limits.max_num_running + limits.max_queued_requests
     if num_sequences > capacity:
-        raise bad_request(f"this request needs {num_sequences} sequences ({len(prompts)} "
-                          f"prompts x n = {n}); the server holds at most {capacity} at once",
-                          "n")
+        raise bad_request(
+            f"this request needs {num_sequences} sequences ({len(prompts)} "
+            f"prompts x n = {n}); the server holds at most {capacity} at once",
+            "n",
+        )
     keep = _num_tokens_kept(data, max_model_len)
     for prompt in prompts:
         if isinstance(prompt, list):
@@ -58,17 +66,18 @@ def drop_truncated_tokens(data: dict[str, Any], max_model_len: int) -> None:
         if len(prompt) > keep:
             data["prompt"] = prompt[-keep:]
     else:
-        data["prompt"] = [p[-keep:] if isinstance(p, list) and len(p) > keep else p
-                          for p in prompt]
+        data["prompt"] = [p[-keep:] if isinstance(p, list) and len(p) > keep else p for p in prompt]
 
 
 def check_priority(priority: int | None, enabled: bool) -> None:
     """A request may set a priority only where priority scheduling is on (otherwise every
     client could put itself first)."""
     if priority and not enabled:
-        raise bad_request("priority scheduling is not enabled on this server (it is, with "
-                          "--scheduling-policy priority); leave 'priority' unset or 0",
-                          "priority")
+        raise bad_request(
+            "priority scheduling is not enabled on this server (it is, with "
+            "--scheduling-policy priority); leave 'priority' unset or 0",
+            "priority",
+        )
 
 
 def _prompts(prompt: Any) -> list[Any]:

@@ -57,8 +57,9 @@ class RequestTelemetry:
         self._params: Any = None
 
     @classmethod
-    def start(cls, tracing: Tracing, metrics: EngineMetrics, operation: str,
-              headers: Mapping[str, str]) -> RequestTelemetry:
+    def start(
+        cls, tracing: Tracing, metrics: EngineMetrics, operation: str, headers: Mapping[str, str]
+    ) -> RequestTelemetry:
         """Stamp the arrival and open the span ('chat' or 'text_completion'), parented on
         the caller's `traceparent` header."""
         arrival_time = time.monotonic()
@@ -69,14 +70,25 @@ class RequestTelemetry:
     def trace_id(self) -> str | None:
         return self.span.trace_id
 
-    def set_request(self, model: str, params: Any = None, *, stream: bool | None = None,
-                    response_id: str | None = None) -> None:
+    def set_request(
+        self,
+        model: str,
+        params: Any = None,
+        *,
+        stream: bool | None = None,
+        response_id: str | None = None,
+    ) -> None:
         self.span.set_request(model, params, stream=stream, response_id=response_id)
         if params is not None:
             self._params = params
 
-    def end(self, choices: Sequence[ChoiceState], prompt_lens: Sequence[int], *,
-            disconnected: bool = False) -> None:
+    def end(
+        self,
+        choices: Sequence[ChoiceState],
+        prompt_lens: Sequence[int],
+        *,
+        disconnected: bool = False,
+    ) -> None:
         """The request is over; logs one `request_finished` line. With every choice's
         engine record the span ends with usage (as the response counts it) and the phase
         events; a client that left first ends it as disconnected; otherwise the engine
@@ -90,27 +102,40 @@ class RequestTelemetry:
         totals = usage(prompt_lens, choices)
         if self._params is not None:
             self._metrics.request_shape.observe_api_request(
-                self._params.n, self._params.max_tokens, [c.num_output_tokens for c in choices])
+                self._params.n, self._params.max_tokens, [c.num_output_tokens for c in choices]
+            )
         self._log_finished(choices, records, totals, disconnected)
         if records and len(records) == len(choices):
-            self.span.finish(records, input_tokens=totals["prompt_tokens"],
-                             output_tokens=totals["completion_tokens"],
-                             cached_input_tokens=totals["prompt_tokens_details"]["cached_tokens"])
+            self.span.finish(
+                records,
+                input_tokens=totals["prompt_tokens"],
+                output_tokens=totals["completion_tokens"],
+                cached_input_tokens=totals["prompt_tokens_details"]["cached_tokens"],
+            )
         elif disconnected:
             self.span.disconnect()
         else:
             self.span.fail(ENGINE_ERROR_TYPE, "the engine ended the request without its record")
 
-    def _log_finished(self, choices: Sequence[ChoiceState], records: Sequence[RequestRecord],
-                      totals: dict[str, Any], disconnected: bool) -> None:
+    def _log_finished(
+        self,
+        choices: Sequence[ChoiceState],
+        records: Sequence[RequestRecord],
+        totals: dict[str, Any],
+        disconnected: bool,
+    ) -> None:
         first_token_times = [r.first_token_time for r in records if r.first_token_time is not None]
         ttft_s = min(first_token_times) - self.arrival_time if first_token_times else None
-        log.info("request_finished", finish_reasons=[c.finish_reason for c in choices],
-                 prompt_tokens=totals["prompt_tokens"],
-                 completion_tokens=totals["completion_tokens"],
-                 cached_tokens=totals["prompt_tokens_details"]["cached_tokens"],
-                 ttft_s=None if ttft_s is None else round(ttft_s, 6),
-                 e2e_s=round(time.monotonic() - self.arrival_time, 6), disconnected=disconnected)
+        log.info(
+            "request_finished",
+            finish_reasons=[c.finish_reason for c in choices],
+            prompt_tokens=totals["prompt_tokens"],
+            completion_tokens=totals["completion_tokens"],
+            cached_tokens=totals["prompt_tokens_details"]["cached_tokens"],
+            ttft_s=None if ttft_s is None else round(ttft_s, 6),
+            e2e_s=round(time.monotonic() - self.arrival_time, 6),
+            disconnected=disconnected,
+        )
 
     def refused(self, error: APIError, server_phase: str) -> None:
         """Answered with an HTTP error: the span fails with the status as `error.type`;

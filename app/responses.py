@@ -73,33 +73,48 @@ class ChoiceState:
         return "".join(self.text_parts)
 
 
-def usage(num_prompt_tokens_per_prompt: Sequence[int], choices: Sequence[ChoiceState]
-          ) -> dict[str, Any]:
+def usage(
+    num_prompt_tokens_per_prompt: Sequence[int], choices: Sequence[ChoiceState]
+) -> dict[str, Any]:
     """Each prompt counts once however many samples it has; outputs sum over choices. Cached
     tokens: the best prefix-cache hit among each prompt's samples."""
     num_prompt_tokens = sum(num_prompt_tokens_per_prompt)
     num_completion_tokens = sum(c.num_output_tokens for c in choices)
     cached_per_prompt: dict[int, int] = {}
     for choice in choices:
-        cached_per_prompt[choice.prompt_index] = max(cached_per_prompt.get(choice.prompt_index, 0),
-                                                     choice.num_cached_tokens)
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(cached_per_prompt.values())}}
+        cached_per_prompt[choice.prompt_index] = max(
+            cached_per_prompt.get(choice.prompt_index, 0), choice.num_cached_tokens
+        )
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(cached_per_prompt.values())},
+    }
 
 
 def chat_logprobs(entries: Sequence[LogprobEntry] | None) -> dict[str, Any] | None:
     if entries is None:
         return None
-    return {"content": [
-        {"token": e.token, "logprob": floor_logprob(e.logprob), "bytes": list(e.bytes),
-         "top_logprobs": [{"token": t.token, "logprob": floor_logprob(t.logprob),
-                           "bytes": list(t.bytes)} for t in e.top_logprobs]}
-        for e in entries]}
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": floor_logprob(e.logprob),
+                "bytes": list(e.bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": floor_logprob(t.logprob), "bytes": list(t.bytes)}
+                    for t in e.top_logprobs
+                ],
+            }
+            for e in entries
+        ]
+    }
 
 
-def completion_logprobs(entries: Sequence[LogprobEntry] | None, text_offset: int
-                        ) -> dict[str, Any] | None:
+def completion_logprobs(
+    entries: Sequence[LogprobEntry] | None, text_offset: int
+) -> dict[str, Any] | None:
     """Legacy completions format; `text_offset` is where the first token's text starts.
     Each top_logprobs map includes the sampled token, as vLLM's does."""
     if entries is None:
@@ -111,8 +126,13 @@ def completion_logprobs(entries: Sequence[LogprobEntry] | None, text_offset: int
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [floor_logprob(e.logprob) for e in entries],
-        "top_logprobs": [{**{t.token: floor_logprob(t.logprob) for t in e.top_logprobs},
-                          e.token: floor_logprob(e.logprob)} for e in entries],
+        "top_logprobs": [
+            {
+                **{t.token: floor_logprob(t.logprob) for t in e.top_logprobs},
+                e.token: floor_logprob(e.logprob),
+            }
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -125,10 +145,16 @@ def next_text_offset(logprobs: dict[str, Any] | None, default: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
-def chat_response(meta: ResponseMeta, choices: Sequence[ChoiceState], num_prompt_tokens: int,
-                  *, role: str = "assistant", echo_prefix: str = "",
-                  prompt_token_ids: Sequence[int] | None = None,
-                  tool_calls: Callable[[], ToolCallOutput] | None = None) -> dict[str, Any]:
+def chat_response(
+    meta: ResponseMeta,
+    choices: Sequence[ChoiceState],
+    num_prompt_tokens: int,
+    *,
+    role: str = "assistant",
+    echo_prefix: str = "",
+    prompt_token_ids: Sequence[int] | None = None,
+    tool_calls: Callable[[], ToolCallOutput] | None = None,
+) -> dict[str, Any]:
     """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
     body_choices = []
     for choice in choices:
@@ -137,37 +163,58 @@ def chat_response(meta: ResponseMeta, choices: Sequence[ChoiceState], num_prompt
         if tool_calls is not None:
             message, finish_reason = tool_calls().message(choice.text, choice.finish_reason)
         body_choice: dict[str, Any] = {
-            "index": choice.index, "message": {"role": role, **message},
+            "index": choice.index,
+            "message": {"role": role, **message},
             "logprobs": chat_logprobs(choice.logprobs),
-            "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+            "finish_reason": finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
         if prompt_token_ids is not None:
             body_choice["token_ids"] = choice.token_ids
         body_choices.append(body_choice)
     body: dict[str, Any] = {
-        "id": meta.response_id, "object": "chat.completion", "created": meta.created,
-        "model": meta.model, "choices": body_choices, "system_fingerprint": None,
-        "usage": usage([num_prompt_tokens], choices)}
+        "id": meta.response_id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": body_choices,
+        "system_fingerprint": None,
+        "usage": usage([num_prompt_tokens], choices),
+    }
     if prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)
     return body
 
 
-def completion_response(meta: ResponseMeta, choices: Sequence[ChoiceState],
-                        prompt_lens: Sequence[int], *, echo_texts: Sequence[str] | None = None,
-                        prompt_token_ids: Sequence[Sequence[int]] | None = None
-                        ) -> dict[str, Any]:
+def completion_response(
+    meta: ResponseMeta,
+    choices: Sequence[ChoiceState],
+    prompt_lens: Sequence[int],
+    *,
+    echo_texts: Sequence[str] | None = None,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+) -> dict[str, Any]:
     """`echo_texts[i]` is prompt i's text when the request asked for echo."""
     body_choices = []
     for choice in choices:
         prefix = echo_texts[choice.prompt_index] if echo_texts is not None else ""
         body_choice: dict[str, Any] = {
-            "index": choice.index, "text": prefix + choice.text,
+            "index": choice.index,
+            "text": prefix + choice.text,
             "logprobs": completion_logprobs(choice.logprobs, len(prefix)),
-            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
         if prompt_token_ids is not None:
             body_choice["prompt_token_ids"] = list(prompt_token_ids[choice.prompt_index])
             body_choice["token_ids"] = choice.token_ids
         body_choices.append(body_choice)
-    return {"id": meta.response_id, "object": "text_completion", "created": meta.created,
-            "model": meta.model, "choices": body_choices, "system_fingerprint": None,
-            "usage": usage(prompt_lens, choices)}
+    return {
+        "id": meta.response_id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": body_choices,
+        "system_fingerprint": None,
+        "usage": usage(prompt_lens, choices),
+    }

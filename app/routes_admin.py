@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.protocol.mailbox import ActorStopped
 from actors.frontend.engine_client import EngineUnavailable
+from actors.protocol.mailbox import ActorStopped
 from app.chat_template import ChatTemplateError
 from app.errors import APIError, bad_request, context_length_error, model_not_found
 from app.http_input import (
@@ -24,12 +24,12 @@ from app.http_input import (
 )
 from app.large_body import release_gradually
 from app.openapi import openapi_document
-from app.version import package_version
 from app.prompts import encode_checked, require_tokenizer, template_kwargs
 from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
 from app.tokenizer_export import tokenizer_info
+from app.version import package_version
 
 _HEALTH_RETRY_AFTER_S = 5
 
@@ -52,19 +52,24 @@ async def health(request: Request) -> Response:
     state = server_state(request)
     if state.phase == "serving":
         return _json({"status": "ok"})
-    return _json({"status": state.phase}, status=503,
-                 headers={"Retry-After": str(_HEALTH_RETRY_AFTER_S)})
+    return _json(
+        {"status": state.phase}, status=503, headers={"Retry-After": str(_HEALTH_RETRY_AFTER_S)}
+    )
 
 
 async def version(request: Request) -> Response:
     state = server_state(request)
     info = state.engine_info
-    return _json({"version": package_version(),
-                  "runner": info.runner if info else None,
-                  "runner_reason": info.runner_reason if info else None,
-                  "runner_rule": info.runner_rule if info else None,
-                  "api_server": state.client_index,
-                  "api_server_count": state.settings.api_server_count})
+    return _json(
+        {
+            "version": package_version(),
+            "runner": info.runner if info else None,
+            "runner_reason": info.runner_reason if info else None,
+            "runner_rule": info.runner_rule if info else None,
+            "api_server": state.client_index,
+            "api_server_count": state.settings.api_server_count,
+        }
+    )
 
 
 async def metrics(request: Request) -> Response:
@@ -110,16 +115,25 @@ def _tokenize_body(state: ServerState, data: dict[str, Any]) -> dict[str, Any]:
     else:
         text = req.prompt or ""
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-    tokens = encode_checked(require_tokenizer(state, "prompt"), text, add_special,
-                            state.max_model_len,
-                            state.max_model_len)
+    tokens = encode_checked(
+        require_tokenizer(state, "prompt"),
+        text,
+        add_special,
+        state.max_model_len,
+        state.max_model_len,
+    )
     if len(tokens) > state.max_model_len:
         raise context_length_error(len(tokens), state.max_model_len)
-    body: dict[str, Any] = {"count": len(tokens), "max_model_len": state.max_model_len,
-                            "tokens": tokens, "token_strs": None}
+    body: dict[str, Any] = {
+        "count": len(tokens),
+        "max_model_len": state.max_model_len,
+        "tokens": tokens,
+        "token_strs": None,
+    }
     if req.return_token_strs:
-        body["token_strs"] = [require_tokenizer(state, "return_token_strs").id_to_token(t)
-                              for t in tokens]
+        body["token_strs"] = [
+            require_tokenizer(state, "return_token_strs").id_to_token(t) for t in tokens
+        ]
     return body
 
 
@@ -127,8 +141,10 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
     messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
     try:
         text: str = require_tokenizer(state, "messages").apply_chat_template(
-            messages, add_generation_prompt=bool(req.add_generation_prompt),
-            **template_kwargs(req.chat_template_kwargs))
+            messages,
+            add_generation_prompt=bool(req.add_generation_prompt),
+            **template_kwargs(req.chat_template_kwargs),
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     finally:
@@ -138,8 +154,7 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
 
 async def _detokenize(request: Request, request_id: str) -> Response:
     state = await _ready(request)
-    return _json(await prepare_request(request, state,
-                                       functools.partial(_detokenize_body, state)))
+    return _json(await prepare_request(request, state, functools.partial(_detokenize_body, state)))
 
 
 def _detokenize_body(state: ServerState, data: dict[str, Any]) -> dict[str, Any]:
@@ -148,14 +163,18 @@ def _detokenize_body(state: ServerState, data: dict[str, Any]) -> dict[str, Any]
     # a response many times its size.
     tokens = data.get("tokens")
     if isinstance(tokens, list) and len(tokens) > state.max_model_len:
-        raise bad_request(f"at most {state.max_model_len} tokens (the model's context length) "
-                          f"can be detokenized, got {len(tokens)}", "tokens")
+        raise bad_request(
+            f"at most {state.max_model_len} tokens (the model's context length) "
+            f"can be detokenized, got {len(tokens)}",
+            "tokens",
+        )
     req = parse_model(DetokenizeRequest, data)
     _check_model(state, req.model)
     if req.tokens and max(req.tokens) >= state.vocab_size:
         bad = next(t for t in req.tokens if t >= state.vocab_size)
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {state.vocab_size})",
-                          "tokens")
+        raise bad_request(
+            f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens"
+        )
     return {"prompt": require_tokenizer(state, "tokens").decode(req.tokens)}
 
 
@@ -185,6 +204,6 @@ async def openapi(request: Request) -> Response:
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json",
-                    headers=headers)
-
+    return Response(
+        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )

@@ -21,6 +21,7 @@ from actors.frontend.admission import AdmissionRefused, RequestLimitError
 from actors.frontend.admitted_group import AdmittedGroup
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
+from app import prompt_logprobs
 from app.errors import (
     APIError,
     bad_request,
@@ -51,7 +52,6 @@ from app.request_limits import (
     check_priority,
     drop_truncated_tokens,
 )
-from app import prompt_logprobs
 from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response, completion_response
 from app.schemas import (
@@ -61,8 +61,6 @@ from app.schemas import (
     unsupported_field,
 )
 from app.server_state import ServerState
-from app.structured_outputs import constrain_params
-from app.tool_calls.request import ToolPlan, resolve_parser, tool_plan
 from app.sse import (
     ChatChunkFormatter,
     ChunkFormatter,
@@ -70,6 +68,8 @@ from app.sse import (
     EventStreamResponse,
     StreamOptions,
 )
+from app.structured_outputs import constrain_params
+from app.tool_calls.request import ToolPlan, resolve_parser, tool_plan
 from telemetry.logging import bind_request
 
 log = structlog.get_logger("tandem.server")
@@ -84,10 +84,14 @@ CLIENT_CLOSED_STATUS = 499
 
 def openai_routes() -> list[Route]:
     return [
-        Route("/v1/chat/completions", generation_endpoint("chat", _chat_completions),
-              methods=["POST"]),
-        Route("/v1/completions", generation_endpoint("text_completion", _completions),
-              methods=["POST"]),
+        Route(
+            "/v1/chat/completions", generation_endpoint("chat", _chat_completions), methods=["POST"]
+        ),
+        Route(
+            "/v1/completions",
+            generation_endpoint("text_completion", _completions),
+            methods=["POST"],
+        ),
         Route("/v1/models", api_endpoint(_list_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", api_endpoint(_retrieve_model), methods=["GET"]),
     ]
@@ -113,21 +117,29 @@ def generation_endpoint(operation: str, handler: GenerationHandler) -> Endpoint:
         state = server_state(request)
         call = RequestTelemetry.start(state.tracing, state.metrics, operation, request.headers)
         request_id = client_request_id(request)
-        return await _answer(request, request_id, lambda: handler(request, request_id, call),
-                             call)
+        return await _answer(request, request_id, lambda: handler(request, request_id, call), call)
 
     return endpoint
 
 
-async def _answer(request: Request, request_id: str, work: Callable[[], Awaitable[Response]],
-                  call: RequestTelemetry | None = None) -> Response:
+async def _answer(
+    request: Request,
+    request_id: str,
+    work: Callable[[], Awaitable[Response]],
+    call: RequestTelemetry | None = None,
+) -> Response:
     headers = {"X-Request-Id": request_id}
     try:
         with bind_request(request_id, None if call is None else call.trace_id):
             response = await work()
     except APIError as exc:
-        log.info("request_refused", request_id=request_id, status=exc.status,
-                 param=exc.param, message=exc.message)
+        log.info(
+            "request_refused",
+            request_id=request_id,
+            status=exc.status,
+            param=exc.param,
+            message=exc.message,
+        )
         if call is not None:
             call.refused(exc, server_state(request).phase)
         return error_response(exc, headers)
@@ -147,10 +159,13 @@ async def _answer(request: Request, request_id: str, work: Callable[[], Awaitabl
 def exception_handlers() -> dict[Any, Callable[..., Any]]:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        message = {404: f"No route for {request.url.path}",
-                   405: f"Method {request.method} is not allowed on {request.url.path}"}
-        return error_response(APIError(exc.status_code,
-                                       message.get(exc.status_code, str(exc.detail))))
+        message = {
+            404: f"No route for {request.url.path}",
+            405: f"Method {request.method} is not allowed on {request.url.path}",
+        }
+        return error_response(
+            APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        )
 
     return {HTTPException: http_error}
 
@@ -162,46 +177,73 @@ def client_request_id(request: Request) -> str:
 
 # ---- chat ----------------------------------------------------------------------------
 
-async def _chat_completions(request: Request, request_id: str, call: RequestTelemetry
-                            ) -> Response:
+
+async def _chat_completions(request: Request, request_id: str, call: RequestTelemetry) -> Response:
     state = await _checked_state(request)
     req, model, chat, tools = await prepare_request(
-        request, state, functools.partial(_prepare_chat, state, request_id, call),
-        _array_caps(state))
+        request,
+        state,
+        functools.partial(_prepare_chat, state, request_id, call),
+        _array_caps(state),
+    )
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
-    params = await constrain_params(sampling_params(state, req, [len(prompt.token_ids)]), req,
-                                    state.grammar_checker, tools,
-                                    state.settings.engine.tensor_parallel_size)
+    params = await constrain_params(
+        sampling_params(state, req, [len(prompt.token_ids)]),
+        req,
+        state.grammar_checker,
+        tools,
+        state.settings.engine.tensor_parallel_size,
+    )
     new_tool_output = tools.output_factory()
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]
-    group = await _admit(state, engine_requests(uuid.uuid4().hex, [prompt], params, state, req,
-                                                call.arrival_time), params)
+    group = await _admit(
+        state,
+        engine_requests(uuid.uuid4().hex, [prompt], params, state, req, call.arrival_time),
+        params,
+    )
     prompt_ids = prompt.token_ids if req.return_token_ids else None
     num_prompt_tokens = len(prompt.token_ids)
     if req.stream:
-        formatter = ChatChunkFormatter(meta, [num_prompt_tokens], choices, _continuous(req),
-                                       role=chat.role, echo_prefix=chat.echo_prefix,
-                                       tool_calls=new_tool_output)
+        formatter = ChatChunkFormatter(
+            meta,
+            [num_prompt_tokens],
+            choices,
+            _continuous(req),
+            role=chat.role,
+            echo_prefix=chat.echo_prefix,
+            tool_calls=new_tool_output,
+        )
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, [num_prompt_tokens]):
         return Response(status_code=CLIENT_CLOSED_STATUS)
-    body = chat_response(meta, choices, num_prompt_tokens, role=chat.role,
-                         echo_prefix=chat.echo_prefix, prompt_token_ids=prompt_ids,
-                         tool_calls=new_tool_output)
+    body = chat_response(
+        meta,
+        choices,
+        num_prompt_tokens,
+        role=chat.role,
+        echo_prefix=chat.echo_prefix,
+        prompt_token_ids=prompt_ids,
+        tool_calls=new_tool_output,
+    )
     prompt_logprobs.add_to_chat(body, choices)
     return _json(body)
 
 
-def _prepare_chat(state: ServerState, request_id: str, call: RequestTelemetry,
-                  data: dict[str, Any]
-                  ) -> tuple[ChatCompletionRequest, str, ChatPrompt, ToolPlan]:
+def _prepare_chat(
+    state: ServerState, request_id: str, call: RequestTelemetry, data: dict[str, Any]
+) -> tuple[ChatCompletionRequest, str, ChatPrompt, ToolPlan]:
     _check_size(state, data, completions=False)
     req = parse_model(ChatCompletionRequest, data)
     model = _check_request(state, req, request_id, call)
-    tools = tool_plan(req.tools, req.tool_choice, resolve_parser(
-        state.settings.tool_call_parser, getattr(state.tokenizer, "chat_template", None)))
+    tools = tool_plan(
+        req.tools,
+        req.tool_choice,
+        resolve_parser(
+            state.settings.tool_call_parser, getattr(state.tokenizer, "chat_template", None)
+        ),
+    )
     try:
         return req, model, chat_prompt(state, req, tools.template_tools), tools
     except APIError:
@@ -211,44 +253,69 @@ def _prepare_chat(state: ServerState, request_id: str, call: RequestTelemetry,
 
 # ---- completions ---------------------------------------------------------------------
 
+
 async def _completions(request: Request, request_id: str, call: RequestTelemetry) -> Response:
     state = await _checked_state(request)
     req, model, prompts = await prepare_request(
-        request, state, functools.partial(_prepare_completion, state, request_id, call),
-        _array_caps(state))
+        request,
+        state,
+        functools.partial(_prepare_completion, state, request_id, call),
+        _array_caps(state),
+    )
     prompt_lens = [len(p.token_ids) for p in prompts]
-    params = await constrain_params(prompt_logprobs.with_prompt_logprobs(
-        sampling_params(state, req, prompt_lens), bool(req.echo)), req, state.grammar_checker,
-        tensor_parallel_size=state.settings.engine.tensor_parallel_size)
+    params = await constrain_params(
+        prompt_logprobs.with_prompt_logprobs(
+            sampling_params(state, req, prompt_lens), bool(req.echo)
+        ),
+        req,
+        state.grammar_checker,
+        tensor_parallel_size=state.settings.engine.tensor_parallel_size,
+    )
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
-    choices = [ChoiceState(index=p * params.n + s, prompt_index=p)
-               for p in range(len(prompts)) for s in range(params.n)]
+    choices = [
+        ChoiceState(index=p * params.n + s, prompt_index=p)
+        for p in range(len(prompts))
+        for s in range(params.n)
+    ]
     echo_texts = echo_first_tokens = None
     if req.echo:
-        echo_texts = [p.text if p.text is not None
-                      else require_tokenizer(state, "echo").decode(list(p.token_ids))
-                      for p in prompts]
+        echo_texts = [
+            p.text
+            if p.text is not None
+            else require_tokenizer(state, "echo").decode(list(p.token_ids))
+            for p in prompts
+        ]
         if req.logprobs is not None:
             echo_first_tokens = [_first_token_text(state, p.token_ids) for p in prompts]
-    group = await _admit(state, engine_requests(uuid.uuid4().hex, prompts, params, state, req,
-                                                call.arrival_time), params)
+    group = await _admit(
+        state,
+        engine_requests(uuid.uuid4().hex, prompts, params, state, req, call.arrival_time),
+        params,
+    )
     if req.stream:
-        formatter = CompletionChunkFormatter(meta, prompt_lens, choices, _continuous(req),
-                                             echo_texts=echo_texts,
-                                             echo_first_tokens=echo_first_tokens)
+        formatter = CompletionChunkFormatter(
+            meta,
+            prompt_lens,
+            choices,
+            _continuous(req),
+            echo_texts=echo_texts,
+            echo_first_tokens=echo_first_tokens,
+        )
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
     prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
-    body = completion_response(meta, choices, prompt_lens, echo_texts=echo_texts,
-                               prompt_token_ids=prompt_ids)
+    body = completion_response(
+        meta, choices, prompt_lens, echo_texts=echo_texts, prompt_token_ids=prompt_ids
+    )
     prompt_logprobs.add_to_completion(body, choices, echo_first_tokens)
     return _json(body)
 
 
-def _prepare_completion(state: ServerState, request_id: str, call: RequestTelemetry,
-                        data: dict[str, Any]) -> tuple[CompletionRequest, str, list[Prompt]]:
+def _prepare_completion(
+    state: ServerState, request_id: str, call: RequestTelemetry, data: dict[str, Any]
+) -> tuple[CompletionRequest, str, list[Prompt]]:
     _check_size(state, data, completions=True)
     req = parse_model(CompletionRequest, data)
     model = _check_request(state, req, request_id, call)
@@ -257,11 +324,11 @@ def _prepare_completion(state: ServerState, request_id: str, call: RequestTeleme
 
 def _first_token_text(state: ServerState, token_ids: Sequence[int]) -> str:
     tokenizer = state.tokenizer
-    return "" if tokenizer is None else tokenizer.decode([token_ids[0]],
-                                                         skip_special_tokens=False)
+    return "" if tokenizer is None else tokenizer.decode([token_ids[0]], skip_special_tokens=False)
 
 
 # ---- models --------------------------------------------------------------------------
+
 
 async def _list_models(request: Request, request_id: str) -> Response:
     state = await _checked_state(request)
@@ -277,12 +344,20 @@ async def _retrieve_model(request: Request, request_id: str) -> Response:
 
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "tandem",
-            "root": state.model_names[0], "parent": None, "max_model_len": state.max_model_len,
-            "permission": []}
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tandem",
+        "root": state.model_names[0],
+        "parent": None,
+        "max_model_len": state.max_model_len,
+        "permission": [],
+    }
 
 
 # ---- shared steps --------------------------------------------------------------------
+
 
 async def _checked_state(request: Request) -> ServerState:
     state = server_state(request)
@@ -293,8 +368,13 @@ async def _checked_state(request: Request) -> ServerState:
 
 def _check_size(state: ServerState, data: dict[str, Any], completions: bool) -> None:
     assert state.admission is not None
-    check_generation_size(data, state.admission.limits, max_model_len=state.max_model_len,
-                          vocab_size=state.vocab_size, completions=completions)
+    check_generation_size(
+        data,
+        state.admission.limits,
+        max_model_len=state.max_model_len,
+        vocab_size=state.vocab_size,
+        completions=completions,
+    )
     if completions:
         drop_truncated_tokens(data, state.max_model_len)
 
@@ -304,12 +384,16 @@ def _array_caps(state: ServerState) -> dict[str, int]:
     server holds at once, more stop strings or logit_bias entries than allowed."""
     assert state.admission is not None
     limits = state.admission.limits
-    return {"prompt": limits.max_num_running + limits.max_queued_requests,
-            "stop": limits.max_stop_strings, "logit_bias": limits.max_logit_bias_entries}
+    return {
+        "prompt": limits.max_num_running + limits.max_queued_requests,
+        "stop": limits.max_stop_strings,
+        "logit_bias": limits.max_logit_bias_entries,
+    }
 
 
-def _check_request(state: ServerState, req: SamplingFields, request_id: str,
-                   call: RequestTelemetry) -> str:
+def _check_request(
+    state: ServerState, req: SamplingFields, request_id: str, call: RequestTelemetry
+) -> str:
     """The served model name; refuses unknown models and unimplemented fields."""
     model = state.resolve_model(req.model)
     if model is None:
@@ -320,13 +404,15 @@ def _check_request(state: ServerState, req: SamplingFields, request_id: str,
         raise bad_request(unsupported[1], unsupported[0])
     check_priority(req.priority, state.settings.priority_scheduling)
     if req.model_extra:
-        log.warning("request_fields_ignored", request_id=request_id,
-                    fields=sorted(req.model_extra)[:20])
+        log.warning(
+            "request_fields_ignored", request_id=request_id, fields=sorted(req.model_extra)[:20]
+        )
     return model
 
 
-async def _admit(state: ServerState, requests: list[EngineRequest], params: SamplingParams
-                 ) -> AdmittedGroup:
+async def _admit(
+    state: ServerState, requests: list[EngineRequest], params: SamplingParams
+) -> AdmittedGroup:
     assert state.admission is not None
     try:
         return await state.admission.admit(requests, params)
@@ -340,17 +426,31 @@ def _continuous(req: SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
 
-def _stream(group: AdmittedGroup, formatter: ChunkFormatter, req: SamplingFields,
-            state: ServerState, request_id: str, call: RequestTelemetry) -> Response:
+def _stream(
+    group: AdmittedGroup,
+    formatter: ChunkFormatter,
+    req: SamplingFields,
+    state: ServerState,
+    request_id: str,
+    call: RequestTelemetry,
+) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    options = StreamOptions(include_usage=include_usage, continuous_usage=_continuous(req),
-                            keep_alive=state.keep_alive)
-    return EventStreamResponse(group, formatter, options, request_id,
-                               headers={"X-Request-Id": request_id}, telemetry=call)
+    options = StreamOptions(
+        include_usage=include_usage, continuous_usage=_continuous(req), keep_alive=state.keep_alive
+    )
+    return EventStreamResponse(
+        group, formatter, options, request_id, headers={"X-Request-Id": request_id}, telemetry=call
+    )
 
 
-async def _collect(request: Request, group: AdmittedGroup, choices: Sequence[ChoiceState],
-                   request_id: str, call: RequestTelemetry, prompt_lens: Sequence[int]) -> bool:
+async def _collect(
+    request: Request,
+    group: AdmittedGroup,
+    choices: Sequence[ChoiceState],
+    request_id: str,
+    call: RequestTelemetry,
+    prompt_lens: Sequence[int],
+) -> bool:
     """Read every choice to its end, racing the client: False if it disconnected first (the
     engine requests are then aborted). Raises a 500 APIError if a choice failed. Ends the
     request's telemetry either way."""

@@ -4,8 +4,9 @@ Every model accepts unknown fields (clients send vendor extensions; the server l
 ignores them). Sampling values are read as leniently as vLLM reads them
 (app/lenient_types.py): an integral float or a string of digits fills an integer field, a
 numeric string a number field, `1`/`"true"` a boolean one; a fractional `max_tokens` or a
-word where a number belongs is still a 400 naming the field. Fields tandem knows but does not implement yet are declared so that a
-non-default value can be refused with a 400 naming the field, never silently ignored.
+word where a number belongs is still a 400 naming the field. Fields tandem knows but does
+not implement yet are declared so that a non-default value can be refused with a 400
+naming the field, never silently ignored.
 These models also generate `/openapi.json`.
 """
 
@@ -202,8 +203,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[NonNegativeInt]
 
 
-REQUEST_TEMPLATE_REFUSED = ("a chat template cannot come from a request; the server renders "
-                            "the model's own template")
+REQUEST_TEMPLATE_REFUSED = (
+    "a chat template cannot come from a request; the server renders the model's own template"
+)
 """A template is code run on the server: it is never taken from a request."""
 
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
@@ -235,8 +237,9 @@ def unsupported_field(request: SamplingFields) -> tuple[str, str] | None:
     """The first known field whose requested behaviour tandem does not implement, as
     (field, message); None when every field is usable."""
     table = dict(_UNSUPPORTED_COMMON)
-    table.update(_UNSUPPORTED_CHAT if isinstance(request, ChatCompletionRequest)
-                 else _UNSUPPORTED_COMPLETION)
+    table.update(
+        _UNSUPPORTED_CHAT if isinstance(request, ChatCompletionRequest) else _UNSUPPORTED_COMPLETION
+    )
     for name, unused_values in table.items():
         value = getattr(request, name)
         if value is None or _is_unused(value, unused_values):
@@ -249,9 +252,13 @@ def _is_unused(value: Any, unused_values: tuple[Any, ...]) -> bool:
     if isinstance(value, list):
         value = tuple(value)
     return any(type(value) is type(u) and value == u for u in unused_values) or (
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and any(isinstance(u, (int, float)) and not isinstance(u, bool) and value == u
-                for u in unused_values))
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and any(
+            isinstance(u, (int, float)) and not isinstance(u, bool) and value == u
+            for u in unused_values
+        )
+    )
 
 
 def _special_cases(request: SamplingFields) -> tuple[str, str] | None:

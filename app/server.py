@@ -63,9 +63,12 @@ def create_app(state: ServerState) -> Starlette:
                 await state.engine_stopped.wait()
             tg.cancel_scope.cancel()
 
-    app = Starlette(routes=[*openai_routes(), *admin_routes()], lifespan=lifespan,
-                    exception_handlers=exception_handlers(),
-                    middleware=[Middleware(CloseIfBodyUnread)])
+    app = Starlette(
+        routes=[*openai_routes(), *admin_routes()],
+        lifespan=lifespan,
+        exception_handlers=exception_handlers(),
+        middleware=[Middleware(CloseIfBodyUnread)],
+    )
     # A redirect to the path without its trailing slash would be built from the client's
     # Host header (an open redirect); such a path gets 404 instead.
     app.router.redirect_slashes = False
@@ -113,18 +116,23 @@ class _Signals:
 class TandemServer:
     """One `tandem serve` process (or a test's server thread).
 
-        server = TandemServer(settings)     # binds the socket
-        exit_code = anyio.run(server.serve)
+    server = TandemServer(settings)     # binds the socket
+    exit_code = anyio.run(server.serve)
     """
 
-    def __init__(self, settings: ServeSettings, state: ServerState | None = None,
-                 sock: socket.socket | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        state: ServerState | None = None,
+        sock: socket.socket | None = None,
+    ) -> None:
         """`sock`: a listening socket to serve on (an API server of several shares its
         parent's); otherwise the server binds settings.host:settings.port."""
         self.settings = settings
         self.state = state or ServerState(settings)
-        self._socket = sock if sock is not None else bind_listening_socket(settings.host,
-                                                                           settings.port)
+        self._socket = (
+            sock if sock is not None else bind_listening_socket(settings.host, settings.port)
+        )
         self.port: int = self._socket.getsockname()[1]
         self._loop: Any = None
         self._signals: _Signals | None = None
@@ -151,8 +159,9 @@ class TandemServer:
         log.info("server_stopped", exit_code=self.state.exit_code)
         return self.state.exit_code
 
-    async def _serve_http(self, app: Starlette, config: HypercornConfig,
-                          done: anyio.CancelScope) -> None:
+    async def _serve_http(
+        self, app: Starlette, config: HypercornConfig, done: anyio.CancelScope
+    ) -> None:
         # A task of its own: Hypercorn's asyncio.TaskGroup (Python 3.11) leaves its task
         # marked as cancelling after a shutdown, which would then leak a CancelledError out
         # of any cancel scope that task later uses.
@@ -176,8 +185,9 @@ class TandemServer:
 
     async def _drain_when_asked(self, signals: _Signals) -> None:
         await signals.drain.wait()
-        await self.state.drain(self.settings.shutdown_timeout_s, signals.force,
-                               flush_timeout_s=_FLUSH_AFTER_ABORT_S)
+        await self.state.drain(
+            self.settings.shutdown_timeout_s, signals.force, flush_timeout_s=_FLUSH_AFTER_ABORT_S
+        )
 
 
 async def _as_coroutine(fn: Callable[[], Awaitable[T]]) -> T:

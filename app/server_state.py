@@ -25,8 +25,6 @@ from actors.protocol.messages import (
     SchedulerStats,
 )
 from actors.protocol.model_source import ModelLoadError
-from app.grammar_checker import GrammarChecker
-from app.keep_alive import KeepAliveClock
 from app.engine_connection import (
     EngineAttachment,
     EngineCallbacks,
@@ -35,6 +33,8 @@ from app.engine_connection import (
     ProcessOptions,
 )
 from app.engine_watchdog import EngineWatchdog
+from app.grammar_checker import GrammarChecker
+from app.keep_alive import KeepAliveClock
 from app.prompt_bounds import chars_per_token
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
 from app.tokenizer_loader import load_generation_config, load_tokenizer
@@ -42,8 +42,13 @@ from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import Tracing, setup_tracing
 
-__all__ = ["EMBEDDED_MODEL_NAME", "EngineSnapshot", "ServeSettings", "ServerState",
-           "default_model_names"]
+__all__ = [
+    "EMBEDDED_MODEL_NAME",
+    "EngineSnapshot",
+    "ServeSettings",
+    "ServerState",
+    "default_model_names",
+]
 
 log = structlog.get_logger("tandem.server")
 
@@ -67,9 +72,15 @@ class EngineSnapshot:
 
 
 class ServerState:
-    def __init__(self, settings: ServeSettings, preloaded: Any = None, *,
-                 tracing: Tracing | None = None, attach: EngineAttachment | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        preloaded: Any = None,
+        *,
+        tracing: Tracing | None = None,
+        attach: EngineAttachment | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
         """`preloaded`: an actors.core.engine_startup.LoadedEngine to serve on this event loop
         instead of starting the engine core's process (same model and block size; tests
         and benchmarks start servers in a second). `attach`: a core process someone else
@@ -127,8 +138,9 @@ class ServerState:
         connection = self.connection = self._make_connection()
         connection.spawn()
         try:
-            self.tokenizer = await anyio.to_thread.run_sync(_load_warm_tokenizer, config.model,
-                                                            config.tokenizer)
+            self.tokenizer = await anyio.to_thread.run_sync(
+                _load_warm_tokenizer, config.model, config.tokenizer
+            )
             self.generation_config = load_generation_config(config.model)
         except Exception:
             await connection.shutdown()  # the core it spawned, and its ipc folder
@@ -147,9 +159,14 @@ class ServerState:
                 await connection.shutdown()
                 raise
             self._serve_with(info, connection)
-            log.info("engine_ready", runner=info.runner, reason=info.runner_reason,
-                     max_model_len=info.max_model_len, engine_pid=info.pid,
-                     startup_s=round(time.perf_counter() - started, 3))
+            log.info(
+                "engine_ready",
+                runner=info.runner,
+                reason=info.runner_reason,
+                max_model_len=info.max_model_len,
+                engine_pid=info.pid,
+                startup_s=round(time.perf_counter() - started, 3),
+            )
             assert self.admission is not None
             tg.start_soon(self.admission.run)
             watchdog = self._make_watchdog(connection)
@@ -168,29 +185,44 @@ class ServerState:
         callbacks = EngineCallbacks(
             on_request_finished=self.metrics.observe_request_finished,
             step_observers=(self.metrics.observe_step, EngineStatsLog().observe_step),
-            on_scheduler_stats=self.metrics.observe_engine_totals, on_dead=self._on_engine_dead)
+            on_scheduler_stats=self.metrics.observe_engine_totals,
+            on_dead=self._on_engine_dead,
+        )
         options = ProcessOptions(
             max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
-            log_format=self.settings.log_format, log_level=self.settings.log_level)
-        return EngineConnection(self.settings.engine, callbacks,
-                                preloaded=self._preloaded, attach=self._attach,
-                                process_options=options)
+            log_format=self.settings.log_format,
+            log_level=self.settings.log_level,
+        )
+        return EngineConnection(
+            self.settings.engine,
+            callbacks,
+            preloaded=self._preloaded,
+            attach=self._attach,
+            process_options=options,
+        )
 
     def _make_watchdog(self, connection: EngineConnection) -> EngineWatchdog | None:
         timeout_s = self.settings.engine_stall_timeout_s
         client = connection.client
         if connection.inprocess_core is not None or timeout_s <= 0 or client is None:
             return None  # a core on this event loop cannot stall without this loop
-        return EngineWatchdog(timeout_s, lambda: client.last_heard_at, self._on_engine_stalled,
-                              self._on_engine_resumed)
+        return EngineWatchdog(
+            timeout_s,
+            lambda: client.last_heard_at,
+            self._on_engine_stalled,
+            self._on_engine_resumed,
+        )
 
     def _on_engine_stalled(self, silent_s: float) -> None:
         if self.phase == "dead":  # its process is gone: silence says nothing more
             return
         if self.phase == "serving":
             self.phase = "stalled"
-        log.error("engine_stalled", silent_s=round(silent_s, 3),
-                  stall_timeout_s=self.settings.engine_stall_timeout_s)
+        log.error(
+            "engine_stalled",
+            silent_s=round(silent_s, 3),
+            stall_timeout_s=self.settings.engine_stall_timeout_s,
+        )
 
     def _on_engine_resumed(self) -> None:
         if self.phase == "dead":
@@ -204,34 +236,50 @@ class ServerState:
             raise ModelLoadError(
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"vocabulary holds {info.vocab_size}: pass the model's own tokenizer "
-                f"(--tokenizer)")
+                f"(--tokenizer)"
+            )
 
     def _serve_with(self, info: EngineReady, connection: EngineConnection) -> None:
         self.engine_info, self.engine = info, connection.client
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.metrics.set_runner(info.runner, info.runner_reason, info.runner_rule)
         config = self.settings.engine
-        self.metrics.request_shape.configure(self.max_model_len, {
-            "block_size": info.block_size, "num_gpu_blocks": info.num_kv_blocks,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            "gpu_memory_utilization": config.gpu_memory_utilization, "cache_dtype": "auto"})
+        self.metrics.request_shape.configure(
+            self.max_model_len,
+            {
+                "block_size": info.block_size,
+                "num_gpu_blocks": info.num_kv_blocks,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "gpu_memory_utilization": config.gpu_memory_utilization,
+                "cache_dtype": "auto",
+            },
+        )
         limits = AdmissionLimits(
             max_num_running=config.max_num_seqs,
             max_queued_requests=self.settings.max_queued_requests,
             max_queued_prompt_tokens=self.settings.max_queued_prompt_tokens,
-            max_n=self.settings.max_n, retry_after_s=self.settings.retry_after_s)
+            max_n=self.settings.max_n,
+            retry_after_s=self.settings.retry_after_s,
+        )
         self.admission = AdmissionActor(connection.client, limits)
         tokenizer = self.tokenizer
         self.grammar_checker = GrammarChecker(
-            lambda: GrammarCheckerStart(None if tokenizer is None else tokenizer.raw.to_str(),
-                                        info.vocab_size, self.eos_token_ids),
-            timeout_s=self.settings.grammar_compile_timeout_s)
+            lambda: GrammarCheckerStart(
+                None if tokenizer is None else tokenizer.raw.to_str(),
+                info.vocab_size,
+                self.eos_token_ids,
+            ),
+            timeout_s=self.settings.grammar_compile_timeout_s,
+        )
         if self.phase == "loading":
             self.phase = "serving"
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        if isinstance(exc, EngineStartError) and exc.is_user_error or isinstance(
-                exc, ModelLoadError):
+        if (
+            isinstance(exc, EngineStartError)
+            and exc.is_user_error
+            or isinstance(exc, ModelLoadError)
+        ):
             log.error("model_load_failed", error=str(exc))
             self.failure_message = str(exc)
             self.exit_code = 2
@@ -313,11 +361,14 @@ class ServerState:
         stats = await self.engine_stats()
         admitted = await admission.stats()
         return EngineSnapshot(
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
             num_unfinished_admitted=admitted.num_unfinished,
             num_free_kv_blocks=stats.num_free_kv_blocks,
-            num_total_kv_blocks=stats.num_total_kv_blocks, num_free_rows=stats.num_free_rows,
-            num_rows=self.settings.engine.max_num_seqs)
+            num_total_kv_blocks=stats.num_total_kv_blocks,
+            num_free_rows=stats.num_free_rows,
+            num_rows=self.settings.engine.max_num_seqs,
+        )
 
 
 def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
@@ -330,8 +381,9 @@ def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
         chars_per_token(tokenizer)
         text = "warm up"
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
         except Exception:  # noqa: BLE001 - a template that cannot render is the request's 400
             pass
         tokenizer.decode(tokenizer.encode(text))
@@ -350,6 +402,7 @@ async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s
     idle = False
     with anyio.move_on_after(timeout_s):
         async with anyio.create_task_group() as tg:
+
             async def wait_idle() -> None:
                 nonlocal idle
                 await admission.wait_idle()

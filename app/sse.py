@@ -35,7 +35,6 @@ from app import prompt_logprobs
 from app.errors import internal_error
 from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
-from app.tool_calls.output import ToolCallOutput
 from app.responses import (
     ChoiceState,
     ResponseMeta,
@@ -44,6 +43,7 @@ from app.responses import (
     next_text_offset,
     usage,
 )
+from app.tool_calls.output import ToolCallOutput
 from telemetry.logging import bind_request
 
 log = structlog.get_logger("tandem.server")
@@ -55,8 +55,11 @@ KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 Batch = list[tuple[int, StreamDelta]]
 
 
-_UNICODE_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
-                        (b"\xe2\x80\xa9", b"\\u2029"))
+_UNICODE_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
 """U+0085, U+2028, U+2029 in UTF-8, and their JSON escapes."""
 
 
@@ -84,8 +87,13 @@ class ChunkFormatter:
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
-                 choices: Sequence[ChoiceState], continuous_usage: bool) -> None:
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        prompt_lens: Sequence[int],
+        choices: Sequence[ChoiceState],
+        continuous_usage: bool,
+    ) -> None:
         self.meta = meta
         self.prompt_lens = prompt_lens
         self.choices = choices
@@ -95,19 +103,30 @@ class ChunkFormatter:
         raise NotImplementedError
 
     def chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.meta.response_id, "object": self.object_name,
-                                "created": self.meta.created, "model": self.meta.model,
-                                "choices": [] if choice is None else [choice]}
+        body: dict[str, Any] = {
+            "id": self.meta.response_id,
+            "object": self.object_name,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [] if choice is None else [choice],
+        }
         if self.continuous_usage or choice is None:
             body["usage"] = usage(self.prompt_lens, self.choices)
         return body
 
 
 class ChatChunkFormatter(ChunkFormatter):
-    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
-                 choices: Sequence[ChoiceState], continuous_usage: bool, *,
-                 role: str = "assistant", echo_prefix: str = "",
-                 tool_calls: Callable[[], ToolCallOutput] | None = None) -> None:
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        prompt_lens: Sequence[int],
+        choices: Sequence[ChoiceState],
+        continuous_usage: bool,
+        *,
+        role: str = "assistant",
+        echo_prefix: str = "",
+        tool_calls: Callable[[], ToolCallOutput] | None = None,
+    ) -> None:
         """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.role = role
@@ -124,7 +143,8 @@ class ChatChunkFormatter(ChunkFormatter):
                 # Once per response, beside the choices, as a chat response has them.
                 self._sent_prompt_logprobs = True
                 out[0]["prompt_logprobs"] = prompt_logprobs.vllm_prompt_logprobs(
-                    delta.prompt_logprobs)
+                    delta.prompt_logprobs
+                )
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
@@ -132,8 +152,11 @@ class ChatChunkFormatter(ChunkFormatter):
             return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
             content = {"content": delta.text} if delta.text else {}
-            out.append(self._choice(choice.index, content, logprobs, delta.finish_reason,
-                                    delta.stop_reason))
+            out.append(
+                self._choice(
+                    choice.index, content, logprobs, delta.finish_reason, delta.stop_reason
+                )
+            )
         elif delta.text or logprobs:
             out.append(self._choice(choice.index, {"content": delta.text}, logprobs))
         return out
@@ -152,20 +175,38 @@ class ChatChunkFormatter(ChunkFormatter):
             out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
         return out
 
-    def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None,
-                finish_reason: str | None = None, stop_reason: str | int | None = None
-                ) -> dict[str, Any]:
-        return self.chunk({"index": index, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": finish_reason, "stop_reason": stop_reason})
+    def _choice(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: Any = None,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> dict[str, Any]:
+        return self.chunk(
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        )
 
 
 class CompletionChunkFormatter(ChunkFormatter):
     object_name = "text_completion"
 
-    def __init__(self, meta: ResponseMeta, prompt_lens: Sequence[int],
-                 choices: Sequence[ChoiceState], continuous_usage: bool, *,
-                 echo_texts: Sequence[str] | None = None,
-                 echo_first_tokens: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        prompt_lens: Sequence[int],
+        choices: Sequence[ChoiceState],
+        continuous_usage: bool,
+        *,
+        echo_texts: Sequence[str] | None = None,
+        echo_first_tokens: Sequence[str] | None = None,
+    ) -> None:
         """`echo_texts[i]`: prompt i's text, sent before its choices' first output (echo);
         `echo_first_tokens[i]`: prompt i's first token when echo comes with logprobs."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
@@ -181,19 +222,25 @@ class CompletionChunkFormatter(ChunkFormatter):
         # split over tokens, a model served without a tokenizer), so clients see the pace.
         if not (text or delta.token_ids or delta.logprobs or delta.finished):
             return []
-        body = {"index": choice.index, "text": text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        body = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
         if delta.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
         return [self.chunk(body)]
 
-    def _logprobs(self, choice: ChoiceState, delta: StreamDelta, prefix_len: int
-                  ) -> dict[str, Any] | None:
+    def _logprobs(
+        self, choice: ChoiceState, delta: StreamDelta, prefix_len: int
+    ) -> dict[str, Any] | None:
         """The prompt's tokens (echo with logprobs, on the first chunk) then the delta's."""
         if delta.prompt_logprobs is not None and self.echo_first_tokens is not None:
             return prompt_logprobs.echo_completion_logprobs(
-                delta.prompt_logprobs, self.echo_first_tokens[choice.prompt_index],
-                delta.logprobs)
+                delta.prompt_logprobs, self.echo_first_tokens[choice.prompt_index], delta.logprobs
+            )
         return completion_logprobs(delta.logprobs, choice.text_offset + prefix_len)
 
 
@@ -204,9 +251,15 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, group: AdmittedGroup, formatter: ChunkFormatter, options: StreamOptions,
-                 request_id: str, headers: dict[str, str] | None = None,
-                 telemetry: RequestTelemetry | None = None) -> None:
+    def __init__(
+        self,
+        group: AdmittedGroup,
+        formatter: ChunkFormatter,
+        options: StreamOptions,
+        request_id: str,
+        headers: dict[str, str] | None = None,
+        telemetry: RequestTelemetry | None = None,
+    ) -> None:
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = 200
         self.background = None
@@ -225,8 +278,13 @@ class EventStreamResponse(Response):
         completed = False
         with bind_request(self.request_id, None if telemetry is None else telemetry.trace_id):
             try:
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
                     await self._write_events(send)
@@ -241,17 +299,23 @@ class EventStreamResponse(Response):
             finally:
                 self.group.close()
                 if telemetry is not None:
-                    telemetry.end(self.formatter.choices, self.formatter.prompt_lens,
-                                  disconnected=not completed)
+                    telemetry.end(
+                        self.formatter.choices,
+                        self.formatter.prompt_lens,
+                        disconnected=not completed,
+                    )
 
     async def _write_events(self, send: Send) -> None:
         async def send_bytes(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
-            failed = await pull_batches(self.group, self.options.keep_alive,
-                                        lambda batch: self._on_batch(batch, send_bytes),
-                                        lambda: send_bytes(KEEP_ALIVE_COMMENT))
+            failed = await pull_batches(
+                self.group,
+                self.options.keep_alive,
+                lambda batch: self._on_batch(batch, send_bytes),
+                lambda: send_bytes(KEEP_ALIVE_COMMENT),
+            )
         except Exception as exc:
             log.exception("stream_failed", request_id=self.request_id)
             if self.telemetry is not None:
@@ -264,8 +328,7 @@ class EventStreamResponse(Response):
         tail = sse_event(self.formatter.chunk(None)) if self.options.include_usage else b""
         await send_bytes(tail + DONE_EVENT)
 
-    async def _on_batch(self, batch: Batch, send_bytes: Callable[[bytes], Awaitable[None]]
-                        ) -> bool:
+    async def _on_batch(self, batch: Batch, send_bytes: Callable[[bytes], Awaitable[None]]) -> bool:
         """Send a batch; True when a choice failed (the stream then ends with an error)."""
         out = bytearray()
         for index, delta in batch:
@@ -303,9 +366,12 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
             return
 
 
-async def pull_batches(group: AdmittedGroup, keep_alive: KeepAliveClock,
-                       on_batch: Callable[[Batch], Awaitable[bool]],
-                       on_quiet: Callable[[], Awaitable[None]]) -> bool:
+async def pull_batches(
+    group: AdmittedGroup,
+    keep_alive: KeepAliveClock,
+    on_batch: Callable[[Batch], Awaitable[bool]],
+    on_quiet: Callable[[], Awaitable[None]],
+) -> bool:
     """Feed `on_batch` with everything the group's streams accumulated, until every stream
     ended or `on_batch` returns True (then True is returned). `on_quiet` runs whenever
     nothing arrived for the clock's interval."""
@@ -328,9 +394,12 @@ async def pull_batches(group: AdmittedGroup, keep_alive: KeepAliveClock,
     return failed
 
 
-async def _pull_single(group: AdmittedGroup, keep_alive: KeepAliveClock,
-                       on_batch: Callable[[Batch], Awaitable[bool]],
-                       on_quiet: Callable[[], Awaitable[None]]) -> bool:
+async def _pull_single(
+    group: AdmittedGroup,
+    keep_alive: KeepAliveClock,
+    on_batch: Callable[[Batch], Awaitable[bool]],
+    on_quiet: Callable[[], Awaitable[None]],
+) -> bool:
     stream = group.streams[0]
     with keep_alive.watching(stream):
         while (delta := await group.get(0)) is not None:
@@ -343,9 +412,12 @@ async def _pull_single(group: AdmittedGroup, keep_alive: KeepAliveClock,
     return False
 
 
-async def _drain_merged(receive_stream: Any, keep_alive_s: float,
-                        on_batch: Callable[[Batch], Awaitable[bool]],
-                        on_quiet: Callable[[], Awaitable[None]]) -> bool:
+async def _drain_merged(
+    receive_stream: Any,
+    keep_alive_s: float,
+    on_batch: Callable[[Batch], Awaitable[bool]],
+    on_quiet: Callable[[], Awaitable[None]],
+) -> bool:
     async with receive_stream:
         while True:
             first = None

@@ -27,21 +27,39 @@ from app.tool_calls.request import NO_TOOLS, ToolPlan
 
 CHECKER_RETRY_AFTER_S = 5
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
-_IGNORED_STRUCTURED_KEYS = frozenset({"disable_fallback", "disable_any_whitespace",
-                                      "disable_additional_properties", "whitespace_pattern"})
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_IGNORED_STRUCTURED_KEYS = frozenset(
+    {
+        "disable_fallback",
+        "disable_any_whitespace",
+        "disable_additional_properties",
+        "whitespace_pattern",
+    }
+)
 """vLLM backend tuning options: they change nothing about what output is valid here."""
-_KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
-               "grammar": "grammar"}
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "regex": "regular expression",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
 
 
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
 
 
-async def constrain_params(params: SamplingParams, request: object,
-                           checker: GrammarChecker, tools: ToolPlan = NO_TOOLS,
-                           tensor_parallel_size: int = 1) -> SamplingParams:
+async def constrain_params(
+    params: SamplingParams,
+    request: object,
+    checker: GrammarChecker,
+    tools: ToolPlan = NO_TOOLS,
+    tensor_parallel_size: int = 1,
+) -> SamplingParams:
     """`params` with the request's checked output constraint (from its fields, or from a
     required / named tool choice) and the decoding its tool-call parser needs. `checker`
     compiles new specs where they can harm no one."""
@@ -49,14 +67,19 @@ async def constrain_params(params: SamplingParams, request: object,
     found = structured_output_spec(fields)
     if tools.structured_output is not None:
         if found is not None:
-            raise bad_request(f"tool_choice {tools.mode!r} constrains the output already; it "
-                              f"cannot be combined with {found[1]}", found[1])
+            raise bad_request(
+                f"tool_choice {tools.mode!r} constrains the output already; it "
+                f"cannot be combined with {found[1]}",
+                found[1],
+            )
         found = (tools.structured_output, "tool_choice")
     changes: dict[str, Any] = {}
     if found is not None:
         if tensor_parallel_size > 1:
-            raise bad_request(f"{found[1]}: structured outputs are not available with "
-                              "--tensor-parallel-size > 1", found[1])
+            raise bad_request(
+                f"{found[1]}: structured outputs are not available with --tensor-parallel-size > 1",
+                found[1],
+            )
         await check_structured_output(checker, *found)
         changes["structured_output"] = found[0]
     if tools.needs_special_tokens:
@@ -82,21 +105,26 @@ def structured_output_spec(fields: Mapping[str, Any]) -> tuple[StructuredOutputS
             found.append((_spec(kind, value, name), name))
     if len(found) > 1:
         names = ", ".join(param for _, param in found)
-        raise bad_request(f"only one output constraint may be given per request, got {names}",
-                          found[1][1])
+        raise bad_request(
+            f"only one output constraint may be given per request, got {names}", found[1][1]
+        )
     return found[0] if found else None
 
 
-async def check_structured_output(checker: GrammarChecker, spec: StructuredOutputSpec,
-                                  param: str) -> None:
+async def check_structured_output(
+    checker: GrammarChecker, spec: StructuredOutputSpec, param: str
+) -> None:
     """400 naming `param` when the spec cannot be compiled into a grammar (or is over a
     budget); 503 when no grammar checker could look at it."""
     try:
         problem = await checker.check(spec)
     except GrammarCheckerUnavailable as exc:
-        raise APIError(503, f"{param}: the server cannot check structured output specs "
-                            f"right now ({exc}); retry shortly",
-                       retry_after_s=CHECKER_RETRY_AFTER_S) from None
+        raise APIError(
+            503,
+            f"{param}: the server cannot check structured output specs "
+            f"right now ({exc}); retry shortly",
+            retry_after_s=CHECKER_RETRY_AFTER_S,
+        ) from None
     if problem is not None:
         problem = " ".join(problem.split())
         raise bad_request(f"{param}: invalid {_KIND_NAMES[spec.kind]}: {problem}", param)
@@ -111,19 +139,27 @@ def _response_format(fmt: Any) -> StructuredOutputSpec | None:
     if kind == "json_object":
         return StructuredOutputSpec("json", JSON_OBJECT_SCHEMA)
     if kind != "json_schema":
-        raise bad_request(f"response_format type {kind!r} is not supported; use 'text', "
-                          "'json_object' or 'json_schema'", "response_format")
+        raise bad_request(
+            f"response_format type {kind!r} is not supported; use 'text', "
+            "'json_object' or 'json_schema'",
+            "response_format",
+        )
     spec = fmt.get("json_schema")
     if not isinstance(spec, Mapping) or "schema" not in spec and "json_schema" not in spec:
-        raise bad_request("response_format json_schema needs 'json_schema': {'name': ..., "
-                          "'schema': {...}}", "response_format.json_schema")
+        raise bad_request(
+            "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+            "response_format.json_schema",
+        )
     schema = spec.get("schema", spec.get("json_schema"))
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise bad_request("response_format.json_schema.strict must be true or false",
-                          "response_format.json_schema.strict")
-    return StructuredOutputSpec("json", _schema_text(schema, "response_format.json_schema.schema"),
-                                strict=bool(strict))
+        raise bad_request(
+            "response_format.json_schema.strict must be true or false",
+            "response_format.json_schema.strict",
+        )
+    return StructuredOutputSpec(
+        "json", _schema_text(schema, "response_format.json_schema.schema"), strict=bool(strict)
+    )
 
 
 def _structured_outputs(outputs: Any) -> tuple[StructuredOutputSpec, str]:
@@ -131,15 +167,22 @@ def _structured_outputs(outputs: Any) -> tuple[StructuredOutputSpec, str]:
     if not isinstance(outputs, Mapping):
         raise bad_request("structured_outputs must be an object", param)
     given = {k: v for k, v in outputs.items() if v is not None and v is not False}
-    unknown = sorted(set(given) - set(_STRUCTURED_KEYS) - {"json_object"}
-                     - _IGNORED_STRUCTURED_KEYS)
+    unknown = sorted(
+        set(given) - set(_STRUCTURED_KEYS) - {"json_object"} - _IGNORED_STRUCTURED_KEYS
+    )
     if unknown:
-        raise bad_request(f"structured_outputs.{unknown[0]} is not supported; use json, regex, "
-                          "choice, grammar or json_object", f"{param}.{unknown[0]}")
+        raise bad_request(
+            f"structured_outputs.{unknown[0]} is not supported; use json, regex, "
+            "choice, grammar or json_object",
+            f"{param}.{unknown[0]}",
+        )
     kinds = [k for k in given if k in _STRUCTURED_KEYS or k == "json_object"]
     if len(kinds) != 1:
-        raise bad_request("structured_outputs needs exactly one of json, regex, choice, "
-                          f"grammar or json_object, got {kinds or 'none'}", param)
+        raise bad_request(
+            "structured_outputs needs exactly one of json, regex, choice, "
+            f"grammar or json_object, got {kinds or 'none'}",
+            param,
+        )
     field_param = f"{param}.{kinds[0]}"
     if kinds[0] == "json_object":
         return StructuredOutputSpec("json", JSON_OBJECT_SCHEMA), field_param

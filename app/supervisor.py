@@ -73,15 +73,23 @@ class Supervisor:
         settings = self.settings
         try:
             engine = self._engine = start_engine_process(
-                settings.engine, self._address, self._secret,
+                settings.engine,
+                self._address,
+                self._secret,
                 max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
-                log_format=settings.log_format, log_level=settings.log_level)
+                log_format=settings.log_format,
+                log_level=settings.log_level,
+            )
             for index in range(settings.api_server_count):
                 self._api_servers[index] = self._start_api_server(index)
             host = f"[{settings.host}]" if ":" in settings.host else settings.host
-            log.info("server_listening", url=f"http://{host}:{self.port}",
-                     model=settings.engine.model, api_servers=settings.api_server_count,
-                     engine_pid=engine.pid)
+            log.info(
+                "server_listening",
+                url=f"http://{host}:{self.port}",
+                model=settings.engine.model,
+                api_servers=settings.api_server_count,
+                engine_pid=engine.pid,
+            )
             self._supervise()
         finally:
             try:
@@ -101,15 +109,18 @@ class Supervisor:
             time.sleep(_POLL_S)
 
     def _forward(self, signum: int) -> None:
-        log.info("draining" if not self._draining else "second_signal_aborting_requests",
-                 signal=signal.Signals(signum).name)
+        log.info(
+            "draining" if not self._draining else "second_signal_aborting_requests",
+            signal=signal.Signals(signum).name,
+        )
         self._draining = True
         for process in self._api_servers.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
 
-    def _on_api_server_exit(self, index: int, process: subprocess.Popen[bytes],
-                            returncode: int) -> None:
+    def _on_api_server_exit(
+        self, index: int, process: subprocess.Popen[bytes], returncode: int
+    ) -> None:
         del self._api_servers[index]
         _mark_process_dead(process.pid, self._metrics_dir)
         if self._draining:
@@ -128,24 +139,39 @@ class Supervisor:
             self.exit_code = 1
             self._forward(signal.SIGTERM)
             return
-        log.error("api_server_died_restarting", index=index, pid=process.pid,
-                  returncode=returncode)
+        log.error("api_server_died_restarting", index=index, pid=process.pid, returncode=returncode)
         self._restarts.append(now)
         self._api_servers[index] = self._start_api_server(index)
 
     def _start_api_server(self, index: int) -> subprocess.Popen[bytes]:
         assert self._engine is not None
-        command = [sys.executable, "-m", "app.api_server_proc", "--fd", str(self.sock.fileno()),
-                   "--client-index", str(index), "--engine-address", self._address,
-                   "--engine-pid", str(self._engine.pid),
-                   "--settings", msgspec.json.encode(self.settings).decode(),
-                   "--parent-pid", str(os.getpid())]
-        env = {**os.environ, MULTIPROC_DIR_ENV: self._metrics_dir,
-               "TANDEM_PROCESS_NAME": f"api_server_{index}"}
+        command = [
+            sys.executable,
+            "-m",
+            "app.api_server_proc",
+            "--fd",
+            str(self.sock.fileno()),
+            "--client-index",
+            str(index),
+            "--engine-address",
+            self._address,
+            "--engine-pid",
+            str(self._engine.pid),
+            "--settings",
+            msgspec.json.encode(self.settings).decode(),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        env = {
+            **os.environ,
+            MULTIPROC_DIR_ENV: self._metrics_dir,
+            "TANDEM_PROCESS_NAME": f"api_server_{index}",
+        }
         # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
         # forwards one signal (two would skip the drain).
-        return start_with_secret(command, self._secret, pass_fds=(self.sock.fileno(),),
-                                 env=env, start_new_session=True)
+        return start_with_secret(
+            command, self._secret, pass_fds=(self.sock.fileno(),), env=env, start_new_session=True
+        )
 
     def _stop_engine(self) -> None:
         if self._engine is None:  # it never started

@@ -12,8 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from app.chat_template import (CHATML_TEMPLATE, ChatTemplateError, RenderLimit,
-                               render_chat_template)
+from app.chat_template import CHATML_TEMPLATE, ChatTemplateError, RenderLimit, render_chat_template
 from app.gguf_tokenizer import build_gguf_tokenizer
 
 CHATML_START = "<|im_start|>"
@@ -84,7 +83,8 @@ class Tokenizer:
 
     @classmethod
     def from_json_file(
-        cls, tokenizer_json: str | os.PathLike[str],
+        cls,
+        tokenizer_json: str | os.PathLike[str],
         generation_config: Mapping[str, Any] | None = None,
     ) -> Tokenizer:
         """From a `tokenizer.json` file, with the `tokenizer_config.json` (special tokens,
@@ -180,8 +180,9 @@ class Tokenizer:
                 )
             template = CHATML_TEMPLATE
         context = {**self._special_token_strings(), **template_kwargs}
-        return render_chat_template(template, messages, add_generation_prompt, limit=limit,
-                                    **context)
+        return render_chat_template(
+            template, messages, add_generation_prompt, limit=limit, **context
+        )
 
     def _special_token_strings(self) -> dict[str, str]:
         named = {

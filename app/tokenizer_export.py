@@ -25,13 +25,16 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
-    ids = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id,
-           "unk_token": tokenizer.unk_token_id, "pad_token": tokenizer.pad_token_id}
+    ids = {
+        "bos_token": tokenizer.bos_token_id,
+        "eos_token": tokenizer.eos_token_id,
+        "unk_token": tokenizer.unk_token_id,
+        "pad_token": tokenizer.pad_token_id,
+    }
     return {name: tokenizer.id_to_token(i) for name, i in ids.items() if i is not None}
 
 
-def tokenizer_config(tokenizer: Tokenizer, model_max_length: int | None = None
-                     ) -> dict[str, Any]:
+def tokenizer_config(tokenizer: Tokenizer, model_max_length: int | None = None) -> dict[str, Any]:
     """tokenizer_config.json for `tokenizer`: class, special tokens, BOS/EOS insertion,
     added tokens and the chat template."""
     added = tokenizer.raw.get_added_tokens_decoder()
@@ -42,9 +45,16 @@ def tokenizer_config(tokenizer: Tokenizer, model_max_length: int | None = None
         "add_eos_token": tokenizer.add_eos_token,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
-            str(i): {"content": t.content, "lstrip": t.lstrip, "rstrip": t.rstrip,
-                     "normalized": t.normalized, "single_word": t.single_word,
-                     "special": t.special} for i, t in sorted(added.items())},
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "rstrip": t.rstrip,
+                "normalized": t.normalized,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(added.items())
+        },
     }
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
@@ -57,13 +67,15 @@ def tokenizer_info(tokenizer: Tokenizer, model_max_length: int) -> dict[str, Any
     """The body of GET /tokenizer_info: tokenizer_config.json with added tokens as their
     text, as vLLM serves it."""
     config = tokenizer_config(tokenizer, model_max_length)
-    config["added_tokens_decoder"] = {i: t["content"]
-                                      for i, t in config["added_tokens_decoder"].items()}
+    config["added_tokens_decoder"] = {
+        i: t["content"] for i, t in config["added_tokens_decoder"].items()
+    }
     return config
 
 
-def export_tokenizer(tokenizer: Tokenizer, out_dir: str,
-                     generation_config: dict[str, Any] | None = None) -> list[str]:
+def export_tokenizer(
+    tokenizer: Tokenizer, out_dir: str, generation_config: dict[str, Any] | None = None
+) -> list[str]:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and
     generation_config.json (the EOS ids generation stops on) into `out_dir`; returns the
     paths written."""
@@ -78,8 +90,11 @@ def export_tokenizer(tokenizer: Tokenizer, out_dir: str,
     for name, content in files.items():
         path = os.path.join(out_dir, name)
         with open(path, "w", encoding="utf-8") as f:
-            f.write(content if isinstance(content, str)
-                    else json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+            f.write(
+                content
+                if isinstance(content, str)
+                else json.dumps(content, indent=2, ensure_ascii=False) + "\n"
+            )
         paths.append(path)
     return paths
 
@@ -93,11 +108,17 @@ def _with_post_processor(tokenizer: Tokenizer) -> RawTokenizer:
     if prefix or suffix:
         single = " ".join([*prefix, "$A", *suffix])
         pair = " ".join([*prefix, "$A", *suffix, *prefix, "$B:1", *suffix])
-        specials = {(tokenizer.id_to_token(i), i) for i in
-                    (tokenizer.bos_token_id if prefix else None,
-                     tokenizer.eos_token_id if suffix else None) if i is not None}
-        raw.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                           special_tokens=sorted(specials))
+        specials = {
+            (tokenizer.id_to_token(i), i)
+            for i in (
+                tokenizer.bos_token_id if prefix else None,
+                tokenizer.eos_token_id if suffix else None,
+            )
+            if i is not None
+        }
+        raw.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=sorted(specials)
+        )
     return raw
 
 
@@ -105,8 +126,7 @@ def _token_piece(tokenizer: Tokenizer, token_id: int | None, wanted: bool) -> li
     return [tokenizer.id_to_token(token_id)] if wanted and token_id is not None else []
 
 
-def _generation_config(tokenizer: Tokenizer, generation_config: dict[str, Any]
-                       ) -> dict[str, Any]:
+def _generation_config(tokenizer: Tokenizer, generation_config: dict[str, Any]) -> dict[str, Any]:
     config = dict(generation_config)
     if tokenizer.eos_token_ids:
         ids = list(tokenizer.eos_token_ids)

@@ -24,8 +24,9 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None
     source = resolve_model_path(tokenizer if tokenizer else model)
     if is_dummy(source):
         if tokenizer:
-            raise ModelLoadError(f"--tokenizer must be a tokenizer.json file or a directory, "
-                                 f"got {tokenizer!r}")
+            raise ModelLoadError(
+                f"--tokenizer must be a tokenizer.json file or a directory, got {tokenizer!r}"
+            )
         return None
     if not os.path.exists(source):
         if tokenizer:
@@ -36,8 +37,9 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None
     except ModelLoadError:
         raise
     except Exception as exc:  # tokenizers, JSON and OS errors all mean "cannot read it"
-        raise ModelLoadError(" ".join(f"cannot load the tokenizer from {source}: {exc}".split())
-                             ) from exc
+        raise ModelLoadError(
+            " ".join(f"cannot load the tokenizer from {source}: {exc}".split())
+        ) from exc
 
 
 def load_generation_config(model: str) -> dict[str, Any]:
@@ -64,8 +66,10 @@ def _load(source: str, generation_config: dict[str, Any]) -> Tokenizer | None:
 
     with open(source, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
-            raise ModelLoadError(f"cannot load the tokenizer from {source}: expected a GGUF "
-                                 "file, a tokenizer.json or a Hugging Face directory")
+            raise ModelLoadError(
+                f"cannot load the tokenizer from {source}: expected a GGUF "
+                "file, a tokenizer.json or a Hugging Face directory"
+            )
     metadata = GGUFFile(source).metadata
     if "tokenizer.ggml.model" not in metadata:
         return None

@@ -44,7 +44,8 @@ class CloseIfBodyUnread:
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
     for name, value in headers:
         lowered = name.lower()
-        if lowered == b"transfer-encoding" or (lowered == b"content-length"
-                                               and value.strip() not in (b"", b"0")):
+        if lowered == b"transfer-encoding" or (
+            lowered == b"content-length" and value.strip() not in (b"", b"0")
+        ):
             return True
     return False

@@ -30,8 +30,15 @@ class HFRun:
 def _sampling_kwargs(output_len: int) -> dict[str, Any]:
     # The same distribution as tandem's arm: T=1, no top-k/top-p cut; no EOS, so every
     # output has exactly max_new_tokens tokens.
-    return dict(max_new_tokens=output_len, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                eos_token_id=None, pad_token_id=0)
+    return dict(
+        max_new_tokens=output_len,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 @torch.inference_mode()
@@ -42,7 +49,7 @@ def run_hf_static(hf: Any, prompts: list[list[int]], output_len: int, batch_size
     started = time.perf_counter()
     num_tokens = 0
     for start in range(0, len(prompts), batch_size):
-        ids = torch.tensor(prompts[start:start + batch_size], device=device)
+        ids = torch.tensor(prompts[start : start + batch_size], device=device)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), **_sampling_kwargs(output_len))
         num_tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     _synchronize()
@@ -86,13 +93,21 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
     if config.rope_scaling_dict:
         rope = {**config.rope_scaling_dict, "rope_theta": config.rope_theta}
     common: dict[str, Any] = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope,
-        eos_token_id=None, pad_token_id=0, bos_token_id=None, dtype=dtype,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters=rope,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+        dtype=dtype,
     )
     if config.architecture == "qwen3":
         return transformers.Qwen3Config(**common)
@@ -119,8 +134,10 @@ def hf_model_sharing_weights(model: DecoderModel, attn_implementation: str = "sd
     missing, unexpected = hf.load_state_dict(views, strict=False, assign=True)
     missing = [name for name in missing if "rotary" not in name]
     if missing or unexpected:
-        raise ValueError(f"weights do not map onto transformers: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"weights do not map onto transformers: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}"
+        )
     _materialise_buffers(hf, hf_cfg, device)
     if config.tie_word_embeddings:
         hf.tie_weights()

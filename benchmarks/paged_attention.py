@@ -38,42 +38,65 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=default_device())
-    p.add_argument("--sweep", action="store_true",
-                   help="CUDA: also time kv_tile_len x num_warps x num_stages")
+    p.add_argument(
+        "--sweep", action="store_true", help="CUDA: also time kv_tile_len x num_warps x num_stages"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    workload = {k: getattr(args, k) for k in ("batch", "context", "num_heads", "num_kv_heads",
-                                              "head_dim", "block_size", "device")}
+    workload = {
+        k: getattr(args, k)
+        for k in (
+            "batch",
+            "context",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "device",
+        )
+    }
     result_name = "paged_attention" if args.device == "cuda" else "paged_attention_cpu"
-    run = recording.Run("paged_attention", args, result_name,
-                        {**workload, "dtype": str(dtype).removeprefix("torch.")}, argv)
+    run = recording.Run(
+        "paged_attention",
+        args,
+        result_name,
+        {**workload, "dtype": str(dtype).removeprefix("torch.")},
+        argv,
+    )
     inputs: dict[str, Any] = decode_inputs(args, dtype)
-    kv_bytes = (2 * args.batch * args.context * args.num_kv_heads * args.head_dim
-                * inputs["query"].element_size())
-    scale = args.head_dim ** -0.5
+    kv_bytes = (
+        2
+        * args.batch
+        * args.context
+        * args.num_kv_heads
+        * args.head_dim
+        * inputs["query"].element_size()
+    )
+    scale = args.head_dim**-0.5
 
     def call(**knobs: Any) -> torch.Tensor:
         if knobs:
-            return paged_attention_triton(**inputs, scale=scale, max_query_len=1,
-                                          max_seq_len=args.context, **knobs)
+            return paged_attention_triton(
+                **inputs, scale=scale, max_query_len=1, max_seq_len=args.context, **knobs
+            )
         return paged_attention(**inputs, scale=scale, max_query_len=1, max_seq_len=args.context)
 
     expected = paged_attention_ref(**inputs, scale=scale)
     max_abs_err = (call().float() - expected.float()).abs().max().item()
     if not max_abs_err <= MAX_ABS_ERR:
-        raise SystemExit(f"paged attention disagrees with its reference: max |diff| "
-                         f"{max_abs_err:.3g}")
+        raise SystemExit(
+            f"paged attention disagrees with its reference: max |diff| {max_abs_err:.3g}"
+        )
     default = _bandwidth(time_call(call, args.device), kv_bytes)
     print(_describe("default", default))
     sweep: list[dict[str, Any]] = []
     if args.sweep and args.device == "cuda":
         for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-            knobs: dict[str, Any] = {"kv_tile_len": tile, "num_warps": warps,
-                                     "num_stages": stages}
+            knobs: dict[str, Any] = {"kv_tile_len": tile, "num_warps": warps, "num_stages": stages}
             result: dict[str, Any]
             try:
                 timing = time_call(functools.partial(call, **knobs), args.device)
@@ -82,12 +105,21 @@ def main(argv: list[str] | None = None) -> int:
                 result = {**knobs, "error": f"{type(error).__name__}: {error}"[:200]}
             sweep.append(result)
             print(_describe(str(knobs), result))
-    figures = {"median_us": round(1e3 * default["median_ms"], 2),
-               "tb_per_s": round(default["tb_per_s"], 3),
-               "fraction_of_peak": round(default["fraction_of_peak"], 4)}
-    run.finish(figures, {"kv_bytes_read": kv_bytes, "max_abs_err_vs_ref": max_abs_err,
-                         "peak_bytes_per_s": PEAK_BYTES_PER_S, "default": default,
-                         "sweep": sweep})
+    figures = {
+        "median_us": round(1e3 * default["median_ms"], 2),
+        "tb_per_s": round(default["tb_per_s"], 3),
+        "fraction_of_peak": round(default["fraction_of_peak"], 4),
+    }
+    run.finish(
+        figures,
+        {
+            "kv_bytes_read": kv_bytes,
+            "max_abs_err_vs_ref": max_abs_err,
+            "peak_bytes_per_s": PEAK_BYTES_PER_S,
+            "default": default,
+            "sweep": sweep,
+        },
+    )
     return 0
 
 
@@ -98,12 +130,18 @@ def decode_inputs(args: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     num_blocks = args.batch * blocks_per_req + 1
     cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     kv_cache = torch.randn((2, *cache_shape), generator=generator, device=device, dtype=dtype)
-    block_table = torch.randperm(num_blocks, generator=generator,
-                                 device=device)[: args.batch * blocks_per_req]
+    block_table = torch.randperm(num_blocks, generator=generator, device=device)[
+        : args.batch * blocks_per_req
+    ]
     return {
-        "query": torch.randn((args.batch, args.num_heads, args.head_dim), generator=generator,
-                             device=device, dtype=dtype),
-        "key_cache": kv_cache[0], "value_cache": kv_cache[1],
+        "query": torch.randn(
+            (args.batch, args.num_heads, args.head_dim),
+            generator=generator,
+            device=device,
+            dtype=dtype,
+        ),
+        "key_cache": kv_cache[0],
+        "value_cache": kv_cache[1],
         "block_table": block_table.view(args.batch, blocks_per_req).int(),
         "seq_lens": torch.full((args.batch,), args.context, dtype=torch.int32, device=device),
         "query_start_loc": torch.arange(args.batch + 1, dtype=torch.int32, device=device),
@@ -118,8 +156,10 @@ def _bandwidth(timing: dict[str, float], kv_bytes: int) -> dict[str, float]:
 def _describe(label: str, result: dict[str, Any]) -> str:
     if "median_ms" not in result:
         return f"{label}: {result['error']}"
-    return (f"{label}: {result['median_ms'] * 1e3:.1f} us, KV read {result['tb_per_s']:.2f} TB/s "
-            f"= {100 * result['fraction_of_peak']:.1f}% of {PEAK_BYTES_PER_S / 1e12} TB/s")
+    return (
+        f"{label}: {result['median_ms'] * 1e3:.1f} us, KV read {result['tb_per_s']:.2f} TB/s "
+        f"= {100 * result['fraction_of_peak']:.1f}% of {PEAK_BYTES_PER_S / 1e12} TB/s"
+    )
 
 
 if __name__ == "__main__":

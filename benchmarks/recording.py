@@ -73,11 +73,14 @@ def source_state(root: Path = REPO_ROOT) -> Source:
     head = _git(root, "rev-parse", "HEAD")
     if head is not None and Path(_git(root, "rev-parse", "--show-toplevel") or "") == root:
         status = _git(root, "status", "--porcelain", "--untracked-files=normal") or ""
-        changed = [line[3:] for line in status.splitlines()
-                   if not line[3:].startswith(NOT_SOURCE)]
+        changed = [line[3:] for line in status.splitlines() if not line[3:].startswith(NOT_SOURCE)]
         if changed:
-            return Source(head, False, f"uncommitted changes: {', '.join(changed[:5])}"
-                          + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
+            return Source(
+                head,
+                False,
+                f"uncommitted changes: {', '.join(changed[:5])}"
+                + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""),
+            )
         return Source(head, True, "git")
     if (root / STAMP_NAME).is_file():
         return _check_stamp(root, json.loads((root / STAMP_NAME).read_text()))
@@ -117,12 +120,18 @@ def write_stamp(root: Path = REPO_ROOT, commit: str | None = None) -> Path:
 def _check_stamp(root: Path, stamp: dict[str, Any]) -> Source:
     blobs: dict[str, str] = stamp["blobs"]
     changed = [path for path, sha in blobs.items() if _blob_sha(root / path) != sha]
-    added = [str(p.relative_to(root)) for package in PACKAGES
-             for p in sorted((root / package).rglob("*.py"))
-             if str(p.relative_to(root)) not in blobs and "__pycache__" not in p.parts]
+    added = [
+        str(p.relative_to(root))
+        for package in PACKAGES
+        for p in sorted((root / package).rglob("*.py"))
+        if str(p.relative_to(root)) not in blobs and "__pycache__" not in p.parts
+    ]
     if changed or added:
-        return Source(stamp["commit"], False,
-                      f"the tree differs from its stamp: {', '.join((changed + added)[:5])}")
+        return Source(
+            stamp["commit"],
+            False,
+            f"the tree differs from its stamp: {', '.join((changed + added)[:5])}",
+        )
     return Source(stamp["commit"], True, "stamp")
 
 
@@ -136,8 +145,9 @@ def _blob_sha(path: Path) -> str | None:
 
 def _git(root: Path, *args: str) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                              timeout=30, check=True).stdout.rstrip("\n")
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.rstrip("\n")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -146,9 +156,13 @@ def hardware() -> dict[str, Any]:
     """CPU, GPUs (from nvidia-smi: no torch import) and the versions that decide speed."""
     gpus: list[str] = []
     try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30,
-                              check=True).stdout.split("\n")
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
         pass
     versions: dict[str, str | None] = {}
@@ -157,9 +171,13 @@ def hardware() -> dict[str, Any]:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    return {"cpu": _cpu_model(), "num_cpus": os.cpu_count(),
-            "gpus": [g.strip() for g in gpus if g.strip()], "python": platform.python_version(),
-            **versions}
+    return {
+        "cpu": _cpu_model(),
+        "num_cpus": os.cpu_count(),
+        "gpus": [g.strip() for g in gpus if g.strip()],
+        "python": platform.python_version(),
+        **versions,
+    }
 
 
 def _cpu_model() -> str:
@@ -183,19 +201,32 @@ def load_average() -> list[float] | None:
 
 def parser(benchmark: str, doc: str | None) -> argparse.ArgumentParser:
     """A benchmark's argument parser with the options every benchmark takes."""
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{benchmark}", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{benchmark}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     group = p.add_argument_group("recording")
-    group.add_argument("--result", metavar="NAME",
-                       help="the result this run records (default: the benchmark's own)")
-    group.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
-                       help="where result files are read and written (default %(default)s; "
-                            "on the GPU machine $OUT)")
-    group.add_argument("--not-a-result", action="store_true",
-                       help="a trial: runs from a tree with uncommitted changes, records "
-                            "nothing in the results")
-    group.add_argument("--output", type=Path,
-                       help="also write this run's whole record here (rewritten as it runs)")
+    group.add_argument(
+        "--result",
+        metavar="NAME",
+        help="the result this run records (default: the benchmark's own)",
+    )
+    group.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="where result files are read and written (default %(default)s; "
+        "on the GPU machine $OUT)",
+    )
+    group.add_argument(
+        "--not-a-result",
+        action="store_true",
+        help="a trial: runs from a tree with uncommitted changes, records nothing in the results",
+    )
+    group.add_argument(
+        "--output", type=Path, help="also write this run's whole record here (rewritten as it runs)"
+    )
     return p
 
 
@@ -203,9 +234,15 @@ class Run:
     """One run of a benchmark: the tree is checked when it starts (a run that cannot be a
     result stops at once, not after an hour), the result recorded when it ends."""
 
-    def __init__(self, benchmark: str, args: argparse.Namespace, default_result: str,
-                 workload: dict[str, Any], argv: list[str] | None = None,
-                 roots: tuple[Path, Path] | None = None) -> None:
+    def __init__(
+        self,
+        benchmark: str,
+        args: argparse.Namespace,
+        default_result: str,
+        workload: dict[str, Any],
+        argv: list[str] | None = None,
+        roots: tuple[Path, Path] | None = None,
+    ) -> None:
         """`roots`: the checkouts of the engine and of the benchmarks (default:
         product_root() and REPO_ROOT)."""
         self.benchmark = benchmark
@@ -219,15 +256,20 @@ class Run:
             sources["benchmarks_commit"] = (harness, source_state(harness))
         unclean = [f"{root}: {s.how}" for root, s in sources.values() if not s.clean]
         if self.is_result and unclean:
-            raise DirtyTreeError(f"{'; '.join(unclean)}: a result must name the commit that "
-                                 "ran. Commit first, or pass --not-a-result for a trial.")
+            raise DirtyTreeError(
+                f"{'; '.join(unclean)}: a result must name the commit that "
+                "ran. Commit first, or pass --not-a-result for a trial."
+            )
         argv = sys.argv[1:] if argv is None else argv
         self.entry: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **{key: s.commit for key, (_, s) in sources.items()}, "clean": not unclean,
-            "hardware": hardware(), "command": shlex.join(
-                ["python", "-m", f"benchmarks.{benchmark}", *argv]),
-            "workload": workload, "load_average_before": load_average()}
+            **{key: s.commit for key, (_, s) in sources.items()},
+            "clean": not unclean,
+            "hardware": hardware(),
+            "command": shlex.join(["python", "-m", f"benchmarks.{benchmark}", *argv]),
+            "workload": workload,
+            "load_average_before": load_average(),
+        }
 
     def checkpoint(self, details: dict[str, Any]) -> None:
         """Write what the run has measured so far to --output (an interrupted run keeps it)."""
@@ -236,8 +278,12 @@ class Run:
 
     def finish(self, figures: dict[str, Any], details: dict[str, Any]) -> dict[str, Any]:
         """The whole record; as the result's new current entry unless --not-a-result."""
-        record = {**self.entry, "load_average_after": load_average(), "figures": figures,
-                  "details": details}
+        record = {
+            **self.entry,
+            "load_average_after": load_average(),
+            "figures": figures,
+            "details": details,
+        }
         if self.output is not None:
             _write(self.output, record)
         if self.is_result:
@@ -248,20 +294,21 @@ class Run:
         return record
 
 
-def record_result(results_dir: Path, result: str, benchmark: str,
-                  entry: dict[str, Any]) -> Path:
+def record_result(results_dir: Path, result: str, benchmark: str, entry: dict[str, Any]) -> Path:
     """Make `entry` the result's current one, the one before it the last of its history.
     The history is read from `results_dir` if the result is there, else from the
     repository's results (a run on the GPU machine writes to $OUT)."""
     path = results_dir / f"{result}.json"
-    existing = load_result(path) or load_result(RESULTS_DIR / f"{result}.json") or {
-        "result": result, "benchmark": benchmark, "current": None, "history": []}
+    existing = (
+        load_result(path)
+        or load_result(RESULTS_DIR / f"{result}.json")
+        or {"result": result, "benchmark": benchmark, "current": None, "history": []}
+    )
     previous = existing["current"]
     history = list(existing["history"])
     if previous is not None:
         history.append({k: v for k, v in previous.items() if k != "details"})
-    _write(path, {"result": result, "benchmark": benchmark, "current": entry,
-                  "history": history})
+    _write(path, {"result": result, "benchmark": benchmark, "current": entry, "history": history})
     return path
 
 
@@ -275,12 +322,16 @@ def _write(path: Path, value: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.recording", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.recording",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     stamp = sub.add_parser("stamp", help=f"write {STAMP_NAME} for a run without git")
-    stamp.add_argument("--tree", type=Path, default=REPO_ROOT,
-                       help="the checkout to stamp (default: this one)")
+    stamp.add_argument(
+        "--tree", type=Path, default=REPO_ROOT, help="the checkout to stamp (default: this one)"
+    )
     stamp.add_argument("--commit", help="the tree is `git archive COMMIT` of this repository")
     sub.add_parser("check", help="print the commit and whether the tree can record a result")
     args = p.parse_args(argv)

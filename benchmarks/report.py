@@ -21,16 +21,26 @@ from benchmarks.workloads import WORKLOADS, floors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("results", nargs="*", metavar="RESULT", help="result names (default: all)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--history", type=int, default=5, help="earlier entries listed (default 5)")
-    p.add_argument("--against", type=Path, metavar="DIR",
-                   help="compare with the current entries of the same results in DIR (the "
-                        "baseline of device_run.sh's A/B) instead of each result's history")
-    p.add_argument("--floors", action="store_true",
-                   help="print the bandwidth and compute floors of the GPU workloads instead")
+    p.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="compare with the current entries of the same results in DIR (the "
+        "baseline of device_run.sh's A/B) instead of each result's history",
+    )
+    p.add_argument(
+        "--floors",
+        action="store_true",
+        help="print the bandwidth and compute floors of the GPU workloads instead",
+    )
     return p.parse_args(argv)
 
 
@@ -57,15 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def describe(result: dict[str, Any], num_history: int,
-             baseline: dict[str, Any] | None = None) -> str:
+def describe(
+    result: dict[str, Any], num_history: int, baseline: dict[str, Any] | None = None
+) -> str:
     """The result's current figures beside `baseline`'s, or beside those of the last
     comparable entry of its history."""
     current = result["current"]
     history = result["history"]
     previous = baseline if baseline is not None else comparable(current, history)
-    lines = [f"== {result['result']} ({result['benchmark']}): {_entry_line(current)}",
-             f"   {current['command']}"]
+    lines = [
+        f"== {result['result']} ({result['benchmark']}): {_entry_line(current)}",
+        f"   {current['command']}",
+    ]
     width = max((len(k) for k in current["figures"]), default=0)
     for key, value in current["figures"].items():
         line = f"   {key:<{width}}  {_value(value):>12}"
@@ -83,8 +96,9 @@ def describe(result: dict[str, Any], num_history: int,
 def comparable(entry: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The latest earlier entry with the same workload on the same kind of hardware."""
     for earlier in reversed(history):
-        if earlier.get("workload") == entry.get("workload") and \
-                _hardware_kind(earlier) == _hardware_kind(entry):
+        if earlier.get("workload") == entry.get("workload") and _hardware_kind(
+            earlier
+        ) == _hardware_kind(entry):
             return earlier
     return None
 
@@ -103,8 +117,11 @@ def _entry_line(entry: dict[str, Any]) -> str:
 
 
 def _value(value: Any) -> str:
-    return f"{value:,.6g}" if isinstance(value, int | float) and not isinstance(value, bool) \
+    return (
+        f"{value:,.6g}"
+        if isinstance(value, int | float) and not isinstance(value, bool)
         else str(value)
+    )
 
 
 def _change(value: Any, before: Any) -> str:
@@ -117,14 +134,17 @@ def _change(value: Any, before: Any) -> str:
 def floors_table() -> str:
     from gpu.models.config import PRESETS
 
-    lines = ["workload | bandwidth floor (weights + KV per step) | compute floor | "
-             "ideal output tok/s"]
+    lines = [
+        "workload | bandwidth floor (weights + KV per step) | compute floor | ideal output tok/s"
+    ]
     for workload in (w for w in WORKLOADS.values() if w.device == "cuda"):
         figures = floors(PRESETS[workload.model.removeprefix("dummy:")], workload)
-        lines.append(f"{workload.name} {workload.model} {workload.num_prompts} x "
-                     f"{workload.input_len}/{workload.output_len} | {figures['ideal_s']:.2f} s | "
-                     f"{figures['compute_floor_s']:.2f} s | "
-                     f"{figures['roofline_output_tok_s']:,.0f}")
+        lines.append(
+            f"{workload.name} {workload.model} {workload.num_prompts} x "
+            f"{workload.input_len}/{workload.output_len} | {figures['ideal_s']:.2f} s | "
+            f"{figures['compute_floor_s']:.2f} s | "
+            f"{figures['roofline_output_tok_s']:,.0f}"
+        )
     return "\n".join(lines)
 
 

@@ -32,8 +32,10 @@ PATHS: dict[str, tuple[SamplingParams, int | None]] = {
     "top_k_top_p": (SamplingParams(temperature=0.8, top_k=50, top_p=0.9), None),
     "top_k_only": (SamplingParams(temperature=0.8, top_k=50), None),
     "min_p_only": (SamplingParams(temperature=0.8, min_p=0.05), None),
-    "min_p_penalties": (SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1,
-                                       frequency_penalty=0.2), None),
+    "min_p_penalties": (
+        SamplingParams(temperature=0.8, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2),
+        None,
+    ),
     "temperature_logprobs5": (SamplingParams(temperature=0.8, logprobs=5), 5),
 }
 """Path name -> (every row's sampling parameters, max_num_logprobs)."""
@@ -51,9 +53,20 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result_name = "sampler" if args.device == "cuda" else "sampler_cpu"
-    run = recording.Run("sampler", args, result_name, {
-        "batch": args.batch, "vocab": args.vocab, "dtype": "float32", "logits": "randn * 3",
-        "device": args.device, "paths": args.paths}, argv)
+    run = recording.Run(
+        "sampler",
+        args,
+        result_name,
+        {
+            "batch": args.batch,
+            "vocab": args.vocab,
+            "dtype": "float32",
+            "logits": "randn * 3",
+            "device": args.device,
+            "paths": args.paths,
+        },
+        argv,
+    )
     generator = torch.Generator(device=args.device).manual_seed(0)
     logits = torch.randn(args.batch, args.vocab, generator=generator, device=args.device) * 3
     read_ms = logits.numel() * logits.element_size() / PEAK_BYTES_PER_S * 1e3
@@ -63,17 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         timing = time_call(sampler_call(params, max_num_logprobs, logits), args.device)
         paths[name] = {"params": repr(params), "max_num_logprobs": max_num_logprobs, **timing}
         shown = timing.get("graph_median_ms", timing["median_ms"])
-        print(f"{name}: {shown * 1e3:.1f} us ({shown / read_ms:.1f}x one read of the logits "
-              "at the H200's bandwidth)", flush=True)
+        print(
+            f"{name}: {shown * 1e3:.1f} us ({shown / read_ms:.1f}x one read of the logits "
+            "at the H200's bandwidth)",
+            flush=True,
+        )
         run.checkpoint({"paths": paths})
-    figures = {f"{name}_us": round(1e3 * timing.get("graph_median_ms", timing["median_ms"]), 1)
-               for name, timing in paths.items()}
+    figures = {
+        f"{name}_us": round(1e3 * timing.get("graph_median_ms", timing["median_ms"]), 1)
+        for name, timing in paths.items()
+    }
     run.finish(figures, {"one_logits_read_ms_at_peak": read_ms, "paths": paths})
     return 0
 
 
-def sampler_call(params: SamplingParams, max_num_logprobs: int | None, logits: torch.Tensor
-                 ) -> Callable[[], Any]:
+def sampler_call(
+    params: SamplingParams, max_num_logprobs: int | None, logits: torch.Tensor
+) -> Callable[[], Any]:
     """One Sampler call over every row of `logits`, each row its own seeded request."""
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -81,8 +100,14 @@ def sampler_call(params: SamplingParams, max_num_logprobs: int | None, logits: t
     rng = np.random.default_rng(0)
     for row in range(num_rows):
         outputs: Any = rng.integers(0, vocab_size, size=64) if params.uses_penalties else []
-        state.add_request(row, params.replace(seed=row), prompt_token_ids=[1, 2, 3],
-                          output_token_ids=outputs, eos_token_ids=[0], default_seed=row)
+        state.add_request(
+            row,
+            params.replace(seed=row),
+            prompt_token_ids=[1, 2, 3],
+            output_token_ids=outputs,
+            eos_token_ids=[0],
+            default_seed=row,
+        )
     state.flush_to_device()
     sampler = Sampler(state)
     rows_np = np.arange(num_rows, dtype=np.int32)

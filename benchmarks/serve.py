@@ -85,38 +85,67 @@ class ServeConfig:
 def parse_args(argv: list[str] | None) -> Any:
     p = recording.parser("serve", __doc__)
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="a running server's root, without /v1 (default %(default)s)")
-    target.add_argument("--server", metavar="ARGS",
-                        help="start `tandem serve ARGS` on a free port for this run")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="completions sends random token-id prompts of exactly --input-len "
-                        "tokens; chat sends text of --input-len words, or with --tokenizer of "
-                        "exactly --input-len tokens (default completions)")
-    p.add_argument("--tokenizer", help="chat: the server's tokenizer (tokenizer.json or a "
-                                       "Hugging Face directory) to size messages in tokens")
+    target.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="a running server's root, without /v1 (default %(default)s)",
+    )
+    target.add_argument(
+        "--server", metavar="ARGS", help="start `tandem serve ARGS` on a free port for this run"
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions sends random token-id prompts of exactly --input-len "
+        "tokens; chat sends text of --input-len words, or with --tokenizer of "
+        "exactly --input-len tokens (default completions)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="chat: the server's tokenizer (tokenizer.json or a "
+        "Hugging Face directory) to size messages in tokens",
+    )
     p.add_argument("--model", help="model name to send (default: the first in /v1/models)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-prompts", type=int, default=64, help="measured requests per level")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
-    p.add_argument("--concurrency", default="1",
-                   help="comma-separated most-in-flight counts, one level each (default 1)")
-    p.add_argument("--request-rate", default="inf",
-                   help="requests/s on a Poisson clock, or inf: all sent at once (default)")
-    p.add_argument("--warmup", type=int, default=0,
-                   help="unmeasured requests before each level (default 0)")
-    p.add_argument("--clients", type=int, default=1,
-                   help="client processes sharing each level (default 1; 4 above ~40k tok/s)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate exactly --output-len tokens per request")
+    p.add_argument(
+        "--concurrency",
+        default="1",
+        help="comma-separated most-in-flight counts, one level each (default 1)",
+    )
+    p.add_argument(
+        "--request-rate",
+        default="inf",
+        help="requests/s on a Poisson clock, or inf: all sent at once (default)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=0, help="unmeasured requests before each level (default 0)"
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="client processes sharing each level (default 1; 4 above ~40k tok/s)",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate exactly --output-len tokens per request"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--token-id-range", default="{}:{}".format(*DEFAULT_TOKEN_ID_RANGE),
-                   help="LOW:HIGH range of the random prompt token ids (default %(default)s)")
-    p.add_argument("--response-format", metavar="JSON",
-                   help="response_format of every request, e.g. '{\"type\": \"json_object\"}' "
-                        "(or @FILE holding it)")
+    p.add_argument(
+        "--token-id-range",
+        default="{}:{}".format(*DEFAULT_TOKEN_ID_RANGE),
+        help="LOW:HIGH range of the random prompt token ids (default %(default)s)",
+    )
+    p.add_argument(
+        "--response-format",
+        metavar="JSON",
+        help='response_format of every request, e.g. \'{"type": "json_object"}\' '
+        "(or @FILE holding it)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     args = p.parse_args(argv)
     try:
@@ -129,43 +158,71 @@ def parse_args(argv: list[str] | None) -> Any:
 def config_from_args(args: Any) -> ServeConfig:
     """The run's configuration; ValueError names the flag that is wrong."""
     concurrencies = _positive_ints(args.concurrency, "--concurrency")
-    for name, value, least in (("--num-prompts", args.num_prompts, 1),
-                               ("--input-len", args.input_len, 1),
-                               ("--output-len", args.output_len, 1),
-                               ("--warmup", args.warmup, 0), ("--clients", args.clients, 1)):
+    for name, value, least in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--input-len", args.input_len, 1),
+        ("--output-len", args.output_len, 1),
+        ("--warmup", args.warmup, 0),
+        ("--clients", args.clients, 1),
+    ):
         if value < least:
             raise ValueError(f"{name} must be at least {least}, got {value}")
     if args.clients > min(concurrencies + (args.num_prompts,)):
-        raise ValueError(f"--clients {args.clients} is more than the smallest concurrency or "
-                         "--num-prompts: every client needs a request in flight")
+        raise ValueError(
+            f"--clients {args.clients} is more than the smallest concurrency or "
+            "--num-prompts: every client needs a request in flight"
+        )
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
     base_url = args.base_url.rstrip("/").removesuffix("/v1")
     if not base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
     workload = ServeWorkload(
-        endpoint=args.endpoint, num_prompts=args.num_prompts, input_len=args.input_len,
-        output_len=args.output_len, ignore_eos=args.ignore_eos, temperature=args.temperature,
-        seed=args.seed, token_id_range=_token_range(args.token_id_range),
-        tokenizer=args.tokenizer, response_format=_json_object(args.response_format))
-    return ServeConfig(base_url=base_url, workload=workload, concurrencies=concurrencies,
-                       request_rate=_request_rate(args.request_rate), num_warmups=args.warmup,
-                       clients=args.clients, model=args.model, api_key=args.api_key,
-                       timeout_s=args.timeout)
+        endpoint=args.endpoint,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+        token_id_range=_token_range(args.token_id_range),
+        tokenizer=args.tokenizer,
+        response_format=_json_object(args.response_format),
+    )
+    return ServeConfig(
+        base_url=base_url,
+        workload=workload,
+        concurrencies=concurrencies,
+        request_rate=_request_rate(args.request_rate),
+        num_warmups=args.warmup,
+        clients=args.clients,
+        model=args.model,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config: ServeConfig = args.config
-    workload = {**asdict(config.workload), "concurrencies": list(config.concurrencies),
-                "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
-                "warmup_per_level": config.num_warmups, "clients": config.clients,
-                "server": f"tandem serve {args.server}" if args.server else config.base_url}
+    workload = {
+        **asdict(config.workload),
+        "concurrencies": list(config.concurrencies),
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "warmup_per_level": config.num_warmups,
+        "clients": config.clients,
+        "server": f"tandem serve {args.server}" if args.server else config.base_url,
+    }
     run = recording.Run("serve", args, "serve", workload, argv)
     with _server(args.server) as base_url:
         if base_url is not None:
-            config = ServeConfig(**{**_fields(config), "base_url": base_url,
-                                    "ready_timeout_s": SERVER_READY_TIMEOUT_S})
+            config = ServeConfig(
+                **{
+                    **_fields(config),
+                    "base_url": base_url,
+                    "ready_timeout_s": SERVER_READY_TIMEOUT_S,
+                }
+            )
         details = run_levels(config, run.checkpoint)
         if base_url is not None:
             details["server_metrics"] = scrape_metrics(base_url)
@@ -180,10 +237,14 @@ def run_levels(config: ServeConfig, checkpoint: Any = None) -> dict[str, Any]:
     prompts = serve_prompts(config.workload, config.workload.seed)
     model, version = anyio.run(_model_and_version, config)
     details: dict[str, Any] = {
-        "base_url": config.base_url, "endpoint": ENDPOINT_PATHS[config.workload.endpoint],
-        "model": model, "server_version": version,
+        "base_url": config.base_url,
+        "endpoint": ENDPOINT_PATHS[config.workload.endpoint],
+        "model": model,
+        "server_version": version,
         "prompts_sha256_16": prompts_digest(prompts),
-        "warmup_seed": config.workload.seed + WARMUP_SEED_OFFSET, "levels": []}
+        "warmup_seed": config.workload.seed + WARMUP_SEED_OFFSET,
+        "levels": [],
+    }
     for concurrency in config.concurrencies:
         details["levels"].append(run_level(config, model, prompts, concurrency))
         if checkpoint is not None:
@@ -191,14 +252,24 @@ def run_levels(config: ServeConfig, checkpoint: Any = None) -> dict[str, Any]:
     return details
 
 
-def run_level(config: ServeConfig, model: str, prompts: list[Any], concurrency: int
-              ) -> dict[str, Any]:
+def run_level(
+    config: ServeConfig, model: str, prompts: list[Any], concurrency: int
+) -> dict[str, Any]:
     workload = config.workload
-    warm = (serve_prompts(workload, workload.seed + WARMUP_SEED_OFFSET, config.num_warmups)
-            if config.num_warmups else [])
-    shares = [_Share(index, prompts[index::config.clients], warm[index::config.clients],
-                     _split(concurrency, config.clients, index))
-              for index in range(config.clients)]
+    warm = (
+        serve_prompts(workload, workload.seed + WARMUP_SEED_OFFSET, config.num_warmups)
+        if config.num_warmups
+        else []
+    )
+    shares = [
+        _Share(
+            index,
+            prompts[index :: config.clients],
+            warm[index :: config.clients],
+            _split(concurrency, config.clients, index),
+        )
+        for index in range(config.clients)
+    ]
     load_before = recording.load_average()
     if config.clients == 1:
         outcomes = [anyio.run(_client, config, model, shares[0], None)]
@@ -207,9 +278,13 @@ def run_level(config: ServeConfig, model: str, prompts: list[Any], concurrency: 
     results = [r for outcome in outcomes for r in outcome.results]
     duration_s = max(o.ended_s for o in outcomes) - min(o.started_s for o in outcomes)
     expected = workload.output_len if workload.ignore_eos else None
-    return {"concurrency": concurrency, "clients": config.clients,
-            "load_average_before": load_before, "load_average_after": recording.load_average(),
-            **summarize(results, duration_s, expected)}
+    return {
+        "concurrency": concurrency,
+        "clients": config.clients,
+        "load_average_before": load_before,
+        "load_average_after": recording.load_average(),
+        **summarize(results, duration_s, expected),
+    }
 
 
 def headline(levels: list[dict[str, Any]]) -> dict[str, Any]:
@@ -218,8 +293,12 @@ def headline(levels: list[dict[str, Any]]) -> dict[str, Any]:
     for level in levels:
         at = f"c{level['concurrency']}"
         figures[f"{at}_output_tok_s"] = round(level["output_throughput_tok_s"], 1)
-        for metric, stat in (("ttft", "median_ms"), ("ttft", "p99_ms"), ("tpot", "median_ms"),
-                             ("itl", "median_ms")):
+        for metric, stat in (
+            ("ttft", "median_ms"),
+            ("ttft", "p99_ms"),
+            ("tpot", "median_ms"),
+            ("itl", "median_ms"),
+        ):
             value = level[metric][stat]
             figures[f"{at}_{metric}_{stat}"] = None if value is None else round(value, 2)
         figures[f"{at}_failed"] = level["failed"]
@@ -227,6 +306,7 @@ def headline(levels: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- client processes ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class _Share:
@@ -253,9 +333,12 @@ def _in_processes(config: ServeConfig, model: str, shares: list[_Share]) -> list
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(shares))
     queue = context.Queue()
-    processes = [context.Process(target=_client_process, args=(config, model, share, barrier,
-                                                               queue), daemon=True)
-                 for share in shares]
+    processes = [
+        context.Process(
+            target=_client_process, args=(config, model, share, barrier, queue), daemon=True
+        )
+        for share in shares
+    ]
     for process in processes:
         process.start()
     answers: list[_ClientOutcome | str] = []
@@ -274,8 +357,9 @@ def _in_processes(config: ServeConfig, model: str, shares: list[_Share]) -> list
     return answers  # type: ignore[return-value]
 
 
-def _client_process(config: ServeConfig, model: str, share: _Share, barrier: Any,
-                    queue: Any) -> None:
+def _client_process(
+    config: ServeConfig, model: str, share: _Share, barrier: Any, queue: Any
+) -> None:
     try:
         queue.put(anyio.run(_client, config, model, share, barrier))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
@@ -283,34 +367,56 @@ def _client_process(config: ServeConfig, model: str, share: _Share, barrier: Any
         queue.put(f"client {share.index}: {type(exc).__name__}: {exc}")
 
 
-async def _client(config: ServeConfig, model: str, share: _Share, barrier: Any
-                  ) -> _ClientOutcome:
+async def _client(config: ServeConfig, model: str, share: _Share, barrier: Any) -> _ClientOutcome:
     workload = config.workload
-    limits = httpx.Limits(max_connections=share.concurrency + 8,
-                          max_keepalive_connections=share.concurrency + 8)
-    async with httpx.AsyncClient(base_url=config.base_url, limits=limits,
-                                 timeout=httpx.Timeout(config.timeout_s, connect=30.0),
-                                 headers=_auth_headers(config.api_key)) as client:
+    limits = httpx.Limits(
+        max_connections=share.concurrency + 8, max_keepalive_connections=share.concurrency + 8
+    )
+    async with httpx.AsyncClient(
+        base_url=config.base_url,
+        limits=limits,
+        timeout=httpx.Timeout(config.timeout_s, connect=30.0),
+        headers=_auth_headers(config.api_key),
+    ) as client:
         if share.warmup_prompts:
-            warm = await _run_requests(client, workload, model, share.warmup_prompts,
-                                       min(share.concurrency, len(share.warmup_prompts)),
-                                       math.inf, workload.seed)
+            warm = await _run_requests(
+                client,
+                workload,
+                model,
+                share.warmup_prompts,
+                min(share.concurrency, len(share.warmup_prompts)),
+                math.inf,
+                workload.seed,
+            )
             failed = [r for r in warm if not r.success]
             if failed:
-                raise ServerUnavailableError(f"{len(failed)} of {len(warm)} warmup requests "
-                                             f"failed: {failed[0].error}")
+                raise ServerUnavailableError(
+                    f"{len(failed)} of {len(warm)} warmup requests failed: {failed[0].error}"
+                )
         if barrier is not None:
             await anyio.to_thread.run_sync(barrier.wait)
         started = time.monotonic()
-        results = await _run_requests(client, workload, model, share.prompts, share.concurrency,
-                                      config.request_rate / config.clients,
-                                      workload.seed + share.index)
+        results = await _run_requests(
+            client,
+            workload,
+            model,
+            share.prompts,
+            share.concurrency,
+            config.request_rate / config.clients,
+            workload.seed + share.index,
+        )
         return _ClientOutcome(results, started, time.monotonic())
 
 
-async def _run_requests(client: httpx.AsyncClient, workload: ServeWorkload, model: str,
-                        prompts: Sequence[Any], concurrency: int, request_rate: float,
-                        seed: int) -> list[RequestResult]:
+async def _run_requests(
+    client: httpx.AsyncClient,
+    workload: ServeWorkload,
+    model: str,
+    prompts: Sequence[Any],
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+) -> list[RequestResult]:
     path = ENDPOINT_PATHS[workload.endpoint]
     arrivals_s = arrival_offsets_s(len(prompts), request_rate, seed)
     limiter = anyio.Semaphore(concurrency)
@@ -320,8 +426,9 @@ async def _run_requests(client: httpx.AsyncClient, workload: ServeWorkload, mode
     async def one(index: int) -> None:
         await anyio.sleep(max(0.0, started + arrivals_s[index] - time.perf_counter()))
         async with limiter:
-            results[index] = await stream_request(client, path,
-                                                  request_body(workload, prompts[index], model))
+            results[index] = await stream_request(
+                client, path, request_body(workload, prompts[index], model)
+            )
 
     async with anyio.create_task_group() as tg:
         for index in range(len(prompts)):
@@ -354,8 +461,9 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
         yield pending.removesuffix("\r")
 
 
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
-                         ) -> RequestResult:
+async def stream_request(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> RequestResult:
     """POST one streamed request and time its SSE events; never raises for a bad answer."""
     timeline = StreamTimeline(sent_s=time.perf_counter())
     try:
@@ -377,25 +485,30 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
 
 # ---- the server -----------------------------------------------------------------------------
 
+
 async def _model_and_version(config: ServeConfig) -> tuple[str, Any]:
-    async with httpx.AsyncClient(base_url=config.base_url,
-                                 headers=_auth_headers(config.api_key)) as client:
+    async with httpx.AsyncClient(
+        base_url=config.base_url, headers=_auth_headers(config.api_key)
+    ) as client:
         deadline = time.monotonic() + config.ready_timeout_s
         last_error = ""
         while config.model is None and time.monotonic() < deadline:
             try:
                 response = await client.get("/v1/models", timeout=10)
                 if response.status_code == 200 and response.json().get("data"):
-                    config = ServeConfig(**{**_fields(config),
-                                            "model": str(response.json()["data"][0]["id"])})
+                    config = ServeConfig(
+                        **{**_fields(config), "model": str(response.json()["data"][0]["id"])}
+                    )
                     break
                 last_error = f"HTTP {response.status_code}"
             except (httpx.HTTPError, ValueError) as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
             await anyio.sleep(0.5)
         if config.model is None:
-            raise ServerUnavailableError(f"no model listed at {config.base_url}/v1/models "
-                                         f"within {config.ready_timeout_s:g} s ({last_error})")
+            raise ServerUnavailableError(
+                f"no model listed at {config.base_url}/v1/models "
+                f"within {config.ready_timeout_s:g} s ({last_error})"
+            )
         try:
             response = await client.get("/version", timeout=10)
             version = response.json() if response.status_code == 200 else None
@@ -413,16 +526,24 @@ def _server(server_args: str | None) -> Iterator[str | None]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    command = [sys.executable, "-m", "app.cli", "serve", *shlex.split(server_args),
-               "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        *shlex.split(server_args),
+        "--port",
+        str(port),
+    ]
     server = subprocess.Popen(command)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
         while not _healthy(base_url):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise ServerUnavailableError(f"`{shlex.join(command)}` did not become healthy "
-                                             f"(exit code {server.poll()})")
+                raise ServerUnavailableError(
+                    f"`{shlex.join(command)}` did not become healthy (exit code {server.poll()})"
+                )
             time.sleep(0.5)
         yield base_url
     finally:
@@ -455,19 +576,22 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
 
 # ---- arguments and output -------------------------------------------------------------------
 
+
 def describe_level(level: dict[str, Any]) -> str:
     def ms(metric: str, stat: str) -> str:
         value = level[metric][stat]
         return "-" if value is None else f"{value:.1f}"
 
-    return (f"concurrency {level['concurrency']}: {level['completed']} ok, "
-            f"{level['failed']} failed, {level['output_throughput_tok_s']:.1f} output tok/s, "
-            f"{level['request_throughput_req_s']:.2f} req/s | ms median/p99: "
-            f"TTFT {ms('ttft', 'median_ms')}/{ms('ttft', 'p99_ms')} "
-            f"TPOT {ms('tpot', 'median_ms')}/{ms('tpot', 'p99_ms')} "
-            f"ITL {ms('itl', 'median_ms')}/{ms('itl', 'p99_ms')} "
-            f"E2EL {ms('e2el', 'median_ms')}/{ms('e2el', 'p99_ms')}"
-            + (f" | first error: {level['errors'][0]}" if level.get("errors") else ""))
+    return (
+        f"concurrency {level['concurrency']}: {level['completed']} ok, "
+        f"{level['failed']} failed, {level['output_throughput_tok_s']:.1f} output tok/s, "
+        f"{level['request_throughput_req_s']:.2f} req/s | ms median/p99: "
+        f"TTFT {ms('ttft', 'median_ms')}/{ms('ttft', 'p99_ms')} "
+        f"TPOT {ms('tpot', 'median_ms')}/{ms('tpot', 'p99_ms')} "
+        f"ITL {ms('itl', 'median_ms')}/{ms('itl', 'p99_ms')} "
+        f"E2EL {ms('e2el', 'median_ms')}/{ms('e2el', 'p99_ms')}"
+        + (f" | first error: {level['errors'][0]}" if level.get("errors") else "")
+    )
 
 
 def _fields(config: ServeConfig) -> dict[str, Any]:

@@ -77,10 +77,15 @@ class StreamTimeline:
         if self.output_tokens is None:
             return RequestResult(success=False, error="the stream ended without a usage chunk")
         return RequestResult(
-            success=True, prompt_tokens=self.prompt_tokens or 0, output_tokens=self.output_tokens,
+            success=True,
+            prompt_tokens=self.prompt_tokens or 0,
+            output_tokens=self.output_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
-            ttft_s=self.first_choice_s - self.sent_s, itl_s=tuple(self.itl_s),
-            e2el_s=self.last_choice_s - self.sent_s, finish_reason=self.finish_reason)
+            ttft_s=self.first_choice_s - self.sent_s,
+            itl_s=tuple(self.itl_s),
+            e2el_s=self.last_choice_s - self.sent_s,
+            finish_reason=self.finish_reason,
+        )
 
 
 def tpot_s(result: RequestResult) -> float | None:
@@ -89,32 +94,42 @@ def tpot_s(result: RequestResult) -> float | None:
     return (result.e2el_s - result.ttft_s) / (result.output_tokens - 1)
 
 
-def distribution_ms(values_s: list[float],
-                    percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float | None]:
+def distribution_ms(
+    values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES
+) -> dict[str, float | None]:
     """mean, median, std and the percentiles (numpy's linear interpolation, as vLLM), in ms."""
     if not values_s:
-        return {"mean_ms": None, "median_ms": None, "std_ms": None,
-                **{f"p{p:g}_ms": None for p in percentiles}}
+        return {
+            "mean_ms": None,
+            "median_ms": None,
+            "std_ms": None,
+            **{f"p{p:g}_ms": None for p in percentiles},
+        }
     values_ms = np.asarray(values_s, dtype=np.float64) * 1e3
     figures: dict[str, float | None] = {
-        "mean_ms": float(values_ms.mean()), "median_ms": float(np.median(values_ms)),
-        "std_ms": float(values_ms.std())}
+        "mean_ms": float(values_ms.mean()),
+        "median_ms": float(np.median(values_ms)),
+        "std_ms": float(values_ms.std()),
+    }
     for p in percentiles:
         figures[f"p{p:g}_ms"] = float(np.percentile(values_ms, p))
     return figures
 
 
-def summarize(results: list[RequestResult], duration_s: float,
-              expected_output_tokens: int | None = None) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration_s: float, expected_output_tokens: int | None = None
+) -> dict[str, Any]:
     """One load level's figures; failed requests count in `failed` and nowhere else."""
     done = [r for r in results if r.success]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     tpots = [t for t in map(tpot_s, done) if t is not None]
     figures: dict[str, Any] = {
-        "completed": len(done), "failed": len(results) - len(done),
+        "completed": len(done),
+        "failed": len(results) - len(done),
         "duration_s": duration_s,
-        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
         "total_cached_prompt_tokens": sum(r.cached_prompt_tokens for r in done),
         "request_throughput_req_s": len(done) / duration_s,
         "output_throughput_tok_s": output_tokens / duration_s,
@@ -127,7 +142,8 @@ def summarize(results: list[RequestResult], duration_s: float,
     }
     if expected_output_tokens is not None:
         figures["output_len_mismatches"] = sum(
-            1 for r in done if r.output_tokens != expected_output_tokens)
+            1 for r in done if r.output_tokens != expected_output_tokens
+        )
     errors = sorted({r.error for r in results if not r.success})
     if errors:
         figures["errors"] = errors[:10]

@@ -60,11 +60,17 @@ def _fields(outcome: RequestOutcome) -> dict[str, Any]:
     return {name: getattr(outcome, name) for name in RequestOutcome.__slots__}
 
 
-def _outcome(planned: PlannedRequest, outcome: Outcome, status: int | None, detail: str = "",
-             num_output_tokens: int = 0, finish_reasons: tuple[str, ...] = ()
-             ) -> RequestOutcome:
-    return RequestOutcome(planned.index, planned.plan, outcome, status, detail,
-                          num_output_tokens, finish_reasons)
+def _outcome(
+    planned: PlannedRequest,
+    outcome: Outcome,
+    status: int | None,
+    detail: str = "",
+    num_output_tokens: int = 0,
+    finish_reasons: tuple[str, ...] = (),
+) -> RequestOutcome:
+    return RequestOutcome(
+        planned.index, planned.plan, outcome, status, detail, num_output_tokens, finish_reasons
+    )
 
 
 async def _send(client: httpx.AsyncClient, planned: PlannedRequest) -> RequestOutcome:
@@ -85,8 +91,9 @@ def _aborted_after(num_events: int) -> str:
     return f"after {num_events} events" if num_events else "before any output"
 
 
-async def _read(client: httpx.AsyncClient, request: httpx.Request, planned: PlannedRequest,
-                events: list[int]) -> RequestOutcome:
+async def _read(
+    client: httpx.AsyncClient, request: httpx.Request, planned: PlannedRequest, events: list[int]
+) -> RequestOutcome:
     """`events[0]` counts the stream's data events as they arrive."""
     response = await client.send(request, stream=True)
     try:
@@ -114,13 +121,17 @@ def _judge_status(planned: PlannedRequest, response: httpx.Response) -> RequestO
             ok = False
         if ok:
             return _outcome(planned, "rejected", status)
-        return _outcome(planned, "failed", status, f"not an OpenAI error body: {response.text[:200]}")
-    return _outcome(planned, "failed", status,
-                    f"expected {planned.expected_status}: {response.text[:300]}")
+        return _outcome(
+            planned, "failed", status, f"not an OpenAI error body: {response.text[:200]}"
+        )
+    return _outcome(
+        planned, "failed", status, f"expected {planned.expected_status}: {response.text[:300]}"
+    )
 
 
-async def _read_stream(response: httpx.Response, planned: PlannedRequest, events: list[int]
-                       ) -> RequestOutcome:
+async def _read_stream(
+    response: httpx.Response, planned: PlannedRequest, events: list[int]
+) -> RequestOutcome:
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
         raise _Invalid(f"stream with content-type {response.headers.get('content-type')}")
     chunks: list[dict[str, Any]] = []
@@ -133,7 +144,7 @@ async def _read_stream(response: httpx.Response, planned: PlannedRequest, events
         if line == "data: [DONE]":
             done = True
             continue
-        chunk = json.loads(line[len("data: "):])
+        chunk = json.loads(line[len("data: ") :])
         if "error" in chunk:
             raise _Invalid(f"error event: {chunk['error']}")
         chunks.append(chunk)
@@ -165,8 +176,7 @@ def _judge_stream(planned: PlannedRequest, chunks: list[dict[str, Any]]) -> Requ
     num_tokens = usage["completion_tokens"]
     reasons = tuple(finish[i] for i in range(n))
     _check_counts(body, reasons, [num_tokens] if n == 1 else None, num_tokens)
-    return _outcome(planned, "completed", 200, num_output_tokens=num_tokens,
-                    finish_reasons=reasons)
+    return _outcome(planned, "completed", 200, num_output_tokens=num_tokens, finish_reasons=reasons)
 
 
 def _judge_json(planned: PlannedRequest, response: dict[str, Any]) -> RequestOutcome:
@@ -194,8 +204,9 @@ def _judge_json(planned: PlannedRequest, response: dict[str, Any]) -> RequestOut
     return _outcome(planned, "completed", 200, num_output_tokens=total, finish_reasons=reasons)
 
 
-def _check_counts(body: dict[str, Any], reasons: tuple[str, ...], counts: list[int] | None,
-                  total: int) -> None:
+def _check_counts(
+    body: dict[str, Any], reasons: tuple[str, ...], counts: list[int] | None, total: int
+) -> None:
     """finish_reason and token counts agree with max_tokens, min_tokens and ignore_eos.
     `counts` per choice when known (else only the total is checked)."""
     max_tokens, n = body["max_tokens"], body.get("n", 1)

@@ -133,8 +133,9 @@ class RssSampler:
             self._stop.wait(self._interval_s)
 
     def _take(self) -> None:
-        self.samples.append(RssSample(time.monotonic() - self._started, resident_bytes(self.pid),
-                                      self._num_done()))
+        self.samples.append(
+            RssSample(time.monotonic() - self._started, resident_bytes(self.pid), self._num_done())
+        )
 
     def window_median(self, first_done: int, last_done: int) -> int:
         """Median RSS of the samples taken while [first_done, last_done] requests had

@@ -13,7 +13,43 @@ from typing import Any, Literal
 
 Plan = Literal["complete", "disconnect", "malformed"]
 
-_WORDS = ["the", "cat", "sat", "on", "a", "warm", "mat", "while", "rain", "fell", "over", "the", "quiet", "town", "and", "people", "walked", "home", "talking", "about", "music", "science", "food", "travel", "history", "stars", "oceans", "and", "small", "robots", "that", "learn", "to", "write", "poems"]
+_WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "warm",
+    "mat",
+    "while",
+    "rain",
+    "fell",
+    "over",
+    "the",
+    "quiet",
+    "town",
+    "and",
+    "people",
+    "walked",
+    "home",
+    "talking",
+    "about",
+    "music",
+    "science",
+    "food",
+    "travel",
+    "history",
+    "stars",
+    "oceans",
+    "and",
+    "small",
+    "robots",
+    "that",
+    "learn",
+    "to",
+    "write",
+    "poems",
+]
 STOP_STRINGS = (".", " the", "\n", "!")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -58,8 +94,9 @@ def plan_request(index: int, seed: int, mix: SoakMix) -> PlannedRequest:
     roll = rng.random()
     if roll < mix.malformed_fraction:
         return _malformed(index, rng)
-    plan: Plan = "disconnect" if roll < mix.malformed_fraction + mix.disconnect_fraction \
-        else "complete"
+    plan: Plan = (
+        "disconnect" if roll < mix.malformed_fraction + mix.disconnect_fraction else "complete"
+    )
     chat = rng.random() < 0.5
     body = _sampling_fields(rng, mix)
     body["stream"] = rng.random() < 0.5
@@ -76,16 +113,22 @@ def plan_request(index: int, seed: int, mix: SoakMix) -> PlannedRequest:
         body["prompt"] = _words(rng, mix.max_prompt_words)
         if rng.random() < 0.2:
             body["logprobs"] = rng.randint(0, 3)
-    return PlannedRequest(index=index, plan=plan, path=CHAT if chat else COMPLETIONS, body=body,
-                          disconnect_after_s=rng.uniform(0.0, mix.disconnect_within_s),
-                          disconnect_after_events=rng.randint(0, 4) if rng.random() < 0.5
-                          else None)
+    return PlannedRequest(
+        index=index,
+        plan=plan,
+        path=CHAT if chat else COMPLETIONS,
+        body=body,
+        disconnect_after_s=rng.uniform(0.0, mix.disconnect_within_s),
+        disconnect_after_events=rng.randint(0, 4) if rng.random() < 0.5 else None,
+    )
 
 
 def _sampling_fields(rng: random.Random, mix: SoakMix) -> dict[str, Any]:
     max_tokens = rng.randint(1, mix.max_tokens)
-    body: dict[str, Any] = {"max_tokens": max_tokens,
-                            "temperature": rng.choice((0.0, 0.0, 0.7, 1.0, 1.5))}
+    body: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": rng.choice((0.0, 0.0, 0.7, 1.0, 1.5)),
+    }
     if rng.random() < 0.3:
         body["top_p"] = rng.choice((0.5, 0.9, 1.0))
     if rng.random() < 0.3:
@@ -117,8 +160,9 @@ def _words(rng: random.Random, max_words: int) -> str:
 def _messages(rng: random.Random, mix: SoakMix) -> list[dict[str, str]]:
     turns = rng.randint(1, 3)
     roles = ["user" if i % 2 == 0 else "assistant" for i in range(2 * turns - 1)]
-    messages = [{"role": role, "content": _words(rng, mix.max_prompt_words // 2 or 1)}
-                for role in roles]
+    messages = [
+        {"role": role, "content": _words(rng, mix.max_prompt_words // 2 or 1)} for role in roles
+    ]
     if rng.random() < 0.3:
         messages.insert(0, {"role": "system", "content": "You are terse."})
     return messages
@@ -132,10 +176,20 @@ _MALFORMED: tuple[tuple[str, dict[str, Any] | None, bytes | None, dict[str, str]
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, None, {}, 400),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, None, {}, 400),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, None, {}, 400),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
-     None, {}, 400),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model"},
-     None, {}, 404),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
+        None,
+        {},
+        400,
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model"},
+        None,
+        {},
+        404,
+    ),
     (COMPLETIONS, {"prompt": 5}, None, {}, 400),
     (COMPLETIONS, {"prompt": "hi", "n": 0}, None, {}, 400),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 1}}, None, {}, 400),
@@ -145,5 +199,12 @@ _MALFORMED: tuple[tuple[str, dict[str, Any] | None, bytes | None, dict[str, str]
 
 def _malformed(index: int, rng: random.Random) -> PlannedRequest:
     path, body, raw, headers, status = rng.choice(_MALFORMED)
-    return PlannedRequest(index=index, plan="malformed", path=path, body=body, raw_body=raw,
-                          headers=dict(headers), expected_status=status)
+    return PlannedRequest(
+        index=index,
+        plan="malformed",
+        path=path,
+        body=body,
+        raw_body=raw,
+        headers=dict(headers),
+        expected_status=status,
+    )

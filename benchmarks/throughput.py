@@ -61,82 +61,126 @@ class EngineRun:
 
 def parse_args(argv: list[str] | None) -> Any:
     p = recording.parser("throughput", __doc__)
-    p.add_argument("--workload", default="W1", type=str.upper, choices=list(WORKLOADS),
-                   help="W1 (qwen3-0.6b, 1024 x 128 in / 512 out), W2 (qwen3-0.6b, 1000 x 1024 "
-                        "in / 128 out), W3 (llama-3.1-8b, 1024 x 128 in / 512 out), all dummy "
-                        "weights in bf16 on CUDA; CPU (the embedded model, float32, 32 x 128 "
-                        "in / 64 out)")
+    p.add_argument(
+        "--workload",
+        default="W1",
+        type=str.upper,
+        choices=list(WORKLOADS),
+        help="W1 (qwen3-0.6b, 1024 x 128 in / 512 out), W2 (qwen3-0.6b, 1000 x 1024 "
+        "in / 128 out), W3 (llama-3.1-8b, 1024 x 128 in / 512 out), all dummy "
+        "weights in bf16 on CUDA; CPU (the embedded model, float32, 32 x 128 "
+        "in / 64 out)",
+    )
     p.add_argument("--model", help="override the workload's model (e.g. dummy:smollm2-135m)")
     p.add_argument("--num-prompts", type=int, help="override the workload's prompt count")
     p.add_argument("--input-len", type=int, help="override the workload's input length")
     p.add_argument("--output-len", type=int, help="override the workload's output length")
-    p.add_argument("--arms", default=",".join(TANDEM_ARMS + HF_ARMS),
-                   help="comma-separated, v2 first: any of %(default)s")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs per tandem arm, in ABBA order (transformers arms run once)")
-    p.add_argument("--hf-num-prompts", type=int, default=256,
-                   help="prompts the transformers arms run (a prefix of the workload's)")
-    p.add_argument("--hf-batch-size", type=int, default=256,
-                   help="batch size of the static transformers arm")
-    p.add_argument("--max-num-seqs", type=int,
-                   help="default 1024 on CUDA, the number of prompts on the CPU")
+    p.add_argument(
+        "--arms",
+        default=",".join(TANDEM_ARMS + HF_ARMS),
+        help="comma-separated, v2 first: any of %(default)s",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs per tandem arm, in ABBA order (transformers arms run once)",
+    )
+    p.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=256,
+        help="prompts the transformers arms run (a prefix of the workload's)",
+    )
+    p.add_argument(
+        "--hf-batch-size", type=int, default=256, help="batch size of the static transformers arm"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, help="default 1024 on CUDA, the number of prompts on the CPU"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.72,
-                   help="tandem's share (CUDA); the rest is left to the transformers arms")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.72,
+        help="tandem's share (CUDA); the rest is left to the transformers arms",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "v2" or not set(arms) <= {*TANDEM_ARMS, *HF_ARMS}:
-        p.error(f"--arms must start with v2 and name only {','.join(TANDEM_ARMS + HF_ARMS)}; "
-                f"got {args.arms!r}")
+        p.error(
+            f"--arms must start with v2 and name only {','.join(TANDEM_ARMS + HF_ARMS)}; "
+            f"got {args.arms!r}"
+        )
     args.arms = arms
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = {k: v for k, v in (("model", args.model), ("num_prompts", args.num_prompts),
-                                   ("input_len", args.input_len),
-                                   ("output_len", args.output_len)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("model", args.model),
+            ("num_prompts", args.num_prompts),
+            ("input_len", args.input_len),
+            ("output_len", args.output_len),
+        )
+        if v is not None
+    }
     workload = replace(workload_by_name(args.workload), **overrides)
     engine_options: dict[str, Any] = {
-        "device": workload.device, "dtype": workload.dtype,
-        "max_num_seqs": args.max_num_seqs or (1024 if workload.device == "cuda"
-                                              else workload.num_prompts),
+        "device": workload.device,
+        "dtype": workload.dtype,
+        "max_num_seqs": args.max_num_seqs
+        or (1024 if workload.device == "cuda" else workload.num_prompts),
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enforce_eager": args.enforce_eager}
+        "enforce_eager": args.enforce_eager,
+    }
     if workload.device == "cuda":
         engine_options["gpu_memory_utilization"] = args.gpu_memory_utilization
-    run = recording.Run("throughput", args, f"throughput_{workload.name.lower()}",
-                        {**workload.as_dict(), "engine_options": engine_options}, argv)
+    run = recording.Run(
+        "throughput",
+        args,
+        f"throughput_{workload.name.lower()}",
+        {**workload.as_dict(), "engine_options": engine_options},
+        argv,
+    )
     details = run_arms(workload, engine_options, args, run.checkpoint)
     record = run.finish(headline(details), details)
     for arm, figures in record["details"]["summary"].items():
-        print(f"{arm}: {figures['median_output_tok_s']:,.0f} output tok/s (median of "
-              f"{figures['repeats']})")
+        print(
+            f"{arm}: {figures['median_output_tok_s']:,.0f} output tok/s (median of "
+            f"{figures['repeats']})"
+        )
     return 0
 
 
-def run_arms(workload: Workload, engine_options: dict[str, Any], args: Any,
-             checkpoint: Any) -> dict[str, Any]:
+def run_arms(
+    workload: Workload, engine_options: dict[str, Any], args: Any, checkpoint: Any
+) -> dict[str, Any]:
     from app.llm import LLM
 
     details: dict[str, Any] = {
         "sampling": "temperature 1.0, top_p 1.0, ignore_eos, min_tokens = max_tokens = output_len",
-        "arms": args.arms, "repeats": args.repeats, "hf_num_prompts": args.hf_num_prompts,
+        "arms": args.arms,
+        "repeats": args.repeats,
+        "hf_num_prompts": args.hf_num_prompts,
         "hf_batch_size": args.hf_batch_size,
         "order": "tandem arms ABBA (v2 v1 v1 v2 ...), then each transformers arm once",
-        "runs": []}
+        "runs": [],
+    }
     triton_cache_was_empty = _triton_cache_is_empty()
     started = time.perf_counter()
     v2 = LLM(workload.model, runner="v2", **engine_options)
-    details["startup"] = _startup_figures(v2, time.perf_counter() - started,
-                                          triton_cache_was_empty)
+    details["startup"] = _startup_figures(v2, time.perf_counter() - started, triton_cache_was_empty)
     llms = {"v2": v2}
     if "v1" in args.arms:
         llms["v1"] = LLM(workload.model, reuse=v2, runner="v1", **engine_options)
-    prompts = random_prompts(workload.num_prompts, workload.input_len,
-                             v2.worker.model_config.vocab_size, seed=0)
+    prompts = random_prompts(
+        workload.num_prompts, workload.input_len, v2.worker.model_config.vocab_size, seed=0
+    )
     tandem_arms = tuple(a for a in TANDEM_ARMS if a in args.arms)
     details["warmup"] = _warm_up(llms, tandem_arms, prompts, engine_options["max_num_seqs"])
     for arm in abba_order(tandem_arms, args.repeats):
@@ -147,8 +191,9 @@ def run_arms(workload: Workload, engine_options: dict[str, Any], args: Any,
         print(_describe(details["runs"][-1]), flush=True)
     hf_arms = [a for a in HF_ARMS if a in args.arms]
     if hf_arms:
-        _run_hf_arms(details, hf_arms, v2, prompts[:args.hf_num_prompts], workload,
-                     args.hf_batch_size)
+        _run_hf_arms(
+            details, hf_arms, v2, prompts[: args.hf_num_prompts], workload, args.hf_batch_size
+        )
     details["summary"] = summarise_runs(details["runs"])
     return details
 
@@ -165,8 +210,9 @@ def fixed_length_params(output_len: int) -> Any:
     """vLLM's throughput-benchmark sampling: T=1, top_p=1, ignore_eos, exact length."""
     from actors.protocol.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len,
-                          min_tokens=output_len, ignore_eos=True)
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True
+    )
 
 
 def run_engine(llm: Any, prompts: list[list[int]], params: Any) -> EngineRun:
@@ -185,21 +231,34 @@ async def _run_engine(llm: Any, prompts: list[list[int]], params: Any) -> Engine
     steps: list[Any] = []
     preemptions: list[int] = []
     engine = InProcessEngine(
-        llm.worker, llm.loaded.runner, llm.config, tokenizer=llm.tokenizer,
+        llm.worker,
+        llm.loaded.runner,
+        llm.config,
+        tokenizer=llm.tokenizer,
         step_observers=[steps.append],
-        on_scheduler_stats=lambda stats: preemptions.append(stats.num_preemptions_total))
+        on_scheduler_stats=lambda stats: preemptions.append(stats.num_preemptions_total),
+    )
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
         started = time.monotonic()
-        streams = [engine.add_request(EngineRequest(
-            request_id=f"bench-{index}", prompt_token_ids=tuple(prompt), sampling_params=params,
-            arrival_time=started)) for index, prompt in enumerate(prompts)]
+        streams = [
+            engine.add_request(
+                EngineRequest(
+                    request_id=f"bench-{index}",
+                    prompt_token_ids=tuple(prompt),
+                    sampling_params=params,
+                    arrival_time=started,
+                )
+            )
+            for index, prompt in enumerate(prompts)
+        ]
         timings = await _collect_finished(streams, started)
         elapsed_s = time.monotonic() - started
         engine.stop()
     # Each engine starts a fresh scheduler: its running total is this run's count.
-    return EngineRun(elapsed_s, tuple(timings), tuple(steps),
-                     preemptions[-1] if preemptions else None)
+    return EngineRun(
+        elapsed_s, tuple(timings), tuple(steps), preemptions[-1] if preemptions else None
+    )
 
 
 async def _collect_finished(streams: list[Any], started: float) -> list[RequestTiming]:
@@ -218,8 +277,9 @@ async def _collect_finished(streams: list[Any], started: float) -> list[RequestT
             return
         end = delta.finish_time if delta.finish_time is not None else time.monotonic()
         first = delta.first_token_time if delta.first_token_time is not None else end
-        timings[index] = RequestTiming(delta.num_output_tokens, first - started, end - started,
-                                       delta.finish_reason)
+        timings[index] = RequestTiming(
+            delta.num_output_tokens, first - started, end - started, delta.finish_reason
+        )
 
     async with anyio.create_task_group() as tg:
         for index in range(len(streams)):
@@ -229,19 +289,25 @@ async def _collect_finished(streams: list[Any], started: float) -> list[RequestT
 
 # ---- figures ------------------------------------------------------------------------------
 
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     ordered = sorted(values)
-    return {"mean_ms": 1e3 * statistics.fmean(ordered),
-            "median_ms": 1e3 * statistics.median(ordered),
-            "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+    return {
+        "mean_ms": 1e3 * statistics.fmean(ordered),
+        "median_ms": 1e3 * statistics.median(ordered),
+        "p99_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
 
 
 def latency_figures(run: EngineRun) -> dict[str, Any]:
     """TTFT and TPOT with vLLM's definitions (TPOT = (latency - TTFT) / (outputs - 1))."""
-    tpot = [(r.latency_s - r.ttft_s) / (r.num_output_tokens - 1) for r in run.requests
-            if r.num_output_tokens > 1]
+    tpot = [
+        (r.latency_s - r.ttft_s) / (r.num_output_tokens - 1)
+        for r in run.requests
+        if r.num_output_tokens > 1
+    ]
     return {"ttft": _percentiles([r.ttft_s for r in run.requests]), "tpot": _percentiles(tpot)}
 
 
@@ -255,13 +321,18 @@ def gpu_idle_figures(steps: tuple[Any, ...], min_batch: int = IDLE_MIN_BATCH) ->
     busy = sum(s.step_time_s for s in timed)
     decode = [s for s in timed if s.num_prefill_tokens == 0]
     return {
-        "measured": True, "min_batch": min_batch, "num_steps": len(timed),
+        "measured": True,
+        "min_batch": min_batch,
+        "num_steps": len(timed),
         "idle_fraction": idle / (idle + busy),
-        "decode_idle_fraction": (sum(s.gpu_idle_s for s in decode)
-                                 / max(sum(s.gpu_idle_s + s.step_time_s for s in decode), 1e-12)),
+        "decode_idle_fraction": (
+            sum(s.gpu_idle_s for s in decode)
+            / max(sum(s.gpu_idle_s + s.step_time_s for s in decode), 1e-12)
+        ),
         "mean_step_ms": 1e3 * busy / len(timed),
-        "mean_decode_step_ms": (1e3 * statistics.fmean(s.step_time_s for s in decode)
-                                if decode else None),
+        "mean_decode_step_ms": (
+            1e3 * statistics.fmean(s.step_time_s for s in decode) if decode else None
+        ),
         "mean_prepare_ms": 1e3 * statistics.fmean(s.prepare_time_s for s in timed),
     }
 
@@ -275,17 +346,22 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for arm, arm_runs in by_arm.items():
         rates = [r["output_tok_s"] for r in arm_runs]
-        summary[arm] = {"repeats": len(rates), "median_output_tok_s": statistics.median(rates),
-                        "min_output_tok_s": min(rates), "max_output_tok_s": max(rates),
-                        "num_prompts": arm_runs[0]["num_prompts"]}
+        summary[arm] = {
+            "repeats": len(rates),
+            "median_output_tok_s": statistics.median(rates),
+            "min_output_tok_s": min(rates),
+            "max_output_tok_s": max(rates),
+            "num_prompts": arm_runs[0]["num_prompts"],
+        }
     return summary
 
 
 def headline(details: dict[str, Any]) -> dict[str, Any]:
     """The figures `benchmarks.report` compares between results."""
     rate = {arm: s["median_output_tok_s"] for arm, s in details["summary"].items()}
-    figures: dict[str, Any] = {f"{arm}_output_tok_s": round(value, 1)
-                               for arm, value in rate.items()}
+    figures: dict[str, Any] = {
+        f"{arm}_output_tok_s": round(value, 1) for arm, value in rate.items()
+    }
     if "v1" in rate:
         figures["v2_over_v1"] = round(rate["v2"] / rate["v1"], 3)
     v2_runs = [r for r in details["runs"] if r.get("arm") == "v2"]
@@ -302,13 +378,16 @@ def headline(details: dict[str, Any]) -> dict[str, Any]:
 
 # ---- arms ---------------------------------------------------------------------------------
 
+
 def _startup_figures(llm: Any, ready_s: float, triton_cache_was_empty: bool) -> dict[str, Any]:
     worker = llm.worker
     graphs = getattr(worker, "graphs", None)
     memory_report = getattr(worker, "memory_report", None)
     kv_spec = getattr(worker, "kv_spec", None)
     return {
-        "ready_s": ready_s, "process_age_at_ready_s": _process_age_s(), "runner": llm.runner,
+        "ready_s": ready_s,
+        "process_age_at_ready_s": _process_age_s(),
+        "runner": llm.runner,
         "weights_load_s": getattr(worker, "load_time_s", None),
         "graph_capture_s": graphs.capture_time_s if graphs is not None else None,
         "num_graphs": graphs.num_captured if graphs is not None else 0,
@@ -319,8 +398,9 @@ def _startup_figures(llm: Any, ready_s: float, triton_cache_was_empty: bool) -> 
     }
 
 
-def _warm_up(llms: dict[str, Any], arms: tuple[str, ...], prompts: list[list[int]],
-             max_num_seqs: int) -> dict[str, Any]:
+def _warm_up(
+    llms: dict[str, Any], arms: tuple[str, ...], prompts: list[list[int]], max_num_seqs: int
+) -> dict[str, Any]:
     """One short run per arm at full concurrency: compiles the prefill kernels' shapes."""
     num_prompts = min(len(prompts), max_num_seqs)
     seconds = {}
@@ -328,31 +408,45 @@ def _warm_up(llms: dict[str, Any], arms: tuple[str, ...], prompts: list[list[int
         started = time.perf_counter()
         run_engine(llms[arm], prompts[:num_prompts], fixed_length_params(8))
         seconds[arm] = time.perf_counter() - started
-    return {"description": f"{num_prompts} prompts x 8 output tokens per tandem arm, untimed; "
-                           "one 8-prompt x 4-token generate for the transformers arms",
-            "seconds": seconds}
+    return {
+        "description": f"{num_prompts} prompts x 8 output tokens per tandem arm, untimed; "
+        "one 8-prompt x 4-token generate for the transformers arms",
+        "seconds": seconds,
+    }
 
 
 def _tandem_run_record(arm: str, run: EngineRun, v2: Any, workload: Workload) -> dict[str, Any]:
     num_tokens = run.num_output_tokens
     bound = floors(v2.worker.model_config, workload, num_steps=len(run.steps))
     return {
-        "arm": arm, "num_prompts": len(run.requests), "elapsed_s": run.elapsed_s,
+        "arm": arm,
+        "num_prompts": len(run.requests),
+        "elapsed_s": run.elapsed_s,
         "output_tokens": num_tokens,
         "all_outputs_full_length": num_tokens == workload.num_prompts * workload.output_len,
         "output_tok_s": num_tokens / run.elapsed_s,
         "total_tok_s": (num_tokens + len(run.requests) * workload.input_len) / run.elapsed_s,
-        "num_steps": len(run.steps), "num_preemptions": run.num_preemptions,
+        "num_steps": len(run.steps),
+        "num_preemptions": run.num_preemptions,
         **latency_figures(run),
         "gpu_idle": gpu_idle_figures(run.steps),
-        "floor": {**bound, "fraction_of_roofline": bound["ideal_s"] / run.elapsed_s,
-                  "fraction_of_larger_floor": max(bound["ideal_s"], bound["compute_floor_s"])
-                  / run.elapsed_s},
+        "floor": {
+            **bound,
+            "fraction_of_roofline": bound["ideal_s"] / run.elapsed_s,
+            "fraction_of_larger_floor": max(bound["ideal_s"], bound["compute_floor_s"])
+            / run.elapsed_s,
+        },
     }
 
 
-def _run_hf_arms(details: dict[str, Any], arms: list[str], v2: Any, prompts: list[list[int]],
-                 workload: Workload, batch_size: int) -> None:
+def _run_hf_arms(
+    details: dict[str, Any],
+    arms: list[str],
+    v2: Any,
+    prompts: list[list[int]],
+    workload: Workload,
+    batch_size: int,
+) -> None:
     import torch
 
     from benchmarks.hf_arms import (
@@ -370,13 +464,19 @@ def _run_hf_arms(details: dict[str, Any], arms: list[str], v2: Any, prompts: lis
                 run = run_hf_static(hf, prompts, workload.output_len, batch_size)
             else:
                 run = run_hf_continuous(hf, prompts, workload.output_len)
-            details["runs"].append({
-                "arm": arm, "num_prompts": run.num_prompts, "batch_size": run.batch_size,
-                "elapsed_s": run.elapsed_s, "output_tokens": run.num_output_tokens,
-                "all_outputs_full_length":
-                    run.num_output_tokens == run.num_prompts * workload.output_len,
-                "output_tok_s": run.num_output_tokens / run.elapsed_s,
-                "note": f"subset: the first {run.num_prompts} of the workload's prompts"})
+            details["runs"].append(
+                {
+                    "arm": arm,
+                    "num_prompts": run.num_prompts,
+                    "batch_size": run.batch_size,
+                    "elapsed_s": run.elapsed_s,
+                    "output_tokens": run.num_output_tokens,
+                    "all_outputs_full_length": run.num_output_tokens
+                    == run.num_prompts * workload.output_len,
+                    "output_tok_s": run.num_output_tokens / run.elapsed_s,
+                    "note": f"subset: the first {run.num_prompts} of the workload's prompts",
+                }
+            )
         except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
             details["runs"].append({"arm": arm, "error": f"{type(exc).__name__}: {exc}"[:500]})
         if torch.cuda.is_available():
@@ -389,10 +489,14 @@ def _describe(run: dict[str, Any]) -> str:
         return f"{run['arm']}: ERROR {run['error']}"
     extra = ""
     if run.get("gpu_idle", {}).get("measured"):
-        extra = (f", gpu idle {100 * run['gpu_idle']['idle_fraction']:.1f}%, "
-                 f"{100 * run['floor']['fraction_of_roofline']:.1f}% of the floor")
-    return (f"{run['arm']}: {run['output_tok_s']:,.0f} output tok/s ({run['output_tokens']} "
-            f"tokens in {run['elapsed_s']:.2f} s{extra})")
+        extra = (
+            f", gpu idle {100 * run['gpu_idle']['idle_fraction']:.1f}%, "
+            f"{100 * run['floor']['fraction_of_roofline']:.1f}% of the floor"
+        )
+    return (
+        f"{run['arm']}: {run['output_tok_s']:,.0f} output tok/s ({run['output_tokens']} "
+        f"tokens in {run['elapsed_s']:.2f} s{extra})"
+    )
 
 
 def _triton_cache_is_empty() -> bool:

@@ -63,8 +63,9 @@ def workload_by_name(name: str) -> Workload:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
 
 
-def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int = 0
-                   ) -> list[list[int]]:
+def random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
     """Distinct uniformly random token-id prompts (no shared prefixes to cache)."""
     import numpy as np
 
@@ -72,8 +73,9 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int 
     return rng.integers(0, vocab_size, size=(num_prompts, input_len)).tolist()
 
 
-def floors(model: Any, workload: Workload, num_steps: int | None = None,
-           dtype_bytes: int = 2) -> dict[str, Any]:
+def floors(
+    model: Any, workload: Workload, num_steps: int | None = None, dtype_bytes: int = 2
+) -> dict[str, Any]:
     """The bandwidth and compute floors of `workload` on `model` (a gpu.models ModelConfig)
     at the H200's rates; `num_steps` defaults to one step per output token."""
     n, i, o = workload.num_prompts, workload.input_len, workload.output_len
@@ -83,14 +85,20 @@ def floors(model: Any, workload: Workload, num_steps: int | None = None,
     weight_bytes = (model.num_params() - embedding_lookup) * dtype_bytes
     kv_bytes = n * (o * i + o * (o - 1) // 2) * model.kv_bytes_per_token * dtype_bytes
     prefill_flops = 2 * model.num_params() * n * i
-    ideal_s = (num_steps * weight_bytes + kv_bytes) / COPY_BANDWIDTH_BYTES_PER_S \
-        + prefill_flops / BF16_MATMUL_FLOPS_PER_S
-    return {"weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes, "num_steps": num_steps,
-            "prefill_flops": prefill_flops, "ideal_s": ideal_s,
-            "roofline_output_tok_s": n * o / ideal_s,
-            "compute_floor_s": 2 * model.num_params() * n * (i + o) / BF16_MATMUL_FLOPS_PER_S,
-            "bandwidth_bytes_per_s": COPY_BANDWIDTH_BYTES_PER_S,
-            "matmul_flops_per_s": BF16_MATMUL_FLOPS_PER_S}
+    ideal_s = (
+        num_steps * weight_bytes + kv_bytes
+    ) / COPY_BANDWIDTH_BYTES_PER_S + prefill_flops / BF16_MATMUL_FLOPS_PER_S
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_bytes_read": kv_bytes,
+        "num_steps": num_steps,
+        "prefill_flops": prefill_flops,
+        "ideal_s": ideal_s,
+        "roofline_output_tok_s": n * o / ideal_s,
+        "compute_floor_s": 2 * model.num_params() * n * (i + o) / BF16_MATMUL_FLOPS_PER_S,
+        "bandwidth_bytes_per_s": COPY_BANDWIDTH_BYTES_PER_S,
+        "matmul_flops_per_s": BF16_MATMUL_FLOPS_PER_S,
+    }
 
 
 # ---- served requests --------------------------------------------------------------------
@@ -129,16 +137,19 @@ class ServeWorkload:
     """Sent as every request's response_format (structured outputs)."""
 
 
-def token_id_prompts(num_prompts: int, input_len: int, seed: int,
-                     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE) -> list[list[int]]:
+def token_id_prompts(
+    num_prompts: int,
+    input_len: int,
+    seed: int,
+    token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE,
+) -> list[list[int]]:
     """`num_prompts` lists of `input_len` token ids drawn uniformly from [low, high)."""
     low, high = token_id_range
     rng = random.Random(seed)
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def text_prompts(num_prompts: int, input_len: int, seed: int, tokenizer: Any = None
-                 ) -> list[str]:
+def text_prompts(num_prompts: int, input_len: int, seed: int, tokenizer: Any = None) -> list[str]:
     """Sentences of `input_len` random common words (roughly one token each); with a
     tokenizer, cut to exactly `input_len` tokens (each word is one or more whole tokens,
     so the cut text encodes back to the same length)."""
@@ -150,8 +161,7 @@ def text_prompts(num_prompts: int, input_len: int, seed: int, tokenizer: Any = N
     return [tokenizer.decode(tokenizer.encode(text)[:input_len]) for text in texts]
 
 
-def serve_prompts(workload: ServeWorkload, seed: int, num_prompts: int | None = None
-                  ) -> list[Any]:
+def serve_prompts(workload: ServeWorkload, seed: int, num_prompts: int | None = None) -> list[Any]:
     count = workload.num_prompts if num_prompts is None else num_prompts
     if workload.endpoint == "completions":
         return token_id_prompts(count, workload.input_len, seed, workload.token_id_range)
@@ -164,14 +174,19 @@ def serve_prompts(workload: ServeWorkload, seed: int, num_prompts: int | None = 
 
 
 def request_body(workload: ServeWorkload, prompt: Any, model: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "stream": True,
-                            "stream_options": {"include_usage": True},
-                            "temperature": workload.temperature}
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": workload.temperature,
+    }
     if workload.endpoint == "completions":
         body.update(prompt=prompt, max_tokens=workload.output_len)
     else:
-        body.update(messages=[{"role": "user", "content": prompt}],
-                    max_completion_tokens=workload.output_len)
+        body.update(
+            messages=[{"role": "user", "content": prompt}],
+            max_completion_tokens=workload.output_len,
+        )
     if workload.ignore_eos:
         body["ignore_eos"] = True
     if workload.response_format is not None:

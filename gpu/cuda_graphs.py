@@ -34,7 +34,7 @@ which keeps the padding logic testable on CPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import structlog
@@ -62,8 +62,15 @@ their attention uses decode-sized query tiles (16 rows), which read the KV cache
 decode kernel's bandwidth; larger ones keep the prefill tiles (64 rows), which re-read a
 long chunk's keys a quarter as often."""
 
-__all__ = ["StepGraphs", "Replayable", "capture_sizes", "mixed_capture_sizes", "padded_batch_size",
-           "decode_metadata", "measure_graph_memory"]
+__all__ = [
+    "StepGraphs",
+    "Replayable",
+    "capture_sizes",
+    "mixed_capture_sizes",
+    "padded_batch_size",
+    "decode_metadata",
+    "measure_graph_memory",
+]
 
 
 def capture_sizes(max_num_seqs: int, max_num_tokens: int) -> tuple[int, ...]:
@@ -89,45 +96,58 @@ def mixed_capture_sizes(max_num_seqs: int, max_num_tokens: int) -> tuple[int, ..
     return tuple(sorted(s for s in sizes if s <= max_num_tokens))
 
 
-def decode_metadata(buffers: InputBuffers, num_reqs_padded: int, max_seq_len: int
-                    ) -> AttentionMetadata:
+def decode_metadata(
+    buffers: InputBuffers, num_reqs_padded: int, max_seq_len: int
+) -> AttentionMetadata:
     """Attention metadata of a padded decode batch, viewing the persistent buffers.
 
     max_seq_len only picks the attention kernel's context split at capture time; the kernel
     reads the real lengths from seq_lens at replay."""
     return AttentionMetadata(
-        num_actual_tokens=num_reqs_padded, num_reqs=num_reqs_padded, max_query_len=1,
+        num_actual_tokens=num_reqs_padded,
+        num_reqs=num_reqs_padded,
+        max_query_len=1,
         max_seq_len=max_seq_len,
         query_start_loc=buffers.query_start_loc[: num_reqs_padded + 1],
         seq_lens=buffers.seq_lens[:num_reqs_padded],
         slot_mapping=buffers.slot_mapping[:num_reqs_padded],
         block_table=buffers.block_table[:num_reqs_padded],
         query_start_loc_cpu=np.arange(num_reqs_padded + 1, dtype=np.int32),
-        seq_lens_cpu=np.ones(num_reqs_padded, dtype=np.int32))
+        seq_lens_cpu=np.ones(num_reqs_padded, dtype=np.int32),
+    )
 
 
-def _mixed_metadata(buffers: InputBuffers, shape: ForwardShape, max_seq_len: int) -> AttentionMetadata:
+def _mixed_metadata(
+    buffers: InputBuffers, shape: ForwardShape, max_seq_len: int
+) -> AttentionMetadata:
     # max_query_len = the token count: the kernel's multi-tile search, which any split of
     # the tokens into requests can use; the CPU arrays are never read (Triton backend).
     decode_tiles = shape.num_tokens <= MIXED_DECODE_TILE_MAX_TOKENS
     return AttentionMetadata(
-        num_actual_tokens=shape.num_tokens, num_reqs=shape.num_reqs,
-        max_query_len=shape.num_tokens, max_seq_len=max_seq_len,
+        num_actual_tokens=shape.num_tokens,
+        num_reqs=shape.num_reqs,
+        max_query_len=shape.num_tokens,
+        max_seq_len=max_seq_len,
         query_start_loc=buffers.query_start_loc[: shape.num_reqs + 1],
         seq_lens=buffers.seq_lens[: shape.num_reqs],
         slot_mapping=buffers.slot_mapping[: shape.num_tokens],
         block_table=buffers.block_table[: shape.num_reqs],
         query_start_loc_cpu=np.zeros(shape.num_reqs + 1, dtype=np.int32),
         seq_lens_cpu=np.zeros(shape.num_reqs, dtype=np.int32),
-        query_tile=16 if decode_tiles else None)
+        query_tile=16 if decode_tiles else None,
+    )
 
 
 class Replayable:
     """One captured function: a CUDA graph replaying its kernels (and returning the same
     output tensor every time), or off CUDA the function itself."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor | None], device: torch.device,
-                 pool: tuple[int, int] | None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[], torch.Tensor | None],
+        device: torch.device,
+        pool: tuple[int, int] | None,
+    ) -> None:
         self._fn = fn
         self._graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
@@ -152,14 +172,25 @@ class Replayable:
 class StepGraphs:
     """The forward, head and sample graphs of every captured shape (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], step_state: V2StepState,
-                 sizes: GraphSizes, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        step_state: V2StepState,
+        sizes: GraphSizes,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
         buffers = step_state.buffers
-        for name, values, limit in (("decode", sizes.decode, buffers.max_num_reqs),
-                                    ("mixed", sizes.mixed, buffers.max_num_tokens)):
+        for name, values, limit in (
+            ("decode", sizes.decode, buffers.max_num_reqs),
+            ("mixed", sizes.mixed, buffers.max_num_tokens),
+        ):
             if list(values) != sorted(set(values)) or (values and values[-1] > limit):
-                raise ValueError(f"{name} capture sizes must be increasing and at most {limit}, "
-                                 f"got {tuple(values)}")
+                raise ValueError(
+                    f"{name} capture sizes must be increasing and at most {limit}, "
+                    f"got {tuple(values)}"
+                )
         if step_state.hidden is None or step_state.logits is None:
             raise ValueError("the step state has no graph outputs (built with_graph_outputs=False)")
         self.sizes = sizes
@@ -222,14 +253,21 @@ class StepGraphs:
     def capture_forward(self, shape: ForwardShape, pool: tuple[int, int] | None) -> None:
         buffers = self._buffers
         self.zero_counts(decode_rows=shape.num_reqs if shape.is_decode else 0)
-        metadata = (decode_metadata(buffers, shape.num_reqs, self._max_model_len) if shape.is_decode
-                    else _mixed_metadata(buffers, shape, self._max_model_len))
+        metadata = (
+            decode_metadata(buffers, shape.num_reqs, self._max_model_len)
+            if shape.is_decode
+            else _mixed_metadata(buffers, shape, self._max_model_len)
+        )
         num_tokens = shape.num_tokens
 
         def forward() -> None:
             self._prepare(shape)
-            hidden = self._model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens],
-                                 self._kv_caches, metadata)
+            hidden = self._model(
+                buffers.input_ids[:num_tokens],
+                buffers.positions[:num_tokens],
+                self._kv_caches,
+                metadata,
+            )
             self._state.hidden[:num_tokens].copy_(hidden)
 
         self._forward[shape] = Replayable(forward, buffers.device, pool)
@@ -239,9 +277,10 @@ class StepGraphs:
         self.zero_counts(decode_rows=num_rows)  # last-token rows 0..num_rows-1
 
         def head() -> torch.Tensor:
-            rows = buffers.query_start_loc[1:num_rows + 1].long() - 1
-            return self._model.compute_logits(state.hidden.index_select(0, rows),
-                                              out=state.logits[:num_rows])
+            rows = buffers.query_start_loc[1 : num_rows + 1].long() - 1
+            return self._model.compute_logits(
+                state.hidden.index_select(0, rows), out=state.logits[:num_rows]
+            )
 
         self._head[num_rows] = Replayable(head, buffers.device, pool)
 
@@ -255,12 +294,20 @@ class StepGraphs:
 
         def sample() -> torch.Tensor:
             idx_mapping = buffers.idx_mapping[:num_rows]
-            sampled = state.sampler.sample_graphable(state.logits[:num_rows], idx_mapping,
-                                                     buffers.seq_lens[:num_rows].long(), filters)
-            post_update(idx_mapping, buffers.query_start_loc[:num_rows + 1], sampled,
-                        rows_state.num_computed_gpu, rows_state.total_len_gpu,
-                        rows_state.token_ids_gpu, rows_state.last_sampled_gpu, num_reqs=num_rows,
-                        step_counts=buffers.step_counts)
+            sampled = state.sampler.sample_graphable(
+                state.logits[:num_rows], idx_mapping, buffers.seq_lens[:num_rows].long(), filters
+            )
+            post_update(
+                idx_mapping,
+                buffers.query_start_loc[: num_rows + 1],
+                sampled,
+                rows_state.num_computed_gpu,
+                rows_state.total_len_gpu,
+                rows_state.token_ids_gpu,
+                rows_state.last_sampled_gpu,
+                num_reqs=num_rows,
+                step_counts=buffers.step_counts,
+            )
             return sampled
 
         self._sample[key] = Replayable(sample, buffers.device, pool)
@@ -269,17 +316,36 @@ class StepGraphs:
         buffers, rows_state = self._buffers, self._state.states
         num_reqs, num_tokens, counts = shape.num_reqs, shape.num_tokens, buffers.step_counts
         idx_mapping = buffers.idx_mapping[:num_reqs]
-        query_start_loc = buffers.query_start_loc[:num_reqs + 1]
-        prepare_inputs(idx_mapping, query_start_loc, rows_state.token_ids_gpu,
-                       rows_state.num_computed_gpu, buffers.input_ids[:num_tokens],
-                       buffers.positions[:num_tokens], buffers.seq_lens[:num_reqs],
-                       num_reqs=num_reqs, num_tokens=num_tokens, step_counts=counts)
-        gather_block_table(idx_mapping, rows_state.block_table_gpu, buffers.block_table[:num_reqs],
-                           num_reqs=num_reqs, step_counts=counts)
-        compute_slot_mapping(query_start_loc, buffers.positions[:num_tokens],
-                             buffers.block_table[:num_reqs], self._block_size,
-                             buffers.slot_mapping[:num_tokens], num_reqs=num_reqs,
-                             num_tokens=num_tokens, step_counts=counts)
+        query_start_loc = buffers.query_start_loc[: num_reqs + 1]
+        prepare_inputs(
+            idx_mapping,
+            query_start_loc,
+            rows_state.token_ids_gpu,
+            rows_state.num_computed_gpu,
+            buffers.input_ids[:num_tokens],
+            buffers.positions[:num_tokens],
+            buffers.seq_lens[:num_reqs],
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            step_counts=counts,
+        )
+        gather_block_table(
+            idx_mapping,
+            rows_state.block_table_gpu,
+            buffers.block_table[:num_reqs],
+            num_reqs=num_reqs,
+            step_counts=counts,
+        )
+        compute_slot_mapping(
+            query_start_loc,
+            buffers.positions[:num_tokens],
+            buffers.block_table[:num_reqs],
+            self._block_size,
+            buffers.slot_mapping[:num_tokens],
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            step_counts=counts,
+        )
 
     def zero_counts(self, decode_rows: int) -> None:
         """A capture step: no real request (nothing read from or written to the KV cache or
@@ -288,8 +354,9 @@ class StepGraphs:
         buffers = self._buffers
         buffers.step_counts.zero_()
         buffers.idx_mapping.zero_()
-        starts = torch.arange(buffers.query_start_loc.shape[0], dtype=torch.int32,
-                              device=buffers.device)
+        starts = torch.arange(
+            buffers.query_start_loc.shape[0], dtype=torch.int32, device=buffers.device
+        )
         buffers.query_start_loc.copy_(starts.clamp(max=decode_rows))
 
 
@@ -301,13 +368,23 @@ def measure_graph_memory(graphs: StepGraphs) -> tuple[int, dict[str, int]]:
     max(second, 1 MiB); then release them. Returns (estimated bytes, the terms for the log).
     """
     families: dict[str, tuple[list, Callable]] = {
-        "decode": (sorted((s for s in graphs.forward_shapes() if s.is_decode), key=lambda s: -s.num_tokens),
-                   graphs.capture_forward),
-        "mixed": (sorted((s for s in graphs.forward_shapes() if not s.is_decode), key=lambda s: -s.num_tokens),
-                  graphs.capture_forward),
+        "decode": (
+            sorted(
+                (s for s in graphs.forward_shapes() if s.is_decode), key=lambda s: -s.num_tokens
+            ),
+            graphs.capture_forward,
+        ),
+        "mixed": (
+            sorted(
+                (s for s in graphs.forward_shapes() if not s.is_decode), key=lambda s: -s.num_tokens
+            ),
+            graphs.capture_forward,
+        ),
         "head": (sorted(graphs.sizes.decode, reverse=True), graphs.capture_head),
-        "sample": ([(n, f) for n in sorted(graphs.sizes.decode, reverse=True) for f in (True, False)],
-                   graphs.capture_sample),
+        "sample": (
+            [(n, f) for n in sorted(graphs.sizes.decode, reverse=True) for f in (True, False)],
+            graphs.capture_sample,
+        ),
     }
     pool = torch.cuda.graph_pool_handle()
     estimate, terms = 0, {}

@@ -25,8 +25,9 @@ class InputBuffers:
     (max_num_reqs + 1 entries).
     """
 
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.device = device
@@ -34,18 +35,22 @@ class InputBuffers:
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32,
-                                       device=device)
-        self.step_meta = torch.zeros(_NUM_COUNTS + 2 * max_num_reqs + 1, dtype=torch.int32,
-                                     device=device)
+        self.block_table = torch.zeros(
+            max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device
+        )
+        self.step_meta = torch.zeros(
+            _NUM_COUNTS + 2 * max_num_reqs + 1, dtype=torch.int32, device=device
+        )
         self.step_counts = self.step_meta[:_NUM_COUNTS]
-        self.idx_mapping = self.step_meta[_NUM_COUNTS:_NUM_COUNTS + max_num_reqs]
-        self.query_start_loc = self.step_meta[_NUM_COUNTS + max_num_reqs:]
+        self.idx_mapping = self.step_meta[_NUM_COUNTS : _NUM_COUNTS + max_num_reqs]
+        self.query_start_loc = self.step_meta[_NUM_COUNTS + max_num_reqs :]
 
-    def upload_step_meta(self, idx_mapping_np: np.ndarray,  # [num_reqs] int32
-                         query_start_loc_np: np.ndarray,  # [num_reqs_padded + 1] int32
-                         num_tokens: int | None = None,
-                         ) -> None:
+    def upload_step_meta(
+        self,
+        idx_mapping_np: np.ndarray,  # [num_reqs] int32
+        query_start_loc_np: np.ndarray,  # [num_reqs_padded + 1] int32
+        num_tokens: int | None = None,
+    ) -> None:
         """Send one step's counts, idx_mapping and (padded) query_start_loc in a single copy;
         num_tokens defaults to query_start_loc_np[num_reqs].
 
@@ -55,15 +60,18 @@ class InputBuffers:
         """
         num_reqs, num_entries = idx_mapping_np.shape[0], query_start_loc_np.shape[0]
         if num_reqs > self.max_num_reqs or num_entries > self.max_num_reqs + 1:
-            raise ValueError(f"a step of {num_reqs} requests ({num_entries - 1} padded) exceeds "
-                             f"the buffers' max_num_reqs {self.max_num_reqs}")
+            raise ValueError(
+                f"a step of {num_reqs} requests ({num_entries - 1} padded) exceeds "
+                f"the buffers' max_num_reqs {self.max_num_reqs}"
+            )
         start = _NUM_COUNTS + self.max_num_reqs
-        staging = torch.empty(start + num_entries, dtype=torch.int32,
-                              pin_memory=self.device.type == "cuda")
+        staging = torch.empty(
+            start + num_entries, dtype=torch.int32, pin_memory=self.device.type == "cuda"
+        )
         host = staging.numpy()
         host[0] = num_reqs
         host[1] = query_start_loc_np[num_reqs] if num_tokens is None else num_tokens
-        host[_NUM_COUNTS:_NUM_COUNTS + num_reqs] = idx_mapping_np
-        host[_NUM_COUNTS + num_reqs:start] = 0  # padding rows of a graph read some valid row
+        host[_NUM_COUNTS : _NUM_COUNTS + num_reqs] = idx_mapping_np
+        host[_NUM_COUNTS + num_reqs : start] = 0  # padding rows of a graph read some valid row
         host[start:] = query_start_loc_np
-        self.step_meta[:start + num_entries].copy_(staging, non_blocking=True)
+        self.step_meta[: start + num_entries].copy_(staging, non_blocking=True)

@@ -50,8 +50,9 @@ class MemoryReport:
     kv_budget_bytes: int
 
     def as_log(self) -> dict[str, float]:
-        return {k: (round(v / GiB, 3) if k.endswith("_bytes") else v)
-                for k, v in asdict(self).items()}
+        return {
+            k: (round(v / GiB, 3) if k.endswith("_bytes") else v) for k, v in asdict(self).items()
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,17 +73,29 @@ def runner_state_bytes(model: ModelConfig, shape: StepShape) -> int:
 
 
 @torch.inference_mode()
-def profile_kv_budget(model: DecoderModel, step_state: V2StepState, shape: StepShape,
-                      dtype: torch.dtype, gpu_memory_utilization: float,
-                      graph_sizes: GraphSizes | None) -> MemoryReport:
+def profile_kv_budget(
+    model: DecoderModel,
+    step_state: V2StepState,
+    shape: StepShape,
+    dtype: torch.dtype,
+    gpu_memory_utilization: float,
+    graph_sizes: GraphSizes | None,
+) -> MemoryReport:
     """Measure every term and return the KV budget (see the module doc)."""
     config = model.config
     buffers = step_state.buffers
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     weights_bytes = torch.cuda.memory_allocated()
-    dummy_kv = allocate_kv_cache(config.num_layers, 1, shape.block_size, config.num_kv_heads,
-                                 config.head_dim, dtype, buffers.device)
+    dummy_kv = allocate_kv_cache(
+        config.num_layers,
+        1,
+        shape.block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        buffers.device,
+    )
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     _maximal_dummy_step(model, buffers, dummy_kv, shape)
@@ -90,38 +103,62 @@ def profile_kv_budget(model: DecoderModel, step_state: V2StepState, shape: StepS
     activation_peak = torch.cuda.max_memory_allocated() - baseline
     graph_estimate = 0
     if graph_sizes is not None:
-        graphs = StepGraphs(model, dummy_kv, step_state, graph_sizes, shape.block_size,
-                            shape.max_model_len)
+        graphs = StepGraphs(
+            model, dummy_kv, step_state, graph_sizes, shape.block_size, shape.max_model_len
+        )
         graph_estimate, graph_terms = measure_graph_memory(graphs)
-        log.info("graph_memory_measured", **{k: (round(v / GiB, 3) if k.endswith("bytes") else v)
-                                             for k, v in graph_terms.items()})
+        log.info(
+            "graph_memory_measured",
+            **{
+                k: (round(v / GiB, 3) if k.endswith("bytes") else v) for k, v in graph_terms.items()
+            },
+        )
     del dummy_kv
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the profile's activations go back to the device, as graph capture does
+    # The profile's activations go back to the device, as graph capture does.
+    torch.cuda.empty_cache()
     free_bytes, total_bytes = torch.cuda.mem_get_info()
     non_torch = max(total_bytes - free_bytes - torch.cuda.memory_reserved(), 0)
     state_bytes = runner_state_bytes(config, shape)
-    budget = int(gpu_memory_utilization * total_bytes) - weights_bytes - activation_peak \
-        - graph_estimate - non_torch - state_bytes
+    budget = (
+        int(gpu_memory_utilization * total_bytes)
+        - weights_bytes
+        - activation_peak
+        - graph_estimate
+        - non_torch
+        - state_bytes
+    )
     # Memory held elsewhere (another process, another model in this one) is not ours to
     # take: never plan on more than is free now, less what the graphs and runner will need.
-    budget = min(budget, free_bytes - activation_peak - graph_estimate - state_bytes
-                 - FREE_MEMORY_SLACK_BYTES)
-    report = MemoryReport(total_bytes, gpu_memory_utilization, weights_bytes, activation_peak,
-                          graph_estimate, non_torch, state_bytes, max(budget, 0))
+    budget = min(
+        budget,
+        free_bytes - activation_peak - graph_estimate - state_bytes - FREE_MEMORY_SLACK_BYTES,
+    )
+    report = MemoryReport(
+        total_bytes,
+        gpu_memory_utilization,
+        weights_bytes,
+        activation_peak,
+        graph_estimate,
+        non_torch,
+        state_bytes,
+        max(budget, 0),
+    )
     log.info("kv_cache_budget_gib", **report.as_log())
     return report
 
 
-def _maximal_dummy_step(model: DecoderModel, buffers: InputBuffers, kv_caches: list[torch.Tensor],
-                        shape: StepShape) -> None:
+def _maximal_dummy_step(
+    model: DecoderModel, buffers: InputBuffers, kv_caches: list[torch.Tensor], shape: StepShape
+) -> None:
     """max_num_batched_tokens prefill tokens over max_num_seqs requests, then logits and a
     sampling-sized copy for every request. Slots are -1 and every block-table row points at
     block 0, so the one-block dummy cache is never written and reads stay in bounds."""
     num_reqs = min(shape.max_num_seqs, shape.max_num_batched_tokens, buffers.max_num_reqs)
     # No request is longer than max_model_len, so its block-table row covers its keys.
-    num_tokens = min(shape.max_num_batched_tokens, buffers.max_num_tokens,
-                     num_reqs * shape.max_model_len)
+    num_tokens = min(
+        shape.max_num_batched_tokens, buffers.max_num_tokens, num_reqs * shape.max_model_len
+    )
     query_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int32)
     query_lens[-1] += num_tokens - int(query_lens.sum())
     query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -134,14 +171,20 @@ def _maximal_dummy_step(model: DecoderModel, buffers: InputBuffers, kv_caches: l
     # Keys past the first block would be read from block 0 again: harmless for a profile.
     buffers.seq_lens[:num_reqs].copy_(torch.from_numpy(query_lens))
     metadata = AttentionMetadata(
-        num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=int(query_lens.max()),
+        num_actual_tokens=num_tokens,
+        num_reqs=num_reqs,
+        max_query_len=int(query_lens.max()),
         max_seq_len=int(query_lens.max()),
         query_start_loc=buffers.query_start_loc[: num_reqs + 1],
-        seq_lens=buffers.seq_lens[:num_reqs], slot_mapping=buffers.slot_mapping[:num_tokens],
-        block_table=buffers.block_table[:num_reqs], query_start_loc_cpu=query_start_loc_np,
-        seq_lens_cpu=query_lens)
-    hidden = model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], kv_caches,
-                   metadata)
+        seq_lens=buffers.seq_lens[:num_reqs],
+        slot_mapping=buffers.slot_mapping[:num_tokens],
+        block_table=buffers.block_table[:num_reqs],
+        query_start_loc_cpu=query_start_loc_np,
+        seq_lens_cpu=query_lens,
+    )
+    hidden = model(
+        buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], kv_caches, metadata
+    )
     logits = model.compute_logits(hidden[query_start_loc_np[1:] - 1])
     processed = logits.clone()  # the sampler's processing copy
     processed.argmax(dim=-1)

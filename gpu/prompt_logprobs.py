@@ -44,9 +44,12 @@ class PromptRows:
     """The largest top k among the requests (each front end keeps its own k)."""
 
 
-def plan_prompt_rows(request_ids: Sequence[str], num_computed: Sequence[int],
-                     num_scheduled: Sequence[int], wanted: dict[str, PromptRequest]
-                     ) -> PromptRows | None:
+def plan_prompt_rows(
+    request_ids: Sequence[str],
+    num_computed: Sequence[int],
+    num_scheduled: Sequence[int],
+    wanted: dict[str, PromptRequest],
+) -> PromptRows | None:
     """The positions this step scores: for each batch entry (in order) that wants prompt
     logprobs, its chunk [computed, computed + scheduled) predicts the targets up to the
     prompt's last token."""
@@ -63,14 +66,19 @@ def plan_prompt_rows(request_ids: Sequence[str], num_computed: Sequence[int],
             starts.append(computed + 1)
             counts.append(end - computed)
             hidden.append(np.arange(token_offset, token_offset + end - computed))
-            targets.append(np.asarray(request.prompt_token_ids[computed + 1:end + 1]))
+            targets.append(np.asarray(request.prompt_token_ids[computed + 1 : end + 1]))
             max_k = max(max_k, request.num_logprobs)
         token_offset += scheduled
     if not ids:
         return None
-    return PromptRows(tuple(ids), np.asarray(starts, np.int32), np.asarray(counts, np.int32),
-                      np.concatenate(hidden).astype(np.int64),
-                      np.concatenate(targets).astype(np.int64), max_k)
+    return PromptRows(
+        tuple(ids),
+        np.asarray(starts, np.int32),
+        np.asarray(counts, np.int32),
+        np.concatenate(hidden).astype(np.int64),
+        np.concatenate(targets).astype(np.int64),
+        max_k,
+    )
 
 
 def prompt_logprobs(
@@ -88,5 +96,9 @@ def prompt_logprobs(
         logits = compute_logits(hidden.index_select(0, hidden_rows[chunk]))
         parts.append(topk_logprobs(logits, target_ids[chunk], rows.num_logprobs))
     token_ids, logprobs, ranks = (torch.cat(column).cpu().numpy() for column in zip(*parts))
-    return PromptLogprobs(rows.request_ids, rows.start_positions, rows.num_rows,
-                          LogprobsArrays(token_ids, logprobs, ranks))
+    return PromptLogprobs(
+        rows.request_ids,
+        rows.start_positions,
+        rows.num_rows,
+        LogprobsArrays(token_ids, logprobs, ranks),
+    )

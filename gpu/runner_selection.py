@@ -86,8 +86,10 @@ class RunnerSelectionInput:
     def all_v2_only_features(self) -> tuple[str, ...]:
         """v2_only_features plus those implied by other fields (tensor parallelism)."""
         if self.tensor_parallel_size > 1:
-            return (*self.v2_only_features,
-                    f"tensor parallelism (--tensor-parallel-size {self.tensor_parallel_size})")
+            return (
+                *self.v2_only_features,
+                f"tensor parallelism (--tensor-parallel-size {self.tensor_parallel_size})",
+            )
         return self.v2_only_features
 
 

@@ -17,7 +17,6 @@ from actors.protocol.config import EngineConfig
 from actors.protocol.model_source import resolve_model_path
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
-from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
 from gpu.distributed.group import TPGroup, min_over_ranks
 from gpu.distributed.tp_model import load_tp_model
 from gpu.input_buffers import InputBuffers
@@ -27,6 +26,7 @@ from gpu.models.llama import DecoderModel
 from gpu.platform import Platform
 from gpu.runner_v2.step_plan import GraphSizes
 from gpu.runner_v2.step_state import V2StepState
+from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
 from gpu.weights.loader import load_model_files
 
 log = structlog.get_logger("tandem.worker")
@@ -60,15 +60,19 @@ class ModelWorker:
     With `tp_group` it is one tensor-parallel rank: it loads its shard of the weights, and
     the KV cache takes as many blocks as the rank with the least memory can hold."""
 
-    def __init__(self, config: EngineConfig, platform: Platform,
-                 tp_group: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, platform: Platform, tp_group: TPGroup | None = None
+    ) -> None:
         self.config = config
         self.platform = platform
         self.tp_group = tp_group
         self.tp_leader = None
         """Rank 0's handle on the other ranks (gpu/distributed/tp_leader.py), when TP > 1."""
-        self.device = (tp_group.device if tp_group is not None
-                       else torch.device(_resolve_device(config.device, platform)))
+        self.device = (
+            tp_group.device
+            if tp_group is not None
+            else torch.device(_resolve_device(config.device, platform))
+        )
         self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.perf_counter()
         self.attn_backend = _make_attention_backend(self.device, platform)
@@ -84,22 +88,41 @@ class ModelWorker:
         self.model_config: ModelConfig = self.model.config
         self.max_model_len = _resolve_max_model_len(config, self.model_config, self.model_source)
         self.load_time_s = time.perf_counter() - started
-        self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens,
-                                    self.max_blocks_per_req, self.device)
+        self.buffers = InputBuffers(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_blocks_per_req, self.device
+        )
         graph_sizes = self._graph_sizes()
-        self.step_state = V2StepState(self.buffers, self.max_model_len, self.max_blocks_per_req,
-                                      self.model_config.vocab_size, self.model_config.hidden_size,
-                                      self.dtype, with_graph_outputs=graph_sizes is not None)
+        self.step_state = V2StepState(
+            self.buffers,
+            self.max_model_len,
+            self.max_blocks_per_req,
+            self.model_config.vocab_size,
+            self.model_config.hidden_size,
+            self.dtype,
+            with_graph_outputs=graph_sizes is not None,
+        )
         self.memory_report: MemoryReport | None = None
         self.kv_spec = self._size_kv_cache(graph_sizes)
         self.kv_caches = allocate_kv_cache(
-            self.model_config.num_layers, self.kv_spec.num_blocks, config.block_size,
-            self.model.num_kv_heads, self.model_config.head_dim, self.dtype, self.device,
+            self.model_config.num_layers,
+            self.kv_spec.num_blocks,
+            config.block_size,
+            self.model.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
         )
-        log.info("model_loaded", source=self.model_source, device=str(self.device),
-                 dtype=str(self.dtype).removeprefix("torch."), load_time_s=round(self.load_time_s, 3),
-                 max_model_len=self.max_model_len, kv_blocks=self.kv_spec.num_blocks,
-                 kv_tokens=self.kv_spec.num_tokens, kv_bytes=self.kv_spec.num_bytes)
+        log.info(
+            "model_loaded",
+            source=self.model_source,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            load_time_s=round(self.load_time_s, 3),
+            max_model_len=self.max_model_len,
+            kv_blocks=self.kv_spec.num_blocks,
+            kv_tokens=self.kv_spec.num_tokens,
+            kv_bytes=self.kv_spec.num_bytes,
+        )
         self.graph_memory_bytes = 0
         self.graphs: StepGraphs | None = self._capture_graphs(graph_sizes)
         self.ready_time_s = time.perf_counter() - started
@@ -114,26 +137,42 @@ class ModelWorker:
         if self.device.type != "cuda" or self.config.enforce_eager or not self.platform.has_triton:
             return None
         config = self.config
-        return GraphSizes(capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
-                          mixed_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
-                          config.max_num_seqs)
+        return GraphSizes(
+            capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
+            mixed_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
+            config.max_num_seqs,
+        )
 
     def _step_shape(self) -> StepShape:
-        return StepShape(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                         self.max_model_len, self.config.block_size)
+        return StepShape(
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.config.block_size,
+        )
 
     def _size_kv_cache(self, graph_sizes: GraphSizes | None) -> KVCacheSpec:
         mc = self.model_config
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         # A rank holds its shard of the KV heads (self.model.num_kv_heads).
-        bytes_per_block = (mc.kv_bytes_per_token // mc.num_kv_heads * self.model.num_kv_heads
-                           * element_size * self.config.block_size)
+        bytes_per_block = (
+            mc.kv_bytes_per_token
+            // mc.num_kv_heads
+            * self.model.num_kv_heads
+            * element_size
+            * self.config.block_size
+        )
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
             self.memory_report = profile_kv_budget(
-                self.model, self.step_state, self._step_shape(), self.dtype,
-                self.config.gpu_memory_utilization, graph_sizes)
+                self.model,
+                self.step_state,
+                self._step_shape(),
+                self.dtype,
+                self.config.gpu_memory_utilization,
+                graph_sizes,
+            )
             num_blocks = self.memory_report.kv_budget_bytes // bytes_per_block
         else:
             num_blocks = self.config.cpu_kv_cache_bytes // bytes_per_block
@@ -151,8 +190,14 @@ class ModelWorker:
     def _capture_graphs(self, graph_sizes: GraphSizes | None) -> StepGraphs | None:
         if graph_sizes is None:
             return None
-        graphs = StepGraphs(self.model, self.kv_caches, self.step_state, graph_sizes,
-                            self.config.block_size, self.max_model_len)
+        graphs = StepGraphs(
+            self.model,
+            self.kv_caches,
+            self.step_state,
+            graph_sizes,
+            self.config.block_size,
+            self.max_model_len,
+        )
         # Capture empties the allocator's cache; empty it on both sides of the measurement.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -162,12 +207,15 @@ class ModelWorker:
         used_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.graph_memory_bytes = used_bytes
         estimate = self.memory_report.graph_estimate_bytes if self.memory_report else None
-        log.info("cuda_graphs_captured", num_graphs=graphs.num_captured,
-                 decode_sizes=f"{graph_sizes.decode[0]}..{graph_sizes.decode[-1]}",
-                 mixed_sizes=",".join(map(str, graph_sizes.mixed)),
-                 capture_time_s=round(capture_time_s, 2),
-                 memory_gib=round(used_bytes / (1 << 30), 3),
-                 estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3))
+        log.info(
+            "cuda_graphs_captured",
+            num_graphs=graphs.num_captured,
+            decode_sizes=f"{graph_sizes.decode[0]}..{graph_sizes.decode[-1]}",
+            mixed_sizes=",".join(map(str, graph_sizes.mixed)),
+            capture_time_s=round(capture_time_s, 2),
+            memory_gib=round(used_bytes / (1 << 30), 3),
+            estimate_gib=None if estimate is None else round(estimate / (1 << 30), 3),
+        )
         # Captured now, while nothing else runs on the device (a runner captures them on
         # its first use otherwise: a model reused under speculation).
         spec_tail_graphs_for(graphs, self.model, self.step_state, self.config)

@@ -39,8 +39,10 @@ def check_tensor(
     if shape is not None:
         for dim, (actual, expected) in enumerate(zip(tensor.shape, shape, strict=True)):
             if expected is not None and actual != expected:
-                raise ValueError(f"{name} must have size {expected} in dim {dim}, "
-                                 f"got shape {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name} must have size {expected} in dim {dim}, "
+                    f"got shape {tuple(tensor.shape)}"
+                )
 
 
 def check_dtype_and_rank(
@@ -59,8 +61,10 @@ def check_dtype_and_rank(
 def check_same_num_rows(name: str, tensor: torch.Tensor, num_rows: int) -> None:
     """Per-request state tensors ([max_num_reqs, ...]) must agree on the number of rows."""
     if tensor.shape[0] != num_rows:
-        raise ValueError(f"{name} has {tensor.shape[0]} request rows, expected {num_rows} "
-                         "(one per request row, like the other per-request tensors)")
+        raise ValueError(
+            f"{name} has {tensor.shape[0]} request rows, expected {num_rows} "
+            "(one per request row, like the other per-request tensors)"
+        )
 
 
 def check_offsets(name: str, offsets: torch.Tensor, num_reqs: int, exact: bool = False) -> None:
@@ -96,12 +100,15 @@ def check_step_counts(step_counts: torch.Tensor | None, device: torch.device) ->
         return
     check_dtype_and_rank("step_counts", step_counts, torch.int32, 1)
     if step_counts.shape[0] < 2 or step_counts.device != device:
-        raise ValueError(f"step_counts must hold [num_reqs, num_tokens] on {device}, got "
-                         f"{tuple(step_counts.shape)} on {step_counts.device}")
+        raise ValueError(
+            f"step_counts must hold [num_reqs, num_tokens] on {device}, got "
+            f"{tuple(step_counts.shape)} on {step_counts.device}"
+        )
 
 
-def read_step_counts(step_counts: torch.Tensor | None, num_reqs: int, num_tokens: int | None
-                     ) -> tuple[int, int | None]:
+def read_step_counts(
+    step_counts: torch.Tensor | None, num_reqs: int, num_tokens: int | None
+) -> tuple[int, int | None]:
     """The real counts for a torch reference (a host sync on a GPU): step_counts when given,
     which must lie within the bounds num_reqs / num_tokens (None: unbounded)."""
     if step_counts is None:
@@ -109,8 +116,9 @@ def read_step_counts(step_counts: torch.Tensor | None, num_reqs: int, num_tokens
     real_reqs, real_tokens = (int(v) for v in step_counts[:2].tolist())
     token_bound = real_tokens if num_tokens is None else num_tokens
     if not (0 <= real_reqs <= num_reqs and 0 <= real_tokens <= token_bound):
-        raise ValueError(f"step_counts ({real_reqs}, {real_tokens}) exceed the bounds "
-                         f"({num_reqs}, {num_tokens})")
+        raise ValueError(
+            f"step_counts ({real_reqs}, {real_tokens}) exceed the bounds ({num_reqs}, {num_tokens})"
+        )
     return real_reqs, real_tokens
 
 
@@ -139,8 +147,12 @@ def _is_tensor(value: object) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def check_row_state(num_computed_tokens: torch.Tensor, total_len: torch.Tensor,
-                    token_ids: torch.Tensor, last_sampled: torch.Tensor) -> None:
+def check_row_state(
+    num_computed_tokens: torch.Tensor,
+    total_len: torch.Tensor,
+    token_ids: torch.Tensor,
+    last_sampled: torch.Tensor,
+) -> None:
     """The runner's per-row state that the post-update kernels advance: [max_num_reqs]
     int32 counts, the [max_num_reqs, max_model_len] int32 history and the [max_num_reqs]
     int64 last tokens, one entry per request row."""
@@ -150,5 +162,7 @@ def check_row_state(num_computed_tokens: torch.Tensor, total_len: torch.Tensor,
     check_dtype_and_rank("last_sampled", last_sampled, torch.int64, 1)
     num_rows = token_ids.shape[0]
     if not num_computed_tokens.shape[0] == total_len.shape[0] == last_sampled.shape[0] == num_rows:
-        raise ValueError("num_computed_tokens, total_len, last_sampled and token_ids must have "
-                         "one entry per request row")
+        raise ValueError(
+            "num_computed_tokens, total_len, last_sampled and token_ids must have "
+            "one entry per request row"
+        )

@@ -25,8 +25,19 @@ if HAS_TRITON:
         return tl.where((y > lo) & (y <= hi), bins, search.BINS - 1)
 
     @triton.jit
-    def histogram_chunk_pass(logits_row, partials_ptr, bins_ptr, temperature, row_max, lo, hi,
-                             inv_width, start, end, BLOCK: tl.constexpr):
+    def histogram_chunk_pass(
+        logits_row,
+        partials_ptr,
+        bins_ptr,
+        temperature,
+        row_max,
+        lo,
+        hi,
+        inv_width,
+        start,
+        end,
+        BLOCK: tl.constexpr,
+    ):
         """This chunk's token count per bin, and its totals (as a pivot pass stores them).
         (Skipping the histogram in blocks with no token in the even bins made the pass
         slower: the test costs a reduction per block, and a first pass finds tokens there
@@ -35,11 +46,13 @@ if HAS_TRITON:
         in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.zero_totals(BLOCK)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
-            y, inside, above, mass = search.bracket_block(logits_row, cols, end, temperature,
-                                                          row_max, lo, hi)
+            y, inside, above, mass = search.bracket_block(
+                logits_row, cols, end, temperature, row_max, lo, hi
+            )
             counts += tl.histogram(bin_of(y, lo, hi, inv_width), search.BINS)
             in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = search.add_totals(
-                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
+                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass
+            )
         tl.store(bins_ptr + tl.arange(0, search.BINS), counts)
         search.store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
@@ -63,23 +76,43 @@ if HAS_TRITON:
         b = tl.arange(0, search.BINS)
         width = 1.0 / inv_width
         top = tl.minimum(hi - (b.to(tl.float32) - 0.01) * width, hi)
-        bottom = tl.where(b >= search.BINS - 2, lo, tl.maximum(hi - (b.to(tl.float32) + 1.01) * width, lo))
+        bottom = tl.where(
+            b >= search.BINS - 2, lo, tl.maximum(hi - (b.to(tl.float32) + 1.01) * width, lo)
+        )
         upper = counts * tl.exp(top - row_max)
         lower = counts * tl.exp(bottom - row_max)
         cum_upper = tl.cumsum(upper, axis=0)
         cum_lower = tl.cumsum(lower, axis=0)
         # the mass of bins <= b at most, and of bins < b at least
         most = tl.minimum(cum_upper, mass_in - (tl.sum(lower, axis=0) - cum_lower))
-        least_before = tl.maximum(cum_lower - lower, mass_in - (tl.sum(upper, axis=0) - (cum_upper - upper)))
+        least_before = tl.maximum(
+            cum_lower - lower, mass_in - (tl.sum(upper, axis=0) - (cum_upper - upper))
+        )
         last_real = search.BINS - 2
         first = tl.min(tl.where(most >= need * (1.0 - MASS_MARGIN), b, last_real), axis=0)
-        past = tl.min(tl.where((least_before >= need * (1.0 + MASS_MARGIN)) & (b <= last_real), b,
-                               last_real + 1), axis=0)
+        past = tl.min(
+            tl.where(
+                (least_before >= need * (1.0 + MASS_MARGIN)) & (b <= last_real), b, last_real + 1
+            ),
+            axis=0,
+        )
         return first, tl.maximum(past - 1, first)
 
     @triton.jit
-    def narrow_by_bins(state_f, state_i, pivots_ptr, bins_ptr, num_chunks, phase, target, cnt_in,
-                       mass_in, cnt_above, mass_above, CHUNKS_P2: tl.constexpr):
+    def narrow_by_bins(
+        state_f,
+        state_i,
+        pivots_ptr,
+        bins_ptr,
+        num_chunks,
+        phase,
+        target,
+        cnt_in,
+        mass_in,
+        cnt_above,
+        mass_above,
+        CHUNKS_P2: tl.constexpr,
+    ):
         chunks = tl.arange(0, CHUNKS_P2)
         b = tl.arange(0, search.BINS)
         rows = bins_ptr + chunks[:, None] * search.BINS + b[None, :]
@@ -93,22 +126,42 @@ if HAS_TRITON:
             first = tl.min(tl.where(cum >= target - cnt_above, b, search.BINS - 2), axis=0)
             last = first
         else:
-            first, last = mass_bins(counts, target - mass_above, lo, hi, inv_width,
-                                    tl.load(state_f + search.F_MAX), mass_in)
+            first, last = mass_bins(
+                counts,
+                target - mass_above,
+                lo,
+                hi,
+                inv_width,
+                tl.load(state_f + search.F_MAX),
+                mass_in,
+            )
         new_hi = tl.where(first > 0, bin_floor(lo, hi, inv_width, first), hi)
         new_lo = tl.where(last < search.BINS - 2, bin_floor(lo, hi, inv_width, last + 1), lo)
         new_cnt_in = tl.sum(tl.where((b >= first) & (b <= last), counts, 0.0), axis=0)
         new_cnt_above = cnt_above + tl.sum(tl.where(b < first, counts, 0.0), axis=0)
-        search.set_bracket(state_f, state_i, pivots_ptr, phase, target, new_lo, new_hi,
-                           new_cnt_above, new_cnt_in, new_cnt_in < cnt_in, search.HISTOGRAM)
+        search.set_bracket(
+            state_f,
+            state_i,
+            pivots_ptr,
+            phase,
+            target,
+            new_lo,
+            new_hi,
+            new_cnt_above,
+            new_cnt_in,
+            new_cnt_in < cnt_in,
+            search.HISTOGRAM,
+        )
 
     @triton.jit
-    def decide_after_counts(state_f, state_i, pivots_ptr, partials_ptr, bins_ptr, num_chunks,
-                            CHUNKS_P2: tl.constexpr):
+    def decide_after_counts(
+        state_f, state_i, pivots_ptr, partials_ptr, bins_ptr, num_chunks, CHUNKS_P2: tl.constexpr
+    ):
         """After a pivot or histogram pass: settle the phase, check that the answer lies in
         the bracket, then narrow it."""
         cnt_in, mass_in, min_in, max_in, cnt_above, mass_above = search.reduce_totals(
-            partials_ptr, num_chunks, CHUNKS_P2)
+            partials_ptr, num_chunks, CHUNKS_P2
+        )
         phase, target = search.settle_phase(state_f, state_i, cnt_in, mass_in, mass_above)
         use_mass = phase == search.SEARCH_P
         weight_above = tl.where(use_mass, mass_above, cnt_above)
@@ -124,21 +177,63 @@ if HAS_TRITON:
             if phase == search.SEARCH_K:
                 search.resolve_top_k(state_f, state_i, pivots_ptr, max_in, cnt_above, mass_above)
             else:
-                tl.store(state_f + search.F_THRESHOLD,
-                         tl.where(cnt_in > 0.0, max_in, tl.load(state_f + search.F_FLOOR)))
+                tl.store(
+                    state_f + search.F_THRESHOLD,
+                    tl.where(cnt_in > 0.0, max_in, tl.load(state_f + search.F_FLOOR)),
+                )
                 tl.store(state_i + search.I_PHASE, search.DONE)
         elif tl.load(state_i + search.I_ACTION) == search.HISTOGRAM:
-            narrow_by_bins(state_f, state_i, pivots_ptr, bins_ptr, num_chunks, phase, target, cnt_in,
-                           mass_in, cnt_above, mass_above, CHUNKS_P2)
+            narrow_by_bins(
+                state_f,
+                state_i,
+                pivots_ptr,
+                bins_ptr,
+                num_chunks,
+                phase,
+                target,
+                cnt_in,
+                mass_in,
+                cnt_above,
+                mass_above,
+                CHUNKS_P2,
+            )
         else:
-            search.narrow_by_pivots(state_f, state_i, pivots_ptr, partials_ptr, num_chunks, phase,
-                                    target, cnt_in, cnt_above, mass_above, CHUNKS_P2)
+            search.narrow_by_pivots(
+                state_f,
+                state_i,
+                pivots_ptr,
+                partials_ptr,
+                num_chunks,
+                phase,
+                target,
+                cnt_in,
+                cnt_above,
+                mass_above,
+                CHUNKS_P2,
+            )
 
     @triton.jit
-    def chunk_pass(logits_ptr, logits_stride, partials_ptr, bins_ptr, candidates_ptr, state_f_ptr,
-                   state_i_ptr, pivots_ptr, row, chunk, num_chunks, temperature_ptr,
-                   idx_mapping_ptr, vocab_size, PIVOTS: tl.constexpr, HISTOGRAMS: tl.constexpr,
-                   COPIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def chunk_pass(
+        logits_ptr,
+        logits_stride,
+        partials_ptr,
+        bins_ptr,
+        candidates_ptr,
+        state_f_ptr,
+        state_i_ptr,
+        pivots_ptr,
+        row,
+        chunk,
+        num_chunks,
+        temperature_ptr,
+        idx_mapping_ptr,
+        vocab_size,
+        PIVOTS: tl.constexpr,
+        HISTOGRAMS: tl.constexpr,
+        COPIES: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """One chunk of a row's pass, if its kind is one this launch runs (PIVOTS,
         HISTOGRAMS, COPIES: pivot counts, histograms, copy-outs). A launch compiled for
         fewer kinds keeps only their registers; a row whose kind it does not run waits."""
@@ -146,8 +241,11 @@ if HAS_TRITON:
         state_i = state_i_ptr + row * search.ROW_I
         action = tl.load(state_i + search.I_ACTION)
         is_copy = (action == search.COMPACT) | (action == search.COMPACT_ALL)
-        wanted = (((action == search.PIVOT) & PIVOTS) | ((action == search.HISTOGRAM) & HISTOGRAMS)
-                  | (is_copy & COPIES))
+        wanted = (
+            ((action == search.PIVOT) & PIVOTS)
+            | ((action == search.HISTOGRAM) & HISTOGRAMS)
+            | (is_copy & COPIES)
+        )
         if (tl.load(state_i + search.I_PHASE) != search.DONE) & wanted:
             temperature = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + row))
             logits_row = logits_ptr + row.to(tl.int64) * logits_stride
@@ -159,25 +257,63 @@ if HAS_TRITON:
             partials = partials_ptr + (row * num_chunks + chunk) * search.ROW_P
             if PIVOTS:
                 if action == search.PIVOT:
-                    search.pivot_chunk_pass(logits_row, partials, temperature, row_max, lo, hi,
-                                            pivots_ptr + row * search.PIVOTS, start, end, BLOCK)
+                    search.pivot_chunk_pass(
+                        logits_row,
+                        partials,
+                        temperature,
+                        row_max,
+                        lo,
+                        hi,
+                        pivots_ptr + row * search.PIVOTS,
+                        start,
+                        end,
+                        BLOCK,
+                    )
             if HISTOGRAMS:
                 if action == search.HISTOGRAM:
-                    histogram_chunk_pass(logits_row, partials,
-                                         bins_ptr + (row * num_chunks + chunk) * search.BINS,
-                                         temperature, row_max, lo, hi,
-                                         tl.load(state_f + search.F_INV_WIDTH), start, end, BLOCK)
+                    histogram_chunk_pass(
+                        logits_row,
+                        partials,
+                        bins_ptr + (row * num_chunks + chunk) * search.BINS,
+                        temperature,
+                        row_max,
+                        lo,
+                        hi,
+                        tl.load(state_f + search.F_INV_WIDTH),
+                        start,
+                        end,
+                        BLOCK,
+                    )
             if COPIES:
                 if is_copy:
                     top = tl.where(action == search.COMPACT_ALL, float("inf"), hi)
-                    search.compact_chunk_pass(logits_row, partials,
-                                              candidates_ptr + row * search.CAP,
-                                              state_i + search.I_NUM_CANDIDATES, temperature,
-                                              row_max, lo, top, start, end, BLOCK)
+                    search.compact_chunk_pass(
+                        logits_row,
+                        partials,
+                        candidates_ptr + row * search.CAP,
+                        state_i + search.I_NUM_CANDIDATES,
+                        temperature,
+                        row_max,
+                        lo,
+                        top,
+                        start,
+                        end,
+                        BLOCK,
+                    )
 
     @triton.jit
-    def decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bins_ptr, candidates_ptr, row,
-               num_chunks, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr):
+    def decide(
+        state_f_ptr,
+        state_i_ptr,
+        pivots_ptr,
+        partials_ptr,
+        bins_ptr,
+        candidates_ptr,
+        row,
+        num_chunks,
+        CHUNKS_P2: tl.constexpr,
+        PIVOTS: tl.constexpr,
+    ):
         """Act on the pass a row just made (PIVOTS: whether pivot passes ran; if not, a row
         waiting for one made none)."""
         state_f = state_f_ptr + row * search.ROW_F
@@ -187,9 +323,22 @@ if HAS_TRITON:
         ran = (action != search.NONE) & ((action != search.PIVOT) | PIVOTS)
         if (tl.load(state_i + search.I_PHASE) != search.DONE) & ran:
             if (action == search.PIVOT) | (action == search.HISTOGRAM):
-                decide_after_counts(state_f, state_i, pivots_ptr + row * search.PIVOTS, partials,
-                                    bins_ptr + row * num_chunks * search.BINS, num_chunks, CHUNKS_P2)
+                decide_after_counts(
+                    state_f,
+                    state_i,
+                    pivots_ptr + row * search.PIVOTS,
+                    partials,
+                    bins_ptr + row * num_chunks * search.BINS,
+                    num_chunks,
+                    CHUNKS_P2,
+                )
             else:
-                search.decide_after_compaction(state_f, state_i, pivots_ptr + row * search.PIVOTS,
-                                               partials, candidates_ptr + row * search.CAP,
-                                               num_chunks, CHUNKS_P2)
+                search.decide_after_compaction(
+                    state_f,
+                    state_i,
+                    pivots_ptr + row * search.PIVOTS,
+                    partials,
+                    candidates_ptr + row * search.CAP,
+                    num_chunks,
+                    CHUNKS_P2,
+                )

@@ -39,8 +39,10 @@ if HAS_TRITON:
         """z with P(N(0, 1) > z) = q for 0 < q <= 0.5 (Abramowitz and Stegun 26.2.23,
         within 5e-4): only a guess is made of it."""
         t = tl.sqrt(-2.0 * tl.log(tl.minimum(tl.maximum(q, 1e-30), 0.5)))
-        return t - ((2.515517 + 0.802853 * t + 0.010328 * t * t)
-                    / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t))
+        return t - (
+            (2.515517 + 0.802853 * t + 0.010328 * t * t)
+            / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t)
+        )
 
     @triton.jit
     def normal_quantile(x):
@@ -49,7 +51,8 @@ if HAS_TRITON:
 
     @triton.jit
     def fitted_cut(mean, std, num_above, num_tokens):
-        """Where the normal fit puts num_above of num_tokens above (any 0 < num_above < num_tokens)."""
+        """Where the normal fit puts num_above of num_tokens above
+        (any 0 < num_above < num_tokens)."""
         return mean - std * normal_quantile(num_above / num_tokens)
 
     @triton.jit
@@ -72,9 +75,12 @@ if HAS_TRITON:
         k or more than CAP) a histogram from bins_lo."""
         expected = 1.5 * top_k.to(tl.float32) + 32.0
         cut = fitted_cut(mean, std, expected, num_tokens)
-        guess = (top_k <= GUESSED_MAX_K) & (2.0 * expected < num_tokens) & (cut > lo) & (cut < row_max)
-        start_guessed_copy(state_f, state_i, guess, cut, row_max, search.COMPACT_ALL, lo, row_max,
-                           bins_lo)
+        guess = (
+            (top_k <= GUESSED_MAX_K) & (2.0 * expected < num_tokens) & (cut > lo) & (cut < row_max)
+        )
+        start_guessed_copy(
+            state_f, state_i, guess, cut, row_max, search.COMPACT_ALL, lo, row_max, bins_lo
+        )
 
     @triton.jit
     def top_p_rank(top_p, mass, row_max, num_tokens, mean, std):
@@ -83,11 +89,15 @@ if HAS_TRITON:
         num_tokens exp(mean + std^2 / 2 - row_max) Phi((t - mean - std^2) / std): the answer
         is the t where that is (1 - p) of the row's mass. Below the answer lie the many
         tokens the fit describes well, above it the few extreme ones it does not."""
-        log_below = tl.log((1.0 - top_p) * mass) - tl.log(num_tokens) - (mean + 0.5 * std * std - row_max)
+        log_below = (
+            tl.log((1.0 - top_p) * mass) - tl.log(num_tokens) - (mean + 0.5 * std * std - row_max)
+        )
         in_bulk = log_below < 0.0
         below = tl.exp(tl.minimum(log_below, 0.0))
         z = normal_quantile(below) + std  # (t - mean) / std
-        return tl.where(in_bulk, num_tokens * 0.5 * (1.0 - tl.math.erf(z * 0.7071067811865476)), 0.0)
+        return tl.where(
+            in_bulk, num_tokens * 0.5 * (1.0 - tl.math.erf(z * 0.7071067811865476)), 0.0
+        )
 
     @triton.jit
     def start_top_p(state_f, state_i, lo, row_max, bins_lo, top_p, mass, num_tokens, mean, std):
@@ -98,10 +108,21 @@ if HAS_TRITON:
         everything = rank <= _HALF_WINDOW
         num_above_lo = tl.minimum(tl.maximum(rank + _HALF_WINDOW, _MIN_ABOVE), num_tokens - 1.0)
         cut_lo = fitted_cut(mean, std, num_above_lo, num_tokens)
-        cut_hi = tl.where(everything, row_max,
-                          tl.minimum(fitted_cut(mean, std, rank - _HALF_WINDOW, num_tokens), row_max))
+        cut_hi = tl.where(
+            everything,
+            row_max,
+            tl.minimum(fitted_cut(mean, std, rank - _HALF_WINDOW, num_tokens), row_max),
+        )
         guess = (std > 0.0) & (mass > 0.0) & (cut_lo > lo) & (cut_lo < cut_hi)
         tl.store(state_f + search.F_TARGET, tl.where(guess, top_p * mass, -1.0))
-        start_guessed_copy(state_f, state_i, guess, cut_lo, cut_hi,
-                           tl.where(everything, search.COMPACT_ALL, search.COMPACT), lo, row_max,
-                           bins_lo)
+        start_guessed_copy(
+            state_f,
+            state_i,
+            guess,
+            cut_lo,
+            cut_hi,
+            tl.where(everything, search.COMPACT_ALL, search.COMPACT),
+            lo,
+            row_max,
+            bins_lo,
+        )

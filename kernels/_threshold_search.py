@@ -26,7 +26,13 @@ NUM_PARTIALS = 2 * NUM_PIVOTS + 6  # per chunk: counts and masses above each piv
 if HAS_TRITON:
     _c = tl.constexpr
     # the sizes above, for kernels
-    PIVOTS, CAP, ROW_F, ROW_I, ROW_P = _c(NUM_PIVOTS), _c(CAPACITY), _c(NUM_F), _c(NUM_I), _c(NUM_PARTIALS)
+    PIVOTS, CAP, ROW_F, ROW_I, ROW_P = (
+        _c(NUM_PIVOTS),
+        _c(CAPACITY),
+        _c(NUM_F),
+        _c(NUM_I),
+        _c(NUM_PARTIALS),
+    )
     BINS = _c(NUM_BINS)
     # float state columns
     F_MAX, F_FLOOR, F_TOP_P, F_LO, F_HI = _c(0), _c(1), _c(2), _c(3), _c(4)
@@ -35,12 +41,27 @@ if HAS_TRITON:
     F_START, F_INV_WIDTH = _c(9), _c(10)  # lo where the phase's search began; bins per unit
     F_BINS_LO = _c(11)  # where the histogram after a missed guess puts its lowest even bin
     # int state columns
-    I_PHASE, I_ACTION, I_TOP_K, I_NUM_CANDIDATES, I_HAS_P, I_ROUND = _c(0), _c(1), _c(2), _c(3), _c(4), _c(5)
+    I_PHASE, I_ACTION, I_TOP_K, I_NUM_CANDIDATES, I_HAS_P, I_ROUND = (
+        _c(0),
+        _c(1),
+        _c(2),
+        _c(3),
+        _c(4),
+        _c(5),
+    )
     I_RESTARTED, I_GUESSED = _c(6), _c(7)  # I_GUESSED: the pending copy is above a guessed cut
     # per-chunk totals after the per-pivot sums: tokens in (lo, hi] (count, mass, min, max),
     # then the count and mass of those above hi
-    T_CNT_IN, T_MASS_IN, T_MIN_IN = _c(2 * NUM_PIVOTS), _c(2 * NUM_PIVOTS + 1), _c(2 * NUM_PIVOTS + 2)
-    T_MAX_IN, T_CNT_ABOVE, T_MASS_ABOVE = _c(2 * NUM_PIVOTS + 3), _c(2 * NUM_PIVOTS + 4), _c(2 * NUM_PIVOTS + 5)
+    T_CNT_IN, T_MASS_IN, T_MIN_IN = (
+        _c(2 * NUM_PIVOTS),
+        _c(2 * NUM_PIVOTS + 1),
+        _c(2 * NUM_PIVOTS + 2),
+    )
+    T_MAX_IN, T_CNT_ABOVE, T_MASS_ABOVE = (
+        _c(2 * NUM_PIVOTS + 3),
+        _c(2 * NUM_PIVOTS + 4),
+        _c(2 * NUM_PIVOTS + 5),
+    )
     # phases and actions
     DONE, SEARCH_K, SEARCH_P = _c(0), _c(1), _c(2)
     NONE, PIVOT, COMPACT, COMPACT_ALL, HISTOGRAM = _c(0), _c(1), _c(2), _c(3), _c(4)
@@ -85,17 +106,27 @@ if HAS_TRITON:
     @triton.jit
     def zero_totals(BLOCK: tl.constexpr):
         zeros = tl.zeros([BLOCK], tl.float32)
-        return (zeros, zeros, tl.full([BLOCK], float("inf"), tl.float32),
-                tl.full([BLOCK], float("-inf"), tl.float32), zeros, zeros)
+        return (
+            zeros,
+            zeros,
+            tl.full([BLOCK], float("inf"), tl.float32),
+            tl.full([BLOCK], float("-inf"), tl.float32),
+            zeros,
+            zeros,
+        )
 
     @triton.jit
     def add_totals(in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass):
         """Per-lane running totals of a pass: count, mass, min and max of the tokens in the
         bracket, count and mass of those above it."""
-        return (in_cnt + inside.to(tl.float32), in_mass + tl.where(inside, mass, 0.0),
-                tl.minimum(in_min, tl.where(inside, y, float("inf"))),
-                tl.maximum(in_max, tl.where(inside, y, float("-inf"))),
-                up_cnt + above.to(tl.float32), up_mass + tl.where(above, mass, 0.0))
+        return (
+            in_cnt + inside.to(tl.float32),
+            in_mass + tl.where(inside, mass, 0.0),
+            tl.minimum(in_min, tl.where(inside, y, float("inf"))),
+            tl.maximum(in_max, tl.where(inside, y, float("-inf"))),
+            up_cnt + above.to(tl.float32),
+            up_mass + tl.where(above, mass, 0.0),
+        )
 
     @triton.jit
     def store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass):
@@ -107,8 +138,18 @@ if HAS_TRITON:
         tl.store(partials_ptr + T_MASS_ABOVE, tl.sum(up_mass, axis=0))
 
     @triton.jit
-    def pivot_chunk_pass(logits_row, partials_ptr, temperature, row_max, lo, hi, pivots_ptr,
-                         start, end, BLOCK: tl.constexpr):
+    def pivot_chunk_pass(
+        logits_row,
+        partials_ptr,
+        temperature,
+        row_max,
+        lo,
+        hi,
+        pivots_ptr,
+        start,
+        end,
+        BLOCK: tl.constexpr,
+    ):
         """Per pivot: count and mass (exp(y - row_max)) of this chunk's tokens in (lo, hi]
         above the pivot; then the chunk's totals. The per-pivot sums are reduced every block
         rather than kept per lane, and two blocks are loaded per iteration: registers stay
@@ -120,21 +161,34 @@ if HAS_TRITON:
         for offset in range(start, end, 2 * BLOCK):
             for half in tl.static_range(2):
                 cols = offset + half * BLOCK + tl.arange(0, BLOCK)
-                y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max,
-                                                       lo, hi)
+                y, inside, above, mass = bracket_block(
+                    logits_row, cols, end, temperature, row_max, lo, hi
+                )
                 hit = inside[:, None] & (y[:, None] > pivots[None, :])
                 sum_cnt += tl.sum(hit.to(tl.float32), axis=0)
                 sum_mass += tl.sum(tl.where(hit, mass[:, None], 0.0), axis=0)
                 in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
-                    in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
+                    in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass
+                )
         j = tl.arange(0, PIVOTS)
         tl.store(partials_ptr + j, sum_cnt)
         tl.store(partials_ptr + PIVOTS + j, sum_mass)
         store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
     @triton.jit
-    def compact_chunk_pass(logits_row, partials_ptr, candidates_ptr, count_ptr, temperature,
-                           row_max, lo, hi, start, end, BLOCK: tl.constexpr):
+    def compact_chunk_pass(
+        logits_row,
+        partials_ptr,
+        candidates_ptr,
+        count_ptr,
+        temperature,
+        row_max,
+        lo,
+        hi,
+        start,
+        end,
+        BLOCK: tl.constexpr,
+    ):
         """Append this chunk's tokens in (lo, hi] to the row's candidates (at most CAPACITY
         are stored; the count keeps counting), and store the chunk's totals. Each token in
         the bracket takes its slot by an atomic of its own: a block-wide count would cost a
@@ -143,11 +197,14 @@ if HAS_TRITON:
         counter = count_ptr + tl.zeros([BLOCK], tl.int32)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
-            y, inside, above, mass = bracket_block(logits_row, cols, end, temperature, row_max, lo, hi)
+            y, inside, above, mass = bracket_block(
+                logits_row, cols, end, temperature, row_max, lo, hi
+            )
             slot = tl.atomic_add(counter, 1, mask=inside, sem="relaxed")
             tl.store(candidates_ptr + slot, y, mask=inside & (slot < CAP))
             in_cnt, in_mass, in_min, in_max, up_cnt, up_mass = add_totals(
-                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass)
+                in_cnt, in_mass, in_min, in_max, up_cnt, up_mass, y, inside, above, mass
+            )
         store_totals(partials_ptr, in_cnt, in_mass, in_min, in_max, up_cnt, up_mass)
 
     @triton.jit
@@ -156,12 +213,14 @@ if HAS_TRITON:
         chunks = tl.arange(0, CHUNKS_P2)
         in_range = chunks < num_chunks
         tail = partials_ptr + chunks * ROW_P
-        return (tl.sum(tl.load(tail + T_CNT_IN, mask=in_range, other=0.0), axis=0),
-                tl.sum(tl.load(tail + T_MASS_IN, mask=in_range, other=0.0), axis=0),
-                tl.min(tl.load(tail + T_MIN_IN, mask=in_range, other=float("inf")), axis=0),
-                tl.max(tl.load(tail + T_MAX_IN, mask=in_range, other=float("-inf")), axis=0),
-                tl.sum(tl.load(tail + T_CNT_ABOVE, mask=in_range, other=0.0), axis=0),
-                tl.sum(tl.load(tail + T_MASS_ABOVE, mask=in_range, other=0.0), axis=0))
+        return (
+            tl.sum(tl.load(tail + T_CNT_IN, mask=in_range, other=0.0), axis=0),
+            tl.sum(tl.load(tail + T_MASS_IN, mask=in_range, other=0.0), axis=0),
+            tl.min(tl.load(tail + T_MIN_IN, mask=in_range, other=float("inf")), axis=0),
+            tl.max(tl.load(tail + T_MAX_IN, mask=in_range, other=float("-inf")), axis=0),
+            tl.sum(tl.load(tail + T_CNT_ABOVE, mask=in_range, other=0.0), axis=0),
+            tl.sum(tl.load(tail + T_MASS_ABOVE, mask=in_range, other=0.0), axis=0),
+        )
 
     @triton.jit
     def _at(values, index, SIZE: tl.constexpr):
@@ -175,7 +234,9 @@ if HAS_TRITON:
         tl.store(state_f + F_LO, lo)
         tl.store(state_f + F_HI, hi)
         span = hi - tl.maximum(bins_lo, lo)
-        tl.store(state_f + F_INV_WIDTH, tl.where(span > 0.0, tl.minimum((BINS - 2) / span, 1e30), 1e30))
+        tl.store(
+            state_f + F_INV_WIDTH, tl.where(span > 0.0, tl.minimum((BINS - 2) / span, 1e30), 1e30)
+        )
         tl.store(state_i + I_ACTION, HISTOGRAM)
 
     @triton.jit
@@ -197,7 +258,9 @@ if HAS_TRITON:
         the tokens above kth)."""
         top_k = tl.load(state_i + I_TOP_K).to(tl.float32)
         row_max = tl.load(state_f + F_MAX)
-        target = tl.load(state_f + F_TOP_P) * (mass_greater + (top_k - cnt_greater) * tl.exp(kth - row_max))
+        target = tl.load(state_f + F_TOP_P) * (
+            mass_greater + (top_k - cnt_greater) * tl.exp(kth - row_max)
+        )
         if (tl.load(state_i + I_HAS_P) == 0) | (mass_greater < target):
             tl.store(state_f + F_THRESHOLD, kth)
             tl.store(state_i + I_PHASE, DONE)
@@ -221,7 +284,11 @@ if HAS_TRITON:
         phase = tl.load(state_i + I_PHASE)
         first_round = tl.load(state_i + I_ROUND) == 0
         target = tl.load(state_f + F_TARGET)
-        k_inactive = (phase == SEARCH_K) & first_round & (cnt_in <= tl.load(state_i + I_TOP_K).to(tl.float32))
+        k_inactive = (
+            (phase == SEARCH_K)
+            & first_round
+            & (cnt_in <= tl.load(state_i + I_TOP_K).to(tl.float32))
+        )
         has_p = tl.load(state_i + I_HAS_P) != 0
         phase = tl.where(k_inactive, tl.where(has_p, SEARCH_P, DONE), phase)
         pending = (phase == SEARCH_P) & (k_inactive | (target < 0.0))
@@ -229,8 +296,19 @@ if HAS_TRITON:
         return phase, target
 
     @triton.jit
-    def set_bracket(state_f, state_i, pivots_ptr, phase, target, new_lo, new_hi, new_cnt_above,
-                    new_cnt_in, progress, next_action):
+    def set_bracket(
+        state_f,
+        state_i,
+        pivots_ptr,
+        phase,
+        target,
+        new_lo,
+        new_hi,
+        new_cnt_above,
+        new_cnt_in,
+        progress,
+        next_action,
+    ):
         """Store a narrowed bracket and pick the next pass: copy it out if it fits (with all
         above it if that fits too), else `next_action` while the count shrinks, else pivots."""
         tl.store(state_i + I_PHASE, phase)
@@ -249,8 +327,19 @@ if HAS_TRITON:
             tl.store(pivots_ptr + tl.arange(0, PIVOTS), linspace_pivots(new_lo, new_hi))
 
     @triton.jit
-    def narrow_by_pivots(state_f, state_i, pivots_ptr, partials_ptr, num_chunks, phase, target,
-                         cnt_in, cnt_above, mass_above, CHUNKS_P2: tl.constexpr):
+    def narrow_by_pivots(
+        state_f,
+        state_i,
+        pivots_ptr,
+        partials_ptr,
+        num_chunks,
+        phase,
+        target,
+        cnt_in,
+        cnt_above,
+        mass_above,
+        CHUNKS_P2: tl.constexpr,
+    ):
         """Narrow the bracket to the pivot interval where the weight reaches the target."""
         chunks = tl.arange(0, CHUNKS_P2)
         j = tl.arange(0, PIVOTS)
@@ -269,8 +358,19 @@ if HAS_TRITON:
         new_hi = tl.where(upper >= 0, _at(pivots, upper, PIVOTS), tl.load(state_f + F_HI))
         cnt_upper = _at(cnt_j, upper, PIVOTS)
         new_cnt_in = tl.where(found, _at(cnt_j, first, PIVOTS), cnt_in) - cnt_upper
-        set_bracket(state_f, state_i, pivots_ptr, phase, target, new_lo, new_hi,
-                    cnt_above + cnt_upper, new_cnt_in, False, PIVOT)
+        set_bracket(
+            state_f,
+            state_i,
+            pivots_ptr,
+            phase,
+            target,
+            new_lo,
+            new_hi,
+            cnt_above + cnt_upper,
+            new_cnt_in,
+            False,
+            PIVOT,
+        )
 
     @triton.jit
     def exact_sum(weights):
@@ -278,7 +378,9 @@ if HAS_TRITON:
         fixed point: integer sums are the same in any order, so the order the chunks
         appended the candidates in (which the batch's other rows change) cannot change a
         threshold."""
-        return tl.sum((weights * 1099511627776.0).to(tl.int64), axis=0).to(tl.float32) * (1.0 / 1099511627776.0)
+        return tl.sum((weights * 1099511627776.0).to(tl.int64), axis=0).to(tl.float32) * (
+            1.0 / 1099511627776.0
+        )
 
     @triton.jit
     def largest_reaching(values, valid, weights, need, floor_key):
@@ -296,8 +398,15 @@ if HAS_TRITON:
         return from_key(lo_key)
 
     @triton.jit
-    def decide_after_compaction(state_f, state_i, pivots_ptr, partials_ptr, candidates_ptr,
-                                num_chunks, CHUNKS_P2: tl.constexpr):
+    def decide_after_compaction(
+        state_f,
+        state_i,
+        pivots_ptr,
+        partials_ptr,
+        candidates_ptr,
+        num_chunks,
+        CHUNKS_P2: tl.constexpr,
+    ):
         """The bracket's tokens (or every token above lo) are in the candidates: read the
         answer off their cumulative weights, in registers, after the pass's exact totals
         confirm that the answer is among them."""
@@ -320,8 +429,13 @@ if HAS_TRITON:
         if misplaced & guessed:  # the guess missed: search as if it had not been tried
             # (top-p's target comes from the histogram's exact total again, as without a guess)
             tl.store(state_f + F_TARGET, tl.where(search_k, tl.load(state_f + F_TARGET), -1.0))
-            start_histogram(state_f, state_i, tl.load(state_f + F_START), tl.load(state_f + F_MAX),
-                            tl.load(state_f + F_BINS_LO))
+            start_histogram(
+                state_f,
+                state_i,
+                tl.load(state_f + F_START),
+                tl.load(state_f + F_MAX),
+                tl.load(state_f + F_BINS_LO),
+            )
         elif misplaced & (tl.load(state_i + I_RESTARTED) == 0):
             restart(state_f, state_i, pivots_ptr)
         elif search_k:
@@ -334,8 +448,9 @@ if HAS_TRITON:
                 # ranked within k count (its total is the mass of the top k).
                 row_max = tl.load(state_f + F_MAX)
                 top_mass = mass_greater + (top_k - cnt_greater) * tl.exp(kth - row_max)
-                threshold = largest_reaching(values, valid, mass, tl.load(state_f + F_TOP_P) * top_mass,
-                                             float_key(kth))
+                threshold = largest_reaching(
+                    values, valid, mass, tl.load(state_f + F_TOP_P) * top_mass, float_key(kth)
+                )
                 tl.store(state_f + F_THRESHOLD, threshold)
                 tl.store(state_i + I_PHASE, DONE)
             else:

@@ -12,4 +12,3 @@ except ImportError:  # CPU-only install: the torch references are used instead
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
-

@@ -77,8 +77,9 @@ if HAS_TRITON:
         temperature = tl.load(temperature_ptr + req)
         token_ids = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         in_vocab = token_ids < vocab_size
-        scores = tl.load(logits_ptr + row * logits_stride + token_ids, mask=in_vocab,
-                         other=float("-inf"))
+        scores = tl.load(
+            logits_ptr + row * logits_stride + token_ids, mask=in_vocab, other=float("-inf")
+        )
         if temperature != 0.0:
             if APPLY_TEMPERATURE:
                 scores = tl.math.div_rn(scores, temperature)
@@ -102,8 +103,9 @@ if HAS_TRITON:
     ):
         row = tl.program_id(0).to(tl.int64)
         blocks = tl.arange(0, NUM_BLOCKS_POW2)
-        block_max = tl.load(block_max_ptr + row * num_blocks + blocks, mask=blocks < num_blocks,
-                            other=float("-inf"))
+        block_max = tl.load(
+            block_max_ptr + row * num_blocks + blocks, mask=blocks < num_blocks, other=float("-inf")
+        )
         best_block = tl.argmax(block_max, 0, tie_break_left=True)
         token_id = tl.load(block_argmax_ptr + row * num_blocks + best_block)
         tl.store(sampled_ptr + row, token_id.to(tl.int64))
@@ -145,8 +147,12 @@ def gumbel_noise_ref(
 
 
 def _check_args(
-    logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-    positions: torch.Tensor, thresholds: torch.Tensor | None,
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    positions: torch.Tensor,
+    thresholds: torch.Tensor | None,
 ) -> None:
     num_rows, _ = check_logits(logits)
     device = logits.device
@@ -205,13 +211,28 @@ def gumbel_sample_triton(
     block_max = torch.empty((num_rows, num_blocks), dtype=torch.float32, device=logits.device)
     block_argmax = torch.empty((num_rows, num_blocks), dtype=torch.int32, device=logits.device)
     _gumbel_block_argmax_kernel[(num_rows, num_blocks)](
-        logits, logits.stride(0), idx_mapping, temperature, seed, positions, block_max,
-        block_argmax, logits if thresholds is None else thresholds, vocab_size, num_blocks,
-        APPLY_TEMPERATURE=apply_temperature, HAS_THRESHOLDS=thresholds is not None,
+        logits,
+        logits.stride(0),
+        idx_mapping,
+        temperature,
+        seed,
+        positions,
+        block_max,
+        block_argmax,
+        logits if thresholds is None else thresholds,
+        vocab_size,
+        num_blocks,
+        APPLY_TEMPERATURE=apply_temperature,
+        HAS_THRESHOLDS=thresholds is not None,
         BLOCK_SIZE=block_size,
     )
-    _best_block_kernel[(num_rows,)](block_max, block_argmax, sampled, num_blocks,
-                                    NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks))
+    _best_block_kernel[(num_rows,)](
+        block_max,
+        block_argmax,
+        sampled,
+        num_blocks,
+        NUM_BLOCKS_POW2=triton.next_power_of_2(num_blocks),
+    )
     return sampled
 
 
@@ -226,7 +247,9 @@ def gumbel_sample(
 ) -> torch.Tensor:  # [num_rows] int64
     """Sample one token per row (see the module doc); greedy rows take the argmax."""
     if HAS_TRITON and logits.is_cuda:
-        return gumbel_sample_triton(logits, idx_mapping, temperature, seed, positions,
-                                    apply_temperature, thresholds)
-    return gumbel_sample_ref(logits, idx_mapping, temperature, seed, positions, apply_temperature,
-                             thresholds)
+        return gumbel_sample_triton(
+            logits, idx_mapping, temperature, seed, positions, apply_temperature, thresholds
+        )
+    return gumbel_sample_ref(
+        logits, idx_mapping, temperature, seed, positions, apply_temperature, thresholds
+    )

@@ -30,7 +30,9 @@ if HAS_TRITON:
         mask = offsets < ROW_SIZE
         # One program copies a whole token row (all kv heads) for both K and V.
         key_row = tl.load(key_ptr + token.to(tl.int64) * stride_key_token + offsets, mask=mask)
-        value_row = tl.load(value_ptr + token.to(tl.int64) * stride_value_token + offsets, mask=mask)
+        value_row = tl.load(
+            value_ptr + token.to(tl.int64) * stride_value_token + offsets, mask=mask
+        )
         cache_row = kv_cache_ptr + slot * ROW_SIZE + offsets
         tl.store(cache_row, key_row, mask=mask)
         tl.store(cache_row + stride_cache_kv, value_row, mask=mask)
@@ -102,18 +104,29 @@ def _check_args(
     row_shape = tuple(kv_cache.shape[3:])
     num_tokens = slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1
     for name, tensor in (("key", key), ("value", value)):
-        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != row_shape or tensor.shape[0] != num_tokens:
+        if (
+            tensor.dim() != 3
+            or tuple(tensor.shape[1:]) != row_shape
+            or tensor.shape[0] != num_tokens
+        ):
             raise ValueError(
-                f"{name} must be [num_tokens={num_tokens}, {row_shape[0]}, {row_shape[1]}] to match "
-                f"slot_mapping and kv_cache, got {tuple(tensor.shape)}"
+                f"{name} must be [num_tokens={num_tokens}, {row_shape[0]}, {row_shape[1]}] to "
+                f"match slot_mapping and kv_cache, got {tuple(tensor.shape)}"
             )
         if tensor.stride(2) != 1 or tensor.stride(1) != row_shape[1]:
-            raise ValueError(f"{name} must be contiguous within a token row, got strides {tensor.stride()}")
+            raise ValueError(
+                f"{name} must be contiguous within a token row, got strides {tensor.stride()}"
+            )
         if tensor.dtype != kv_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+            raise ValueError(
+                f"{name} dtype {tensor.dtype} differs from kv_cache dtype {kv_cache.dtype}"
+            )
         if tensor.device != kv_cache.device:
             raise ValueError(f"{name} is on {tensor.device} but kv_cache is on {kv_cache.device}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64) or slot_mapping.device != kv_cache.device:
+    if (
+        slot_mapping.dtype not in (torch.int32, torch.int64)
+        or slot_mapping.device != kv_cache.device
+    ):
         raise ValueError(
             f"slot_mapping must be int32/int64 on {kv_cache.device}, got {slot_mapping.dtype} on "
             f"{slot_mapping.device}"

@@ -48,10 +48,12 @@ if HAS_TRITON:
         for start in range(0, num_bias, BLOCK_SIZE):
             entries = start + tl.arange(0, BLOCK_SIZE)
             is_entry = entries < num_bias
-            token_ids = tl.load(logit_bias_token_ids_ptr + req * logit_bias_stride + entries,
-                                mask=is_entry, other=0)
-            bias = tl.load(logit_bias_values_ptr + req * logit_bias_stride + entries,
-                           mask=is_entry, other=0.0)
+            token_ids = tl.load(
+                logit_bias_token_ids_ptr + req * logit_bias_stride + entries, mask=is_entry, other=0
+            )
+            bias = tl.load(
+                logit_bias_values_ptr + req * logit_bias_stride + entries, mask=is_entry, other=0.0
+            )
             logits = tl.load(row_ptr + token_ids, mask=is_entry)
             tl.store(row_ptr + token_ids, logits + bias, mask=is_entry)
         # Makes the bias writes visible to every thread before a stop id may overwrite one.
@@ -61,10 +63,16 @@ if HAS_TRITON:
             for start in range(0, num_stop, BLOCK_SIZE):
                 entries = start + tl.arange(0, BLOCK_SIZE)
                 is_entry = entries < num_stop
-                token_ids = tl.load(stop_token_ids_ptr + req * stop_token_ids_stride + entries,
-                                    mask=is_entry, other=0)
-                tl.store(row_ptr + token_ids, tl.full([BLOCK_SIZE], float("-inf"), tl.float32),
-                         mask=is_entry)
+                token_ids = tl.load(
+                    stop_token_ids_ptr + req * stop_token_ids_stride + entries,
+                    mask=is_entry,
+                    other=0,
+                )
+                tl.store(
+                    row_ptr + token_ids,
+                    tl.full([BLOCK_SIZE], float("-inf"), tl.float32),
+                    mask=is_entry,
+                )
 
 
 def _check_args(
@@ -84,11 +92,15 @@ def _check_args(
     check_tensor("num_output_tokens", num_output_tokens, torch.int32, 1, device, (num_rows,))
     check_tensor("logit_bias_token_ids", logit_bias_token_ids, torch.int32, 2, device)
     num_reqs, bias_width = logit_bias_token_ids.shape
-    check_tensor("logit_bias_values", logit_bias_values, torch.float32, 2, device,
-                 (num_reqs, bias_width))
+    check_tensor(
+        "logit_bias_values", logit_bias_values, torch.float32, 2, device, (num_reqs, bias_width)
+    )
     check_tensor("stop_token_ids", stop_token_ids, torch.int32, 2, device, (num_reqs, None))
-    for name, tensor in (("num_logit_bias", num_logit_bias), ("min_tokens", min_tokens),
-                         ("num_stop_token_ids", num_stop_token_ids)):
+    for name, tensor in (
+        ("num_logit_bias", num_logit_bias),
+        ("min_tokens", min_tokens),
+        ("num_stop_token_ids", num_stop_token_ids),
+    ):
         check_tensor(name, tensor, torch.int32, 1, device)
         check_same_num_rows(name, tensor, num_reqs)
 
@@ -105,16 +117,28 @@ def apply_logit_bias_ref(
     stop_token_ids: torch.Tensor,  # [max_num_reqs, stop_width] int32, EOS and stop ids
 ) -> None:
     """Torch reference of `apply_logit_bias`."""
-    _check_args(logits, idx_mapping, num_output_tokens, num_logit_bias, logit_bias_token_ids,
-                logit_bias_values, min_tokens, num_stop_token_ids, stop_token_ids)
+    _check_args(
+        logits,
+        idx_mapping,
+        num_output_tokens,
+        num_logit_bias,
+        logit_bias_token_ids,
+        logit_bias_values,
+        min_tokens,
+        num_stop_token_ids,
+        stop_token_ids,
+    )
     rows = idx_mapping.long()
     batch_rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
 
     bias_entries = torch.arange(logit_bias_token_ids.shape[1], device=logits.device)
     is_bias = bias_entries[None, :] < num_logit_bias[rows][:, None]
     bias_token_ids = logit_bias_token_ids[rows].long()
-    logits.index_put_((batch_rows.expand_as(bias_token_ids)[is_bias], bias_token_ids[is_bias]),
-                      logit_bias_values[rows][is_bias], accumulate=True)
+    logits.index_put_(
+        (batch_rows.expand_as(bias_token_ids)[is_bias], bias_token_ids[is_bias]),
+        logit_bias_values[rows][is_bias],
+        accumulate=True,
+    )
 
     stop_entries = torch.arange(stop_token_ids.shape[1], device=logits.device)
     is_suppressing = num_output_tokens < min_tokens[rows]
@@ -136,15 +160,34 @@ def apply_logit_bias_triton(
 ) -> None:
     """Triton launcher of `apply_logit_bias`: one program per logit row."""
     need_triton("apply_logit_bias_triton")
-    _check_args(logits, idx_mapping, num_output_tokens, num_logit_bias, logit_bias_token_ids,
-                logit_bias_values, min_tokens, num_stop_token_ids, stop_token_ids)
+    _check_args(
+        logits,
+        idx_mapping,
+        num_output_tokens,
+        num_logit_bias,
+        logit_bias_token_ids,
+        logit_bias_values,
+        min_tokens,
+        num_stop_token_ids,
+        stop_token_ids,
+    )
     check_triton_device("apply_logit_bias_triton", logits.device)
     if logits.shape[0] == 0:
         return
     _logit_bias_kernel[(logits.shape[0],)](
-        logits, logits.stride(0), idx_mapping, num_output_tokens, num_logit_bias,
-        logit_bias_token_ids, logit_bias_values, logit_bias_token_ids.stride(0), min_tokens,
-        num_stop_token_ids, stop_token_ids, stop_token_ids.stride(0), BLOCK_SIZE=_BLOCK_SIZE,
+        logits,
+        logits.stride(0),
+        idx_mapping,
+        num_output_tokens,
+        num_logit_bias,
+        logit_bias_token_ids,
+        logit_bias_values,
+        logit_bias_token_ids.stride(0),
+        min_tokens,
+        num_stop_token_ids,
+        stop_token_ids,
+        stop_token_ids.stride(0),
+        BLOCK_SIZE=_BLOCK_SIZE,
     )
 
 
@@ -161,5 +204,14 @@ def apply_logit_bias(
 ) -> None:
     """Add each row's logit bias, then forbid its stop tokens until min_tokens are out."""
     impl = apply_logit_bias_triton if HAS_TRITON and logits.is_cuda else apply_logit_bias_ref
-    impl(logits, idx_mapping, num_output_tokens, num_logit_bias, logit_bias_token_ids,
-         logit_bias_values, min_tokens, num_stop_token_ids, stop_token_ids)
+    impl(
+        logits,
+        idx_mapping,
+        num_output_tokens,
+        num_logit_bias,
+        logit_bias_token_ids,
+        logit_bias_values,
+        min_tokens,
+        num_stop_token_ids,
+        stop_token_ids,
+    )

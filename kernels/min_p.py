@@ -31,15 +31,20 @@ if HAS_TRITON:
             running_max = tl.full([BLOCK_SIZE], float("-inf"), tl.float32)
             for start in range(0, vocab_size, BLOCK_SIZE):
                 token_ids = start + tl.arange(0, BLOCK_SIZE)
-                logits = tl.load(row_ptr + token_ids, mask=token_ids < vocab_size, other=float("-inf"))
+                logits = tl.load(
+                    row_ptr + token_ids, mask=token_ids < vocab_size, other=float("-inf")
+                )
                 running_max = tl.maximum(running_max, logits)
             threshold = tl.max(running_max, 0) + tl.log(min_p)
             for start in range(0, vocab_size, BLOCK_SIZE):
                 token_ids = start + tl.arange(0, BLOCK_SIZE)
                 in_vocab = token_ids < vocab_size
                 logits = tl.load(row_ptr + token_ids, mask=in_vocab)
-                tl.store(row_ptr + token_ids, tl.where(logits < threshold, float("-inf"), logits),
-                         mask=in_vocab)
+                tl.store(
+                    row_ptr + token_ids,
+                    tl.where(logits < threshold, float("-inf"), logits),
+                    mask=in_vocab,
+                )
 
 
 def _check_args(logits: torch.Tensor, idx_mapping: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -73,8 +78,9 @@ def apply_min_p_triton(
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return
-    _min_p_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, min_p, vocab_size,
-                               BLOCK_SIZE=block_size, num_warps=8)
+    _min_p_kernel[(num_rows,)](
+        logits, logits.stride(0), idx_mapping, min_p, vocab_size, BLOCK_SIZE=block_size, num_warps=8
+    )
 
 
 def apply_min_p(

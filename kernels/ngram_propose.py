@@ -81,8 +81,9 @@ if HAS_TRITON:
                 # suffix shorter than j + 1 or a position before the row's start ends
                 # the match without a separate (scalar) condition.
                 suffix_position = total - 1 - j
-                suffix_token = tl.load(history + suffix_position, mask=suffix_position >= 0,
-                                       other=-1)
+                suffix_token = tl.load(
+                    history + suffix_position, mask=suffix_position >= 0, other=-1
+                )
                 positions = ends - j
                 in_row = matching & (positions >= 0)
                 token = tl.load(history + positions, mask=in_row, other=-2)
@@ -100,8 +101,9 @@ if HAS_TRITON:
         num_drafts = tl.where(best_len >= MIN_N, tl.maximum(num_drafts, 0), 0)
         offsets = tl.arange(0, NUM_SPEC_POW2)
         drafts = tl.load(history + draft_start + offsets, mask=offsets < num_drafts, other=-1)
-        tl.store(draft_token_ids_ptr + batch_idx * NUM_SPEC + offsets, drafts,
-                 mask=offsets < NUM_SPEC)
+        tl.store(
+            draft_token_ids_ptr + batch_idx * NUM_SPEC + offsets, drafts, mask=offsets < NUM_SPEC
+        )
         tl.store(num_draft_tokens_ptr + batch_idx, num_drafts)
 
 
@@ -117,19 +119,25 @@ def _check_args(
     check_dtype_and_rank("total_len", total_len, torch.int32, 1)
     check_dtype_and_rank("idx_mapping", idx_mapping, torch.int32, 1)
     if total_len.shape[0] != token_ids.shape[0]:
-        raise ValueError(f"total_len has {total_len.shape[0]} rows, token_ids "
-                         f"{token_ids.shape[0]}: one length per request row")
+        raise ValueError(
+            f"total_len has {total_len.shape[0]} rows, token_ids "
+            f"{token_ids.shape[0]}: one length per request row"
+        )
     if idx_mapping.device != total_len.device:
         raise ValueError(f"idx_mapping is on {idx_mapping.device}, total_len on {total_len.device}")
     check_token_history_device(token_ids, total_len.device)
-    for name, value in (("num_speculative_tokens", num_speculative_tokens),
-                        ("prompt_lookup_min", prompt_lookup_min),
-                        ("prompt_lookup_max", prompt_lookup_max)):
+    for name, value in (
+        ("num_speculative_tokens", num_speculative_tokens),
+        ("prompt_lookup_min", prompt_lookup_min),
+        ("prompt_lookup_max", prompt_lookup_max),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if prompt_lookup_min > prompt_lookup_max:
-        raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) must not exceed "
-                         f"prompt_lookup_max ({prompt_lookup_max})")
+        raise ValueError(
+            f"prompt_lookup_min ({prompt_lookup_min}) must not exceed "
+            f"prompt_lookup_max ({prompt_lookup_max})"
+        )
 
 
 def ngram_propose_ref(
@@ -141,8 +149,14 @@ def ngram_propose_ref(
     prompt_lookup_max: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, K] int32 (-1 padded), [num_reqs] int32
     """Torch reference of `ngram_propose` (see the module doc), vectorised over the batch."""
-    _check_args(token_ids, total_len, idx_mapping, num_speculative_tokens, prompt_lookup_min,
-                prompt_lookup_max)
+    _check_args(
+        token_ids,
+        total_len,
+        idx_mapping,
+        num_speculative_tokens,
+        prompt_lookup_min,
+        prompt_lookup_max,
+    )
     device = total_len.device
     rows = idx_mapping.long()
     history = token_ids.to(device)[rows].long()  # [num_reqs, max_model_len]
@@ -180,8 +194,14 @@ def ngram_propose_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, K] int32, [num_reqs] int32
     """Triton launcher of `ngram_propose`: one program per scheduled row."""
     need_triton("ngram_propose_triton")
-    _check_args(token_ids, total_len, idx_mapping, num_speculative_tokens, prompt_lookup_min,
-                prompt_lookup_max)
+    _check_args(
+        token_ids,
+        total_len,
+        idx_mapping,
+        num_speculative_tokens,
+        prompt_lookup_min,
+        prompt_lookup_max,
+    )
     check_triton_device("ngram_propose_triton", total_len.device)
     check_contiguous_rows(token_ids=token_ids, total_len=total_len, idx_mapping=idx_mapping)
     num_reqs = idx_mapping.shape[0]
@@ -191,10 +211,18 @@ def ngram_propose_triton(
     if num_reqs == 0:
         return drafts, num_drafts
     _ngram_propose_kernel[(num_reqs,)](
-        idx_mapping, token_ids, token_ids.stride(0), total_len, drafts, num_drafts,
-        token_ids.shape[1], MIN_N=prompt_lookup_min, MAX_N=prompt_lookup_max,
+        idx_mapping,
+        token_ids,
+        token_ids.stride(0),
+        total_len,
+        drafts,
+        num_drafts,
+        token_ids.shape[1],
+        MIN_N=prompt_lookup_min,
+        MAX_N=prompt_lookup_max,
         NUM_SPEC=num_speculative_tokens,
-        NUM_SPEC_POW2=triton.next_power_of_2(num_speculative_tokens), BLOCK_SIZE=block_size,
+        NUM_SPEC_POW2=triton.next_power_of_2(num_speculative_tokens),
+        BLOCK_SIZE=block_size,
     )
     return drafts, num_drafts
 
@@ -209,5 +237,11 @@ def ngram_propose(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, K] int32 (-1 padded), [num_reqs] int32
     """Draft up to K tokens per scheduled row by prompt lookup (see the module doc)."""
     impl = ngram_propose_triton if HAS_TRITON and total_len.is_cuda else ngram_propose_ref
-    return impl(token_ids, total_len, idx_mapping, num_speculative_tokens, prompt_lookup_min,
-                prompt_lookup_max)
+    return impl(
+        token_ids,
+        total_len,
+        idx_mapping,
+        num_speculative_tokens,
+        prompt_lookup_min,
+        prompt_lookup_max,
+    )

@@ -24,7 +24,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
-        # Request r owns q blocks [query_start_loc[r] // BLOCK_Q + r, ...): strictly increasing in r.
+        # Request r owns q blocks [query_start_loc[r] // BLOCK_Q + r, ...): strictly
+        # increasing in r.
         left: tl.int32 = 0
         right = num_reqs
         while left < right:
@@ -53,14 +54,18 @@ if HAS_TRITON:
         for tile in range(tile_start, tile_end):
             offs_n = tile * TILE_N + tl.arange(0, TILE_N)
             key_valid = offs_n < kv_len
-            block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+            block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(
+                tl.int64
+            )
             slot_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
             kv_offs = slot_offs[:, None] + offs_d[None, :]
             kv_mask = key_valid[:, None] & dim_valid[None, :]
             k = tl.load(key_head_ptr + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(value_head_ptr + kv_offs, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= query_pos[:, None])
+            visible = (
+                row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= query_pos[:, None])
+            )
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -80,7 +85,8 @@ if HAS_TRITON:
         stride_query_token, stride_query_head, stride_out_token, stride_out_head,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table_req,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE_N: tl.constexpr,
         SPLIT_KV: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         kv_head = tl.program_id(1)
@@ -123,14 +129,19 @@ if HAS_TRITON:
         block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table_req
         m_i, l_i, acc = _attend_tiles(
             q, query_pos, row_valid, key_cache_ptr + kv_head * stride_cache_head,
-            value_cache_ptr + kv_head * stride_cache_head, block_table_row, tile_start, tile_end, kv_len,
+            value_cache_ptr + kv_head * stride_cache_head, block_table_row, tile_start, tile_end,
+            kv_len,
             scale_log2, stride_cache_block, stride_cache_slot,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
         )  # fmt: skip
 
         if not SPLIT_KV:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            out_offs = token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+            out_offs = (
+                token[:, None] * stride_out_token
+                + head[:, None] * stride_out_head
+                + offs_d[None, :]
+            )
             tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
         else:
             partial_row = (token * num_heads + head) * num_splits + split
@@ -189,13 +200,17 @@ def paged_attention_ref(
         if end == start:
             continue
         positions = torch.arange(seq_len, device=query.device)
-        slots = block_table[req, positions // block_size].long() * block_size + positions % block_size
+        slots = (
+            block_table[req, positions // block_size].long() * block_size + positions % block_size
+        )
         keys = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
         values = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
         query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
         scores.masked_fill_(positions[None, :] > query_pos[:, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(
+            query.dtype
+        )
     return out
 
 
@@ -230,10 +245,15 @@ def paged_attention_triton(
     block_q = block_m // group_size
     tile_n = kv_tile_len or 64
     if num_kv_splits is None:  # only a decode-only batch may split its context
-        num_kv_splits = (_default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
-                         if is_decode else 1)
+        num_kv_splits = (
+            _default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
+            if is_decode
+            else 1
+        )
     if num_kv_splits > 1 and not is_decode:
-        raise ValueError(f"num_kv_splits={num_kv_splits} needs max_query_len <= 1, got {max_query_len}")
+        raise ValueError(
+            f"num_kv_splits={num_kv_splits} needs max_query_len <= 1, got {max_query_len}"
+        )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -243,7 +263,9 @@ def paged_attention_triton(
     if num_kv_splits > 1:
         partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
         partial_sum = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
-        partial_acc = torch.empty((*partial_shape, head_dim_padded), dtype=torch.float32, device=query.device)
+        partial_acc = torch.empty(
+            (*partial_shape, head_dim_padded), dtype=torch.float32, device=query.device
+        )
     one_q_block_per_req = max_query_len <= block_q
     num_q_blocks = num_reqs if one_q_block_per_req else num_tokens // block_q + num_reqs
     grid = (num_q_blocks, num_kv_heads, num_kv_splits)
@@ -288,7 +310,9 @@ def paged_attention(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, query_tile=query_tile,
         )  # fmt: skip
-    return paged_attention_ref(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+    return paged_attention_ref(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale
+    )
 
 
 def _default_num_kv_splits(
@@ -329,11 +353,13 @@ def _check_args(
         )
     if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
         raise ValueError(
-            f"value_cache {tuple(value_cache.shape)} strides {value_cache.stride()} must match key_cache "
-            f"{tuple(key_cache.shape)} strides {key_cache.stride()}"
+            f"value_cache {tuple(value_cache.shape)} strides {value_cache.stride()} must match "
+            f"key_cache {tuple(key_cache.shape)} strides {key_cache.stride()}"
         )
     if query.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}")
+        raise ValueError(
+            f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}"
+        )
     dtypes = (query.dtype, key_cache.dtype, value_cache.dtype)
     if len(set(dtypes)) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
@@ -346,7 +372,10 @@ def _check_args(
 
 
 def _check_index_args(
-    device: torch.device, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    device: torch.device,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
 ) -> None:
     num_reqs = seq_lens.shape[0]
     index_tensors = (

@@ -49,13 +49,21 @@ if HAS_TRITON:
             in_vocab = token_ids < vocab_size
             ptrs = logits_ptr + row * logits_stride + token_ids
             logits = tl.load(ptrs, mask=in_vocab)
-            counts = tl.load(output_counts_ptr + req * vocab_size + token_ids, mask=in_vocab, other=0)
-            in_prompt = tl.load(prompt_mask_ptr + req * vocab_size + token_ids, mask=in_vocab, other=0)
+            counts = tl.load(
+                output_counts_ptr + req * vocab_size + token_ids, mask=in_vocab, other=0
+            )
+            in_prompt = tl.load(
+                prompt_mask_ptr + req * vocab_size + token_ids, mask=in_vocab, other=0
+            )
             was_generated = counts > 0
             is_seen = (in_prompt != 0) | was_generated
-            repeated = tl.where(logits > 0.0, tl.math.div_rn(logits, repetition), logits * repetition)
+            repeated = tl.where(
+                logits > 0.0, tl.math.div_rn(logits, repetition), logits * repetition
+            )
             logits = tl.where(is_seen, repeated, logits)
-            logits = logits - frequency * counts.to(tl.float32) - presence * was_generated.to(tl.float32)
+            logits = (
+                logits - frequency * counts.to(tl.float32) - presence * was_generated.to(tl.float32)
+            )
             tl.store(ptrs, logits, mask=in_vocab)
 
 
@@ -75,9 +83,11 @@ def _check_args(
     check_tensor("output_counts", output_counts, torch.int32, 2, device, (None, vocab_size))
     num_reqs = prompt_mask.shape[0]
     check_same_num_rows("output_counts", output_counts, num_reqs)
-    for name, tensor in (("repetition_penalty", repetition_penalty),
-                         ("frequency_penalty", frequency_penalty),
-                         ("presence_penalty", presence_penalty)):
+    for name, tensor in (
+        ("repetition_penalty", repetition_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+    ):
         check_tensor(name, tensor, torch.float32, 1, device)
         check_same_num_rows(name, tensor, num_reqs)
 
@@ -92,8 +102,15 @@ def apply_penalties_ref(
     output_counts: torch.Tensor,  # [max_num_reqs, vocab_size] int32, times generated so far
 ) -> None:
     """Torch reference of `apply_penalties`."""
-    _check_args(logits, idx_mapping, repetition_penalty, frequency_penalty, presence_penalty,
-                prompt_mask, output_counts)
+    _check_args(
+        logits,
+        idx_mapping,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_mask,
+        output_counts,
+    )
     rows = idx_mapping.long()
     repetition = repetition_penalty[rows][:, None]
     counts = output_counts[rows]
@@ -101,8 +118,11 @@ def apply_penalties_ref(
     is_seen = prompt_mask[rows] | was_generated
     repeated = torch.where(logits > 0.0, logits / repetition, logits * repetition)
     penalised = torch.where(is_seen, repeated, logits)
-    penalised = (penalised - frequency_penalty[rows][:, None] * counts.float()
-                 - presence_penalty[rows][:, None] * was_generated.float())
+    penalised = (
+        penalised
+        - frequency_penalty[rows][:, None] * counts.float()
+        - presence_penalty[rows][:, None] * was_generated.float()
+    )
     logits.copy_(penalised)
 
 
@@ -118,16 +138,32 @@ def apply_penalties_triton(
 ) -> None:
     """Triton launcher of `apply_penalties`: one program per (row, vocab block)."""
     need_triton("apply_penalties_triton")
-    _check_args(logits, idx_mapping, repetition_penalty, frequency_penalty, presence_penalty,
-                prompt_mask, output_counts)
+    _check_args(
+        logits,
+        idx_mapping,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_mask,
+        output_counts,
+    )
     check_triton_device("apply_penalties_triton", logits.device)
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return
     grid = (num_rows, triton.cdiv(vocab_size, block_size))
-    _penalties_kernel[grid](logits, logits.stride(0), idx_mapping, repetition_penalty,
-                            frequency_penalty, presence_penalty, prompt_mask, output_counts,
-                            vocab_size, BLOCK_SIZE=block_size)
+    _penalties_kernel[grid](
+        logits,
+        logits.stride(0),
+        idx_mapping,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_mask,
+        output_counts,
+        vocab_size,
+        BLOCK_SIZE=block_size,
+    )
 
 
 def apply_penalties(
@@ -141,5 +177,12 @@ def apply_penalties(
 ) -> None:
     """Apply the repetition, frequency and presence penalties (see the module doc)."""
     impl = apply_penalties_triton if HAS_TRITON and logits.is_cuda else apply_penalties_ref
-    impl(logits, idx_mapping, repetition_penalty, frequency_penalty, presence_penalty,
-         prompt_mask, output_counts)
+    impl(
+        logits,
+        idx_mapping,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_mask,
+        output_counts,
+    )

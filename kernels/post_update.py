@@ -22,15 +22,15 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
-    check_offsets,
-    check_step_counts,
-    read_step_counts,
     check_dtype_and_rank,
+    check_offsets,
     check_row_state,
     check_same_device,
+    check_step_counts,
     check_token_history_device,
     check_triton_device,
     need_triton,
+    read_step_counts,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -96,9 +96,12 @@ def _check_args(
         )
     check_offsets("query_start_loc", query_start_loc, num_reqs)
     device = check_same_device(
-        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
-        sampled_token_ids=sampled_token_ids, num_computed_tokens=num_computed_tokens,
-        total_len=total_len, last_sampled=last_sampled,
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        sampled_token_ids=sampled_token_ids,
+        num_computed_tokens=num_computed_tokens,
+        total_len=total_len,
+        last_sampled=last_sampled,
     )
     check_token_history_device(token_ids, device)
 
@@ -116,8 +119,17 @@ def post_update_ref(
 ) -> None:
     """Torch reference of `post_update`; needs no host sync (masked writes, no boolean
     indexing) unless step_counts is given."""
-    _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-                token_ids, last_sampled, num_reqs, step_counts)
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+        step_counts,
+    )
     num_reqs = read_step_counts(step_counts, num_reqs, None)[0]
     rows = idx_mapping[:num_reqs].long()
     query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
@@ -153,13 +165,26 @@ def post_update_triton(
 ) -> None:
     """Triton launcher of `post_update`: one program per scheduled request (up to the bound)."""
     need_triton("post_update_triton")
-    _check_args(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-                token_ids, last_sampled, num_reqs, step_counts)
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+        step_counts,
+    )
     check_triton_device("post_update_triton", total_len.device)
     check_contiguous_rows(
-        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
-        sampled_token_ids=sampled_token_ids, num_computed_tokens=num_computed_tokens,
-        total_len=total_len, last_sampled=last_sampled, token_ids=token_ids,
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        sampled_token_ids=sampled_token_ids,
+        num_computed_tokens=num_computed_tokens,
+        total_len=total_len,
+        last_sampled=last_sampled,
+        token_ids=token_ids,
     )
     if num_reqs == 0:
         return
@@ -191,5 +216,14 @@ def post_update(
 ) -> None:
     """Advance the request state after sampling (see the module doc)."""
     impl = post_update_triton if HAS_TRITON and total_len.is_cuda else post_update_ref
-    impl(idx_mapping, query_start_loc, sampled_token_ids, num_computed_tokens, total_len,
-         token_ids, last_sampled, num_reqs, step_counts)
+    impl(
+        idx_mapping,
+        query_start_loc,
+        sampled_token_ids,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        num_reqs,
+        step_counts,
+    )

@@ -24,13 +24,13 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
-    check_step_counts,
-    read_step_counts,
     check_dtype_and_rank,
     check_same_device,
+    check_step_counts,
     check_token_history_device,
     check_triton_device,
     need_triton,
+    read_step_counts,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -133,9 +133,12 @@ def _check_args(
     if num_computed_tokens.shape[0] != token_ids.shape[0]:
         raise ValueError("num_computed_tokens and token_ids must have one entry per request row")
     device = check_same_device(
-        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
-        num_computed_tokens=num_computed_tokens, input_ids_out=input_ids_out,
-        positions_out=positions_out, seq_lens_out=seq_lens_out,
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        num_computed_tokens=num_computed_tokens,
+        input_ids_out=input_ids_out,
+        positions_out=positions_out,
+        seq_lens_out=seq_lens_out,
     )
     check_token_history_device(token_ids, device)
 
@@ -154,8 +157,18 @@ def prepare_inputs_ref(
 ) -> None:
     """Torch reference of `prepare_inputs` (same semantics, any device; reading
     step_counts syncs a GPU)."""
-    _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-                positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )
     num_reqs, num_tokens = read_step_counts(step_counts, num_reqs, num_tokens)
     device = input_ids_out.device
     query_start = query_start_loc[: num_reqs + 1].long()
@@ -191,13 +204,27 @@ def prepare_inputs_triton(
     """Triton launcher of `prepare_inputs`: one program per request (up to the bound
     num_reqs) plus one for padding."""
     need_triton("prepare_inputs_triton")
-    _check_args(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-                positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)
+    _check_args(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )
     check_triton_device("prepare_inputs_triton", input_ids_out.device)
     check_contiguous_rows(
-        idx_mapping=idx_mapping, query_start_loc=query_start_loc,
-        num_computed_tokens=num_computed_tokens, input_ids_out=input_ids_out,
-        positions_out=positions_out, seq_lens_out=seq_lens_out, token_ids=token_ids,
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        num_computed_tokens=num_computed_tokens,
+        input_ids_out=input_ids_out,
+        positions_out=positions_out,
+        seq_lens_out=seq_lens_out,
+        token_ids=token_ids,
     )
     _prepare_inputs_kernel[(num_reqs + 1,)](
         idx_mapping,
@@ -237,5 +264,15 @@ def prepare_inputs(
     otherwise.
     """
     impl = prepare_inputs_triton if HAS_TRITON and input_ids_out.is_cuda else prepare_inputs_ref
-    impl(idx_mapping, query_start_loc, token_ids, num_computed_tokens, input_ids_out,
-         positions_out, seq_lens_out, num_reqs, num_tokens, step_counts)
+    impl(
+        idx_mapping,
+        query_start_loc,
+        token_ids,
+        num_computed_tokens,
+        input_ids_out,
+        positions_out,
+        seq_lens_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )

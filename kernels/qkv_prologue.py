@@ -34,10 +34,14 @@ if HAS_TRITON:
     ):  # fmt: skip
         """x1, x2: [heads, HALF_P2] float32 halves of each head; cos, sin: [HALF_P2]."""
         if HAS_NORM:
-            inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim + eps)
+            inv_rms = tl.math.rsqrt(
+                (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / head_dim + eps
+            )
             cols = tl.arange(0, HALF_P2)
             weight1 = tl.load(norm_weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-            weight2 = tl.load(norm_weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+            weight2 = tl.load(norm_weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(
+                tl.float32
+            )
             x1 = _round(weight1[None, :] * _round(x1 * inv_rms[:, None], DTYPE), DTYPE)
             x2 = _round(weight2[None, :] * _round(x2 * inv_rms[:, None], DTYPE), DTYPE)
         out1 = _round(_round(x1 * cos[None, :], DTYPE) - _round(x2 * sin[None, :], DTYPE), DTYPE)
@@ -56,8 +60,12 @@ if HAS_TRITON:
         position = tl.load(positions_ptr + token)
         cols = tl.arange(0, HALF_P2)
         in_half = cols < HALF
-        cos = _round(tl.load(cos_ptr + position * table_stride + cols, mask=in_half, other=0.0), DTYPE)
-        sin = _round(tl.load(sin_ptr + position * table_stride + cols, mask=in_half, other=0.0), DTYPE)
+        cos = _round(
+            tl.load(cos_ptr + position * table_stride + cols, mask=in_half, other=0.0), DTYPE
+        )
+        sin = _round(
+            tl.load(sin_ptr + position * table_stride + cols, mask=in_half, other=0.0), DTYPE
+        )
         row_ptr = qkv_ptr + token * qkv_stride
 
         heads = tl.arange(0, HEADS_P2)
@@ -65,8 +73,9 @@ if HAS_TRITON:
         q_offs = heads[:, None] * head_dim + cols[None, :]
         q1 = tl.load(row_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
         q2 = tl.load(row_ptr + q_offs + HALF, mask=q_mask, other=0.0).to(tl.float32)
-        q1, q2 = _norm_and_rotate(q1, q2, cos, sin, q_norm_ptr, eps, head_dim,
-                                  HAS_NORM, DTYPE, HALF, HALF_P2)
+        q1, q2 = _norm_and_rotate(
+            q1, q2, cos, sin, q_norm_ptr, eps, head_dim, HAS_NORM, DTYPE, HALF, HALF_P2
+        )
         out_ptr = query_ptr + token * query_stride + q_offs
         tl.store(out_ptr, q1.to(DTYPE), mask=q_mask)
         tl.store(out_ptr + HALF, q2.to(DTYPE), mask=q_mask)
@@ -79,8 +88,9 @@ if HAS_TRITON:
             k_offs = num_heads * head_dim + kv_heads[:, None] * head_dim + cols[None, :]
             k1 = tl.load(row_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
             k2 = tl.load(row_ptr + k_offs + HALF, mask=k_mask, other=0.0).to(tl.float32)
-            k1, k2 = _norm_and_rotate(k1, k2, cos, sin, k_norm_ptr, eps, head_dim,
-                                      HAS_NORM, DTYPE, HALF, HALF_P2)
+            k1, k2 = _norm_and_rotate(
+                k1, k2, cos, sin, k_norm_ptr, eps, head_dim, HAS_NORM, DTYPE, HALF, HALF_P2
+            )
             slot_ptr = kv_cache_ptr + slot * (num_kv_heads * head_dim)
             key_ptr = slot_ptr + kv_heads[:, None] * head_dim + cols[None, :]
             tl.store(key_ptr, k1.to(DTYPE), mask=k_mask)
@@ -93,26 +103,40 @@ if HAS_TRITON:
 
 
 def _check_args(
-    qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
 ) -> None:
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"qkv must be float32, bfloat16 or float16, got {qkv.dtype}")
     check_dtype_and_rank("qkv", qkv, qkv.dtype, 2)
     num_tokens = qkv.shape[0]
     if head_dim % 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv rows must hold {num_heads} + 2 x {num_kv_heads} heads of an even "
-                         f"head_dim {head_dim}, got width {qkv.shape[1]}")
+        raise ValueError(
+            f"qkv rows must hold {num_heads} + 2 x {num_kv_heads} heads of an even "
+            f"head_dim {head_dim}, got width {qkv.shape[1]}"
+        )
     check_dtype_and_rank("positions", positions, torch.int64, 1)
     check_dtype_and_rank("slot_mapping", slot_mapping, (torch.int32, torch.int64), 1)
     if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} must have one entry per qkv row ({num_tokens})")
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} must have one entry per qkv row ({num_tokens})"
+        )
     for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
         check_dtype_and_rank(name, table, torch.float32, 2)
         if table.shape[1] != head_dim // 2 or table.stride(1) != 1:
-            raise ValueError(f"{name} must be [max_positions, {head_dim // 2}] with contiguous rows")
+            raise ValueError(
+                f"{name} must be [max_positions, {head_dim // 2}] with contiguous rows"
+            )
     for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if weight is not None:
             check_dtype_and_rank(name, weight, qkv.dtype, 1)
@@ -120,11 +144,18 @@ def _check_args(
                 raise ValueError(f"{name} must have head_dim={head_dim} entries")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
-    expected = (2, kv_cache.shape[1] if kv_cache.dim() == 5 else -1,
-                kv_cache.shape[2] if kv_cache.dim() == 5 else -1, num_kv_heads, head_dim)
+    expected = (
+        2,
+        kv_cache.shape[1] if kv_cache.dim() == 5 else -1,
+        kv_cache.shape[2] if kv_cache.dim() == 5 else -1,
+        num_kv_heads,
+        head_dim,
+    )
     if kv_cache.dim() != 5 or tuple(kv_cache.shape) != expected or kv_cache.dtype != qkv.dtype:
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] "
-                         f"of {qkv.dtype}, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] "
+            f"of {qkv.dtype}, got {tuple(kv_cache.shape)} {kv_cache.dtype}"
+        )
 
 
 def apply_rotary_ref(
@@ -153,8 +184,19 @@ def qkv_prologue_ref(
     head_dim: int,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Torch reference of `qkv_prologue` (the model's unfused ops)."""
-    _check_args(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, kv_cache,
-                slot_mapping, num_heads, num_kv_heads, head_dim)
+    _check_args(
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_norm_weight,
+        k_norm_weight,
+        kv_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -187,8 +229,19 @@ def qkv_prologue_triton(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton launcher of `qkv_prologue`: one program per token, all heads at once."""
     need_triton("qkv_prologue_triton")
-    _check_args(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, kv_cache,
-                slot_mapping, num_heads, num_kv_heads, head_dim)
+    _check_args(
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_norm_weight,
+        k_norm_weight,
+        kv_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
     check_triton_device("qkv_prologue_triton", qkv.device)
     if qkv.stride(1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("qkv rows and kv_cache must be contiguous")
@@ -197,7 +250,9 @@ def qkv_prologue_triton(
     if num_tokens == 0:
         return query
     has_norm = q_norm_weight is not None
-    dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[qkv.dtype]
+    dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+        qkv.dtype
+    ]
     _qkv_prologue_kernel[(num_tokens,)](
         qkv, positions, cos_cache, sin_cache,
         q_norm_weight if has_norm else cos_cache, k_norm_weight if has_norm else cos_cache,
@@ -206,7 +261,8 @@ def qkv_prologue_triton(
         num_heads, num_kv_heads, head_dim,
         HAS_NORM=has_norm, DTYPE=dtype, HALF=head_dim // 2,
         HALF_P2=triton.next_power_of_2(head_dim // 2), HEADS_P2=triton.next_power_of_2(num_heads),
-        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return query
@@ -228,6 +284,22 @@ def qkv_prologue(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Norm q/k, rotate them, write k/v to the KV cache, return q (see the module doc):
     the Triton kernel on CUDA, the torch reference otherwise."""
-    impl = qkv_prologue_triton if HAS_TRITON and qkv.is_cuda and qkv.stride(-1) == 1 else qkv_prologue_ref
-    return impl(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, eps, kv_cache,
-                slot_mapping, num_heads, num_kv_heads, head_dim)
+    impl = (
+        qkv_prologue_triton
+        if HAS_TRITON and qkv.is_cuda and qkv.stride(-1) == 1
+        else qkv_prologue_ref
+    )
+    return impl(
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        kv_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )

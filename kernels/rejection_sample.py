@@ -59,8 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._checks import (check_dtype_and_rank, check_offsets, check_triton_device,
-                             need_triton)
+from kernels._checks import check_dtype_and_rank, check_offsets, check_triton_device, need_triton
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.gumbel_sample import gumbel_sample_ref, gumbel_sample_triton
 
@@ -82,15 +81,19 @@ if HAS_TRITON:
         num_drafts = tl.load(cu_num_logits_ptr + req + 1) - first_logit - 1
         num_drafts = tl.minimum(tl.maximum(num_drafts, 0), MAX_NUM_DRAFTS)
         offsets = tl.arange(0, NUM_OUTPUTS_POW2)
-        sampled = tl.load(sampled_ptr + first_logit + offsets, mask=offsets <= num_drafts,
-                          other=-1)
-        drafts = tl.load(draft_token_ids_ptr + req * draft_token_ids_stride + offsets,
-                         mask=offsets < num_drafts, other=-1).to(tl.int64)
+        sampled = tl.load(sampled_ptr + first_logit + offsets, mask=offsets <= num_drafts, other=-1)
+        drafts = tl.load(
+            draft_token_ids_ptr + req * draft_token_ids_stride + offsets,
+            mask=offsets < num_drafts,
+            other=-1,
+        ).to(tl.int64)
         stops = ((offsets < num_drafts) & (drafts != sampled)) | (offsets == num_drafts)
         num_accepted = tl.min(tl.where(stops, offsets, NUM_OUTPUTS_POW2), 0)
-        tl.store(output_token_ids_ptr + req * (MAX_NUM_DRAFTS + 1) + offsets,
-                 tl.where(offsets <= num_accepted, sampled, -1),
-                 mask=offsets < MAX_NUM_DRAFTS + 1)
+        tl.store(
+            output_token_ids_ptr + req * (MAX_NUM_DRAFTS + 1) + offsets,
+            tl.where(offsets <= num_accepted, sampled, -1),
+            mask=offsets < MAX_NUM_DRAFTS + 1,
+        )
         tl.store(num_accepted_ptr + req, num_accepted)
 
 
@@ -109,11 +112,14 @@ def _check_args(
     num_reqs = idx_mapping.shape[0]
     check_offsets("cu_num_logits", cu_num_logits, num_reqs, exact=True)
     if draft_token_ids.shape[0] != num_reqs or positions.shape[0] != num_reqs:
-        raise ValueError("draft_token_ids and positions need one row per scheduled request "
-                         f"({num_reqs}), got {draft_token_ids.shape[0]} and {positions.shape[0]}")
+        raise ValueError(
+            "draft_token_ids and positions need one row per scheduled request "
+            f"({num_reqs}), got {draft_token_ids.shape[0]} and {positions.shape[0]}"
+        )
     if num_reqs > logits.shape[0]:
-        raise ValueError(f"{num_reqs} requests need at least one logit row each, got "
-                         f"{logits.shape[0]} rows")
+        raise ValueError(
+            f"{num_reqs} requests need at least one logit row each, got {logits.shape[0]} rows"
+        )
 
 
 def expand_to_logit_rows(
@@ -126,8 +132,9 @@ def expand_to_logit_rows(
     device without a host sync (the output size is known)."""
     num_reqs = idx_mapping.shape[0]
     counts = (cu_num_logits[1:] - cu_num_logits[:-1]).long()
-    logit_req = torch.repeat_interleave(torch.arange(num_reqs, device=counts.device), counts,
-                                        output_size=num_logits)
+    logit_req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=counts.device), counts, output_size=num_logits
+    )
     offsets = torch.arange(num_logits, device=counts.device) - cu_num_logits[logit_req].long()
     return idx_mapping[logit_req], positions[logit_req] + offsets
 
@@ -163,13 +170,16 @@ def rejection_sample_ref(
     """Torch reference of `rejection_sample` (see the module doc)."""
     _check_args(logits, cu_num_logits, draft_token_ids, idx_mapping, positions)
     if idx_mapping.shape[0] == 0:
-        return (torch.empty((0, draft_token_ids.shape[1] + 1), dtype=torch.int64,
-                            device=logits.device),
-                torch.empty(0, dtype=torch.int32, device=logits.device))
-    logit_rows, logit_positions = expand_to_logit_rows(cu_num_logits, idx_mapping, positions,
-                                                       logits.shape[0])
-    sampled = gumbel_sample_ref(logits, logit_rows, temperature, seed, logit_positions,
-                                apply_temperature)
+        return (
+            torch.empty((0, draft_token_ids.shape[1] + 1), dtype=torch.int64, device=logits.device),
+            torch.empty(0, dtype=torch.int32, device=logits.device),
+        )
+    logit_rows, logit_positions = expand_to_logit_rows(
+        cu_num_logits, idx_mapping, positions, logits.shape[0]
+    )
+    sampled = gumbel_sample_ref(
+        logits, logit_rows, temperature, seed, logit_positions, apply_temperature
+    )
     return _accept_prefix_ref(cu_num_logits, draft_token_ids, sampled)
 
 
@@ -195,13 +205,21 @@ def rejection_sample_triton(
     num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=logits.device)
     if num_reqs == 0:
         return output, num_accepted
-    logit_rows, logit_positions = expand_to_logit_rows(cu_num_logits, idx_mapping, positions,
-                                                       logits.shape[0])
-    sampled = gumbel_sample_triton(logits, logit_rows, temperature, seed, logit_positions,
-                                   apply_temperature)
+    logit_rows, logit_positions = expand_to_logit_rows(
+        cu_num_logits, idx_mapping, positions, logits.shape[0]
+    )
+    sampled = gumbel_sample_triton(
+        logits, logit_rows, temperature, seed, logit_positions, apply_temperature
+    )
     _accept_prefix_kernel[(num_reqs,)](
-        cu_num_logits, draft_token_ids, draft_token_ids.stride(0), sampled, output, num_accepted,
-        MAX_NUM_DRAFTS=max_num_drafts, NUM_OUTPUTS_POW2=triton.next_power_of_2(max_num_drafts + 1),
+        cu_num_logits,
+        draft_token_ids,
+        draft_token_ids.stride(0),
+        sampled,
+        output,
+        num_accepted,
+        MAX_NUM_DRAFTS=max_num_drafts,
+        NUM_OUTPUTS_POW2=triton.next_power_of_2(max_num_drafts + 1),
     )
     return output, num_accepted
 
@@ -218,8 +236,16 @@ def rejection_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_reqs, K + 1] int64 (-1 padded), [num_reqs] int32
     """Verify each request's drafts against its target logits (see the module doc)."""
     impl = rejection_sample_triton if HAS_TRITON and logits.is_cuda else rejection_sample_ref
-    return impl(logits, cu_num_logits, draft_token_ids, idx_mapping, temperature, seed, positions,
-                apply_temperature)
+    return impl(
+        logits,
+        cu_num_logits,
+        draft_token_ids,
+        idx_mapping,
+        temperature,
+        seed,
+        positions,
+        apply_temperature,
+    )
 
 
 def accept_draft_prefix(
@@ -243,7 +269,13 @@ def accept_draft_prefix(
     num_accepted = torch.empty(num_reqs, dtype=torch.int32, device=sampled.device)
     if num_reqs:
         _accept_prefix_kernel[(num_reqs,)](
-            cu_num_logits, draft_token_ids, draft_token_ids.stride(0), sampled, output,
-            num_accepted, MAX_NUM_DRAFTS=max_num_drafts,
-            NUM_OUTPUTS_POW2=triton.next_power_of_2(max_num_drafts + 1))
+            cu_num_logits,
+            draft_token_ids,
+            draft_token_ids.stride(0),
+            sampled,
+            output,
+            num_accepted,
+            MAX_NUM_DRAFTS=max_num_drafts,
+            NUM_OUTPUTS_POW2=triton.next_power_of_2(max_num_drafts + 1),
+        )
     return output, num_accepted

@@ -13,7 +13,12 @@ elementwise and reduction kernels of the unfused ops plus the add.
 
 import torch
 
-from kernels._checks import check_dtype_and_rank, check_same_device, check_triton_device, need_triton
+from kernels._checks import (
+    check_dtype_and_rank,
+    check_same_device,
+    check_triton_device,
+    need_triton,
+)
 from kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -30,16 +35,20 @@ if HAS_TRITON:
         in_row = offsets < hidden_size
         h = tl.load(x_ptr + row * x_stride + offsets, mask=in_row, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * residual_stride + offsets, mask=in_row,
-                               other=0.0).to(tl.float32)
+            residual = tl.load(
+                residual_ptr + row * residual_stride + offsets, mask=in_row, other=0.0
+            ).to(tl.float32)
             rounded = (h + residual).to(residual_out_ptr.dtype.element_ty)
             tl.store(residual_out_ptr + row * residual_out_stride + offsets, rounded, mask=in_row)
             h = rounded.to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(h * h, axis=0) / hidden_size + eps)
         normed = (h * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + offsets, (weight * normed).to(out_ptr.dtype.element_ty),
-                 mask=in_row)
+        tl.store(
+            out_ptr + row * out_stride + offsets,
+            (weight * normed).to(out_ptr.dtype.element_ty),
+            mask=in_row,
+        )
 
 
 def _check_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
@@ -111,7 +120,12 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
     """RMSNorm of x + residual; the Triton kernel for 2-D CUDA tensors with contiguous
     rows, the torch reference otherwise."""
-    if (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
-            and (residual is None or residual.stride(-1) == 1)):
+    if (
+        HAS_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and (residual is None or residual.stride(-1) == 1)
+    ):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

@@ -63,8 +63,9 @@ if HAS_TRITON:
     _P_SPAN, _K_STDS = tl.constexpr(TOP_P_BINS_SPAN), tl.constexpr(TOP_K_BINS_STDS)
 
     @triton.jit
-    def _row_filters(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row,
-                     vocab_size):
+    def _row_filters(
+        idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size
+    ):
         req = tl.load(idx_mapping_ptr + row)
         top_k = tl.load(top_k_ptr + req)
         top_p = tl.load(top_p_ptr + req)
@@ -80,8 +81,9 @@ if HAS_TRITON:
         return has_p & ~has_k & ~has_min_p
 
     @triton.jit
-    def _chunk_stats(logits_row, out, temperature, start, end, BLOCK: tl.constexpr,
-                     WITH_MASS: tl.constexpr):
+    def _chunk_stats(
+        logits_row, out, temperature, start, end, BLOCK: tl.constexpr, WITH_MASS: tl.constexpr
+    ):
         """Store a chunk's max, min, sum, sum of squares and count of its finite values and
         (WITH_MASS) the sum of exp(y - the chunk's max): per lane, each value's exp against
         the lane's running max, the sum rescaled when the max grows (one exp a value)."""
@@ -93,13 +95,15 @@ if HAS_TRITON:
         run_mass = tl.zeros([BLOCK], tl.float32)
         for offset in range(start, end, BLOCK):
             cols = offset + tl.arange(0, BLOCK)
-            y = search.scaled(tl.load(logits_row + cols, mask=cols < end, other=float("-inf")),
-                              temperature)
+            y = search.scaled(
+                tl.load(logits_row + cols, mask=cols < end, other=float("-inf")), temperature
+            )
             finite = (y > float("-inf")) & (y < float("inf"))
             if WITH_MASS:
                 gap = tl.exp(-tl.abs(y - run_max))
-                run_mass = tl.where(finite, tl.where(y > run_max, run_mass * gap + 1.0, run_mass + gap),
-                                    run_mass)
+                run_mass = tl.where(
+                    finite, tl.where(y > run_max, run_mass * gap + 1.0, run_mass + gap), run_mass
+                )
             run_max = tl.maximum(run_max, tl.where(finite, y, float("-inf")))
             run_min = tl.minimum(run_min, tl.where(finite, y, float("inf")))
             run_sum += tl.where(finite, y, 0.0)
@@ -112,17 +116,33 @@ if HAS_TRITON:
         tl.store(out + 3, tl.sum(run_sq, axis=0))
         tl.store(out + 4, tl.sum(run_num, axis=0))
         if WITH_MASS:
-            tl.store(out + 5, tl.sum(tl.where(run_mass > 0.0, run_mass * tl.exp(run_max - chunk_max), 0.0),
-                                     axis=0))
+            tl.store(
+                out + 5,
+                tl.sum(
+                    tl.where(run_mass > 0.0, run_mass * tl.exp(run_max - chunk_max), 0.0), axis=0
+                ),
+            )
 
     @triton.jit
-    def _stats_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, top_k_ptr,
-                      top_p_ptr, min_p_ptr, stats_ptr, vocab_size,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, NUM_STATS: tl.constexpr):
+    def _stats_kernel(
+        logits_ptr,
+        logits_stride,
+        idx_mapping_ptr,
+        temperature_ptr,
+        top_k_ptr,
+        top_p_ptr,
+        min_p_ptr,
+        stats_ptr,
+        vocab_size,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        NUM_STATS: tl.constexpr,
+    ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         temperature, _, _, _, has_k, has_p, has_min_p = _row_filters(
-            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size)
+            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size
+        )
         logits_row = logits_ptr + row.to(tl.int64) * logits_stride
         start = chunk * CHUNK
         end = tl.minimum(start + CHUNK, vocab_size)
@@ -133,12 +153,24 @@ if HAS_TRITON:
             _chunk_stats(logits_row, out, temperature, start, end, BLOCK, False)
 
     @triton.jit
-    def _plan_kernel(idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr,
-                     state_f_ptr, state_i_ptr, vocab_size, num_chunks,
-                     CHUNKS_P2: tl.constexpr, NUM_STATS: tl.constexpr):
+    def _plan_kernel(
+        idx_mapping_ptr,
+        temperature_ptr,
+        top_k_ptr,
+        top_p_ptr,
+        min_p_ptr,
+        stats_ptr,
+        state_f_ptr,
+        state_i_ptr,
+        vocab_size,
+        num_chunks,
+        CHUNKS_P2: tl.constexpr,
+        NUM_STATS: tl.constexpr,
+    ):
         row = tl.program_id(0)
         _, top_k, top_p, min_p, has_k, has_p, has_min_p = _row_filters(
-            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size)
+            idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size
+        )
         state_f = state_f_ptr + row * search.ROW_F
         state_i = state_i_ptr + row * search.ROW_I
         tl.store(state_i + search.I_NUM_CANDIDATES, 0)
@@ -155,7 +187,9 @@ if HAS_TRITON:
             maxima = tl.load(stats, mask=in_range, other=float("-inf"))
             row_max = tl.max(maxima, axis=0)
             row_min = tl.min(tl.load(stats + 1, mask=in_range, other=float("inf")), axis=0)
-            num_finite = tl.maximum(tl.sum(tl.load(stats + 4, mask=in_range, other=0.0), axis=0), 1.0)
+            num_finite = tl.maximum(
+                tl.sum(tl.load(stats + 4, mask=in_range, other=0.0), axis=0), 1.0
+            )
             mean = tl.sum(tl.load(stats + 2, mask=in_range, other=0.0), axis=0) / num_finite
             mean_sq = tl.sum(tl.load(stats + 3, mask=in_range, other=0.0), axis=0) / num_finite
             std = tl.sqrt(tl.maximum(mean_sq - mean * mean, 0.0))
@@ -175,54 +209,158 @@ if HAS_TRITON:
                 tl.store(state_f + search.F_START, lo)
                 p_bins_lo = row_max - (tl.log(num_finite) + _P_SPAN)
                 if phase == search.SEARCH_K:
-                    guess.start_top_k(state_f, state_i, lo, row_max, mean - _K_STDS * std, top_k,
-                                      num_finite, mean, std)
+                    guess.start_top_k(
+                        state_f,
+                        state_i,
+                        lo,
+                        row_max,
+                        mean - _K_STDS * std,
+                        top_k,
+                        num_finite,
+                        mean,
+                        std,
+                    )
                 elif _guesses_top_p(has_k, has_p, has_min_p):
                     chunk_mass = tl.load(stats + 5, mask=in_range, other=0.0)
-                    mass = tl.sum(tl.where(chunk_mass > 0.0, chunk_mass * tl.exp(maxima - row_max), 0.0),
-                                  axis=0)
-                    guess.start_top_p(state_f, state_i, lo, row_max, p_bins_lo, top_p, mass,
-                                      num_finite, mean, std)
+                    mass = tl.sum(
+                        tl.where(chunk_mass > 0.0, chunk_mass * tl.exp(maxima - row_max), 0.0),
+                        axis=0,
+                    )
+                    guess.start_top_p(
+                        state_f, state_i, lo, row_max, p_bins_lo, top_p, mass, num_finite, mean, std
+                    )
                 else:
                     search.start_histogram(state_f, state_i, lo, row_max, p_bins_lo)
             else:
                 tl.store(state_i + search.I_PHASE, search.DONE)
 
     @triton.jit
-    def _round_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
-                      bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
-                      vocab_size, PIVOTS: tl.constexpr, HISTOGRAMS: tl.constexpr,
-                      COPIES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _round_kernel(
+        logits_ptr,
+        logits_stride,
+        idx_mapping_ptr,
+        temperature_ptr,
+        partials_ptr,
+        bin_counts_ptr,
+        candidates_ptr,
+        state_f_ptr,
+        state_i_ptr,
+        pivots_ptr,
+        vocab_size,
+        PIVOTS: tl.constexpr,
+        HISTOGRAMS: tl.constexpr,
+        COPIES: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """The chunks of the rows whose next pass is of a kind this launch runs."""
-        bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr, candidates_ptr,
-                        state_f_ptr, state_i_ptr, pivots_ptr, tl.program_id(0), tl.program_id(1),
-                        tl.num_programs(1), temperature_ptr, idx_mapping_ptr, vocab_size, PIVOTS,
-                        HISTOGRAMS, COPIES, CHUNK, BLOCK)
+        bins.chunk_pass(
+            logits_ptr,
+            logits_stride,
+            partials_ptr,
+            bin_counts_ptr,
+            candidates_ptr,
+            state_f_ptr,
+            state_i_ptr,
+            pivots_ptr,
+            tl.program_id(0),
+            tl.program_id(1),
+            tl.num_programs(1),
+            temperature_ptr,
+            idx_mapping_ptr,
+            vocab_size,
+            PIVOTS,
+            HISTOGRAMS,
+            COPIES,
+            CHUNK,
+            BLOCK,
+        )
 
     @triton.jit
-    def _decide_kernel(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                       candidates_ptr, num_chunks, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr):
-        bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                    candidates_ptr, tl.program_id(0), num_chunks, CHUNKS_P2, PIVOTS)
+    def _decide_kernel(
+        state_f_ptr,
+        state_i_ptr,
+        pivots_ptr,
+        partials_ptr,
+        bin_counts_ptr,
+        candidates_ptr,
+        num_chunks,
+        CHUNKS_P2: tl.constexpr,
+        PIVOTS: tl.constexpr,
+    ):
+        bins.decide(
+            state_f_ptr,
+            state_i_ptr,
+            pivots_ptr,
+            partials_ptr,
+            bin_counts_ptr,
+            candidates_ptr,
+            tl.program_id(0),
+            num_chunks,
+            CHUNKS_P2,
+            PIVOTS,
+        )
 
     @triton.jit
-    def _finish_kernel(logits_ptr, logits_stride, idx_mapping_ptr, temperature_ptr, partials_ptr,
-                       bin_counts_ptr, candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr,
-                       thresholds_ptr, vocab_size, num_chunks, max_rounds,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    def _finish_kernel(
+        logits_ptr,
+        logits_stride,
+        idx_mapping_ptr,
+        temperature_ptr,
+        partials_ptr,
+        bin_counts_ptr,
+        candidates_ptr,
+        state_f_ptr,
+        state_i_ptr,
+        pivots_ptr,
+        thresholds_ptr,
+        vocab_size,
+        num_chunks,
+        max_rounds,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNKS_P2: tl.constexpr,
+    ):
         """Rows the fixed rounds did not finish: the same passes, by one program."""
         row = tl.program_id(0)
         phase_ptr = state_i_ptr + row * search.ROW_I + search.I_PHASE
         rounds = 0
         while (tl.load(phase_ptr, volatile=True) != search.DONE) & (rounds < max_rounds):
             for chunk in range(0, num_chunks):
-                bins.chunk_pass(logits_ptr, logits_stride, partials_ptr, bin_counts_ptr,
-                                candidates_ptr, state_f_ptr, state_i_ptr, pivots_ptr, row, chunk,
-                                num_chunks, temperature_ptr, idx_mapping_ptr, vocab_size, True,
-                                True, True, CHUNK, BLOCK)
+                bins.chunk_pass(
+                    logits_ptr,
+                    logits_stride,
+                    partials_ptr,
+                    bin_counts_ptr,
+                    candidates_ptr,
+                    state_f_ptr,
+                    state_i_ptr,
+                    pivots_ptr,
+                    row,
+                    chunk,
+                    num_chunks,
+                    temperature_ptr,
+                    idx_mapping_ptr,
+                    vocab_size,
+                    True,
+                    True,
+                    True,
+                    CHUNK,
+                    BLOCK,
+                )
             tl.debug_barrier()
-            bins.decide(state_f_ptr, state_i_ptr, pivots_ptr, partials_ptr, bin_counts_ptr,
-                        candidates_ptr, row, num_chunks, CHUNKS_P2, True)
+            bins.decide(
+                state_f_ptr,
+                state_i_ptr,
+                pivots_ptr,
+                partials_ptr,
+                bin_counts_ptr,
+                candidates_ptr,
+                row,
+                num_chunks,
+                CHUNKS_P2,
+                True,
+            )
             tl.debug_barrier()
             rounds += 1
         threshold = tl.load(state_f_ptr + row * search.ROW_F + search.F_THRESHOLD)
@@ -232,8 +370,14 @@ if HAS_TRITON:
         tl.store(thresholds_ptr + row, tl.where(unresolved, floor, threshold))
 
 
-def _check_args(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor,
-                top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> None:
+def _check_args(
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> None:
     num_rows, _ = check_logits(logits)
     device = logits.device
     check_tensor("idx_mapping", idx_mapping, torch.int32, 1, device, (num_rows,))
@@ -281,16 +425,24 @@ def sampling_thresholds_triton(
     check_triton_device("sampling_thresholds_triton", logits.device)
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.float32, device=logits.device)
-    thresholds, _ = _launch(logits, idx_mapping, (idx_mapping, temperature, top_k, top_p, min_p),
-                            chunk, MAX_FINISH_ROUNDS)
+    thresholds, _ = _launch(
+        logits,
+        idx_mapping,
+        (idx_mapping, temperature, top_k, top_p, min_p),
+        chunk,
+        MAX_FINISH_ROUNDS,
+    )
     return thresholds
 
 
-def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 0
-            idx_mapping: torch.Tensor,  # [num_rows] int32
-            filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
-            chunk: int, max_finish_rounds: int, num_rounds: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:  # thresholds [num_rows], int state [num_rows, NUM_I]
+def _launch(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 0
+    idx_mapping: torch.Tensor,  # [num_rows] int32
+    filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
+    chunk: int,
+    max_finish_rounds: int,
+    num_rounds: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # thresholds [num_rows], int state [num_rows, NUM_I]
     """The launch sequence, with num_rounds graphed rounds (NUM_GRAPHED_ROUNDS by default);
     the int state tells tests how far each row got before the finishing kernel (phase,
     restarts)."""
@@ -304,26 +456,75 @@ def _launch(logits: torch.Tensor,  # [num_rows, vocab_size] float32, num_rows > 
     state_f = torch.empty((num_rows, search.NUM_F), dtype=torch.float32, device=device)
     state_i = torch.empty((num_rows, search.NUM_I), dtype=torch.int32, device=device)
     pivots = torch.empty((num_rows, search.NUM_PIVOTS), dtype=torch.float32, device=device)
-    partials = torch.empty((num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device)
-    bin_counts = torch.empty((num_rows, num_chunks, search.NUM_BINS), dtype=torch.int32, device=device)
+    partials = torch.empty(
+        (num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device
+    )
+    bin_counts = torch.empty(
+        (num_rows, num_chunks, search.NUM_BINS), dtype=torch.int32, device=device
+    )
     candidates = torch.empty((num_rows, search.CAPACITY), dtype=torch.float32, device=device)
-    _stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), *filters, stats, vocab_size,
-                                          CHUNK=chunk, BLOCK=BLOCK, NUM_STATS=_NUM_STATS)
-    _plan_kernel[(num_rows,)](*filters, stats, state_f, state_i, vocab_size, num_chunks,
-                              CHUNKS_P2=chunks_p2, NUM_STATS=_NUM_STATS)
+    _stats_kernel[(num_rows, num_chunks)](
+        logits,
+        logits.stride(0),
+        *filters,
+        stats,
+        vocab_size,
+        CHUNK=chunk,
+        BLOCK=BLOCK,
+        NUM_STATS=_NUM_STATS,
+    )
+    _plan_kernel[(num_rows,)](
+        *filters,
+        stats,
+        state_f,
+        state_i,
+        vocab_size,
+        num_chunks,
+        CHUNKS_P2=chunks_p2,
+        NUM_STATS=_NUM_STATS,
+    )
     buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
     pivots_in_rounds = any(kinds[0] for kinds in ROUND_LAUNCHES)
     for _ in range(NUM_GRAPHED_ROUNDS if num_rounds is None else num_rounds):
         for with_pivots, with_histograms, with_copies in ROUND_LAUNCHES:
             _round_kernel[(num_rows, num_chunks)](
-                logits, logits.stride(0), idx_mapping, temperature, *buffers, vocab_size,
-                PIVOTS=with_pivots, HISTOGRAMS=with_histograms, COPIES=with_copies, CHUNK=chunk,
-                BLOCK=BLOCK)
-        _decide_kernel[(num_rows,)](state_f, state_i, pivots, partials, bin_counts, candidates,
-                                    num_chunks, CHUNKS_P2=chunks_p2, PIVOTS=pivots_in_rounds)
-    _finish_kernel[(num_rows,)](logits, logits.stride(0), idx_mapping, temperature, *buffers,
-                                thresholds, vocab_size, num_chunks, max_finish_rounds, CHUNK=chunk,
-                                BLOCK=BLOCK, CHUNKS_P2=chunks_p2)
+                logits,
+                logits.stride(0),
+                idx_mapping,
+                temperature,
+                *buffers,
+                vocab_size,
+                PIVOTS=with_pivots,
+                HISTOGRAMS=with_histograms,
+                COPIES=with_copies,
+                CHUNK=chunk,
+                BLOCK=BLOCK,
+            )
+        _decide_kernel[(num_rows,)](
+            state_f,
+            state_i,
+            pivots,
+            partials,
+            bin_counts,
+            candidates,
+            num_chunks,
+            CHUNKS_P2=chunks_p2,
+            PIVOTS=pivots_in_rounds,
+        )
+    _finish_kernel[(num_rows,)](
+        logits,
+        logits.stride(0),
+        idx_mapping,
+        temperature,
+        *buffers,
+        thresholds,
+        vocab_size,
+        num_chunks,
+        max_finish_rounds,
+        CHUNK=chunk,
+        BLOCK=BLOCK,
+        CHUNKS_P2=chunks_p2,
+    )
     return thresholds, state_i
 
 

@@ -17,8 +17,9 @@ _BLOCK_SIZE = 1024
 if HAS_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, intermediate_size,
-                         BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        gate_up_ptr, out_ptr, gate_up_stride, out_stride, intermediate_size, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         in_row = cols < intermediate_size
@@ -26,8 +27,11 @@ if HAS_TRITON:
         gate = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
         up = tl.load(row_ptr + intermediate_size + cols, mask=in_row, other=0.0).to(tl.float32)
         activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + cols, (activated * up).to(out_ptr.dtype.element_ty),
-                 mask=in_row)
+        tl.store(
+            out_ptr + row * out_stride + cols,
+            (activated * up).to(out_ptr.dtype.element_ty),
+            mask=in_row,
+        )
 
 
 def _check_args(gate_up: torch.Tensor) -> None:
@@ -37,16 +41,18 @@ def _check_args(gate_up: torch.Tensor) -> None:
         raise ValueError(f"gate_up must be a floating-point tensor, got {gate_up.dtype}")
 
 
-def silu_mul_ref(gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]
-                 ) -> torch.Tensor:  # [num_tokens, intermediate]
+def silu_mul_ref(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]
+) -> torch.Tensor:  # [num_tokens, intermediate]
     """Torch reference of `silu_mul`."""
     _check_args(gate_up)
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-def silu_mul_triton(gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], rows contiguous
-                    ) -> torch.Tensor:  # [num_tokens, intermediate]
+def silu_mul_triton(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], rows contiguous
+) -> torch.Tensor:  # [num_tokens, intermediate]
     """Triton launcher of `silu_mul`: one program per (row, block of columns)."""
     need_triton("silu_mul_triton")
     _check_args(gate_up)
@@ -61,13 +67,21 @@ def silu_mul_triton(gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], ro
     if num_tokens == 0:
         return out
     grid = (num_tokens, triton.cdiv(intermediate, _BLOCK_SIZE))
-    _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), intermediate,
-                           BLOCK=_BLOCK_SIZE, enable_fp_fusion=False)
+    _silu_mul_kernel[grid](
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        intermediate,
+        BLOCK=_BLOCK_SIZE,
+        enable_fp_fusion=False,
+    )
     return out
 
 
-def silu_mul(gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]
-             ) -> torch.Tensor:  # [num_tokens, intermediate]
+def silu_mul(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate]
+) -> torch.Tensor:  # [num_tokens, intermediate]
     """silu(gate) * up: the Triton kernel on CUDA, the torch reference otherwise."""
     if HAS_TRITON and gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return silu_mul_triton(gate_up)

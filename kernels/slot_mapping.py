@@ -19,12 +19,12 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
-    check_step_counts,
-    read_step_counts,
     check_dtype_and_rank,
     check_same_device,
+    check_step_counts,
     check_triton_device,
     need_triton,
+    read_step_counts,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -239,8 +239,16 @@ def compute_slot_mapping_ref(
     step_counts: torch.Tensor | None = None,  # [2] int32 (num_reqs, num_tokens) on the device
 ) -> None:
     """Torch reference of `compute_slot_mapping`."""
-    _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
-                     num_reqs, num_tokens, step_counts)
+    _check_slot_args(
+        query_start_loc,
+        positions,
+        block_table_out,
+        block_size,
+        slot_mapping_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )
     num_reqs, num_tokens = read_step_counts(step_counts, num_reqs, num_tokens)
     token_idx = torch.arange(num_tokens, device=positions.device)
     query_end = query_start_loc[1 : num_reqs + 1].long()
@@ -263,12 +271,22 @@ def compute_slot_mapping_triton(
 ) -> None:
     """Triton launcher of `compute_slot_mapping`: one program per request (up to the bound
     num_reqs) plus one for padding."""
-    _check_slot_args(query_start_loc, positions, block_table_out, block_size, slot_mapping_out,
-                     num_reqs, num_tokens, step_counts)
+    _check_slot_args(
+        query_start_loc,
+        positions,
+        block_table_out,
+        block_size,
+        slot_mapping_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )
     need_triton("compute_slot_mapping_triton")
     check_triton_device("compute_slot_mapping_triton", slot_mapping_out.device)
     check_contiguous_rows(
-        query_start_loc=query_start_loc, positions=positions, block_table_out=block_table_out,
+        query_start_loc=query_start_loc,
+        positions=positions,
+        block_table_out=block_table_out,
         slot_mapping_out=slot_mapping_out,
     )
     _compute_slot_mapping_kernel[(num_reqs + 1,)](
@@ -305,5 +323,13 @@ def compute_slot_mapping(
         if HAS_TRITON and slot_mapping_out.is_cuda
         else compute_slot_mapping_ref
     )
-    impl(query_start_loc, positions, block_table_out, block_size, slot_mapping_out, num_reqs,
-         num_tokens, step_counts)
+    impl(
+        query_start_loc,
+        positions,
+        block_table_out,
+        block_size,
+        slot_mapping_out,
+        num_reqs,
+        num_tokens,
+        step_counts,
+    )

@@ -25,15 +25,15 @@ import torch
 
 from kernels._checks import (
     check_contiguous_rows,
-    check_offsets,
     check_dtype_and_rank,
-    check_step_counts,
-    read_step_counts,
+    check_offsets,
     check_row_state,
     check_same_device,
+    check_step_counts,
     check_token_history_device,
     check_triton_device,
     need_triton,
+    read_step_counts,
 )
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -64,7 +64,8 @@ if HAS_TRITON:
                 return
         row = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
         query_len = tl.load(query_start_loc_ptr + batch_idx + 1) - tl.load(
-            query_start_loc_ptr + batch_idx)
+            query_start_loc_ptr + batch_idx
+        )
         num_accepted = tl.load(num_accepted_ptr + batch_idx)
         num_rejected = tl.load(num_draft_slots_ptr + batch_idx) - num_accepted
         num_computed = tl.load(num_computed_tokens_ptr + row) + query_len - num_rejected
@@ -73,11 +74,17 @@ if HAS_TRITON:
         if num_computed >= total:
             offsets = tl.arange(0, NUM_OUTPUTS_POW2)
             emitted = offsets <= num_accepted
-            tokens = tl.load(output_token_ids_ptr + batch_idx * output_stride + offsets,
-                             mask=emitted & (offsets < NUM_OUTPUTS), other=0)
+            tokens = tl.load(
+                output_token_ids_ptr + batch_idx * output_stride + offsets,
+                mask=emitted & (offsets < NUM_OUTPUTS),
+                other=0,
+            )
             columns = total + offsets
-            tl.store(token_ids_ptr + row * token_ids_stride + columns, tokens.to(tl.int32),
-                     mask=emitted & (offsets < NUM_OUTPUTS) & (columns < max_model_len))
+            tl.store(
+                token_ids_ptr + row * token_ids_stride + columns,
+                tokens.to(tl.int32),
+                mask=emitted & (offsets < NUM_OUTPUTS) & (columns < max_model_len),
+            )
             tl.store(total_len_ptr + row, total + num_accepted + 1)
             last = tl.sum(tl.where(offsets == num_accepted, tokens, 0), 0)
             tl.store(last_sampled_ptr + row, last)
@@ -104,15 +111,25 @@ def _check_args(
     check_row_state(num_computed_tokens, total_len, token_ids, last_sampled)
     num_reqs = idx_mapping.shape[0]
     check_offsets("query_start_loc", query_start_loc, num_reqs)
-    for name, tensor in (("num_draft_slots", num_draft_slots), ("num_accepted", num_accepted),
-                         ("output_token_ids", output_token_ids)):
+    for name, tensor in (
+        ("num_draft_slots", num_draft_slots),
+        ("num_accepted", num_accepted),
+        ("output_token_ids", output_token_ids),
+    ):
         if tensor.shape[0] != num_reqs:
-            raise ValueError(f"{name} needs one entry per scheduled request ({num_reqs}), got "
-                             f"{tensor.shape[0]}")
+            raise ValueError(
+                f"{name} needs one entry per scheduled request ({num_reqs}), got {tensor.shape[0]}"
+            )
     device = check_same_device(
-        idx_mapping=idx_mapping, query_start_loc=query_start_loc, num_draft_slots=num_draft_slots,
-        output_token_ids=output_token_ids, num_accepted=num_accepted,
-        num_computed_tokens=num_computed_tokens, total_len=total_len, last_sampled=last_sampled)
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        num_draft_slots=num_draft_slots,
+        output_token_ids=output_token_ids,
+        num_accepted=num_accepted,
+        num_computed_tokens=num_computed_tokens,
+        total_len=total_len,
+        last_sampled=last_sampled,
+    )
     check_token_history_device(token_ids, device)
     return num_reqs
 
@@ -131,16 +148,25 @@ def spec_post_update_ref(
 ) -> None:
     """Torch reference of `spec_post_update` (see the module doc); no host sync unless
     step_counts is given."""
-    num_reqs = _check_args(idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
-                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled,
-                           step_counts)
+    num_reqs = _check_args(
+        idx_mapping,
+        query_start_loc,
+        num_draft_slots,
+        output_token_ids,
+        num_accepted,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        step_counts,
+    )
     num_reqs = read_step_counts(step_counts, num_reqs, None)[0]
     if num_reqs == 0:
         return
     idx_mapping, num_draft_slots = idx_mapping[:num_reqs], num_draft_slots[:num_reqs]
     output_token_ids, num_accepted = output_token_ids[:num_reqs], num_accepted[:num_reqs]
     rows = idx_mapping.long()
-    query_lens = query_start_loc[1:num_reqs + 1] - query_start_loc[:num_reqs]
+    query_lens = query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]
     num_computed = num_computed_tokens[rows] + query_lens - (num_draft_slots - num_accepted)
     num_computed_tokens[rows] = num_computed
     total = total_len[rows]
@@ -156,8 +182,9 @@ def spec_post_update_ref(
     history_rows = rows[:, None].expand_as(columns).to(token_ids.device)
     columns = columns.to(token_ids.device)
     current = token_ids[history_rows, columns]
-    token_ids[history_rows, columns] = torch.where(write.to(token_ids.device),
-                                                   values.to(token_ids.device), current)
+    token_ids[history_rows, columns] = torch.where(
+        write.to(token_ids.device), values.to(token_ids.device), current
+    )
     total_len[rows] = torch.where(is_real, total + num_accepted + 1, total)
     last = output_token_ids.gather(1, num_accepted.long()[:, None])[:, 0]
     last_sampled[rows] = torch.where(is_real, last, last_sampled[rows])
@@ -178,24 +205,51 @@ def spec_post_update_triton(
     """Triton launcher of `spec_post_update`: one program per scheduled request (up to the
     device-side count with step_counts)."""
     need_triton("spec_post_update_triton")
-    num_reqs = _check_args(idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
-                           num_accepted, num_computed_tokens, total_len, token_ids, last_sampled,
-                           step_counts)
+    num_reqs = _check_args(
+        idx_mapping,
+        query_start_loc,
+        num_draft_slots,
+        output_token_ids,
+        num_accepted,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        step_counts,
+    )
     check_triton_device("spec_post_update_triton", total_len.device)
-    check_contiguous_rows(idx_mapping=idx_mapping, query_start_loc=query_start_loc,
-                          num_draft_slots=num_draft_slots, output_token_ids=output_token_ids,
-                          num_accepted=num_accepted, num_computed_tokens=num_computed_tokens,
-                          total_len=total_len, token_ids=token_ids, last_sampled=last_sampled)
+    check_contiguous_rows(
+        idx_mapping=idx_mapping,
+        query_start_loc=query_start_loc,
+        num_draft_slots=num_draft_slots,
+        output_token_ids=output_token_ids,
+        num_accepted=num_accepted,
+        num_computed_tokens=num_computed_tokens,
+        total_len=total_len,
+        token_ids=token_ids,
+        last_sampled=last_sampled,
+    )
     if num_reqs == 0:
         return
     num_outputs = output_token_ids.shape[1]
     _spec_post_update_kernel[(num_reqs,)](
-        idx_mapping, query_start_loc, num_draft_slots, output_token_ids,
-        output_token_ids.stride(0), num_accepted, num_computed_tokens, total_len, token_ids,
-        token_ids.stride(0), last_sampled, token_ids.shape[1],
+        idx_mapping,
+        query_start_loc,
+        num_draft_slots,
+        output_token_ids,
+        output_token_ids.stride(0),
+        num_accepted,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        token_ids.stride(0),
+        last_sampled,
+        token_ids.shape[1],
         total_len if step_counts is None else step_counts,
-        HAS_STEP_COUNTS=step_counts is not None, NUM_OUTPUTS=num_outputs,
-        NUM_OUTPUTS_POW2=triton.next_power_of_2(num_outputs))
+        HAS_STEP_COUNTS=step_counts is not None,
+        NUM_OUTPUTS=num_outputs,
+        NUM_OUTPUTS_POW2=triton.next_power_of_2(num_outputs),
+    )
 
 
 def spec_post_update(
@@ -212,5 +266,15 @@ def spec_post_update(
 ) -> None:
     """Advance the request state after a speculative step (see the module doc)."""
     impl = spec_post_update_triton if HAS_TRITON and total_len.is_cuda else spec_post_update_ref
-    impl(idx_mapping, query_start_loc, num_draft_slots, output_token_ids, num_accepted,
-         num_computed_tokens, total_len, token_ids, last_sampled, step_counts)
+    impl(
+        idx_mapping,
+        query_start_loc,
+        num_draft_slots,
+        output_token_ids,
+        num_accepted,
+        num_computed_tokens,
+        total_len,
+        token_ids,
+        last_sampled,
+        step_counts,
+    )

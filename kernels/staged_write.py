@@ -105,7 +105,9 @@ def staged_write_triton(
     need_triton("staged_write_triton")
     _check_args(target, rows, starts, cu_lens, contents)
     check_triton_device("staged_write_triton", target.device)
-    check_contiguous_rows(target=target, rows=rows, starts=starts, cu_lens=cu_lens, contents=contents)
+    check_contiguous_rows(
+        target=target, rows=rows, starts=starts, cu_lens=cu_lens, contents=contents
+    )
     if rows.shape[0] == 0:
         return
     _staged_write_kernel[(rows.shape[0],)](

@@ -66,8 +66,9 @@ def apply_temperature_triton(
     if num_rows == 0:
         return
     grid = (num_rows, triton.cdiv(vocab_size, block_size))
-    _temperature_kernel[grid](logits, logits.stride(0), idx_mapping, temperature, vocab_size,
-                              BLOCK_SIZE=block_size)
+    _temperature_kernel[grid](
+        logits, logits.stride(0), idx_mapping, temperature, vocab_size, BLOCK_SIZE=block_size
+    )
 
 
 def apply_temperature(

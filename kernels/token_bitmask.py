@@ -44,12 +44,15 @@ if HAS_TRITON:
         logit_row = tl.load(row_indices_ptr + masked_row).to(tl.int64)
         tokens = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         words = tokens // 32
-        packed = tl.load(bitmask_ptr + masked_row * bitmask_stride + words,
-                         mask=words < num_words, other=0)
+        packed = tl.load(
+            bitmask_ptr + masked_row * bitmask_stride + words, mask=words < num_words, other=0
+        )
         is_allowed = ((packed >> (tokens % 32)) & 1) == 1
-        tl.store(logits_ptr + logit_row * logits_stride + tokens,
-                 tl.full([BLOCK_SIZE], float("-inf"), tl.float32),
-                 mask=(tokens < vocab_size) & ~is_allowed)
+        tl.store(
+            logits_ptr + logit_row * logits_stride + tokens,
+            tl.full([BLOCK_SIZE], float("-inf"), tl.float32),
+            mask=(tokens < vocab_size) & ~is_allowed,
+        )
 
 
 def _check_args(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor) -> None:
@@ -92,8 +95,14 @@ def apply_token_bitmask_triton(
         return
     grid = (num_masked, triton.cdiv(vocab_size, _BLOCK_SIZE))
     _token_bitmask_kernel[grid](
-        logits, logits.stride(0), bitmask, bitmask.stride(0), row_indices, vocab_size,
-        bitmask.shape[1], BLOCK_SIZE=_BLOCK_SIZE,
+        logits,
+        logits.stride(0),
+        bitmask,
+        bitmask.stride(0),
+        row_indices,
+        vocab_size,
+        bitmask.shape[1],
+        BLOCK_SIZE=_BLOCK_SIZE,
     )
 
 
@@ -105,4 +114,3 @@ def apply_token_bitmask(
     """Forbid (-inf) every token whose bit is clear, in the listed logits rows only."""
     impl = apply_token_bitmask_triton if HAS_TRITON and logits.is_cuda else apply_token_bitmask_ref
     impl(logits, bitmask, row_indices)
-

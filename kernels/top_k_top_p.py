@@ -45,7 +45,10 @@ if HAS_TRITON:
 
 
 def _check_args(
-    logits: torch.Tensor, idx_mapping: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
     num_candidates: int,
 ) -> None:
     num_rows, _ = check_logits(logits)
@@ -75,8 +78,9 @@ def top_k_top_p_thresholds(
     rows = idx_mapping.long()
     row_top_k = top_k[rows].long()
     row_top_p = top_p[rows]
-    num_kept_by_k = torch.where((row_top_k > 0) & (row_top_k < num_candidates), row_top_k,
-                                num_candidates)
+    num_kept_by_k = torch.where(
+        (row_top_k > 0) & (row_top_k < num_candidates), row_top_k, num_candidates
+    )
     ranks = torch.arange(num_candidates, device=logits.device)
     in_top_k = ranks[None, :] < num_kept_by_k[:, None]
     probs = torch.softmax(candidates.masked_fill(~in_top_k, float("-inf")), dim=-1)
@@ -124,8 +128,9 @@ def apply_top_k_top_p_triton(
         return
     thresholds = top_k_top_p_thresholds(logits, idx_mapping, top_k, top_p, num_candidates)
     grid = (num_rows, triton.cdiv(vocab_size, block_size))
-    _threshold_mask_kernel[grid](logits, logits.stride(0), thresholds.contiguous(), vocab_size,
-                                 BLOCK_SIZE=block_size)
+    _threshold_mask_kernel[grid](
+        logits, logits.stride(0), thresholds.contiguous(), vocab_size, BLOCK_SIZE=block_size
+    )
 
 
 def apply_top_k_top_p(

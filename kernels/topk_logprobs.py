@@ -60,7 +60,9 @@ def _check_args(logits: torch.Tensor, sampled_token_ids: torch.Tensor, num_logpr
         raise ValueError(f"num_logprobs must be an int in [0, {vocab_size}], got {num_logprobs!r}")
 
 
-def _token_ids(logits: torch.Tensor, sampled_token_ids: torch.Tensor, num_logprobs: int) -> torch.Tensor:
+def _token_ids(
+    logits: torch.Tensor, sampled_token_ids: torch.Tensor, num_logprobs: int
+) -> torch.Tensor:
     if num_logprobs == 0:
         return sampled_token_ids[:, None].clone()
     top_ids = torch.topk(logits, num_logprobs, dim=-1).indices
@@ -100,8 +102,15 @@ def topk_logprobs_triton(
         return token_ids, logprobs, ranks
     num_token_ids = num_logprobs + 1
     _topk_logprobs_kernel[(num_rows,)](
-        logits, logits.stride(0), token_ids, logprobs, ranks, vocab_size, num_token_ids,
-        BLOCK_SIZE=block_size, NUM_TOKEN_IDS_POW2=triton.next_power_of_2(num_token_ids),
+        logits,
+        logits.stride(0),
+        token_ids,
+        logprobs,
+        ranks,
+        vocab_size,
+        num_token_ids,
+        BLOCK_SIZE=block_size,
+        NUM_TOKEN_IDS_POW2=triton.next_power_of_2(num_token_ids),
         num_warps=8,
     )
     return token_ids, logprobs, ranks

@@ -37,5 +37,7 @@ def _check_legacy_names(registry: CollectorRegistry) -> None:
     for family in registry.collect():
         for sample in family.samples:
             if not _is_valid_legacy_metric_name(sample.name):
-                raise ValueError(f"metric {sample.name!r} is not a legacy Prometheus name; "
-                                 "escaping would rename it")
+                raise ValueError(
+                    f"metric {sample.name!r} is not a legacy Prometheus name; "
+                    "escaping would rename it"
+                )

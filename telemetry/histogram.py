@@ -22,15 +22,22 @@ _NUMPY_MIN_BATCH = 32
 class BatchHistogram:
     """One histogram series with fixed labels (e.g. model_name). Thread-safe."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
-                 labels: Mapping[str, str], registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labels: Mapping[str, str],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         upper_bounds = [float(b) for b in buckets if not math.isinf(b)]
         if not upper_bounds or upper_bounds != sorted(set(upper_bounds)):
             raise ValueError(f"{name}: buckets must be strictly increasing, got {list(buckets)}")
         self.name = name
         self._upper_bounds_np = np.asarray(upper_bounds, dtype=np.float64)
-        family = Histogram(name, documentation, list(labels), buckets=upper_bounds,
-                           registry=registry)
+        family = Histogram(
+            name, documentation, list(labels), buckets=upper_bounds, registry=registry
+        )
         self._series = family.labels(**labels) if labels else family
 
     def observe(self, value: float) -> None:

@@ -38,16 +38,25 @@ import orjson
 import structlog
 from structlog.typing import Processor
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 class _TandemHandler(logging.StreamHandler[TextIO]):
     """Marks the handler this module installed, so reconfiguring replaces only it."""
 
 
-def configure_logging(json: bool = True, level: str = "info", stream: TextIO | None = None,
-                      process_name: str | None = None) -> None:
+def configure_logging(
+    json: bool = True,
+    level: str = "info",
+    stream: TextIO | None = None,
+    process_name: str | None = None,
+) -> None:
     """Route structlog and stdlib logging through one handler on the root logger.
 
     `json`: one JSON object per line (ISO UTC timestamp, level, event, logger, bound
@@ -66,14 +75,20 @@ def configure_logging(json: bool = True, level: str = "info", stream: TextIO | N
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        cache_logger_on_first_use=True)
+        cache_logger_on_first_use=True,
+    )
     renderer: list[Processor] = (
-        [structlog.processors.format_exc_info,
-         structlog.processors.JSONRenderer(serializer=_orjson_dumps)] if json
-        else [structlog.dev.ConsoleRenderer(colors=False)])
+        [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=_orjson_dumps),
+        ]
+        if json
+        else [structlog.dev.ConsoleRenderer(colors=False)]
+    )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, _strip_foreign_event],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer])
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+    )
     handler = _TandemHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
@@ -85,11 +100,13 @@ def configure_logging(json: bool = True, level: str = "info", stream: TextIO | N
 
 
 def _shared_processors() -> list[Processor]:
-    return [structlog.contextvars.merge_contextvars,
-            structlog.stdlib.add_log_level,
-            structlog.stdlib.add_logger_name,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer()]
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
 
 
 class _ProcessTag:
@@ -112,11 +129,13 @@ def _strip_foreign_event(logger: Any, method_name: str, event_dict: Any) -> Any:
 
 
 def _orjson_dumps(obj: Any, **kwargs: Any) -> str:
-    return orjson.dumps(obj, default=kwargs.get("default", str),
-                        option=orjson.OPT_NON_STR_KEYS).decode()
+    return orjson.dumps(
+        obj, default=kwargs.get("default", str), option=orjson.OPT_NON_STR_KEYS
+    ).decode()
 
 
 # ---- context binding -------------------------------------------------------------------
+
 
 def bind_actor(name: str) -> None:
     """Tag every line logged from here on in this task or thread with `actor=name`.
@@ -138,16 +157,32 @@ def bind_request(request_id: str, trace_id: str | None = None) -> Iterator[None]
 
 # ---- startup and per-step summaries ----------------------------------------------------
 
-def log_startup(logger: Any, *, config: Any, device: str, runner: Any, num_kv_blocks: int,
-                block_size: int, kv_cache_bytes: int) -> None:
+
+def log_startup(
+    logger: Any,
+    *,
+    config: Any,
+    device: str,
+    runner: Any,
+    num_kv_blocks: int,
+    block_size: int,
+    kv_cache_bytes: int,
+) -> None:
     """One INFO line with what the server runs: the resolved config (a dataclass or a
     mapping), the device, the runner choice and why, and the KV cache size."""
     is_instance = dataclasses.is_dataclass(config) and not isinstance(config, type)
     config_fields = dataclasses.asdict(config) if is_instance else dict(config)
-    logger.info("engine_started", config=config_fields, device=device,
-                runner=runner.runner, runner_reason=runner.reason,
-                runner_rule=getattr(runner, "rule", None), kv_cache_blocks=num_kv_blocks,
-                kv_cache_tokens=num_kv_blocks * block_size, kv_cache_bytes=kv_cache_bytes)
+    logger.info(
+        "engine_started",
+        config=config_fields,
+        device=device,
+        runner=runner.runner,
+        runner_reason=runner.reason,
+        runner_rule=getattr(runner, "rule", None),
+        kv_cache_blocks=num_kv_blocks,
+        kv_cache_tokens=num_kv_blocks * block_size,
+        kv_cache_bytes=kv_cache_bytes,
+    )
 
 
 def _is_debug_enabled(logger: Any) -> bool:
@@ -165,8 +200,12 @@ class EngineStatsLog:
     Call `observe_step(stats)` once per finished step with the step's `StepStats`.
     """
 
-    def __init__(self, logger: Any = None, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: Any = None,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self._log = logger if logger is not None else structlog.get_logger("tandem.engine")
@@ -179,11 +218,16 @@ class EngineStatsLog:
 
     def observe_step(self, stats: Any) -> None:
         if self._debug:
-            self._log.debug("engine_step", step_id=stats.step_id, num_reqs=stats.num_reqs,
-                            num_tokens=stats.num_tokens,
-                            num_prefill_tokens=stats.num_prefill_tokens,
-                            step_time_s=stats.step_time_s, gpu_idle_s=stats.gpu_idle_s,
-                            schedule_time_s=stats.schedule_time_s)
+            self._log.debug(
+                "engine_step",
+                step_id=stats.step_id,
+                num_reqs=stats.num_reqs,
+                num_tokens=stats.num_tokens,
+                num_prefill_tokens=stats.num_prefill_tokens,
+                step_time_s=stats.step_time_s,
+                gpu_idle_s=stats.gpu_idle_s,
+                schedule_time_s=stats.schedule_time_s,
+            )
         now = self._clock()
         if self._num_steps and now - self._last_step_time >= self._interval_s:
             self._emit_summary(self._last_step_time)  # the engine went idle at that step
@@ -201,11 +245,14 @@ class EngineStatsLog:
     def _emit_summary(self, end_time: float) -> None:
         busy_s = self._step_time_s + self._gpu_idle_s
         elapsed_s = max(end_time - self._window_start, busy_s, 1e-9)
-        self._log.info("engine_throughput", num_steps=self._num_steps,
-                       prompt_tokens_per_s=round(self._num_prefill_tokens / elapsed_s, 1),
-                       decode_tokens_per_s=round(self._num_decode_tokens / elapsed_s, 1),
-                       mean_step_ms=round(1e3 * self._step_time_s / self._num_steps, 3),
-                       gpu_idle_fraction=round(self._gpu_idle_s / busy_s, 4) if busy_s else 0.0)
+        self._log.info(
+            "engine_throughput",
+            num_steps=self._num_steps,
+            prompt_tokens_per_s=round(self._num_prefill_tokens / elapsed_s, 1),
+            decode_tokens_per_s=round(self._num_decode_tokens / elapsed_s, 1),
+            mean_step_ms=round(1e3 * self._step_time_s / self._num_steps, 3),
+            gpu_idle_fraction=round(self._gpu_idle_s / busy_s, 4) if busy_s else 0.0,
+        )
         self._reset_window()
 
     def _reset_window(self) -> None:

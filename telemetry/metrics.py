@@ -12,7 +12,8 @@ Calls come per step or per finished request, never per token:
 - `set_engine_load(stats)`: the core's load and KV usage, at scrape time;
 - `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
-- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`: rare events.
+- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`:
+  rare events.
 - `set_unsent(num)`: at scrape time, from the admission actor.
 
 Token counters move when a request finishes, so their sums equal the responses' usage:
@@ -36,20 +37,130 @@ from telemetry.request_shape_metrics import RequestShapeMetrics
 from telemetry.spec_decode_metrics import SpecDecodeMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-PER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                       5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+PER_TOKEN_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # tandem's own: a decode step is milliseconds, and the overlap's idle gaps microseconds.
-STEP_DURATION_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.006, 0.008, 0.01, 0.015,
-                           0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-GPU_IDLE_BUCKETS_S = (0.0, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
-                      0.025, 0.05, 0.1, 0.5, 1.0)
+STEP_DURATION_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+GPU_IDLE_BUCKETS_S = (
+    0.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.5,
+    1.0,
+)
 """The 0 bucket counts steps that started the moment the previous one ended."""
-CPU_TIME_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
-                      0.05, 0.1, 0.25)
+CPU_TIME_BUCKETS_S = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+)
 
 IDLE_FRACTION_WINDOW_STEPS = 256
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -107,94 +218,150 @@ class EngineMetrics:
     def _gauge(self, name: str, documentation: str) -> Any:
         # With several API servers each one writes its own value; a scrape shows the most
         # recent write of a live process (the engine's load, read by whoever was scraped).
-        return Gauge(name, documentation, ["model_name"], registry=self.registry,
-                     multiprocess_mode="livemostrecent").labels(model_name=self.model_name)
+        return Gauge(
+            name,
+            documentation,
+            ["model_name"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        ).labels(model_name=self.model_name)
 
     def _counter(self, name: str, documentation: str) -> Any:
-        return Counter(name, documentation, ["model_name"], registry=self.registry
-                       ).labels(model_name=self.model_name)
+        return Counter(name, documentation, ["model_name"], registry=self.registry).labels(
+            model_name=self.model_name
+        )
 
     def _histogram(self, name: str, documentation: str, buckets: Iterable[float]) -> BatchHistogram:
-        return BatchHistogram(name, documentation, tuple(buckets),
-                              {"model_name": self.model_name}, registry=self.registry)
+        return BatchHistogram(
+            name,
+            documentation,
+            tuple(buckets),
+            {"model_name": self.model_name},
+            registry=self.registry,
+        )
 
     def _make_scheduler_metrics(self) -> None:
-        self._num_running = self._gauge("vllm:num_requests_running",
-                                        "Number of requests in model execution batches.")
-        self._num_waiting = self._gauge("vllm:num_requests_waiting",
-                                        "Number of requests waiting to be processed.")
-        self._kv_usage = self._gauge("vllm:kv_cache_usage_perc",
-                                     "KV-cache usage. 1 means 100 percent usage.")
-        self._prefix_queries = _CumulativeCounter(self._counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-            "tokens."))
-        self._prefix_hits = _CumulativeCounter(self._counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
-        self._preemptions = _CumulativeCounter(self._counter(
-            "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
+        self._num_running = self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self._num_waiting = self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self._kv_usage = self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self._prefix_queries = _CumulativeCounter(
+            self._counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+            )
+        )
+        self._prefix_hits = _CumulativeCounter(
+            self._counter(
+                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+            )
+        )
+        self._preemptions = _CumulativeCounter(
+            self._counter(
+                "vllm:num_preemptions", "Cumulative number of preemptions from the engine."
+            )
+        )
 
     def _make_request_metrics(self) -> None:
-        self._prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens "
-                                            "processed.")
-        self._generation_tokens = self._counter("vllm:generation_tokens",
-                                                "Number of generation tokens processed.")
+        self._prompt_tokens = self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        )
+        self._generation_tokens = self._counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
         self._request_success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            ["model_name", "finished_reason"], registry=self.registry)
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         for reason in FINISH_REASONS:  # present at 0 from the start, as in vLLM
             self._request_success.labels(model_name=self.model_name, finished_reason=reason)
-        self._ttft = self._histogram("vllm:time_to_first_token_seconds",
-                                     "Histogram of time to first token in seconds.", TTFT_BUCKETS_S)
-        self._itl = self._histogram("vllm:inter_token_latency_seconds",
-                                    "Histogram of inter-token latency in seconds.",
-                                    PER_TOKEN_BUCKETS_S)
-        self._tpot = self._histogram("vllm:request_time_per_output_token_seconds",
-                                     "Histogram of time_per_output_token_seconds per request.",
-                                     PER_TOKEN_BUCKETS_S)
-        phases = {"e2e": ("vllm:e2e_request_latency_seconds", "e2e request latency"),
-                  "queue": ("vllm:request_queue_time_seconds", "time spent in WAITING phase"),
-                  "prefill": ("vllm:request_prefill_time_seconds", "time spent in PREFILL phase"),
-                  "decode": ("vllm:request_decode_time_seconds", "time spent in DECODE phase"),
-                  "inference": ("vllm:request_inference_time_seconds",
-                                "time spent in RUNNING phase")}
-        self._phase = {key: self._histogram(name, f"Histogram of {what} for request in seconds.",
-                                            REQUEST_LATENCY_BUCKETS_S)
-                       for key, (name, what) in phases.items()}
+        self._ttft = self._histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS_S,
+        )
+        self._itl = self._histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            PER_TOKEN_BUCKETS_S,
+        )
+        self._tpot = self._histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            PER_TOKEN_BUCKETS_S,
+        )
+        phases = {
+            "e2e": ("vllm:e2e_request_latency_seconds", "e2e request latency"),
+            "queue": ("vllm:request_queue_time_seconds", "time spent in WAITING phase"),
+            "prefill": ("vllm:request_prefill_time_seconds", "time spent in PREFILL phase"),
+            "decode": ("vllm:request_decode_time_seconds", "time spent in DECODE phase"),
+            "inference": ("vllm:request_inference_time_seconds", "time spent in RUNNING phase"),
+        }
+        self._phase = {
+            key: self._histogram(
+                name, f"Histogram of {what} for request in seconds.", REQUEST_LATENCY_BUCKETS_S
+            )
+            for key, (name, what) in phases.items()
+        }
 
     def _make_step_metrics(self) -> None:
         self._step_duration = self._histogram(
-            "tandem:engine_step_duration_seconds", "Device time of one engine step.",
-            STEP_DURATION_BUCKETS_S)
+            "tandem:engine_step_duration_seconds",
+            "Device time of one engine step.",
+            STEP_DURATION_BUCKETS_S,
+        )
         self._gpu_idle = self._histogram(
             "tandem:gpu_idle_between_steps_seconds",
             "Device idle time between the end of one step and the start of the next.",
-            GPU_IDLE_BUCKETS_S)
+            GPU_IDLE_BUCKETS_S,
+        )
         self._schedule_cpu = self._histogram(
             "tandem:scheduler_cpu_time_per_step_seconds",
-            "CPU time the scheduler spent building one step.", CPU_TIME_BUCKETS_S)
+            "CPU time the scheduler spent building one step.",
+            CPU_TIME_BUCKETS_S,
+        )
         self._prepare_cpu = self._histogram(
             "tandem:step_prepare_cpu_time_seconds",
-            "CPU time from receiving a step to its last device launch.", CPU_TIME_BUCKETS_S)
+            "CPU time from receiving a step to its last device launch.",
+            CPU_TIME_BUCKETS_S,
+        )
         self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._num_steps = 0
         self._idle_fraction_gauge = self._gauge(
-            "tandem:gpu_idle_fraction", f"Share of device time spent idle between steps over "
-            f"the last {IDLE_FRACTION_WINDOW_STEPS} steps.")
+            "tandem:gpu_idle_fraction",
+            f"Share of device time spent idle between steps over "
+            f"the last {IDLE_FRACTION_WINDOW_STEPS} steps.",
+        )
 
     def _make_server_metrics(self) -> None:
-        self._runner_info = Gauge("tandem:runner_info",
-                                  "The model runner in use (1) and why it was chosen.",
-                                  ["model_name", "runner", "reason", "rule"],
-                                  registry=self.registry, multiprocess_mode="livemax")
-        self._rejections = Counter("tandem:rejected_requests",
-                                   "Requests refused at admission, by reason.",
-                                   ["model_name", "reason"], registry=self.registry)
-        self._disconnects = self._counter("tandem:client_disconnects",
-                                          "Requests whose client went away before the end.")
+        self._runner_info = Gauge(
+            "tandem:runner_info",
+            "The model runner in use (1) and why it was chosen.",
+            ["model_name", "runner", "reason", "rule"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self._rejections = Counter(
+            "tandem:rejected_requests",
+            "Requests refused at admission, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self._disconnects = self._counter(
+            "tandem:client_disconnects", "Requests whose client went away before the end."
+        )
         self._num_unsent = self._gauge(
             "tandem:num_requests_unsent",
-            "Requests the engine has finished whose output the client has not yet taken.")
+            "Requests the engine has finished whose output the client has not yet taken.",
+        )
 
     # ---- per step -----------------------------------------------------------------------
 
@@ -237,19 +404,22 @@ class EngineMetrics:
     # ---- per finished request -----------------------------------------------------------
 
     def observe_request_finished(self, record: RequestRecord) -> None:
-        self._request_success.labels(model_name=self.model_name,
-                                     finished_reason=record.finish_reason).inc()
+        self._request_success.labels(
+            model_name=self.model_name, finished_reason=record.finish_reason
+        ).inc()
         if record.first_token_time is not None:
             self._prompt_tokens.inc(record.num_prompt_tokens)
         self._generation_tokens.inc(record.num_output_tokens)
         self.request_shape.observe_finished(record.num_prompt_tokens, record.num_output_tokens)
         self._phase["e2e"].observe(record.e2e_latency_s)
-        optional = ((self._ttft, record.time_to_first_token_s),
-                    (self._phase["queue"], record.queue_time_s),
-                    (self._phase["prefill"], record.prefill_time_s),
-                    (self._phase["decode"], record.decode_time_s),
-                    (self._phase["inference"], record.inference_time_s),
-                    (self._tpot, record.time_per_output_token_s))
+        optional = (
+            (self._ttft, record.time_to_first_token_s),
+            (self._phase["queue"], record.queue_time_s),
+            (self._phase["prefill"], record.prefill_time_s),
+            (self._phase["decode"], record.decode_time_s),
+            (self._phase["inference"], record.inference_time_s),
+            (self._tpot, record.time_per_output_token_s),
+        )
         for histogram, value in optional:
             if value is not None:
                 histogram.observe(value)
@@ -262,8 +432,9 @@ class EngineMetrics:
         """The runner choice as an info-style gauge."""
         if not os.environ.get(MULTIPROC_DIR_ENV):  # a process's files cannot be cleared
             self._runner_info.clear()
-        self._runner_info.labels(model_name=self.model_name, runner=runner, reason=reason,
-                                 rule=rule).set(1)
+        self._runner_info.labels(
+            model_name=self.model_name, runner=runner, reason=reason, rule=rule
+        ).set(1)
 
     def record_rejection(self, reason: str) -> None:
         """A request refused before it reached the engine. `reason` must come from a small

@@ -50,12 +50,16 @@ class RequestRecord:
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 or self.num_output_tokens < 0 or self.num_cached_tokens < 0:
-            raise ValueError(f"request {self.request_id!r}: token counts must be >= 0, got "
-                             f"prompt={self.num_prompt_tokens} output={self.num_output_tokens} "
-                             f"cached={self.num_cached_tokens}")
+            raise ValueError(
+                f"request {self.request_id!r}: token counts must be >= 0, got "
+                f"prompt={self.num_prompt_tokens} output={self.num_output_tokens} "
+                f"cached={self.num_cached_tokens}"
+            )
         if self.finish_time < self.arrival_time:
-            raise ValueError(f"request {self.request_id!r}: finish_time {self.finish_time} is "
-                             f"before arrival_time {self.arrival_time}")
+            raise ValueError(
+                f"request {self.request_id!r}: finish_time {self.finish_time} is "
+                f"before arrival_time {self.arrival_time}"
+            )
 
     @property
     def e2e_latency_s(self) -> float:

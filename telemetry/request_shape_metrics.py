@@ -44,16 +44,19 @@ class RequestShapeMetrics:
         self._labels = {"model_name": model_name}
         self._registry = registry
         self._iteration_tokens = self._histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS)
-        self._n = self._histogram("vllm:request_params_n",
-                                  "Histogram of the n request parameter.", N_BUCKETS)
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        self._n = self._histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
         self._token_histograms: dict[str, BatchHistogram] = {}
 
-    def _histogram(self, name: str, documentation: str, buckets: Iterable[float]
-                   ) -> BatchHistogram:
-        return BatchHistogram(name, documentation, tuple(buckets), self._labels,
-                              registry=self._registry)
+    def _histogram(self, name: str, documentation: str, buckets: Iterable[float]) -> BatchHistogram:
+        return BatchHistogram(
+            name, documentation, tuple(buckets), self._labels, registry=self._registry
+        )
 
     def configure(self, max_model_len: int, cache_config: Mapping[str, object]) -> None:
         """At engine start: the context length (token buckets) and the KV cache config."""
@@ -62,17 +65,28 @@ class RequestShapeMetrics:
         buckets = build_1_2_5_buckets(max_model_len)
         documented = {
             "prompt": ("vllm:request_prompt_tokens", "Number of prefill tokens processed."),
-            "generation": ("vllm:request_generation_tokens",
-                           "Number of generation tokens processed."),
-            "max_tokens": ("vllm:request_params_max_tokens",
-                           "Histogram of the max_tokens request parameter."),
-            "max_generation": ("vllm:request_max_num_generation_tokens",
-                               "Histogram of maximum number of requested generation tokens."),
+            "generation": (
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+            ),
+            "max_tokens": (
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+            ),
+            "max_generation": (
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+            ),
         }
-        self._token_histograms = {key: self._histogram(name, doc, buckets)
-                                  for key, (name, doc) in documented.items()}
-        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                     sorted(cache_config), registry=self._registry)
+        self._token_histograms = {
+            key: self._histogram(name, doc, buckets) for key, (name, doc) in documented.items()
+        }
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            sorted(cache_config),
+            registry=self._registry,
+        )
         info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
 
     def observe_step(self, num_tokens: int) -> None:
@@ -84,8 +98,9 @@ class RequestShapeMetrics:
             self._token_histograms["prompt"].observe(num_prompt_tokens)
             self._token_histograms["generation"].observe(num_output_tokens)
 
-    def observe_api_request(self, n: int, max_tokens: int | None,
-                            num_output_tokens: Iterable[int]) -> None:
+    def observe_api_request(
+        self, n: int, max_tokens: int | None, num_output_tokens: Iterable[int]
+    ) -> None:
         """One finished API request with `n` samples of at most `max_tokens` each."""
         self._n.observe(n)
         if not self._token_histograms:

@@ -26,10 +26,13 @@ ENGINE_ERROR_TYPE = "engine_error"
 """error.type of a request the engine finished with reason 'error'."""
 
 
-def request_attributes(operation: str, model: str | None, params: Any, stream: bool | None,
-                       response_id: str | None) -> dict[str, Any]:
-    attributes: dict[str, Any] = {"gen_ai.operation.name": operation,
-                                  "gen_ai.provider.name": PROVIDER_NAME}
+def request_attributes(
+    operation: str, model: str | None, params: Any, stream: bool | None, response_id: str | None
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.provider.name": PROVIDER_NAME,
+    }
     if model is not None:
         attributes["gen_ai.request.model"] = model
         attributes["gen_ai.response.model"] = model
@@ -43,8 +46,10 @@ def request_attributes(operation: str, model: str | None, params: Any, stream: b
 
 
 def _sampling_attributes(params: Any) -> dict[str, Any]:
-    attributes: dict[str, Any] = {"gen_ai.request.temperature": float(params.temperature),
-                                  "gen_ai.request.top_p": float(params.top_p)}
+    attributes: dict[str, Any] = {
+        "gen_ai.request.temperature": float(params.temperature),
+        "gen_ai.request.top_p": float(params.top_p),
+    }
     if params.max_tokens is not None:
         attributes["gen_ai.request.max_tokens"] = params.max_tokens
     if params.top_k > 0:  # -1 and 0 mean top-k is off
@@ -91,18 +96,30 @@ class RequestSpan:
     def is_recording(self) -> bool:
         return self._span is not None and self._span.is_recording()
 
-    def set_request(self, model: str, params: Any = None, *, stream: bool | None = None,
-                    response_id: str | None = None) -> None:
+    def set_request(
+        self,
+        model: str,
+        params: Any = None,
+        *,
+        stream: bool | None = None,
+        response_id: str | None = None,
+    ) -> None:
         """Fill in what was not known when the span started (after the body is parsed)."""
         if self._span is None:
             return
         self._span.update_name(f"{self._operation} {model}")
-        self._span.set_attributes(request_attributes(self._operation, model, params, stream,
-                                                     response_id))
+        self._span.set_attributes(
+            request_attributes(self._operation, model, params, stream, response_id)
+        )
 
-    def finish(self, records: RequestRecord | Sequence[RequestRecord], *,
-               input_tokens: int | None = None, output_tokens: int | None = None,
-               cached_input_tokens: int | None = None) -> None:
+    def finish(
+        self,
+        records: RequestRecord | Sequence[RequestRecord],
+        *,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        cached_input_tokens: int | None = None,
+    ) -> None:
         """End the span at the last record's finish time, with usage, finish reasons, the
         phase events and latencies. `records` holds one entry per choice (n > 1). The token
         counts default to sums over the records; pass the response's usage when several
@@ -113,23 +130,36 @@ class RequestSpan:
         if not records:
             raise ValueError("finish needs at least one RequestRecord")
         span, self._span = self._span, None
-        span.set_attributes(self._usage_attributes(records, input_tokens, output_tokens,
-                                                   cached_input_tokens))
+        span.set_attributes(
+            self._usage_attributes(records, input_tokens, output_tokens, cached_input_tokens)
+        )
         timeline = _Timeline.of(records)
-        for name, when in (("queued", timeline.queued), ("scheduled", timeline.scheduled),
-                           ("first_token", timeline.first_token)):
+        for name, when in (
+            ("queued", timeline.queued),
+            ("scheduled", timeline.scheduled),
+            ("first_token", timeline.first_token),
+        ):
             if when is not None:
                 span.add_event(name, timestamp=self.to_epoch_ns(when, self._offset_ns))
         reasons = [r.finish_reason for r in records]
-        span.add_event("finished", {"gen_ai.response.finish_reasons": reasons},
-                       timestamp=self.to_epoch_ns(timeline.finished, self._offset_ns))
+        span.add_event(
+            "finished",
+            {"gen_ai.response.finish_reasons": reasons},
+            timestamp=self.to_epoch_ns(timeline.finished, self._offset_ns),
+        )
         span.set_attributes(timeline.latency_attributes(self._arrival_time))
         if "error" in reasons:
             _set_error(span, ENGINE_ERROR_TYPE, "the engine failed the request")
         span.end(end_time=self.to_epoch_ns(timeline.finished, self._offset_ns))
 
-    def fail(self, error_type: str, message: str | None = None, *,
-             exception: BaseException | None = None, end_time: float | None = None) -> None:
+    def fail(
+        self,
+        error_type: str,
+        message: str | None = None,
+        *,
+        exception: BaseException | None = None,
+        end_time: float | None = None,
+    ) -> None:
         """End the span as failed: status ERROR, `error.type` (low cardinality: an HTTP
         status like '429', or an exception class name), the message as status description.
         `end_time` (monotonic) defaults to now."""
@@ -153,9 +183,13 @@ class RequestSpan:
         span.add_event("client_disconnected", timestamp=end_ns)
         span.end(end_time=end_ns)
 
-    def _usage_attributes(self, records: tuple[RequestRecord, ...], input_tokens: int | None,
-                          output_tokens: int | None, cached_input_tokens: int | None
-                          ) -> dict[str, Any]:
+    def _usage_attributes(
+        self,
+        records: tuple[RequestRecord, ...],
+        input_tokens: int | None,
+        output_tokens: int | None,
+        cached_input_tokens: int | None,
+    ) -> dict[str, Any]:
         if input_tokens is None:
             input_tokens = sum(r.num_prompt_tokens for r in records)
         if output_tokens is None:
@@ -166,13 +200,18 @@ class RequestSpan:
             "gen_ai.response.finish_reasons": [r.finish_reason for r in records],
             "gen_ai.usage.input_tokens": input_tokens,
             "gen_ai.usage.output_tokens": output_tokens,
-            "gen_ai.usage.cache_read.input_tokens": cached_input_tokens}
+            "gen_ai.usage.cache_read.input_tokens": cached_input_tokens,
+        }
         num_drafts = sum(r.num_draft_tokens for r in records)
         if num_drafts:  # speculative decoding verified drafts for this request
             num_accepted = sum(r.num_accepted_tokens for r in records)
-            attributes.update({"tandem.spec_decode.num_draft_tokens": num_drafts,
-                               "tandem.spec_decode.num_accepted_tokens": num_accepted,
-                               "tandem.spec_decode.acceptance_rate": num_accepted / num_drafts})
+            attributes.update(
+                {
+                    "tandem.spec_decode.num_draft_tokens": num_drafts,
+                    "tandem.spec_decode.num_accepted_tokens": num_accepted,
+                    "tandem.spec_decode.acceptance_rate": num_accepted / num_drafts,
+                }
+            )
         return attributes
 
 
@@ -184,17 +223,34 @@ class _NoopRequestSpan(RequestSpan):
     def __init__(self) -> None:
         super().__init__(None, "", 0.0, 0)
 
-    def set_request(self, model: str, params: Any = None, *, stream: bool | None = None,
-                    response_id: str | None = None) -> None:
+    def set_request(
+        self,
+        model: str,
+        params: Any = None,
+        *,
+        stream: bool | None = None,
+        response_id: str | None = None,
+    ) -> None:
         return None
 
-    def finish(self, records: RequestRecord | Sequence[RequestRecord], *,
-               input_tokens: int | None = None, output_tokens: int | None = None,
-               cached_input_tokens: int | None = None) -> None:
+    def finish(
+        self,
+        records: RequestRecord | Sequence[RequestRecord],
+        *,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        cached_input_tokens: int | None = None,
+    ) -> None:
         return None
 
-    def fail(self, error_type: str, message: str | None = None, *,
-             exception: BaseException | None = None, end_time: float | None = None) -> None:
+    def fail(
+        self,
+        error_type: str,
+        message: str | None = None,
+        *,
+        exception: BaseException | None = None,
+        end_time: float | None = None,
+    ) -> None:
         return None
 
     def disconnect(self, end_time: float | None = None) -> None:
@@ -209,17 +265,24 @@ class _Timeline:
 
     __slots__ = ("finished", "first_token", "queued", "scheduled")
 
-    def __init__(self, queued: float | None, scheduled: float | None,
-                 first_token: float | None, finished: float) -> None:
+    def __init__(
+        self,
+        queued: float | None,
+        scheduled: float | None,
+        first_token: float | None,
+        finished: float,
+    ) -> None:
         self.queued, self.scheduled = queued, scheduled
         self.first_token, self.finished = first_token, finished
 
     @classmethod
     def of(cls, records: tuple[RequestRecord, ...]) -> _Timeline:
-        return cls(_earliest(r.queued_time for r in records),
-                   _earliest(r.first_scheduled_time for r in records),
-                   _earliest(r.first_token_time for r in records),
-                   max(r.finish_time for r in records))
+        return cls(
+            _earliest(r.queued_time for r in records),
+            _earliest(r.first_scheduled_time for r in records),
+            _earliest(r.first_token_time for r in records),
+            max(r.finish_time for r in records),
+        )
 
     def latency_attributes(self, arrival_time: float) -> dict[str, float]:
         attributes = {"gen_ai.latency.e2e": self.finished - arrival_time}
@@ -231,8 +294,9 @@ class _Timeline:
             attributes["gen_ai.latency.time_to_first_token"] = ttft_s
             attributes["gen_ai.latency.time_in_model_decode"] = self.finished - self.first_token
             if self.scheduled is not None:
-                attributes["gen_ai.latency.time_in_model_prefill"] = (self.first_token
-                                                                      - self.scheduled)
+                attributes["gen_ai.latency.time_in_model_prefill"] = (
+                    self.first_token - self.scheduled
+                )
         return attributes
 
 

@@ -21,18 +21,24 @@ from prometheus_client import CollectorRegistry, Counter
 class SpecDecodeMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
         def counter(name: str, documentation: str) -> Any:
-            return Counter(name, documentation, ["model_name"], registry=registry
-                           ).labels(model_name=model_name)
+            return Counter(name, documentation, ["model_name"], registry=registry).labels(
+                model_name=model_name
+            )
 
         self.model_name = model_name
         self._num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self._num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
-                                         "Number of draft tokens.")
-        self._num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                            "Number of accepted tokens.")
-        self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                "Accepted tokens per draft position.",
-                                ["model_name", "position"], registry=registry)
+        self._num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self._num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+            registry=registry,
+        )
 
     def observe(self, stats: Any) -> None:
         """One step's actors.protocol.messages.SpecDecodeStats."""

@@ -64,15 +64,23 @@ class Tracing:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def start_request(self, operation: str, model: str | None = None, *, arrival_time: float,
-                      headers: Mapping[str, str] | None = None, params: Any = None,
-                      stream: bool | None = None, response_id: str | None = None
-                      ) -> RequestSpan:
+    def start_request(
+        self,
+        operation: str,
+        model: str | None = None,
+        *,
+        arrival_time: float,
+        headers: Mapping[str, str] | None = None,
+        params: Any = None,
+        stream: bool | None = None,
+        response_id: str | None = None,
+    ) -> RequestSpan:
         """Open the SERVER span of one HTTP request, named `{operation} {model}`, starting
         at `arrival_time` (time.monotonic()) and parented on the caller's `traceparent`
-        header (`headers=None`: on the current context instead). `operation` is 'chat' or 'text_completion'; `params` (SamplingParams),
-        `stream` and `response_id` become gen_ai.request.* / gen_ai.response.id attributes
-        and may instead be given later with `RequestSpan.set_request`."""
+        header (`headers=None`: on the current context instead). `operation` is 'chat' or
+        'text_completion'; `params` (SamplingParams), `stream` and `response_id` become
+        gen_ai.request.* / gen_ai.response.id attributes and may instead be given later with
+        `RequestSpan.set_request`."""
         if self._tracer is None:
             return NOOP_REQUEST_SPAN
         from opentelemetry.trace import SpanKind
@@ -81,9 +89,12 @@ class Tracing:
         parent = extract_context(headers) if headers is not None else None
         offset_ns = RequestSpan.clock_offset_ns()
         span = self._tracer.start_span(
-            name, context=parent, kind=SpanKind.SERVER,
+            name,
+            context=parent,
+            kind=SpanKind.SERVER,
             attributes=request_attributes(operation, model, params, stream, response_id),
-            start_time=RequestSpan.to_epoch_ns(arrival_time, offset_ns))
+            start_time=RequestSpan.to_epoch_ns(arrival_time, offset_ns),
+        )
         return RequestSpan(span, operation, arrival_time, offset_ns)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -96,8 +107,7 @@ class Tracing:
             self._provider.shutdown()
 
 
-def setup_tracing(service_name: str = "tandem", exporter: SpanExporter | None = None
-                  ) -> Tracing:
+def setup_tracing(service_name: str = "tandem", exporter: SpanExporter | None = None) -> Tracing:
     """A `Tracing` configured from the OTEL_* variables (see the module doc). `exporter`
     replaces the one the variables would pick (tests pass an InMemorySpanExporter);
     OTEL_SDK_DISABLED=true still turns everything off."""
@@ -143,8 +153,11 @@ _HEADER_GETTER = _CaseInsensitiveGetter()
 
 
 def _exporters_from_env() -> list[SpanExporter]:
-    names = [name.strip().lower()
-             for name in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if name.strip()]
+    names = [
+        name.strip().lower()
+        for name in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")
+        if name.strip()
+    ]
     exporters: list[SpanExporter] = []
     for name in names:
         if name == "none":
@@ -158,18 +171,23 @@ def _exporters_from_env() -> list[SpanExporter]:
             if otlp is not None:
                 exporters.append(otlp)
         else:
-            raise TracingConfigError(f"OTEL_TRACES_EXPORTER={name!r} is not supported; "
-                                     f"use otlp, console or none")
+            raise TracingConfigError(
+                f"OTEL_TRACES_EXPORTER={name!r} is not supported; use otlp, console or none"
+            )
     return exporters
 
 
 def _otlp_exporter_from_env() -> SpanExporter | None:
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    ):
         return None
-    protocol_var = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-                    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                    else "OTEL_EXPORTER_OTLP_PROTOCOL")
+    protocol_var = (
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        else "OTEL_EXPORTER_OTLP_PROTOCOL"
+    )
     protocol = os.environ.get(protocol_var, "").strip().lower() or "http/protobuf"
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -183,11 +201,13 @@ def _otlp_exporter_from_env() -> SpanExporter | None:
         except ImportError:
             raise TracingConfigError(
                 f"{protocol_var}=grpc needs the opentelemetry-exporter-otlp-proto-grpc "
-                f"package; install it or set {protocol_var}=http/protobuf") from None
+                f"package; install it or set {protocol_var}=http/protobuf"
+            ) from None
         grpc_exporter: SpanExporter = GrpcSpanExporter()
         return grpc_exporter
-    raise TracingConfigError(f"{protocol_var}={protocol!r} is not supported; "
-                             f"use http/protobuf or grpc")
+    raise TracingConfigError(
+        f"{protocol_var}={protocol!r} is not supported; use http/protobuf or grpc"
+    )
 
 
 def _resource(service_name: str) -> Any:
@@ -195,8 +215,12 @@ def _resource(service_name: str) -> Any:
 
     from_env = Resource.create()  # OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME
     # Every process of a server exports its own spans: name the process in each.
-    process = Resource({"process.pid": os.getpid(),
-                        "tandem.process": os.environ.get(PROCESS_NAME_ENV, "api_server_0")})
+    process = Resource(
+        {
+            "process.pid": os.getpid(),
+            "tandem.process": os.environ.get(PROCESS_NAME_ENV, "api_server_0"),
+        }
+    )
     configured = str(from_env.attributes.get("service.name", ""))
     if configured and not configured.startswith("unknown_service"):
         return from_env.merge(process)

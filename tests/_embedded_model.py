@@ -36,8 +36,9 @@ def installed_gguf_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-needs_embedded_model = pytest.mark.skipif(installed_gguf_path() is None,
-                                          reason=EMBEDDED_MODEL_MISSING)
+needs_embedded_model = pytest.mark.skipif(
+    installed_gguf_path() is None, reason=EMBEDDED_MODEL_MISSING
+)
 
 
 def embedded_gguf_path() -> str:

@@ -15,24 +15,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "actors", "gpu", "kernels", "telemetry", "benchmarks")
-LEAVES = {"actors/protocol/config.py": {"actors.protocol.speculative_config"},
-          "actors/protocol/speculative_config.py": set(),
-          "actors/protocol/model_source.py": set(),
-          "actors/protocol/structured_output.py": set(),
-          "actors/protocol/sampling_params.py": {"actors.protocol.structured_output"},
-          "actors/protocol/messages.py": {"actors.protocol.sampling_params",
-                                          "actors.protocol.structured_output"},
-          "actors/protocol/codec.py": {"actors.protocol.messages"}}
+LEAVES = {
+    "actors/protocol/config.py": {"actors.protocol.speculative_config"},
+    "actors/protocol/speculative_config.py": set(),
+    "actors/protocol/model_source.py": set(),
+    "actors/protocol/structured_output.py": set(),
+    "actors/protocol/sampling_params.py": {"actors.protocol.structured_output"},
+    "actors/protocol/messages.py": {
+        "actors.protocol.sampling_params",
+        "actors.protocol.structured_output",
+    },
+    "actors/protocol/codec.py": {"actors.protocol.messages"},
+}
 """Leaf module -> the project modules it may import (nothing else of the project)."""
-FRONT_END_MODULES = ("app.cli", "app.serve_cmd", "app.server", "app.server_state",
-                     "app.routes_openai", "app.routes_admin", "app.api_server_proc",
-                     "app.supervisor", "app.engine_connection", "app.tokenizer_loader",
-                     "actors.frontend.engine_client", "actors.frontend.admission",
-                     "actors.frontend.sampler", "actors.protocol.transport")
-SIDES = {"actors/protocol": ("actors.protocol", "telemetry"),
-         "actors/frontend": ("actors.protocol", "actors.frontend", "telemetry"),
-         "actors/core": ("actors.protocol", "actors.core", "gpu", "kernels", "telemetry"),
-         "gpu": ("actors.protocol", "gpu", "kernels", "telemetry")}
+FRONT_END_MODULES = (
+    "app.cli",
+    "app.serve_cmd",
+    "app.server",
+    "app.server_state",
+    "app.routes_openai",
+    "app.routes_admin",
+    "app.api_server_proc",
+    "app.supervisor",
+    "app.engine_connection",
+    "app.tokenizer_loader",
+    "actors.frontend.engine_client",
+    "actors.frontend.admission",
+    "actors.frontend.sampler",
+    "actors.protocol.transport",
+)
+SIDES = {
+    "actors/protocol": ("actors.protocol", "telemetry"),
+    "actors/frontend": ("actors.protocol", "actors.frontend", "telemetry"),
+    "actors/core": ("actors.protocol", "actors.core", "gpu", "kernels", "telemetry"),
+    "gpu": ("actors.protocol", "gpu", "kernels", "telemetry"),
+}
 """Package -> the only project packages its modules may import."""
 
 
@@ -40,8 +57,13 @@ def _project_imports(path: Path) -> set[str]:
     """Every project module `path` imports, at any depth of the file (lazy imports too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found.update(name for name in names if name.split(".")[0] in PACKAGES)
     return found
 
@@ -58,52 +80,81 @@ def test_config_and_protocol_are_leaf_modules(leaf: str) -> None:
 @pytest.mark.parametrize("package", sorted(SIDES))
 def test_packages_follow_the_process_boundary(package: str) -> None:
     allowed = SIDES[package]
-    offenders = {str(path.relative_to(ROOT)): sorted(imports) for path in _modules(package)
-                 if (imports := {m for m in _project_imports(path)
-                                 if not any(m == a or m.startswith(a + ".") for a in allowed)})}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imports)
+        for path in _modules(package)
+        if (
+            imports := {
+                m
+                for m in _project_imports(path)
+                if not any(m == a or m.startswith(a + ".") for a in allowed)
+            }
+        )
+    }
     assert not offenders
 
 
 def test_only_the_in_process_engine_joins_the_core_and_a_front_end() -> None:
-    joined = [str(path.relative_to(ROOT)) for path in _modules("actors")
-              if {m.split(".")[1] for m in _project_imports(path)
-                  if m.startswith("actors.") and m.count(".") >= 2} >= {"core", "frontend"}]
+    joined = [
+        str(path.relative_to(ROOT))
+        for path in _modules("actors")
+        if {
+            m.split(".")[1]
+            for m in _project_imports(path)
+            if m.startswith("actors.") and m.count(".") >= 2
+        }
+        >= {"core", "frontend"}
+    ]
     assert joined == ["actors/inprocess_engine.py"]
 
 
 def test_the_product_never_imports_the_benchmarks() -> None:
-    offenders = {str(path.relative_to(ROOT)): sorted(imports)
-                 for package in ("app", "actors", "gpu", "kernels", "telemetry")
-                 for path in _modules(package)
-                 if (imports := {m for m in _project_imports(path) if m.startswith("benchmarks")})}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imports)
+        for package in ("app", "actors", "gpu", "kernels", "telemetry")
+        for path in _modules(package)
+        if (imports := {m for m in _project_imports(path) if m.startswith("benchmarks")})
+    }
     assert not offenders
 
 
 @pytest.mark.parametrize("package", ["gpu", "kernels", "telemetry", "actors"])
 def test_the_engine_side_never_imports_the_front_end(package: str) -> None:
-    offenders = {str(path.relative_to(ROOT)): sorted(imports) for path in _modules(package)
-                 if (imports := {m for m in _project_imports(path)
-                                 if m.split(".")[0] in ("app", "benchmarks")})}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imports)
+        for path in _modules(package)
+        if (
+            imports := {
+                m for m in _project_imports(path) if m.split(".")[0] in ("app", "benchmarks")
+            }
+        )
+    }
     assert not offenders
 
 
 def test_kernels_import_none_of_the_packages() -> None:
-    offenders = {str(p.relative_to(ROOT)): sorted(i) for p in _modules("kernels")
-                 if (i := {m for m in _project_imports(p) if not m.startswith("kernels")})}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(i)
+        for p in _modules("kernels")
+        if (i := {m for m in _project_imports(p) if not m.startswith("kernels")})
+    }
     assert not offenders
 
 
 def test_the_front_end_does_not_import_torch() -> None:
     """Everything an API server loads to serve, and the command line itself; reading the
     tokenizer from a GGUF file loads no torch either."""
-    code = ("import sys\n"
-            + "".join(f"import {module}\n" for module in FRONT_END_MODULES)
-            + "app.cli.build_parser()\n"
-            + "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
-              "('torch', 'triton', 'gpu', 'kernels') or m == 'actors.core.engine_core')\n"
-            + "app.tokenizer_loader.load_tokenizer('default')\n"
-            + "heavy += sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
-            + "print(heavy)\nsys.exit(1 if heavy else 0)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        "import sys\n"
+        + "".join(f"import {module}\n" for module in FRONT_END_MODULES)
+        + "app.cli.build_parser()\n"
+        + "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'triton', 'gpu', 'kernels') or m == 'actors.core.engine_core')\n"
+        + "app.tokenizer_loader.load_tokenizer('default')\n"
+        + "heavy += sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        + "print(heavy)\nsys.exit(1 if heavy else 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -65,8 +65,10 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks with refcount 1; raises if the pool cannot supply them."""
         if num_blocks > self.num_allocatable_blocks:
-            raise ValueError(f"cannot allocate {num_blocks} blocks: only "
-                             f"{self.num_allocatable_blocks} of {self.num_blocks} are allocatable")
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: only "
+                f"{self.num_allocatable_blocks} of {self.num_blocks} are allocatable"
+            )
         block_ids: list[int] = []
         for _ in range(num_blocks):
             if self._free_block_ids:
@@ -125,27 +127,35 @@ class BlockPool:
         free = set(self._free_block_ids)
         evictable = set(self._evictable_block_ids)
         _require(len(free) == len(self._free_block_ids), "a block is twice in the free list")
-        _require(not free & evictable,
-                 f"blocks both free and evictable: {sorted(free & evictable)}")
+        _require(
+            not free & evictable, f"blocks both free and evictable: {sorted(free & evictable)}"
+        )
         num_in_use = sum(1 for count in self._ref_counts if count > 0)
-        _require(len(free) + len(evictable) + num_in_use == self.num_blocks,
-                 f"free {len(free)} + evictable {len(evictable)} + in use {num_in_use} "
-                 f"!= total {self.num_blocks}")
+        _require(
+            len(free) + len(evictable) + num_in_use == self.num_blocks,
+            f"free {len(free)} + evictable {len(evictable)} + in use {num_in_use} "
+            f"!= total {self.num_blocks}",
+        )
         for block_id in free:
-            _require(self._ref_counts[block_id] == 0 and self._block_hashes[block_id] is None,
-                     f"free block {block_id} has refcount {self._ref_counts[block_id]} "
-                     f"or a hash")
+            _require(
+                self._ref_counts[block_id] == 0 and self._block_hashes[block_id] is None,
+                f"free block {block_id} has refcount {self._ref_counts[block_id]} or a hash",
+            )
         for block_id in evictable:
-            _require(self._ref_counts[block_id] == 0 and self._block_hashes[block_id] is not None,
-                     f"evictable block {block_id} has refcount {self._ref_counts[block_id]} "
-                     f"or no hash")
+            _require(
+                self._ref_counts[block_id] == 0 and self._block_hashes[block_id] is not None,
+                f"evictable block {block_id} has refcount {self._ref_counts[block_id]} or no hash",
+            )
         for block_hash, block_id in self._cached_block_ids.items():
-            _require(self._block_hashes[block_id] == block_hash,
-                     f"cache index points at block {block_id}, which holds another hash")
+            _require(
+                self._block_hashes[block_id] == block_hash,
+                f"cache index points at block {block_id}, which holds another hash",
+            )
         num_hashed = sum(1 for block_hash in self._block_hashes if block_hash is not None)
-        _require(num_hashed == len(self._cached_block_ids),
-                 f"{num_hashed} blocks carry a hash but the index holds "
-                 f"{len(self._cached_block_ids)}")
+        _require(
+            num_hashed == len(self._cached_block_ids),
+            f"{num_hashed} blocks carry a hash but the index holds {len(self._cached_block_ids)}",
+        )
 
 
 def _require(ok: bool, message: str) -> None:

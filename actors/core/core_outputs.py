@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from actors.core.step_batch import StepResult
 from actors.protocol.messages import (
     AdmittedRequest,
     EngineCoreOutputs,
@@ -18,7 +19,6 @@ from actors.protocol.messages import (
     StepOutput,
     ToFrontEnd,
 )
-from actors.core.step_batch import StepResult
 
 Send = Callable[[int, ToFrontEnd], None]
 STATS_CLIENT = 0
@@ -29,10 +29,14 @@ class CoreOutputs:
     def __init__(self, send: Send) -> None:
         self._send = send
 
-    def step(self, out: StepOutput, result: StepResult,
-             admitted: Sequence[tuple[int, AdmittedRequest]] = (),
-             scheduler_stats: SchedulerStats | None = None,
-             prompt_clients: Sequence[int | None] = ()) -> None:
+    def step(
+        self,
+        out: StepOutput,
+        result: StepResult,
+        admitted: Sequence[tuple[int, AdmittedRequest]] = (),
+        scheduler_stats: SchedulerStats | None = None,
+        prompt_clients: Sequence[int | None] = (),
+    ) -> None:
         """Send one step's tokens, finishes, first admissions and prompt logprobs to their
         front ends (`prompt_clients`: the front end of each request in
         out.prompt_logprobs, None for one that is gone)."""
@@ -46,17 +50,26 @@ class CoreOutputs:
         for client in sorted(clients):
             indices = rows_by_client.get(client, [])
             tokens, counts, logprobs = _columns(out, result, indices)
-            self._send(client, EngineCoreOutputs(
-                step_id=out.step_id,
-                request_ids=tuple(result.requests[i].request_id for i in indices),
-                new_token_ids=tokens, num_new_tokens=counts, logprobs=logprobs,
-                prompt_logprobs=_prompt_rows(out.prompt_logprobs, prompts.get(client)),
-                num_draft_tokens=(np.asarray([result.num_drafts[i] for i in indices], np.int32)
-                                  if result.num_drafts else None),
-                finished=tuple(finished.get(client, ())),
-                admitted=tuple(admissions.get(client, ())),
-                step_stats=out.stats if client == STATS_CLIENT else None,
-                scheduler_stats=scheduler_stats if client == STATS_CLIENT else None))
+            self._send(
+                client,
+                EngineCoreOutputs(
+                    step_id=out.step_id,
+                    request_ids=tuple(result.requests[i].request_id for i in indices),
+                    new_token_ids=tokens,
+                    num_new_tokens=counts,
+                    logprobs=logprobs,
+                    prompt_logprobs=_prompt_rows(out.prompt_logprobs, prompts.get(client)),
+                    num_draft_tokens=(
+                        np.asarray([result.num_drafts[i] for i in indices], np.int32)
+                        if result.num_drafts
+                        else None
+                    ),
+                    finished=tuple(finished.get(client, ())),
+                    admitted=tuple(admissions.get(client, ())),
+                    step_stats=out.stats if client == STATS_CLIENT else None,
+                    scheduler_stats=scheduler_stats if client == STATS_CLIENT else None,
+                ),
+            )
 
     def finish(self, finishes: Sequence[tuple[int, RequestFinish]]) -> None:
         """Requests that ended outside a step (refused on arrival, aborted at shutdown)."""
@@ -64,8 +77,9 @@ class CoreOutputs:
             self._send(client, EngineCoreOutputs(step_id=-1, finished=tuple(client_finishes)))
 
 
-def _columns(out: StepOutput, result: StepResult, indices: list[int]
-             ) -> tuple[np.ndarray, np.ndarray | None, LogprobsArrays | None]:
+def _columns(
+    out: StepOutput, result: StepResult, indices: list[int]
+) -> tuple[np.ndarray, np.ndarray | None, LogprobsArrays | None]:
     """The new tokens (request-major), their counts (None: one each) and logprobs of the
     requests at `indices` of the result."""
     one_each = out.num_sampled_tokens is None
@@ -77,15 +91,19 @@ def _columns(out: StepOutput, result: StepResult, indices: list[int]
         counts = None
     else:
         counts = np.asarray([result.num_tokens[i] for i in indices], dtype=np.int32)
-        rows = np.concatenate([np.arange(result.rows[i], result.rows[i] + result.num_tokens[i])
-                               for i in indices]) if indices else np.zeros(0, np.int64)
+        rows = (
+            np.concatenate(
+                [np.arange(result.rows[i], result.rows[i] + result.num_tokens[i]) for i in indices]
+            )
+            if indices
+            else np.zeros(0, np.int64)
+        )
     tokens = out.sampled_token_ids[rows].astype(np.int32, copy=False)
     logprobs = out.logprobs.take(rows) if out.logprobs is not None else None
     return tokens, counts, logprobs
 
 
-def _prompt_rows(prompt: PromptLogprobs | None, indices: list[int] | None
-                 ) -> PromptLogprobs | None:
+def _prompt_rows(prompt: PromptLogprobs | None, indices: list[int] | None) -> PromptLogprobs | None:
     if prompt is None or not indices:
         return None
     return prompt if len(indices) == len(prompt.request_ids) else prompt.take(indices)

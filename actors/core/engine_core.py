@@ -64,10 +64,17 @@ _WARMUP_TIMEOUT_S = 600.0
 
 
 class EngineCore:
-    def __init__(self, worker: ModelWorker, runner: RunnerChoice, endpoint: CoreEndpoint,
-                 config: EngineConfig | None = None, *,
-                 max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
-                 started_at: float | None = None, known_clients: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        worker: ModelWorker,
+        runner: RunnerChoice,
+        endpoint: CoreEndpoint,
+        config: EngineConfig | None = None,
+        *,
+        max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
+        started_at: float | None = None,
+        known_clients: set[int] | None = None,
+    ) -> None:
         """`runner`: the runner the startup rules chose. `config` may narrow the worker's
         (scheduling limits, a smaller KV pool); the model, device and block size are the
         worker's. After `max_consecutive_failed_steps` failed steps in a row the core is
@@ -77,35 +84,44 @@ class EngineCore:
         self.worker, self.config, self.runner_choice = worker, config, runner
         self.endpoint = endpoint
         self._started_at = time.perf_counter() if started_at is None else started_at
-        self.num_kv_blocks = min(config.num_kv_blocks or worker.kv_spec.num_blocks,
-                                 worker.kv_spec.num_blocks)
+        self.num_kv_blocks = min(
+            config.num_kv_blocks or worker.kv_spec.num_blocks, worker.kv_spec.num_blocks
+        )
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
         self.gpu_actor = GPUActor(self._make_runner(worker, runner, config))
-        self.scheduler = _make_scheduler(worker, config, self.num_kv_blocks,
-                                         self.gpu_actor.max_steps_in_flight)
-        self.engine_loop = EngineLoop(self.scheduler, self.gpu_actor, CoreOutputs(self._send),
-                                      self.step_health)
+        self.scheduler = _make_scheduler(
+            worker, config, self.num_kv_blocks, self.gpu_actor.max_steps_in_flight
+        )
+        self.engine_loop = EngineLoop(
+            self.scheduler, self.gpu_actor, CoreOutputs(self._send), self.step_health
+        )
         self.ready: EngineReady | None = None
         self._clients: set[int] = set(known_clients or ())
         self._internal_finished: dict[str, anyio.Event] = {}
         self._stop = anyio.Event()
 
-    def _make_runner(self, worker: ModelWorker, choice: RunnerChoice,
-                     config: EngineConfig) -> Runner:
+    def _make_runner(
+        self, worker: ModelWorker, choice: RunnerChoice, config: EngineConfig
+    ) -> Runner:
         if choice.runner == "v1":
             return ModelRunnerV1(worker, config)
         tp_leader = getattr(worker, "tp_leader", None)
         if tp_leader is None:
             return ModelRunnerV2(worker, config)
         loop = asyncio.get_running_loop()  # a failed rank kills the engine at once, even idle
-        tp_leader.on_failure(lambda reason: loop.call_soon_threadsafe(
-            self.step_health.declare_dead, reason))
+        tp_leader.on_failure(
+            lambda reason: loop.call_soon_threadsafe(self.step_health.declare_dead, reason)
+        )
         return TPRunnerV2(worker, config)
 
     # ---- the loop ---------------------------------------------------------------------
 
-    async def run(self, *, warm_up: bool = False,
-                  task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        *,
+        warm_up: bool = False,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Run the GPU actor and the engine loop, warm up, answer the endpoint until
         Shutdown (or until the endpoint closes), then abort what is left and stop in
         order."""
@@ -162,17 +178,30 @@ class EngineCore:
     def _announce_ready(self) -> None:
         worker, choice = self.worker, self.runner_choice
         self.ready = EngineReady(
-            model_source=worker.model_source, architecture=worker.model_config.architecture,
-            max_model_len=worker.max_model_len, vocab_size=worker.model_config.vocab_size,
-            block_size=self.config.block_size, num_kv_blocks=self.num_kv_blocks,
+            model_source=worker.model_source,
+            architecture=worker.model_config.architecture,
+            max_model_len=worker.max_model_len,
+            vocab_size=worker.model_config.vocab_size,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.num_kv_blocks * worker.kv_spec.bytes_per_block,
-            max_num_seqs=self.config.max_num_seqs, runner=choice.runner,
-            runner_reason=choice.reason, runner_rule=str(getattr(choice, "rule", "")),
-            device=str(worker.device), startup_s=round(time.perf_counter() - self._started_at, 3),
-            pid=os.getpid())
-        log_startup(log, config=self.config, device=str(worker.device), runner=choice,
-                    num_kv_blocks=self.num_kv_blocks, block_size=self.config.block_size,
-                    kv_cache_bytes=self.ready.kv_cache_bytes)
+            max_num_seqs=self.config.max_num_seqs,
+            runner=choice.runner,
+            runner_reason=choice.reason,
+            runner_rule=str(getattr(choice, "rule", "")),
+            device=str(worker.device),
+            startup_s=round(time.perf_counter() - self._started_at, 3),
+            pid=os.getpid(),
+        )
+        log_startup(
+            log,
+            config=self.config,
+            device=str(worker.device),
+            runner=choice,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+            kv_cache_bytes=self.ready.kv_cache_bytes,
+        )
         log.info("engine_ready", runner=choice.runner, startup_s=self.ready.startup_s)
         for client in self._clients:
             self.endpoint.send(client, self.ready)
@@ -208,18 +237,26 @@ class EngineCore:
 
     async def _warm_up(self) -> None:
         started = time.perf_counter()
-        waves = warmup_requests(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                self.worker.max_model_len, self.worker.model_config.vocab_size)
+        waves = warmup_requests(
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.worker.max_model_len,
+            self.worker.model_config.vocab_size,
+        )
         with anyio.fail_after(_WARMUP_TIMEOUT_S):
             for wave in waves:
-                events = [self._internal_finished.setdefault(r.request_id, anyio.Event())
-                          for r in wave]
+                events = [
+                    self._internal_finished.setdefault(r.request_id, anyio.Event()) for r in wave
+                ]
                 for request in wave:
                     self.engine_loop.tell(request)
                 for event in events:
                     await event.wait()
-        log.info("engine_warmed_up", num_waves=len(waves),
-                 warmup_s=round(time.perf_counter() - started, 3))
+        log.info(
+            "engine_warmed_up",
+            num_waves=len(waves),
+            warmup_s=round(time.perf_counter() - started, 3),
+        )
 
     def _on_internal_output(self, message: ToFrontEnd) -> None:
         if isinstance(message, EngineCoreOutputs):
@@ -242,16 +279,26 @@ def _start(tg: anyio.abc.TaskGroup, run: Callable[[], Awaitable[None]]) -> anyio
     return done
 
 
-def _make_scheduler(worker: ModelWorker, config: EngineConfig, num_kv_blocks: int,
-                    max_steps_in_flight: int) -> Scheduler:
-    kv = KVCacheManager(num_blocks=num_kv_blocks, block_size=config.block_size,
-                        enable_prefix_caching=config.enable_prefix_caching)
+def _make_scheduler(
+    worker: ModelWorker, config: EngineConfig, num_kv_blocks: int, max_steps_in_flight: int
+) -> Scheduler:
+    kv = KVCacheManager(
+        num_blocks=num_kv_blocks,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
     spec = config.speculative_config
     scheduler_config = SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=worker.max_model_len, block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=worker.max_model_len,
+        block_size=config.block_size,
         max_steps_in_flight=max_steps_in_flight,
-        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
-    grammars = GrammarState(worker.model_config.vocab_size, max_steps_in_flight,
-                            allocate_buffer=mask_buffer_allocator(worker.device))
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+    )
+    grammars = GrammarState(
+        worker.model_config.vocab_size,
+        max_steps_in_flight,
+        allocate_buffer=mask_buffer_allocator(worker.device),
+    )
     return Scheduler(scheduler_config, kv, grammars)

@@ -49,30 +49,36 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     from telemetry.logging import configure_logging
 
-    configure_logging(json=args.log_format == "json", level=args.log_level,
-                      process_name="engine_core")
+    configure_logging(
+        json=args.log_format == "json", level=args.log_level, process_name="engine_core"
+    )
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
-    return event_loop.run(_serve, config, args.address, read_secret(),
-                          args.max_consecutive_failed_steps)
+    return event_loop.run(
+        _serve, config, args.address, read_secret(), args.max_consecutive_failed_steps
+    )
 
 
-async def _serve(config: EngineConfig, address: str, secret: bytes,
-                 max_consecutive_failed_steps: int) -> int:
+async def _serve(
+    config: EngineConfig, address: str, secret: bytes, max_consecutive_failed_steps: int
+) -> int:
     started = time.perf_counter()
     endpoint = ZmqCoreEndpoint(address, secret)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_send_heartbeats, endpoint)
-            exit_code = await _load_and_run(config, endpoint, started,
-                                            max_consecutive_failed_steps)
+            exit_code = await _load_and_run(config, endpoint, started, max_consecutive_failed_steps)
             tg.cancel_scope.cancel()
         return exit_code
     finally:
         endpoint.close()
 
 
-async def _load_and_run(config: EngineConfig, endpoint: ZmqCoreEndpoint, started: float,
-                        max_consecutive_failed_steps: int) -> int:
+async def _load_and_run(
+    config: EngineConfig,
+    endpoint: ZmqCoreEndpoint,
+    started: float,
+    max_consecutive_failed_steps: int,
+) -> int:
     clients: set[int] = set()
     shutdown = anyio.Event()
     failure: Exception | None = None
@@ -90,9 +96,15 @@ async def _load_and_run(config: EngineConfig, endpoint: ZmqCoreEndpoint, started
     from actors.core.engine_core import EngineCore
 
     try:
-        core = EngineCore(loaded.worker, loaded.runner, endpoint, config,
-                          max_consecutive_failed_steps=max_consecutive_failed_steps,
-                          started_at=started, known_clients=clients)
+        core = EngineCore(
+            loaded.worker,
+            loaded.runner,
+            endpoint,
+            config,
+            max_consecutive_failed_steps=max_consecutive_failed_steps,
+            started_at=started,
+            known_clients=clients,
+        )
         await core.run(warm_up=loaded.worker.device.type == "cuda")
     finally:
         loaded.worker.close()  # tensor-parallel workers stop with the core
@@ -109,8 +121,9 @@ async def _send_heartbeats(endpoint: ZmqCoreEndpoint) -> None:
         await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
 
-async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
-                               shutdown: anyio.Event) -> None:
+async def _greet_while_loading(
+    endpoint: ZmqCoreEndpoint, clients: set[int], shutdown: anyio.Event
+) -> None:
     """Note who connects while the model loads; nothing else can arrive before ready."""
     while True:
         try:
@@ -123,7 +136,7 @@ async def _greet_while_loading(endpoint: ZmqCoreEndpoint, clients: set[int],
             shutdown.set()
 
 
-def _load(config: EngineConfig):  # type: ignore[no-untyped-def]
+def _load(config: EngineConfig):
     from actors.core.engine_startup import load_engine
 
     return load_engine(config)
@@ -145,9 +158,10 @@ async def _report_failure(endpoint: ZmqCoreEndpoint, clients: set[int], exc: Exc
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m actors.core.engine_core_proc",
-                                     description="tandem's engine core process (started by "
-                                                 "`tandem serve`)")
+    parser = argparse.ArgumentParser(
+        prog="python -m actors.core.engine_core_proc",
+        description="tandem's engine core process (started by `tandem serve`)",
+    )
     parser.add_argument("--address", required=True, help="ZMQ address to bind (ipc://...)")
     parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
     parser.add_argument("--max-consecutive-failed-steps", type=int, default=5)

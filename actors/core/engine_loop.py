@@ -56,8 +56,13 @@ InFlight = deque[tuple[SchedulerOutput, asyncio.Future[StepOutput]]]
 class EngineLoop(Actor[ToEngineLoop]):
     name = "engine_loop"
 
-    def __init__(self, scheduler: Scheduler, gpu: GPUActor, outputs: CoreOutputs,
-                 step_health: StepFailureMonitor) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        gpu: GPUActor,
+        outputs: CoreOutputs,
+        step_health: StepFailureMonitor,
+    ) -> None:
         super().__init__()
         self.scheduler = scheduler
         self._gpu = gpu
@@ -108,8 +113,9 @@ class EngineLoop(Actor[ToEngineLoop]):
         prompt_clients = self._prompt_logprobs_clients(out)
         result = self.scheduler.update_from_step(out)
         self._fill_ready_masks(result)
-        self._outputs.step(out, result, self._admitted_by_step.pop(out.step_id, ()),
-                           self.stats(), prompt_clients)
+        self._outputs.step(
+            out, result, self._admitted_by_step.pop(out.step_id, ()), self.stats(), prompt_clients
+        )
 
     def _release_drains(self, in_flight: InFlight) -> None:
         if self._drain_events and not in_flight:
@@ -131,9 +137,13 @@ class EngineLoop(Actor[ToEngineLoop]):
             case GrammarCompiled():
                 self._grammar_compiled(message)
             case AbortClient():
-                self.scheduler.abort_requests([
-                    r.request_id for r in self.scheduler.unfinished_requests()
-                    if r.client_index == message.client_index])
+                self.scheduler.abort_requests(
+                    [
+                        r.request_id
+                        for r in self.scheduler.unfinished_requests()
+                        if r.client_index == message.client_index
+                    ]
+                )
             case GetSchedulerStats():
                 self.scheduler.free_finished_blocks()  # finishes since the last step count
                 self.scheduler.kv_usage = self.scheduler.kv.stats()
@@ -152,12 +162,14 @@ class EngineLoop(Actor[ToEngineLoop]):
             compiling = self.scheduler.add_request(request)
         except ValueError as exc:  # refused here: the request's stream must still end
             log.warning("request_refused", request_id=request.request_id, error=str(exc))
-            self._outputs.finish([(request.client_index,
-                                   RequestFinish(request.request_id, "error", error=str(exc)))])
+            self._outputs.finish(
+                [(request.client_index, RequestFinish(request.request_id, "error", error=str(exc)))]
+            )
             return
         if compiling is not None:  # the compile thread's answer comes back as a message
-            self._when_compiled(compiling, GrammarCompiled(request.request_id,
-                                                           request.client_index, compiling))
+            self._when_compiled(
+                compiling, GrammarCompiled(request.request_id, request.client_index, compiling)
+            )
 
     def _when_compiled(self, compiling: Future[Any], message: GrammarCompiled) -> None:
         loop = asyncio.get_running_loop()
@@ -179,8 +191,9 @@ class EngineLoop(Actor[ToEngineLoop]):
     def _abort_all(self) -> None:
         requests = self.scheduler.unfinished_requests()
         self.scheduler.abort_requests([r.request_id for r in requests])
-        self._outputs.finish([(r.client_index, RequestFinish(r.request_id, "abort"))
-                              for r in requests])
+        self._outputs.finish(
+            [(r.client_index, RequestFinish(r.request_id, "abort")) for r in requests]
+        )
 
     # ---- what a step's outputs carry ------------------------------------------------------
 
@@ -206,9 +219,17 @@ class EngineLoop(Actor[ToEngineLoop]):
             request = self.scheduler.get_request(new.request_id)
             if request is None or request.num_preemptions or request.first_scheduled_time is None:
                 continue
-            admitted.append((request.client_index, AdmittedRequest(
-                new.request_id, max(request.num_cached_tokens, 0), request.queued_time,
-                request.first_scheduled_time)))
+            admitted.append(
+                (
+                    request.client_index,
+                    AdmittedRequest(
+                        new.request_id,
+                        max(request.num_cached_tokens, 0),
+                        request.queued_time,
+                        request.first_scheduled_time,
+                    ),
+                )
+            )
         if admitted:
             self._admitted_by_step[sched.step_id] = admitted
 
@@ -217,10 +238,13 @@ class EngineLoop(Actor[ToEngineLoop]):
         scheduler = self.scheduler
         kv = scheduler.kv_usage or scheduler.kv.stats()
         return SchedulerStats(
-            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
             num_preemptions_total=scheduler.num_preemptions_total,
-            num_total_kv_blocks=kv.num_total_blocks, num_free_kv_blocks=kv.num_free_blocks,
+            num_total_kv_blocks=kv.num_total_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
             kv_usage_perc=kv.usage_perc,
             prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
-            num_free_rows=self._gpu.runner.num_free_rows)
+            num_free_rows=self._gpu.runner.num_free_rows,
+        )

@@ -38,8 +38,9 @@ def selection_input(config: EngineConfig, architecture: str) -> RunnerSelectionI
         tensor_parallel_size=config.tensor_parallel_size,
         compilation_mode="stock_torch_compile" if config.compile_level > 0 else "none",
         custom_logits_processors=config.logits_processors,
-        speculative_method=(None if config.speculative_config is None
-                            else config.speculative_config.method),
+        speculative_method=(
+            None if config.speculative_config is None else config.speculative_config.method
+        ),
     )
 
 
@@ -80,8 +81,9 @@ def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
     """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading
     weights: V1 runs on one device, so a selection that lands on V1 is refused here."""
     model = read_model_config(config.model)
-    validate_tensor_parallel(config.tensor_parallel_size, model, platform.device_type,
-                             config.device)
+    validate_tensor_parallel(
+        config.tensor_parallel_size, model, platform.device_type, config.device
+    )
     select_runner(selection_input(config, model.architecture), platform)
 
 
@@ -91,7 +93,9 @@ def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
         raise ValueError("a reused model must keep the same model and block size")
     check_before_load(config, loaded.platform)
     runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
-    return LoadedEngine(config=config, platform=loaded.platform, runner=runner, worker=loaded.worker)
+    return LoadedEngine(
+        config=config, platform=loaded.platform, runner=runner, worker=loaded.worker
+    )
 
 
 def load_errors() -> tuple[type[BaseException], ...]:
@@ -104,6 +108,14 @@ def load_errors() -> tuple[type[BaseException], ...]:
     from gpu.runner_selection import RunnerSelectionError
     from gpu.worker import WorkerConfigError
 
-    return (SamplingParamsError, ConfigError, UnsupportedModelError, RunnerSelectionError,
-            ModelLoadError, WorkerConfigError, TensorParallelError, SpeculativeConfigError,
-            LogitsProcessorLoadError)
+    return (
+        SamplingParamsError,
+        ConfigError,
+        UnsupportedModelError,
+        RunnerSelectionError,
+        ModelLoadError,
+        WorkerConfigError,
+        TensorParallelError,
+        SpeculativeConfigError,
+        LogitsProcessorLoadError,
+    )

@@ -35,7 +35,8 @@ class GPUActor:
         self.runner = runner
         self.name = f"gpu_{runner.name}"
         self._to_launch: queue.SimpleQueue[tuple[SchedulerOutput, Done] | None] = (
-            queue.SimpleQueue())
+            queue.SimpleQueue()
+        )
         """Steps to launch, in order; None stops the threads."""
         self._launched: queue.SimpleQueue[tuple[LaunchedStep, Done] | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -78,8 +79,9 @@ class GPUActor:
             self.runner.close()
 
     def _run_threads(self) -> None:
-        completer = threading.Thread(target=self._complete_loop, name="tandem-gpu-complete",
-                                     daemon=True)
+        completer = threading.Thread(
+            target=self._complete_loop, name="tandem-gpu-complete", daemon=True
+        )
         completer.start()
         try:
             self._launch_loop()
@@ -111,15 +113,18 @@ class GPUActor:
         step's own requests are named again once they fail."""
         if self._rows_to_free:
             sched = msgspec.structs.replace(
-                sched, finished_request_ids=sched.finished_request_ids | self._rows_to_free)
+                sched, finished_request_ids=sched.finished_request_ids | self._rows_to_free
+            )
             self._rows_to_free = frozenset()
         try:
             return self.runner.execute(sched)
         except Exception as exc:  # noqa: BLE001 - a failed step must not kill the engine
             re_added = {new.request_id for new in sched.new_requests}
             self._rows_to_free = sched.finished_request_ids - re_added
-            return ReadyStep(failed_step(sched.step_id, sched.scheduled_request_ids, exc),
-                             sched.scheduled_request_ids)
+            return ReadyStep(
+                failed_step(sched.step_id, sched.scheduled_request_ids, exc),
+                sched.scheduled_request_ids,
+            )
 
 
 def _resolve(done: Done, out: StepOutput) -> None:
@@ -132,9 +137,15 @@ def failed_step(step_id: int, request_ids: tuple[str, ...], exc: BaseException) 
     error its requests end with reaches their clients, so it names no internals (the log has
     them)."""
     log.error("step_failed", step_id=step_id, error=repr(exc), exc_info=exc)
-    return StepOutput(step_id=step_id, request_ids=(), sampled_token_ids=np.zeros(0, np.int64),
-                      logprobs=None,
-                      stats=StepStats(step_id=step_id, num_reqs=len(request_ids), num_tokens=0,
-                                      num_prefill_tokens=0),
-                      error=f"the engine failed to run step {step_id} ({type(exc).__name__}); "
-                            "the server log has the details", failed_request_ids=request_ids)
+    return StepOutput(
+        step_id=step_id,
+        request_ids=(),
+        sampled_token_ids=np.zeros(0, np.int64),
+        logprobs=None,
+        stats=StepStats(
+            step_id=step_id, num_reqs=len(request_ids), num_tokens=0, num_prefill_tokens=0
+        ),
+        error=f"the engine failed to run step {step_id} ({type(exc).__name__}); "
+        "the server log has the details",
+        failed_request_ids=request_ids,
+    )

@@ -77,7 +77,8 @@ def grammar_definition(spec: StructuredOutputSpec) -> str:
             check_json_schema(schema)
             options: Any = dict(_JSON_LAYOUT) if spec.strict else {**_JSON_LAYOUT, "lenient": True}
             return llguidance.LLMatcher.grammar_from_json_schema(
-                schema if isinstance(schema, dict) else spec.text, overrides=options)
+                schema if isinstance(schema, dict) else spec.text, overrides=options
+            )
         if spec.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(_choice_lark(json.loads(spec.text)))
         if spec.kind == "grammar":
@@ -96,21 +97,22 @@ def _choice_lark(choices: list[str]) -> str:
     return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
-def check_spec(spec: StructuredOutputSpec, tokenizer: llguidance.LLTokenizer | None = None
-               ) -> str:
+def check_spec(spec: StructuredOutputSpec, tokenizer: llguidance.LLTokenizer | None = None) -> str:
     """The checked grammar definition of `spec`; raises GrammarError naming the problem.
     Call it on a compile thread (CompileThreads): the library recurses natively while it
     compiles."""
     definition = grammar_definition(spec)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        definition, tokenizer, limits=_PARSER_LIMITS)
+        definition, tokenizer, limits=_PARSER_LIMITS
+    )
     if is_error:
         raise GrammarError(short_error(messages[0].strip()))
     return definition
 
 
-def compile_matcher(tokenizer: llguidance.LLTokenizer, spec: StructuredOutputSpec
-                    ) -> llguidance.LLMatcher:
+def compile_matcher(
+    tokenizer: llguidance.LLTokenizer, spec: StructuredOutputSpec
+) -> llguidance.LLMatcher:
     """A pristine matcher for `spec`; raises GrammarError naming the problem. On a compile
     thread, as check_spec (whose checks the matcher makes too: one compile, not two)."""
     definition = grammar_definition(spec)
@@ -151,8 +153,9 @@ class CompileThreads:
             previous = threading.stack_size(COMPILE_STACK_BYTES)
             try:
                 for index in range(self._num_threads):
-                    threading.Thread(target=self._run, name=f"{self._name}-{index}",
-                                     daemon=True).start()
+                    threading.Thread(
+                        target=self._run, name=f"{self._name}-{index}", daemon=True
+                    ).start()
             finally:
                 threading.stack_size(previous)
 
@@ -194,8 +197,10 @@ class GrammarMatcher:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (a draft token that was rejected)."""
         if not self._matcher.rollback(num_tokens):
-            raise GrammarError(f"cannot roll back {num_tokens} tokens: "
-                               f"{self._matcher.get_error() or 'not that many accepted'}")
+            raise GrammarError(
+                f"cannot roll back {num_tokens} tokens: "
+                f"{self._matcher.get_error() or 'not that many accepted'}"
+            )
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` ([num_rows, num_words] int32)."""
@@ -220,13 +225,19 @@ class GrammarCompiler:
     """Compiles specs against one tokenizer, caching the pristine matcher of each spec so a
     repeated spec (the same tools, the same schema) costs one copy."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
         """`tokenizer_json`: a `tokenizers` tokenizer.json; `vocab_size`: rows of the model's
         logits (may exceed the tokenizer's, padding is never allowed)."""
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
         self._cache: OrderedDict[StructuredOutputSpec, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the core thread copies while a compile thread adds
@@ -255,8 +266,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return GrammarMatcher(pristine.deep_copy())
 
-    def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]],
-                      bitmask: np.ndarray) -> None:
+    def fill_bitmasks(
+        self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray
+    ) -> None:
         """Fill `bitmask[row]` for each (matcher, row), in parallel threads (the GIL is
         released)."""
         pairs = [(matcher._matcher, row) for matcher, row in rows]

@@ -33,8 +33,11 @@ COMPILE_STACK_BYTES = 256 << 20
 checker alike). At MAX_SCHEMA_DEPTH / MAX_GRAMMAR_RULES a compile needs a few MiB; only
 the pages touched are ever committed."""
 
-_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)[ \t]*(?:\.[ \t]*-?[0-9]+)?"
-                              r"[ \t]*(?:\{[^}\n]*\})?[ \t]*:", re.MULTILINE)
+_RULE_DEFINITION = re.compile(
+    r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)[ \t]*(?:\.[ \t]*-?[0-9]+)?"
+    r"[ \t]*(?:\{[^}\n]*\})?[ \t]*:",
+    re.MULTILINE,
+)
 _LARK_LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*|//[^\n]*')
 
 
@@ -53,11 +56,14 @@ def check_json_schema(schema: Any) -> None:
                 if isinstance(branches, list) and len(branches) > MAX_ALTERNATIVES:
                     raise GrammarLimitError(
                         f"'{keyword}' has {len(branches)} alternatives; at most "
-                        f"{MAX_ALTERNATIVES} are allowed")
+                        f"{MAX_ALTERNATIVES} are allowed"
+                    )
     depth = _expanded_depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        raise GrammarLimitError(f"the schema nests {depth} levels deep with its $refs "
-                                f"followed; at most {MAX_SCHEMA_DEPTH} are allowed")
+        raise GrammarLimitError(
+            f"the schema nests {depth} levels deep with its $refs "
+            f"followed; at most {MAX_SCHEMA_DEPTH} are allowed"
+        )
 
 
 def check_lark_grammar(text: str) -> None:
@@ -66,14 +72,18 @@ def check_lark_grammar(text: str) -> None:
     code = _LARK_LITERAL.sub('""', text)  # a '|' or ':' inside a literal is not syntax
     starts = [match.start() for match in _RULE_DEFINITION.finditer(code)]
     if len(starts) > MAX_GRAMMAR_RULES:
-        raise GrammarLimitError(f"the grammar defines {len(starts)} rules and terminals; at "
-                                f"most {MAX_GRAMMAR_RULES} are allowed")
+        raise GrammarLimitError(
+            f"the grammar defines {len(starts)} rules and terminals; at "
+            f"most {MAX_GRAMMAR_RULES} are allowed"
+        )
     for start, end in zip(starts, [*starts[1:], len(code)]):
         num_alternatives = code.count("|", start, end) + 1
         if num_alternatives > MAX_ALTERNATIVES:
             name = _RULE_DEFINITION.match(code, start).group(1)  # type: ignore[union-attr]
-            raise GrammarLimitError(f"rule '{name}' has {num_alternatives} alternatives; at "
-                                    f"most {MAX_ALTERNATIVES} are allowed")
+            raise GrammarLimitError(
+                f"rule '{name}' has {num_alternatives} alternatives; at "
+                f"most {MAX_ALTERNATIVES} are allowed"
+            )
 
 
 def _containers(value: Any) -> Iterator[Any]:
@@ -123,8 +133,7 @@ def _expanded_depth(root: Any) -> int:
             continue
         stack.pop()
         on_path.discard(id(node))
-        depth[id(node)] = 1 + max((depth.get(id(c), 0) for c in _children(node, root)),
-                                  default=0)
+        depth[id(node)] = 1 + max((depth.get(id(c), 0) for c in _children(node, root)), default=0)
     return depth.get(id(root), 0)
 
 

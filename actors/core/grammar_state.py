@@ -83,8 +83,12 @@ def _allocate(num_rows: int, num_words: int) -> np.ndarray:
 
 
 class GrammarState:
-    def __init__(self, vocab_size: int, max_steps_in_flight: int = 2,
-                 allocate_buffer: Callable[[int, int], np.ndarray] = _allocate) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_steps_in_flight: int = 2,
+        allocate_buffer: Callable[[int, int], np.ndarray] = _allocate,
+    ) -> None:
         """`vocab_size`: the model's logits width (masks cover it whole);
         `max_steps_in_flight`: the scheduler's bound (masks alive at once);
         `allocate_buffer(num_rows, num_words)`: an int32 mask buffer (the runner's, which
@@ -106,8 +110,11 @@ class GrammarState:
         """Compile against this tokenizer from now on (the first front end's wins: every
         front end serves the same model)."""
         if self._compiler is None:
-            self._compiler = self._compile_threads.submit(functools.partial(
-                GrammarCompiler, vocab.tokenizer_json, self.vocab_size, vocab.eos_token_ids))
+            self._compiler = self._compile_threads.submit(
+                functools.partial(
+                    GrammarCompiler, vocab.tokenizer_json, self.vocab_size, vocab.eos_token_ids
+                )
+            )
             self._compiler.add_done_callback(_log_vocab_refused)
 
     def compile(self, params: SamplingParams) -> Future[GrammarMatcher]:
@@ -119,8 +126,9 @@ class GrammarState:
         assert spec is not None
         compiler = self._compiler
         if compiler is None:
-            raise GrammarError("structured outputs need the model's tokenizer, and the front "
-                               "end sent none")
+            raise GrammarError(
+                "structured outputs need the model's tokenizer, and the front end sent none"
+            )
         if compiler.done() and compiler.exception() is None:
             matcher = compiler.result().cached_matcher(spec)
             if matcher is not None:
@@ -129,8 +137,9 @@ class GrammarState:
                 return done
         return self._compile_threads.submit(lambda: _usable(compiler).matcher(spec))
 
-    def plan_step(self, step_id: int, rows: Sequence[tuple[int, Request]]
-                  ) -> tuple[GrammarBitmask | None, bool]:
+    def plan_step(
+        self, step_id: int, rows: Sequence[tuple[int, Request]]
+    ) -> tuple[GrammarBitmask | None, bool]:
         """(mask, deferred) of a step just scheduled, whose (batch index, request) rows
         sample under a grammar (their placeholders for this step already counted): the
         mask now when every matcher is up to date, else deferred (see `ready_masks`)."""
@@ -162,8 +171,7 @@ class GrammarState:
             else:
                 live.append((request.grammar, i))
         indices = np.fromiter((index for index, _ in rows), dtype=np.int32, count=len(rows))
-        return PendingMask(self._compiler.result(), live, GrammarBitmask(indices, bitmask),
-                           filled)
+        return PendingMask(self._compiler.result(), live, GrammarBitmask(indices, bitmask), filled)
 
     def _buffer(self, num_rows: int) -> tuple[np.ndarray, threading.Event]:
         """A [num_rows, num_words] int32 buffer from a ring of reused ones, and the event its
@@ -191,8 +199,9 @@ class GrammarState:
         mask prevents)."""
         matcher: GrammarMatcher = request.grammar
         if not matcher.accept_token(token_id):
-            return RequestFinish(request.request_id, "error",
-                                 error=f"the output left its grammar: {matcher.error}")
+            return RequestFinish(
+                request.request_id, "error", error=f"the output left its grammar: {matcher.error}"
+            )
         if matcher.is_terminated:
             return RequestFinish(request.request_id, "stop")
         return None
@@ -203,8 +212,10 @@ def _usable(compiler: Future[GrammarCompiler]) -> GrammarCompiler:
     try:
         return compiler.result()
     except Exception as exc:  # noqa: BLE001 - every constrained request is refused with it
-        raise GrammarError(f"structured outputs are unavailable: the grammar library cannot "
-                           f"use the model's tokenizer ({type(exc).__name__}: {exc})") from exc
+        raise GrammarError(
+            f"structured outputs are unavailable: the grammar library cannot "
+            f"use the model's tokenizer ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _log_vocab_refused(compiler: Future[GrammarCompiler]) -> None:
@@ -214,8 +225,7 @@ def _log_vocab_refused(compiler: Future[GrammarCompiler]) -> None:
 
 def _is_up_to_date(rows: Sequence[tuple[int, Request]]) -> bool:
     """Every row's request has no token in flight but the one this step samples."""
-    return all(request.num_output_placeholders <= 1 or request.is_finished
-               for _, request in rows)
+    return all(request.num_output_placeholders <= 1 or request.is_finished for _, request in rows)
 
 
 class MaskFiller:
@@ -239,8 +249,9 @@ class MaskFiller:
 
     def submit(self, step_id: int, pending: PendingMask) -> None:
         if self._thread is None:  # engines that never see a grammar start no thread
-            self._thread = threading.Thread(target=self._run, name="tandem-grammar-fill",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="tandem-grammar-fill", daemon=True
+            )
             self._thread.start()
         self._jobs.put((step_id, pending))
         self._taken.acquire(timeout=self.START_WAIT_S)

@@ -41,8 +41,13 @@ class SpecChecker:
     """Compiles specs against one tokenizer (or only validates them without one)."""
 
     def __init__(self, start: GrammarCheckerStart) -> None:
-        self._tokenizer = (None if start.tokenizer_json is None else llguidance.LLTokenizer(
-            start.tokenizer_json, n_vocab=start.vocab_size, eos_token=list(start.eos_token_ids)))
+        self._tokenizer = (
+            None
+            if start.tokenizer_json is None
+            else llguidance.LLTokenizer(
+                start.tokenizer_json, n_vocab=start.vocab_size, eos_token=list(start.eos_token_ids)
+            )
+        )
         self._vocab_size = start.vocab_size
         self._eos_token_ids = np.array(start.eos_token_ids, dtype=np.int64)
 
@@ -55,7 +60,6 @@ class SpecChecker:
         except GrammarError as exc:
             return GrammarVerdict(str(exc))
         return GrammarVerdict()
-
 
     def _walk(self, matcher: GrammarMatcher) -> None:
         """Compute the masks of the first WALK_TOKENS tokens, taking the lowest allowed
@@ -95,7 +99,8 @@ def main() -> int:
         die_with_parent(int(sys.argv[1]))
     # The whole loop runs on a compile thread: its stack is the engine core's.
     done = CompileThreads(1, "tandem-grammar-check").submit(
-        lambda: serve(sys.stdin.buffer, sys.stdout.buffer))
+        lambda: serve(sys.stdin.buffer, sys.stdout.buffer)
+    )
     done.result()
     return 0
 

@@ -42,8 +42,9 @@ class _RequestBlocks:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -67,13 +68,15 @@ class KVCacheManager:
 
     def stats(self) -> KVUsage:
         pool = self.pool
-        return KVUsage(num_total_blocks=pool.num_blocks,
-                       num_free_blocks=pool.num_allocatable_blocks,
-                       num_used_blocks=pool.num_used_blocks,
-                       num_cached_blocks=pool.num_cached_blocks,
-                       usage_perc=pool.num_used_blocks / pool.num_blocks,
-                       prefix_cache_queries_tokens=self._num_query_tokens,
-                       prefix_cache_hits_tokens=self._num_hit_tokens)
+        return KVUsage(
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_allocatable_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            usage_perc=pool.num_used_blocks / pool.num_blocks,
+            prefix_cache_queries_tokens=self._num_query_tokens,
+            prefix_cache_hits_tokens=self._num_hit_tokens,
+        )
 
     # ---- commands -------------------------------------------------------------------
 
@@ -84,9 +87,12 @@ class KVCacheManager:
         grants: list[WaitingGrant] = []
         if len(new_block_ids) == len(msg.running):
             grants = self._admit_waiting(msg.waiting, msg.token_budget)
-        return StepAllocation(num_running_ok=len(new_block_ids),
-                              new_block_ids=tuple(new_block_ids), waiting=tuple(grants),
-                              usage=self.stats())
+        return StepAllocation(
+            num_running_ok=len(new_block_ids),
+            new_block_ids=tuple(new_block_ids),
+            waiting=tuple(grants),
+            usage=self.stats(),
+        )
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Release the requests' blocks; unknown ids are ignored (nothing was allocated)."""
@@ -109,12 +115,15 @@ class KVCacheManager:
         for block_id in range(self.pool.num_blocks):
             num_holders = holders.get(block_id, 0)
             if self.pool.ref_count(block_id) != num_holders:
-                raise AssertionError(f"block {block_id} has refcount "
-                                     f"{self.pool.ref_count(block_id)} but {num_holders} block "
-                                     f"tables hold it")
+                raise AssertionError(
+                    f"block {block_id} has refcount "
+                    f"{self.pool.ref_count(block_id)} but {num_holders} block "
+                    f"tables hold it"
+                )
             if num_holders > 1 and self.pool.block_hash(block_id) is None:
-                raise AssertionError(f"block {block_id} is in {num_holders} tables but is not "
-                                     f"a shared cached block")
+                raise AssertionError(
+                    f"block {block_id} is in {num_holders} tables but is not a shared cached block"
+                )
 
     # ---- internals ------------------------------------------------------------------
 
@@ -137,8 +146,9 @@ class KVCacheManager:
             new_block_ids.append(new_blocks)
         return new_block_ids
 
-    def _admit_waiting(self, entries: Sequence[WaitingAlloc],
-                       token_budget: int) -> list[WaitingGrant]:
+    def _admit_waiting(
+        self, entries: Sequence[WaitingAlloc], token_budget: int
+    ) -> list[WaitingGrant]:
         old_hashes, self._waiting_hashes = self._waiting_hashes, {}
         grants: list[WaitingGrant] = []
         for position, entry in enumerate(entries):
@@ -149,14 +159,15 @@ class KVCacheManager:
             grant = self._admit(entry, hashes, token_budget)
             if grant is None:
                 self._waiting_hashes[entry.request_id] = hashes
-                self._keep_waiting_hashes(entries[position + 1:], old_hashes)
+                self._keep_waiting_hashes(entries[position + 1 :], old_hashes)
                 break
             token_budget -= grant.num_new_tokens
             grants.append(grant)
         return grants
 
-    def _keep_waiting_hashes(self, entries: Sequence[WaitingAlloc],
-                             old_hashes: dict[str, list[BlockHash]]) -> None:
+    def _keep_waiting_hashes(
+        self, entries: Sequence[WaitingAlloc], old_hashes: dict[str, list[BlockHash]]
+    ) -> None:
         for entry in entries:
             if entry.request_id in old_hashes:
                 self._waiting_hashes[entry.request_id] = old_hashes[entry.request_id]
@@ -166,8 +177,9 @@ class KVCacheManager:
             return []
         return hash_full_blocks(entry.token_ids, self.block_size, entry.cache_salt, known)
 
-    def _admit(self, entry: WaitingAlloc, hashes: list[BlockHash],
-               token_budget: int) -> WaitingGrant | None:
+    def _admit(
+        self, entry: WaitingAlloc, hashes: list[BlockHash], token_budget: int
+    ) -> WaitingGrant | None:
         num_tokens = len(entry.token_ids)
         # At least one token must be computed so the step produces logits to sample from.
         max_hit_blocks = (num_tokens - 1) // self.block_size if entry.reuse_cached_prefix else 0
@@ -184,8 +196,9 @@ class KVCacheManager:
         if num_needed > self.pool.num_allocatable_blocks - num_revived:
             return None
         self.pool.touch(hit_block_ids)
-        state = _RequestBlocks(hit_block_ids + self.pool.allocate(num_needed), hashes,
-                               len(hit_block_ids))
+        state = _RequestBlocks(
+            hit_block_ids + self.pool.allocate(num_needed), hashes, len(hit_block_ids)
+        )
         self._requests[entry.request_id] = state
         self._publish_full_blocks(state, num_cached + num_new)
         if self.enable_prefix_caching:
@@ -209,13 +222,16 @@ class KVCacheManager:
             request_id = entry.request_id
             held = request_id in self._requests and request_id not in freed
             if held or request_id in running_ids or request_id in waiting_ids:
-                raise ValueError(f"waiting request {request_id!r} already holds blocks or is "
-                                 f"listed twice")
+                raise ValueError(
+                    f"waiting request {request_id!r} already holds blocks or is listed twice"
+                )
             if not entry.token_ids:
                 raise ValueError(f"waiting request {request_id!r} has no tokens")
             if not 0 < entry.num_prompt_tokens <= len(entry.token_ids):
-                raise ValueError(f"waiting request {request_id!r}: num_prompt_tokens "
-                                 f"{entry.num_prompt_tokens} not in [1, {len(entry.token_ids)}]")
+                raise ValueError(
+                    f"waiting request {request_id!r}: num_prompt_tokens "
+                    f"{entry.num_prompt_tokens} not in [1, {len(entry.token_ids)}]"
+                )
             if entry.max_num_new_tokens < 1:
                 raise ValueError(f"waiting request {request_id!r}: max_num_new_tokens must be >= 1")
             waiting_ids.add(request_id)
@@ -225,8 +241,9 @@ class KVCacheManager:
         request_ids = running.request_ids
         running_ids = set(request_ids)
         if len(running.num_tokens) != len(request_ids):
-            raise ValueError(f"{len(request_ids)} running requests but "
-                             f"{len(running.num_tokens)} token counts")
+            raise ValueError(
+                f"{len(request_ids)} running requests but {len(running.num_tokens)} token counts"
+            )
         if not running_ids <= self._requests.keys() or not running_ids.isdisjoint(freed):
             request_id = next(r for r in request_ids if r not in self._requests or r in freed)
             raise ValueError(f"running request {request_id!r} holds no blocks")

@@ -20,14 +20,19 @@ _ROOT_PARENT = b"tandem-prefix-v1"  # 16 bytes: the parent of every request's fi
 _TOKEN_BYTES = 8  # token ids are packed as int64
 
 
-def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
-               cache_salt: str | None = None) -> BlockHash:
+def hash_block(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None
+) -> BlockHash:
     """Hash one full block given its parent block's hash (None for the first block)."""
     return _hash_packed(parent_hash, _pack_tokens(token_ids), _salt_bytes(cache_salt))
 
 
-def hash_full_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                     prefix_hashes: Sequence[BlockHash] = ()) -> list[BlockHash]:
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    prefix_hashes: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`.
 
     `prefix_hashes` are already known hashes of the first blocks of the same tokens (for
@@ -41,12 +46,12 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, cache_salt: str 
     start_block = len(hashes)
     if start_block == num_full_blocks:
         return hashes
-    packed = _pack_tokens(token_ids[start_block * block_size:num_full_blocks * block_size])
+    packed = _pack_tokens(token_ids[start_block * block_size : num_full_blocks * block_size])
     salt = _salt_bytes(cache_salt)
     block_bytes = block_size * _TOKEN_BYTES
     parent = hashes[-1] if hashes else None
     for offset in range(0, len(packed), block_bytes):
-        parent = _hash_packed(parent, packed[offset:offset + block_bytes], salt)
+        parent = _hash_packed(parent, packed[offset : offset + block_bytes], salt)
         hashes.append(parent)
     return hashes
 

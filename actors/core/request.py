@@ -36,13 +36,20 @@ class RequestStatus(enum.Enum):
     def from_finish_reason(cls, reason: str) -> RequestStatus:
         status = _BY_REASON.get(reason)
         if status is None:
-            raise ValueError(f"unknown finish reason {reason!r}; "
-                             f"expected one of {sorted(_BY_REASON)}")
+            raise ValueError(
+                f"unknown finish reason {reason!r}; expected one of {sorted(_BY_REASON)}"
+            )
         return status
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 _BY_REASON = {status.value: status for status in _FINISHED}
 _FINISHED_REASONS = frozenset(_BY_REASON)
 
@@ -94,26 +101,40 @@ class Request:
     """Whether its latest reported speculative step emitted a draft."""
 
     @classmethod
-    def from_engine_request(cls, request: EngineRequest, max_model_len: int,
-                            queued_time: float) -> Request:
+    def from_engine_request(
+        cls, request: EngineRequest, max_model_len: int, queued_time: float
+    ) -> Request:
         num_prompt_tokens = len(request.prompt_token_ids)
         if num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if num_prompt_tokens >= max_model_len:
-            raise ValueError(f"request {request.request_id!r}: prompt of {num_prompt_tokens} "
-                             f"tokens leaves no room for output within max_model_len "
-                             f"{max_model_len}")
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {num_prompt_tokens} "
+                f"tokens leaves no room for output within max_model_len "
+                f"{max_model_len}"
+            )
         params = request.sampling_params
-        max_total_tokens = max_model_len if params.max_tokens is None else min(
-            num_prompt_tokens + params.max_tokens, max_model_len)
-        return cls(request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-                   sampling_params=params, arrival_time=request.arrival_time,
-                   max_model_len=max_model_len, priority=request.priority,
-                   eos_token_ids=request.eos_token_ids, cache_salt=request.cache_salt,
-                   client_index=request.client_index, num_prompt_tokens=num_prompt_tokens,
-                   max_total_tokens=max_total_tokens, min_tokens=params.min_tokens,
-                   stop_tokens=_stop_tokens(params, request.eos_token_ids),
-                   queued_time=queued_time)
+        max_total_tokens = (
+            max_model_len
+            if params.max_tokens is None
+            else min(num_prompt_tokens + params.max_tokens, max_model_len)
+        )
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            sampling_params=params,
+            arrival_time=request.arrival_time,
+            max_model_len=max_model_len,
+            priority=request.priority,
+            eos_token_ids=request.eos_token_ids,
+            cache_salt=request.cache_salt,
+            client_index=request.client_index,
+            num_prompt_tokens=num_prompt_tokens,
+            max_total_tokens=max_total_tokens,
+            min_tokens=params.min_tokens,
+            stop_tokens=_stop_tokens(params, request.eos_token_ids),
+            queued_time=queued_time,
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -137,10 +158,8 @@ class Request:
         return self.status.is_finished
 
 
-def _stop_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]
-                 ) -> dict[int, int | None]:
-    stop_tokens: dict[int, int | None] = {token_id: token_id
-                                          for token_id in params.stop_token_ids}
+def _stop_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> dict[int, int | None]:
+    stop_tokens: dict[int, int | None] = {token_id: token_id for token_id in params.stop_token_ids}
     if not params.ignore_eos:
         stop_tokens.update(dict.fromkeys(eos_token_ids))
     return stop_tokens

@@ -26,21 +26,13 @@ from concurrent.futures import Future
 
 from actors.core.grammar import GrammarError, GrammarMatcher
 from actors.core.grammar_state import GrammarState
-from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.kv_allocation import (
     AllocateStep,
     KVUsage,
     WaitingAlloc,
     WaitingGrant,
 )
-from actors.protocol.messages import (
-    CachedRequestData,
-    EngineRequest,
-    NewRequestData,
-    RequestFinish,
-    SchedulerOutput,
-    StepOutput,
-)
+from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.request import Request, RequestStatus
 from actors.core.scheduler_config import SchedulerConfig
 from actors.core.spec_scheduling import blocks_speculation, emitted_counts, wanted_draft_slots
@@ -54,11 +46,20 @@ from actors.core.step_batch import (
     grammar_rows,
     start_rows,
 )
+from actors.protocol.messages import (
+    CachedRequestData,
+    EngineRequest,
+    NewRequestData,
+    RequestFinish,
+    SchedulerOutput,
+    StepOutput,
+)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 grammars: GrammarState | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, grammars: GrammarState | None = None
+    ) -> None:
         """`kv`: the KV cache this scheduler alone allocates from; `grammars`: structured
         outputs (None refuses requests that ask for one)."""
         self.config = config
@@ -113,8 +114,9 @@ class Scheduler:
         ValueError for a request the engine cannot take."""
         if engine_request.request_id in self._requests:
             raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
-        request = Request.from_engine_request(engine_request, self.config.max_model_len,
-                                              queued_time=time.monotonic())
+        request = Request.from_engine_request(
+            engine_request, self.config.max_model_len, queued_time=time.monotonic()
+        )
         compiling = None
         if request.sampling_params.structured_output is not None:
             if self.grammars is None:
@@ -131,8 +133,9 @@ class Scheduler:
             self._waiting.push(request)
         return compiling
 
-    def grammar_compiled(self, request_id: str, compiled: Future[GrammarMatcher]
-                         ) -> RequestFinish | None:
+    def grammar_compiled(
+        self, request_id: str, compiled: Future[GrammarMatcher]
+    ) -> RequestFinish | None:
         """Queue a request whose grammar has compiled; the request's error finish when it
         did not compile. Nothing for a request that ended meanwhile."""
         request = self._requests.get(request_id)
@@ -142,8 +145,11 @@ class Scheduler:
             request.grammar = compiled.result()
         except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
             self._finish(request, RequestStatus.FINISHED_ERROR)
-            error = (str(exc) if isinstance(exc, GrammarError)
-                     else f"compiling its grammar failed ({type(exc).__name__})")
+            error = (
+                str(exc)
+                if isinstance(exc, GrammarError)
+                else f"compiling its grammar failed ({type(exc).__name__})"
+            )
             return RequestFinish(request_id, "error", error=error)
         request.status = RequestStatus.WAITING
         self._waiting.push(request)
@@ -200,24 +206,32 @@ class Scheduler:
             self._fail(out.failed_request_ids, out.error, result)
         counts = emitted_counts(out, draft_slots)
         if counts is None:
-            self._fail(tuple(sampling), f"step {out.step_id} returned "
-                       f"{len(out.sampled_token_ids)} tokens for {len(out.request_ids)} "
-                       "requests (more than their draft slots allow, or counts that do not "
-                       "add up)", result)
+            self._fail(
+                tuple(sampling),
+                f"step {out.step_id} returned "
+                f"{len(out.sampled_token_ids)} tokens for {len(out.request_ids)} "
+                "requests (more than their draft slots allow, or counts that do not "
+                "add up)",
+                result,
+            )
             return self._with_ready_masks(result)
         requests = [sampling.pop(request_id) for request_id in out.request_ids]
         token_ids = out.sampled_token_ids.tolist()
         if draft_slots or out.num_sampled_tokens is not None or out.num_draft_tokens is not None:
             # a speculative step: a run of tokens per request
-            finished = append_runs(out, requests, token_ids, counts, draft_slots,
-                                   self._next_step_id, result)
+            finished = append_runs(
+                out, requests, token_ids, counts, draft_slots, self._next_step_id, result
+            )
         else:
             finished = append_one_each(requests, token_ids, result)
         for request, finish in finished:
             self._finish(request, RequestStatus.from_finish_reason(finish.reason))
         result.finished.extend(finished)
-        self._fail(tuple(r.request_id for r in sampling.values() if not r.is_finished),
-                   f"step {out.step_id} returned no token", result)
+        self._fail(
+            tuple(r.request_id for r in sampling.values() if not r.is_finished),
+            f"step {out.step_id} returned no token",
+            result,
+        )
         return self._with_ready_masks(result)
 
     def _pop_in_flight(self, out: StepOutput) -> tuple[dict[str, Request], dict[str, int]]:
@@ -250,9 +264,16 @@ class Scheduler:
     def _plan_running(self) -> tuple[StepBatch, int]:
         token_budget = self.config.max_num_batched_tokens
         num_speculative_tokens = self.config.num_speculative_tokens
-        wanted_slots = wanted_draft_slots(
-            self._running.values(), self._blocking_speculation.values(), num_speculative_tokens,
-            self._next_step_id) if num_speculative_tokens else None
+        wanted_slots = (
+            wanted_draft_slots(
+                self._running.values(),
+                self._blocking_speculation.values(),
+                num_speculative_tokens,
+                self._next_step_id,
+            )
+            if num_speculative_tokens
+            else None
+        )
         batch = StepBatch()
         for index, request in enumerate(self._running.values()):
             if token_budget == 0:
@@ -260,8 +281,9 @@ class Scheduler:
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
-            num_slots = (0 if wanted_slots is None
-                         else max(0, min(wanted_slots[index], token_budget - 1)))
+            num_slots = (
+                0 if wanted_slots is None else max(0, min(wanted_slots[index], token_budget - 1))
+            )
             num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
             if num_new <= 0:
                 continue
@@ -278,19 +300,27 @@ class Scheduler:
         for request in self._waiting.best_first():
             if request.num_output_placeholders > 0:
                 continue  # preempted with tokens in flight: resume once they have arrived
-            token_ids = (request.all_token_ids if request.output_token_ids
-                         else request.prompt_token_ids)
-            entries.append(WaitingAlloc(
-                request.request_id, token_ids, request.num_prompt_tokens,
-                self.config.max_num_batched_tokens, request.cache_salt,
-                reuse_cached_prefix=request.sampling_params.prompt_logprobs is None))
+            token_ids = (
+                request.all_token_ids if request.output_token_ids else request.prompt_token_ids
+            )
+            entries.append(
+                WaitingAlloc(
+                    request.request_id,
+                    token_ids,
+                    request.num_prompt_tokens,
+                    self.config.max_num_batched_tokens,
+                    request.cache_salt,
+                    reuse_cached_prefix=request.sampling_params.prompt_logprobs is None,
+                )
+            )
             requests[request.request_id] = request
             if len(entries) == max_entries:
                 break
         return entries, requests
 
-    def _allocate(self, running: StepBatch, waiting: list[WaitingAlloc],
-                        token_budget: int) -> tuple[StepBatch, tuple[WaitingGrant, ...]]:
+    def _allocate(
+        self, running: StepBatch, waiting: list[WaitingAlloc], token_budget: int
+    ) -> tuple[StepBatch, tuple[WaitingGrant, ...]]:
         """Ask for blocks, preempting until every remaining running row gets its blocks;
         returns those rows (with their new blocks) and the admitted waiting requests' grants.
 
@@ -300,9 +330,14 @@ class Scheduler:
         pending = running
         waiting_entries = tuple(waiting)
         while True:
-            allocation = self.kv.allocate_step(AllocateStep(
-                self._take_blocks_to_free(), pending.running_allocs(), waiting_entries,
-                token_budget))
+            allocation = self.kv.allocate_step(
+                AllocateStep(
+                    self._take_blocks_to_free(),
+                    pending.running_allocs(),
+                    waiting_entries,
+                    token_budget,
+                )
+            )
             self.kv_usage = allocation.usage or self.kv_usage
             num_ok = allocation.num_running_ok
             pending.set_new_block_ids(allocation.new_block_ids)
@@ -318,16 +353,23 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         # Lowest priority (highest value) first; among equals the most recently admitted.
-        return max(enumerate(self._running.values()),
-                   key=lambda item: (item[1].priority, item[0]))[1]
+        return max(enumerate(self._running.values()), key=lambda item: (item[1].priority, item[0]))[
+            1
+        ]
 
     # ---- committing -----------------------------------------------------------------
 
-    def _commit(self, batch: StepBatch, grants: Sequence[WaitingGrant],
-                waiting_requests: dict[str, Request], started: float) -> SchedulerOutput:
+    def _commit(
+        self,
+        batch: StepBatch,
+        grants: Sequence[WaitingGrant],
+        waiting_requests: dict[str, Request],
+        started: float,
+    ) -> SchedulerOutput:
         num_running = len(batch)
-        new_requests = [self._admit(waiting_requests[grant.request_id], grant, batch)
-                        for grant in grants]
+        new_requests = [
+            self._admit(waiting_requests[grant.request_id], grant, batch) for grant in grants
+        ]
         sampling, draft_slots = start_rows(batch)
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -338,17 +380,22 @@ class Scheduler:
         finished_rows, self._rows_to_free = frozenset(self._rows_to_free), set()
         request_ids = tuple(batch.request_ids())
         return SchedulerOutput(
-            step_id=step_id, new_requests=tuple(new_requests),
+            step_id=step_id,
+            new_requests=tuple(new_requests),
             cached_requests=CachedRequestData(
                 request_ids=request_ids[:num_running],
-                new_block_ids=tuple(batch.new_block_ids[:num_running])),
+                new_block_ids=tuple(batch.new_block_ids[:num_running]),
+            ),
             scheduled_request_ids=request_ids,
             num_scheduled_tokens=tuple(batch.num_scheduled_tokens),
             num_computed_tokens=tuple(batch.num_computed_tokens),
-            samples_token=tuple(batch.samples_token), finished_request_ids=finished_rows,
-            schedule_time_s=time.perf_counter() - started, grammar_bitmask=grammar_bitmask,
+            samples_token=tuple(batch.samples_token),
+            finished_request_ids=finished_rows,
+            schedule_time_s=time.perf_counter() - started,
+            grammar_bitmask=grammar_bitmask,
             grammar_mask_deferred=mask_deferred,
-            num_draft_slots=tuple(batch.num_draft_slots) if draft_slots else ())
+            num_draft_slots=tuple(batch.num_draft_slots) if draft_slots else (),
+        )
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: StepBatch) -> NewRequestData:
         self._waiting.remove(request)
@@ -361,10 +408,14 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         new_request = NewRequestData(
-            request_id=request.request_id, token_ids=request.all_token_ids,
-            prompt_len=request.num_prompt_tokens, block_ids=grant.block_ids,
-            num_computed_tokens=grant.num_cached_tokens, sampling_params=request.sampling_params,
-            eos_token_ids=request.eos_token_ids)
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            prompt_len=request.num_prompt_tokens,
+            block_ids=grant.block_ids,
+            num_computed_tokens=grant.num_cached_tokens,
+            sampling_params=request.sampling_params,
+            eos_token_ids=request.eos_token_ids,
+        )
         batch.add(request, grant.num_new_tokens)
         return new_request
 

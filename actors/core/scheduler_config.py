@@ -21,15 +21,25 @@ class SchedulerConfig:
     """Draft slots per decoding row (ngram speculative decoding); 0: no speculation."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_steps_in_flight"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "max_steps_in_flight",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"SchedulerConfig.{name} must be a positive integer, got {value!r}"
+                )
         if self.max_model_len < 2:
-            raise ValueError(f"SchedulerConfig.max_model_len must be at least 2 (one prompt and "
-                             f"one output token), got {self.max_model_len}")
+            raise ValueError(
+                f"SchedulerConfig.max_model_len must be at least 2 (one prompt and "
+                f"one output token), got {self.max_model_len}"
+            )
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError("SchedulerConfig.num_speculative_tokens must be an integer >= 0, "
-                             f"got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                "SchedulerConfig.num_speculative_tokens must be an integer >= 0, "
+                f"got {self.num_speculative_tokens!r}"
+            )

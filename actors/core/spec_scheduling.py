@@ -40,15 +40,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from actors.protocol.messages import StepOutput
 from actors.core.request import Request, RequestStatus
+from actors.protocol.messages import StepOutput
 
 
 def speculates(request: Request) -> bool:
     """Whether `request` may run draft slots (see the module doc)."""
     params = request.sampling_params
-    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0 and params.structured_output is None)
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and params.structured_output is None
+    )
 
 
 MAX_BACKOFF_STEPS = 64
@@ -74,8 +78,9 @@ def start_speculating(request: Request) -> None:
         request.spec_resume_step = PROBE_PENDING
 
 
-def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int,
-                    step_id: int) -> int:
+def num_draft_slots(
+    request: Request, num_speculative_tokens: int, token_budget: int, step_id: int
+) -> int:
     """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
     token left to compute), speculates and is not backing off; never more outputs than
     max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
@@ -97,30 +102,38 @@ def blocks_speculation(request: Request) -> bool:
     return params.structured_output is not None or params.prompt_logprobs is not None
 
 
-def wanted_draft_slots(running: Iterable[Request], blockers: Iterable[Request],
-                       num_speculative_tokens: int, step_id: int) -> list[int] | None:
+def wanted_draft_slots(
+    running: Iterable[Request],
+    blockers: Iterable[Request],
+    num_speculative_tokens: int,
+    step_id: int,
+) -> list[int] | None:
     """The draft slots each of `running` would take in step `step_id` (`num_draft_slots`
     before the token budget), or None when the step runs none: one of the unfinished
     `blockers` (`blocks_speculation`) may sample under a grammar or score its prompt in
     it, or too few of its decoding rows would speculate (MIN_SPECULATING_SHARE)."""
     for request in blockers:
-        if request.grammar is not None or request.status is not RequestStatus.RUNNING \
-                or request.num_computed_tokens < request.num_prompt_tokens:
+        if (
+            request.grammar is not None
+            or request.status is not RequestStatus.RUNNING
+            or request.num_computed_tokens < request.num_prompt_tokens
+        ):
             return None  # a grammar row, or a prompt to score (now or once admitted)
     wanted = []
     num_decoding = num_ready = 0
     for request in running:
-        num_slots = num_draft_slots(request, num_speculative_tokens,
-                                    num_speculative_tokens + 1, step_id)
+        num_slots = num_draft_slots(
+            request, num_speculative_tokens, num_speculative_tokens + 1, step_id
+        )
         wanted.append(num_slots)
         num_decoding += request.num_tokens_with_placeholders - request.num_computed_tokens == 1
         num_ready += num_slots > 0
-    return wanted if num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding \
-        else None
+    return wanted if num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding else None
 
 
-def correct_after_step(request: Request, num_slots: int, num_emitted: int,
-                       next_step_id: int) -> None:
+def correct_after_step(
+    request: Request, num_slots: int, num_emitted: int, next_step_id: int
+) -> None:
     """Resolve a speculating row's placeholders once its step reported `num_emitted`
     tokens (its outputs were appended already; `next_step_id` is the next step the
     scheduler will build), and back off: slots that
@@ -132,8 +145,9 @@ def correct_after_step(request: Request, num_slots: int, num_emitted: int,
         if request.spec_accepting:
             request.spec_backoff_steps = 0
         else:
-            request.spec_backoff_steps = min(max(1, 2 * request.spec_backoff_steps),
-                                             MAX_BACKOFF_STEPS)
+            request.spec_backoff_steps = min(
+                max(1, 2 * request.spec_backoff_steps), MAX_BACKOFF_STEPS
+            )
         request.spec_resume_step = next_step_id + request.spec_backoff_steps
     request.num_output_placeholders -= 1 + num_slots
     if request.status is RequestStatus.RUNNING:

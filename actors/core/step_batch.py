@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from actors.core.grammar_state import GrammarState, PendingMask
 from actors.core.kv_allocation import RunningAllocs
-from actors.protocol.messages import RequestFinish, StepOutput
 from actors.core.request import Request, RequestStatus
 from actors.core.spec_scheduling import correct_after_step, start_speculating
+from actors.protocol.messages import RequestFinish, StepOutput
 
 
 @dataclass(slots=True)
@@ -52,8 +52,13 @@ class StepBatch:
     new_block_ids: list[tuple[int, ...]] = field(default_factory=list)
     """Blocks the step's allocation appends to the row's table (running rows)."""
 
-    def add(self, request: Request, num_new_tokens: int, num_draft_slots: int = 0,
-            num_known_tokens: int | None = None) -> None:
+    def add(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_draft_slots: int = 0,
+        num_known_tokens: int | None = None,
+    ) -> None:
         """Run `num_new_tokens` of `request` from its computed tokens, the last
         `num_draft_slots` of them draft slots. The row samples when it reaches the end of
         the request's known-or-placeholder tokens (`num_known_tokens`, if the caller has
@@ -65,8 +70,9 @@ class StepBatch:
         self.num_scheduled_tokens.append(num_new_tokens)
         self.num_computed_tokens.append(num_computed)
         self.num_draft_slots.append(num_draft_slots)
-        self.samples_token.append(num_computed + num_new_tokens - num_draft_slots
-                                  >= num_known_tokens)
+        self.samples_token.append(
+            num_computed + num_new_tokens - num_draft_slots >= num_known_tokens
+        )
         self.new_block_ids.append(())
 
     def __len__(self) -> int:
@@ -77,31 +83,41 @@ class StepBatch:
 
     def running_allocs(self) -> RunningAllocs:
         """The KV each row's blocks must hold once the step ran."""
-        return RunningAllocs(tuple(self.request_ids()), tuple(map(
-            operator.add, self.num_computed_tokens, self.num_scheduled_tokens)))
+        return RunningAllocs(
+            tuple(self.request_ids()),
+            tuple(map(operator.add, self.num_computed_tokens, self.num_scheduled_tokens)),
+        )
 
     def set_new_block_ids(self, new_block_ids: Sequence[tuple[int, ...]]) -> None:
         """The blocks an allocation granted to the first len(new_block_ids) rows."""
-        self.new_block_ids[:len(new_block_ids)] = new_block_ids
+        self.new_block_ids[: len(new_block_ids)] = new_block_ids
 
     def rows(self, start: int, stop: int) -> StepBatch:
         return StepBatch(*(column[start:stop] for column in self._columns()))
 
     def without(self, request: Request) -> StepBatch:
         """The rows of every request but `request` (one just preempted)."""
-        keep = [index for index, row_request in enumerate(self.requests)
-                if row_request is not request]
+        keep = [
+            index for index, row_request in enumerate(self.requests) if row_request is not request
+        ]
         return StepBatch(*([column[index] for index in keep] for column in self._columns()))
 
     def joined(self, other: StepBatch) -> StepBatch:
         if not self:
             return other
-        return StepBatch(*(mine + theirs
-                           for mine, theirs in zip(self._columns(), other._columns())))
+        return StepBatch(
+            *(mine + theirs for mine, theirs in zip(self._columns(), other._columns()))
+        )
 
     def _columns(self) -> tuple[list, ...]:
-        return (self.requests, self.num_scheduled_tokens, self.num_computed_tokens,
-                self.num_draft_slots, self.samples_token, self.new_block_ids)
+        return (
+            self.requests,
+            self.num_scheduled_tokens,
+            self.num_computed_tokens,
+            self.num_draft_slots,
+            self.samples_token,
+            self.new_block_ids,
+        )
 
 
 def start_rows(batch: StepBatch) -> tuple[dict[str, Request], dict[str, int]]:
@@ -111,8 +127,12 @@ def start_rows(batch: StepBatch) -> tuple[dict[str, Request], dict[str, int]]:
     sampling: dict[str, Request] = {}
     draft_slots: dict[str, int] = {}
     for request, num_new, num_slots, samples, new_block_ids in zip(
-            batch.requests, batch.num_scheduled_tokens, batch.num_draft_slots,
-            batch.samples_token, batch.new_block_ids):
+        batch.requests,
+        batch.num_scheduled_tokens,
+        batch.num_draft_slots,
+        batch.samples_token,
+        batch.new_block_ids,
+    ):
         if new_block_ids:
             request.block_ids.extend(new_block_ids)
         # A speculating row counts its draft slots as outputs and as computed (upper
@@ -159,13 +179,16 @@ class WaitingQueue:
 
 def grammar_rows(batch: StepBatch) -> list[tuple[int, Request]]:
     """(batch index, request) of the rows that sample under a grammar."""
-    return [(index, request) for index, (request, samples)
-            in enumerate(zip(batch.requests, batch.samples_token))
-            if samples and request.grammar is not None]
+    return [
+        (index, request)
+        for index, (request, samples) in enumerate(zip(batch.requests, batch.samples_token))
+        if samples and request.grammar is not None
+    ]
 
 
-def append_one_each(requests: list[Request], token_ids: list[int], result: StepResult
-                    ) -> list[tuple[Request, RequestFinish]]:
+def append_one_each(
+    requests: list[Request], token_ids: list[int], result: StepResult
+) -> list[tuple[Request, RequestFinish]]:
     """Apply a step without speculation (one token per request: requests[i] sampled
     token_ids[i]) to `result`; returns the requests its tokens finish, with their finish."""
     finished = []
@@ -183,9 +206,15 @@ def append_one_each(requests: list[Request], token_ids: list[int], result: StepR
     return finished
 
 
-def append_runs(out: StepOutput, requests: list[Request], token_ids: list[int],
-                counts: list[int], draft_slots: dict[str, int], next_step_id: int,
-                result: StepResult) -> list[tuple[Request, RequestFinish]]:
+def append_runs(
+    out: StepOutput,
+    requests: list[Request],
+    token_ids: list[int],
+    counts: list[int],
+    draft_slots: dict[str, int],
+    next_step_id: int,
+    result: StepResult,
+) -> list[tuple[Request, RequestFinish]]:
     """Apply a speculative step (requests[i] emitted a run of counts[i] tokens) to
     `result`, each run up to its first stop; returns the requests it finishes, with their
     finish. `next_step_id`: the next step the scheduler will build."""
@@ -194,9 +223,8 @@ def append_runs(out: StepOutput, requests: list[Request], token_ids: list[int],
     start = 0
     for row, (request, count) in enumerate(zip(requests, counts)):
         if not request.is_finished:  # else aborted while the step ran
-            num_kept, finish = _append_run(request, token_ids[start:start + count])
-            correct_after_step(request, draft_slots.get(request.request_id, 0), count,
-                               next_step_id)
+            num_kept, finish = _append_run(request, token_ids[start : start + count])
+            correct_after_step(request, draft_slots.get(request.request_id, 0), count, next_step_id)
             result.rows.append(start)
             result.requests.append(request)
             result.num_tokens.append(num_kept)
@@ -222,8 +250,9 @@ def token_finish(request: Request, token_id: int) -> RequestFinish | None:
     """What the token just appended to `request`'s outputs finishes: a token-level stop,
     else the request's grammar, which sees every token (grammar rows never speculate)."""
     if token_id in request.stop_tokens and len(request.output_token_ids) >= request.min_tokens:
-        return RequestFinish(request.request_id, "stop",
-                             stop_token_id=request.stop_tokens[token_id])
+        return RequestFinish(
+            request.request_id, "stop", stop_token_id=request.stop_tokens[token_id]
+        )
     if request.num_tokens >= request.max_total_tokens:
         return RequestFinish(request.request_id, "length")
     if request.grammar is not None:
@@ -237,5 +266,7 @@ def check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> 
     request_ids = set(out.request_ids)
     if len(request_ids) != len(out.request_ids) or not sampling.keys() >= request_ids:
         unexpected = [rid for rid in out.request_ids if rid not in sampling]
-        raise ValueError(f"step output {out.step_id}: tokens for requests that did not sample "
-                         f"in that step, or twice: {unexpected or list(out.request_ids)}")
+        raise ValueError(
+            f"step output {out.step_id}: tokens for requests that did not sample "
+            f"in that step, or twice: {unexpected or list(out.request_ids)}"
+        )

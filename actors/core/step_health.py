@@ -30,11 +30,15 @@ class StepFailureMonitor:
         "num_failed_steps_total",
     )
 
-    def __init__(self, max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
         if max_consecutive_failures < 1:
-            raise ValueError(f"max_consecutive_failures must be at least 1, got "
-                             f"{max_consecutive_failures}")
+            raise ValueError(
+                f"max_consecutive_failures must be at least 1, got {max_consecutive_failures}"
+            )
         self.max_consecutive_failures = max_consecutive_failures
         self.num_consecutive_failures = 0
         self.num_failed_steps_total = 0
@@ -49,8 +53,10 @@ class StepFailureMonitor:
         self.num_failed_steps_total += 1
         self.num_consecutive_failures += 1
         if self.num_consecutive_failures >= self.max_consecutive_failures:
-            self.declare_dead(f"{self.num_consecutive_failures} consecutive engine steps "
-                              f"failed; the last one with: {out.error}")
+            self.declare_dead(
+                f"{self.num_consecutive_failures} consecutive engine steps "
+                f"failed; the last one with: {out.error}"
+            )
 
     def declare_dead(self, reason: str) -> None:
         """The engine is dead for `reason` (a failed step run, or a failure outside any
@@ -58,8 +64,9 @@ class StepFailureMonitor:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        log.error("engine_dead", reason=reason,
-                  num_consecutive_failed_steps=self.num_consecutive_failures)
+        log.error(
+            "engine_dead", reason=reason, num_consecutive_failed_steps=self.num_consecutive_failures
+        )
         if self._on_dead is not None:
             self._on_dead(reason)
 

@@ -23,6 +23,7 @@ from typing import Protocol, assert_never
 import anyio
 
 from actors.frontend.admitted_group import AdmittedGroup
+from actors.frontend.output_stream import RequestStream
 from actors.protocol.mailbox import Actor, ActorStopped
 from actors.protocol.messages import (
     AbortAll,
@@ -37,7 +38,6 @@ from actors.protocol.messages import (
     ToAdmission,
     WaitIdle,
 )
-from actors.frontend.output_stream import RequestStream
 from actors.protocol.sampling_params import SamplingParams
 
 _SEED_MAX = 2**64 - 1
@@ -137,8 +137,9 @@ class AdmissionActor(Actor[ToAdmission]):
 
     # ---- caller side ------------------------------------------------------------------
 
-    async def admit(self, requests: Sequence[EngineRequest], params: SamplingParams
-                    ) -> AdmittedGroup:
+    async def admit(
+        self, requests: Sequence[EngineRequest], params: SamplingParams
+    ) -> AdmittedGroup:
         """Admit all `requests` or raise RequestLimitError / AdmissionRefused."""
         streams = await self.ask(Admit(tuple(requests), params))
         assert isinstance(streams, list)
@@ -201,11 +202,17 @@ class AdmissionActor(Actor[ToAdmission]):
         check_request_limits(message.sampling_params, self.limits)
         state = self._state
         if state.failed_message is not None:
-            raise AdmissionRefused(503, "The engine has stopped; the server cannot take requests",
-                                   self.limits.retry_after_s)
+            raise AdmissionRefused(
+                503,
+                "The engine has stopped; the server cannot take requests",
+                self.limits.retry_after_s,
+            )
         if state.draining:
-            raise AdmissionRefused(503, "The server is shutting down; retry on another replica",
-                                   self.limits.retry_after_s)
+            raise AdmissionRefused(
+                503,
+                "The server is shutting down; retry on another replica",
+                self.limits.retry_after_s,
+            )
         self._check_capacity(message.requests)
         streams = []
         for request in message.requests:
@@ -224,18 +231,29 @@ class AdmissionActor(Actor[ToAdmission]):
         num_new = len(requests)
         capacity = limits.max_num_running + limits.max_queued_requests
         if num_new > capacity:
-            raise RequestLimitError("n", f"this request needs {num_new} sequences; the server "
-                                         f"holds at most {capacity} at once")
+            raise RequestLimitError(
+                "n",
+                f"this request needs {num_new} sequences; the server "
+                f"holds at most {capacity} at once",
+            )
         num_queued = max(0, state.num_in_engine + num_new - limits.max_num_running)
         if num_queued > limits.max_queued_requests:
-            self._refuse(f"The server is overloaded: {limits.max_queued_requests} requests are "
-                         "already waiting; retry later")
+            self._refuse(
+                f"The server is overloaded: {limits.max_queued_requests} requests are "
+                "already waiting; retry later"
+            )
         token_limit = limits.max_queued_prompt_tokens
         new_tokens = sum(len(r.prompt_token_ids) for r in requests)
         queued_tokens = state.num_unstarted_prompt_tokens
-        if token_limit is not None and queued_tokens > 0 and queued_tokens + new_tokens > token_limit:
-            self._refuse(f"The server is overloaded: {queued_tokens} prompt tokens are waiting "
-                         f"to be processed (limit {token_limit}); retry later")
+        if (
+            token_limit is not None
+            and queued_tokens > 0
+            and queued_tokens + new_tokens > token_limit
+        ):
+            self._refuse(
+                f"The server is overloaded: {queued_tokens} prompt tokens are waiting "
+                f"to be processed (limit {token_limit}); retry later"
+            )
 
     def _refuse(self, message: str) -> None:
         self._state.num_refused_total += 1
@@ -292,11 +310,14 @@ class AdmissionActor(Actor[ToAdmission]):
         state = self._state
         num_unfinished = len(state.entries)
         return AdmissionStats(
-            num_unfinished=num_unfinished, num_unsent=num_unfinished - state.num_in_engine,
+            num_unfinished=num_unfinished,
+            num_unsent=num_unfinished - state.num_in_engine,
             num_queued=max(0, state.num_in_engine - self.limits.max_num_running),
             num_queued_prompt_tokens=state.num_unstarted_prompt_tokens,
             num_admitted_total=state.num_admitted_total,
-            num_refused_total=state.num_refused_total, draining=state.draining)
+            num_refused_total=state.num_refused_total,
+            draining=state.draining,
+        )
 
 
 def check_request_limits(params: SamplingParams, limits: AdmissionLimits) -> None:
@@ -304,19 +325,29 @@ def check_request_limits(params: SamplingParams, limits: AdmissionLimits) -> Non
     if params.n > limits.max_n:
         raise RequestLimitError("n", f"n must be at most {limits.max_n}, got {params.n}")
     if len(params.stop) > limits.max_stop_strings:
-        raise RequestLimitError("stop", f"at most {limits.max_stop_strings} stop strings are "
-                                        f"allowed, got {len(params.stop)}")
+        raise RequestLimitError(
+            "stop",
+            f"at most {limits.max_stop_strings} stop strings are allowed, got {len(params.stop)}",
+        )
     longest = max((len(s) for s in params.stop), default=0)
     if longest > limits.max_stop_string_chars:
-        raise RequestLimitError("stop", f"stop strings must be at most "
-                                        f"{limits.max_stop_string_chars} characters, got {longest}")
+        raise RequestLimitError(
+            "stop",
+            f"stop strings must be at most "
+            f"{limits.max_stop_string_chars} characters, got {longest}",
+        )
     if params.logprobs is not None and params.logprobs > limits.max_top_logprobs:
-        raise RequestLimitError("top_logprobs", f"at most {limits.max_top_logprobs} top logprobs "
-                                                f"are allowed, got {params.logprobs}")
+        raise RequestLimitError(
+            "top_logprobs",
+            f"at most {limits.max_top_logprobs} top logprobs are allowed, got {params.logprobs}",
+        )
     if len(params.logit_bias) > limits.max_logit_bias_entries:
-        raise RequestLimitError("logit_bias", f"logit_bias may hold at most "
-                                              f"{limits.max_logit_bias_entries} entries, got "
-                                              f"{len(params.logit_bias)}")
+        raise RequestLimitError(
+            "logit_bias",
+            f"logit_bias may hold at most "
+            f"{limits.max_logit_bias_entries} entries, got "
+            f"{len(params.logit_bias)}",
+        )
 
 
 def child_sampling_params(params: SamplingParams, sample: int) -> SamplingParams:

@@ -39,8 +39,9 @@ class AdmittedGroup:
         return delta
 
     def close(self) -> None:
-        unfinished = tuple(self.streams[i].request_id for i in range(len(self.streams))
-                           if not self._done[i])
+        unfinished = tuple(
+            self.streams[i].request_id for i in range(len(self.streams)) if not self._done[i]
+        )
         for i in range(len(self.streams)):
             self._done[i] = True
         if unfinished:

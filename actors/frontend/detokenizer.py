@@ -50,8 +50,9 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_num_prefix", "_prefix_text", "_skip_special_tokens", "_tokenizer", "_window")
 
-    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool) -> None:
+    def __init__(
+        self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._window: list[int] = []
@@ -93,10 +94,10 @@ class IncrementalDetokenizer:
                 # context either; dropping them keeps the window small through long runs.
                 # After an empty prefix they stay: a decoder that strips a leading space
                 # shows nothing for a lone "▁" that the next token turns into " ".
-                del self._window[self._num_prefix:cut]
+                del self._window[self._num_prefix : cut]
             return ""
-        new_text = text[len(self._prefix_text):]
-        read = self._window[self._num_prefix:cut]
+        new_text = text[len(self._prefix_text) :]
+        read = self._window[self._num_prefix : cut]
         unread = self._window[cut:]
         self._set_prefix(read[-NUM_CONTEXT_TOKENS:])
         self._window.extend(unread)
@@ -112,8 +113,11 @@ class IncrementalDetokenizer:
         end = len(self._window)
         for cut in range(end - 1, max(self._num_prefix, end - 2 * MAX_UNREAD_TOKENS), -1):
             head = self._decode(self._window[:cut])
-            if (head.startswith(self._prefix_text) and len(head) > len(self._prefix_text)
-                    and head + self._decode(self._window[cut:]) == text):
+            if (
+                head.startswith(self._prefix_text)
+                and len(head) > len(self._prefix_text)
+                and head + self._decode(self._window[cut:]) == text
+            ):
                 return self._emit(head, cut)
         return ""
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 import structlog
 
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import OutputProcessor, SamplerActor
 from actors.protocol.messages import (
     AbortRequests,
     ClientHello,
@@ -35,8 +37,6 @@ from actors.protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from actors.frontend.output_stream import RequestStream
-from actors.frontend.sampler import OutputProcessor, SamplerActor
 from actors.protocol.transport import ClientEndpoint, TransportClosed
 
 if TYPE_CHECKING:
@@ -55,14 +55,19 @@ class EngineClient:
     core says so. `on_request_finished` receives every finished request's record and
     `step_observers` every step's stats (sent to front end 0 only)."""
 
-    def __init__(self, endpoint: ClientEndpoint, tokenizer: TokenDecoder | None, *,
-                 client_index: int = 0,
-                 on_request_finished: Callable[[RequestRecord], None] | None = None,
-                 step_observers: Sequence[Callable[[StepStats], None]] = (),
-                 on_scheduler_stats: Callable[[SchedulerStats], None] | None = None,
-                 on_ready: Callable[[EngineReady], None] | None = None,
-                 on_dead: Callable[[str], None] | None = None,
-                 on_startup_failed: Callable[[EngineStartupFailed], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: ClientEndpoint,
+        tokenizer: TokenDecoder | None,
+        *,
+        client_index: int = 0,
+        on_request_finished: Callable[[RequestRecord], None] | None = None,
+        step_observers: Sequence[Callable[[StepStats], None]] = (),
+        on_scheduler_stats: Callable[[SchedulerStats], None] | None = None,
+        on_ready: Callable[[EngineReady], None] | None = None,
+        on_dead: Callable[[str], None] | None = None,
+        on_startup_failed: Callable[[EngineStartupFailed], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.client_index = client_index
         self.has_tokenizer = tokenizer is not None
@@ -70,11 +75,16 @@ class EngineClient:
         self._sent_grammar_vocab = False
         self.sampler_actor = SamplerActor(
             OutputProcessor(tokenizer, on_request_finished=on_request_finished),
-            on_stopped=self._abort_in_core, step_observers=step_observers,
-            on_scheduler_stats=on_scheduler_stats)
+            on_stopped=self._abort_in_core,
+            step_observers=step_observers,
+            on_scheduler_stats=on_scheduler_stats,
+        )
         self.ready: EngineReady | None = None
-        self._on_ready, self._on_dead, self._on_startup_failed = (on_ready, on_dead,
-                                                                  on_startup_failed)
+        self._on_ready, self._on_dead, self._on_startup_failed = (
+            on_ready,
+            on_dead,
+            on_startup_failed,
+        )
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self.is_running = False
@@ -84,8 +94,9 @@ class EngineClient:
         self.heard = anyio.Event()
         """Set once the core has sent anything: the connection stands."""
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Receive from the core until the endpoint closes or `close()`."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.sampler_actor.run)
@@ -103,8 +114,10 @@ class EngineClient:
     def add_request(self, request: EngineRequest) -> RequestStream:
         stream = RequestStream(request.request_id, num_prompt_tokens=len(request.prompt_token_ids))
         if not self.has_tokenizer and request.sampling_params.stop:
-            stream.push(finish_reason="error", error="stop strings need a tokenizer; this model "
-                        "serves token ids only")
+            stream.push(
+                finish_reason="error",
+                error="stop strings need a tokenizer; this model serves token ids only",
+            )
             return stream
         if request.client_index != self.client_index:
             request = _with_client(request, self.client_index)
@@ -121,8 +134,9 @@ class EngineClient:
             return
         self._sent_grammar_vocab = True
         raw: Any = getattr(self._tokenizer, "raw", self._tokenizer)  # a bare Tokenizer too
-        self.endpoint.send(GrammarVocab(raw.to_str(),
-                                        tuple(getattr(self._tokenizer, "eos_token_ids", ()))))
+        self.endpoint.send(
+            GrammarVocab(raw.to_str(), tuple(getattr(self._tokenizer, "eos_token_ids", ())))
+        )
 
     def abort(self, request_ids: list[str]) -> None:
         """The reader gave up: end the streams here and free the rows in the core."""

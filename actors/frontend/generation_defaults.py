@@ -16,12 +16,23 @@ from typing import Any
 
 from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 
-_MODEL_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                         "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                         "max_new_tokens": "max_tokens"}
+_MODEL_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 """generation_config.json key -> SamplingParams field."""
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -47,17 +58,18 @@ def model_sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, A
             continue
         is_int_field = field_name in ("top_k", "max_tokens")
         ok_types = (int,) if is_int_field else (int, float)
-        if isinstance(value, bool) or not isinstance(value, ok_types) \
-                or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, ok_types) or not math.isfinite(value):
             kind = "an integer" if is_int_field else "a finite number"
             raise ValueError(f"generation_config {key} must be {kind}, got {value!r}")
         found[field_name] = value if is_int_field else float(value)
     return found
 
 
-def resolve_sampling_params(request_fields: Mapping[str, Any],
-                            generation_config: Mapping[str, Any],
-                            defaults: RequestDefaults) -> SamplingParams:
+def resolve_sampling_params(
+    request_fields: Mapping[str, Any],
+    generation_config: Mapping[str, Any],
+    defaults: RequestDefaults,
+) -> SamplingParams:
     """Build the SamplingParams of one request. Fields not listed in SamplingParams (and
     unknown fields) are ignored here."""
     fields: dict[str, Any] = {"max_tokens": defaults.max_tokens}
@@ -131,7 +143,9 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {value!r}")
+        raise SamplingParamsError(
+            "stop", f"stop must be a string or a list of strings, got {value!r}"
+        )
     if not all(value):
         raise SamplingParamsError("stop", "stop strings must not be empty")
     return tuple(value)
@@ -147,7 +161,8 @@ def _token_id(value: Any, param: str, defaults: RequestDefaults) -> int:
         raise SamplingParamsError(param, f"{param}: {value!r} is not a token id")
     if not 0 <= value < defaults.vocab_size:
         raise SamplingParamsError(
-            param, f"{param}: token id {value} is outside the vocabulary [0, {defaults.vocab_size})")
+            param, f"{param}: token id {value} is outside the vocabulary [0, {defaults.vocab_size})"
+        )
     return value
 
 
@@ -155,8 +170,9 @@ def _stop_token_ids(value: Any, defaults: RequestDefaults) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple)) or any(isinstance(v, str) for v in value):
-        raise SamplingParamsError("stop_token_ids",
-                                  f"stop_token_ids must be a list of token ids, got {value!r}")
+        raise SamplingParamsError(
+            "stop_token_ids", f"stop_token_ids must be a list of token ids, got {value!r}"
+        )
     return tuple(_token_id(v, "stop_token_ids", defaults) for v in value)
 
 
@@ -164,14 +180,16 @@ def _logit_bias(value: Any, defaults: RequestDefaults) -> tuple[tuple[int, float
     if value is None:
         return ()
     if not isinstance(value, Mapping):
-        raise SamplingParamsError("logit_bias", "logit_bias must be an object mapping token ids "
-                                                f"to biases, got {value!r}")
+        raise SamplingParamsError(
+            "logit_bias", f"logit_bias must be an object mapping token ids to biases, got {value!r}"
+        )
     biases: dict[int, float] = {}
     for key, bias in value.items():
         token_id = _token_id(key, "logit_bias", defaults)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise SamplingParamsError("logit_bias",
-                                      f"logit_bias for token {token_id} must be a number, got {bias!r}")
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias for token {token_id} must be a number, got {bias!r}"
+            )
         biases[token_id] = float(bias)
     return tuple(sorted(biases.items()))
 
@@ -185,14 +203,19 @@ def _num_logprobs(request_fields: Mapping[str, Any], defaults: RequestDefaults) 
             if top_logprobs:
                 raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
             return None
-        return _check_num_logprobs(0 if top_logprobs is None else top_logprobs, "top_logprobs",
-                                   defaults)
+        return _check_num_logprobs(
+            0 if top_logprobs is None else top_logprobs, "top_logprobs", defaults
+        )
     if not isinstance(logprobs, int):
-        raise SamplingParamsError("logprobs", f"logprobs must be a boolean or an integer, got {logprobs!r}")
+        raise SamplingParamsError(
+            "logprobs", f"logprobs must be a boolean or an integer, got {logprobs!r}"
+        )
     return _check_num_logprobs(logprobs, "logprobs", defaults)
 
 
 def _check_num_logprobs(value: int, param: str, defaults: RequestDefaults) -> int:
     if not 0 <= value <= defaults.max_logprobs:
-        raise SamplingParamsError(param, f"{param} must be in [0, {defaults.max_logprobs}], got {value}")
+        raise SamplingParamsError(
+            param, f"{param} must be in [0, {defaults.max_logprobs}], got {value}"
+        )
     return value

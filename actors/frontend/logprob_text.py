@@ -15,8 +15,9 @@ _MAX_CACHED_TOKEN_TEXTS = 1 << 16
 
 def floor_logprobs(logprobs: np.ndarray) -> np.ndarray:
     """NaN and -inf become LOGPROB_FLOOR, +inf becomes 0, everything >= LOGPROB_FLOOR."""
-    finite = np.nan_to_num(logprobs.astype(np.float64), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR,
-                           posinf=0.0)
+    finite = np.nan_to_num(
+        logprobs.astype(np.float64), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0
+    )
     return np.maximum(finite, LOGPROB_FLOOR)
 
 

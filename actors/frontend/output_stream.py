@@ -118,8 +118,9 @@ class RequestStream:
         self._prompt_logprobs: list[LogprobEntry | None] | None = None
         self._prompt_logprobs_read = False
 
-    def observe(self, on_first_token: Callable[[str], None],
-                on_finished: Callable[[str], None]) -> None:
+    def observe(
+        self, on_first_token: Callable[[str], None], on_finished: Callable[[str], None]
+    ) -> None:
         """Call `on_first_token(request_id)` when the first output token arrives and
         `on_finished(request_id)` when the final outcome does (now, for what already
         happened), whether or not the reader has taken them: the engine's work for the
@@ -132,10 +133,17 @@ class RequestStream:
 
     # ---- engine side ------------------------------------------------------------------
 
-    def push(self, token_ids: Sequence[int] = (), text: str = "",
-             logprobs: Sequence[LogprobEntry] | None = None, *, finish_reason: str | None = None,
-             stop_reason: str | int | None = None, error: str | None = None,
-             now: float | None = None) -> None:
+    def push(
+        self,
+        token_ids: Sequence[int] = (),
+        text: str = "",
+        logprobs: Sequence[LogprobEntry] | None = None,
+        *,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+        now: float | None = None,
+    ) -> None:
         """Append one step's outcome; with `finish_reason` it is the request's last push.
         `now` (time.monotonic()) lets a caller stamp a whole step with one clock read."""
         if self._cancelled or self._finish_reason is not None:
@@ -168,7 +176,7 @@ class RequestStream:
         request recomputed after preemption sends some again: the same values)."""
         if self._prompt_logprobs is None:
             self._prompt_logprobs = [None] * self.num_prompt_tokens
-        self._prompt_logprobs[start_position:start_position + len(entries)] = entries
+        self._prompt_logprobs[start_position : start_position + len(entries)] = entries
 
     def set_num_cached_tokens(self, num_cached_tokens: int) -> None:
         self.num_cached_tokens = num_cached_tokens
@@ -239,20 +247,28 @@ class RequestStream:
     def _has_pending(self) -> bool:
         if self._cancelled or self._final_read:
             return False
-        return bool(self._token_ids or self._text_parts or self._logprobs
-                    or self._finish_reason is not None)
+        return bool(
+            self._token_ids or self._text_parts or self._logprobs or self._finish_reason is not None
+        )
 
     def _take(self) -> StreamDelta:
         logprobs = None if self._logprobs is None else tuple(self._logprobs)
         delta = StreamDelta(
-            request_id=self.request_id, token_ids=tuple(self._token_ids),
-            text="".join(self._text_parts), logprobs=logprobs,
-            finish_reason=self._finish_reason, stop_reason=self._stop_reason, error=self._error,
-            num_prompt_tokens=self.num_prompt_tokens, num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=self._num_output_tokens, first_token_time=self.first_token_time,
+            request_id=self.request_id,
+            token_ids=tuple(self._token_ids),
+            text="".join(self._text_parts),
+            logprobs=logprobs,
+            finish_reason=self._finish_reason,
+            stop_reason=self._stop_reason,
+            error=self._error,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self._num_output_tokens,
+            first_token_time=self.first_token_time,
             finish_time=self.finish_time,
             record=self.record if self._finish_reason is not None else None,
-            prompt_logprobs=self._take_prompt_logprobs())
+            prompt_logprobs=self._take_prompt_logprobs(),
+        )
         self._token_ids.clear()
         self._text_parts.clear()
         if self._logprobs is not None:
@@ -263,8 +279,11 @@ class RequestStream:
     def _take_prompt_logprobs(self) -> tuple[LogprobEntry | None, ...] | None:
         """The whole prompt's logprobs, once: an output token (or the end) means its
         prefill is over, and each step sets a request's prompt logprobs before its tokens."""
-        if (self._prompt_logprobs is None or self._prompt_logprobs_read
-                or (self.first_token_time is None and self._finish_reason is None)):
+        if (
+            self._prompt_logprobs is None
+            or self._prompt_logprobs_read
+            or (self.first_token_time is None and self._finish_reason is None)
+        ):
             return None
         self._prompt_logprobs_read = True
         return tuple(self._prompt_logprobs)

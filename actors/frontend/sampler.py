@@ -19,9 +19,11 @@ from typing import assert_never
 
 import structlog
 
-from actors.protocol.mailbox import Actor
 from actors.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer, TokenDecoder
 from actors.frontend.logprob_text import TokenTextCache, floor_logprobs
+from actors.frontend.output_stream import LogprobEntry, RequestStream, TopLogprob
+from actors.frontend.stop_checker import StopStringChecker
+from actors.protocol.mailbox import Actor
 from actors.protocol.messages import (
     AbortRequests,
     AdmittedRequest,
@@ -36,8 +38,6 @@ from actors.protocol.messages import (
     StepStats,
     ToSampler,
 )
-from actors.frontend.output_stream import LogprobEntry, RequestStream, TopLogprob
-from actors.frontend.stop_checker import StopStringChecker
 from telemetry.records import RequestRecord
 
 log = structlog.get_logger("tandem.sampler")
@@ -64,12 +64,17 @@ class OutputProcessor:
 
     Requests are tracked from `add_request` until they finish; tokens that arrive for an
     untracked request (finished here, or aborted while a step was in flight) are ignored.
-    With `tokenizer=None` outputs are token ids only (empty text). With `on_request_finished`, every finished
-    request's `RequestRecord` goes to it and rides on the request's final delta.
+    With `tokenizer=None` outputs are token ids only (empty text). With
+    `on_request_finished`, every finished request's `RequestRecord` goes to it and rides on
+    the request's final delta.
     """
 
-    def __init__(self, tokenizer: TokenDecoder | None, *,
-                 on_request_finished: Callable[[RequestRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenDecoder | None,
+        *,
+        on_request_finished: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._on_request_finished = on_request_finished
         self._requests: dict[str, _RequestState] = {}
@@ -86,14 +91,25 @@ class OutputProcessor:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already being processed")
         params = request.sampling_params
-        stop_checker = (StopStringChecker(params.stop, params.include_stop_str_in_output)
-                        if params.stop else None)
-        detokenizer = (NullDetokenizer() if self._tokenizer is None else
-                       IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
-                                              params.skip_special_tokens))
+        stop_checker = (
+            StopStringChecker(params.stop, params.include_stop_str_in_output)
+            if params.stop
+            else None
+        )
+        detokenizer = (
+            NullDetokenizer()
+            if self._tokenizer is None
+            else IncrementalDetokenizer(
+                self._tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
+        )
         self._requests[request.request_id] = _RequestState(
-            request=request, stream=stream, detokenizer=detokenizer, stop_checker=stop_checker,
-            inter_token_latencies_s=None if self._on_request_finished is None else [])
+            request=request,
+            stream=stream,
+            detokenizer=detokenizer,
+            stop_checker=stop_checker,
+            inter_token_latencies_s=None if self._on_request_finished is None else [],
+        )
 
     def set_admitted(self, admitted: Sequence[AdmittedRequest]) -> None:
         """The core's part of each request's timeline, at its first admission."""
@@ -119,7 +135,9 @@ class OutputProcessor:
     def fail_all(self, message: str) -> list[str]:
         """Finish every request with reason 'error' (the engine cannot go on)."""
         now = time.monotonic()
-        return [rid for rid in list(self._requests) if self._finish_early(rid, "error", message, now)]
+        return [
+            rid for rid in list(self._requests) if self._finish_early(rid, "error", message, now)
+        ]
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
         """Apply one step's outputs. Returns the requests this processor ended on its own
@@ -133,8 +151,7 @@ class OutputProcessor:
         to_abort: list[str] = []
         if outputs.request_ids:
             tokens: list[int] = outputs.new_token_ids.tolist()  # type: ignore[union-attr]
-            counts = (None if outputs.num_new_tokens is None
-                      else outputs.num_new_tokens.tolist())
+            counts = None if outputs.num_new_tokens is None else outputs.num_new_tokens.tolist()
             if outputs.num_draft_tokens is not None and counts is not None:
                 self._count_drafts(outputs.request_ids, outputs.num_draft_tokens.tolist(), counts)
             start = 0
@@ -143,16 +160,21 @@ class OutputProcessor:
                 state = self._requests.get(request_id)
                 if state is not None:
                     finish = finished.pop(request_id, None)
-                    if self._process_tokens(state, tokens, start, end, finish, outputs.logprobs,
-                                            now) and finish is None:
+                    if (
+                        self._process_tokens(
+                            state, tokens, start, end, finish, outputs.logprobs, now
+                        )
+                        and finish is None
+                    ):
                         to_abort.append(request_id)
                 start = end
         for request_id, finish in finished.items():
             self._finish_early(request_id, finish.reason, finish.error, now)
         return to_abort
 
-    def _count_drafts(self, request_ids: tuple[str, ...], num_drafts: list[int],
-                      counts: list[int]) -> None:
+    def _count_drafts(
+        self, request_ids: tuple[str, ...], num_drafts: list[int], counts: list[int]
+    ) -> None:
         """A speculative step's drafts per request; a request's accepted drafts are its
         new tokens but one (a stop inside the run counts the tokens up to it)."""
         for request_id, drafts, count in zip(request_ids, num_drafts, counts):
@@ -161,16 +183,24 @@ class OutputProcessor:
                 state.num_draft_tokens += drafts
                 state.num_accepted_tokens += min(count - 1, drafts)
 
-    def _process_tokens(self, state: _RequestState, tokens: list[int], start: int, end: int,
-                        finish: RequestFinish | None, logprobs: LogprobsArrays | None,
-                        now: float) -> bool:
+    def _process_tokens(
+        self,
+        state: _RequestState,
+        tokens: list[int],
+        start: int,
+        end: int,
+        finish: RequestFinish | None,
+        logprobs: LogprobsArrays | None,
+        now: float,
+    ) -> bool:
         """Push one request's new tokens; True once the request has ended."""
         request_id = state.request.request_id
         if state.stream.cancelled:
             return self._finish_early(request_id, "abort", None, now)
         pieces: list[str] = []
         entries: list[LogprobEntry] | None = (
-            None if state.request.sampling_params.logprobs is None else [])
+            None if state.request.sampling_params.logprobs is None else []
+        )
         reason: str | None = None
         stop_reason: str | int | None = None
         position = start
@@ -186,30 +216,46 @@ class OutputProcessor:
                     break
         except Exception as exc:  # one bad request must not stop the front end
             log.error("output_processing_failed", request_id=request_id, exc_info=exc)
-            return self._finish_early(request_id, "error", "processing the output failed "
-                                      f"({type(exc).__name__}); the server log has the details",
-                                      now)
+            return self._finish_early(
+                request_id,
+                "error",
+                "processing the output failed "
+                f"({type(exc).__name__}); the server log has the details",
+                now,
+            )
         error = finish.error if reason == "error" and finish is not None else None
-        state.stream.push(tokens[start:position + 1], "".join(pieces), entries,
-                          finish_reason=reason, stop_reason=stop_reason, error=error, now=now)
+        state.stream.push(
+            tokens[start : position + 1],
+            "".join(pieces),
+            entries,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            error=error,
+            now=now,
+        )
         self._note_token_time(state, now)
         if reason is not None:
             del self._requests[request_id]
             self._record(state, reason, now)
         return reason is not None
 
-    def _append_token(self, state: _RequestState, token_id: int, finish: RequestFinish | None
-                      ) -> tuple[str | None, str | int | None, str]:
+    def _append_token(
+        self, state: _RequestState, token_id: int, finish: RequestFinish | None
+    ) -> tuple[str | None, str | int | None, str]:
         """Returns (finish reason, stop reason, text to stream) for one new token."""
         state.num_output_tokens += 1
         params = state.request.sampling_params
         reason = finish.reason if finish is not None else None
         stop_reason: str | int | None = finish.stop_token_id if finish is not None else None
         # A grammar that completes stops on a token that belongs to the output.
-        stopped_by_token = reason == "stop" and (stop_reason is not None
-                                                 or token_id in state.request.eos_token_ids)
-        text = ("" if stopped_by_token and not params.include_stop_str_in_output
-                else state.detokenizer.push((token_id,)))
+        stopped_by_token = reason == "stop" and (
+            stop_reason is not None or token_id in state.request.eos_token_ids
+        )
+        text = (
+            ""
+            if stopped_by_token and not params.include_stop_str_in_output
+            else state.detokenizer.push((token_id,))
+        )
         checker = state.stop_checker
         check_stop_strings = state.num_output_tokens > params.min_tokens
         if checker is not None:
@@ -236,32 +282,48 @@ class OutputProcessor:
     def _add_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
         """Each row scores the prompt token at its position (before any output token)."""
         row = 0
-        for request_id, start, count in zip(prompt.request_ids, prompt.start_positions.tolist(),
-                                            prompt.num_rows.tolist()):
+        for request_id, start, count in zip(
+            prompt.request_ids, prompt.start_positions.tolist(), prompt.num_rows.tolist()
+        ):
             state = self._requests.get(request_id)
             if state is not None:
                 num_top = state.request.sampling_params.prompt_logprobs or 0
-                entries = [self._logprob_entry(row + i, int(prompt.logprobs.token_ids[row + i, 0]),
-                                               prompt.logprobs, num_top) for i in range(count)]
+                entries = [
+                    self._logprob_entry(
+                        row + i,
+                        int(prompt.logprobs.token_ids[row + i, 0]),
+                        prompt.logprobs,
+                        num_top,
+                    )
+                    for i in range(count)
+                ]
                 state.stream.set_prompt_logprobs(start, entries)
             row += count
 
-    def _logprob_entries(self, state: _RequestState, row: int, token_id: int,
-                         logprobs: LogprobsArrays | None) -> tuple[LogprobEntry, ...]:
+    def _logprob_entries(
+        self, state: _RequestState, row: int, token_id: int, logprobs: LogprobsArrays | None
+    ) -> tuple[LogprobEntry, ...]:
         if logprobs is None:
             return ()
-        return (self._logprob_entry(row, token_id, logprobs,
-                                    state.request.sampling_params.logprobs or 0),)
+        return (
+            self._logprob_entry(
+                row, token_id, logprobs, state.request.sampling_params.logprobs or 0
+            ),
+        )
 
-    def _logprob_entry(self, row: int, token_id: int, logprobs: LogprobsArrays, num_top: int
-                       ) -> LogprobEntry:
-        ids = logprobs.token_ids[row, :num_top + 1].tolist()
-        values = floor_logprobs(logprobs.logprobs[row, :num_top + 1]).tolist()
+    def _logprob_entry(
+        self, row: int, token_id: int, logprobs: LogprobsArrays, num_top: int
+    ) -> LogprobEntry:
+        ids = logprobs.token_ids[row, : num_top + 1].tolist()
+        values = floor_logprobs(logprobs.logprobs[row, : num_top + 1]).tolist()
         token, token_bytes = self._token_text(token_id)
-        top = tuple(TopLogprob(top_id, *self._token_text(top_id), value)
-                    for top_id, value in zip(ids[1:], values[1:]))
-        return LogprobEntry(token_id, token, token_bytes, values[0],
-                            int(logprobs.sampled_rank[row]), top)
+        top = tuple(
+            TopLogprob(top_id, *self._token_text(top_id), value)
+            for top_id, value in zip(ids[1:], values[1:])
+        )
+        return LogprobEntry(
+            token_id, token, token_bytes, values[0], int(logprobs.sampled_rank[row]), top
+        )
 
     def _token_text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
         if self._token_texts is None:  # no tokenizer: logprob entries carry ids only
@@ -292,16 +354,20 @@ class OutputProcessor:
         request, stream = state.request, state.stream
         try:
             record = RequestRecord(
-                request_id=request.request_id, arrival_time=request.arrival_time,
-                finish_time=now, finish_reason=reason,
+                request_id=request.request_id,
+                arrival_time=request.arrival_time,
+                finish_time=now,
+                finish_reason=reason,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_output_tokens=state.num_output_tokens,
-                num_cached_tokens=stream.num_cached_tokens, queued_time=state.queued_time,
+                num_cached_tokens=stream.num_cached_tokens,
+                queued_time=state.queued_time,
                 first_scheduled_time=state.first_scheduled_time,
                 first_token_time=stream.first_token_time,
                 inter_token_latencies_s=tuple(state.inter_token_latencies_s or ()),
                 num_draft_tokens=state.num_draft_tokens,
-                num_accepted_tokens=state.num_accepted_tokens)
+                num_accepted_tokens=state.num_accepted_tokens,
+            )
             stream.record = record
             self._on_request_finished(record)
         except Exception as exc:  # telemetry must never stop the front end
@@ -309,16 +375,20 @@ class OutputProcessor:
 
 
 class SamplerActor(Actor[ToSampler]):
-    """Wraps an OutputProcessor behind a mailbox (its messages: ToSampler). Requests the processor ends on its own go to
-    `on_stopped` (which aborts them in the engine core). Each step's `StepStats` goes to
-    every one of `step_observers` (metrics, the stats log) once its outputs are pushed.
-    On shutdown, requests still open finish with 'abort'."""
+    """Wraps an OutputProcessor behind a mailbox (its messages: ToSampler). Requests the
+    processor ends on its own go to `on_stopped` (which aborts them in the engine core).
+    Each step's `StepStats` goes to every one of `step_observers` (metrics, the stats log)
+    once its outputs are pushed. On shutdown, requests still open finish with 'abort'."""
 
     name = "sampler"
 
-    def __init__(self, processor: OutputProcessor, on_stopped: Callable[[list[str]], None],
-                 step_observers: Sequence[Callable[[StepStats], None]] = (),
-                 on_scheduler_stats: Callable[[SchedulerStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        processor: OutputProcessor,
+        on_stopped: Callable[[list[str]], None],
+        step_observers: Sequence[Callable[[StepStats], None]] = (),
+        on_scheduler_stats: Callable[[SchedulerStats], None] | None = None,
+    ) -> None:
         super().__init__()
         self.processor = processor
         self._on_stopped = on_stopped

@@ -55,8 +55,8 @@ class StopStringChecker:
                 self._pending = ""
                 return StopCheck(buffer[:end], stop_string)
         hold_len = self._hold_len(buffer)
-        self._pending = buffer[len(buffer) - hold_len:] if hold_len else ""
-        return StopCheck(buffer[:len(buffer) - hold_len])
+        self._pending = buffer[len(buffer) - hold_len :] if hold_len else ""
+        return StopCheck(buffer[: len(buffer) - hold_len])
 
     def flush(self) -> str:
         """Release the held-back text (the request finished for another reason)."""

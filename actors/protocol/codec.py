@@ -20,8 +20,9 @@ def enc_hook(obj: Any) -> Any:
         array = np.ascontiguousarray(obj)
         dtype = array.dtype.str.encode("ascii")
         shape = struct.pack(f"<B{array.ndim}q", array.ndim, *array.shape)
-        return msgspec.msgpack.Ext(_NDARRAY_EXT,
-                                   _HEADER.pack(len(dtype)) + dtype + shape + array.tobytes())
+        return msgspec.msgpack.Ext(
+            _NDARRAY_EXT, _HEADER.pack(len(dtype)) + dtype + shape + array.tobytes()
+        )
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
@@ -30,7 +31,7 @@ def ext_hook(code: int, data: memoryview) -> Any:
         raise ValueError(f"unknown msgpack extension {code}")
     (dtype_len,) = _HEADER.unpack_from(data, 0)
     offset = _HEADER.size
-    dtype = np.dtype(bytes(data[offset:offset + dtype_len]).decode("ascii"))
+    dtype = np.dtype(bytes(data[offset : offset + dtype_len]).decode("ascii"))
     offset += dtype_len
     (ndim,) = struct.unpack_from("<B", data, offset)
     shape = struct.unpack_from(f"<{ndim}q", data, offset + 1)
@@ -50,10 +51,10 @@ class Codec:
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
-        self._to_core = msgspec.msgpack.Decoder(ToEngineCore, ext_hook=ext_hook,
-                                                dec_hook=dec_hook)
-        self._to_front_end = msgspec.msgpack.Decoder(ToFrontEnd, ext_hook=ext_hook,
-                                                     dec_hook=dec_hook)
+        self._to_core = msgspec.msgpack.Decoder(ToEngineCore, ext_hook=ext_hook, dec_hook=dec_hook)
+        self._to_front_end = msgspec.msgpack.Decoder(
+            ToFrontEnd, ext_hook=ext_hook, dec_hook=dec_hook
+        )
 
     def encode(self, message: Any) -> bytes:
         return self._encoder.encode(message)

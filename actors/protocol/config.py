@@ -77,14 +77,17 @@ class EngineConfig:
             raise ConfigError(f"runner must be auto, v1 or v2, got {self.runner!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
         if self.compile_level not in (0, 1, 2):
             raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")
         if isinstance(self.logits_processors, str):
             raise ConfigError("logits_processors must be a tuple of 'module:Class' strings")
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -26,8 +26,9 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_LEN)
 
 
-def start_with_secret(command: Sequence[str], secret: bytes,
-                      **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+def start_with_secret(
+    command: Sequence[str], secret: bytes, **popen_kwargs: Any
+) -> subprocess.Popen[bytes]:
     """Start `command` with `secret` waiting on its stdin (read by `read_secret`)."""
     process = subprocess.Popen(command, stdin=subprocess.PIPE, **popen_kwargs)
     assert process.stdin is not None
@@ -42,12 +43,14 @@ def start_with_secret(command: Sequence[str], secret: bytes,
 def read_secret() -> bytes:
     """The secret the parent wrote to this process's stdin (read to its end)."""
     if sys.stdin.isatty():
-        raise SystemExit("this process is started by `tandem serve`, which passes it the "
-                         "launch secret on stdin")
+        raise SystemExit(
+            "this process is started by `tandem serve`, which passes it the launch secret on stdin"
+        )
     secret = sys.stdin.buffer.read()
     if len(secret) != SECRET_LEN:
-        raise SystemExit(f"expected a {SECRET_LEN}-byte launch secret on stdin, "
-                         f"got {len(secret)} bytes")
+        raise SystemExit(
+            f"expected a {SECRET_LEN}-byte launch secret on stdin, got {len(secret)} bytes"
+        )
     return secret
 
 

@@ -97,8 +97,9 @@ class LogitsProcessor(ABC):
         for this processor; the request is then refused with HTTP 400."""
 
     @abstractmethod
-    def __init__(self, config: LogitsProcessorConfig, device: torch.device,
-                 is_pin_memory: bool) -> None: ...
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None: ...
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
@@ -130,7 +131,8 @@ def check_spec(spec: str) -> None:
     if not sep or not module or not name or ":" in name:
         raise LogitsProcessorLoadError(
             f"--logits-processors entry {spec!r} must have the form module:Class "
-            "(e.g. my_package.processors:BanTokens)")
+            "(e.g. my_package.processors:BanTokens)"
+        )
 
 
 @functools.lru_cache(maxsize=16)
@@ -147,16 +149,19 @@ def _load_one(spec: str) -> type[LogitsProcessor]:
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
         raise LogitsProcessorLoadError(
             f"--logits-processors: cannot import module {module_name!r} "
-            f"({type(exc).__name__}: {exc})") from None
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     for attribute in qualname.split("."):
         if not hasattr(target, attribute):
             raise LogitsProcessorLoadError(
-                f"--logits-processors: module {module_name!r} has no {qualname!r}")
+                f"--logits-processors: module {module_name!r} has no {qualname!r}"
+            )
         target = getattr(target, attribute)
     if not (isinstance(target, type) and issubclass(target, LogitsProcessor)):
         raise LogitsProcessorLoadError(
             f"--logits-processors: {spec} is not a subclass of "
-            "actors.protocol.logits_processors.LogitsProcessor")
+            "actors.protocol.logits_processors.LogitsProcessor"
+        )
     return target
 
 

@@ -64,7 +64,8 @@ class ClientHello(msgspec.Struct, frozen=True, tag="hello"):
     """None: a peer that is no front end and only sends Shutdown (the supervisor); the
     transport authenticates it and passes its hello on to no one."""
     secret: bytes = b""
-    """The per-launch secret (actors/protocol/launch_secret.py); the ZMQ client endpoint fills it in."""
+    """The per-launch secret (actors/protocol/launch_secret.py); the ZMQ client endpoint
+    fills it in."""
 
 
 class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
@@ -179,9 +180,12 @@ class PromptLogprobs(msgspec.Struct, frozen=True):
         """The rows of the requests at `indices`."""
         offsets = np.concatenate([[0], np.cumsum(self.num_rows)])
         rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in indices])
-        return PromptLogprobs(tuple(self.request_ids[i] for i in indices),
-                              self.start_positions[indices], self.num_rows[indices],
-                              self.logprobs.take(rows.astype(np.int64)))
+        return PromptLogprobs(
+            tuple(self.request_ids[i] for i in indices),
+            self.start_positions[indices],
+            self.num_rows[indices],
+            self.logprobs.take(rows.astype(np.int64)),
+        )
 
 
 class SpecDecodeStats(msgspec.Struct, frozen=True, array_like=True):
@@ -261,10 +265,10 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     """The core's load and KV usage after the step was scheduled (front end 0 only)."""
 
 
-ToEngineCore = (EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab
-                | Shutdown)
-ToFrontEnd = (EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult
-              | Heartbeat)
+ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab | Shutdown
+ToFrontEnd = (
+    EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult | Heartbeat
+)
 
 
 # ==== inside the engine core: scheduler -> GPU actor ===================================
@@ -396,8 +400,16 @@ class Drain(msgspec.Struct, frozen=True):
     drained: Any
 
 
-ToEngineLoop = (EngineRequest | AbortRequests | GrammarVocab | GrammarCompiled | AbortClient
-                | GetSchedulerStats | CheckKVInvariants | Drain)
+ToEngineLoop = (
+    EngineRequest
+    | AbortRequests
+    | GrammarVocab
+    | GrammarCompiled
+    | AbortClient
+    | GetSchedulerStats
+    | CheckKVInvariants
+    | Drain
+)
 
 
 # ==== inside a front end ===============================================================
@@ -455,8 +467,17 @@ class GetAdmissionStats(msgspec.Struct, frozen=True):
     """Asked: answered with the admission actor's AdmissionStats."""
 
 
-ToAdmission = (Admit | Started | EngineDone | Finished | BeginDrain | AbortAll | FailAll
-               | WaitIdle | GetAdmissionStats)
+ToAdmission = (
+    Admit
+    | Started
+    | EngineDone
+    | Finished
+    | BeginDrain
+    | AbortAll
+    | FailAll
+    | WaitIdle
+    | GetAdmissionStats
+)
 
 
 class RegisterRequest(msgspec.Struct, frozen=True):

@@ -57,34 +57,68 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature",
-               f"temperature must be non-negative, got {self.temperature}")
+        _check(
+            self.temperature >= 0.0,
+            "temperature",
+            f"temperature must be non-negative, got {self.temperature}",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-               f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
-               "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
-               f"got {self.prompt_logprobs}")
-        _check(self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX, "seed",
-               f"seed must be a 64-bit integer, got {self.seed}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "stop strings must be non-empty strings")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        _check(
+            self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+        )
+        _check(
+            self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX,
+            "seed",
+            f"seed must be a 64-bit integer, got {self.seed}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must be non-empty strings",
+        )
         for token_id, bias in self.logit_bias:
-            _check(-100.0 <= bias <= 100.0, "logit_bias",
-                   f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+            _check(
+                -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"logit_bias for token {token_id} must be in [-100, 100], got {bias}",
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -92,8 +126,11 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def uses_top_k(self) -> bool:

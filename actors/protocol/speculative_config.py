@@ -26,8 +26,13 @@ from typing import Any
 NGRAM_METHOD_SPELLINGS = frozenset({"ngram", "[ngram]", "ngram_gpu"})
 DEFAULT_PROMPT_LOOKUP = 5
 """vLLM's default for both n-gram bounds when neither is given."""
-_KNOWN_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
-               "prompt_lookup_max")
+_KNOWN_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+)
 
 
 class SpeculativeConfigError(ValueError):
@@ -51,7 +56,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                f"prompt_lookup_max ({self.prompt_lookup_max})")
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @property
     def max_tokens_per_decode_step(self) -> int:
@@ -66,10 +72,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     except json.JSONDecodeError as exc:
         raise SpeculativeConfigError(
             f"--speculative-config is not valid JSON ({exc.msg} at character {exc.pos}); "
-            """expected e.g. '{"method": "ngram", "num_speculative_tokens": 4}'""") from None
+            """expected e.g. '{"method": "ngram", "num_speculative_tokens": 4}'"""
+        ) from None
     if not isinstance(value, dict):
         raise SpeculativeConfigError(
-            f"--speculative-config must be a JSON object, got {type(value).__name__}")
+            f"--speculative-config must be a JSON object, got {type(value).__name__}"
+        )
     return speculative_config_from_dict(value)
 
 
@@ -78,12 +86,14 @@ def speculative_config_from_dict(fields: dict[str, Any]) -> SpeculativeConfig:
     if unknown:
         raise SpeculativeConfigError(
             f"--speculative-config: unsupported key(s) {', '.join(map(repr, unknown))}; "
-            f"known keys: {', '.join(_KNOWN_KEYS)}")
+            f"known keys: {', '.join(_KNOWN_KEYS)}"
+        )
     method = _method(fields)
     num_tokens = fields.get("num_speculative_tokens")
     if num_tokens is None:
         raise SpeculativeConfigError(
-            "--speculative-config: num_speculative_tokens is required for the ngram method")
+            "--speculative-config: num_speculative_tokens is required for the ngram method"
+        )
     lookup_min = _optional_int(fields, "prompt_lookup_min")
     lookup_max = _optional_int(fields, "prompt_lookup_max")
     if lookup_min is None and lookup_max is None:
@@ -93,9 +103,12 @@ def speculative_config_from_dict(fields: dict[str, Any]) -> SpeculativeConfig:
     elif lookup_max is None:
         lookup_max = lookup_min
     assert lookup_min is not None and lookup_max is not None
-    return SpeculativeConfig(method=method, num_speculative_tokens=_int(num_tokens,
-                                                                        "num_speculative_tokens"),
-                             prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=_int(num_tokens, "num_speculative_tokens"),
+        prompt_lookup_min=lookup_min,
+        prompt_lookup_max=lookup_max,
+    )
 
 
 def _method(fields: dict[str, Any]) -> str:
@@ -105,11 +118,13 @@ def _method(fields: dict[str, Any]) -> str:
     if model is not None and model not in ("ngram", "[ngram]"):
         raise SpeculativeConfigError(
             f"--speculative-config: draft models are not supported (model={model!r}); "
-            "only prompt-lookup drafting: method 'ngram'")
+            "only prompt-lookup drafting: method 'ngram'"
+        )
     if method not in NGRAM_METHOD_SPELLINGS:
         raise SpeculativeConfigError(
             f"--speculative-config: method {method!r} is not supported; tandem implements "
-            "'ngram' (prompt lookup)")
+            "'ngram' (prompt lookup)"
+        )
     return "ngram"
 
 
@@ -120,12 +135,14 @@ def _optional_int(fields: dict[str, Any], key: str) -> int | None:
 
 def _int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpeculativeConfigError(f"--speculative-config: {key} must be an integer, "
-                                     f"got {value!r}")
+        raise SpeculativeConfigError(
+            f"--speculative-config: {key} must be an integer, got {value!r}"
+        )
     return value
 
 
 def _check_positive(key: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpeculativeConfigError(f"--speculative-config: {key} must be an integer >= 1, "
-                                     f"got {value!r}")
+        raise SpeculativeConfigError(
+            f"--speculative-config: {key} must be an integer >= 1, got {value!r}"
+        )

@@ -58,6 +58,7 @@ class ClientEndpoint(Protocol):
 
 # ---- in-process ------------------------------------------------------------------------
 
+
 class InProcessChannel:
     """A core endpoint and `num_clients` client endpoints on one event loop."""
 
@@ -134,6 +135,7 @@ class _InProcessClient:
 
 # ---- ZMQ ---------------------------------------------------------------------------------
 
+
 def ipc_address(directory: str) -> str:
     return f"ipc://{os.path.join(directory, 'engine.sock')}"
 
@@ -184,12 +186,16 @@ class ZmqCoreEndpoint:
     def send(self, client_index: int, message: ToFrontEnd) -> None:
         identity = self._identities.get(client_index)
         if identity is None:
-            log.warning("message_for_unknown_client", client_index=client_index,
-                        message=type(message).__name__)
+            log.warning(
+                "message_for_unknown_client",
+                client_index=client_index,
+                message=type(message).__name__,
+            )
             return
         try:
-            self._sock.send_multipart((identity, self._codec.encode(message)), flags=zmq.NOBLOCK,
-                                      copy=False)
+            self._sock.send_multipart(
+                (identity, self._codec.encode(message)), flags=zmq.NOBLOCK, copy=False
+            )
         except zmq.ZMQError as exc:  # closed socket at shutdown, a peer gone
             log.debug("send_failed", client_index=client_index, error=str(exc))
 
@@ -261,8 +267,12 @@ class _DropLog:
         self._num_dropped += 1
         now = time.monotonic()
         if now - self._logged_at >= _DROP_LOG_INTERVAL_S:
-            log.warning("engine_socket_frame_dropped", reason=reason,
-                        num_dropped=self._num_dropped, **fields)
+            log.warning(
+                "engine_socket_frame_dropped",
+                reason=reason,
+                num_dropped=self._num_dropped,
+                **fields,
+            )
             self._logged_at, self._num_dropped = now, 0
 
 

@@ -31,8 +31,12 @@ class ToolCallDelta:
     def as_openai(self) -> dict[str, object]:
         if self.id is None:
             return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +46,11 @@ class ParsedCall:
     arguments: str
 
     def as_openai(self) -> dict[str, object]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def new_call_id() -> str:
@@ -80,7 +87,7 @@ class CallReader:
         deltas: list[ToolCallDelta] = []
         name = scan.member("name")
         if self.name is None and name is not None and name.value_end is not None:
-            value = json.loads(text[name.value_start:name.value_end])
+            value = json.loads(text[name.value_start : name.value_end])
             if not isinstance(value, str):
                 self.is_broken = True
                 return [], None
@@ -90,7 +97,7 @@ class CallReader:
         if scan.end is not None and not self._arguments:
             self._arguments = EMPTY_ARGUMENTS
         if self.name is not None and len(self._arguments) > self._num_sent:
-            deltas.append(ToolCallDelta(self.index, self._arguments[self._num_sent:]))
+            deltas.append(ToolCallDelta(self.index, self._arguments[self._num_sent :]))
             self._num_sent = len(self._arguments)
         return deltas, scan.end
 
@@ -101,9 +108,9 @@ class CallReader:
         if text[member.value_start] == '"':  # arguments as a JSON string: send it decoded
             if member.value_end is None:
                 return self._arguments
-            value = json.loads(text[member.value_start:member.value_end])
+            value = json.loads(text[member.value_start : member.value_end])
             return value if isinstance(value, str) else self._arguments
-        return text[member.value_start:member.value_end or len(text)]
+        return text[member.value_start : member.value_end or len(text)]
 
     def result(self) -> ParsedCall | None:
         if self.name is None:

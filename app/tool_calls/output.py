@@ -21,8 +21,9 @@ class ToolCallOutput:
         self._parser = parser
         self._num_calls = 0
 
-    def feed(self, text: str, finish_reason: str | None
-             ) -> tuple[str, list[dict[str, Any]], str | None]:
+    def feed(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[str, list[dict[str, Any]], str | None]:
         """(content text, tool_calls delta entries, finish reason) for the next piece."""
         content, deltas = self._parser.feed(text)
         if finish_reason is not None:
@@ -31,19 +32,23 @@ class ToolCallOutput:
         self._num_calls += sum(1 for d in deltas if d.id is not None)
         return content, [d.as_openai() for d in deltas], self._finish_reason(finish_reason)
 
-    def message(self, text: str, finish_reason: str | None
-                ) -> tuple[dict[str, Any], str | None]:
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The non-streamed message fields (content, tool_calls) and finish reason."""
         content, _, reason = self.feed(text, finish_reason or "stop")
         calls = self._parser.calls
         if not calls:
             return {"content": content}, finish_reason
-        message: dict[str, Any] = {"content": content or None,
-                                   "tool_calls": [c.as_openai() for c in calls]}
+        message: dict[str, Any] = {
+            "content": content or None,
+            "tool_calls": [c.as_openai() for c in calls],
+        }
         return message, reason if finish_reason is not None else None
 
     def _finish_reason(self, finish_reason: str | None) -> str | None:
-        if finish_reason == "stop" and self._num_calls \
-                and not isinstance(self._parser, NamedFunctionParser):
+        if (
+            finish_reason == "stop"
+            and self._num_calls
+            and not isinstance(self._parser, NamedFunctionParser)
+        ):
             return "tool_calls"
         return finish_reason

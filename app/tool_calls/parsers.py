@@ -55,7 +55,7 @@ class ToolCallParser:
             out, self._pending_space = self._pending_space, ""
             return out
         out = self._pending_space.rstrip()
-        self._pending_space = self._pending_space[len(out):]
+        self._pending_space = self._pending_space[len(out) :]
         return out
 
     def _new_reader(self, name: str | None = None) -> CallReader:
@@ -84,10 +84,10 @@ class HermesParser(ToolCallParser):
                 tag = self.text.find(self.OPEN, self._pos)
                 if tag < 0:
                     safe = len(self.text) if final else _safe_end(self.text, self.OPEN)
-                    content += self._content(self.text[self._pos:safe], final)
+                    content += self._content(self.text[self._pos : safe], final)
                     self._pos = max(self._pos, safe)
                     return content, deltas
-                content += self._content(self.text[self._pos:tag])
+                content += self._content(self.text[self._pos : tag])
                 self._reader, self._call_start = self._new_reader(), tag
                 self._pos = tag + len(self.OPEN)
             close = self.text.find(self.CLOSE, self._pos)
@@ -100,7 +100,7 @@ class HermesParser(ToolCallParser):
             end = len(self.text) if close < 0 else close + len(self.CLOSE)
             if not self._reader.has_header:  # not a call after all: its text is content
                 self._readers.pop()
-                content += self._content(self.text[self._call_start:end], final)
+                content += self._content(self.text[self._call_start : end], final)
             self._reader, self._pos = None, end
 
 
@@ -121,7 +121,7 @@ class Llama3JsonParser(ToolCallParser):
             if self._mode is None:
                 return "", []
         if self._mode == "content":
-            content = self.text[self._pos:]
+            content = self.text[self._pos :]
             self._pos = len(self.text)
             return content, []
         return _read_sequence(self, ";", final)
@@ -151,7 +151,7 @@ class JsonArrayParser(ToolCallParser):
         if start >= len(self.text):
             return ("", []) if not final else (self._content(self.text, final), [])
         if self.text[start] != "[":
-            content = self.text[self._pos:]
+            content = self.text[self._pos :]
             self._pos = len(self.text)
             return content, []
         self._pos = max(self._pos, start + 1)
@@ -175,7 +175,7 @@ class NamedFunctionParser(ToolCallParser):
             deltas.append(ToolCallDelta(reader.index, "", reader.call_id, reader.name))
             self._header_sent = True
         if len(self.text) > self._pos:
-            deltas.append(ToolCallDelta(self._reader.index, self.text[self._pos:]))
+            deltas.append(ToolCallDelta(self._reader.index, self.text[self._pos :]))
             self._pos = len(self.text)
         return "", deltas
 
@@ -184,8 +184,9 @@ class NamedFunctionParser(ToolCallParser):
         return [ParsedCall(self._reader.call_id, self._reader.name or "", self.text)]
 
 
-def _read_sequence(parser: ToolCallParser, separator: str, final: bool,
-                   closer: str | None = None) -> Parsed:
+def _read_sequence(
+    parser: ToolCallParser, separator: str, final: bool, closer: str | None = None
+) -> Parsed:
     """Calls written one after another (separated by `separator`, up to `closer`); whatever
     is not a call object ends the sequence and is content."""
     text = parser.text
@@ -199,7 +200,7 @@ def _read_sequence(parser: ToolCallParser, separator: str, final: bool,
             if pos >= len(text):
                 return _end_sequence(parser, "", deltas, final)
             if text[pos] != "{":
-                rest = text[pos + (closer is not None and text[pos] == closer):]
+                rest = text[pos + (closer is not None and text[pos] == closer) :]
                 parser._pos = len(text)
                 return _end_sequence(parser, rest if rest.strip() else "", deltas, final)
             reader = parser._open_reader = parser._new_reader()
@@ -211,8 +212,9 @@ def _read_sequence(parser: ToolCallParser, separator: str, final: bool,
         parser._pos, parser._open_reader = end, None
 
 
-def _end_sequence(parser: ToolCallParser, content: str, deltas: list[ToolCallDelta],
-                  final: bool) -> Parsed:
+def _end_sequence(
+    parser: ToolCallParser, content: str, deltas: list[ToolCallDelta], final: bool
+) -> Parsed:
     if final and not any(r.has_header for r in parser._readers):
         parser._readers.clear()  # never a call: the whole output is content
         return parser.text, []
@@ -227,8 +229,10 @@ def _safe_end(text: str, tag: str) -> int:
     return len(text)
 
 
-PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesParser,
-                                                    "llama3_json": Llama3JsonParser}
+PARSERS: dict[str, Callable[[], ToolCallParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}
 PARSER_CHOICES = ("auto", "hermes", "llama3_json", "none")
 
 

@@ -74,9 +74,15 @@ def tool_plan(tools: Any, tool_choice: Any, parser_name: str) -> ToolPlan:
                 "tool_choice 'auto' needs a tool-call parser, and this model's chat template "
                 "shows no tool-call format; start the server with --tool-call-parser hermes or "
                 "llama3_json, or use tool_choice 'required' or a named function",
-                "tool_choice")
-        return ToolPlan(checked, mode, factory, None,
-                        needs_special_tokens=bool(getattr(factory, "needs_special_tokens", False)))
+                "tool_choice",
+            )
+        return ToolPlan(
+            checked,
+            mode,
+            factory,
+            None,
+            needs_special_tokens=bool(getattr(factory, "needs_special_tokens", False)),
+        )
     if mode == "required":
         spec = StructuredOutputSpec("json", json.dumps(required_tools_schema(checked)))
         return ToolPlan(checked, mode, JsonArrayParser, spec)
@@ -101,13 +107,18 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
             raise bad_request(f"{param}: only tools of type 'function' are supported", param)
         function = tool.get("function")
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) \
-                or not function["name"]:
+        if (
+            not isinstance(function, Mapping)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
             raise bad_request(f"{param}.function needs a non-empty 'name'", f"{param}.function")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
-            raise bad_request(f"{param}.function.parameters must be a JSON schema object",
-                              f"{param}.function.parameters")
+            raise bad_request(
+                f"{param}.function.parameters must be a JSON schema object",
+                f"{param}.function.parameters",
+            )
         if function["name"] in names:
             raise bad_request(f"{param}: duplicate function name {function['name']!r}", param)
         names.add(function["name"])
@@ -125,8 +136,13 @@ def _check_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, 
         name = function.get("name") if isinstance(function, Mapping) else None
         known = [t["function"]["name"] for t in tools]
         if name not in known:
-            raise bad_request(f"tool_choice names function {name!r}, which is not in tools "
-                              f"({', '.join(known)})", "tool_choice")
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not in tools ({', '.join(known)})",
+                "tool_choice",
+            )
         return "named", str(name)
-    raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
-                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    raise bad_request(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+    )

@@ -17,13 +17,23 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 def required_tools_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """At least one call, each `{"name": <one tool's name>, "parameters": <its arguments>}`
     (the shape app/tool_calls/parsers.JsonArrayParser reads)."""
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
-                             "parameters": _parameters(tool)},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for tool in tools]
-    return {"type": "array", "minItems": 1,
-            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                "parameters": _parameters(tool),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    }
 
 
 def named_tool_schema(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:

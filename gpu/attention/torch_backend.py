@@ -29,7 +29,9 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         num_actual = metadata.num_actual_tokens
-        kv_write_ref(key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual])
+        kv_write_ref(
+            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
+        )
         return self.attend(query, kv_cache, metadata, scale)
 
     def attend(
@@ -48,7 +50,11 @@ class TorchAttentionBackend:
         for req in np.flatnonzero(query_lens > 1).tolist():
             start, end = int(query_start_loc[req]), int(query_start_loc[req + 1])
             out[start:end] = _chunk_attention(
-                query[start:end], kv_cache, metadata.block_table[req], int(metadata.seq_lens_cpu[req]), scale
+                query[start:end],
+                kv_cache,
+                metadata.block_table[req],
+                int(metadata.seq_lens_cpu[req]),
+                scale,
             )
         return out
 
@@ -74,7 +80,9 @@ def _decode_attention(
     kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_decodes, -1, num_kv_heads, head_dim)
     kv = kv.transpose(2, 3).float().contiguous()  # [2, n, kv_heads, max_len, head_dim]
     keys, values = kv[0], kv[1]
-    queries = query.index_select(0, tokens).float().view(num_decodes, num_kv_heads, group_size, head_dim)
+    queries = (
+        query.index_select(0, tokens).float().view(num_decodes, num_kv_heads, group_size, head_dim)
+    )
     scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [n, kv_heads, group, max_len]
     key_pos = torch.arange(num_blocks * block_size, device=device)
     seq_lens = torch.from_numpy(seq_lens_np.astype(np.int64)).to(device)

@@ -34,8 +34,11 @@ class Communicator:
         tensor: torch.Tensor,  # [rows, ...] on every rank
     ) -> torch.Tensor:  # [world_size * rows, ...]: rank 0's rows, then rank 1's, ...
         tensor = tensor.contiguous()
-        gathered = torch.empty((self.world_size * tensor.shape[0], *tensor.shape[1:]),
-                               dtype=tensor.dtype, device=tensor.device)
+        gathered = torch.empty(
+            (self.world_size * tensor.shape[0], *tensor.shape[1:]),
+            dtype=tensor.dtype,
+            device=tensor.device,
+        )
         _all_gather_single(gathered, tensor)
         return gathered
 
@@ -44,8 +47,9 @@ class Communicator:
         tensor: torch.Tensor,  # [world_size * rows, ...]: chunk d goes to rank d
     ) -> torch.Tensor:  # [world_size * rows, ...]: chunk s came from rank s
         if tensor.shape[0] % self.world_size:
-            raise ValueError(f"all_to_all needs a multiple of {self.world_size} rows, "
-                             f"got {tensor.shape[0]}")
+            raise ValueError(
+                f"all_to_all needs a multiple of {self.world_size} rows, got {tensor.shape[0]}"
+            )
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
         dist.all_to_all_single(received, tensor)

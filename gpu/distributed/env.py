@@ -32,7 +32,11 @@ def apply_worker_env(environ: MutableMapping[str, str] | None = None) -> dict[st
         previous = environ.get(name)
         if previous is not None and previous != value:
             overridden[name] = previous
-            logger.warning("%s=%s overridden with %s: tandem never uses NVLink multicast",
-                           name, previous, value)
+            logger.warning(
+                "%s=%s overridden with %s: tandem never uses NVLink multicast",
+                name,
+                previous,
+                value,
+            )
         environ[name] = value
     return overridden

@@ -47,7 +47,8 @@ class TPGroupSpec:
             raise TPGroupError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if not self.init_method.startswith(("tcp://", "file://")):
             raise TPGroupError(
-                f"init_method must be tcp://host:port or file:///path, got {self.init_method!r}")
+                f"init_method must be tcp://host:port or file:///path, got {self.init_method!r}"
+            )
         if self.timeout_s <= 0:
             raise TPGroupError(f"timeout_s must be positive, got {self.timeout_s}")
 
@@ -55,8 +56,9 @@ class TPGroupSpec:
 class TPGroup:
     """A formed TP group: this process's rank, its device and the two process groups."""
 
-    def __init__(self, spec: TPGroupSpec, device: torch.device, backend: str,
-                 cpu_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, spec: TPGroupSpec, device: torch.device, backend: str, cpu_group: dist.ProcessGroup
+    ) -> None:
         self.rank = spec.rank
         self.world_size = spec.world_size
         self.device = device
@@ -90,9 +92,14 @@ def init_tp_group(spec: TPGroupSpec) -> TPGroup:
     timeout = timedelta(seconds=spec.timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
-                            world_size=spec.world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=spec.init_method,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(spec, device, backend, cpu_group)
 

@@ -47,8 +47,13 @@ class RankFailedError(RuntimeError):
 class WorkerGroup:
     """The processes of one TP group, as started by `start_workers`."""
 
-    def __init__(self, processes: list[BaseProcess], result_conns: list[Connection],
-                 lifeline_conns: list[Connection], first_rank: int = 0) -> None:
+    def __init__(
+        self,
+        processes: list[BaseProcess],
+        result_conns: list[Connection],
+        lifeline_conns: list[Connection],
+        first_rank: int = 0,
+    ) -> None:
         self.processes = processes
         """processes[i] runs rank first_rank + i."""
         self.first_rank = first_rank
@@ -71,8 +76,9 @@ class WorkerGroup:
         failures: dict[int, tuple[str, str]] = {}  # process index -> (reason, traceback)
         while len(self._results) + len(failures) < self.num_processes:
             remaining = deadline - time.monotonic()
-            pending = [i for i in range(self.num_processes)
-                       if i not in self._results and i not in failures]
+            pending = [
+                i for i in range(self.num_processes) if i not in self._results and i not in failures
+            ]
             if remaining <= 0 or not wait(self._waitables(pending), timeout=remaining):
                 if failures:
                     break
@@ -90,7 +96,8 @@ class WorkerGroup:
             self.stop()
             raise RankFailedError(
                 {self.first_rank + i: reason for i, (reason, _) in failures.items()},
-                {self.first_rank + i: trace for i, (_, trace) in failures.items() if trace})
+                {self.first_rank + i: trace for i, (_, trace) in failures.items() if trace},
+            )
         for process in self.processes:
             process.join(STOP_GRACE_S)
         return [self._results[index] for index in range(self.num_processes)]
@@ -98,8 +105,11 @@ class WorkerGroup:
     def check_alive(self) -> None:
         """Raise RankFailedError if a rank has exited (a running group never exits on its
         own); never blocks. For an engine's health check."""
-        exited = {self.first_rank + i: f"exited unexpectedly ({_describe_exit(process)})"
-                  for i, process in enumerate(self.processes) if process.exitcode is not None}
+        exited = {
+            self.first_rank + i: f"exited unexpectedly ({_describe_exit(process)})"
+            for i, process in enumerate(self.processes)
+            if process.exitcode is not None
+        }
         if exited:
             self.stop()
             raise RankFailedError(exited)
@@ -147,8 +157,9 @@ class WorkerGroup:
         return None
 
 
-def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (),
-                  first_rank: int = 0) -> WorkerGroup:
+def start_workers(
+    target: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), first_rank: int = 0
+) -> WorkerGroup:
     """Spawn one process per rank in [first_rank, world_size), each running
     `target(rank, *args)`; first_rank = 1 leaves rank 0 to the caller's own process.
     `target` and `args` must be picklable (a module-level function)."""
@@ -162,8 +173,10 @@ def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, 
             result_reader, result_writer = context.Pipe(duplex=False)
             lifeline_reader, lifeline_writer = context.Pipe(duplex=False)
             process = context.Process(
-                target=_worker_main, name=f"tandem-tp-rank{rank}",
-                args=(target, rank, args, result_writer, lifeline_reader))
+                target=_worker_main,
+                name=f"tandem-tp-rank{rank}",
+                args=(target, rank, args, result_writer, lifeline_reader),
+            )
             process.start()
             result_writer.close()
             lifeline_reader.close()
@@ -176,10 +189,16 @@ def start_workers(target: Callable[..., Any], world_size: int, args: tuple[Any, 
     return WorkerGroup(processes, result_conns, lifeline_conns, first_rank)
 
 
-def _worker_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...],
-                 result_conn: Connection, lifeline_conn: Connection) -> None:
-    threading.Thread(target=_exit_when_parent_dies, args=(lifeline_conn,), daemon=True,
-                     name="tandem-tp-lifeline").start()
+def _worker_main(
+    target: Callable[..., Any],
+    rank: int,
+    args: tuple[Any, ...],
+    result_conn: Connection,
+    lifeline_conn: Connection,
+) -> None:
+    threading.Thread(
+        target=_exit_when_parent_dies, args=(lifeline_conn,), daemon=True, name="tandem-tp-lifeline"
+    ).start()
     apply_worker_env()
     try:
         message = ("ok", target(rank, *args))

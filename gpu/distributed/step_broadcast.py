@@ -52,7 +52,7 @@ class StepBroadcaster:
         if kind != _STEP:
             raise RuntimeError(f"corrupt step broadcast header (kind {kind})")
         inline = min(num_bytes, self._frame_np.size - _HEADER_BYTES)
-        head = self._frame_np[_HEADER_BYTES:_HEADER_BYTES + inline].tobytes()
+        head = self._frame_np[_HEADER_BYTES : _HEADER_BYTES + inline].tobytes()
         if inline == num_bytes:
             return head
         rest = torch.empty(num_bytes - inline, dtype=torch.uint8)
@@ -72,8 +72,9 @@ class StepBroadcaster:
         num_bytes = payload.nbytes
         inline = min(num_bytes, self._frame_np.size - _HEADER_BYTES)
         self._header_np[:] = (kind, num_bytes)
-        self._frame_np[_HEADER_BYTES:_HEADER_BYTES + inline] = np.frombuffer(payload[:inline],
-                                                                          dtype=np.uint8)
+        self._frame_np[_HEADER_BYTES : _HEADER_BYTES + inline] = np.frombuffer(
+            payload[:inline], dtype=np.uint8
+        )
         self._broadcast(self._frame_u8)
         if inline < num_bytes:
             rest = np.frombuffer(payload[inline:], dtype=np.uint8).copy()

@@ -36,9 +36,11 @@ def validate_tensor_parallel(
     if tp_size > num_visible_devices:
         raise TensorParallelError(
             f"--tensor-parallel-size {tp_size} needs {tp_size} GPUs, but {num_visible_devices} "
-            f"{'is' if num_visible_devices == 1 else 'are'} visible (see CUDA_VISIBLE_DEVICES)")
+            f"{'is' if num_visible_devices == 1 else 'are'} visible (see CUDA_VISIBLE_DEVICES)"
+        )
     if ":" in requested_device:
         raise TensorParallelError(
             f"--device {requested_device} names one GPU, but --tensor-parallel-size {tp_size} "
             f"runs rank r on cuda:r; pass --device cuda (or auto) and choose the GPUs with "
-            f"CUDA_VISIBLE_DEVICES")
+            f"CUDA_VISIBLE_DEVICES"
+        )

@@ -60,35 +60,46 @@ def rank_device(platform: Platform, rank: int) -> str:
     return f"cuda:{rank}" if platform.device_type == "cuda" else "cpu"
 
 
-def load_tp_worker(config: EngineConfig, platform: Platform,
-                   timeout_s: float = DEFAULT_TIMEOUT_S,
-                   step_timeout_s: float | None = None) -> ModelWorker:
+def load_tp_worker(
+    config: EngineConfig,
+    platform: Platform,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    step_timeout_s: float | None = None,
+) -> ModelWorker:
     """Rank 0's ModelWorker, with the other ranks started and loaded: worker.tp_leader
     drives them. Raises RankFailedError (with the failing rank's error) when a rank fails
     to start or load. A collective fails (and with it the engine) after `timeout_s` while
     the ranks start, after `step_timeout_s` (default: the same) once they serve."""
     tp_size = config.tensor_parallel_size
     init_method = tcp_rendezvous()
-    workers = start_workers(worker_rank_main, tp_size, (config, init_method, timeout_s),
-                            first_rank=1)
+    workers = start_workers(
+        worker_rank_main, tp_size, (config, init_method, timeout_s), first_rank=1
+    )
     try:
-        worker = _while_ranks_live(workers, lambda: _rank0_worker(config, platform, init_method,
-                                                                  timeout_s))
+        worker = _while_ranks_live(
+            workers, lambda: _rank0_worker(config, platform, init_method, timeout_s)
+        )
     except BaseException:
         workers.stop()
         raise
     worker.tp_leader = TPLeader(workers, worker.tp_group)
     if step_timeout_s is not None:
         worker.tp_leader.set_step_timeout(step_timeout_s)
-    log.info("tensor_parallel_ready", tp_size=tp_size, worker_pids=workers.pids,
-             device=str(worker.device))
+    log.info(
+        "tensor_parallel_ready",
+        tp_size=tp_size,
+        worker_pids=workers.pids,
+        device=str(worker.device),
+    )
     return worker
 
 
-def _rank0_worker(config: EngineConfig, platform: Platform, init_method: str,
-                  timeout_s: float) -> ModelWorker:
-    spec = TPGroupSpec(0, config.tensor_parallel_size, init_method,
-                       rank_device(platform, 0), timeout_s)
+def _rank0_worker(
+    config: EngineConfig, platform: Platform, init_method: str, timeout_s: float
+) -> ModelWorker:
+    spec = TPGroupSpec(
+        0, config.tensor_parallel_size, init_method, rank_device(platform, 0), timeout_s
+    )
     group = init_tp_group(spec)
     try:
         return ModelWorker(config, platform, tp_group=group)
@@ -171,8 +182,9 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
         # N ranks share the host's cores: each taking all of them would oversubscribe
         # them, and every collective would wait for a descheduled peer.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    spec = TPGroupSpec(rank, config.tensor_parallel_size, init_method,
-                       rank_device(platform, rank), timeout_s)
+    spec = TPGroupSpec(
+        rank, config.tensor_parallel_size, init_method, rank_device(platform, rank), timeout_s
+    )
     group = init_tp_group(spec)
     try:
         worker = ModelWorker(config, platform, tp_group=group)

@@ -67,8 +67,7 @@ class TPLeader:
         self._on_failure: Callable[[str], None] | None = None
         self._runner_open = False
         self._closing = False
-        self._monitor = threading.Thread(target=self._watch, name="tandem-tp-monitor",
-                                         daemon=True)
+        self._monitor = threading.Thread(target=self._watch, name="tandem-tp-monitor", daemon=True)
         self._monitor.start()
         # An engine left open at exit still shuts its ranks down in order (a killed
         # process's ranks exit on their own: launch.py's lifeline).

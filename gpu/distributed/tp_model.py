@@ -11,8 +11,9 @@ from gpu.models.llama import DecoderModel
 from gpu.weights.shard_loader import load_weight_shard
 
 
-def load_tp_model(model: str, dtype: torch.dtype, group: TPGroup,
-                  attn_backend: AttentionBackend) -> DecoderModel:
+def load_tp_model(
+    model: str, dtype: torch.dtype, group: TPGroup, attn_backend: AttentionBackend
+) -> DecoderModel:
     """Rank group.rank's shard of `model` (a loader source: 'default', a file, a directory,
     'dummy:<preset>') on group.device. With one rank it is the whole model, with no
     collectives in its forward."""

@@ -21,8 +21,14 @@ from kernels.qkv_prologue import apply_rotary_ref as apply_rotary
 from kernels.rms_norm import add_rms_norm
 from kernels.silu_mul import silu_mul
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary", "empty_parameter",
-           "rope_inv_freq"]
+__all__ = [
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+    "apply_rotary",
+    "empty_parameter",
+    "rope_inv_freq",
+]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -34,7 +40,9 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str)
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in float32 and cast back like transformers."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
@@ -54,19 +62,27 @@ class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         # rows [0, intermediate) are gate_proj, rows [intermediate, 2 * intermediate) up_proj
-        self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = empty_parameter(
+            2 * intermediate_size, hidden_size, dtype=dtype, device=device
+        )
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         return F.linear(silu_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None
+) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32, as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)

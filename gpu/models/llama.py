@@ -112,7 +112,9 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
         _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
         self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
 
@@ -155,8 +157,9 @@ class DecoderModel(nn.Module):
         self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
         self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
         vocab_rows = self.vocab_shard.num_rows
-        self.embed_tokens = empty_parameter(vocab_rows, config.hidden_size, dtype=dtype,
-                                            device=device)
+        self.embed_tokens = empty_parameter(
+            vocab_rows, config.hidden_size, dtype=dtype, device=device
+        )
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -179,7 +182,9 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens] int32/int64
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: list[
+            torch.Tensor
+        ],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         if len(kv_caches) != len(self.layers):
@@ -187,7 +192,9 @@ class DecoderModel(nn.Module):
         if self.tp is None:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
-            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_shard, self.tp)
+            hidden = vocab_parallel_embedding(
+                input_ids, self.embed_tokens, self.vocab_shard, self.tp
+            )
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
@@ -202,8 +209,9 @@ class DecoderModel(nn.Module):
         (one GEMM, no half-precision logits and no cast kernel); elsewhere the logits are
         computed in the model dtype and converted. Under TP each rank's slice is gathered."""
         if self.tp is not None:
-            logits = gather_vocab_logits(self.compute_logits_local(hidden), self.tp,
-                                         self.config.vocab_size)
+            logits = gather_vocab_logits(
+                self.compute_logits_local(hidden), self.tp, self.config.vocab_size
+            )
             return logits if out is None else out.copy_(logits)
         if hidden.is_cuda and self.dtype != torch.float32 and _mm_into_float32_works(hidden.device):
             if out is None:
@@ -238,7 +246,11 @@ class DecoderModel(nn.Module):
         ]
         problems = [
             f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mis_shaped))
+            for label, items in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("mis-shaped", mis_shaped),
+            )
             if items
         ]
         if problems:
@@ -280,7 +292,11 @@ def _mm_into_float32_works(device: torch.device) -> bool:
 def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
     attn = layer.self_attn
     q_rows, kv_rows = attn.q_size, attn.kv_size
-    qkv_splits = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
+    qkv_splits = {
+        "q_proj": (0, q_rows),
+        "k_proj": (q_rows, kv_rows),
+        "v_proj": (q_rows + kv_rows, kv_rows),
+    }
     targets = {
         f"{prefix}input_layernorm.weight": layer.input_layernorm.weight.data,
         f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
@@ -295,8 +311,12 @@ def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.T
         targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight.data
         targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight.data
     intermediate = layer.mlp.intermediate_size
-    targets[f"{prefix}mlp.gate_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, 0, intermediate)
-    targets[f"{prefix}mlp.up_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(0, intermediate, intermediate)
+    targets[f"{prefix}mlp.gate_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(
+        0, 0, intermediate
+    )
+    targets[f"{prefix}mlp.up_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(
+        0, intermediate, intermediate
+    )
     return targets
 
 

@@ -74,7 +74,8 @@ def check_tensor_parallel_size(config: ModelConfig, tp_size: int) -> None:
     if problems:
         raise UnsupportedModelError(
             f"tensor parallel size {tp_size} does not divide {' or '.join(problems)} "
-            f"({config.name or config.architecture})")
+            f"({config.name or config.architecture})"
+        )
 
 
 def head_shard(config: ModelConfig, tp_rank: int, tp_size: int) -> HeadShard:
@@ -124,7 +125,7 @@ def stitch_vocab_shards(
         start = rank * shard_rows
         width = max(0, min(shard_rows, vocab_size - start))
         if width:
-            logits[:, start:start + width].copy_(shards[rank, :, :width])
+            logits[:, start : start + width].copy_(shards[rank, :, :width])
     return logits
 
 

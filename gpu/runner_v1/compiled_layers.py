@@ -80,5 +80,6 @@ def finish_layer(
     the post-attention RMSNorm, SwiGLU MLP and residual."""
     hidden = hidden + F.linear(attn.reshape(attn.shape[0], -1), o_proj)
     gate, up = F.linear(rms_norm(hidden, post_norm_weight, norm_eps), gate_up_proj).split(
-        down_proj.shape[1], dim=-1)
+        down_proj.shape[1], dim=-1
+    )
     return hidden + F.linear(F.silu(gate) * up, down_proj)

@@ -32,7 +32,13 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
 from gpu.models.llama import DecoderLayer, DecoderModel
-from gpu.runner_v1.compiled_layers import HeadShape, finish_layer, project_qkv, rms_norm, rotary_cos_sin
+from gpu.runner_v1.compiled_layers import (
+    HeadShape,
+    finish_layer,
+    project_qkv,
+    rms_norm,
+    rotary_cos_sin,
+)
 
 log = structlog.get_logger("tandem.compile")
 
@@ -54,14 +60,22 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
 
 def _pre_weights(layer: DecoderLayer) -> tuple[torch.Tensor | None, ...]:
     attn = layer.self_attn
-    return (layer.input_layernorm.weight, attn.qkv_proj, attn.qkv_bias,
-            None if attn.q_norm is None else attn.q_norm.weight,
-            None if attn.k_norm is None else attn.k_norm.weight)
+    return (
+        layer.input_layernorm.weight,
+        attn.qkv_proj,
+        attn.qkv_bias,
+        None if attn.q_norm is None else attn.q_norm.weight,
+        None if attn.k_norm is None else attn.k_norm.weight,
+    )
 
 
 def _post_weights(layer: DecoderLayer) -> tuple[torch.Tensor, ...]:
-    return (layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
-            layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return (
+        layer.self_attn.o_proj,
+        layer.post_attention_layernorm.weight,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
 
 
 class CompiledDecoder:
@@ -69,14 +83,19 @@ class CompiledDecoder:
 
     def __init__(self, model: DecoderModel, level: int) -> None:
         if model.tp is not None:
-            raise ValueError("torch.compile runs on the V1 runner, which serves unsharded models "
-                             "only (tensor parallelism needs V2)")
+            raise ValueError(
+                "torch.compile runs on the V1 runner, which serves unsharded models "
+                "only (tensor parallelism needs V2)"
+            )
         self.model = model
         self.level = level
         self.compile_time_s = 0.0
         pieces = _make_pieces(model)
-        options: dict[str, Any] = {"mode": COMPILE_MODES[level], "fullgraph": True,
-                                   "dynamic": False}
+        options: dict[str, Any] = {
+            "mode": COMPILE_MODES[level],
+            "fullgraph": True,
+            "dynamic": False,
+        }
         self._first = torch.compile(pieces[0], **options)
         self._middle = torch.compile(pieces[1], **options)
         self._last = torch.compile(pieces[2], **options)
@@ -88,8 +107,11 @@ class CompiledDecoder:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self._run(input_ids, positions, lambda i, q, k, v: _attend(
-            self.model.layers[i], q, k, v, kv_caches[i], attn_metadata))
+        return self._run(
+            input_ids,
+            positions,
+            lambda i, q, k, v: _attend(self.model.layers[i], q, k, v, kv_caches[i], attn_metadata),
+        )
 
     def warm_up(self) -> float:
         """Compile for one token and for any larger batch, without touching a KV cache
@@ -103,8 +125,12 @@ class CompiledDecoder:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.compile_time_s = time.perf_counter() - started
-        log.info("torch_compile_ready", level=self.level, mode=COMPILE_MODES[self.level],
-                 compile_time_s=round(self.compile_time_s, 2))
+        log.info(
+            "torch_compile_ready",
+            level=self.level,
+            mode=COMPILE_MODES[self.level],
+            compile_time_s=round(self.compile_time_s, 2),
+        )
         return self.compile_time_s
 
     def _run(
@@ -116,20 +142,32 @@ class CompiledDecoder:
         model, layers = self.model, self.model.layers
         _mark_token_dim_dynamic(input_ids, positions)
         hidden, cos, sin, q, k, v = self._first(
-            input_ids, positions, model.embed_tokens, model.rotary.cos_cache,
-            model.rotary.sin_cache, *_pre_weights(layers[0]))
+            input_ids,
+            positions,
+            model.embed_tokens,
+            model.rotary.cos_cache,
+            model.rotary.sin_cache,
+            *_pre_weights(layers[0]),
+        )
         for i in range(len(layers) - 1):
             out = attend(i, q, k, v)
             _mark_token_dim_dynamic(out, hidden, cos, sin)
-            hidden, q, k, v = self._middle(out, hidden, *_post_weights(layers[i]),
-                                           *_pre_weights(layers[i + 1]), cos, sin)
+            hidden, q, k, v = self._middle(
+                out, hidden, *_post_weights(layers[i]), *_pre_weights(layers[i + 1]), cos, sin
+            )
         out = attend(len(layers) - 1, q, k, v)
         _mark_token_dim_dynamic(out, hidden)
         return self._last(out, hidden, *_post_weights(layers[-1]), model.norm.weight)
 
 
-def _attend(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+def _attend(
+    layer: DecoderLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+) -> torch.Tensor:
     attn = layer.self_attn
     return attn.attn_backend.forward(q, k, v, kv_cache, attn_metadata, attn.scale)
 
@@ -147,19 +185,35 @@ def _make_pieces(model: DecoderModel) -> tuple[Callable[..., Any], ...]:
     shape = HeadShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)
     eps, dtype = model.config.rms_norm_eps, model.dtype
 
-    def first(input_ids, positions, embed, cos_cache, sin_cache, norm_w, qkv, qkv_b, q_norm_w,
-              k_norm_w):
+    def first(
+        input_ids, positions, embed, cos_cache, sin_cache, norm_w, qkv, qkv_b, q_norm_w, k_norm_w
+    ):
         hidden = F.embedding(input_ids, embed)
         cos, sin = rotary_cos_sin(cos_cache, sin_cache, positions, dtype)
-        q, k, v = project_qkv(rms_norm(hidden, norm_w, eps), qkv, qkv_b, q_norm_w, k_norm_w,
-                              cos, sin, shape, eps)
+        q, k, v = project_qkv(
+            rms_norm(hidden, norm_w, eps), qkv, qkv_b, q_norm_w, k_norm_w, cos, sin, shape, eps
+        )
         return hidden, cos, sin, q, k, v
 
-    def middle(attn, hidden, o_proj, post_norm_w, gate_up, down, norm_w, qkv, qkv_b, q_norm_w,
-               k_norm_w, cos, sin):
+    def middle(
+        attn,
+        hidden,
+        o_proj,
+        post_norm_w,
+        gate_up,
+        down,
+        norm_w,
+        qkv,
+        qkv_b,
+        q_norm_w,
+        k_norm_w,
+        cos,
+        sin,
+    ):
         hidden = finish_layer(attn, hidden, o_proj, post_norm_w, gate_up, down, eps)
-        q, k, v = project_qkv(rms_norm(hidden, norm_w, eps), qkv, qkv_b, q_norm_w, k_norm_w,
-                              cos, sin, shape, eps)
+        q, k, v = project_qkv(
+            rms_norm(hidden, norm_w, eps), qkv, qkv_b, q_norm_w, k_norm_w, cos, sin, shape, eps
+        )
         return hidden, q, k, v
 
     def last(attn, hidden, o_proj, post_norm_w, gate_up, down, final_norm_w):

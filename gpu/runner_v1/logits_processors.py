@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.logits_processors import (
     AddedRequest,
     BatchUpdate,
@@ -26,6 +25,7 @@ from actors.protocol.logits_processors import (
     MovedRequest,
     load_logits_processor_classes,
 )
+from actors.protocol.sampling_params import SamplingParams
 
 
 @dataclass(eq=False, slots=True)
@@ -45,14 +45,24 @@ class LogitsProcessorBatch:
         self._layout: list[_Entry | None] = []
 
     @classmethod
-    def load(cls, specs: Sequence[str], config: LogitsProcessorConfig,
-             device: torch.device) -> LogitsProcessorBatch:
+    def load(
+        cls, specs: Sequence[str], config: LogitsProcessorConfig, device: torch.device
+    ) -> LogitsProcessorBatch:
         pin = device.type == "cuda"
-        return cls([proc_cls(config, device, pin)
-                    for proc_cls in load_logits_processor_classes(tuple(specs))])
+        return cls(
+            [
+                proc_cls(config, device, pin)
+                for proc_cls in load_logits_processor_classes(tuple(specs))
+            ]
+        )
 
-    def add_request(self, request_id: str, params: SamplingParams,
-                    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+    ) -> None:
         self._entries[request_id] = _Entry(params, list(prompt_token_ids), list(output_token_ids))
 
     def remove_request(self, request_id: str) -> None:
@@ -104,8 +114,8 @@ def diff_layouts(
             slots[index] = entry
             added.append((index, entry.params, entry.prompt_token_ids, entry.output_token_ids))
     moved = _moves_into_place(slots, new)
-    assert all(e is None for e in slots[len(new):])
-    layout = slots[:len(new)]
+    assert all(e is None for e in slots[len(new) :])
+    layout = slots[: len(new)]
     if not (removed or added or moved) and len(old) == len(new):
         return None, layout
     return BatchUpdate(batch_size=len(new), removed=removed, added=added, moved=moved), layout

@@ -30,10 +30,10 @@ from actors.protocol.messages import (
     StepStats,
 )
 from gpu.attention.base import AttentionMetadata
-from gpu.runner_v1.compiled_model import compiled_decoder
-from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import ReadyStep
+from gpu.runner_v1.compiled_model import compiled_decoder
+from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState, unseeded_request_seed
@@ -77,19 +77,25 @@ class ModelRunnerV1:
         max_num_reqs = config.max_num_seqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, _CachedRequest] = {}
-        self.sampling_state = SamplingState(max_num_reqs, worker.model_config.vocab_size, self.device)
+        self.sampling_state = SamplingState(
+            max_num_reqs, worker.model_config.vocab_size, self.device
+        )
         self.sampler = Sampler(self.sampling_state)
         self._default_seed = config.seed
-        self.forward = (worker.model if config.compile_level == 0
-                        else compiled_decoder(worker.model, config.compile_level))
+        self.forward = (
+            worker.model
+            if config.compile_level == 0
+            else compiled_decoder(worker.model, config.compile_level)
+        )
         self.logits_processors = _load_logits_processors(worker, config)
         self._prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
         """Never used with one step in flight: every mask comes with its step."""
         spec = config.speculative_config
-        self.proposer = (None if spec is None
-                         else NgramProposer(spec, max_num_reqs, worker.max_model_len))
+        self.proposer = (
+            None if spec is None else NgramProposer(spec, max_num_reqs, worker.max_model_len)
+        )
 
     def execute(self, sched: SchedulerOutput) -> ReadyStep:
         """Run the step to its sampled tokens on the host (gpu.runner.Runner)."""
@@ -112,17 +118,29 @@ class ModelRunnerV1:
         reqs = [self.requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self.build_inputs(reqs, num_scheduled)
-        hidden = self.forward(inputs.input_ids, inputs.positions, self.worker.kv_caches,
-                              inputs.attn_metadata)
+        hidden = self.forward(
+            inputs.input_ids, inputs.positions, self.worker.kv_caches, inputs.attn_metadata
+        )
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
-        rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
-                                sched.num_scheduled_tokens, self._prompt_requests)
-        prompt = (None if rows is None
-                  else prompt_logprobs(self.worker.model.compute_logits, hidden, rows))
+        rows = plan_prompt_rows(
+            sched.scheduled_request_ids,
+            sched.num_computed_tokens,
+            sched.num_scheduled_tokens,
+            self._prompt_requests,
+        )
+        prompt = (
+            None
+            if rows is None
+            else prompt_logprobs(self.worker.model.compute_logits, hidden, rows)
+        )
         max_num_logprobs = max(r.num_logprobs for r in reqs)
-        out = self._sample(logits, sched.scheduled_request_ids, inputs,
-                           None if max_num_logprobs < 0 else max_num_logprobs)
+        out = self._sample(
+            logits,
+            sched.scheduled_request_ids,
+            inputs,
+            None if max_num_logprobs < 0 else max_num_logprobs,
+        )
         sampled_np = out.sampled_token_ids.cpu().numpy()  # V1 synchronises every step
         is_real_np = self._advance(reqs, num_scheduled, sampled_np)
         if self.proposer is not None:
@@ -130,17 +148,22 @@ class ModelRunnerV1:
                 if is_real:
                     self.proposer.append(req.row, (token,))
         if self.logits_processors is not None:
-            for request_id, token, is_real in zip(sched.scheduled_request_ids, sampled_np,
-                                                  is_real_np):
+            for request_id, token, is_real in zip(
+                sched.scheduled_request_ids, sampled_np, is_real_np
+            ):
                 if is_real:
                     self.logits_processors.append_output(request_id, int(token))
-        self.sampling_state.record_sampled(inputs.rows_gpu, out.sampled_token_ids,
-                                           torch.from_numpy(is_real_np).to(self.device))
-        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
-                          num_reqs=len(reqs),
-                          num_tokens=int(num_scheduled.sum()),
-                          num_prefill_tokens=int(num_scheduled.sum() - is_real_np.sum()),
-                          prepare_time_s=time.perf_counter() - started)
+        self.sampling_state.record_sampled(
+            inputs.rows_gpu, out.sampled_token_ids, torch.from_numpy(is_real_np).to(self.device)
+        )
+        stats = StepStats(
+            step_id=sched.step_id,
+            schedule_time_s=sched.schedule_time_s,
+            num_reqs=len(reqs),
+            num_tokens=int(num_scheduled.sum()),
+            num_prefill_tokens=int(num_scheduled.sum() - is_real_np.sum()),
+            prepare_time_s=time.perf_counter() - started,
+        )
         return _step_output(sched, is_real_np, sampled_np, out, stats, prompt)
 
     def _sample(
@@ -153,14 +176,26 @@ class ModelRunnerV1:
         """Custom logits processors first (when configured), then the sampler; logprobs
         stay those of the model's logits."""
         if self.logits_processors is None:
-            return self.sampler(logits, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
-                                inputs.num_output_tokens, max_num_logprobs)
+            return self.sampler(
+                logits,
+                inputs.rows_gpu,
+                inputs.rows_np,
+                inputs.sample_positions,
+                inputs.num_output_tokens,
+                max_num_logprobs,
+            )
         all_greedy = bool((self.sampling_state.temperature_np[inputs.rows_np] == 0.0).all())
         # Processors may write in place; logprobs still need the model's logits then.
         raw = logits if max_num_logprobs is None else logits.clone()
         processed = self.logits_processors.apply(logits, request_ids, all_greedy)
-        out = self.sampler(processed, inputs.rows_gpu, inputs.rows_np, inputs.sample_positions,
-                           inputs.num_output_tokens, None)
+        out = self.sampler(
+            processed,
+            inputs.rows_gpu,
+            inputs.rows_np,
+            inputs.sample_positions,
+            inputs.num_output_tokens,
+            None,
+        )
         if max_num_logprobs is None:
             return out
         token_ids, logprobs, ranks = topk_logprobs(raw, out.sampled_token_ids, max_num_logprobs)
@@ -180,22 +215,33 @@ class ModelRunnerV1:
             params = new.sampling_params
             if params.prompt_logprobs is not None:
                 self._prompt_requests[new.request_id] = PromptRequest(
-                    params.prompt_logprobs, new.token_ids[:new.prompt_len])
+                    params.prompt_logprobs, new.token_ids[: new.prompt_len]
+                )
             self.requests[new.request_id] = _CachedRequest(
-                row=row, token_ids=list(new.token_ids), prompt_len=new.prompt_len,
+                row=row,
+                token_ids=list(new.token_ids),
+                prompt_len=new.prompt_len,
                 block_ids=list(new.block_ids),
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
-                num_computed_tokens=new.num_computed_tokens)
+                num_computed_tokens=new.num_computed_tokens,
+            )
             self.sampling_state.add_request(
-                row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
+                row,
+                params,
+                new.token_ids[: new.prompt_len],
+                new.token_ids[new.prompt_len :],
                 new.eos_token_ids,
-                unseeded_request_seed(self._default_seed, new.request_id))
+                unseeded_request_seed(self._default_seed, new.request_id),
+            )
             if self.proposer is not None:
                 self.proposer.add_request(row, new.token_ids)
             if self.logits_processors is not None:
-                self.logits_processors.add_request(new.request_id, params,
-                                                   new.token_ids[: new.prompt_len],
-                                                   new.token_ids[new.prompt_len:])
+                self.logits_processors.add_request(
+                    new.request_id,
+                    params,
+                    new.token_ids[: new.prompt_len],
+                    new.token_ids[new.prompt_len :],
+                )
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
             self.requests[request_id].block_ids.extend(block_ids)
@@ -206,26 +252,34 @@ class ModelRunnerV1:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, num_scheduled)])
-        input_ids = np.concatenate([r.token_ids[s: s + n] for r, s, n in zip(reqs, starts, num_scheduled)])
+        input_ids = np.concatenate(
+            [r.token_ids[s : s + n] for r, s, n in zip(reqs, starts, num_scheduled)]
+        )
         max_blocks = max(len(r.block_ids) for r in reqs)
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
         for i, r in enumerate(reqs):
             block_table[i, : len(r.block_ids)] = r.block_ids
         req_index = np.repeat(np.arange(len(reqs)), num_scheduled)
-        slots = block_table[req_index, positions // self.block_size] * self.block_size \
+        slots = (
+            block_table[req_index, positions // self.block_size] * self.block_size
             + positions % self.block_size
+        )
         seq_lens = (starts + num_scheduled).astype(np.int32)
         rows = np.asarray([r.row for r in reqs], dtype=np.int32)
         num_output = np.asarray([len(r.token_ids) - r.prompt_len for r in reqs], dtype=np.int32)
         dev = self.device
         metadata = AttentionMetadata(
-            num_actual_tokens=len(positions), num_reqs=len(reqs),
-            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+            num_actual_tokens=len(positions),
+            num_reqs=len(reqs),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
             query_start_loc=torch.from_numpy(query_start_loc).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             slot_mapping=torch.from_numpy(slots.astype(np.int64)).to(dev),
             block_table=torch.from_numpy(block_table).to(dev),
-            query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
         return _StepInputs(
             input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(dev),
             positions=torch.from_numpy(positions).to(dev),
@@ -234,11 +288,13 @@ class ModelRunnerV1:
             rows_np=rows,
             rows_gpu=torch.from_numpy(rows).to(dev),
             sample_positions=torch.from_numpy(seq_lens.astype(np.int64)).to(dev),
-            num_output_tokens=torch.from_numpy(num_output).to(dev))
+            num_output_tokens=torch.from_numpy(num_output).to(dev),
+        )
 
     @staticmethod
-    def _advance(reqs: list[_CachedRequest], num_scheduled: np.ndarray,
-                 sampled_np: np.ndarray) -> np.ndarray:
+    def _advance(
+        reqs: list[_CachedRequest], num_scheduled: np.ndarray, sampled_np: np.ndarray
+    ) -> np.ndarray:
         is_real = np.zeros(len(reqs), dtype=bool)
         for i, (req, n) in enumerate(zip(reqs, num_scheduled)):
             req.num_computed_tokens += int(n)
@@ -248,24 +304,41 @@ class ModelRunnerV1:
         return is_real
 
 
-def _load_logits_processors(worker: ModelWorker, config: EngineConfig
-                            ) -> LogitsProcessorBatch | None:
+def _load_logits_processors(
+    worker: ModelWorker, config: EngineConfig
+) -> LogitsProcessorBatch | None:
     if not config.logits_processors:
         return None
     processor_config = LogitsProcessorConfig(
-        vocab_size=worker.model_config.vocab_size, max_num_seqs=config.max_num_seqs,
-        max_model_len=worker.max_model_len, model=config.model)
+        vocab_size=worker.model_config.vocab_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=worker.max_model_len,
+        model=config.model,
+    )
     return LogitsProcessorBatch.load(config.logits_processors, processor_config, worker.device)
 
 
-def _step_output(sched: SchedulerOutput, is_real: np.ndarray, sampled_np: np.ndarray, out,
-                 stats: StepStats, prompt: PromptLogprobs | None) -> StepOutput:
+def _step_output(
+    sched: SchedulerOutput,
+    is_real: np.ndarray,
+    sampled_np: np.ndarray,
+    out,
+    stats: StepStats,
+    prompt: PromptLogprobs | None,
+) -> StepOutput:
     request_ids = tuple(r for r, k in zip(sched.scheduled_request_ids, is_real) if k)
     logprobs = None
     if out.logprobs is not None:
-        logprobs = LogprobsArrays(token_ids=out.logprob_token_ids.cpu().numpy()[is_real],
-                                  logprobs=out.logprobs.cpu().numpy()[is_real],
-                                  sampled_rank=out.sampled_ranks.cpu().numpy()[is_real])
-    return StepOutput(step_id=sched.step_id, request_ids=request_ids,
-                      sampled_token_ids=sampled_np[is_real], logprobs=logprobs, stats=stats,
-                      prompt_logprobs=prompt)
+        logprobs = LogprobsArrays(
+            token_ids=out.logprob_token_ids.cpu().numpy()[is_real],
+            logprobs=out.logprobs.cpu().numpy()[is_real],
+            sampled_rank=out.sampled_ranks.cpu().numpy()[is_real],
+        )
+    return StepOutput(
+        step_id=sched.step_id,
+        request_ids=request_ids,
+        sampled_token_ids=sampled_np[is_real],
+        logprobs=logprobs,
+        stats=stats,
+        prompt_logprobs=prompt,
+    )

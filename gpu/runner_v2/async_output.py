@@ -46,17 +46,25 @@ class StepTiming:
             # Same stream: the start ran after the previous end, so the gap is device idle
             # time spent waiting for this step's first launch.
             idle_s = max(self.previous_end.elapsed_time(self.start), 0.0) / 1e3
-        return msgspec.structs.replace(stats, step_time_s=self.start.elapsed_time(self.end) / 1e3,
-                                   gpu_idle_s=idle_s)
+        return msgspec.structs.replace(
+            stats, step_time_s=self.start.elapsed_time(self.end) / 1e3, gpu_idle_s=idle_s
+        )
 
 
 class PendingStep:
     """A launched step; `result()` waits for its outputs and packs a StepOutput."""
 
-    def __init__(self, step_id: int, request_ids: tuple[str, ...], samples_token: np.ndarray,
-                 copy: StepCopy, event: torch.cuda.Event | None, stats: StepStats,
-                 timing: StepTiming | None = None,
-                 prompt_logprobs: PromptLogprobs | None = None) -> None:
+    def __init__(
+        self,
+        step_id: int,
+        request_ids: tuple[str, ...],
+        samples_token: np.ndarray,
+        copy: StepCopy,
+        event: torch.cuda.Event | None,
+        stats: StepStats,
+        timing: StepTiming | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self._samples_token = samples_token  # [num_reqs] bool
@@ -82,13 +90,19 @@ class PendingStep:
                 logprobs=self._copy.logprobs.numpy()[keep],
                 sampled_rank=self._copy.sampled_ranks.numpy()[keep],
             )
-        return StepOutput(step_id=self.step_id, request_ids=request_ids,
-                          sampled_token_ids=sampled, logprobs=logprobs, stats=self._stats,
-                          prompt_logprobs=self._prompt_logprobs)
+        return StepOutput(
+            step_id=self.step_id,
+            request_ids=request_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            stats=self._stats,
+            prompt_logprobs=self._prompt_logprobs,
+        )
 
 
-def copy_to_host(tensors: CopyT, copy_stream: torch.cuda.Stream | None
-                 ) -> tuple[CopyT, torch.cuda.Event | None]:
+def copy_to_host(
+    tensors: CopyT, copy_stream: torch.cuda.Stream | None
+) -> tuple[CopyT, torch.cuda.Event | None]:
     """`tensors` (a dataclass of device tensors or None) copied to the host on the side
     stream, and the event that marks the copies' end."""
     if copy_stream is None:  # CPU: the tensors already live on the host

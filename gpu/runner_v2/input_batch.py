@@ -33,18 +33,35 @@ class InputBatch:
     attn_metadata: AttentionMetadata
 
 
-def build_input_batch(plan: StepPlan, states: RequestStates, buffers: InputBuffers,
-                      block_size: int) -> InputBatch:
+def build_input_batch(
+    plan: StepPlan, states: RequestStates, buffers: InputBuffers, block_size: int
+) -> InputBatch:
     num_reqs, num_tokens = plan.num_reqs, plan.num_tokens
     idx_mapping_gpu = buffers.idx_mapping[:num_reqs]
     query_start_loc_gpu = buffers.query_start_loc[: num_reqs + 1]
-    prepare_inputs(idx_mapping_gpu, query_start_loc_gpu, states.token_ids_gpu,
-                   states.num_computed_gpu, buffers.input_ids, buffers.positions,
-                   buffers.seq_lens, num_reqs=num_reqs, num_tokens=num_tokens)
-    gather_block_table(idx_mapping_gpu, states.block_table_gpu, buffers.block_table,
-                       num_reqs=num_reqs)
-    compute_slot_mapping(query_start_loc_gpu, buffers.positions, buffers.block_table, block_size,
-                         buffers.slot_mapping, num_reqs=num_reqs, num_tokens=num_tokens)
+    prepare_inputs(
+        idx_mapping_gpu,
+        query_start_loc_gpu,
+        states.token_ids_gpu,
+        states.num_computed_gpu,
+        buffers.input_ids,
+        buffers.positions,
+        buffers.seq_lens,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+    )
+    gather_block_table(
+        idx_mapping_gpu, states.block_table_gpu, buffers.block_table, num_reqs=num_reqs
+    )
+    compute_slot_mapping(
+        query_start_loc_gpu,
+        buffers.positions,
+        buffers.block_table,
+        block_size,
+        buffers.slot_mapping,
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+    )
     seq_lens_np = plan.seq_lens_np
     if buffers.device.type == "cpu":
         # The plan's lengths are the scheduler's, an upper bound while speculative steps

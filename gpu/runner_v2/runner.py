@@ -20,22 +20,22 @@ import numpy as np
 import structlog
 import torch
 
-from actors.protocol.messages import SchedulerOutput, StepStats
 from actors.protocol.config import EngineConfig
-from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
+from actors.protocol.messages import SchedulerOutput, StepStats
 from gpu.input_buffers import InputBuffers
+from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
+from gpu.runner import LaunchedStep
+from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
-from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
-from gpu.runner import LaunchedStep
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
+from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
+from gpu.sampling.state import unseeded_request_seed
 from gpu.spec_decode.device_drafts import DeviceDrafts
 from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
 from gpu.spec_decode.spec_runner import check_speculative_step, launch_spec_step
-from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
-from gpu.sampling.state import unseeded_request_seed
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
 
@@ -52,17 +52,23 @@ class ModelRunnerV2:
         self.device = worker.device
         self.block_size = config.block_size
         max_num_reqs = config.max_num_seqs
-        if max_num_reqs > worker.buffers.max_num_reqs \
-                or config.max_num_batched_tokens > worker.buffers.max_num_tokens:
+        if (
+            max_num_reqs > worker.buffers.max_num_reqs
+            or config.max_num_batched_tokens > worker.buffers.max_num_tokens
+        ):
             raise ValueError(
                 f"the runner's max_num_seqs {max_num_reqs} / max_num_batched_tokens "
                 f"{config.max_num_batched_tokens} exceed the loaded model's "
-                f"{worker.buffers.max_num_reqs} / {worker.buffers.max_num_tokens}")
+                f"{worker.buffers.max_num_reqs} / {worker.buffers.max_num_tokens}"
+            )
         self.step_state = worker.step_state
         self.graphs = None if config.enforce_eager else worker.graphs
         if not self.step_state.try_claim(self, max_num_reqs):
-            log.warning("v2_step_state_busy", reason="another V2 runner holds this model's "
-                        "step state: this one runs on a private one, without CUDA graphs")
+            log.warning(
+                "v2_step_state_busy",
+                reason="another V2 runner holds this model's "
+                "step state: this one runs on a private one, without CUDA graphs",
+            )
             self.step_state = _private_step_state(worker)
             self.step_state.try_claim(self, max_num_reqs)
             self.graphs = None
@@ -74,8 +80,9 @@ class ModelRunnerV2:
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
         # Tensor parallel: each rank's LM head gives its vocabulary slice; the ranks sample
         # the batch between them (gpu/sampling/batch_shard.py).
-        self.sharded_sampler = (None if worker.model.tp is None
-                                else BatchShardedSampler(self.sampler, worker.model.tp))
+        self.sharded_sampler = (
+            None if worker.model.tp is None else BatchShardedSampler(self.sampler, worker.model.tp)
+        )
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self._default_seed = config.seed
@@ -83,11 +90,19 @@ class ModelRunnerV2:
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
         spec = config.speculative_config
-        self.spec_graphs = (None if self.graphs is None else
-                            spec_tail_graphs_for(self.graphs, worker.model, self.step_state, config))
+        self.spec_graphs = (
+            None
+            if self.graphs is None
+            else spec_tail_graphs_for(self.graphs, worker.model, self.step_state, config)
+        )
         # With tail graphs, the draft tables are the ones those graphs read and write.
-        self.drafts = (self.spec_graphs.drafts if self.spec_graphs is not None
-                       else None if spec is None else DeviceDrafts(spec, max_num_reqs, self.device))
+        self.drafts = (
+            self.spec_graphs.drafts
+            if self.spec_graphs is not None
+            else None
+            if spec is None
+            else DeviceDrafts(spec, max_num_reqs, self.device)
+        )
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
@@ -114,29 +129,61 @@ class ModelRunnerV2:
         if self.drafts is not None:
             self.drafts.mark_stale()
         sampled, hidden = self._run(plan, sched)
-        prompt_rows = plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
-                                       sched.num_scheduled_tokens, self._prompt_requests)
-        prompt = (None if prompt_rows is None  # blocking copy: in such steps only
-                  else prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows))
+        prompt_rows = plan_prompt_rows(
+            sched.scheduled_request_ids,
+            sched.num_computed_tokens,
+            sched.num_scheduled_tokens,
+            self._prompt_requests,
+        )
+        prompt = (
+            None
+            if prompt_rows is None  # blocking copy: in such steps only
+            else prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows)
+        )
         copy, event, stats, timing = self.finish_launch(
-            StepCopy(sampled.sampled_token_ids, sampled.logprob_token_ids, sampled.logprobs,
-                     sampled.sampled_ranks), sched, plan, started, start_event)
-        return PendingStep(sched.step_id, sched.scheduled_request_ids,
-                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats, timing,
-                           prompt)
+            StepCopy(
+                sampled.sampled_token_ids,
+                sampled.logprob_token_ids,
+                sampled.logprobs,
+                sampled.sampled_ranks,
+            ),
+            sched,
+            plan,
+            started,
+            start_event,
+        )
+        return PendingStep(
+            sched.step_id,
+            sched.scheduled_request_ids,
+            np.asarray(sched.samples_token, dtype=bool),
+            copy,
+            event,
+            stats,
+            timing,
+            prompt,
+        )
 
-    def finish_launch(self, to_copy: CopyT, sched: SchedulerOutput, plan: StepPlan,
-                      started: float, start_event: torch.cuda.Event | None
-                      ) -> tuple[CopyT, torch.cuda.Event | None, StepStats, StepTiming | None]:
+    def finish_launch(
+        self,
+        to_copy: CopyT,
+        sched: SchedulerOutput,
+        plan: StepPlan,
+        started: float,
+        start_event: torch.cuda.Event | None,
+    ) -> tuple[CopyT, torch.cuda.Event | None, StepStats, StepTiming | None]:
         """The step's last launches: its end event and the copy of its results to the host;
         and its stats."""
         end_event = self._record_event()
         copy, event = copy_to_host(to_copy, self.copy_stream)
         num_decode_tokens = sum(sched.samples_token) + sum(sched.num_draft_slots)
-        stats = StepStats(step_id=sched.step_id, schedule_time_s=sched.schedule_time_s,
-                          num_reqs=plan.num_reqs, num_tokens=plan.num_tokens,
-                          num_prefill_tokens=plan.num_tokens - num_decode_tokens,
-                          prepare_time_s=time.perf_counter() - started)
+        stats = StepStats(
+            step_id=sched.step_id,
+            schedule_time_s=sched.schedule_time_s,
+            num_reqs=plan.num_reqs,
+            num_tokens=plan.num_tokens,
+            num_prefill_tokens=plan.num_tokens - num_decode_tokens,
+            prepare_time_s=time.perf_counter() - started,
+        )
         timing = StepTiming(start_event, end_event, self._last_end_event) if end_event else None
         self._last_end_event = end_event
         return copy, event, stats, timing
@@ -152,9 +199,13 @@ class ModelRunnerV2:
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
         if self.sharded_sampler is not None:  # structured outputs are refused under TP
             logits, hidden = self._local_logits(plan)
-            return self._sample_eagerly(logits, plan, ops,
-                                        None if max_num_logprobs < 0 else max_num_logprobs,
-                                        self.sharded_sampler), hidden
+            return self._sample_eagerly(
+                logits,
+                plan,
+                ops,
+                None if max_num_logprobs < 0 else max_num_logprobs,
+                self.sharded_sampler,
+            ), hidden
         logits, hidden = self._logits(plan)
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         if plan.tail_graphed and not ops.rewrites_logits and max_num_logprobs < 0:
@@ -163,18 +214,19 @@ class ModelRunnerV2:
             # step's copy to the host has read it: the copy reads a clone.
             sampled = self.graphs.run_sample(plan.num_rows_padded, ops.filters)[:num_reqs].clone()
             return SamplerOutput(sampled, None, None, None), hidden
-        return self._sample_eagerly(logits[:num_reqs], plan, ops,
-                                    None if max_num_logprobs < 0 else max_num_logprobs), hidden
+        return self._sample_eagerly(
+            logits[:num_reqs], plan, ops, None if max_num_logprobs < 0 else max_num_logprobs
+        ), hidden
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """[>= num_reqs, vocab_size] float32 logits, [num_tokens, hidden_size] hidden."""
         if plan.forward is not None:
             self.graphs.run_forward(plan.forward)
-            hidden = self.step_state.hidden[:plan.num_tokens]
+            hidden = self.step_state.hidden[: plan.num_tokens]
             return self.graphs.run_head(plan.num_rows_padded), hidden
-        hidden = self.forward_hidden(plan)[:plan.num_tokens]
-        logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
-        out = self.step_state.logits[:plan.num_reqs] if plan.tail_graphed else None
+        hidden = self.forward_hidden(plan)[: plan.num_tokens]
+        logits_indices = self.buffers.query_start_loc[1 : plan.num_reqs + 1].long() - 1
+        out = self.step_state.logits[: plan.num_reqs] if plan.tail_graphed else None
         return self.worker.model.compute_logits(hidden[logits_indices], out=out), hidden
 
     def forward_hidden(self, plan: StepPlan) -> torch.Tensor:  # [>= num_tokens, hidden_size]
@@ -183,35 +235,55 @@ class ModelRunnerV2:
             self.graphs.run_forward(plan.forward)
             return self.step_state.hidden
         batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
-        return self.worker.model(batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches,
-                                 batch.attn_metadata)
+        return self.worker.model(
+            batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches, batch.attn_metadata
+        )
 
     def _local_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """[tp_size * rows_per_rank, vocab shard] float32: this rank's slice of the logits,
         rows in the batch-sharded sampler's owner-major order; and the step's hidden states
         [num_tokens, hidden_size]. The forward graphs (their all-reduces captured) serve TP
         steps; the head and sampling run eagerly."""
-        hidden = self.forward_hidden(plan)[:plan.num_tokens]
-        logits_indices = self.buffers.query_start_loc[1:plan.num_reqs + 1].long() - 1
+        hidden = self.forward_hidden(plan)[: plan.num_tokens]
+        logits_indices = self.buffers.query_start_loc[1 : plan.num_reqs + 1].long() - 1
         order = self.sharded_sampler.logits_row_order(plan.num_reqs)
         return self.worker.model.compute_logits_local(hidden[logits_indices[order]]).float(), hidden
 
-    def _sample_eagerly(self, logits: torch.Tensor, plan: StepPlan, ops: BatchOps,
-                        max_num_logprobs: int | None, sampler: Any = None) -> SamplerOutput:
+    def _sample_eagerly(
+        self,
+        logits: torch.Tensor,
+        plan: StepPlan,
+        ops: BatchOps,
+        max_num_logprobs: int | None,
+        sampler: Any = None,
+    ) -> SamplerOutput:
         num_reqs = plan.num_reqs
         rows = self.buffers.idx_mapping[:num_reqs]
         seq_lens = self.buffers.seq_lens[:num_reqs]
         num_output_tokens = self.states.total_len_gpu[rows] - self.states.prompt_len_gpu[rows]
-        sampled = (sampler or self.sampler)(logits, rows, plan.idx_mapping_np,
-                                            seq_lens.to(torch.int64), num_output_tokens,
-                                            max_num_logprobs, ops=ops)
+        sampled = (sampler or self.sampler)(
+            logits,
+            rows,
+            plan.idx_mapping_np,
+            seq_lens.to(torch.int64),
+            num_output_tokens,
+            max_num_logprobs,
+            ops=ops,
+        )
         # Only penalty rows read the output counts, and a penalty row's counts are rebuilt
         # from its history when it joins: count only in steps that hold such a row (every
         # step it runs in). The chunk reaching the last known token makes the sample real.
         is_real = seq_lens >= self.states.total_len_gpu[rows] if ops.penalties else None
-        post_update(rows, self.buffers.query_start_loc[:num_reqs + 1], sampled.sampled_token_ids,
-                    self.states.num_computed_gpu, self.states.total_len_gpu,
-                    self.states.token_ids_gpu, self.states.last_sampled_gpu, num_reqs=num_reqs)
+        post_update(
+            rows,
+            self.buffers.query_start_loc[: num_reqs + 1],
+            sampled.sampled_token_ids,
+            self.states.num_computed_gpu,
+            self.states.total_len_gpu,
+            self.states.token_ids_gpu,
+            self.states.last_sampled_gpu,
+            num_reqs=num_reqs,
+        )
         if is_real is not None:
             self.sampling_state.record_sampled(rows, sampled.sampled_token_ids, is_real)
         return sampled
@@ -237,11 +309,16 @@ class ModelRunnerV2:
             params = new.sampling_params
             if params.prompt_logprobs is not None:
                 self._prompt_requests[new.request_id] = PromptRequest(
-                    params.prompt_logprobs, new.token_ids[:new.prompt_len])
+                    params.prompt_logprobs, new.token_ids[: new.prompt_len]
+                )
             self.sampling_state.add_request(
-                row, params, new.token_ids[: new.prompt_len], new.token_ids[new.prompt_len:],
+                row,
+                params,
+                new.token_ids[: new.prompt_len],
+                new.token_ids[new.prompt_len :],
                 new.eos_token_ids,
-                unseeded_request_seed(self._default_seed, new.request_id))
+                unseeded_request_seed(self._default_seed, new.request_id),
+            )
             self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
@@ -252,8 +329,15 @@ class ModelRunnerV2:
 
 def _private_step_state(worker: ModelWorker) -> V2StepState:
     shared = worker.buffers
-    buffers = InputBuffers(shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req,
-                           worker.device)
-    return V2StepState(buffers, worker.max_model_len, worker.max_blocks_per_req,
-                       worker.model_config.vocab_size, worker.model_config.hidden_size,
-                       worker.dtype, with_graph_outputs=False)
+    buffers = InputBuffers(
+        shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req, worker.device
+    )
+    return V2StepState(
+        buffers,
+        worker.max_model_len,
+        worker.max_blocks_per_req,
+        worker.model_config.vocab_size,
+        worker.model_config.hidden_size,
+        worker.dtype,
+        with_graph_outputs=False,
+    )

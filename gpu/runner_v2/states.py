@@ -22,19 +22,23 @@ from kernels.staged_write import StagedWrites
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.device = device
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
-        self.token_ids_gpu = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32, device=device)
+        self.token_ids_gpu = torch.zeros(
+            max_num_reqs, max_model_len, dtype=torch.int32, device=device
+        )
         self.num_computed_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.total_len_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.prompt_len_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.last_sampled_gpu = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        self.block_table_gpu = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32,
-                                           device=device)
+        self.block_table_gpu = torch.zeros(
+            max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=device
+        )
         self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int64)
         self._token_writes = StagedWrites(pin_memory=device.type == "cuda")
         self._block_writes = StagedWrites(pin_memory=device.type == "cuda")
@@ -74,7 +78,9 @@ class RequestStates:
         if not block_ids:
             return
         row = self.row_of[request_id]
-        self._block_writes.stage(row, int(self.num_blocks_np[row]), np.asarray(block_ids, dtype=np.int32))
+        self._block_writes.stage(
+            row, int(self.num_blocks_np[row]), np.asarray(block_ids, dtype=np.int32)
+        )
         self.num_blocks_np[row] += len(block_ids)
 
     def remove(self, request_id: str) -> int | None:

@@ -72,8 +72,9 @@ class StepPlan:
 def plan_step(sched: SchedulerOutput, row_of: dict[str, int], sizes: GraphSizes | None) -> StepPlan:
     num_reqs = sched.num_reqs
     num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int32)
-    idx_mapping_np = np.fromiter((row_of[r] for r in sched.scheduled_request_ids), dtype=np.int32,
-                                 count=num_reqs)
+    idx_mapping_np = np.fromiter(
+        (row_of[r] for r in sched.scheduled_request_ids), dtype=np.int32, count=num_reqs
+    )
     exact = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(num_scheduled, out=exact[1:])
     num_tokens = int(exact[-1])
@@ -86,12 +87,22 @@ def plan_step(sched: SchedulerOutput, row_of: dict[str, int], sizes: GraphSizes 
         bound = max(rows_padded or num_reqs, forward.num_reqs if forward is not None else 0)
         query_start_loc_np = np.full(bound + 1, num_tokens, dtype=np.int32)
         query_start_loc_np[: num_reqs + 1] = exact
-    return StepPlan(num_reqs, num_tokens, max_query_len, idx_mapping_np, query_start_loc_np,
-                    seq_lens_np, forward, rows_padded or num_reqs, rows_padded is not None)
+    return StepPlan(
+        num_reqs,
+        num_tokens,
+        max_query_len,
+        idx_mapping_np,
+        query_start_loc_np,
+        seq_lens_np,
+        forward,
+        rows_padded or num_reqs,
+        rows_padded is not None,
+    )
 
 
-def _graph_shapes(sizes: GraphSizes | None, num_reqs: int, num_tokens: int, max_query_len: int
-                  ) -> tuple[ForwardShape | None, int | None]:
+def _graph_shapes(
+    sizes: GraphSizes | None, num_reqs: int, num_tokens: int, max_query_len: int
+) -> tuple[ForwardShape | None, int | None]:
     if sizes is None:
         return None, None
     rows_padded = padded_batch_size(sizes.decode, num_reqs)

@@ -23,19 +23,34 @@ from gpu.sampling.state import SamplingState
 
 
 class V2StepState:
-    def __init__(self, buffers: InputBuffers, max_model_len: int, max_blocks_per_req: int,
-                 vocab_size: int, hidden_size: int, dtype: torch.dtype, with_graph_outputs: bool
-                 ) -> None:
+    def __init__(
+        self,
+        buffers: InputBuffers,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        with_graph_outputs: bool,
+    ) -> None:
         device = buffers.device
         self.buffers = buffers
         self.states = RequestStates(buffers.max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampling_state = SamplingState(buffers.max_num_reqs, vocab_size, device)
         self.sampler = Sampler(self.sampling_state)
-        self.hidden: torch.Tensor | None = None  # [max_num_tokens, hidden_size]: forward graphs' output
-        self.logits: torch.Tensor | None = None  # [max_num_reqs, vocab_size] float32: head graphs' output
+        self.hidden: torch.Tensor | None = (
+            None  # [max_num_tokens, hidden_size]: forward graphs' output
+        )
+        self.logits: torch.Tensor | None = (
+            None  # [max_num_reqs, vocab_size] float32: head graphs' output
+        )
         if with_graph_outputs:
-            self.hidden = torch.zeros(buffers.max_num_tokens, hidden_size, dtype=dtype, device=device)
-            self.logits = torch.zeros(buffers.max_num_reqs, vocab_size, dtype=torch.float32, device=device)
+            self.hidden = torch.zeros(
+                buffers.max_num_tokens, hidden_size, dtype=dtype, device=device
+            )
+            self.logits = torch.zeros(
+                buffers.max_num_reqs, vocab_size, dtype=torch.float32, device=device
+            )
         self._owner: weakref.ref | None = None
 
     def try_claim(self, owner: object, num_rows: int) -> bool:
@@ -56,8 +71,10 @@ class V2StepState:
 
     def check_owner(self, owner: object) -> None:
         if self._holder() is not owner:
-            raise RuntimeError("this V2 runner no longer holds its step state (closed, or "
-                               "taken over once released); it cannot step")
+            raise RuntimeError(
+                "this V2 runner no longer holds its step state (closed, or "
+                "taken over once released); it cannot step"
+            )
 
     def _holder(self) -> object | None:
         return None if self._owner is None else self._owner()

@@ -107,27 +107,35 @@ class BatchShardedSampler:
         plan = self.plan(len(idx_mapping_np))
         num_slots, shard_rows = local_logits.shape
         if num_slots != plan.tp_size * plan.rows_per_rank:
-            raise ValueError(f"local_logits has {num_slots} rows; the plan for {plan.num_rows} "
-                             f"rows needs {plan.tp_size * plan.rows_per_rank} (owner-major)")
-        received = self.tp.all_to_all(local_logits).view(plan.tp_size, plan.rows_per_rank,
-                                                           shard_rows)
+            raise ValueError(
+                f"local_logits has {num_slots} rows; the plan for {plan.num_rows} "
+                f"rows needs {plan.tp_size * plan.rows_per_rank} (owner-major)"
+            )
+        received = self.tp.all_to_all(local_logits).view(
+            plan.tp_size, plan.rows_per_rank, shard_rows
+        )
         rank = self.tp.rank
         num_owned = plan.num_owned(rank)
         num_columns = 1 if max_num_logprobs is None else 4 + 2 * max_num_logprobs
-        packed = torch.zeros(plan.rows_per_rank, num_columns, dtype=torch.int32,
-                             device=local_logits.device)
+        packed = torch.zeros(
+            plan.rows_per_rank, num_columns, dtype=torch.int32, device=local_logits.device
+        )
         if num_owned:
             logits = stitch_vocab_shards(received[:, :num_owned], self.vocab_size)
             del received
             own = plan.owned_rows(rank)
-            output = self.sampler(logits, idx_mapping_gpu[own].contiguous(), idx_mapping_np[own],
-                                  positions_gpu[own].contiguous(),
-                                  num_output_tokens_gpu[own].contiguous(), max_num_logprobs,
-                                  ops=ops or batch_ops(self.sampler.state,
-                                                       np.asarray(idx_mapping_np)))
+            output = self.sampler(
+                logits,
+                idx_mapping_gpu[own].contiguous(),
+                idx_mapping_np[own],
+                positions_gpu[own].contiguous(),
+                num_output_tokens_gpu[own].contiguous(),
+                max_num_logprobs,
+                ops=ops or batch_ops(self.sampler.state, np.asarray(idx_mapping_np)),
+            )
             _pack(output, packed[:num_owned])
         gathered = self.tp.all_gather(packed).view(plan.tp_size, plan.rows_per_rank, num_columns)
-        batch_major = gathered.transpose(0, 1).reshape(-1, num_columns)[:plan.num_rows]
+        batch_major = gathered.transpose(0, 1).reshape(-1, num_columns)[: plan.num_rows]
         return _unpack(batch_major, max_num_logprobs)
 
     def _plan_and_order(self, num_rows: int) -> tuple[ShardPlan, torch.Tensor]:
@@ -161,8 +169,14 @@ class AllGatherSampler:
         max_num_logprobs: int | None,
     ) -> SamplerOutput:
         logits = gather_vocab_logits(local_logits, self.tp, self.vocab_size)
-        return self.sampler(logits, idx_mapping_gpu, idx_mapping_np, positions_gpu,
-                            num_output_tokens_gpu, max_num_logprobs)
+        return self.sampler(
+            logits,
+            idx_mapping_gpu,
+            idx_mapping_np,
+            positions_gpu,
+            num_output_tokens_gpu,
+            max_num_logprobs,
+        )
 
 
 def _pack(
@@ -173,8 +187,8 @@ def _pack(
     if output.logprob_token_ids is None or output.logprobs is None or output.sampled_ranks is None:
         return
     width = output.logprob_token_ids.shape[1]
-    packed[:, 1:1 + width] = output.logprob_token_ids
-    packed[:, 1 + width:1 + 2 * width] = output.logprobs.contiguous().view(torch.int32)
+    packed[:, 1 : 1 + width] = output.logprob_token_ids
+    packed[:, 1 + width : 1 + 2 * width] = output.logprobs.contiguous().view(torch.int32)
     packed[:, 1 + 2 * width] = output.sampled_ranks
 
 
@@ -186,7 +200,7 @@ def _unpack(
     if max_num_logprobs is None:
         return SamplerOutput(sampled, None, None, None)
     width = 1 + max_num_logprobs
-    token_ids = rows[:, 1:1 + width].to(torch.int64)
-    logprobs = rows[:, 1 + width:1 + 2 * width].contiguous().view(torch.float32)
+    token_ids = rows[:, 1 : 1 + width].to(torch.int64)
+    logprobs = rows[:, 1 + width : 1 + 2 * width].contiguous().view(torch.float32)
     ranks = rows[:, 1 + 2 * width].to(torch.int64)
     return SamplerOutput(sampled, token_ids, logprobs, ranks)

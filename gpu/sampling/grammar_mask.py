@@ -87,8 +87,12 @@ class DeferredMasks:
         if not sched.grammar_mask_deferred:
             return sched.grammar_bitmask
         with self._cond:
-            if not self._cond.wait_for(lambda: sched.step_id in self._masks or self._closed,
-                                       self._timeout_s) or sched.step_id not in self._masks:
+            if (
+                not self._cond.wait_for(
+                    lambda: sched.step_id in self._masks or self._closed, self._timeout_s
+                )
+                or sched.step_id not in self._masks
+            ):
                 raise RuntimeError(f"step {sched.step_id}: its grammar mask never came")
             mask = self._masks.pop(sched.step_id)
         if isinstance(mask, BaseException):

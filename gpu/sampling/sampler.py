@@ -31,7 +31,9 @@ from kernels.topk_logprobs import topk_logprobs
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_rows] int64
-    logprob_token_ids: torch.Tensor | None  # [num_rows, 1 + k] int64: the sampled id, then the top k
+    logprob_token_ids: (
+        torch.Tensor | None
+    )  # [num_rows, 1 + k] int64: the sampled id, then the top k
     logprobs: torch.Tensor | None  # [num_rows, 1 + k] float32, of the raw logits
     sampled_ranks: torch.Tensor | None  # [num_rows] int64, 1 = the most likely token
 
@@ -55,11 +57,15 @@ def batch_ops(state: SamplingState, idx_mapping_np: np.ndarray) -> BatchOps:
     """Decide the ops for the rows in `idx_mapping_np` ([num_rows] request rows)."""
     rows = idx_mapping_np
     return BatchOps(
-        logit_bias=bool((state.num_logit_bias_np[rows] > 0).any()
-                        or (state.min_tokens_np[rows] > 0).any()),
+        logit_bias=bool(
+            (state.num_logit_bias_np[rows] > 0).any() or (state.min_tokens_np[rows] > 0).any()
+        ),
         penalties=bool(state.uses_penalties_np[rows].any()),
-        filters=bool((state.top_k_np[rows] > 0).any() or (state.top_p_np[rows] < 1.0).any()
-                     or (state.min_p_np[rows] > 0.0).any()),
+        filters=bool(
+            (state.top_k_np[rows] > 0).any()
+            or (state.top_p_np[rows] < 1.0).any()
+            or (state.min_p_np[rows] > 0.0).any()
+        ),
     )
 
 
@@ -91,10 +97,22 @@ class Sampler:
         processed = self._process(logits, idx_mapping_gpu, num_output_tokens_gpu, ops)
         thresholds = None
         if ops.filters:
-            thresholds = sampling_thresholds(processed, idx_mapping_gpu, state.temperature_gpu,
-                                             state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
-        sampled = gumbel_sample(processed, idx_mapping_gpu, state.temperature_gpu, state.seed_gpu,
-                                positions_gpu, thresholds=thresholds)
+            thresholds = sampling_thresholds(
+                processed,
+                idx_mapping_gpu,
+                state.temperature_gpu,
+                state.top_k_gpu,
+                state.top_p_gpu,
+                state.min_p_gpu,
+            )
+        sampled = gumbel_sample(
+            processed,
+            idx_mapping_gpu,
+            state.temperature_gpu,
+            state.seed_gpu,
+            positions_gpu,
+            thresholds=thresholds,
+        )
         if max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = topk_logprobs(logits, sampled, max_num_logprobs)
@@ -114,10 +132,22 @@ class Sampler:
         state = self.state
         thresholds = None
         if filters:
-            thresholds = sampling_thresholds(logits, idx_mapping_gpu, state.temperature_gpu,
-                                             state.top_k_gpu, state.top_p_gpu, state.min_p_gpu)
-        return gumbel_sample(logits, idx_mapping_gpu, state.temperature_gpu, state.seed_gpu,
-                             positions_gpu, thresholds=thresholds)
+            thresholds = sampling_thresholds(
+                logits,
+                idx_mapping_gpu,
+                state.temperature_gpu,
+                state.top_k_gpu,
+                state.top_p_gpu,
+                state.min_p_gpu,
+            )
+        return gumbel_sample(
+            logits,
+            idx_mapping_gpu,
+            state.temperature_gpu,
+            state.seed_gpu,
+            positions_gpu,
+            thresholds=thresholds,
+        )
 
     def _process(
         self,
@@ -131,27 +161,46 @@ class Sampler:
         state = self.state
         processed = logits.clone()  # the raw logits stay intact for logprobs and the caller
         if ops.logit_bias:
-            apply_logit_bias(processed, idx_mapping_gpu, num_output_tokens_gpu,
-                             state.num_logit_bias_gpu, state.logit_bias_token_ids_gpu,
-                             state.logit_bias_values_gpu, state.min_tokens_gpu,
-                             state.num_stop_token_ids_gpu, state.stop_token_ids_gpu)
+            apply_logit_bias(
+                processed,
+                idx_mapping_gpu,
+                num_output_tokens_gpu,
+                state.num_logit_bias_gpu,
+                state.logit_bias_token_ids_gpu,
+                state.logit_bias_values_gpu,
+                state.min_tokens_gpu,
+                state.num_stop_token_ids_gpu,
+                state.stop_token_ids_gpu,
+            )
         if ops.penalties:
             assert state.prompt_mask_gpu is not None and state.output_counts_gpu is not None
-            apply_penalties(processed, idx_mapping_gpu, state.repetition_penalty_gpu,
-                            state.frequency_penalty_gpu, state.presence_penalty_gpu,
-                            state.prompt_mask_gpu, state.output_counts_gpu)
+            apply_penalties(
+                processed,
+                idx_mapping_gpu,
+                state.repetition_penalty_gpu,
+                state.frequency_penalty_gpu,
+                state.presence_penalty_gpu,
+                state.prompt_mask_gpu,
+                state.output_counts_gpu,
+            )
         return processed
 
-    def _check_args(self, logits: torch.Tensor, idx_mapping_np: np.ndarray,
-                    max_num_logprobs: int | None) -> None:
+    def _check_args(
+        self, logits: torch.Tensor, idx_mapping_np: np.ndarray, max_num_logprobs: int | None
+    ) -> None:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             raise ValueError("logits must be a [num_rows, vocab_size] tensor")
         num_rows, vocab_size = logits.shape
         if vocab_size != self.state.vocab_size:
-            raise ValueError(f"logits have {vocab_size} columns but the sampling state was built "
-                             f"for vocab_size={self.state.vocab_size}")
+            raise ValueError(
+                f"logits have {vocab_size} columns but the sampling state was built "
+                f"for vocab_size={self.state.vocab_size}"
+            )
         if len(idx_mapping_np) != num_rows:
-            raise ValueError(f"idx_mapping_np has {len(idx_mapping_np)} rows, logits have {num_rows}")
+            raise ValueError(
+                f"idx_mapping_np has {len(idx_mapping_np)} rows, logits have {num_rows}"
+            )
         if max_num_logprobs is not None and not 0 <= max_num_logprobs <= vocab_size:
-            raise ValueError(f"max_num_logprobs must be None or in [0, {vocab_size}], "
-                             f"got {max_num_logprobs}")
+            raise ValueError(
+                f"max_num_logprobs must be None or in [0, {vocab_size}], got {max_num_logprobs}"
+            )

@@ -12,7 +12,6 @@ the CPU never overwrites memory an in-flight copy still reads).
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,8 +43,9 @@ class MirroredArrays:
     """Named numpy arrays packed into one host byte buffer, with typed views of one device
     byte buffer of the same layout, so that uploading all of them takes one copy."""
 
-    def __init__(self, specs: dict[str, tuple[tuple[int, ...], type[np.generic]]],
-                 device: torch.device) -> None:
+    def __init__(
+        self, specs: dict[str, tuple[tuple[int, ...], type[np.generic]]], device: torch.device
+    ) -> None:
         layout: dict[str, tuple[int, int]] = {}
         num_bytes = 0
         for name, (shape, dtype) in specs.items():
@@ -59,8 +59,10 @@ class MirroredArrays:
         for name, (shape, dtype) in specs.items():
             start, field_bytes = layout[name]
             torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-            self.np[name] = self._host[start:start + field_bytes].view(dtype).reshape(shape)
-            self.device[name] = self._device_bytes[start:start + field_bytes].view(torch_dtype).view(shape)
+            self.np[name] = self._host[start : start + field_bytes].view(dtype).reshape(shape)
+            self.device[name] = (
+                self._device_bytes[start : start + field_bytes].view(torch_dtype).view(shape)
+            )
         self.is_dirty = True
 
     def upload(self) -> None:
@@ -122,7 +124,8 @@ class SamplingState:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._scalars = MirroredArrays(
-            {name: ((max_num_reqs,), dtype) for name, dtype in _SCALAR_DTYPES.items()}, self.device)
+            {name: ((max_num_reqs,), dtype) for name, dtype in _SCALAR_DTYPES.items()}, self.device
+        )
         for name, array in self._scalars.np.items():
             array[:] = _NEUTRAL_VALUES.get(name, 0)
             setattr(self, f"{name}_np", array)
@@ -163,8 +166,10 @@ class SamplingState:
         stop_token_ids = self._min_tokens_stop_ids(params, eos_token_ids)
         history = None
         if params.uses_penalties:  # validated before anything is written
-            history = (self._checked_token_ids("prompt_token_ids", prompt_token_ids),
-                       self._checked_token_ids("output_token_ids", output_token_ids))
+            history = (
+                self._checked_token_ids("prompt_token_ids", prompt_token_ids),
+                self._checked_token_ids("output_token_ids", output_token_ids),
+            )
         is_greedy = params.temperature < GREEDY_TEMPERATURE
         values = {
             "temperature": 0.0 if is_greedy else params.temperature,
@@ -226,7 +231,9 @@ class SamplingState:
             return
         self.output_counts_gpu.index_put_(
             (idx_mapping_gpu.long(), sampled_token_ids_gpu.long()),
-            is_real_gpu.to(torch.int32), accumulate=True)
+            is_real_gpu.to(torch.int32),
+            accumulate=True,
+        )
 
     def _check_row(self, row: int) -> None:
         if not isinstance(row, (int, np.integer)) or not 0 <= row < self.max_num_reqs:
@@ -235,8 +242,10 @@ class SamplingState:
     def _checked_token_ids(self, name: str, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         array = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
-            raise ValueError(f"{name} must be in [0, {self.vocab_size}), got values from "
-                             f"{array.min()} to {array.max()}")
+            raise ValueError(
+                f"{name} must be in [0, {self.vocab_size}), got values from "
+                f"{array.min()} to {array.max()}"
+            )
         return array
 
     def _logit_bias_entries(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -244,17 +253,24 @@ class SamplingState:
         for token_id in bias_by_token:
             if not 0 <= token_id < self.vocab_size:
                 raise SamplingParamsError(
-                    "logit_bias", f"logit_bias token id {token_id} is outside the vocabulary "
-                                  f"[0, {self.vocab_size})")
-        return (np.fromiter(bias_by_token.keys(), dtype=np.int32, count=len(bias_by_token)),
-                np.fromiter(bias_by_token.values(), dtype=np.float32, count=len(bias_by_token)))
+                    "logit_bias",
+                    f"logit_bias token id {token_id} is outside the vocabulary "
+                    f"[0, {self.vocab_size})",
+                )
+        return (
+            np.fromiter(bias_by_token.keys(), dtype=np.int32, count=len(bias_by_token)),
+            np.fromiter(bias_by_token.values(), dtype=np.float32, count=len(bias_by_token)),
+        )
 
-    def _min_tokens_stop_ids(self, params: SamplingParams, eos_token_ids: Sequence[int]) -> np.ndarray:
+    def _min_tokens_stop_ids(
+        self, params: SamplingParams, eos_token_ids: Sequence[int]
+    ) -> np.ndarray:
         for token_id in params.stop_token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise SamplingParamsError(
-                    "stop_token_ids", f"stop token id {token_id} is outside the vocabulary "
-                                      f"[0, {self.vocab_size})")
+                    "stop_token_ids",
+                    f"stop token id {token_id} is outside the vocabulary [0, {self.vocab_size})",
+                )
         if params.min_tokens == 0:
             return np.zeros(0, dtype=np.int32)
         eos = () if params.ignore_eos else tuple(eos_token_ids)
@@ -263,27 +279,37 @@ class SamplingState:
 
     def _new_tables(self, bias_width: int, stop_width: int) -> MirroredArrays:
         shape_r = self.max_num_reqs
-        return MirroredArrays({
-            "logit_bias_token_ids": ((shape_r, bias_width), np.int32),
-            "logit_bias_values": ((shape_r, bias_width), np.float32),
-            "stop_token_ids": ((shape_r, stop_width), np.int32),
-        }, self.device)
+        return MirroredArrays(
+            {
+                "logit_bias_token_ids": ((shape_r, bias_width), np.int32),
+                "logit_bias_values": ((shape_r, bias_width), np.float32),
+                "stop_token_ids": ((shape_r, stop_width), np.int32),
+            },
+            self.device,
+        )
 
-    def _write_tables(self, row: int, bias_token_ids: np.ndarray, bias_values: np.ndarray,
-                      stop_token_ids: np.ndarray) -> None:
+    def _write_tables(
+        self,
+        row: int,
+        bias_token_ids: np.ndarray,
+        bias_values: np.ndarray,
+        stop_token_ids: np.ndarray,
+    ) -> None:
         tables = self._tables.np
         bias_width = tables["logit_bias_token_ids"].shape[1]
         stop_width = tables["stop_token_ids"].shape[1]
         if bias_token_ids.size > bias_width or stop_token_ids.size > stop_width:
             old = tables
-            self._tables = self._new_tables(max(bias_width, _next_pow2(bias_token_ids.size)),
-                                            max(stop_width, _next_pow2(stop_token_ids.size)))
+            self._tables = self._new_tables(
+                max(bias_width, _next_pow2(bias_token_ids.size)),
+                max(stop_width, _next_pow2(stop_token_ids.size)),
+            )
             for name, array in old.items():
-                self._tables.np[name][:, :array.shape[1]] = array
+                self._tables.np[name][:, : array.shape[1]] = array
             tables = self._tables.np
-        tables["logit_bias_token_ids"][row, :bias_token_ids.size] = bias_token_ids
-        tables["logit_bias_values"][row, :bias_values.size] = bias_values
-        tables["stop_token_ids"][row, :stop_token_ids.size] = stop_token_ids
+        tables["logit_bias_token_ids"][row, : bias_token_ids.size] = bias_token_ids
+        tables["logit_bias_values"][row, : bias_values.size] = bias_values
+        tables["stop_token_ids"][row, : stop_token_ids.size] = stop_token_ids
         if bias_token_ids.size or stop_token_ids.size:
             self._tables.is_dirty = True
 
@@ -302,16 +328,23 @@ class SamplingState:
         outputs = [output for _, output in pending.values()]
         prompt_rows = np.repeat(rows, [prompt.size for prompt in prompts])
         output_rows = np.repeat(rows, [output.size for output in outputs])
-        packed = self._to_device(np.concatenate([rows, prompt_rows, *prompts, output_rows, *outputs]))
+        packed = self._to_device(
+            np.concatenate([rows, prompt_rows, *prompts, output_rows, *outputs])
+        )
         rows_gpu, prompt_rows_gpu, prompt_ids_gpu, output_rows_gpu, output_ids_gpu = packed.split(
-            [rows.size, prompt_rows.size, prompt_rows.size, output_rows.size, output_rows.size])
+            [rows.size, prompt_rows.size, prompt_rows.size, output_rows.size, output_rows.size]
+        )
         prompt_mask.index_fill_(0, rows_gpu, False)
         output_counts.index_fill_(0, rows_gpu, 0)
-        prompt_mask.index_put_((prompt_rows_gpu, prompt_ids_gpu),
-                               torch.ones(prompt_ids_gpu.numel(), dtype=torch.bool, device=self.device))
-        output_counts.index_put_((output_rows_gpu, output_ids_gpu),
-                                 torch.ones(output_ids_gpu.numel(), dtype=torch.int32, device=self.device),
-                                 accumulate=True)
+        prompt_mask.index_put_(
+            (prompt_rows_gpu, prompt_ids_gpu),
+            torch.ones(prompt_ids_gpu.numel(), dtype=torch.bool, device=self.device),
+        )
+        output_counts.index_put_(
+            (output_rows_gpu, output_ids_gpu),
+            torch.ones(output_ids_gpu.numel(), dtype=torch.int32, device=self.device),
+            accumulate=True,
+        )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)

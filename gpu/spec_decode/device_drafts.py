@@ -45,8 +45,9 @@ class DeviceDrafts:
     def __init__(self, config: SpeculativeConfig, max_num_reqs: int, device: torch.device) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.draft_token_ids_gpu = torch.full((max_num_reqs, config.num_speculative_tokens), -1,
-                                              dtype=torch.int32, device=device)
+        self.draft_token_ids_gpu = torch.full(
+            (max_num_reqs, config.num_speculative_tokens), -1, dtype=torch.int32, device=device
+        )
         self.num_drafts_gpu = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._offsets = torch.arange(config.num_speculative_tokens, device=device)
         self._fresh_rows: np.ndarray | None = None
@@ -78,14 +79,20 @@ class DeviceDrafts:
         if not self.trims_on_cpu or self.num_drafts_gpu.is_cuda or not sched.num_draft_slots:
             return sched
         slots = np.asarray(sched.num_draft_slots, dtype=np.int64)
-        rows = np.fromiter((states.row_of[r] for r in sched.scheduled_request_ids),
-                           dtype=np.int64, count=slots.size)
+        rows = np.fromiter(
+            (states.row_of[r] for r in sched.scheduled_request_ids),
+            dtype=np.int64,
+            count=slots.size,
+        )
         if self.needs_refresh(rows, sched.num_draft_slots):
             self.propose(states, torch.from_numpy(rows.astype(np.int32)))
         trimmed = np.minimum(slots, self.num_drafts_gpu.numpy()[rows])
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64) - slots + trimmed
-        return msgspec.structs.replace(sched, num_scheduled_tokens=tuple(num_scheduled.tolist()),
-                                       num_draft_slots=tuple(trimmed.tolist()))
+        return msgspec.structs.replace(
+            sched,
+            num_scheduled_tokens=tuple(num_scheduled.tolist()),
+            num_draft_slots=tuple(trimmed.tolist()),
+        )
 
     def propose(
         self,
@@ -99,10 +106,15 @@ class DeviceDrafts:
             # costs nothing and narrows the scan to the columns that can match.
             longest = int(states.total_len_gpu[idx_mapping_gpu.long()].max())
             width = longest + config.num_speculative_tokens + 1
-            token_ids = token_ids[:, :min(width, token_ids.shape[1])]
-        drafts, num_drafts = ngram_propose(token_ids, states.total_len_gpu, idx_mapping_gpu,
-                                           config.num_speculative_tokens, config.prompt_lookup_min,
-                                           config.prompt_lookup_max)
+            token_ids = token_ids[:, : min(width, token_ids.shape[1])]
+        drafts, num_drafts = ngram_propose(
+            token_ids,
+            states.total_len_gpu,
+            idx_mapping_gpu,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+        )
         rows = idx_mapping_gpu.long()
         self.draft_token_ids_gpu[rows] = drafts
         self.num_drafts_gpu[rows] = num_drafts
@@ -124,6 +136,7 @@ class DeviceDrafts:
         # carries that column's value, so repeated indices agree.
         draft_index = columns - total  # -1 where a row already fills its context
         is_draft = (draft_index >= 0) & (draft_index < num_drafts[:, None])
-        values = torch.where(is_draft, drafts.gather(1, draft_index.clamp(min=0)),
-                             history[history_rows, columns])
+        values = torch.where(
+            is_draft, drafts.gather(1, draft_index.clamp(min=0)), history[history_rows, columns]
+        )
         history[history_rows, columns] = values

@@ -34,14 +34,14 @@ class NgramProposer:
     def add_request(self, row: int, token_ids: Sequence[int]) -> None:
         """A request takes `row` with these known tokens (prompt, then earlier outputs)."""
         self._check_fits(row, 0, len(token_ids))
-        self.token_ids_np[row, :len(token_ids)] = token_ids
+        self.token_ids_np[row, : len(token_ids)] = token_ids
         self.total_len_np[row] = len(token_ids)
 
     def append(self, row: int, token_ids: Sequence[int]) -> None:
         """Tokens accepted for the request in `row` this step."""
         start = int(self.total_len_np[row])
         self._check_fits(row, start, len(token_ids))
-        self.token_ids_np[row, start:start + len(token_ids)] = token_ids
+        self.token_ids_np[row, start : start + len(token_ids)] = token_ids
         self.total_len_np[row] = start + len(token_ids)
 
     def propose(
@@ -58,12 +58,18 @@ class NgramProposer:
         # narrowing the view changes nothing but the work.
         width = min(self.max_model_len, int(self.total_len_np[rows_np].max()) + k + 1)
         drafts, num_drafts = ngram_propose_ref(
-            torch.from_numpy(self.token_ids_np[:, :width]), torch.from_numpy(self.total_len_np),
-            torch.from_numpy(rows_np), k, self.config.prompt_lookup_min,
-            self.config.prompt_lookup_max)
+            torch.from_numpy(self.token_ids_np[:, :width]),
+            torch.from_numpy(self.total_len_np),
+            torch.from_numpy(rows_np),
+            k,
+            self.config.prompt_lookup_min,
+            self.config.prompt_lookup_max,
+        )
         return drafts.numpy(), num_drafts.numpy()
 
     def _check_fits(self, row: int, start: int, num_tokens: int) -> None:
         if start + num_tokens > self.max_model_len:
-            raise ValueError(f"row {row} would hold {start + num_tokens} tokens, more than "
-                             f"max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"row {row} would hold {start + num_tokens} tokens, more than "
+                f"max_model_len {self.max_model_len}"
+            )

@@ -80,11 +80,11 @@ def fixed_logits_indices(
     return (ends - 1 - slots + torch.minimum(offsets, slots)).clamp(min=0)
 
 
-def padded_rows(buffers: InputBuffers, num_reqs_padded: int
-                ) -> torch.Tensor:  # [P] int32, padding requests naming the first row
+def padded_rows(
+    buffers: InputBuffers, num_reqs_padded: int
+) -> torch.Tensor:  # [P] int32, padding requests naming the first row
     """The step's request rows, padded to P with its first row (see the module doc)."""
-    is_real = (torch.arange(num_reqs_padded, device=buffers.device)
-               < buffers.step_counts[0])
+    is_real = torch.arange(num_reqs_padded, device=buffers.device) < buffers.step_counts[0]
     batch_rows = buffers.idx_mapping[:num_reqs_padded]
     return torch.where(is_real, batch_rows, batch_rows[0])
 
@@ -104,44 +104,64 @@ def spec_tail(
     propose the next drafts. No host sync and no host-side decision: capturable."""
     num_reqs_padded = num_draft_slots.shape[0]
     num_spec = drafts.num_speculative_tokens
-    query_start_loc = buffers.query_start_loc[:num_reqs_padded + 1]
+    query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
     rows = padded_rows(buffers, num_reqs_padded)
     indices = fixed_logits_indices(query_start_loc, num_draft_slots, num_spec).view(-1)
     logits = model.compute_logits(hidden.index_select(0, indices))
     # contiguous(): for one request the reshape would be a stride-0 view.
     logit_rows = rows[:, None].expand(num_reqs_padded, num_spec + 1).contiguous().view(-1)
     # Logit row j of a request reads its token at position p and predicts position p + 1.
-    sampled = sampler.sample_graphable(logits, logit_rows, buffers.positions[indices] + 1,
-                                       filters)
+    sampled = sampler.sample_graphable(logits, logit_rows, buffers.positions[indices] + 1, filters)
     state_rows = rows.long()
     slots = num_draft_slots[:, None]
     draft_columns = torch.arange(num_spec, device=hidden.device)[None, :]
     masked_drafts = torch.where(draft_columns < slots, drafts.draft_token_ids_gpu[state_rows], -1)
-    cu_num_logits = torch.arange(0, (num_reqs_padded + 1) * (num_spec + 1), num_spec + 1,
-                                 dtype=torch.int32, device=hidden.device)
+    cu_num_logits = torch.arange(
+        0,
+        (num_reqs_padded + 1) * (num_spec + 1),
+        num_spec + 1,
+        dtype=torch.int32,
+        device=hidden.device,
+    )
     output, num_accepted = accept_draft_prefix(cu_num_logits, masked_drafts, sampled)
     num_draft_tokens = torch.minimum(drafts.num_drafts_gpu[state_rows], num_draft_slots)
-    spec_post_update(rows, query_start_loc, num_draft_slots, output, num_accepted,
-                     states.num_computed_gpu, states.total_len_gpu, states.token_ids_gpu,
-                     states.last_sampled_gpu, step_counts=buffers.step_counts)
+    spec_post_update(
+        rows,
+        query_start_loc,
+        num_draft_slots,
+        output,
+        num_accepted,
+        states.num_computed_gpu,
+        states.total_len_gpu,
+        states.token_ids_gpu,
+        states.last_sampled_gpu,
+        step_counts=buffers.step_counts,
+    )
     drafts.propose(states, rows)
-    return torch.cat([output, num_accepted[:, None].long(), num_draft_tokens[:, None].long()],
-                     dim=1)
+    return torch.cat(
+        [output, num_accepted[:, None].long(), num_draft_tokens[:, None].long()], dim=1
+    )
 
 
 class SpecTailGraphs:
     """The speculative tail's graphs (see the module doc) and the draft tables they read
     and write; off CUDA `run` calls spec_tail eagerly on the same buffers."""
 
-    def __init__(self, model: torch.nn.Module, step_state: V2StepState, config: SpeculativeConfig,
-                 decode_sizes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        step_state: V2StepState,
+        config: SpeculativeConfig,
+        decode_sizes: Sequence[int],
+    ) -> None:
         if step_state.hidden is None:
             raise ValueError("the step state has no graph outputs (built with_graph_outputs=False)")
         buffers = step_state.buffers
         self.drafts = DeviceDrafts(config, buffers.max_num_reqs, buffers.device)
         self.sizes = spec_graph_sizes(decode_sizes, config.num_speculative_tokens)
-        self.num_draft_slots_gpu = torch.zeros(buffers.max_num_reqs, dtype=torch.int32,
-                                               device=buffers.device)
+        self.num_draft_slots_gpu = torch.zeros(
+            buffers.max_num_reqs, dtype=torch.int32, device=buffers.device
+        )
         self._model = model
         self._state = step_state
         self._tails: dict[tuple[int, bool], Replayable] = {}
@@ -166,23 +186,27 @@ class SpecTailGraphs:
             for filters in (True, False):
                 step_graphs.zero_counts(decode_rows=size)
                 self.num_draft_slots_gpu.zero_()
-                self._tails[size, filters] = Replayable(self._tail_fn(size, filters),
-                                                        self._state.buffers.device, pool)
-            self._proposals[size] = Replayable(self._propose_fn(size),
-                                               self._state.buffers.device, pool)
+                self._tails[size, filters] = Replayable(
+                    self._tail_fn(size, filters), self._state.buffers.device, pool
+                )
+            self._proposals[size] = Replayable(
+                self._propose_fn(size), self._state.buffers.device, pool
+            )
         if is_cuda:
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - started
         return self.capture_time_s
 
-    def upload_slots(self, num_draft_slots_np: np.ndarray,  # [num_reqs] int
-                     num_reqs_padded: int) -> None:
+    def upload_slots(
+        self,
+        num_draft_slots_np: np.ndarray,  # [num_reqs] int
+        num_reqs_padded: int,
+    ) -> None:
         """Send the step's draft slots (0 for padding requests) through a fresh pinned
         buffer, as upload_step_meta does: no in-flight copy reads it again."""
         device = self.num_draft_slots_gpu.device
-        staging = torch.zeros(num_reqs_padded, dtype=torch.int32,
-                              pin_memory=device.type == "cuda")
-        staging.numpy()[:num_draft_slots_np.shape[0]] = num_draft_slots_np
+        staging = torch.zeros(num_reqs_padded, dtype=torch.int32, pin_memory=device.type == "cuda")
+        staging.numpy()[: num_draft_slots_np.shape[0]] = num_draft_slots_np
         self.num_draft_slots_gpu[:num_reqs_padded].copy_(staging, non_blocking=True)
 
     def run(self, num_reqs_padded: int, filters: bool) -> torch.Tensor:
@@ -206,18 +230,28 @@ class SpecTailGraphs:
         state, slots = self._state, self.num_draft_slots_gpu[:size]
 
         def tail() -> torch.Tensor:
-            return spec_tail(self._model, state.hidden, state.buffers, slots, state.states,
-                             state.sampler, self.drafts, filters)
+            return spec_tail(
+                self._model,
+                state.hidden,
+                state.buffers,
+                slots,
+                state.states,
+                state.sampler,
+                self.drafts,
+                filters,
+            )
 
         return tail
 
 
 _CAPTURED: weakref.WeakKeyDictionary[StepGraphs, dict[SpeculativeConfig, SpecTailGraphs]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
-def spec_tail_graphs_for(step_graphs: StepGraphs, model: DecoderModel,
-                         step_state: V2StepState, config: EngineConfig) -> SpecTailGraphs | None:
+def spec_tail_graphs_for(
+    step_graphs: StepGraphs, model: DecoderModel, step_state: V2StepState, config: EngineConfig
+) -> SpecTailGraphs | None:
     """The tail graphs `config` runs with (`spec_tail_graphs`), or None where the tail runs
     eagerly: no speculation, `spec_tail_graphs` off, or a tensor-parallel model (its
     ranks sample the batch between them)."""
@@ -227,8 +261,12 @@ def spec_tail_graphs_for(step_graphs: StepGraphs, model: DecoderModel,
     return spec_tail_graphs(step_graphs, model, step_state, spec)
 
 
-def spec_tail_graphs(step_graphs: StepGraphs, model: torch.nn.Module, step_state: V2StepState,
-                     config: SpeculativeConfig) -> SpecTailGraphs:
+def spec_tail_graphs(
+    step_graphs: StepGraphs,
+    model: torch.nn.Module,
+    step_state: V2StepState,
+    config: SpeculativeConfig,
+) -> SpecTailGraphs:
     """The speculative tail graphs of a loaded model's step graphs under `config`, captured
     by the first runner that asks (a model loaded without speculation may serve an engine
     with it) and kept as long as the step graphs: runners come and go, the capture stays."""
@@ -238,11 +276,15 @@ def spec_tail_graphs(step_graphs: StepGraphs, model: torch.nn.Module, step_state
         graphs = SpecTailGraphs(model, step_state, config, step_graphs.sizes.decode)
         free_before = _free_device_bytes(step_state.buffers.device)
         graphs.capture(step_graphs)
-        log.info("spec_tail_graphs_captured", num_graphs=3 * len(graphs.sizes),
-                 sizes=",".join(map(str, graphs.sizes)),
-                 capture_time_s=round(graphs.capture_time_s, 2),
-                 memory_gib=round((free_before - _free_device_bytes(step_state.buffers.device))
-                                  / (1 << 30), 3))
+        log.info(
+            "spec_tail_graphs_captured",
+            num_graphs=3 * len(graphs.sizes),
+            sizes=",".join(map(str, graphs.sizes)),
+            capture_time_s=round(graphs.capture_time_s, 2),
+            memory_gib=round(
+                (free_before - _free_device_bytes(step_state.buffers.device)) / (1 << 30), 3
+            ),
+        )
         per_config[config] = graphs
     return graphs
 

@@ -26,9 +26,13 @@ class SpecCopy:
 class SpecPendingStep(PendingStep):
     """A launched speculative step; `result()` packs the emitted tokens request-major."""
 
-    def __init__(self, *args: object,
-                 cu_num_logits_np: np.ndarray | None,  # [num_reqs + 1], read for logprobs
-                 num_speculative_tokens: int, **kwargs: object) -> None:
+    def __init__(
+        self,
+        *args: object,
+        cu_num_logits_np: np.ndarray | None,  # [num_reqs + 1], read for logprobs
+        num_speculative_tokens: int,
+        **kwargs: object,
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._cu_num_logits_np = cu_num_logits_np
         self._num_speculative_tokens = num_speculative_tokens
@@ -47,24 +51,40 @@ class SpecPendingStep(PendingStep):
         logprobs = None
         if copy.logprobs is not None:
             starts = self._cu_num_logits_np[:-1][keep]
-            rows = np.concatenate([np.arange(s, s + n + 1) for s, n in zip(starts, num_accepted)]
-                                  ) if starts.size else np.zeros(0, np.int64)
-            logprobs = LogprobsArrays(copy.logprob_token_ids.numpy()[rows],
-                                      copy.logprobs.numpy()[rows], copy.sampled_ranks.numpy()[rows])
-        stats = msgspec.structs.replace(self._stats, spec=spec_stats(
-            num_drafts, num_accepted, self._num_speculative_tokens))
+            rows = (
+                np.concatenate([np.arange(s, s + n + 1) for s, n in zip(starts, num_accepted)])
+                if starts.size
+                else np.zeros(0, np.int64)
+            )
+            logprobs = LogprobsArrays(
+                copy.logprob_token_ids.numpy()[rows],
+                copy.logprobs.numpy()[rows],
+                copy.sampled_ranks.numpy()[rows],
+            )
+        stats = msgspec.structs.replace(
+            self._stats, spec=spec_stats(num_drafts, num_accepted, self._num_speculative_tokens)
+        )
         request_ids = tuple(r for r, k in zip(self.request_ids, keep) if k)
-        return StepOutput(step_id=self.step_id, request_ids=request_ids,
-                          sampled_token_ids=output[emitted], logprobs=logprobs, stats=stats,
-                          num_sampled_tokens=(num_accepted + 1).astype(np.int32),
-                          num_draft_tokens=num_drafts)
+        return StepOutput(
+            step_id=self.step_id,
+            request_ids=request_ids,
+            sampled_token_ids=output[emitted],
+            logprobs=logprobs,
+            stats=stats,
+            num_sampled_tokens=(num_accepted + 1).astype(np.int32),
+            num_draft_tokens=num_drafts,
+        )
 
 
-def spec_stats(num_drafts: np.ndarray, num_accepted: np.ndarray, num_speculative_tokens: int
-                ) -> SpecDecodeStats:
+def spec_stats(
+    num_drafts: np.ndarray, num_accepted: np.ndarray, num_speculative_tokens: int
+) -> SpecDecodeStats:
     positions = np.arange(num_speculative_tokens)
     return SpecDecodeStats(
-        num_drafts=int((num_drafts > 0).sum()), num_draft_tokens=int(num_drafts.sum()),
+        num_drafts=int((num_drafts > 0).sum()),
+        num_draft_tokens=int(num_drafts.sum()),
         num_accepted_tokens=int(num_accepted.sum()),
-        num_accepted_tokens_per_pos=tuple(int(v) for v in
-                                          (num_accepted[:, None] > positions[None, :]).sum(0)))
+        num_accepted_tokens_per_pos=tuple(
+            int(v) for v in (num_accepted[:, None] > positions[None, :]).sum(0)
+        ),
+    )

@@ -51,60 +51,98 @@ class SpecStepRunner(Protocol):
 
     def forward_hidden(self, plan: StepPlan) -> torch.Tensor: ...
 
-    def finish_launch(self, to_copy: Any, sched: SchedulerOutput, plan: StepPlan,
-                      started: float, start_event: torch.cuda.Event | None) -> Any: ...
+    def finish_launch(
+        self,
+        to_copy: Any,
+        sched: SchedulerOutput,
+        plan: StepPlan,
+        started: float,
+        start_event: torch.cuda.Event | None,
+    ) -> Any: ...
 
 
-def launch_spec_step(runner: SpecStepRunner, sched: SchedulerOutput, plan: StepPlan,
-                     started: float, start_event: torch.cuda.Event | None) -> SpecPendingStep:
+def launch_spec_step(
+    runner: SpecStepRunner,
+    sched: SchedulerOutput,
+    plan: StepPlan,
+    started: float,
+    start_event: torch.cuda.Event | None,
+) -> SpecPendingStep:
     drafts = runner.drafts
     assert drafts is not None
     ops = batch_ops(runner.sampling_state, plan.idx_mapping_np)
     max_num_logprobs = int(runner.num_logprobs_np[plan.idx_mapping_np].max())
     spec_graphs = runner.spec_graphs
-    if spec_graphs is not None and not (plan.tail_graphed
-                                        and spec_graphs.holds(plan.num_rows_padded)):
+    if spec_graphs is not None and not (
+        plan.tail_graphed and spec_graphs.holds(plan.num_rows_padded)
+    ):
         spec_graphs = None  # no graph of this step's size
     if drafts.needs_refresh(plan.idx_mapping_np, sched.num_draft_slots):
         if spec_graphs is not None:
             spec_graphs.propose(plan.num_rows_padded)
         else:
-            drafts.propose(runner.states, runner.buffers.idx_mapping[:plan.num_reqs])
+            drafts.propose(runner.states, runner.buffers.idx_mapping[: plan.num_reqs])
     if spec_graphs is not None and not ops.rewrites_logits and max_num_logprobs < 0:
-        to_copy, cu_num_logits_np = _launch_graphed_tail(runner, spec_graphs, sched, plan,
-                                                         ops.filters), None
+        to_copy, cu_num_logits_np = (
+            _launch_graphed_tail(runner, spec_graphs, sched, plan, ops.filters),
+            None,
+        )
     else:
         to_copy, cu_num_logits_np = _launch_eager_tail(
-            runner, sched, plan, ops, None if max_num_logprobs < 0 else max_num_logprobs)
+            runner, sched, plan, ops, None if max_num_logprobs < 0 else max_num_logprobs
+        )
     copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, started, start_event)
-    return SpecPendingStep(sched.step_id, sched.scheduled_request_ids,
-                           np.asarray(sched.samples_token, dtype=bool), copy, event, stats,
-                           timing, cu_num_logits_np=cu_num_logits_np,
-                           num_speculative_tokens=drafts.num_speculative_tokens)
+    return SpecPendingStep(
+        sched.step_id,
+        sched.scheduled_request_ids,
+        np.asarray(sched.samples_token, dtype=bool),
+        copy,
+        event,
+        stats,
+        timing,
+        cu_num_logits_np=cu_num_logits_np,
+        num_speculative_tokens=drafts.num_speculative_tokens,
+    )
 
 
-def _launch_graphed_tail(runner: SpecStepRunner, spec_graphs: SpecTailGraphs,
-                         sched: SchedulerOutput, plan: StepPlan, filters: bool) -> SpecCopy:
+def _launch_graphed_tail(
+    runner: SpecStepRunner,
+    spec_graphs: SpecTailGraphs,
+    sched: SchedulerOutput,
+    plan: StepPlan,
+    filters: bool,
+) -> SpecCopy:
     """The forward (its graph, or eagerly into the graphs' hidden-state buffer), then the
     tail graph of the step's padded size (gpu/spec_decode/spec_graphs.py)."""
-    spec_graphs.upload_slots(np.asarray(sched.num_draft_slots, dtype=np.int32),
-                             plan.num_rows_padded)
+    spec_graphs.upload_slots(
+        np.asarray(sched.num_draft_slots, dtype=np.int32), plan.num_rows_padded
+    )
     hidden = runner.forward_hidden(plan)
     graph_hidden = runner.step_state.hidden
     if hidden is not graph_hidden:
-        graph_hidden[:plan.num_tokens].copy_(hidden[:plan.num_tokens])
+        graph_hidden[: plan.num_tokens].copy_(hidden[: plan.num_tokens])
     runner.sampling_state.flush_to_device()
     # The graph's output is overwritten by the next replay, possibly before this step's
     # copy to the host has read it: the copy reads a clone.
-    packed = spec_graphs.run(plan.num_rows_padded, filters)[:plan.num_reqs].clone()
+    packed = spec_graphs.run(plan.num_rows_padded, filters)[: plan.num_reqs].clone()
     num_outputs = spec_graphs.drafts.num_speculative_tokens + 1
-    return SpecCopy(packed[:, :num_outputs], packed[:, num_outputs], packed[:, num_outputs + 1],
-                    None, None, None)
+    return SpecCopy(
+        packed[:, :num_outputs],
+        packed[:, num_outputs],
+        packed[:, num_outputs + 1],
+        None,
+        None,
+        None,
+    )
 
 
-def _launch_eager_tail(runner: SpecStepRunner, sched: SchedulerOutput, plan: StepPlan,
-                       ops: BatchOps, max_num_logprobs: int | None
-                       ) -> tuple[SpecCopy, np.ndarray]:
+def _launch_eager_tail(
+    runner: SpecStepRunner,
+    sched: SchedulerOutput,
+    plan: StepPlan,
+    ops: BatchOps,
+    max_num_logprobs: int | None,
+) -> tuple[SpecCopy, np.ndarray]:
     """The forward, then the tail launched op by op over the variable logit layout
     (gpu/spec_decode/spec_step.py); also the layout's cu_num_logits on the host."""
     drafts = runner.drafts
@@ -116,22 +154,47 @@ def _launch_eager_tail(runner: SpecStepRunner, sched: SchedulerOutput, plan: Ste
     logits = runner.worker.model.compute_logits(hidden[layout.logits_indices_gpu])
     idx_mapping_gpu = buffers.idx_mapping[:num_reqs]
     sampled = verify_and_update(
-        logits, layout, idx_mapping_gpu, buffers.query_start_loc[:num_reqs + 1],
-        buffers.positions, runner.states, runner.sampler, drafts, ops, max_num_logprobs)
+        logits,
+        layout,
+        idx_mapping_gpu,
+        buffers.query_start_loc[: num_reqs + 1],
+        buffers.positions,
+        runner.states,
+        runner.sampler,
+        drafts,
+        ops,
+        max_num_logprobs,
+    )
     drafts.propose(runner.states, idx_mapping_gpu)
     out = sampled.sampler
-    return (SpecCopy(sampled.output_token_ids, sampled.num_accepted, sampled.num_draft_tokens,
-                     out.logprob_token_ids, out.logprobs, out.sampled_ranks),
-            layout.cu_num_logits_np)
+    return (
+        SpecCopy(
+            sampled.output_token_ids,
+            sampled.num_accepted,
+            sampled.num_draft_tokens,
+            out.logprob_token_ids,
+            out.logprobs,
+            out.sampled_ranks,
+        ),
+        layout.cu_num_logits_np,
+    )
 
 
-def check_speculative_step(sched: SchedulerOutput, prompt_requests: dict[str, PromptRequest]
-                           ) -> None:
+def check_speculative_step(
+    sched: SchedulerOutput, prompt_requests: dict[str, PromptRequest]
+) -> None:
     """Refuse a step with draft slots that samples under a grammar or scores a prompt: the
     speculative path does neither, and the scheduler never plans such a step
     (actors/core/spec_scheduling.py)."""
     if sched.grammar_bitmask is not None or sched.grammar_mask_deferred:
         raise ValueError(f"step {sched.step_id}: draft slots beside grammar rows")
-    if plan_prompt_rows(sched.scheduled_request_ids, sched.num_computed_tokens,
-                        sched.num_scheduled_tokens, prompt_requests) is not None:
+    if (
+        plan_prompt_rows(
+            sched.scheduled_request_ids,
+            sched.num_computed_tokens,
+            sched.num_scheduled_tokens,
+            prompt_requests,
+        )
+        is not None
+    ):
         raise ValueError(f"step {sched.step_id}: draft slots beside a prompt to score")

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu.runner_v2.states import RequestStates
 from gpu.runner_v2.step_plan import StepPlan
 from gpu.sampling.sampler import BatchOps, Sampler, SamplerOutput
-from gpu.runner_v2.states import RequestStates
 from gpu.spec_decode.device_drafts import DeviceDrafts
 from kernels.rejection_sample import accept_draft_prefix
 from kernels.spec_post_update import spec_post_update
@@ -51,8 +51,9 @@ class SpecLayout:
     num_draft_slots_gpu: torch.Tensor  # [num_reqs] int32
 
 
-def spec_layout(plan: StepPlan, num_draft_slots: tuple[int, ...], device: torch.device
-                ) -> SpecLayout:
+def spec_layout(
+    plan: StepPlan, num_draft_slots: tuple[int, ...], device: torch.device
+) -> SpecLayout:
     num_reqs = plan.num_reqs
     slots = np.asarray(num_draft_slots, dtype=np.int64)
     counts = slots + 1
@@ -61,7 +62,7 @@ def spec_layout(plan: StepPlan, num_draft_slots: tuple[int, ...], device: torch.
     num_logits = int(cu[-1])
     logit_req = np.repeat(np.arange(num_reqs, dtype=np.int64), counts)
     logit_offset = np.arange(num_logits, dtype=np.int64) - cu[logit_req]
-    ends = plan.query_start_loc_np[1:num_reqs + 1].astype(np.int64)
+    ends = plan.query_start_loc_np[1 : num_reqs + 1].astype(np.int64)
     logits_indices = ends[logit_req] - counts[logit_req] + logit_offset
     packed = np.concatenate([logits_indices, logit_req, logit_offset, cu, slots])
     staging = torch.from_numpy(packed)
@@ -70,8 +71,16 @@ def spec_layout(plan: StepPlan, num_draft_slots: tuple[int, ...], device: torch.
     on_device = staging.to(device, non_blocking=True)
     sizes = [num_logits, num_logits, num_logits, num_reqs + 1, num_reqs]
     indices, req, offset, cu_gpu, slots_gpu = on_device.split(sizes)
-    return SpecLayout(num_logits, cu, plan.idx_mapping_np[logit_req], indices, req, offset,
-                      cu_gpu.to(torch.int32), slots_gpu.to(torch.int32))
+    return SpecLayout(
+        num_logits,
+        cu,
+        plan.idx_mapping_np[logit_req],
+        indices,
+        req,
+        offset,
+        cu_gpu.to(torch.int32),
+        slots_gpu.to(torch.int32),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,21 +112,40 @@ def verify_and_update(
     # Logit row j of a request reads its token at position p and predicts position p + 1.
     sample_positions = positions_gpu[layout.logits_indices_gpu] + 1
     logit_state_rows = logit_rows.long()
-    num_outputs = (states.total_len_gpu[logit_state_rows] - states.prompt_len_gpu[logit_state_rows]
-                   + layout.logit_offset_gpu)
-    sampled = sampler(logits, logit_rows, layout.logit_rows_np, sample_positions,
-                      num_outputs.to(torch.int32), max_num_logprobs, ops=ops)
+    num_outputs = (
+        states.total_len_gpu[logit_state_rows]
+        - states.prompt_len_gpu[logit_state_rows]
+        + layout.logit_offset_gpu
+    )
+    sampled = sampler(
+        logits,
+        logit_rows,
+        layout.logit_rows_np,
+        sample_positions,
+        num_outputs.to(torch.int32),
+        max_num_logprobs,
+        ops=ops,
+    )
     draft_token_ids = drafts.draft_token_ids_gpu[rows]
-    output, num_accepted = accept_draft_prefix(layout.cu_num_logits_gpu, draft_token_ids,
-                                               sampled.sampled_token_ids)
+    output, num_accepted = accept_draft_prefix(
+        layout.cu_num_logits_gpu, draft_token_ids, sampled.sampled_token_ids
+    )
     num_draft_tokens = torch.minimum(drafts.num_drafts_gpu[rows], layout.num_draft_slots_gpu)
     is_real = None
     if ops.penalties:  # penalty rows never speculate: their one token is output[:, 0]
         seq_lens = positions_gpu[query_start_loc_gpu[1:].long() - 1] + 1
         is_real = seq_lens >= states.total_len_gpu[rows]
-    spec_post_update(idx_mapping_gpu, query_start_loc_gpu, layout.num_draft_slots_gpu, output,
-                     num_accepted, states.num_computed_gpu, states.total_len_gpu,
-                     states.token_ids_gpu, states.last_sampled_gpu)
+    spec_post_update(
+        idx_mapping_gpu,
+        query_start_loc_gpu,
+        layout.num_draft_slots_gpu,
+        output,
+        num_accepted,
+        states.num_computed_gpu,
+        states.total_len_gpu,
+        states.token_ids_gpu,
+        states.last_sampled_gpu,
+    )
     if is_real is not None:
         sampler.state.record_sampled(idx_mapping_gpu, output[:, 0].contiguous(), is_real)
     return SpecSampled(output, num_accepted, num_draft_tokens, sampled)

@@ -20,7 +20,6 @@ from gpu.weights.ggml_types import (  # noqa: F401 - re-exported for callers of 
     tensor_num_bytes,
 )
 
-
 SUPPORTED_TYPES: tuple[GGMLType, ...] = (
     GGMLType.F32,
     GGMLType.F16,

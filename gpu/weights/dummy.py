@@ -75,10 +75,10 @@ def _random_shard(
         values = torch.empty(block_shape, dtype=dtype, device=device)
         values.normal_(0.0, WEIGHT_STD, generator=generator)
         lo, hi = max(block_start, row_start), min(block_stop, row_stop)
-        part = values[lo - block_start:hi - block_start]
+        part = values[lo - block_start : hi - block_start]
         dest = out.narrow(0, lo - row_start, hi - lo)
         if shard.dim == 1:
-            part = part[:, shard.start:shard.stop]
+            part = part[:, shard.start : shard.stop]
             dest = dest.narrow(1, 0, shard.stop - shard.start)
         dest.copy_(part)
     return out

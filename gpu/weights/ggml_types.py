@@ -79,6 +79,7 @@ GGML_BLOCK_LAYOUTS: dict[int, tuple[int, int]] = {
     GGMLType.MXFP4: (32, 17),
 }
 
+
 def ggml_type_name(ggml_type: int) -> str:
     try:
         return GGMLType(ggml_type).name

@@ -59,10 +59,10 @@ def read_gguf_shard(
     num_cols = info.shape[-1]
     row_blocks_np = raw_np.reshape(-1, num_cols // block_elems, block_bytes)
     if mode == ROWS:
-        picked_np = row_blocks_np[shard.start:shard.stop]
+        picked_np = row_blocks_np[shard.start : shard.stop]
         shape = (shard.stop - shard.start, num_cols)
     else:
-        picked_np = row_blocks_np[:, shard.start // block_elems:shard.stop // block_elems]
+        picked_np = row_blocks_np[:, shard.start // block_elems : shard.stop // block_elems]
         shape = (*info.shape[:-1], shard.stop - shard.start)
     sliced = _dequantize(np.ascontiguousarray(picked_np), info.ggml_type, shape, device, name)
     return pad_shard(sliced, shard)
@@ -75,8 +75,13 @@ def _block_layout(ggml_type: int, name: str) -> tuple[int, int]:
     return layout
 
 
-def _dequantize(raw_np: np.ndarray, ggml_type: int, shape: tuple[int, ...],
-                device: str | torch.device, name: str) -> torch.Tensor:
+def _dequantize(
+    raw_np: np.ndarray,
+    ggml_type: int,
+    shape: tuple[int, ...],
+    device: str | torch.device,
+    name: str,
+) -> torch.Tensor:
     raw_u8 = torch.from_numpy(raw_np.reshape(-1)).to(device)
     try:
         return dequantize(raw_u8, ggml_type, shape, torch.float32)

@@ -110,7 +110,10 @@ def _read_shard(f: Any, name: str, shard: ShardSlice) -> torch.Tensor:
     tensor_slice = f.get_slice(name)
     full_shape = tensor_slice.get_shape()
     if shard.dim >= len(full_shape) or (shard.start, shard.stop, shard.length) == (
-            0, full_shape[shard.dim], full_shape[shard.dim]):
+        0,
+        full_shape[shard.dim],
+        full_shape[shard.dim],
+    ):
         return f.get_tensor(name)  # the whole tensor; a wrong rank is reported by the caller
     index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
     return pad_shard(tensor_slice[index], shard)

@@ -74,8 +74,9 @@ def weight_shard_slices(config: ModelConfig, tp_rank: int, tp_size: int) -> dict
     return slices
 
 
-def expected_shard_shapes(config: ModelConfig, tp_rank: int, tp_size: int
-                          ) -> dict[str, tuple[int, ...]]:
+def expected_shard_shapes(
+    config: ModelConfig, tp_rank: int, tp_size: int
+) -> dict[str, tuple[int, ...]]:
     full = expected_weight_shapes(config)
     slices = weight_shard_slices(config, tp_rank, tp_size)
     return {name: slices[name].shard_shape(shape) for name, shape in full.items()}

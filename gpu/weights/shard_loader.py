@@ -46,8 +46,9 @@ def read_model_config(model: str) -> ModelConfig:
     return _guarded(source, lambda: _read_config(source))
 
 
-def load_weight_shard(model: str, dtype: torch.dtype, device: str | torch.device,
-                      tp_rank: int, tp_size: int) -> WeightShard:
+def load_weight_shard(
+    model: str, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
+) -> WeightShard:
     """Rank `tp_rank` of `tp_size`'s weights. Raises ModelLoadError, or
     UnsupportedModelError when the model does not split over tp_size ranks."""
     source = resolve_model_path(model)
@@ -58,14 +59,15 @@ def load_weight_shard(model: str, dtype: torch.dtype, device: str | torch.device
     elif os.path.isdir(source):
         weights = _guarded(source, lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size)[1])
     else:
-        weights = _guarded(source, lambda: load_gguf(GGUFFile(source), dtype, device,
-                                                     tp_rank, tp_size)[1])
+        weights = _guarded(
+            source, lambda: load_gguf(GGUFFile(source), dtype, device, tp_rank, tp_size)[1]
+        )
     return WeightShard(config, weights, tp_rank, tp_size, source)
 
 
 def _read_config(source: str) -> ModelConfig:
     if source.startswith(DUMMY_PREFIX):
-        return preset_config(source[len(DUMMY_PREFIX):])
+        return preset_config(source[len(DUMMY_PREFIX) :])
     if not os.path.exists(source):
         raise ModelLoadError(f"model not found: {source}")
     if os.path.isdir(source):

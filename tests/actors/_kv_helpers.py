@@ -13,20 +13,27 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from actors.core.kv_cache_manager import KVCacheManager
 import numpy as np
 
-from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
+from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.scheduler import Scheduler, StepResult
+from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
 from actors.protocol.sampling_params import SamplingParams
 
 EOS_TOKEN_ID = 999
 """The fake model's end-of-sequence token (outside its ordinary vocabulary)."""
 
 
-def assert_workload_drained(scheduler: Scheduler, manager: KVCacheManager, num_blocks: int,
-                            num_requests: int, finished: dict[str, str], aborted: set[str],
-                            num_outputs: dict[str, int], max_tokens: dict[str, int]) -> None:
+def assert_workload_drained(
+    scheduler: Scheduler,
+    manager: KVCacheManager,
+    num_blocks: int,
+    num_requests: int,
+    finished: dict[str, str],
+    aborted: set[str],
+    num_outputs: dict[str, int],
+    max_tokens: dict[str, int],
+) -> None:
     """After a fake-device workload: every block back, nothing running or waiting, every
     request r0.. finished once (the aborted ones as 'abort'), and each 'length' finish
     after exactly its max_tokens outputs."""
@@ -42,13 +49,23 @@ def assert_workload_drained(scheduler: Scheduler, manager: KVCacheManager, num_b
             assert num_outputs[request_id] == max_tokens[request_id]
 
 
-def engine_request(request_id: str, prompt: Iterable[int], max_tokens: int | None = 8,
-                   arrival_time: float = 0.0, priority: int = 0,
-                   cache_salt: str | None = None) -> EngineRequest:
-    return EngineRequest(request_id=request_id, prompt_token_ids=tuple(prompt),
-                         sampling_params=SamplingParams(max_tokens=max_tokens),
-                         arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                         eos_token_ids=(EOS_TOKEN_ID,))
+def engine_request(
+    request_id: str,
+    prompt: Iterable[int],
+    max_tokens: int | None = 8,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    cache_salt: str | None = None,
+) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        arrival_time=arrival_time,
+        priority=priority,
+        cache_salt=cache_salt,
+        eos_token_ids=(EOS_TOKEN_ID,),
+    )
 
 
 @dataclass(slots=True)
@@ -99,17 +116,26 @@ class FakeRunner:
             in_flight = any(new.request_id in out.request_ids for out in self.pending_updates)
             assert not in_flight, f"{new.request_id} is admitted while a token is in flight"
             if new.request_id in self.outputs:
-                assert list(new.token_ids[new.prompt_len:]) == self.outputs[new.request_id], (
-                    f"{new.request_id} resumes with outputs other than those it produced")
-            self.rows[new.request_id] = _Row(list(new.token_ids), new.prompt_len,
-                                             list(new.block_ids), new.num_computed_tokens)
+                assert list(new.token_ids[new.prompt_len :]) == self.outputs[new.request_id], (
+                    f"{new.request_id} resumes with outputs other than those it produced"
+                )
+            self.rows[new.request_id] = _Row(
+                list(new.token_ids), new.prompt_len, list(new.block_ids), new.num_computed_tokens
+            )
         assert len(self.rows) <= self.max_num_seqs, "more rows than max_num_seqs"
-        for request_id, new_block_ids in zip(out.cached_requests.request_ids,
-                                             out.cached_requests.new_block_ids):
+        for request_id, new_block_ids in zip(
+            out.cached_requests.request_ids, out.cached_requests.new_block_ids
+        ):
             self.rows[request_id].block_ids.extend(new_block_ids)
         sampled: list[tuple[str, int]] = []
-        batch = list(zip(out.scheduled_request_ids, out.num_scheduled_tokens,
-                         out.num_computed_tokens, out.samples_token))
+        batch = list(
+            zip(
+                out.scheduled_request_ids,
+                out.num_scheduled_tokens,
+                out.num_computed_tokens,
+                out.samples_token,
+            )
+        )
         for request_id, num_new, num_computed, _ in batch:
             self._write_kv(out.step_id, request_id, num_new, num_computed)
         for request_id, num_new, num_computed, samples in batch:
@@ -118,17 +144,25 @@ class FakeRunner:
             row.num_computed_tokens += num_new
             assert samples == (row.num_computed_tokens == len(row.history)), (
                 f"{request_id}: samples_token {samples} but computed {row.num_computed_tokens} "
-                f"of {len(row.history)} known tokens")
+                f"of {len(row.history)} known tokens"
+            )
             if samples:
-                token_id = (EOS_TOKEN_ID if self.rng.random() < self.eos_probability
-                            else self.rng.randrange(self.vocab_size))
+                token_id = (
+                    EOS_TOKEN_ID
+                    if self.rng.random() < self.eos_probability
+                    else self.rng.randrange(self.vocab_size)
+                )
                 row.history.append(token_id)
                 sampled.append((request_id, token_id))
-        self.pending_updates.append(StepOutput(
-            step_id=out.step_id, request_ids=tuple(rid for rid, _ in sampled),
-            sampled_token_ids=np.asarray([token_id for _, token_id in sampled], dtype=np.int64),
-            logprobs=None, stats=StepStats(out.step_id, out.num_reqs,
-                                           out.total_num_scheduled_tokens, 0)))
+        self.pending_updates.append(
+            StepOutput(
+                step_id=out.step_id,
+                request_ids=tuple(rid for rid, _ in sampled),
+                sampled_token_ids=np.asarray([token_id for _, token_id in sampled], dtype=np.int64),
+                logprobs=None,
+                stats=StepStats(out.step_id, out.num_reqs, out.total_num_scheduled_tokens, 0),
+            )
+        )
 
     def deliver_oldest(self, scheduler: Scheduler) -> StepResult:
         """Hand the oldest step's result to the scheduler and record what it kept."""
@@ -140,19 +174,23 @@ class FakeRunner:
         row = self.rows[request_id]
         assert num_computed == row.num_computed_tokens, (
             f"step {step_id}: scheduler says {request_id} computed {num_computed}, "
-            f"runner has {row.num_computed_tokens}")
+            f"runner has {row.num_computed_tokens}"
+        )
         assert num_new > 0 and num_computed + num_new <= len(row.history), (
             f"step {step_id}: {request_id} runs {num_new} tokens from {num_computed} but only "
-            f"{len(row.history)} are known")
+            f"{len(row.history)} are known"
+        )
         assert len(row.block_ids) * self.block_size >= num_computed + num_new, (
-            f"{request_id}: {len(row.block_ids)} blocks cannot hold {num_computed + num_new} "
-            f"tokens")
+            f"{request_id}: {len(row.block_ids)} blocks cannot hold {num_computed + num_new} tokens"
+        )
         if self.manager is not None:
             assert tuple(row.block_ids) == self.manager.block_ids(request_id), (
-                f"{request_id}: runner block table {row.block_ids} differs from the KV manager's")
+                f"{request_id}: runner block table {row.block_ids} differs from the KV manager's"
+            )
         for position in range(num_computed, num_computed + num_new):
-            block = self.kv_cache.setdefault(row.block_ids[position // self.block_size],
-                                             [None] * self.block_size)
+            block = self.kv_cache.setdefault(
+                row.block_ids[position // self.block_size], [None] * self.block_size
+            )
             block[position % self.block_size] = row.history[position]
 
     def _check_attended_kv(self, request_id: str, row: _Row, num_tokens: int) -> None:
@@ -161,7 +199,8 @@ class FakeRunner:
             stored = None if block is None else block[position % self.block_size]
             assert stored == row.history[position], (
                 f"{request_id}: KV at position {position} holds {stored}, "
-                f"expected token {row.history[position]}")
+                f"expected token {row.history[position]}"
+            )
 
     def _record(self, result: StepResult) -> None:
         for request in result.requests:
@@ -170,7 +209,8 @@ class FakeRunner:
             self.num_outputs[request_id] += 1
             self.outputs[request_id].append(request.output_token_ids[-1])
             assert self.num_outputs[request_id] <= self.max_tokens[request_id], (
-                f"{request_id} produced more than max_tokens={self.max_tokens[request_id]}")
+                f"{request_id} produced more than max_tokens={self.max_tokens[request_id]}"
+            )
         for request, finish in result.finished:
             self.finished[request.request_id] = finish.reason
             if finish.reason == "stop":

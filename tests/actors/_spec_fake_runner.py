@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.protocol.messages import SchedulerOutput, StepOutput, StepStats
 from actors.core.scheduler import Scheduler, StepResult
+from actors.protocol.messages import SchedulerOutput, StepOutput, StepStats
 from tests.actors._kv_helpers import EOS_TOKEN_ID
 
 
@@ -52,49 +52,69 @@ class SpecFakeRunner:
             del self.rows[request_id]
         for new in out.new_requests:
             assert new.request_id not in self.rows
-            assert list(new.token_ids[new.prompt_len:]) == self.outputs[new.request_id]
-            self.rows[new.request_id] = _DeviceRow(list(new.token_ids), list(new.block_ids),
-                                                   new.num_computed_tokens)
-        for request_id, block_ids in zip(out.cached_requests.request_ids,
-                                         out.cached_requests.new_block_ids):
+            assert list(new.token_ids[new.prompt_len :]) == self.outputs[new.request_id]
+            self.rows[new.request_id] = _DeviceRow(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        for request_id, block_ids in zip(
+            out.cached_requests.request_ids, out.cached_requests.new_block_ids
+        ):
             self.rows[request_id].block_ids.extend(block_ids)
         slots = out.num_draft_slots or (0,) * out.num_reqs
         emitted: list[tuple[str, list[int], int]] = []
         for request_id, num_new, num_computed, samples, num_slots in zip(
-                out.scheduled_request_ids, out.num_scheduled_tokens, out.num_computed_tokens,
-                out.samples_token, slots):
+            out.scheduled_request_ids,
+            out.num_scheduled_tokens,
+            out.num_computed_tokens,
+            out.samples_token,
+            slots,
+        ):
             row = self.rows[request_id]
-            assert num_computed >= row.num_computed_tokens, "the scheduler's bound is below the truth"
+            assert num_computed >= row.num_computed_tokens, (
+                "the scheduler's bound is below the truth"
+            )
             tokens = self._run(request_id, row, num_new, num_slots)
             if samples:
                 emitted.append((request_id, tokens, num_slots))
             else:
                 assert row.num_computed_tokens < len(row.history)
-        self.pending_updates.append(StepOutput(
-            step_id=out.step_id, request_ids=tuple(rid for rid, _, _ in emitted),
-            sampled_token_ids=np.asarray([t for _, tokens, _ in emitted for t in tokens], np.int64),
-            logprobs=None, stats=StepStats(out.step_id, out.num_reqs, out.total_num_scheduled_tokens, 0),
-            num_sampled_tokens=np.asarray([len(tokens) for _, tokens, _ in emitted], np.int32),
-            num_draft_tokens=np.asarray([s for _, _, s in emitted], np.int32)))
+        self.pending_updates.append(
+            StepOutput(
+                step_id=out.step_id,
+                request_ids=tuple(rid for rid, _, _ in emitted),
+                sampled_token_ids=np.asarray(
+                    [t for _, tokens, _ in emitted for t in tokens], np.int64
+                ),
+                logprobs=None,
+                stats=StepStats(out.step_id, out.num_reqs, out.total_num_scheduled_tokens, 0),
+                num_sampled_tokens=np.asarray([len(tokens) for _, tokens, _ in emitted], np.int32),
+                num_draft_tokens=np.asarray([s for _, _, s in emitted], np.int32),
+            )
+        )
 
     def _run(self, request_id: str, row: _DeviceRow, num_new: int, num_slots: int) -> list[int]:
         """Run one row's tokens (drafts in its slots); returns the tokens it emits."""
         start = row.num_computed_tokens
         assert len(row.block_ids) * self.block_size >= start + num_new, (
-            f"{request_id}: blocks do not cover position {start + num_new - 1}")
+            f"{request_id}: blocks do not cover position {start + num_new - 1}"
+        )
         assert tuple(row.block_ids) == self.manager.block_ids(request_id)
         if num_slots:
             assert num_new == 1 + num_slots and start == len(row.history) - 1, (
-                f"{request_id}: draft slots on a row that is not decoding")
+                f"{request_id}: draft slots on a row that is not decoding"
+            )
         drafts = [self._token() for _ in range(num_slots)]
-        inputs = row.history[start:start + num_new - num_slots] + drafts
+        inputs = row.history[start : start + num_new - num_slots] + drafts
         for position, token in enumerate(inputs, start):
-            block = self.kv_cache.setdefault(row.block_ids[position // self.block_size],
-                                             [None] * self.block_size)
+            block = self.kv_cache.setdefault(
+                row.block_ids[position // self.block_size], [None] * self.block_size
+            )
             block[position % self.block_size] = token
         last = start + num_new - num_slots
         for position in range(last):  # what the known tokens attend to
-            stored = self.kv_cache[row.block_ids[position // self.block_size]][position % self.block_size]
+            stored = self.kv_cache[row.block_ids[position // self.block_size]][
+                position % self.block_size
+            ]
             assert stored == row.history[position], f"{request_id}: stale KV at {position}"
         if last < len(row.history):
             row.num_computed_tokens = last

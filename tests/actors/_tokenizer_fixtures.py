@@ -13,8 +13,15 @@ TINY_SPECIALS = ("<eos>", "<stop>")
 # Merges that make tokens straddle character boundaries: a space glued to the first byte of
 # "€" (E2 82 AC), the last two bytes of "€" as one token, and those two glued to the next
 # "€"'s first byte (so "€€€" is [E2] [82 AC E2] [82 AC E2] [82 AC]).
-_TINY_MERGES = (("h", "e"), ("l", "l"), ("he", "ll"), ("\u0120", "\u00e2"), ("\u0124", "\u00ac"),
-                ("\u0124\u00ac", "\u00e2"), ("\u0120", "w"))
+_TINY_MERGES = (
+    ("h", "e"),
+    ("l", "l"),
+    ("he", "ll"),
+    ("\u0120", "\u00e2"),
+    ("\u0124", "\u00ac"),
+    ("\u0124\u00ac", "\u00e2"),
+    ("\u0120", "w"),
+)
 
 
 def _byte_level_alphabet() -> list[str]:
@@ -33,8 +40,9 @@ def tiny_tokenizer() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(_TINY_MERGES), fuse_unk=False))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in TINY_SPECIALS])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS]
+    )
     return tokenizer
 
 
@@ -46,14 +54,23 @@ def tiny_sentencepiece_tokenizer() -> Tokenizer:
     vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
     for piece in ("\u2581", "\u2581hello", "\u2581world", "\u2581a", *"abcdehlorw"):
         vocab.setdefault(piece, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True,
-                                     unk_token="<unk>", fuse_unk=True))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                                 normalizers.Replace(" ", "\u2581")])
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in ("<unk>", "<s>", "</s>")])
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    )
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")]
+    )
     return tokenizer
 
 
@@ -107,12 +124,25 @@ def smollm2_tokenizer() -> Tokenizer:
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     merges = reader.fields["tokenizer.ggml.merges"].contents()
     token_types = reader.fields["tokenizer.ggml.token_type"].contents()
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                     merges=[tuple(m.split(" ")) for m in merges], fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ")) for m in merges],
+            fuse_unk=False,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(tokens, token_types) if kind == 3])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind == 3
+        ]
+    )
     return tokenizer

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from actors.protocol.sampling_params import SamplingParams
 from actors.core.scheduler import Scheduler
+from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 
 OPTIONS = dict(device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)

@@ -17,8 +17,8 @@ from actors.frontend.admission import (
     check_request_limits,
     child_sampling_params,
 )
-from actors.protocol.messages import AbortAll, BeginDrain, EngineRequest, FailAll
 from actors.frontend.output_stream import RequestStream
+from actors.protocol.messages import AbortAll, BeginDrain, EngineRequest, FailAll
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -46,18 +46,26 @@ def _requests(num: int, num_prompt_tokens: int = 4) -> list[EngineRequest]:
     out = []
     for _ in range(num):
         _next_id += 1
-        out.append(EngineRequest(request_id=f"r{_next_id}",
-                                 prompt_token_ids=tuple(range(1, num_prompt_tokens + 1)),
-                                 sampling_params=SamplingParams(), arrival_time=time.monotonic()))
+        out.append(
+            EngineRequest(
+                request_id=f"r{_next_id}",
+                prompt_token_ids=tuple(range(1, num_prompt_tokens + 1)),
+                sampling_params=SamplingParams(),
+                arrival_time=time.monotonic(),
+            )
+        )
     return out
 
 
 @contextlib.asynccontextmanager
 async def running_actor() -> AsyncIterator[tuple[AdmissionActor, FakeEngine]]:
     engine = FakeEngine()
-    actor = AdmissionActor(engine, AdmissionLimits(max_num_running=2, max_queued_requests=2,
-                                                   max_queued_prompt_tokens=100,
-                                                   retry_after_s=3))
+    actor = AdmissionActor(
+        engine,
+        AdmissionLimits(
+            max_num_running=2, max_queued_requests=2, max_queued_prompt_tokens=100, retry_after_s=3
+        ),
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
         try:
@@ -127,12 +135,15 @@ async def test_queued_prompt_tokens_limit_counts_until_first_token() -> None:
         assert (await actor.stats()).num_queued_prompt_tokens == 90
 
 
-@pytest.mark.parametrize("params, param", [
-    (SamplingParams(n=17), "n"),
-    (SamplingParams(stop=tuple(f"s{i}" for i in range(17))), "stop"),
-    (SamplingParams(stop=("x" * 257,)), "stop"),
-    (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301))), "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        (SamplingParams(n=17), "n"),
+        (SamplingParams(stop=tuple(f"s{i}" for i in range(17))), "stop"),
+        (SamplingParams(stop=("x" * 257,)), "stop"),
+        (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301))), "logit_bias"),
+    ],
+)
 def test_per_request_limits_name_the_field(params: SamplingParams, param: str) -> None:
     with pytest.raises(RequestLimitError) as err:
         check_request_limits(params, AdmissionLimits(max_num_running=4))
@@ -141,11 +152,13 @@ def test_per_request_limits_name_the_field(params: SamplingParams, param: str) -
 
 def test_top_logprobs_limit() -> None:
     with pytest.raises(RequestLimitError) as err:
-        check_request_limits(SamplingParams(logprobs=5), AdmissionLimits(max_num_running=1,
-                                                                         max_top_logprobs=4))
+        check_request_limits(
+            SamplingParams(logprobs=5), AdmissionLimits(max_num_running=1, max_top_logprobs=4)
+        )
     assert err.value.param == "top_logprobs"
-    check_request_limits(SamplingParams(logprobs=4), AdmissionLimits(max_num_running=1,
-                                                                     max_top_logprobs=4))
+    check_request_limits(
+        SamplingParams(logprobs=4), AdmissionLimits(max_num_running=1, max_top_logprobs=4)
+    )
 
 
 async def test_drain_refuses_with_503_and_wait_idle_follows_releases() -> None:

@@ -41,8 +41,10 @@ def test_known_prefix_hashes_are_extended_not_recomputed() -> None:
 
 
 def test_hashes_are_stable_across_processes() -> None:
-    code = ("from actors.core.prefix_hash import hash_full_blocks;"
-            "print(hash_full_blocks(list(range(64)), 16, 'salt')[-1].hex())")
+    code = (
+        "from actors.core.prefix_hash import hash_full_blocks;"
+        "print(hash_full_blocks(list(range(64)), 16, 'salt')[-1].hex())"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == hash_full_blocks(list(range(64)), 16, "salt")[-1].hex()
 

@@ -6,7 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.frontend.detokenizer import MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, IncrementalDetokenizer
+from actors.frontend.detokenizer import (
+    MAX_UNREAD_TOKENS,
+    NUM_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+)
 from tests._embedded_model import needs_embedded_model
 from tests.actors._tokenizer_fixtures import (
     byte_token_id,
@@ -27,7 +31,7 @@ MULTILINGUAL = [
 
 def stream_pieces(tokenizer, token_ids, prompt_ids=(), skip_special_tokens=True, chunk=1):
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-    pieces = [detok.push(token_ids[i:i + chunk]) for i in range(0, len(token_ids), chunk)]
+    pieces = [detok.push(token_ids[i : i + chunk]) for i in range(0, len(token_ids), chunk)]
     return pieces, detok.flush()
 
 
@@ -140,9 +144,12 @@ def test_any_text_streams_back_exactly(text, chunk):
 
 
 @settings(max_examples=300, deadline=None)
-@given(ids=st.lists(st.integers(0, 264), max_size=40),
-       prompt=st.lists(st.integers(0, 264), max_size=6), skip=st.booleans(),
-       chunk=st.integers(1, 3))
+@given(
+    ids=st.lists(st.integers(0, 264), max_size=40),
+    prompt=st.lists(st.integers(0, 264), max_size=6),
+    skip=st.booleans(),
+    chunk=st.integers(1, 3),
+)
 def test_random_token_ids_stream_like_the_full_decode(ids, prompt, skip, chunk):
     assert tiny_tokenizer().get_vocab_size() == 265
     assert_streams_like_full_decode(tiny_tokenizer(), ids, prompt, skip, chunk)
@@ -195,8 +202,11 @@ def test_real_tokenizer_random_token_sequences():
     assert len(fragment_ids) > 100
     for _ in range(400):
         length = rng.randrange(1, 48)
-        ids = [rng.choice(fragment_ids) if rng.random() < 0.4 else rng.randrange(vocab_size)
-               for _ in range(length)]
+        ids = [
+            rng.choice(fragment_ids) if rng.random() < 0.4 else rng.randrange(vocab_size)
+            for _ in range(length)
+        ]
         prompt = [rng.randrange(vocab_size) for _ in range(rng.randrange(0, 8))]
-        assert_streams_like_full_decode(tokenizer, ids, prompt, skip=rng.random() < 0.5,
-                                        chunk=rng.randrange(1, 4))
+        assert_streams_like_full_decode(
+            tokenizer, ids, prompt, skip=rng.random() < 0.5, chunk=rng.randrange(1, 4)
+        )

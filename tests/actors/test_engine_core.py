@@ -10,9 +10,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from actors.frontend.engine_client import EngineClient
 from actors.core.engine_core import EngineCore
 from actors.core.engine_startup import reuse_engine
+from actors.frontend.engine_client import EngineClient
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.launch_secret import new_secret
 from actors.protocol.messages import EngineRequest
@@ -25,15 +25,19 @@ pytestmark = pytest.mark.slow
 
 CONFIG = ENGINE.replace(max_num_seqs=8, max_num_batched_tokens=64)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 170)), [7] * 20]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=12),
-          SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=2),
-          SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(42,))]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12),
+    SamplingParams(temperature=0.8, seed=11, max_tokens=12, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(42,)),
+]
 
 
 def _requests() -> list[EngineRequest]:
     eos = load_tokenizer(CONFIG.model).eos_token_ids
-    return [EngineRequest(f"r{i}", tuple(prompt), params, time.monotonic(), eos_token_ids=eos)
-            for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+    return [
+        EngineRequest(f"r{i}", tuple(prompt), params, time.monotonic(), eos_token_ids=eos)
+        for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))
+    ]
 
 
 async def _generate(client: EngineClient) -> list[tuple[tuple[int, ...], str | None]]:

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.core.engine_startup import reuse_engine
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from actors.core.engine_startup import reuse_engine
 from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 
@@ -39,9 +39,13 @@ class RunningEngine:
         self.worker = loaded.worker
         tokenizer = load_tokenizer(ENGINE.model)
         self.eos_token_ids = tokenizer.eos_token_ids
-        self.engine = InProcessEngine(loaded.worker, loaded.runner,
-                                      ENGINE.replace(max_num_seqs=MAX_NUM_SEQS),
-                                      tokenizer=tokenizer, roundtrip=True)
+        self.engine = InProcessEngine(
+            loaded.worker,
+            loaded.runner,
+            ENGINE.replace(max_num_seqs=MAX_NUM_SEQS),
+            tokenizer=tokenizer,
+            roundtrip=True,
+        )
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         self._run = self.portal.start_task_soon(self.engine.run)
@@ -98,9 +102,11 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         presence_penalty=draw(st.one_of(st.just(0.0), penalty)),
         frequency_penalty=draw(st.one_of(st.just(0.0), penalty)),
         repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.01, 2.0, allow_nan=False))),
-        logit_bias=tuple(draw(st.dictionaries(token_ids, st.floats(-100.0, 100.0,
-                                                                   allow_nan=False),
-                                              max_size=5)).items()),
+        logit_bias=tuple(
+            draw(
+                st.dictionaries(token_ids, st.floats(-100.0, 100.0, allow_nan=False), max_size=5)
+            ).items()
+        ),
         max_tokens=max_tokens,
         min_tokens=draw(st.integers(0, max_tokens)),
         stop=draw(stop_strings),
@@ -114,19 +120,32 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
 
 requests_strategy = st.lists(
     st.tuples(st.lists(token_ids, min_size=1, max_size=48), sampling_params()),
-    min_size=1, max_size=4)
+    min_size=1,
+    max_size=4,
+)
 
 
-@settings(max_examples=40, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 @given(batch=requests_strategy)
-def test_any_sampling_parameters_finish_cleanly(engine: RunningEngine,
-                                                batch: list[tuple[list[int], SamplingParams]]
-                                                ) -> None:
-    requests = [EngineRequest(request_id=f"fuzz-{next(_ids)}", prompt_token_ids=tuple(prompt),
-                              sampling_params=params, arrival_time=time.monotonic(),
-                              eos_token_ids=engine.eos_token_ids)
-                for prompt, params in batch]
+def test_any_sampling_parameters_finish_cleanly(
+    engine: RunningEngine, batch: list[tuple[list[int], SamplingParams]]
+) -> None:
+    requests = [
+        EngineRequest(
+            request_id=f"fuzz-{next(_ids)}",
+            prompt_token_ids=tuple(prompt),
+            sampling_params=params,
+            arrival_time=time.monotonic(),
+            eos_token_ids=engine.eos_token_ids,
+        )
+        for prompt, params in batch
+    ]
     deltas = engine.generate(requests)
     for request, delta in zip(requests, deltas):
         params = request.sampling_params

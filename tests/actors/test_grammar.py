@@ -68,8 +68,11 @@ def test_a_cached_spec_gives_independent_matchers() -> None:
 
 def test_parallel_fill_equals_one_by_one() -> None:
     compiler, vocab_size = _compiler(), _tokenizer().vocab_size
-    specs = [StructuredOutputSpec("regex", "[a-c]+"), StructuredOutputSpec("json", '{"type":"integer"}'),
-             StructuredOutputSpec("grammar", 'root ::= "x" [0-9]')]
+    specs = [
+        StructuredOutputSpec("regex", "[a-c]+"),
+        StructuredOutputSpec("json", '{"type":"integer"}'),
+        StructuredOutputSpec("grammar", 'root ::= "x" [0-9]'),
+    ]
     matchers = [compiler.matcher(s) for s in specs]
     together, alone = allocate_bitmask(3, vocab_size), allocate_bitmask(3, vocab_size)
     compiler.fill_bitmasks([(m, row) for row, m in enumerate(matchers)], together)
@@ -79,16 +82,22 @@ def test_parallel_fill_equals_one_by_one() -> None:
 
 
 def test_invalid_specs_raise_grammar_error() -> None:
-    for spec in (StructuredOutputSpec("regex", "(("), StructuredOutputSpec("json", "[1]"),
-                 StructuredOutputSpec("grammar", "start: nowhere")):
+    for spec in (
+        StructuredOutputSpec("regex", "(("),
+        StructuredOutputSpec("json", "[1]"),
+        StructuredOutputSpec("grammar", "start: nowhere"),
+    ):
         with pytest.raises(GrammarError):
             _compiler().matcher(spec)
 
 
-@pytest.mark.parametrize("choices", [
-    ["a", "ab", 'a"b', "\\x", "é€😀", "line\nbreak", "{brace}", "  spaces  ", "|bar|"],
-    [f"option {i}" for i in range(5000)],  # past the 2,000 alternatives of one parser row
-])
+@pytest.mark.parametrize(
+    "choices",
+    [
+        ["a", "ab", 'a"b', "\\x", "é€😀", "line\nbreak", "{brace}", "  spaces  ", "|bar|"],
+        [f"option {i}" for i in range(5000)],  # past the 2,000 alternatives of one parser row
+    ],
+)
 def test_a_choice_yields_exactly_one_of_its_strings(choices: list[str]) -> None:
     spec = StructuredOutputSpec("choice", json.dumps(choices))
     outputs = {_sample_under_mask(spec, seed) for seed in range(8)}
@@ -100,25 +109,43 @@ def test_a_choice_yields_exactly_one_of_its_strings(choices: list[str]) -> None:
 _KEYS = st.sampled_from(["id", "name", "tags", "size", "ok", "kind", "note"])
 _LEAVES = st.one_of(
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 12)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-50, 50), st.integers(0, 1000)),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 1000),
+    ),
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
-    st.builds(lambda values: {"enum": values},
-              st.lists(st.sampled_from(["red", "green", "x y", "ü"]), min_size=1, max_size=3,
-                       unique=True)),
+    st.builds(
+        lambda values: {"enum": values},
+        st.lists(
+            st.sampled_from(["red", "green", "x y", "ü"]), min_size=1, max_size=3, unique=True
+        ),
+    ),
 )
 
 
 def _objects(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     def build(properties: dict[str, Any], data: st.DataObject) -> dict[str, Any]:
         required = data.draw(st.lists(st.sampled_from(sorted(properties)), unique=True))
-        return {"type": "object", "properties": properties, "required": required,
-                "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": False,
+        }
 
-    arrays = st.builds(lambda items, lo, extra: {"type": "array", "items": items,
-                                                 "minItems": lo, "maxItems": lo + extra},
-                       children, st.integers(0, 2), st.integers(0, 2))
+    arrays = st.builds(
+        lambda items, lo, extra: {
+            "type": "array",
+            "items": items,
+            "minItems": lo,
+            "maxItems": lo + extra,
+        },
+        children,
+        st.integers(0, 2),
+        st.integers(0, 2),
+    )
     objects = st.builds(build, st.dictionaries(_KEYS, children, min_size=1, max_size=3), st.data())
     return st.one_of(arrays, objects)
 
@@ -136,7 +163,9 @@ def _sample_under_mask(spec: StructuredOutputSpec, seed: int) -> str:
     generator = torch.Generator().manual_seed(seed)
     token_ids: list[int] = []
     for _ in range(MAX_OUTPUT_TOKENS):
-        if matcher.is_accepting and (matcher.is_terminated or torch.rand(1, generator=generator) < 0.5):
+        if matcher.is_accepting and (
+            matcher.is_terminated or torch.rand(1, generator=generator) < 0.5
+        ):
             return tokenizer.decode(token_ids)
         matcher.fill_bitmask(bitmask.numpy(), 0)
         logits = torch.randn(1, tokenizer.vocab_size, generator=generator) - _whitespace_penalty()

@@ -25,24 +25,37 @@ from actors.protocol.structured_output import StructuredOutputSpec
 
 def ref_chain(num_definitions: int) -> dict[str, Any]:
     """Objects each holding the next through a $ref: what crashed the compiler at 1,000."""
-    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
-                      "required": ["x"]} for i in range(num_definitions)}
+    defs = {
+        f"d{i}": {
+            "type": "object",
+            "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
+            "required": ["x"],
+        }
+        for i in range(num_definitions)
+    }
     defs[f"d{num_definitions}"] = {"type": "string"}
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def lark_chain(num_rules: int) -> str:
-    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(num_rules)),
-                      f'r{num_rules}: "a"'])
+    return "\n".join(
+        ["start: r0", *(f"r{i}: r{i + 1}" for i in range(num_rules)), f'r{num_rules}: "a"']
+    )
 
 
 def test_a_deep_ref_chain_is_over_budget_and_a_recursive_schema_is_not() -> None:
     with pytest.raises(GrammarLimitError, match=f"at most {MAX_SCHEMA_DEPTH}"):
         check_json_schema(ref_chain(1000))
     check_json_schema(ref_chain(100))
-    tree = {"$defs": {"node": {"type": "object", "properties": {
-        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
-        "$ref": "#/$defs/node"}
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
     check_json_schema(tree)  # recursion compiles to a recursive rule, not to depth
     with pytest.raises(GrammarError, match="nests"):
         grammar_definition(StructuredOutputSpec("json", json.dumps(ref_chain(1000))))
@@ -62,12 +75,19 @@ def test_too_many_alternatives_or_rules_are_over_budget() -> None:
 
 
 def test_bars_in_literals_and_comments_are_not_alternatives() -> None:
-    literals = ('start: "' + "|" * 3000 + '" /a' + "\\|" * 3000 + '/ // ' + "|" * 3000
-                + "\nother: \"x\"")
+    literals = (
+        'start: "' + "|" * 3000 + '" /a' + "\\|" * 3000 + "/ // " + "|" * 3000 + '\nother: "x"'
+    )
     check_lark_grammar(literals)
     with pytest.raises(GrammarError, match="rules and terminals"):  # GBNF counts after conversion
-        grammar_definition(StructuredOutputSpec("grammar", "\n".join(
-            ['root ::= r0', *(f"r{i} ::= r{i + 1}" for i in range(3000)), 'r3000 ::= "a"'])))
+        grammar_definition(
+            StructuredOutputSpec(
+                "grammar",
+                "\n".join(
+                    ["root ::= r0", *(f"r{i} ::= r{i + 1}" for i in range(3000)), 'r3000 ::= "a"']
+                ),
+            )
+        )
 
 
 _COMPILE_BEYOND_BUDGET = """
@@ -98,8 +118,12 @@ def test_the_compile_stack_holds_specs_several_times_over_the_budget() -> None:
     # overflows the library on an 8 MiB stack (measured: ~1,000 $ref'd objects, ~3,000
     # chained rules) compile on the compile threads' stack.
     def compile_on(where: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", _COMPILE_BEYOND_BUDGET, where],
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-c", _COMPILE_BEYOND_BUDGET, where],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     deep = compile_on("compile-threads")
     assert deep.returncode == 0 and "compiled" in deep.stdout, deep.stderr[-2000:]

@@ -18,10 +18,16 @@ import pytest
 from actors.core.grammar import GrammarError
 from actors.core.grammar_state import GrammarState, MaskFiller
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.protocol.messages import EngineRequest, GrammarVocab, RequestFinish, StepOutput, StepStats
-from actors.protocol.sampling_params import SamplingParams
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.messages import (
+    EngineRequest,
+    GrammarVocab,
+    RequestFinish,
+    StepOutput,
+    StepStats,
+)
+from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import StructuredOutputSpec
 from app.tokenizer_loader import load_tokenizer
 from tests._embedded_model import embedded_gguf_path
@@ -41,16 +47,24 @@ def _scheduler(with_vocab: bool = True) -> Scheduler:
     grammars = GrammarState(tokenizer.vocab_size)
     if with_vocab:
         grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                             block_size=16, max_steps_in_flight=2)
-    return Scheduler(config, KVCacheManager(num_blocks=64, block_size=16),
-                     grammars)
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        block_size=16,
+        max_steps_in_flight=2,
+    )
+    return Scheduler(config, KVCacheManager(num_blocks=64, block_size=16), grammars)
 
 
 def _request(request_id: str, spec: StructuredOutputSpec | None) -> EngineRequest:
-    return EngineRequest(request_id, tuple(range(10, 18)),
-                         SamplingParams(max_tokens=16, structured_output=spec), 0.0,
-                         eos_token_ids=_tokenizer().eos_token_ids)
+    return EngineRequest(
+        request_id,
+        tuple(range(10, 18)),
+        SamplingParams(max_tokens=16, structured_output=spec),
+        0.0,
+        eos_token_ids=_tokenizer().eos_token_ids,
+    )
 
 
 def _add(scheduler: Scheduler, request: EngineRequest) -> RequestFinish | None:
@@ -99,9 +113,15 @@ def test_a_deferred_mask_comes_even_when_the_step_before_failed() -> None:
     _add(scheduler, _request("choice", CHOICE))
     first, second = schedule(scheduler), schedule(scheduler)
     assert first is not None and second is not None and second.grammar_mask_deferred
-    failed = StepOutput(first.step_id, (), np.zeros(0, np.int64), None,
-                        StepStats(first.step_id, 1, 1, 0), error="boom",
-                        failed_request_ids=first.scheduled_request_ids)
+    failed = StepOutput(
+        first.step_id,
+        (),
+        np.zeros(0, np.int64),
+        None,
+        StepStats(first.step_id, 1, 1, 0),
+        error="boom",
+        failed_request_ids=first.scheduled_request_ids,
+    )
     result = scheduler.update_from_step(failed)
     ((step_id, pending),) = result.grammar_masks
     assert step_id == second.step_id and (pending.fill().bitmask == -1).all()  # the request is gone
@@ -131,16 +151,18 @@ def test_a_spec_without_a_tokenizer_or_that_does_not_compile_is_refused() -> Non
     assert finish is not None and finish.reason == "error"
     assert finish.error is not None and "unclosed group" in finish.error  # the library's words
     assert not scheduler.has_unfinished_requests
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                             block_size=16)
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=16
+    )
     no_grammars = Scheduler(config, KVCacheManager(num_blocks=8, block_size=16))
     with pytest.raises(ValueError, match="structured outputs"):
         no_grammars.add_request(_request("c", CHOICE))
     no_grammars.free_finished_blocks()
 
 
-def _gate_compiles(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
-                   ) -> tuple[threading.Event, list[str]]:
+def _gate_compiles(
+    scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, list[str]]:
     """Compiles wait for the returned event; the list gets the name of each compile's thread."""
     release = threading.Event()
     thread_names: list[str] = []
@@ -157,7 +179,8 @@ def _gate_compiles(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_new_grammar_compiles_off_the_core_thread_while_other_requests_run(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     scheduler = _scheduler()
     release, thread_names = _gate_compiles(scheduler, monkeypatch)
     compiling = scheduler.add_request(_request("json", StructuredOutputSpec("regex", "[a-z]{4}")))
@@ -173,12 +196,14 @@ def test_a_new_grammar_compiles_off_the_core_thread_while_other_requests_run(
     assert second is not None and second.scheduled_request_ids == ("free", "json")
     assert second.grammar_bitmask is not None
     # Compiled once: the same spec again is a copy of the cached grammar, at once.
-    assert scheduler.add_request(_request("again", StructuredOutputSpec("regex", "[a-z]{4}"))
-                                 ) is None
+    assert (
+        scheduler.add_request(_request("again", StructuredOutputSpec("regex", "[a-z]{4}"))) is None
+    )
 
 
 def test_a_request_aborted_while_its_grammar_compiles_is_gone_when_the_compile_ends(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     scheduler = _scheduler()
     release, _ = _gate_compiles(scheduler, monkeypatch)
     compiling = scheduler.add_request(_request("r", StructuredOutputSpec("regex", "[a-z]{5}")))
@@ -209,9 +234,12 @@ def test_masks_alive_together_never_share_memory_and_a_finished_row_allows_every
     grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
     row = types.SimpleNamespace(
-        grammar=grammars.compile(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
-        is_finished=False, num_output_placeholders=1)
+        grammar=grammars.compile(
+            SamplingParams(structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))
+        ).result(30),
+        is_finished=False,
+        num_output_placeholders=1,
+    )
     digits = {tokenizer.encode(str(d))[0] for d in range(10)}
     masks = [grammars.plan_step(step_id, [(0, row)])[0] for step_id in range(3)]
     for i, mask in enumerate(masks):
@@ -235,10 +263,19 @@ def test_masks_are_filled_in_the_buffers_the_runner_allocates() -> None:
 
     grammars = GrammarState(tokenizer.vocab_size, max_steps_in_flight=2, allocate_buffer=allocate)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
-    rows = [(i, types.SimpleNamespace(
-        grammar=grammars.compile(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
-        is_finished=False, num_output_placeholders=1)) for i in range(2)]
+    rows = [
+        (
+            i,
+            types.SimpleNamespace(
+                grammar=grammars.compile(
+                    SamplingParams(structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))
+                ).result(30),
+                is_finished=False,
+                num_output_placeholders=1,
+            ),
+        )
+        for i in range(2)
+    ]
     masks = [grammars.plan_step(step_id, rows)[0] for step_id in range(5)]
     assert len(allocated) == 3  # one per ring slot, reused after
     for step_id, mask in enumerate(masks):
@@ -261,9 +298,12 @@ def test_the_filler_hands_over_masks_in_order_and_a_failed_fill_as_its_error() -
     grammars = GrammarState(tokenizer.vocab_size)
     grammars.set_vocab(GrammarVocab(tokenizer.raw.to_str(), tokenizer.eos_token_ids))
     row = types.SimpleNamespace(
-        grammar=grammars.compile(SamplingParams(
-            structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))).result(30),
-        is_finished=False, num_output_placeholders=2)
+        grammar=grammars.compile(
+            SamplingParams(structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))
+        ).result(30),
+        is_finished=False,
+        num_output_placeholders=2,
+    )
     assert grammars.plan_step(4, [(0, row)]) == (None, True)  # a token in flight: deferred
     row.num_output_placeholders = 1
     (good,) = grammars.ready_masks()

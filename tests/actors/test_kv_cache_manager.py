@@ -3,26 +3,32 @@ from __future__ import annotations
 import pytest
 
 import actors.core.prefix_hash as prefix_hash
-from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.kv_allocation import (
     AllocateStep,
     RunningAllocs,
     StepAllocation,
     WaitingAlloc,
 )
+from actors.core.kv_cache_manager import KVCacheManager
 
 BLOCK_SIZE = 16
 
 
-def waiting(request_id: str, tokens: list[int] | range, salt: str | None = None,
-            max_new: int = 10_000) -> WaitingAlloc:
+def waiting(
+    request_id: str, tokens: list[int] | range, salt: str | None = None, max_new: int = 10_000
+) -> WaitingAlloc:
     token_ids = tuple(tokens)
     return WaitingAlloc(request_id, token_ids, len(token_ids), max_new, salt)
 
 
-def step(manager: KVCacheManager, *, free: tuple[str, ...] = (),
-         running: RunningAllocs = RunningAllocs(), admit: tuple[WaitingAlloc, ...] = (),
-         budget: int = 10_000) -> StepAllocation:
+def step(
+    manager: KVCacheManager,
+    *,
+    free: tuple[str, ...] = (),
+    running: RunningAllocs = RunningAllocs(),
+    admit: tuple[WaitingAlloc, ...] = (),
+    budget: int = 10_000,
+) -> StepAllocation:
     allocation = manager.allocate_step(AllocateStep(free, running, admit, budget))
     manager.check_invariants()
     return allocation
@@ -127,8 +133,9 @@ def test_a_freed_prefix_loses_its_tail_block_before_its_head() -> None:
 def test_running_allocation_stops_at_the_first_failure_and_keeps_earlier_grants() -> None:
     manager = KVCacheManager(num_blocks=5, block_size=BLOCK_SIZE)
     step(manager, admit=(waiting("a", range(16)), waiting("b", range(100, 116))))
-    allocation = step(manager, running=RunningAllocs(("a", "b"), (48, 64)),
-                      admit=(waiting("c", range(200, 201)),))
+    allocation = step(
+        manager, running=RunningAllocs(("a", "b"), (48, 64)), admit=(waiting("c", range(200, 201)),)
+    )
     assert allocation.num_running_ok == 1
     assert len(allocation.new_block_ids) == 1 and len(allocation.new_block_ids[0]) == 2
     assert allocation.waiting == ()  # no admission while a running request lacks blocks
@@ -138,16 +145,30 @@ def test_running_allocation_stops_at_the_first_failure_and_keeps_earlier_grants(
 
 def test_waiting_admission_stops_at_the_first_request_that_does_not_fit() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
-    allocation = step(manager, admit=(waiting("small", range(10)), waiting("huge", range(100)),
-                                      waiting("tiny", range(300, 302))), budget=1000)
+    allocation = step(
+        manager,
+        admit=(
+            waiting("small", range(10)),
+            waiting("huge", range(100)),
+            waiting("tiny", range(300, 302)),
+        ),
+        budget=1000,
+    )
     assert [grant.request_id for grant in allocation.waiting] == ["small"]
     assert not manager.has_request("tiny")
 
 
 def test_token_budget_chunks_and_bounds_admission() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
-    allocation = step(manager, admit=(waiting("a", range(30)), waiting("b", range(100, 150)),
-                                      waiting("c", range(200, 210))), budget=40)
+    allocation = step(
+        manager,
+        admit=(
+            waiting("a", range(30)),
+            waiting("b", range(100, 150)),
+            waiting("c", range(200, 210)),
+        ),
+        budget=40,
+    )
     assert [(g.request_id, g.num_new_tokens) for g in allocation.waiting] == [("a", 30), ("b", 10)]
     assert len(manager.block_ids("b")) == 1
     capped = step(manager, admit=(waiting("c", range(200, 260), max_new=5),)).waiting[0]
@@ -210,4 +231,3 @@ def test_invariant_check_reports_a_refcount_that_no_table_explains() -> None:
     manager.pool.touch(manager.block_ids("a"))  # a reference without a holder
     with pytest.raises(AssertionError, match="refcount 2 but 1 block tables"):
         manager.check_invariants()
-

@@ -17,10 +17,19 @@ async def test_several_pushes_are_coalesced_into_one_delta():
     stream.push([7], "o", [entry(7)], now=12.0)
     delta = await stream.get()
     assert delta == StreamDelta(
-        request_id="r", token_ids=(5, 6, 7), text="Hello",
-        logprobs=(entry(5), entry(6), entry(7)), finish_reason=None, stop_reason=None,
-        error=None, num_prompt_tokens=7, num_cached_tokens=0, num_output_tokens=3,
-        first_token_time=10.0, finish_time=None)
+        request_id="r",
+        token_ids=(5, 6, 7),
+        text="Hello",
+        logprobs=(entry(5), entry(6), entry(7)),
+        finish_reason=None,
+        stop_reason=None,
+        error=None,
+        num_prompt_tokens=7,
+        num_cached_tokens=0,
+        num_output_tokens=3,
+        first_token_time=10.0,
+        finish_time=None,
+    )
     stream.push([8], " you", [entry(8)], now=13.0)
     delta = await stream.get()
     assert (delta.token_ids, delta.text, delta.num_output_tokens) == ((8,), " you", 4)
@@ -94,7 +103,11 @@ async def test_error_finish_carries_the_message():
     delta = await stream.get()
     assert delta is not None
     assert (delta.finish_reason, delta.error, delta.token_ids, delta.text) == (
-        "error", "RuntimeError: device lost", (), "")
+        "error",
+        "RuntimeError: device lost",
+        (),
+        "",
+    )
     assert delta.first_token_time is None and delta.finish_time is not None
 
 
@@ -168,8 +181,9 @@ def test_observers_hear_of_the_first_token_and_the_finish_once_unread_or_not():
     reader has taken: nothing is read here."""
     events: list[tuple[str, str]] = []
     stream = RequestStream("r", num_prompt_tokens=3)
-    stream.observe(lambda rid: events.append(("first", rid)),
-                   lambda rid: events.append(("finished", rid)))
+    stream.observe(
+        lambda rid: events.append(("first", rid)), lambda rid: events.append(("finished", rid))
+    )
     assert events == []
     stream.push([5], "a")
     stream.push([6], "b")

@@ -10,7 +10,7 @@ import pytest
 
 from actors.frontend.logprob_text import LOGPROB_FLOOR, floor_logprobs
 from actors.protocol.messages import LogprobsArrays
-from tests.actors._sampler_harness import EOS, Harness, STOP_ID, ids
+from tests.actors._sampler_harness import EOS, STOP_ID, Harness, ids
 from tests.actors._tokenizer_fixtures import ByteLevelTokenBytes, byte_token_id, tiny_tokenizer
 
 
@@ -120,8 +120,9 @@ async def test_held_text_and_bytes_are_released_when_length_finishes():
 
 
 def logprob_arrays(token_rows, value_rows, ranks) -> LogprobsArrays:
-    return LogprobsArrays(np.array(token_rows, np.int64), np.array(value_rows, np.float32),
-                          np.array(ranks, np.int64))
+    return LogprobsArrays(
+        np.array(token_rows, np.int64), np.array(value_rows, np.float32), np.array(ranks, np.int64)
+    )
 
 
 async def test_logprob_entries_are_floored_and_shaped_per_request():
@@ -134,19 +135,29 @@ async def test_logprob_entries_are_floored_and_shaped_per_request():
     arrays = logprob_arrays(
         [[x, y, e2, z], [y, x, z, e2], [e2, x, y, z]],
         [[-0.25, -1.5, -np.inf, np.nan], [-0.1, -2.0, -3.0, -4.0], [-1e6, np.nan, -2.0, -3.0]],
-        [2, 1, 7])
+        [2, 1, 7],
+    )
     h.step({"a": x, "b": y, "c": e2}, logprobs=arrays)
     a, b, c = [await h.streams[r].get() for r in "abc"]
     assert b.logprobs is None
     (entry,) = a.logprobs
     assert (entry.token_id, entry.token, entry.bytes, entry.logprob, entry.rank) == (
-        x, "x", (ord("x"),), -0.25, 2)
+        x,
+        "x",
+        (ord("x"),),
+        -0.25,
+        2,
+    )
     assert [(t.token_id, t.logprob) for t in entry.top_logprobs] == [(y, -1.5), (e2, LOGPROB_FLOOR)]
     assert entry.top_logprobs[1].token == "\\xe2" and entry.top_logprobs[1].bytes == (0xE2,)
     (entry_c,) = c.logprobs
     assert entry_c.top_logprobs == ()
     assert (entry_c.token, entry_c.bytes, entry_c.logprob, entry_c.rank) == (
-        "\\xe2", (0xE2,), LOGPROB_FLOOR, 7)
+        "\\xe2",
+        (0xE2,),
+        LOGPROB_FLOOR,
+        7,
+    )
     assert c.text == ""  # the byte is held until its character completes
     for e in (entry, entry_c, *entry.top_logprobs):
         assert math.isfinite(e.logprob) and e.logprob >= LOGPROB_FLOOR

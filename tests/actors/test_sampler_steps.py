@@ -7,6 +7,8 @@ import anyio
 import numpy as np
 import pytest
 
+from actors.frontend.output_stream import RequestStream
+from actors.frontend.sampler import SamplerActor
 from actors.protocol.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -16,8 +18,6 @@ from actors.protocol.messages import (
     StepOutput,
     StepStats,
 )
-from actors.frontend.output_stream import RequestStream
-from actors.frontend.sampler import SamplerActor
 from actors.protocol.sampling_params import SamplingParams
 from tests.actors._sampler_harness import EOS, Harness, ids
 from tests.actors._tokenizer_fixtures import tiny_tokenizer
@@ -55,9 +55,13 @@ async def test_one_message_per_step_carries_tokens_in_batch_order_and_core_finis
         h.add(rid, max_tokens=5)
     sched = h.scheduler.schedule()
     tokens = {"r1": EOS, "r2": ids("b")[0], "r3": ids("a")[0]}
-    out = StepOutput(sched.step_id, ("r1", "r2", "r3"),
-                     np.array([tokens[r] for r in ("r1", "r2", "r3")], np.int64), None,
-                     StepStats(sched.step_id, 3, 3, 0))
+    out = StepOutput(
+        sched.step_id,
+        ("r1", "r2", "r3"),
+        np.array([tokens[r] for r in ("r1", "r2", "r3")], np.int64),
+        None,
+        StepStats(sched.step_id, 3, 3, 0),
+    )
     h.core_outputs.step(out, h.scheduler.update_from_step(out))
     (message,) = h.sent
     assert message.request_ids == ("r1", "r2", "r3")
@@ -72,8 +76,9 @@ async def test_mismatched_step_arrays_fail_the_step_requests():
     h = Harness()
     h.add("a", max_tokens=5)
     sched = h.scheduler.schedule()
-    out = StepOutput(sched.step_id, ("a",), np.array([1, 2], np.int64), None,
-                     StepStats(sched.step_id, 1, 1, 0))
+    out = StepOutput(
+        sched.step_id, ("a",), np.array([1, 2], np.int64), None, StepStats(sched.step_id, 1, 1, 0)
+    )
     h.core_outputs.step(out, h.scheduler.update_from_step(out))
     h.processor.process_outputs(h.sent[0])
     assert "2 tokens for 1 requests" in (await h.read_all("a")).error
@@ -125,11 +130,11 @@ async def test_tokens_after_a_stop_string_in_a_step_already_in_flight_are_ignore
     h = Harness()
     h.add("a", max_tokens=10, stop=("x",))
     x, y = ids("x")[0], ids("y")[0]
-    assert h.processor.process_outputs(EngineCoreOutputs(1, ("a",), np.array([x], np.int32))) \
-        == ["a"]
+    assert h.processor.process_outputs(EngineCoreOutputs(1, ("a",), np.array([x], np.int32))) == [
+        "a"
+    ]
     # The core ran the next step before it heard the abort: its token is dropped.
-    assert h.processor.process_outputs(EngineCoreOutputs(2, ("a",), np.array([y], np.int32))) \
-        == []
+    assert h.processor.process_outputs(EngineCoreOutputs(2, ("a",), np.array([y], np.int32))) == []
     out = await h.read_all("a")
     assert (out.token_ids, out.text, out.stop_reason) == ((x,), "", "x")
 
@@ -166,21 +171,32 @@ async def test_sampler_actor_routes_messages_and_aborts_leftovers_on_stop():
     h = Harness()
     stopped: list[list[str]] = []
     actor = SamplerActor(h.processor, on_stopped=stopped.append)
-    requests = [EngineRequest(rid, tuple(ids("Q:")), SamplingParams(max_tokens=5), 0.0, (EOS,))
-                for rid in ("a", "b", "c")]
+    requests = [
+        EngineRequest(rid, tuple(ids("Q:")), SamplingParams(max_tokens=5), 0.0, (EOS,))
+        for rid in ("a", "b", "c")
+    ]
     streams = {r.request_id: RequestStream(r.request_id, 2) for r in requests}
     async with anyio.create_task_group() as tg:
         tg.start_soon(actor.run)
         for request in requests:
             actor.tell(RegisterRequest(request, streams[request.request_id]))
-        actor.tell(EngineCoreOutputs(1, ("a", "b"), np.array([ids("x")[0], EOS], np.int32),
-                                     finished=(RequestFinish("b", "stop"),)))
+        actor.tell(
+            EngineCoreOutputs(
+                1,
+                ("a", "b"),
+                np.array([ids("x")[0], EOS], np.int32),
+                finished=(RequestFinish("b", "stop"),),
+            )
+        )
         actor.tell(AbortRequests(("a",)))
         actor.close()
     assert stopped == []  # the core ended b itself; a was aborted by its reader
     finals = {rid: [d async for d in s][-1] for rid, s in streams.items()}
     assert {rid: d.finish_reason for rid, d in finals.items()} == {
-        "a": "abort", "b": "stop", "c": "abort"}
+        "a": "abort",
+        "b": "stop",
+        "c": "abort",
+    }
     with pytest.raises(AssertionError, match="unreachable"):  # and a type checker's error
         await SamplerActor(h.processor, on_stopped=stopped.append).handle("nonsense")  # type: ignore[arg-type]
 
@@ -191,9 +207,17 @@ async def test_an_error_that_comes_with_a_token_keeps_its_text():
     h = Harness()
     h.add("a", max_tokens=5)
     token = ids("x")[0]
-    h.processor.process_outputs(EngineCoreOutputs(
-        0, ("a",), np.array([token], np.int32),
-        finished=(RequestFinish("a", "error", error="the output left its grammar: row"),)))
+    h.processor.process_outputs(
+        EngineCoreOutputs(
+            0,
+            ("a",),
+            np.array([token], np.int32),
+            finished=(RequestFinish("a", "error", error="the output left its grammar: row"),),
+        )
+    )
     out = await h.read_all("a")
     assert (out.finish_reason, out.error, out.text) == (
-        "error", "the output left its grammar: row", "x")
+        "error",
+        "the output left its grammar: row",
+        "x",
+    )

@@ -1,14 +1,13 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from actors.core.kv_cache_manager import KVCacheManager
-import numpy as np
-
-from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
 from actors.core.request import RequestStatus
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.messages import EngineRequest, SchedulerOutput, StepOutput, StepStats
 from actors.protocol.sampling_params import SamplingParams
 from tests.actors._kv_helpers import (
     EOS_TOKEN_ID,
@@ -17,14 +16,23 @@ from tests.actors._kv_helpers import (
 )
 
 
-def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   max_steps_in_flight: int = 1) -> tuple[Scheduler, KVCacheManager]:
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    max_steps_in_flight: int = 1,
+) -> tuple[Scheduler, KVCacheManager]:
     manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, block_size=block_size,
-                             max_steps_in_flight=max_steps_in_flight)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        max_steps_in_flight=max_steps_in_flight,
+    )
     return Scheduler(config, manager), manager
 
 
@@ -32,14 +40,21 @@ def schedule(scheduler: Scheduler) -> SchedulerOutput | None:
     return scheduler.schedule()
 
 
-def step_output(step_id: int, request_ids: tuple[str, ...], token_ids: tuple[int, ...]
-                ) -> StepOutput:
-    return StepOutput(step_id, request_ids, np.asarray(token_ids, dtype=np.int64), None,
-                      StepStats(step_id, len(request_ids), len(request_ids), 0))
+def step_output(
+    step_id: int, request_ids: tuple[str, ...], token_ids: tuple[int, ...]
+) -> StepOutput:
+    return StepOutput(
+        step_id,
+        request_ids,
+        np.asarray(token_ids, dtype=np.int64),
+        None,
+        StepStats(step_id, len(request_ids), len(request_ids), 0),
+    )
 
 
-def answer(out: SchedulerOutput, token_id: int = 7, overrides: dict[str, int] | None = None
-           ) -> StepOutput:
+def answer(
+    out: SchedulerOutput, token_id: int = 7, overrides: dict[str, int] | None = None
+) -> StepOutput:
     """A step result with `token_id` for every request that sampled (`overrides` names
     other tokens for some)."""
     sampled = tuple(rid for rid, s in zip(out.scheduled_request_ids, out.samples_token) if s)
@@ -123,8 +138,9 @@ def test_preemption_frees_the_newest_request_which_resumes_with_its_outputs() ->
 def test_a_preempted_request_waits_for_its_in_flight_token_before_resuming() -> None:
     # a and r fill the pool with their prompts; a is then done (max_tokens=1) while r's
     # first decode needs a new block: r is preempted with its first token still in flight.
-    scheduler, manager = make_scheduler(num_blocks=4, block_size=4, max_model_len=16,
-                                        max_steps_in_flight=2)
+    scheduler, manager = make_scheduler(
+        num_blocks=4, block_size=4, max_model_len=16, max_steps_in_flight=2
+    )
     runner = FakeRunner(block_size=4, max_num_seqs=8, manager=manager)
     scheduler.add_request(engine_request("a", range(8), max_tokens=1))
     scheduler.add_request(engine_request("r", range(20, 28), max_tokens=4))
@@ -276,27 +292,48 @@ def test_invalid_config_is_rejected() -> None:
 
 
 def _stop_request(request_id: str, **params: object) -> EngineRequest:
-    return EngineRequest(request_id=request_id, prompt_token_ids=(1, 2, 3, 4),
-                         sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
-                         arrival_time=0.0, eos_token_ids=(EOS_TOKEN_ID,))
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=(1, 2, 3, 4),
+        sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
+        arrival_time=0.0,
+        eos_token_ids=(EOS_TOKEN_ID,),
+    )
 
 
-@pytest.mark.parametrize(("params", "tokens", "reason", "stop_token_id", "num_outputs"), [
-    ({"max_tokens": 8}, [5, EOS_TOKEN_ID], "stop", None, 2),
-    ({"max_tokens": 8, "min_tokens": 3}, [EOS_TOKEN_ID, EOS_TOKEN_ID, EOS_TOKEN_ID], "stop",
-     None, 3),
-    ({"max_tokens": 8, "ignore_eos": True}, [EOS_TOKEN_ID] * 8, "length", None, 8),
-    ({"max_tokens": 8, "stop_token_ids": (42,)}, [5, 42], "stop", 42, 2),
-    ({"max_tokens": 8, "stop_token_ids": (42,), "min_tokens": 2}, [42, 42], "stop", 42, 2),
-    ({"max_tokens": 3}, [5, 6, 7], "length", None, 3),
-    # EOS listed as a stop token id too: EOS wins (no stop token named) unless ignored
-    ({"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,)}, [EOS_TOKEN_ID], "stop", None, 1),
-    ({"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,), "ignore_eos": True},
-     [5, EOS_TOKEN_ID], "stop", EOS_TOKEN_ID, 2),
-])
+@pytest.mark.parametrize(
+    ("params", "tokens", "reason", "stop_token_id", "num_outputs"),
+    [
+        ({"max_tokens": 8}, [5, EOS_TOKEN_ID], "stop", None, 2),
+        (
+            {"max_tokens": 8, "min_tokens": 3},
+            [EOS_TOKEN_ID, EOS_TOKEN_ID, EOS_TOKEN_ID],
+            "stop",
+            None,
+            3,
+        ),
+        ({"max_tokens": 8, "ignore_eos": True}, [EOS_TOKEN_ID] * 8, "length", None, 8),
+        ({"max_tokens": 8, "stop_token_ids": (42,)}, [5, 42], "stop", 42, 2),
+        ({"max_tokens": 8, "stop_token_ids": (42,), "min_tokens": 2}, [42, 42], "stop", 42, 2),
+        ({"max_tokens": 3}, [5, 6, 7], "length", None, 3),
+        # EOS listed as a stop token id too: EOS wins (no stop token named) unless ignored
+        ({"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,)}, [EOS_TOKEN_ID], "stop", None, 1),
+        (
+            {"max_tokens": 8, "stop_token_ids": (EOS_TOKEN_ID,), "ignore_eos": True},
+            [5, EOS_TOKEN_ID],
+            "stop",
+            EOS_TOKEN_ID,
+            2,
+        ),
+    ],
+)
 def test_token_level_stops_are_decided_in_the_scheduler(
-        params: dict[str, object], tokens: list[int], reason: str, stop_token_id: int | None,
-        num_outputs: int) -> None:
+    params: dict[str, object],
+    tokens: list[int],
+    reason: str,
+    stop_token_id: int | None,
+    num_outputs: int,
+) -> None:
     """EOS (unless ignore_eos) and stop_token_ids count from the min_tokens-th output on,
     then max_tokens; the finish names the stop token id (None for EOS)."""
     scheduler, manager = make_scheduler()

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.kv_allocation import AllocateStep, RunningAllocs, WaitingAlloc
-from actors.protocol.messages import SchedulerOutput
+from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.request import RequestStatus
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.messages import SchedulerOutput
 from tests.actors._kv_helpers import FakeRunner, assert_workload_drained, engine_request
 
 _TEMPLATES = [[random.Random(seed).randrange(30) for _ in range(64)] for seed in range(3)]
@@ -23,7 +23,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
     """A prompt that often shares a prefix with other prompts (prefix-cache hits)."""
     shared = rng.randrange(length + 1) if rng.random() < 0.7 else 0
     template = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
-    return template[:min(shared, len(template))] + [rng.randrange(30) for _ in range(length)]
+    return template[: min(shared, len(template))] + [rng.randrange(30) for _ in range(length)]
 
 
 # ---- KV cache manager ----------------------------------------------------------------
@@ -35,8 +35,14 @@ class _ModelRequest:
     num_computed_tokens: int
 
 
-def _write_and_check(kv: dict[int, list[int | None]], block_ids: tuple[int, ...],
-                     request: _ModelRequest, start: int, end: int, block_size: int) -> None:
+def _write_and_check(
+    kv: dict[int, list[int | None]],
+    block_ids: tuple[int, ...],
+    request: _ModelRequest,
+    start: int,
+    end: int,
+    block_size: int,
+) -> None:
     for position in range(start, end):
         block = kv.setdefault(block_ids[position // block_size], [None] * block_size)
         block[position % block_size] = request.token_ids[position]
@@ -46,11 +52,16 @@ def _write_and_check(kv: dict[int, list[int | None]], block_ids: tuple[int, ...]
 
 
 @settings(deadline=None, max_examples=200)
-@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 24),
-       block_size=st.sampled_from([1, 2, 4, 8]), prefix_caching=st.booleans(),
-       num_ops=st.integers(1, 60))
-def test_kv_cache_manager_random_operations(seed: int, num_blocks: int, block_size: int,
-                                            prefix_caching: bool, num_ops: int) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(1, 24),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    prefix_caching=st.booleans(),
+    num_ops=st.integers(1, 60),
+)
+def test_kv_cache_manager_random_operations(
+    seed: int, num_blocks: int, block_size: int, prefix_caching: bool, num_ops: int
+) -> None:
     rng = random.Random(seed)
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     held: dict[str, _ModelRequest] = {}
@@ -65,22 +76,36 @@ def test_kv_cache_manager_random_operations(seed: int, num_blocks: int, block_si
                 request.token_ids += [rng.randrange(30) for _ in range(rng.randrange(3))]
                 target = rng.randint(request.num_computed_tokens, len(request.token_ids))
                 running.append((rid, target))
-        waiting = [_ModelRequest(_prompt(rng, rng.randint(1, 20)), 0)
-                   for _ in range(rng.randrange(3))]
-        entries = tuple(WaitingAlloc(f"w{op_index}.{i}", tuple(w.token_ids), len(w.token_ids),
-                                     rng.randint(1, 30), rng.choice([None, "salt"]))
-                        for i, w in enumerate(waiting))
-        allocation = manager.allocate_step(AllocateStep(
-            free_ids, RunningAllocs(tuple(rid for rid, _ in running), tuple(n for _, n in running)),
-            entries, rng.randrange(40)))
+        waiting = [
+            _ModelRequest(_prompt(rng, rng.randint(1, 20)), 0) for _ in range(rng.randrange(3))
+        ]
+        entries = tuple(
+            WaitingAlloc(
+                f"w{op_index}.{i}",
+                tuple(w.token_ids),
+                len(w.token_ids),
+                rng.randint(1, 30),
+                rng.choice([None, "salt"]),
+            )
+            for i, w in enumerate(waiting)
+        )
+        allocation = manager.allocate_step(
+            AllocateStep(
+                free_ids,
+                RunningAllocs(tuple(rid for rid, _ in running), tuple(n for _, n in running)),
+                entries,
+                rng.randrange(40),
+            )
+        )
         manager.check_invariants()
         assert allocation.num_running_ok <= len(running)
-        for rid, num_tokens in running[:allocation.num_running_ok]:
+        for rid, num_tokens in running[: allocation.num_running_ok]:
             request = held[rid]
             block_ids = manager.block_ids(rid)
             assert len(block_ids) * block_size >= num_tokens
-            _write_and_check(kv, block_ids, request, request.num_computed_tokens,
-                             num_tokens, block_size)
+            _write_and_check(
+                kv, block_ids, request, request.num_computed_tokens, num_tokens, block_size
+            )
             request.num_computed_tokens = num_tokens
         if allocation.num_running_ok < len(running):
             assert allocation.waiting == ()
@@ -92,7 +117,7 @@ def test_kv_cache_manager_random_operations(seed: int, num_blocks: int, block_si
             _write_and_check(kv, grant.block_ids, request, grant.num_cached_tokens, end, block_size)
             request.num_computed_tokens = end
             held[entry.request_id] = request
-        for entry in entries[len(allocation.waiting):]:
+        for entry in entries[len(allocation.waiting) :]:
             assert not manager.has_request(entry.request_id)
     manager.free(list(held))
     manager.check_invariants()
@@ -106,10 +131,13 @@ def test_kv_cache_manager_random_operations(seed: int, num_blocks: int, block_si
 @st.composite
 def _scheduler_configs(draw: st.DrawFn) -> SchedulerConfig:
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    return SchedulerConfig(max_num_seqs=draw(st.integers(1, 6)),
-                           max_num_batched_tokens=draw(st.integers(1, 48)),
-                           max_model_len=draw(st.integers(4, 48)), block_size=block_size,
-                           max_steps_in_flight=draw(st.sampled_from([1, 2])))
+    return SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 48)),
+        max_model_len=draw(st.integers(4, 48)),
+        block_size=block_size,
+        max_steps_in_flight=draw(st.sampled_from([1, 2])),
+    )
 
 
 def _check_scheduler(scheduler: Scheduler, manager: KVCacheManager) -> None:
@@ -133,20 +161,36 @@ def _check_output(out: SchedulerOutput, config: SchedulerConfig) -> None:
 
 
 @settings(deadline=None, max_examples=400)
-@given(config=_scheduler_configs(), extra_blocks=st.integers(0, 8), seed=st.integers(0, 2**32 - 1),
-       prefix_caching=st.booleans(), num_requests=st.integers(1, 16),
-       abort_probability=st.sampled_from([0.0, 0.02, 0.1]),
-       eos_probability=st.sampled_from([0.0, 0.1, 0.3]))
-def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, seed: int,
-                                    prefix_caching: bool, num_requests: int,
-                                    abort_probability: float, eos_probability: float) -> None:
+@given(
+    config=_scheduler_configs(),
+    extra_blocks=st.integers(0, 8),
+    seed=st.integers(0, 2**32 - 1),
+    prefix_caching=st.booleans(),
+    num_requests=st.integers(1, 16),
+    abort_probability=st.sampled_from([0.0, 0.02, 0.1]),
+    eos_probability=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_scheduler_random_workloads(
+    config: SchedulerConfig,
+    extra_blocks: int,
+    seed: int,
+    prefix_caching: bool,
+    num_requests: int,
+    abort_probability: float,
+    eos_probability: float,
+) -> None:
     rng = random.Random(seed)
     # The pool must hold one request of max_model_len tokens, or nothing can progress.
     num_blocks = -(-config.max_model_len // config.block_size) + extra_blocks
     manager = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=prefix_caching)
     scheduler = Scheduler(config, manager)
-    runner = FakeRunner(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                        manager=manager, rng=rng, eos_probability=eos_probability)
+    runner = FakeRunner(
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        manager=manager,
+        rng=rng,
+        eos_probability=eos_probability,
+    )
     arrivals = sorted((rng.randrange(12), index) for index in range(num_requests))
     aborted: set[str] = set()
     for iteration in range(5000):
@@ -155,12 +199,19 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
             max_prompt_len = config.max_model_len - 1
             prompt = _prompt(rng, rng.randint(1, max_prompt_len))[:max_prompt_len]
             max_tokens = rng.choice([None, rng.randint(1, 24)])
-            request = engine_request(f"r{index}", prompt, max_tokens=max_tokens,
-                                     arrival_time=float(iteration), priority=rng.choice([0, 0, 1]),
-                                     cache_salt=rng.choice([None, "s"]))
+            request = engine_request(
+                f"r{index}",
+                prompt,
+                max_tokens=max_tokens,
+                arrival_time=float(iteration),
+                priority=rng.choice([0, 0, 1]),
+                cache_salt=rng.choice([None, "s"]),
+            )
             scheduler.add_request(request)
-            runner.register(request.request_id, min(max_tokens or config.max_model_len,
-                                                    config.max_model_len - len(prompt)))
+            runner.register(
+                request.request_id,
+                min(max_tokens or config.max_model_len, config.max_model_len - len(prompt)),
+            )
         unfinished = scheduler.unfinished_request_ids()
         if unfinished and rng.random() < abort_probability:
             victim = rng.choice(unfinished)
@@ -180,5 +231,13 @@ def test_scheduler_random_workloads(config: SchedulerConfig, extra_blocks: int, 
             break
     else:
         raise AssertionError("the workload did not finish: the scheduler stopped making progress")
-    assert_workload_drained(scheduler, manager, num_blocks, num_requests, runner.finished,
-                            aborted, runner.num_outputs, runner.max_tokens)
+    assert_workload_drained(
+        scheduler,
+        manager,
+        num_blocks,
+        num_requests,
+        runner.finished,
+        aborted,
+        runner.num_outputs,
+        runner.max_tokens,
+    )

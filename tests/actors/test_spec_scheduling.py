@@ -11,36 +11,46 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.protocol.messages import EngineRequest, StepOutput, StepStats
-from actors.protocol.sampling_params import SamplingParams
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
+from actors.protocol.messages import EngineRequest, StepOutput, StepStats
+from actors.protocol.sampling_params import SamplingParams
 from tests.actors._kv_helpers import assert_workload_drained, engine_request
 from tests.actors._spec_fake_runner import SpecFakeRunner
 
 
-def _scheduler(k: int, max_steps_in_flight: int = 2, num_blocks: int = 64,
-               max_num_batched_tokens: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=64,
-                             block_size=4, max_steps_in_flight=max_steps_in_flight,
-                             num_speculative_tokens=k)
+def _scheduler(
+    k: int, max_steps_in_flight: int = 2, num_blocks: int = 64, max_num_batched_tokens: int = 64
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=64,
+        block_size=4,
+        max_steps_in_flight=max_steps_in_flight,
+        num_speculative_tokens=k,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, 4))
 
 
 def _request(request_id: str, prompt: range, **params: object) -> EngineRequest:
-    return EngineRequest(request_id, tuple(prompt), SamplingParams(**params), 0.0,
-                         eos_token_ids=(0,))
+    return EngineRequest(
+        request_id, tuple(prompt), SamplingParams(**params), 0.0, eos_token_ids=(0,)
+    )
 
 
 def _emit(out, tokens_per_request: list[list[int]]) -> StepOutput:
     """The step's result: tokens_per_request[i] for its i-th sampling row."""
-    return StepOutput(step_id=out.step_id,
-                      request_ids=tuple(r for r, samples in zip(out.scheduled_request_ids,
-                                                                out.samples_token) if samples),
-                      sampled_token_ids=np.asarray([t for ts in tokens_per_request for t in ts]),
-                      logprobs=None, stats=StepStats(out.step_id, out.num_reqs, 0, 0),
-                      num_sampled_tokens=np.asarray([len(ts) for ts in tokens_per_request], np.int32))
+    return StepOutput(
+        step_id=out.step_id,
+        request_ids=tuple(
+            r for r, samples in zip(out.scheduled_request_ids, out.samples_token) if samples
+        ),
+        sampled_token_ids=np.asarray([t for ts in tokens_per_request for t in ts]),
+        logprobs=None,
+        stats=StepStats(out.step_id, out.num_reqs, 0, 0),
+        num_sampled_tokens=np.asarray([len(ts) for ts in tokens_per_request], np.int32),
+    )
 
 
 def _decoding(k: int, max_steps_in_flight: int, max_tokens: int) -> Scheduler:
@@ -101,8 +111,9 @@ def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
         for i in range(num_plain):
             scheduler.add_request(engine_request(f"plain{i}", range(8), max_tokens=10))
         for i in range(3 - num_plain):
-            scheduler.add_request(_request(f"penalised{i}", range(8), max_tokens=10,
-                                           repetition_penalty=1.2))
+            scheduler.add_request(
+                _request(f"penalised{i}", range(8), max_tokens=10, repetition_penalty=1.2)
+            )
         first = scheduler.schedule()
         scheduler.update_from_step(_emit(first, [[1]] * 3))
         step = scheduler.schedule()
@@ -176,33 +187,53 @@ def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
 
 
 @settings(deadline=None, max_examples=150)
-@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-       extra_blocks=st.integers(0, 6), max_steps_in_flight=st.sampled_from([1, 2]),
-       num_requests=st.integers(1, 10), abort_probability=st.sampled_from([0.0, 0.05]),
-       eos_probability=st.sampled_from([0.0, 0.1]))
-def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size: int,
-                                                   extra_blocks: int, max_steps_in_flight: int,
-                                                   num_requests: int, abort_probability: float,
-                                                   eos_probability: float) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(1, 4),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 6),
+    max_steps_in_flight=st.sampled_from([1, 2]),
+    num_requests=st.integers(1, 10),
+    abort_probability=st.sampled_from([0.0, 0.05]),
+    eos_probability=st.sampled_from([0.0, 0.1]),
+)
+def test_random_speculative_workloads_leak_nothing(
+    seed: int,
+    k: int,
+    block_size: int,
+    extra_blocks: int,
+    max_steps_in_flight: int,
+    num_requests: int,
+    abort_probability: float,
+    eos_probability: float,
+) -> None:
     rng = random.Random(seed)
     max_model_len = 32
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=rng.randint(4, 40),
-                             max_model_len=max_model_len, block_size=block_size,
-                             max_steps_in_flight=max_steps_in_flight, num_speculative_tokens=k)
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=rng.randint(4, 40),
+        max_model_len=max_model_len,
+        block_size=block_size,
+        max_steps_in_flight=max_steps_in_flight,
+        num_speculative_tokens=k,
+    )
     # Room for one full request plus a few blocks: preemptions are frequent.
     num_blocks = -(-max_model_len // block_size) + extra_blocks
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=rng.random() < 0.5)
     scheduler = Scheduler(config, manager)
-    runner = SpecFakeRunner(block_size, manager, rng, eos_probability=eos_probability,
-                            vocab_size=rng.choice([3, 50]))
+    runner = SpecFakeRunner(
+        block_size, manager, rng, eos_probability=eos_probability, vocab_size=rng.choice([3, 50])
+    )
     for index in range(num_requests):
         prompt = [rng.randrange(5) for _ in range(rng.randint(1, max_model_len - 1))]
         max_tokens = rng.choice([None, rng.randint(1, 20)])
-        request = engine_request(f"r{index}", prompt, max_tokens=max_tokens,
-                                 arrival_time=time.monotonic())
+        request = engine_request(
+            f"r{index}", prompt, max_tokens=max_tokens, arrival_time=time.monotonic()
+        )
         scheduler.add_request(request)
-        runner.register(request.request_id, min(max_tokens or max_model_len,
-                                                max_model_len - len(prompt)))
+        runner.register(
+            request.request_id, min(max_tokens or max_model_len, max_model_len - len(prompt))
+        )
     aborted = set()
     for _ in range(5000):
         unfinished = scheduler.unfinished_request_ids()
@@ -222,6 +253,13 @@ def test_random_speculative_workloads_leak_nothing(seed: int, k: int, block_size
             break
     else:
         raise AssertionError("the workload did not finish")
-    assert_workload_drained(scheduler, manager, num_blocks, num_requests, runner.finished,
-                            aborted, {rid: len(out) for rid, out in runner.outputs.items()},
-                            runner.max_tokens)
+    assert_workload_drained(
+        scheduler,
+        manager,
+        num_blocks,
+        num_requests,
+        runner.finished,
+        aborted,
+        {rid: len(out) for rid, out in runner.outputs.items()},
+        runner.max_tokens,
+    )

@@ -3,14 +3,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.protocol.messages import StepOutput, StepStats
 from actors.core.step_health import StepFailureMonitor
+from actors.protocol.messages import StepOutput, StepStats
 
 
 def _step(step_id: int, error: str | None = None) -> StepOutput:
-    return StepOutput(step_id=step_id, request_ids=(), sampled_token_ids=np.zeros(0, np.int64),
-                      logprobs=None, stats=StepStats(step_id, 0, 0, 0), error=error,
-                      failed_request_ids=("r",) if error else ())
+    return StepOutput(
+        step_id=step_id,
+        request_ids=(),
+        sampled_token_ids=np.zeros(0, np.int64),
+        logprobs=None,
+        stats=StepStats(step_id, 0, 0, 0),
+        error=error,
+        failed_request_ids=("r",) if error else (),
+    )
 
 
 def test_dead_after_n_consecutive_failures_only() -> None:

@@ -30,7 +30,7 @@ def reference(stop, text, include=False):
         ending = [s for s in stop if text[:end].endswith(s)]
         if ending:
             match = max(ending, key=len)
-            return (text[:end] if include else text[:end - len(match)]), match
+            return (text[:end] if include else text[: end - len(match)]), match
     return text, None
 
 
@@ -77,15 +77,19 @@ def test_held_text_is_released_by_flush():
     assert checker.pending_text == ""
 
 
-@pytest.mark.parametrize("stop, text, expected_text, expected_stop", [
-    (["abc", "bcd"], "xabcd", "x", "abc"),          # "abc" completes first
-    (["bcd", "abcdef"], "abcdefg", "a", "bcd"),     # the shorter one completes first
-    (["abcd", "bc"], "abcd", "a", "bc"),            # inner candidate completes first
-    (["bc", "abc"], "abc", "", "abc"),              # both end together: the longer wins
-])
+@pytest.mark.parametrize(
+    "stop, text, expected_text, expected_stop",
+    [
+        (["abc", "bcd"], "xabcd", "x", "abc"),  # "abc" completes first
+        (["bcd", "abcdef"], "abcdefg", "a", "bcd"),  # the shorter one completes first
+        (["abcd", "bc"], "abcd", "a", "bc"),  # inner candidate completes first
+        (["bc", "abc"], "abc", "", "abc"),  # both end together: the longer wins
+    ],
+)
 @pytest.mark.parametrize("reverse", [False, True])
 def test_overlapping_candidates_first_completed_wins_whatever_the_list_order(
-        stop, text, expected_text, expected_stop, reverse):
+    stop, text, expected_text, expected_stop, reverse
+):
     stops = list(reversed(stop)) if reverse else stop
     for pieces in ([text], list(text)):
         _, matched, streamed = run(stops, pieces)
@@ -126,9 +130,12 @@ def chunked(draw, text):
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), text=st.text(alphabet="ab c", max_size=24),
-       stop=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), min_size=1, max_size=3),
-       include=st.booleans())
+@given(
+    data=st.data(),
+    text=st.text(alphabet="ab c", max_size=24),
+    stop=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), min_size=1, max_size=3),
+    include=st.booleans(),
+)
 def test_any_chunking_matches_the_character_by_character_reference(data, text, stop, include):
     pieces = data.draw(chunked(text))
     _, matched, final = run(stop, pieces, include)
@@ -136,8 +143,11 @@ def test_any_chunking_matches_the_character_by_character_reference(data, text, s
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), text=st.text(alphabet="ab c", max_size=24),
-       stop=st.lists(st.text(alphabet="ab c", min_size=2, max_size=4), min_size=1, max_size=3))
+@given(
+    data=st.data(),
+    text=st.text(alphabet="ab c", max_size=24),
+    stop=st.lists(st.text(alphabet="ab c", min_size=2, max_size=4), min_size=1, max_size=3),
+)
 def test_only_a_possible_stop_string_start_is_held_back(data, text, stop):
     checker = StopStringChecker(stop, False)
     seen = emitted = ""
@@ -151,5 +161,5 @@ def test_only_a_possible_stop_string_start_is_held_back(data, text, stop):
         assert emitted + held == seen
         assert held == "" or any(s.startswith(held) and len(held) < len(s) for s in stop)
         # Nothing longer could still grow into a stop string (the hold is the longest).
-        longer = seen[len(seen) - len(held) - 1:] if len(held) < len(seen) else None
+        longer = seen[len(seen) - len(held) - 1 :] if len(held) < len(seen) else None
         assert longer is None or not any(s.startswith(longer) for s in stop)

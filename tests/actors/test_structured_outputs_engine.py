@@ -22,9 +22,12 @@ pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 OPTIONS = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
 MAX_TOKENS = 400
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +36,23 @@ def llm() -> LLM:
 
 
 def _json(schema: dict[str, Any], **params: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, **params, structured_output=StructuredOutputSpec(
-        "json", json.dumps(schema)))
+    return SamplingParams(
+        max_tokens=MAX_TOKENS,
+        **params,
+        structured_output=StructuredOutputSpec("json", json.dumps(schema)),
+    )
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(schemas=st.lists(SCHEMAS, min_size=4, max_size=6), seed=st.integers(0, 2**31))
-def test_every_constrained_output_validates(llm: LLM, schemas: list[dict[str, Any]],
-                                            seed: int) -> None:
+def test_every_constrained_output_validates(
+    llm: LLM, schemas: list[dict[str, Any]], seed: int
+) -> None:
     prompt = llm.apply_chat_template("Describe a thing as JSON.")
     params = [_json(schema, temperature=1.0, seed=seed + i) for i, schema in enumerate(schemas)]
     outputs = llm.generate([prompt] * len(schemas), params)
@@ -53,17 +64,30 @@ def test_every_constrained_output_validates(llm: LLM, schemas: list[dict[str, An
 
 def test_constrained_and_free_requests_share_batches_and_runners_agree(llm: LLM) -> None:
     v1 = LLM("default", reuse=llm, runner="v1", **OPTIONS)
-    prompts = [llm.apply_chat_template(q) for q in (
-        "Ada is 36. Give her name and age as JSON.", "Tell me about the moon.",
-        "Is the sky green? Answer yes or no.", "Bob is 41 years old.")]
-    params = [_json(PERSON, temperature=0.0), SamplingParams(temperature=0.0, max_tokens=24),
-              SamplingParams(temperature=0.0, max_tokens=8, structured_output=StructuredOutputSpec(
-                  "choice", '["yes", "no"]')),
-              _json(PERSON, temperature=0.0, logprobs=2)]
+    prompts = [
+        llm.apply_chat_template(q)
+        for q in (
+            "Ada is 36. Give her name and age as JSON.",
+            "Tell me about the moon.",
+            "Is the sky green? Answer yes or no.",
+            "Bob is 41 years old.",
+        )
+    ]
+    params = [
+        _json(PERSON, temperature=0.0),
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            structured_output=StructuredOutputSpec("choice", '["yes", "no"]'),
+        ),
+        _json(PERSON, temperature=0.0, logprobs=2),
+    ]
     v2_outputs = llm.generate(prompts, params)
     v1_outputs = v1.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in v1_outputs] == \
-        [o.outputs[0].token_ids for o in v2_outputs]
+    assert [o.outputs[0].token_ids for o in v1_outputs] == [
+        o.outputs[0].token_ids for o in v2_outputs
+    ]
     person, free, choice, logged = (o.outputs[0] for o in v2_outputs)
     for completion in (person, logged):
         assert completion.finish_reason == "stop"

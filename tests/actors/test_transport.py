@@ -45,51 +45,114 @@ from actors.protocol.transport import (
 )
 from tests.actors._hostile_peer import send_hostile_frames
 
-STATS = SchedulerStats(num_running=2, num_waiting=1, num_preemptions_total=3,
-                       num_total_kv_blocks=64, num_free_kv_blocks=10, kv_usage_perc=0.8,
-                       prefix_cache_queries_tokens=100, prefix_cache_hits_tokens=40,
-                       num_free_rows=None)
+STATS = SchedulerStats(
+    num_running=2,
+    num_waiting=1,
+    num_preemptions_total=3,
+    num_total_kv_blocks=64,
+    num_free_kv_blocks=10,
+    kv_usage_perc=0.8,
+    prefix_cache_queries_tokens=100,
+    prefix_cache_hits_tokens=40,
+    num_free_rows=None,
+)
 TO_CORE = [
-    EngineRequest("r1", (1, 2, 3), SamplingParams(temperature=0.5, top_k=4, stop=("x",),
-                                                  logit_bias=((3, -1.5),), seed=2**63,
-                                                  extra={"k": [1, "v"]}),
-                  12.5, eos_token_ids=(0,), priority=-1, cache_salt="s", client_index=3,
-                  trace_context={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}),
-    AbortRequests(("r1", "r2")), ClientHello(2), UtilityCall(7, "stats", 1), Shutdown(),
+    EngineRequest(
+        "r1",
+        (1, 2, 3),
+        SamplingParams(
+            temperature=0.5,
+            top_k=4,
+            stop=("x",),
+            logit_bias=((3, -1.5),),
+            seed=2**63,
+            extra={"k": [1, "v"]},
+        ),
+        12.5,
+        eos_token_ids=(0,),
+        priority=-1,
+        cache_salt="s",
+        client_index=3,
+        trace_context={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
+    ),
+    AbortRequests(("r1", "r2")),
+    ClientHello(2),
+    UtilityCall(7, "stats", 1),
+    Shutdown(),
     GrammarVocab('{"model": {"type": "BPE"}}', (2, 7)),
-    EngineRequest("r2", (4,), SamplingParams(prompt_logprobs=3, structured_output=(
-        StructuredOutputSpec("json", '{"type":"object"}', strict=False))), 1.0),
+    EngineRequest(
+        "r2",
+        (4,),
+        SamplingParams(
+            prompt_logprobs=3,
+            structured_output=(StructuredOutputSpec("json", '{"type":"object"}', strict=False)),
+        ),
+        1.0,
+    ),
 ]
 TO_FRONT_END = [
     EngineCoreOutputs(
-        step_id=9, request_ids=("a", "b"), new_token_ids=np.array([5, 6], np.int32),
+        step_id=9,
+        request_ids=("a", "b"),
+        new_token_ids=np.array([5, 6], np.int32),
         num_new_tokens=np.array([1, 1], np.int32),
-        logprobs=LogprobsArrays(np.array([[5, 1], [6, 2]], np.int64),
-                                np.array([[-0.1, -2.5], [-np.inf, np.nan]], np.float32),
-                                np.array([1, 3], np.int64)),
+        logprobs=LogprobsArrays(
+            np.array([[5, 1], [6, 2]], np.int64),
+            np.array([[-0.1, -2.5], [-np.inf, np.nan]], np.float32),
+            np.array([1, 3], np.int64),
+        ),
         finished=(RequestFinish("a", "stop", 5), RequestFinish("c", "error", error="boom")),
         admitted=(AdmittedRequest("b", 16, 1.0, 2.0),),
         prompt_logprobs=PromptLogprobs(
-            ("b",), np.array([1], np.int32), np.array([2], np.int32),
-            LogprobsArrays(np.array([[7, 7], [8, 1]], np.int64),
-                           np.array([[-0.5, -0.5], [-3.0, -0.1]], np.float32),
-                           np.array([1, 4], np.int64))),
-        step_stats=StepStats(9, 2, 2, 0, 1e-4, 2e-4, 3e-3, 0.0), scheduler_stats=STATS),
+            ("b",),
+            np.array([1], np.int32),
+            np.array([2], np.int32),
+            LogprobsArrays(
+                np.array([[7, 7], [8, 1]], np.int64),
+                np.array([[-0.5, -0.5], [-3.0, -0.1]], np.float32),
+                np.array([1, 4], np.int64),
+            ),
+        ),
+        step_stats=StepStats(9, 2, 2, 0, 1e-4, 2e-4, 3e-3, 0.0),
+        scheduler_stats=STATS,
+    ),
     EngineCoreOutputs(step_id=-1, finished=(RequestFinish("z", "abort"),)),
-    EngineReady("dummy:qwen3-0.6b", "qwen3", 4096, 151936, 16, 100, 1 << 20, 256, "v2",
-                "no fallback rule applies", "default", "cuda:0", 9.5, 123),
-    EngineStartupFailed("model not found: /x", True), EngineDead("5 steps failed"),
-    UtilityResult(7, stats=STATS), UtilityResult(8, error="broken"), Heartbeat(),
+    EngineReady(
+        "dummy:qwen3-0.6b",
+        "qwen3",
+        4096,
+        151936,
+        16,
+        100,
+        1 << 20,
+        256,
+        "v2",
+        "no fallback rule applies",
+        "default",
+        "cuda:0",
+        9.5,
+        123,
+    ),
+    EngineStartupFailed("model not found: /x", True),
+    EngineDead("5 steps failed"),
+    UtilityResult(7, stats=STATS),
+    UtilityResult(8, error="broken"),
+    Heartbeat(),
 ]
 
 
 def _equal(a: object, b: object) -> bool:
     if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and \
-            np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+        )
     if hasattr(a, "__struct_fields__"):
-        return type(a) is type(b) and all(_equal(getattr(a, f), getattr(b, f))
-                                          for f in a.__struct_fields__)
+        return type(a) is type(b) and all(
+            _equal(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__
+        )
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(map(_equal, a, b))
     return a == b
@@ -196,7 +259,8 @@ async def test_the_core_endpoint_drops_what_an_unauthenticated_peer_sends(tmp_pa
 
 
 async def test_an_authenticated_hello_takes_an_index_over_and_the_supervisor_only_speaks(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """The supervisor restarts a dead API server: the new process's hello (with the secret)
     takes its index over. The supervisor's own hello (no index) reaches no one; its
     Shutdown does."""

@@ -12,7 +12,6 @@ import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 from urllib.parse import urlsplit
@@ -40,15 +39,19 @@ def serve_routes() -> frozenset[str]:
     from app.server_state import ServerState, ServeSettings
 
     app = create_app(ServerState(ServeSettings(engine=EngineConfig())))
-    return frozenset(getattr(route, "path", "") for route in app.routes
-                     if "GET" in (getattr(route, "methods", None) or ()))
+    return frozenset(
+        getattr(route, "path", "")
+        for route in app.routes
+        if "GET" in (getattr(route, "methods", None) or ())
+    )
 
 
 def _serve_parser() -> argparse.ArgumentParser:
     from app.cli import build_parser
 
-    subparsers = next(a for a in build_parser()._actions
-                      if isinstance(a, argparse._SubParsersAction))
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
     parser: argparse.ArgumentParser = subparsers.choices["serve"]
     return parser
 
@@ -59,8 +62,9 @@ def serve_args(env: Mapping[str, str | None], argv: tuple[str, ...] = ()) -> arg
     with mock.patch.dict(os.environ):
         for name in [n for n in os.environ if n.startswith("TANDEM_")]:
             del os.environ[name]
-        os.environ.update({k: v for k, v in env.items()
-                           if k.startswith("TANDEM_") and v is not None})
+        os.environ.update(
+            {k: v for k, v in env.items() if k.startswith("TANDEM_") and v is not None}
+        )
         return _serve_parser().parse_args(list(argv))
 
 
@@ -69,8 +73,7 @@ def flag_action(env_name: str) -> argparse.Action | None:
     if not env_name.startswith("TANDEM_"):
         return None
     dest = env_name.removeprefix("TANDEM_").lower()
-    return next((a for a in _serve_parser()._actions if a.dest == dest and a.option_strings),
-                None)
+    return next((a for a in _serve_parser()._actions if a.dest == dest and a.option_strings), None)
 
 
 def env_flag_mismatch(name: str, value: str | None) -> str | None:
@@ -80,8 +83,11 @@ def env_flag_mismatch(name: str, value: str | None) -> str | None:
     from gpu.runner_selection import parse_runner_env
 
     if name == RUNNER_ENV:
-        return None if value is None or parse_runner_env(value) is not None else (
-            f"{name}={value!r} forces no runner")
+        return (
+            None
+            if value is None or parse_runner_env(value) is not None
+            else (f"{name}={value!r} forces no runner")
+        )
     action = flag_action(name)
     if action is None:
         return f"{name} is not the environment variable of any `tandem serve` flag"
@@ -145,20 +151,28 @@ def labels_in_expr(expr: str, legend: str = "") -> set[str]:
     """Label names an expression matches on or groups by, and those its legend shows."""
     code = _STRING_RE.sub('""', expr)
     labels = {m for body in _SELECTOR_RE.findall(code) for m in _MATCHER_RE.findall(body)}
-    labels |= {name.strip() for group in _GROUPING_RE.findall(code)
-               for name in group.split(",") if name.strip()}
+    labels |= {
+        name.strip()
+        for group in _GROUPING_RE.findall(code)
+        for name in group.split(",")
+        if name.strip()
+    }
     return labels | set(_LEGEND_RE.findall(legend))
 
 
 def dashboard_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(expr, legendFormat) of every panel target, and the template variables' queries."""
+
     def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for panel in items:
             yield panel
             yield from panels(panel.get("panels", []))
 
-    exprs = [(t["expr"], t.get("legendFormat", "")) for p in panels(dashboard["panels"])
-             for t in p.get("targets", [])]
+    exprs = [
+        (t["expr"], t.get("legendFormat", ""))
+        for p in panels(dashboard["panels"])
+        for t in p.get("targets", [])
+    ]
     for variable in dashboard["templating"]["list"]:
         query = variable.get("query")
         text = query.get("query", "") if isinstance(query, dict) else ""
@@ -236,8 +250,12 @@ def duration_s(text: str) -> float:
 
 @functools.cache
 def _k8s_documents() -> tuple[dict[str, Any], ...]:
-    return tuple(doc for path in sorted(K8S_DIR.glob("*.yaml"))
-                 for doc in yaml.safe_load_all(path.read_text()) if doc)
+    return tuple(
+        doc
+        for path in sorted(K8S_DIR.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    )
 
 
 def k8s_objects(kind: str) -> list[dict[str, Any]]:
@@ -252,13 +270,17 @@ def tandem_pod_spec() -> dict[str, Any]:
 
 def container_env(container: dict[str, Any]) -> dict[str, str | None]:
     """name -> value; None where the value comes from a Secret or ConfigMap."""
-    return {e["name"]: (str(e["value"]) if "value" in e else None)
-            for e in container.get("env", [])}
+    return {
+        e["name"]: (str(e["value"]) if "value" in e else None) for e in container.get("env", [])
+    }
 
 
 def http_probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe")
-            if kind in container}
+    return {
+        kind: container[kind]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if kind in container
+    }
 
 
 def service_link_env_names(service: dict[str, Any]) -> set[str]:

@@ -8,8 +8,10 @@ from typing import Any
 
 from actors.protocol.messages import SchedulerOutput
 
-INJECTED_FAULT = ('Traceback (most recent call last):\n  File "/work/main/gpu/fake_kernel.py", '
-                  'line 7, in launch\nRuntimeError: injected device fault')
+INJECTED_FAULT = (
+    'Traceback (most recent call last):\n  File "/work/main/gpu/fake_kernel.py", '
+    "line 7, in launch\nRuntimeError: injected device fault"
+)
 """The injected exception's text: a response that leaked it would carry a stack trace and
 a filesystem path, which the tests look for."""
 LEAK_MARKERS = ("Traceback", "/work", "site-packages", '.py"', "fake_kernel", "injected")

@@ -120,8 +120,14 @@ SEND_BUFFER_BYTES = 8192
 grow to megabytes, more than a small model's whole answer; a real network path holds far
 less. With a small one, a client that stops reading stalls the server's writer within
 about 100 kB."""
-STALLED = {"messages": [{"role": "user", "content": "Count to a thousand."}], "stream": True,
-           "max_tokens": 100, "min_tokens": 100, "logprobs": True, "top_logprobs": 20}
+STALLED = {
+    "messages": [{"role": "user", "content": "Count to a thousand."}],
+    "stream": True,
+    "max_tokens": 100,
+    "min_tokens": 100,
+    "logprobs": True,
+    "top_logprobs": 20,
+}
 """About 1.8 kB of events per token: the writer stalls well before the engine is done."""
 
 
@@ -143,8 +149,13 @@ def stall(server: RunningServer, body: dict[str, Any]) -> socket.socket:
     """A client that sends a streamed chat request and never reads the answer."""
     data = json.dumps(body).encode()
     sock = connect(server.url, recv_buffer_bytes=4096)
-    sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                  f"application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data)
+    sock.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        ).encode()
+        + data
+    )
     return sock
 
 

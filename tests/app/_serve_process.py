@@ -19,8 +19,18 @@ from tests._embedded_model import embedded_gguf_path
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
-CPU_FLAGS = ("--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8",
-             "--num-kv-blocks", "96", "--log-format", "json")
+CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--num-kv-blocks",
+    "96",
+    "--log-format",
+    "json",
+)
 
 
 class ServeProcess:
@@ -31,16 +41,21 @@ class ServeProcess:
         with log_path.open("wb") as log_file:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "app.cli", "serve", "--port", "0", *CPU_FLAGS, *flags],
-                stdout=subprocess.DEVNULL, stderr=log_file, cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
         self.url = self._wait_healthy()
 
     def _wait_healthy(self) -> str:
         deadline = time.monotonic() + START_TIMEOUT_S
         url = None
         while time.monotonic() < deadline and self.proc.poll() is None:
-            url = url or next((line["url"] for line in self.lines()
-                               if line.get("event") == "server_listening"), None)
+            url = url or next(
+                (line["url"] for line in self.lines() if line.get("event") == "server_listening"),
+                None,
+            )
             if url is not None and health(url) == 200:
                 return str(url)
             time.sleep(0.1)
@@ -50,7 +65,7 @@ class ServeProcess:
     def lines(self) -> list[dict[str, Any]]:
         """Every complete JSON log line so far (fails on any line that is not JSON)."""
         text = self.log_path.read_text()
-        complete = text[:text.rfind("\n") + 1]
+        complete = text[: text.rfind("\n") + 1]
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def descendants(self) -> list[int]:
@@ -91,7 +106,7 @@ def descendants(pid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(entry))
     found, queue = [], [pid]

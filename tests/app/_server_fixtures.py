@@ -10,15 +10,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from benchmarks.soak_server import InProcessServer
 from actors.protocol.config import EngineConfig
 from app.serve_settings import ServeSettings
 from app.server_state import EngineSnapshot
+from benchmarks.soak_server import InProcessServer
 from tests._embedded_model import embedded_gguf_path
 
 MAX_MODEL_LEN = 2048
-ENGINE = EngineConfig(model="default", device="cpu", max_model_len=MAX_MODEL_LEN,
-                      max_num_seqs=64, max_num_batched_tokens=2048)
+ENGINE = EngineConfig(
+    model="default",
+    device="cpu",
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=64,
+    max_num_batched_tokens=2048,
+)
 
 
 @functools.cache
@@ -36,8 +41,10 @@ class RunningServer(InProcessServer):
     def __init__(self, preloaded: Any = None, **settings: Any) -> None:
         """`preloaded`: another loaded model (default: the session's embedded one)."""
         engine = settings.pop("engine", ENGINE)
-        super().__init__(ServeSettings(engine=engine, port=0, **settings),
-                         preloaded if preloaded is not None else shared_model())
+        super().__init__(
+            ServeSettings(engine=engine, port=0, **settings),
+            preloaded if preloaded is not None else shared_model(),
+        )
 
     def wait_engine_idle(self, timeout_s: float = 30.0) -> EngineSnapshot:
         return self.wait_idle(timeout_s)
@@ -49,10 +56,8 @@ class RunningServer(InProcessServer):
         return exit_code
 
 
-
 def openai_client(server: RunningServer) -> Any:
     """The official openai client on `server` (no retries: a failure shows at once)."""
     import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -78,11 +78,13 @@ def test_a_long_conversation_renders_whole(num_messages):
     """The rendered pieces are joined a slice at a time: none lost or reordered."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    messages = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"}
-                for i in range(num_messages)]
+    messages = [
+        {"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(num_messages)
+    ]
     ours = render_chat_template(CHATML_TEMPLATE, messages, add_generation_prompt=True)
     rendered, _generation_indices = render_jinja_template(
-        conversations=[messages], chat_template=CHATML_TEMPLATE, add_generation_prompt=True)
+        conversations=[messages], chat_template=CHATML_TEMPLATE, add_generation_prompt=True
+    )
     assert ours == rendered[0]
     assert ours.count("<|im_start|>") == num_messages + 1
 
@@ -97,11 +99,16 @@ def test_rendering_stops_once_the_text_passes_its_limit():
     assert len(full) // 10 < raised.value.num_chars <= len(full) // 5
     assert render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(len(full))) == full
     num_dropped = full.count("\x04")
-    assert render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(
-        len(full) - num_dropped, dropped="\x04")) == full
+    assert (
+        render_chat_template(
+            CHATML_TEMPLATE, messages, limit=RenderLimit(len(full) - num_dropped, dropped="\x04")
+        )
+        == full
+    )
     with pytest.raises(RenderedTooLong):
-        render_chat_template(CHATML_TEMPLATE, messages, limit=RenderLimit(
-            len(full) - num_dropped - 1))
+        render_chat_template(
+            CHATML_TEMPLATE, messages, limit=RenderLimit(len(full) - num_dropped - 1)
+        )
 
 
 def test_tojson_keeps_non_ascii():

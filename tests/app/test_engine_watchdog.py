@@ -14,9 +14,12 @@ from app.engine_watchdog import EngineWatchdog
 
 def _watchdog(stall_timeout_s: float, heard: list[float]) -> tuple[EngineWatchdog, list[object]]:
     events: list[object] = []
-    watchdog = EngineWatchdog(stall_timeout_s, lambda: heard[0],
-                              lambda silent_s: events.append(("stalled", silent_s)),
-                              lambda: events.append("resumed"))
+    watchdog = EngineWatchdog(
+        stall_timeout_s,
+        lambda: heard[0],
+        lambda silent_s: events.append(("stalled", silent_s)),
+        lambda: events.append("resumed"),
+    )
     return watchdog, events
 
 

@@ -25,14 +25,24 @@ pytestmark = needs_embedded_model  # every checker here starts on the embedded t
 def _start() -> GrammarCheckerStart:
     tokenizer = load_tokenizer("default")
     assert tokenizer is not None
-    return GrammarCheckerStart(tokenizer.raw.to_str(), tokenizer.vocab_size,
-                               tuple(tokenizer.eos_token_ids))
+    return GrammarCheckerStart(
+        tokenizer.raw.to_str(), tokenizer.vocab_size, tuple(tokenizer.eos_token_ids)
+    )
 
 
 def slow_schema(num_patterns: int = 300) -> StructuredOutputSpec:
     """Compiles for seconds (the library's time grows steeply with the patterns)."""
-    return StructuredOutputSpec("json", json.dumps({"type": "object", "patternProperties": {
-        f"^p{i}[a-z]*{i}$": {"type": "integer"} for i in range(num_patterns)}}))
+    return StructuredOutputSpec(
+        "json",
+        json.dumps(
+            {
+                "type": "object",
+                "patternProperties": {
+                    f"^p{i}[a-z]*{i}$": {"type": "integer"} for i in range(num_patterns)
+                },
+            }
+        ),
+    )
 
 
 def _run(test: Any, **options: Any) -> Any:
@@ -51,14 +61,24 @@ def test_verdicts_name_what_is_wrong_and_repeat_from_the_cache() -> None:
         assert await checker.check(StructuredOutputSpec("json", '{"type":"object"}')) is None
         assert "unclosed group" in await checker.check(StructuredOutputSpec("regex", "("))
         assert "at most 1024" in await checker.check(
-            StructuredOutputSpec("json", json.dumps(ref_chain(1000))))
+            StructuredOutputSpec("json", json.dumps(ref_chain(1000)))
+        )
         assert "at most 1000" in await checker.check(
-            StructuredOutputSpec("grammar", lark_chain(3000)))
+            StructuredOutputSpec("grammar", lark_chain(3000))
+        )
         # Thousands of objects to choose from: fine to compile, but the parser's row
         # outgrows its limit once the output starts; found before any token is sampled.
-        tools = StructuredOutputSpec("json", json.dumps({"anyOf": [
-            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
-            for i in range(1500)]}))
+        tools = StructuredOutputSpec(
+            "json",
+            json.dumps(
+                {
+                    "anyOf": [
+                        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
+                        for i in range(1500)
+                    ]
+                }
+            ),
+        )
         assert "max is 2000" in await checker.check(tools)
         idle = list(checker._idle)
         started = time.perf_counter()
@@ -115,7 +135,8 @@ def test_a_check_whose_client_left_kills_its_process() -> None:
 
 
 def test_a_pool_that_stays_busy_refuses_rather_than_queueing_forever(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     forever = anyio.Event()
 
     async def hang(self: GrammarChecker, payload: bytes) -> tuple[str | None, bool]:

@@ -29,6 +29,8 @@ from tests.app._server_fixtures import RunningServer
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     with small_send_buffer_server(max_queued_requests=0, priority_scheduling=True) as running:
@@ -42,6 +44,7 @@ def _exchange(server: RunningServer, raw: bytes) -> bytes:
 
 
 # ---- 2: HTTP/1.1 only --------------------------------------------------------------------
+
 
 def _settings_frame(**settings: int) -> bytes:
     ids = {"INITIAL_WINDOW_SIZE": 0x4, "MAX_CONCURRENT_STREAMS": 0x3}
@@ -59,8 +62,10 @@ def test_http2_prior_knowledge_is_refused_and_closed(server: RunningServer) -> N
 
 
 def test_an_h2c_upgrade_is_served_over_http11(server: RunningServer) -> None:
-    request = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, HTTP2-Settings"
-               b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAQAAAAA\r\n\r\n")
+    request = (
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, HTTP2-Settings"
+        b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAQAAAAA\r\n\r\n"
+    )
     with hostile(server.url):
         sock = connect(server.url)
         sock.sendall(request)
@@ -79,13 +84,18 @@ def test_an_unknown_http_version_gets_505(server: RunningServer, version: bytes)
 
 # ---- 6: no request smuggling -------------------------------------------------------------
 
-def test_content_length_with_transfer_encoding_is_refused_and_closed(server: RunningServer
-                                                                     ) -> None:
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(server: RunningServer) -> None:
     body = b'{"prompt": "hi"}'
     smuggled = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-    request = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n" + smuggled)
+    request = (
+        b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+        + smuggled
+    )
     with hostile(server.url):
         answer = _exchange(server, request)
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:40]
@@ -94,19 +104,25 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Run
 
 # ---- 3: a client that never reads holds no engine capacity -----------------------------
 
-def test_clients_that_never_read_hold_no_engine_slot(server: RunningServer,
-                                                     http: httpx.Client) -> None:
+
+def test_clients_that_never_read_hold_no_engine_slot(
+    server: RunningServer, http: httpx.Client
+) -> None:
     """Two clients fill --max-num-seqs 2 (no queue) and never read. Once the engine has
     finished their answers, which wait to be sent, a third request is admitted."""
     with hostile(server.url):
         stalled = [stall(server, STALLED) for _ in range(2)]
         wait_until(lambda: server.snapshot().num_unfinished_admitted == 2, 30, "not admitted")
-        wait_until(lambda: (s := server.snapshot()).num_running + s.num_waiting == 0, 120,
-                   "the engine did not finish")
+        wait_until(
+            lambda: (s := server.snapshot()).num_running + s.num_waiting == 0,
+            120,
+            "the engine did not finish",
+        )
         assert server.snapshot().num_unfinished_admitted == 2  # their output waits to be sent
         assert metric(http, "tandem:num_requests_unsent") == 2
-        third = http.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}],
-                                      "max_tokens": 2})
+        third = http.post(
+            CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        )
         assert third.status_code == 200, third.text
         for sock in stalled:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -15,15 +15,25 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from starlette.requests import Request
 
-from app.errors import APIError, bad_request
-from app.http_input import (LARGE_BODY_BYTES, OFF_LOOP_BODY_BYTES, decode_json_object,
-                            prepare_request)
 from app import large_body
-from app.large_body import (GC_PAUSE, SHORT_SWITCH_INTERVAL_S, SHORT_SWITCHES,
-                            VALIDATION_SLICE, decode_in_steps, release_unshared, validate)
+from app.errors import APIError, bad_request
+from app.http_input import (
+    LARGE_BODY_BYTES,
+    OFF_LOOP_BODY_BYTES,
+    decode_json_object,
+    prepare_request,
+)
+from app.large_body import (
+    GC_PAUSE,
+    SHORT_SWITCH_INTERVAL_S,
+    SHORT_SWITCHES,
+    VALIDATION_SLICE,
+    decode_in_steps,
+    release_unshared,
+    validate,
+)
 from app.schemas import ChatCompletionRequest
 
 
@@ -32,27 +42,51 @@ def _reject(name: str) -> Any:
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(), lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner,
-                                                                            max_size=5),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=120, deadline=None)
-@given(obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=6),
-       indent=st.sampled_from([None, 0, 2]), ascii_only=st.booleans())
-def test_decoding_in_steps_matches_json_loads(obj: dict[str, Any], indent: int | None,
-                                              ascii_only: bool) -> None:
+@given(
+    obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=6),
+    indent=st.sampled_from([None, 0, 2]),
+    ascii_only=st.booleans(),
+)
+def test_decoding_in_steps_matches_json_loads(
+    obj: dict[str, Any], indent: int | None, ascii_only: bool
+) -> None:
     body = json.dumps(obj, indent=indent, ensure_ascii=ascii_only).encode()
     assert decode_in_steps(body, {}, _reject) == json.loads(body)
 
 
-@pytest.mark.parametrize("body", [
-    b"{", b'{"a": [1, 2}', b'{"a": [1 2]}', b'{"a" 1}', b'{"a": 1,}', b'{"a": [1,]}',
-    b'{"a": 1} x', b"{'a': 1}", b'{"a": NaN}', b'{"a": [{"b": 1}, ]}', b'{"a": [[1], [2}',
-    b'{"a": [1, , 2]}', b'{"a": [ , 1]}', b'{"a": [1, Infinity]}', b'{"a": {"b": 1,}}',
-    b'{"a": [1, 2]]}', b'{"a": {"b" 1}}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{",
+        b'{"a": [1, 2}',
+        b'{"a": [1 2]}',
+        b'{"a" 1}',
+        b'{"a": 1,}',
+        b'{"a": [1,]}',
+        b'{"a": 1} x',
+        b"{'a': 1}",
+        b'{"a": NaN}',
+        b'{"a": [{"b": 1}, ]}',
+        b'{"a": [[1], [2}',
+        b'{"a": [1, , 2]}',
+        b'{"a": [ , 1]}',
+        b'{"a": [1, Infinity]}',
+        b'{"a": {"b": 1,}}',
+        b'{"a": [1, 2]]}',
+        b'{"a": {"b" 1}}',
+    ],
+)
 def test_decoding_in_steps_refuses_what_json_loads_refuses(body: bytes) -> None:
     with pytest.raises(ValueError):
         json.loads(body, parse_constant=_reject)
@@ -94,8 +128,10 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
     with pytest.raises(APIError) as refused:
         validate(ChatCompletionRequest, {"messages": messages})
     assert refused.value.param == f"messages.{2 * VALIDATION_SLICE + 7}.role"
-    ok = validate(ChatCompletionRequest, {"messages": messages[:2 * VALIDATION_SLICE],
-                                          "vendor_field": {"big": [1] * 1000}})
+    ok = validate(
+        ChatCompletionRequest,
+        {"messages": messages[: 2 * VALIDATION_SLICE], "vendor_field": {"big": [1] * 1000}},
+    )
     assert len(ok.messages) == 2 * VALIDATION_SLICE
     assert ok.model_extra == {"vendor_field": None}  # ignored fields keep only their name
     distinct = [{"role": "user", "content": str(i)} for i in range(2 * VALIDATION_SLICE + 1)]
@@ -106,11 +142,17 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
 
 def test_only_what_the_body_alone_holds_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
     released: list[Any] = []
-    monkeypatch.setattr(large_body, "release_gradually",
-                        lambda items: released.append(type(items)(items)))  # a copy
+    monkeypatch.setattr(
+        large_body, "release_gradually", lambda items: released.append(type(items)(items))
+    )  # a copy
     schema, tools = {"type": "object"}, [{"type": "function"}]
-    data = {"messages": [{"role": "user"}] * 3, "guided_json": schema, "tools": tools,
-            "pad": {"x": [1]}, "n": 2}
+    data = {
+        "messages": [{"role": "user"}] * 3,
+        "guided_json": schema,
+        "tools": tools,
+        "pad": {"x": [1]},
+        "n": 2,
+    }
     release_unshared(data)
     assert data == {}
     assert schema == {"type": "object"} and tools == [{"type": "function"}]
@@ -118,9 +160,13 @@ def test_only_what_the_body_alone_holds_is_released(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_validated_request_keeps_its_loosely_typed_fields_whole() -> None:
-    data = {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"},
-            "tools": [{"type": "function"}], "chat_template_kwargs": {"a": {"b": [1]}},
-            "response_format": {"type": "json_object"}}
+    data = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "guided_json": {"type": "object"},
+        "tools": [{"type": "function"}],
+        "chat_template_kwargs": {"a": {"b": [1]}},
+        "response_format": {"type": "json_object"},
+    }
     expected = json.loads(json.dumps(data))
     req = validate(ChatCompletionRequest, data)
     release_unshared(data)
@@ -131,10 +177,18 @@ async def _prepare(body: bytes, prepare: Any) -> Any:
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")]}
-    state = SimpleNamespace(settings=SimpleNamespace(
-        max_request_body_bytes=4 * LARGE_BODY_BYTES, request_body_timeout_s=60.0))
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    state = SimpleNamespace(
+        settings=SimpleNamespace(
+            max_request_body_bytes=4 * LARGE_BODY_BYTES, request_body_timeout_s=60.0
+        )
+    )
     return await prepare_request(Request(scope, receive), state, prepare)  # type: ignore[arg-type]
 
 
@@ -147,8 +201,9 @@ async def test_a_worker_prepares_a_request_with_short_gil_switches(pad_bytes: in
     default_s = sys.getswitchinterval()
     assert default_s > SHORT_SWITCH_INTERVAL_S and gc.isenabled()
     body = json.dumps({"pad": "x" * pad_bytes}).encode()
-    seen_s, gc_enabled = await _prepare(body, lambda data: (sys.getswitchinterval(),
-                                                            gc.isenabled()))
+    seen_s, gc_enabled = await _prepare(
+        body, lambda data: (sys.getswitchinterval(), gc.isenabled())
+    )
     assert seen_s == pytest.approx(SHORT_SWITCH_INTERVAL_S)
     assert gc_enabled is (pad_bytes <= LARGE_BODY_BYTES)
     assert sys.getswitchinterval() == default_s and gc.isenabled()

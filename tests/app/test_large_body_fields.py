@@ -24,58 +24,116 @@ from tests.app._server_fixtures import RunningServer
 pytestmark = pytest.mark.slow
 
 PAD_CHARS = 2 * LARGE_BODY_BYTES
-TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 CHOICES = ["yes", "no"]
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
-          "required": ["answer"]}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 COMMON_FIELDS: dict[str, Any] = {
     "model": None,  # the served name, filled in by the test
-    "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["x", "yz"],
-    "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-    "logit_bias": {"5": 1.0, "9": -2.0}, "stream": True,
+    "max_tokens": 2,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "n": 2,
+    "stop": ["x", "yz"],
+    "seed": 7,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {"5": 1.0, "9": -2.0},
+    "stream": True,
     "stream_options": {"include_usage": True, "stream": True},
-    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True,
-    "min_tokens": 1, "stop_token_ids": [5, 6], "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "include_stop_str_in_output": True,
-    "truncate_prompt_tokens": 3, "priority": 1, "request_id": "fields-1",
-    "cache_salt": "salt", "return_token_ids": True, "vllm_xargs": {"a": [1, "b"], "c": 2.5},
-    "prompt_logprobs": 2, "use_beam_search": True, "length_penalty": 2.0,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "logprob_token_ids": [1],
+    "top_k": 5,
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "ignore_eos": True,
+    "min_tokens": 1,
+    "stop_token_ids": [5, 6],
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "include_stop_str_in_output": True,
+    "truncate_prompt_tokens": 3,
+    "priority": 1,
+    "request_id": "fields-1",
+    "cache_salt": "salt",
+    "return_token_ids": True,
+    "vllm_xargs": {"a": [1, "b"], "c": 2.5},
+    "prompt_logprobs": 2,
+    "use_beam_search": True,
+    "length_penalty": 2.0,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["x"],
+    "logprob_token_ids": [1],
     "stream_interval": 2,
-    "response_format": {"type": "json_schema",
-                        "json_schema": {"name": "answer", "schema": SCHEMA}},
-    "structured_outputs": {"choice": CHOICES}, "guided_json": SCHEMA, "guided_regex": "a+b",
-    "guided_choice": CHOICES, "guided_grammar": 'root ::= "x" | "y"',
+    "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    "structured_outputs": {"choice": CHOICES},
+    "guided_json": SCHEMA,
+    "guided_regex": "a+b",
+    "guided_choice": CHOICES,
+    "guided_grammar": 'root ::= "x" | "y"',
     "truncation_side": "right",
 }
 CHAT_FIELDS: dict[str, Any] = {
-    "max_completion_tokens": 2, "logprobs": True, "top_logprobs": {"top_logprobs": 2,
-                                                                   "logprobs": True},
-    "echo": True, "add_generation_prompt": False,
+    "max_completion_tokens": 2,
+    "logprobs": True,
+    "top_logprobs": {"top_logprobs": 2, "logprobs": True},
+    "echo": True,
+    "add_generation_prompt": False,
     "continue_final_message": {"continue_final_message": True, "add_generation_prompt": False},
-    "add_special_tokens": True, "chat_template_kwargs": {"flag": {"nested": [1, 2]}},
-    "reasoning_effort": "low", "parallel_tool_calls": True, "store": False,
-    "metadata": {"k": "v"}, "service_tier": "auto", "modalities": ["text"],
-    "include_reasoning": True, "tools": [TOOL],
-    "tool_choice": {"tools": [TOOL], "tool_choice": {"type": "function",
-                                                     "function": {"name": "get_weather"}}},
+    "add_special_tokens": True,
+    "chat_template_kwargs": {"flag": {"nested": [1, 2]}},
+    "reasoning_effort": "low",
+    "parallel_tool_calls": True,
+    "store": False,
+    "metadata": {"k": "v"},
+    "service_tier": "auto",
+    "modalities": ["text"],
+    "include_reasoning": True,
+    "tools": [TOOL],
+    "tool_choice": {
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    },
     "tool_choice_required": {"tools": [TOOL], "tool_choice": "required"},
-    "functions": [TOOL["function"]], "function_call": "auto", "chat_template": "{{ 1 }}",
-    "documents": [{"text": "d"}], "audio": {"voice": "a"}, "prediction": {"type": "content"},
+    "functions": [TOOL["function"]],
+    "function_call": "auto",
+    "chat_template": "{{ 1 }}",
+    "documents": [{"text": "d"}],
+    "audio": {"voice": "a"},
+    "prediction": {"type": "content"},
     "web_search_options": {"size": "low"},
 }
 COMPLETION_FIELDS: dict[str, Any] = {
-    "logprobs": 2, "echo": True, "add_special_tokens": False, "suffix": "end", "best_of": 2,
+    "logprobs": 2,
+    "echo": True,
+    "add_special_tokens": False,
+    "suffix": "end",
+    "best_of": 2,
 }
-SPLIT = {"stream_options", "top_logprobs", "continue_final_message", "tool_choice",
-         "tool_choice_required"}
+SPLIT = {
+    "stream_options",
+    "top_logprobs",
+    "continue_final_message",
+    "tool_choice",
+    "tool_choice_required",
+}
 """Fields sent together with the others they need (their value is those fields)."""
-CHAT = {"messages": [{"role": "user", "content": "Say yes or no."},
-                     {"role": "assistant", "content": "I say"}], "max_tokens": 1}
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "Say yes or no."},
+        {"role": "assistant", "content": "I say"},
+    ],
+    "max_tokens": 1,
+}
 COMPLETION = {"prompt": "Say yes or no:", "max_tokens": 1}
 
 
@@ -88,8 +146,10 @@ class Built:
 
     def summary(self) -> dict[str, Any]:
         # Dumped now, after the answer: a field emptied once validated shows here.
-        return {"requests": [req.model_dump(exclude={"user"}) for req in self.requests],
-                "plans": self.tool_plans}
+        return {
+            "requests": [req.model_dump(exclude={"user"}) for req in self.requests],
+            "plans": self.tool_plans,
+        }
 
 
 class Recorder:
@@ -115,14 +175,16 @@ class Recorder:
         def recording_plan(*args: Any) -> Any:
             plan = tool_plan(*args)
             with self._lock:
-                self.built.tool_plans.append((plan.tools, plan.mode, plan.structured_output,
-                                              plan.needs_special_tokens))
+                self.built.tool_plans.append(
+                    (plan.tools, plan.mode, plan.structured_output, plan.needs_special_tokens)
+                )
             return plan
 
         async def recording_admit(requests: Any, params: Any) -> Any:
             self.engine_requests.extend(
-                (r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.priority,
-                 r.cache_salt) for r in requests)
+                (r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.priority, r.cache_salt)
+                for r in requests
+            )
             raise AdmissionRefused(503, "recorded", retry_after_s=1)
 
         patch.setattr(app.routes_openai, "parse_model", recording_parse)
@@ -132,8 +194,12 @@ class Recorder:
     def send(self, http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.built, self.engine_requests = Built(), []
         response = http.post(path, json=body)
-        return {"status": response.status_code, "error": response.json()["error"],
-                "engine_requests": self.engine_requests, **self.built.summary()}
+        return {
+            "status": response.status_code,
+            "error": response.json()["error"],
+            "engine_requests": self.engine_requests,
+            **self.built.summary(),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -155,21 +221,31 @@ def _cases(fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_every_field_has_a_case() -> None:
-    for model, own in ((ChatCompletionRequest, CHAT_FIELDS),
-                       (CompletionRequest, COMPLETION_FIELDS)):
+    for model, own in (
+        (ChatCompletionRequest, CHAT_FIELDS),
+        (CompletionRequest, COMPLETION_FIELDS),
+    ):
         covered = {*COMMON_FIELDS, *own, "user", "messages", "prompt"}
         assert set(model.model_fields) <= covered, set(model.model_fields) - covered
 
 
-@pytest.mark.parametrize("path,base,fields", [
-    pytest.param("/v1/chat/completions", CHAT, {**COMMON_FIELDS, **CHAT_FIELDS}, id="chat"),
-    pytest.param("/v1/completions", COMPLETION, {**COMMON_FIELDS, **COMPLETION_FIELDS},
-                 id="completions"),
-])
-def test_a_large_body_builds_what_a_small_body_builds(server: RunningServer, http: httpx.Client,
-                                                      recorder: Recorder, path: str,
-                                                      base: dict[str, Any],
-                                                      fields: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "path,base,fields",
+    [
+        pytest.param("/v1/chat/completions", CHAT, {**COMMON_FIELDS, **CHAT_FIELDS}, id="chat"),
+        pytest.param(
+            "/v1/completions", COMPLETION, {**COMMON_FIELDS, **COMPLETION_FIELDS}, id="completions"
+        ),
+    ],
+)
+def test_a_large_body_builds_what_a_small_body_builds(
+    server: RunningServer,
+    http: httpx.Client,
+    recorder: Recorder,
+    path: str,
+    base: dict[str, Any],
+    fields: dict[str, Any],
+) -> None:
     model_name = server.state.model_names[0]
     differences = []
     for name, extra in _cases(fields):
@@ -180,18 +256,23 @@ def test_a_large_body_builds_what_a_small_body_builds(server: RunningServer, htt
         large = recorder.send(http, path, {**body, "user": "u" * PAD_CHARS})
         if small != large:
             differences.append((name, small, large))
-    assert not differences, "differ: " + ", ".join(name for name, _, _ in differences) + "".join(
-        f"\n{name}:\n  small {small}\n  large {large}" for name, small, large in differences)
+    assert not differences, (
+        "differ: "
+        + ", ".join(name for name, _, _ in differences)
+        + "".join(
+            f"\n{name}:\n  small {small}\n  large {large}" for name, small, large in differences
+        )
+    )
 
 
-@pytest.mark.parametrize("constraint", [{"guided_choice": CHOICES},
-                                        {"guided_json": {"enum": CHOICES}}],
-                         ids=["guided_choice", "guided_json"])
-def test_a_large_body_constrains_the_output(http: httpx.Client,
-                                            constraint: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "constraint",
+    [{"guided_choice": CHOICES}, {"guided_json": {"enum": CHOICES}}],
+    ids=["guided_choice", "guided_json"],
+)
+def test_a_large_body_constrains_the_output(http: httpx.Client, constraint: dict[str, Any]) -> None:
     """The issue's case: a constraint in a 2 MiB body (the output was left free)."""
-    body = {**COMPLETION, **constraint, "max_tokens": 10, "temperature": 0,
-            "user": "u" * PAD_CHARS}
+    body = {**COMPLETION, **constraint, "max_tokens": 10, "temperature": 0, "user": "u" * PAD_CHARS}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     text = response.json()["choices"][0]["text"]

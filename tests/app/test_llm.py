@@ -11,10 +11,38 @@ from tests._embedded_model import needs_embedded_model
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
 TOPICS = [
-    "the moon", "rivers", "bread", "chess", "volcanoes", "music", "bees", "winter", "trains",
-    "the ocean", "gardens", "clocks", "mountains", "libraries", "rain", "cats", "deserts",
-    "bicycles", "stars", "coffee", "forests", "bridges", "snow", "painting", "islands",
-    "birds", "cities", "lighthouses", "honey", "storms", "maps", "candles",
+    "the moon",
+    "rivers",
+    "bread",
+    "chess",
+    "volcanoes",
+    "music",
+    "bees",
+    "winter",
+    "trains",
+    "the ocean",
+    "gardens",
+    "clocks",
+    "mountains",
+    "libraries",
+    "rain",
+    "cats",
+    "deserts",
+    "bicycles",
+    "stars",
+    "coffee",
+    "forests",
+    "bridges",
+    "snow",
+    "painting",
+    "islands",
+    "birds",
+    "cities",
+    "lighthouses",
+    "honey",
+    "storms",
+    "maps",
+    "candles",
 ]
 
 
@@ -31,8 +59,9 @@ def _prompts(llm: LLM, count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default", runner="v2", max_num_seqs=32, max_num_batched_tokens=2048,
-               max_model_len=1024)
+    return LLM(
+        "default", runner="v2", max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024
+    )
 
 
 def _tokens(outputs) -> list[tuple[int, ...]]:
@@ -43,16 +72,24 @@ GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def test_capital_of_france(llm: LLM) -> None:
-    out = llm.generate([llm.apply_chat_template("What is the capital of France?")],
-                       SamplingParams(temperature=0.0, max_tokens=16))
+    out = llm.generate(
+        [llm.apply_chat_template("What is the capital of France?")],
+        SamplingParams(temperature=0.0, max_tokens=16),
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
     assert out[0].runner == "v2"
 
 
 def test_v1_and_v2_agree_on_32_mixed_prompts(llm: LLM) -> None:
-    v1 = LLM("default", reuse=llm, runner="v1", max_num_seqs=32, max_num_batched_tokens=2048,
-             max_model_len=1024)
+    v1 = LLM(
+        "default",
+        reuse=llm,
+        runner="v1",
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+        max_model_len=1024,
+    )
     assert v1.runner == "v1"
     prompts = _prompts(llm, 32)
     tokens_v2 = _tokens(llm.generate(prompts, GREEDY_32))
@@ -61,10 +98,14 @@ def test_v1_and_v2_agree_on_32_mixed_prompts(llm: LLM) -> None:
     assert tokens_v1 == tokens_v2
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_batch_invariance(llm: LLM, params: SamplingParams) -> None:
     prompts = _prompts(llm, 16)
     batched = _tokens(llm.generate(prompts, params))
@@ -73,18 +114,35 @@ def test_batch_invariance(llm: LLM, params: SamplingParams) -> None:
 
 
 def test_chunked_prefill_gives_same_tokens(llm: LLM) -> None:
-    chunked = LLM("default", reuse=llm, runner="v2", max_num_seqs=32, max_num_batched_tokens=24,
-                  max_model_len=1024)
+    chunked = LLM(
+        "default",
+        reuse=llm,
+        runner="v2",
+        max_num_seqs=32,
+        max_num_batched_tokens=24,
+        max_model_len=1024,
+    )
     prompts = _prompts(llm, 6)
-    assert _tokens(chunked.generate(prompts, GREEDY_32)) == _tokens(llm.generate(prompts, GREEDY_32))
+    assert _tokens(chunked.generate(prompts, GREEDY_32)) == _tokens(
+        llm.generate(prompts, GREEDY_32)
+    )
 
 
 def test_preemption_gives_same_tokens(llm: LLM) -> None:
     # 12 blocks of 16 tokens cannot hold 6 prompts of ~40 tokens plus 32 outputs each.
-    tiny_pool = LLM("default", reuse=llm, runner="v2", max_num_seqs=32, max_num_batched_tokens=2048,
-                    max_model_len=160, num_kv_blocks=12)
+    tiny_pool = LLM(
+        "default",
+        reuse=llm,
+        runner="v2",
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+        max_model_len=160,
+        num_kv_blocks=12,
+    )
     prompts = _prompts(llm, 6)
-    assert _tokens(tiny_pool.generate(prompts, GREEDY_32)) == _tokens(llm.generate(prompts, GREEDY_32))
+    assert _tokens(tiny_pool.generate(prompts, GREEDY_32)) == _tokens(
+        llm.generate(prompts, GREEDY_32)
+    )
     assert tiny_pool.last_num_preemptions > 0
 
 

@@ -21,12 +21,15 @@ from tests.gpu._tiny_checkpoints import tiny_hf_model, write_tiny_gguf
 
 pytestmark = pytest.mark.slow
 
-NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=2,
-                          prompt_lookup_max=4)
+NGRAM = SpeculativeConfig(
+    "ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4
+)
 OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512)
-TEXT = ("The committee met on Tuesday to review the budget. It agreed to fund the new library "
-        "wing, the park renovation and the bus shelters on Main Street, and it asked the "
-        "treasurer to report back in March with the final costs.")
+TEXT = (
+    "The committee met on Tuesday to review the budget. It agreed to fund the new library "
+    "wing, the park renovation and the bus shelters on Main Street, and it asked the "
+    "treasurer to report back in March with the final costs."
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
@@ -42,9 +45,11 @@ def plain() -> LLM:
 
 
 def _prompts(llm: LLM) -> list[str]:
-    return [llm.apply_chat_template(f"Repeat this text word for word: {TEXT}"),
-            llm.apply_chat_template(f"Fix the spelling, keep everything else: {TEXT}"),
-            llm.apply_chat_template("Tell me one fact about the moon.")]
+    return [
+        llm.apply_chat_template(f"Repeat this text word for word: {TEXT}"),
+        llm.apply_chat_template(f"Fix the spelling, keep everything else: {TEXT}"),
+        llm.apply_chat_template("Tell me one fact about the moon."),
+    ]
 
 
 def _tokens(outputs) -> list[tuple[int, ...]]:
@@ -78,10 +83,11 @@ def test_logprobs_and_stop_tokens_follow_the_emitted_tokens(plain: LLM) -> None:
         assert [t.token for t in entry.top_logprobs] == [t.token for t in reference.top_logprobs]
         assert entry.logprob == pytest.approx(reference.logprob, abs=1e-3)
     stop_at = expected[0].outputs[0].token_ids[12]
-    stopped = spec.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30,
-                                                   stop_token_ids=(stop_at,)))
+    stopped = spec.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=(stop_at,))
+    )
     first = expected[0].outputs[0].token_ids.index(stop_at)
-    assert stopped[0].outputs[0].token_ids == expected[0].outputs[0].token_ids[:first + 1]
+    assert stopped[0].outputs[0].token_ids == expected[0].outputs[0].token_ids[: first + 1]
     assert stopped[0].outputs[0].finish_reason == "stop"
 
 
@@ -101,14 +107,18 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _sampled(llm: LLM, seeds: range) -> list[tuple[int, ...]]:
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True,
-                             logit_bias=BIASED) for seed in seeds]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True, logit_bias=BIASED)
+        for seed in seeds
+    ]
     return _tokens(llm.generate([PATTERN] * len(params), params))
 
 
 def _homogeneity_p_value(sample_a: list[int], sample_b: list[int]) -> float:
     """Chi-square test that two samples of tokens come from one distribution."""
-    counts = torch.stack([torch.bincount(torch.tensor(s), minlength=128) for s in (sample_a, sample_b)])
+    counts = torch.stack(
+        [torch.bincount(torch.tensor(s), minlength=128) for s in (sample_a, sample_b)]
+    )
     table = counts[:, counts.sum(0) > 0].double()
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
     statistic = ((table - expected) ** 2 / expected).sum()
@@ -117,12 +127,20 @@ def _homogeneity_p_value(sample_a: list[int], sample_b: list[int]) -> float:
 
 
 @pytest.mark.parametrize("runner", ["v2", "v1"])
-def test_seeded_sampling_is_reproducible_and_keeps_the_distribution(tiny_gguf: Path,
-                                                                    runner: str) -> None:
+def test_seeded_sampling_is_reproducible_and_keeps_the_distribution(
+    tiny_gguf: Path, runner: str
+) -> None:
     options = dict(max_model_len=128, max_num_seqs=64, num_kv_blocks=800)
     plain = LLM(str(tiny_gguf), runner=runner, **options)
-    spec = LLM(str(tiny_gguf), reuse=plain, runner=runner, speculative_config=SpeculativeConfig(
-        "ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2), **options)
+    spec = LLM(
+        str(tiny_gguf),
+        reuse=plain,
+        runner=runner,
+        speculative_config=SpeculativeConfig(
+            "ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2
+        ),
+        **options,
+    )
     seeds = range(NUM_SEEDS)
     with_spec = _sampled(spec, seeds)
     num_drafts, num_accepted = _accepted(spec.last_step_stats)
@@ -133,8 +151,9 @@ def test_seeded_sampling_is_reproducible_and_keeps_the_distribution(tiny_gguf: P
     # Against the non-speculative sampler on other seeds, position by position.
     other = _sampled(plain, range(NUM_SEEDS, 2 * NUM_SEEDS))
     for position in (1, 3, 6):
-        p_value = _homogeneity_p_value([t[position] for t in with_spec],
-                                       [t[position] for t in other])
+        p_value = _homogeneity_p_value(
+            [t[position] for t in with_spec], [t[position] for t in other]
+        )
         assert p_value > 1e-3, f"position {position}: p = {p_value}"
 
 
@@ -143,9 +162,21 @@ def test_seeded_sampling_is_reproducible_and_keeps_the_distribution(tiny_gguf: P
 
 def test_preemptions_and_aborts_leave_no_block_or_row(plain: LLM) -> None:
     config = plain.config.replace(speculative_config=NGRAM, num_kv_blocks=14, max_num_seqs=4)
-    spec = LLM("default", reuse=plain, **{k: getattr(config, k) for k in (
-        "runner", "speculative_config", "num_kv_blocks", "max_num_seqs",
-        "max_num_batched_tokens", "max_model_len")})
+    spec = LLM(
+        "default",
+        reuse=plain,
+        **{
+            k: getattr(config, k)
+            for k in (
+                "runner",
+                "speculative_config",
+                "num_kv_blocks",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+            )
+        },
+    )
     prompts = [plain.tokenizer.encode(p) for p in _prompts(plain)] * 2
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
@@ -154,9 +185,10 @@ def test_preemptions_and_aborts_leave_no_block_or_row(plain: LLM) -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
             try:
-                streams = [engine.add_request(EngineRequest(f"r{i}", tuple(p), params,
-                                                            time.monotonic()))
-                           for i, p in enumerate(prompts)]
+                streams = [
+                    engine.add_request(EngineRequest(f"r{i}", tuple(p), params, time.monotonic()))
+                    for i, p in enumerate(prompts)
+                ]
                 with anyio.fail_after(300):
                     await streams[4].get()  # r4 and r5 are aborted once r4 is streaming
                     engine.abort(["r4", "r5"])
@@ -185,13 +217,22 @@ def test_grammar_and_prompt_logprob_rows_beside_speculating_rows(plain: LLM, run
     from actors.protocol.structured_output import StructuredOutputSpec
 
     spec = LLM("default", reuse=plain, runner=runner, speculative_config=NGRAM, **OPTIONS)
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-              "required": ["city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     prompts = _prompts(plain)
-    params = [GREEDY,
-              SamplingParams(temperature=0.0, max_tokens=40,
-                             structured_output=StructuredOutputSpec("json", json.dumps(schema))),
-              SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1)]
+    params = [
+        GREEDY,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured_output=StructuredOutputSpec("json", json.dumps(schema)),
+        ),
+        SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1),
+    ]
     expected = plain.generate(prompts, params)
     actual = spec.generate(prompts, params)
     assert _tokens(actual) == _tokens(expected)

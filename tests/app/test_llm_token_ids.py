@@ -25,8 +25,9 @@ def test_token_id_prompts_give_token_ids_and_no_text(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     assert all(o.outputs[0].text == "" and o.outputs[0].finish_reason == "length" for o in outputs)
     v1 = LLM("dummy:smollm2-135m", reuse=llm, runner="v1", **OPTIONS)
-    assert [o.outputs[0].token_ids for o in v1.generate([[1, 2, 3], [4, 5]], params)] == \
-        [o.outputs[0].token_ids for o in outputs]
+    assert [o.outputs[0].token_ids for o in v1.generate([[1, 2, 3], [4, 5]], params)] == [
+        o.outputs[0].token_ids for o in outputs
+    ]
     assert llm.last_step_stats and all(s.num_reqs >= 1 for s in llm.last_step_stats)
 
 

@@ -45,8 +45,14 @@ def server() -> Iterator[RunningServer]:
 
 
 def _complete(http: httpx.Client, **fields: Any) -> httpx.Response:
-    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
-            "ignore_eos": True, **fields}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        **fields,
+    }
     return http.post("/v1/completions", json=body)
 
 
@@ -67,8 +73,9 @@ def test_the_fallback_logs_one_warning(server: RunningServer) -> None:
     assert "custom logits processors" in SELECTION_WARNINGS.messages[0]
 
 
-def test_concurrent_requests_get_their_own_arguments(server: RunningServer,
-                                                      http: httpx.Client) -> None:
+def test_concurrent_requests_get_their_own_arguments(
+    server: RunningServer, http: httpx.Client
+) -> None:
     plain = _tokens(_complete(http))
     forced_a, forced_b = 1000, 2024
     requests = [
@@ -88,20 +95,30 @@ def test_concurrent_requests_get_their_own_arguments(server: RunningServer,
 
 
 def test_chat_requests_take_arguments_too(http: httpx.Client) -> None:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0.8,
-            "seed": 3, "vllm_xargs": {"force_token_id": 42}, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0.8,
+        "seed": 3,
+        "vllm_xargs": {"force_token_id": 42},
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["token_ids"] == [42] * 4
 
 
-@pytest.mark.parametrize(("xargs", "message"), [
-    ({"force_token_id": -4}, "force_token_id must be a non-negative integer"),
-    ({"ban_token_ids": "7"}, "ban_token_ids must be a list of token ids"),
-])
-def test_arguments_the_processor_refuses_are_a_400(http: httpx.Client, xargs: dict,
-                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    ("xargs", "message"),
+    [
+        ({"force_token_id": -4}, "force_token_id must be a non-negative integer"),
+        ({"ban_token_ids": "7"}, "ban_token_ids must be a list of token ids"),
+    ],
+)
+def test_arguments_the_processor_refuses_are_a_400(
+    http: httpx.Client, xargs: dict, message: str
+) -> None:
     response = _complete(http, vllm_xargs=xargs)
     assert response.status_code == 400
     error = response.json()["error"]

@@ -63,20 +63,30 @@ def _small(body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for name, cap in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS),
-                      ("min_tokens", MAX_TOKENS), ("n", MAX_N)):
+    for name, cap in (
+        ("max_tokens", MAX_TOKENS),
+        ("max_completion_tokens", MAX_TOKENS),
+        ("min_tokens", MAX_TOKENS),
+        ("n", MAX_N),
+    ):
         value = body.get(name)
         if isinstance(value, str) and re.fullmatch(INT_PATTERN, value):
             value = int(value)  # the server reads digit strings as integers, as vLLM does
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > cap:
             body[name] = cap
     prompts = body.get("prompt")
-    if isinstance(prompts, list) and len(prompts) > 1 \
-            and all(isinstance(p, (str, list)) for p in prompts):
+    if (
+        isinstance(prompts, list)
+        and len(prompts) > 1
+        and all(isinstance(p, (str, list)) for p in prompts)
+    ):
         body["prompt"] = prompts[:MAX_PROMPTS]
     # Without max_tokens (absent or null) a request may generate up to the context length.
-    if ("messages" in body or "prompt" in body) and body.get("max_completion_tokens") is None \
-            and body.get("max_tokens") is None:
+    if (
+        ("messages" in body or "prompt" in body)
+        and body.get("max_completion_tokens") is None
+        and body.get("max_tokens") is None
+    ):
         body["max_tokens"] = MAX_TOKENS
     return body
 
@@ -100,11 +110,20 @@ def test_fuzz_every_operation(server: RunningServer) -> None:
     with httpx.Client(base_url=server.url, timeout=120) as client:
         for operation in operations:
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET" \
-                        and operation.path != "/v1/models/{model_id}":
+                if (
+                    mode is GenerationMode.NEGATIVE
+                    and operation.method.upper() == "GET"
+                    and operation.path != "/v1/models/{model_id}"
+                ):
                     continue  # nothing in these requests can be invalid
-                _fuzz(operation, mode, EXAMPLES[(operation.method.upper(), operation.path)],
-                      client, statuses, failures)
+                _fuzz(
+                    operation,
+                    mode,
+                    EXAMPLES[(operation.method.upper(), operation.path)],
+                    client,
+                    statuses,
+                    failures,
+                )
     total = sum(statuses.values())
     print(f"schemathesis: {total} requests, statuses {dict(sorted(statuses.items()))}")
     assert not failures, "\n\n".join(failures[:5])
@@ -116,10 +135,21 @@ def test_fuzz_every_operation(server: RunningServer) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def _fuzz(operation: Any, mode: GenerationMode, num_examples: int, client: httpx.Client,
-          statuses: Counter[int], failures: list[str]) -> None:
-    @settings(max_examples=num_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+def _fuzz(
+    operation: Any,
+    mode: GenerationMode,
+    num_examples: int,
+    client: httpx.Client,
+    statuses: Counter[int],
+    failures: list[str],
+) -> None:
+    @settings(
+        max_examples=num_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         response = case.call(headers=AUTH, timeout=120)
@@ -127,8 +157,10 @@ def _fuzz(operation: Any, mode: GenerationMode, num_examples: int, client: httpx
         try:
             case.validate_response(response, headers=AUTH, excluded_checks=EXCLUDED_CHECKS)
         except (AssertionError, BaseExceptionGroup) as exc:  # collected, reported together
-            failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): "
-                            f"{exc}\n{case.as_curl_command(headers=AUTH)}")
+            failures.append(
+                f"{operation.method.upper()} {operation.path} ({mode.value}): "
+                f"{exc}\n{case.as_curl_command(headers=AUTH)}"
+            )
         if response.status_code >= 400:
             sent = repr(case.body) + repr(case.path_parameters)
             leaked = leaked_markers(response.text, sent)

@@ -39,7 +39,8 @@ def tokenizer() -> AppTokenizer:
 
 
 def test_the_bound_is_the_longest_token_and_dropped_characters_are_uncounted(
-        tokenizer: AppTokenizer) -> None:
+    tokenizer: AppTokenizer,
+) -> None:
     bound = chars_per_token(tokenizer)
     assert bound is not None
     vocab = tokenizer.raw.get_vocab(with_added_tokens=True)
@@ -52,19 +53,44 @@ def test_the_bound_is_the_longest_token_and_dropped_characters_are_uncounted(
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
-def test_the_densest_text_fits_exactly_and_one_token_more_does_not(tokenizer: AppTokenizer,
-                                                                   num_tokens: int) -> None:
+def test_the_densest_text_fits_exactly_and_one_token_more_does_not(
+    tokenizer: AppTokenizer, num_tokens: int
+) -> None:
     text = DENSEST * num_tokens
     assert len(tokenizer.encode(text)) == num_tokens
     assert not text_cannot_fit(text, tokenizer, num_tokens)
     assert text_cannot_fit(text, tokenizer, num_tokens - 1)
 
 
-SAMPLES = st.lists(st.one_of(
-    st.sampled_from([" ", "\n", "\t", "#", "0", "1", "a", "é", "中", "😀", "\u0301", "\x04",
-                     "\x1d", "<|im_start|>", "<|im_end|>", DENSEST, "#" * 80, "=" * 64]),
-    # Lone surrogates never get this far: a body holding one is refused with a 400.
-    st.characters(exclude_categories=("Cs",))), max_size=60).map("".join)
+SAMPLES = st.lists(
+    st.one_of(
+        st.sampled_from(
+            [
+                " ",
+                "\n",
+                "\t",
+                "#",
+                "0",
+                "1",
+                "a",
+                "é",
+                "中",
+                "😀",
+                "\u0301",
+                "\x04",
+                "\x1d",
+                "<|im_start|>",
+                "<|im_end|>",
+                DENSEST,
+                "#" * 80,
+                "=" * 64,
+            ]
+        ),
+        # Lone surrogates never get this far: a body holding one is refused with a 400.
+        st.characters(exclude_categories=("Cs",)),
+    ),
+    max_size=60,
+).map("".join)
 
 
 @settings(max_examples=400, deadline=None)
@@ -111,16 +137,18 @@ def test_a_composing_normalizer_multiplies_the_bound() -> None:
 
 
 def test_the_longest_canonical_decomposition_is_four_characters() -> None:
-    longest = max(len(unicodedata.normalize("NFD", chr(code))) for code in range(0x110000)
-                  if not 0xD800 <= code <= 0xDFFF)
+    longest = max(
+        len(unicodedata.normalize("NFD", chr(code)))
+        for code in range(0x110000)
+        if not 0xD800 <= code <= 0xDFFF
+    )
     assert longest == MAX_CANONICAL_DECOMPOSITION_CHARS
 
 
 def test_byte_fallback_covers_every_character() -> None:
     vocab = {"<unk>": 0, "▁a": 1, **{f"<0x{byte:02X}>": 2 + byte for byte in range(256)}}
     raw = _bpe(vocab, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
-    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                           normalizers.Replace(" ", "▁")])
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tokenizer = _wrap(raw)
     assert chars_per_token(tokenizer).max_chars == 6  # type: ignore[union-attr]
     text = "語" * 50
@@ -144,8 +172,9 @@ NORMAL_TEXTS = {
     "prose and markdown": (REPO / "README.md").read_text(),
     "python": (REPO / "app" / "prompts.py").read_text(),
     "many scripts": "Grüße aus Köln! 東京は晴れ。 Привет, мир. 🙂 مرحبا ¿Qué tal? 1234.5\n",
-    "chat markup": ("<|im_start|>user\nHello there<|im_end|>\n"
-                    "<|im_start|>assistant\nHi!<|im_end|>\n"),
+    "chat markup": (
+        "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n"
+    ),
     "dropped characters": "a\x04b \x1d\x1d\x1d word\x13 " + "\x06" * 40 + "\n",
 }
 
@@ -164,8 +193,9 @@ def _full_ids(tokenizer: AppTokenizer, text: str) -> list[int]:
 
 @pytest.mark.parametrize("num_tokens", [1, 37, MAX_MODEL_LEN - 1])
 @pytest.mark.parametrize("name", NORMAL_TEXTS)
-def test_a_cut_text_ends_in_the_tokens_of_the_whole_text(tokenizer: AppTokenizer, name: str,
-                                                         num_tokens: int) -> None:
+def test_a_cut_text_ends_in_the_tokens_of_the_whole_text(
+    tokenizer: AppTokenizer, name: str, num_tokens: int
+) -> None:
     bound = chars_per_token(tokenizer)
     assert bound is not None
     text = _long(NORMAL_TEXTS[name], num_tokens, bound)
@@ -174,19 +204,37 @@ def test_a_cut_text_ends_in_the_tokens_of_the_whole_text(tokenizer: AppTokenizer
     assert ids[-num_tokens:] == _full_ids(tokenizer, text)[-num_tokens:]
 
 
-WORDS = st.sampled_from(["the", " ", "\n\n", "naïve", "中文", "😀", "don't", "3.14", "#", "==",
-                         "<|im_end|>", "\t", DENSEST, "\x04", "ab\x1dcd"]) | st.text(max_size=12)
+WORDS = st.sampled_from(
+    [
+        "the",
+        " ",
+        "\n\n",
+        "naïve",
+        "中文",
+        "😀",
+        "don't",
+        "3.14",
+        "#",
+        "==",
+        "<|im_end|>",
+        "\t",
+        DENSEST,
+        "\x04",
+        "ab\x1dcd",
+    ]
+) | st.text(max_size=12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(words=st.lists(WORDS, min_size=1, max_size=40), num_tokens=st.integers(1, 40))
-def test_a_cut_text_of_words_ends_in_the_same_tokens(tokenizer: AppTokenizer,
-                                                     words: list[str], num_tokens: int) -> None:
+def test_a_cut_text_of_words_ends_in_the_same_tokens(
+    tokenizer: AppTokenizer, words: list[str], num_tokens: int
+) -> None:
     bound = chars_per_token(tokenizer)
     assert bound is not None
     # Each repetition ends in a word, so no run of spaces or marks is longer than it.
     text = _long(" ".join(words) + " end.\n", num_tokens, bound)
-    tail = text[truncation_start(text, tokenizer, num_tokens):]
+    tail = text[truncation_start(text, tokenizer, num_tokens) :]
     assert tokenizer.encode(tail)[-num_tokens:] == tokenizer.encode(text)[-num_tokens:]
 
 

@@ -40,12 +40,14 @@ def server() -> Iterator[RunningServer]:
 
 # ---- API key ---------------------------------------------------------------------------
 
-PROTECTED = [("POST", CHAT, {"messages": MSGS, "max_tokens": 1}),
-             ("POST", CMPL, {"prompt": "Hi", "max_tokens": 1}),
-             ("GET", "/v1/models", None),
-             ("GET", "/v1/models/SmolLM2-135M-Instruct", None),
-             ("POST", "/tokenize", {"prompt": "Hi"}),
-             ("POST", "/detokenize", {"tokens": [1, 2]})]
+PROTECTED = [
+    ("POST", CHAT, {"messages": MSGS, "max_tokens": 1}),
+    ("POST", CMPL, {"prompt": "Hi", "max_tokens": 1}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/SmolLM2-135M-Instruct", None),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+]
 BAD_AUTH: list[dict[str, Any]] = [
     {},
     {"Authorization": ""},
@@ -64,8 +66,9 @@ BAD_AUTH: list[dict[str, Any]] = [
 
 
 @pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p[1] for p in PROTECTED])
-def test_protected_routes_refuse_every_wrong_key(http: httpx.Client, method: str, path: str,
-                                                 body: Any) -> None:
+def test_protected_routes_refuse_every_wrong_key(
+    http: httpx.Client, method: str, path: str, body: Any
+) -> None:
     for headers in BAD_AUTH:
         response = http.request(method, path, json=body, headers=headers)
         assert response.status_code == 401, (headers, response.text)
@@ -80,12 +83,18 @@ def test_a_refusal_before_the_body_is_read_closes_its_connection(http: httpx.Cli
     closes the connection, so a keep-alive client never reuses it (before this, every few
     requests after such a refusal failed with 'Server disconnected')."""
     for _ in range(30):
-        refused = http.post(CHAT, json={"messages": MSGS, "max_tokens": 1},
-                            headers={"Authorization": "Bearer wrong"})
+        refused = http.post(
+            CHAT,
+            json={"messages": MSGS, "max_tokens": 1},
+            headers={"Authorization": "Bearer wrong"},
+        )
         assert refused.status_code == 401 and refused.headers["connection"] == "close"
         assert http.get("/health").status_code == 200
-    form = http.post(CMPL, content=b"prompt=hi", headers={
-        **AUTH, "Content-Type": "application/x-www-form-urlencoded"})
+    form = http.post(
+        CMPL,
+        content=b"prompt=hi",
+        headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert form.status_code == 415 and form.headers["connection"] == "close"
     read = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 0}, headers=AUTH)
     assert read.status_code == 400 and "close" not in read.headers.get("connection", "")
@@ -109,7 +118,12 @@ def test_a_unicode_key_is_compared_as_utf8_bytes() -> None:
         url = server.url + "/v1/models"
         right = httpx.get(url, headers={"Authorization": f"Bearer {unicode_key}".encode()})
         assert right.status_code == 200
-        latin1 = httpx.get(url, headers={"Authorization": f"Bearer {unicode_key}".encode().decode("latin-1").encode("utf-8")})
+        latin1 = httpx.get(
+            url,
+            headers={
+                "Authorization": f"Bearer {unicode_key}".encode().decode("latin-1").encode("utf-8")
+            },
+        )
         assert latin1.status_code == 401
         assert httpx.get(url, headers={"Authorization": b"Bearer cl\xe9"}).status_code == 401
     finally:
@@ -135,6 +149,7 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
 
 # ---- sizes and per-request limits ------------------------------------------------------
 
+
 def test_body_limit_applies_to_declared_and_chunked_bodies(http: httpx.Client) -> None:
     big = json.dumps({"messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]}).encode()
     declared = http.post(CHAT, content=big, headers={**AUTH, "Content-Type": "application/json"})
@@ -142,24 +157,29 @@ def test_body_limit_applies_to_declared_and_chunked_bodies(http: httpx.Client) -
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must count bytes read
         for start in range(0, len(big), 8192):
-            yield big[start:start + 8192]
+            yield big[start : start + 8192]
 
-    chunked = http.post(CHAT, content=chunks(), headers={**AUTH,
-                                                         "Content-Type": "application/json"})
+    chunked = http.post(
+        CHAT, content=chunks(), headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
 
 
 def test_prompt_token_limit(http: httpx.Client) -> None:
-    for path, body in ((CMPL, {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}),
-                       (CMPL, {"prompt": [[1] * 10, [1] * MAX_MODEL_LEN], "max_tokens": 1}),
-                       (CHAT, {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}],
-                               "max_tokens": 1})):
+    for path, body in (
+        (CMPL, {"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}),
+        (CMPL, {"prompt": [[1] * 10, [1] * MAX_MODEL_LEN], "max_tokens": 1}),
+        (CHAT, {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}], "max_tokens": 1}),
+    ):
         response = http.post(path, json=body, headers=AUTH)
         assert response.status_code == 400 and response.json()["error"]["param"] == "input_tokens"
         assert "maximum context length" in response.json()["error"]["message"]
     # The limit applies after truncate_prompt_tokens (which keeps the prompt's end).
-    truncated = http.post(CMPL, json={"prompt": [1] * (MAX_MODEL_LEN + 50), "max_tokens": 1,
-                                      "truncate_prompt_tokens": 8}, headers=AUTH)
+    truncated = http.post(
+        CMPL,
+        json={"prompt": [1] * (MAX_MODEL_LEN + 50), "max_tokens": 1, "truncate_prompt_tokens": 8},
+        headers=AUTH,
+    )
     assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 8
 
 
@@ -172,16 +192,23 @@ LIMITS = [
     ({"n": 16}, {"n": 17}, "n"),
     ({"stop": [f"s{i}" for i in range(16)]}, {"stop": [f"s{i}" for i in range(17)]}, "stop"),
     ({"stop": ["y" * 256]}, {"stop": ["y" * 257]}, "stop"),
-    ({"logit_bias": {str(t): 1 for t in _vocab_ids(300)}},
-     {"logit_bias": {str(t): 1 for t in _vocab_ids(301)}}, "logit_bias"),
-    ({"logprobs": True, "top_logprobs": 20}, {"logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
+    (
+        {"logit_bias": {str(t): 1 for t in _vocab_ids(300)}},
+        {"logit_bias": {str(t): 1 for t in _vocab_ids(301)}},
+        "logit_bias",
+    ),
+    (
+        {"logprobs": True, "top_logprobs": 20},
+        {"logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
 ]
 
 
 @pytest.mark.parametrize("at_limit,past_limit,param", LIMITS, ids=[c[2] for c in LIMITS])
-def test_per_request_limits(http: httpx.Client, at_limit: dict[str, Any],
-                            past_limit: dict[str, Any], param: str) -> None:
+def test_per_request_limits(
+    http: httpx.Client, at_limit: dict[str, Any], past_limit: dict[str, Any], param: str
+) -> None:
     base = {"messages": MSGS, "max_tokens": 1}
     accepted = http.post(CHAT, json={**base, **at_limit}, headers=AUTH)
     assert accepted.status_code == 200, accepted.text
@@ -192,14 +219,14 @@ def test_per_request_limits(http: httpx.Client, at_limit: dict[str, Any],
 def test_completion_logprobs_limit(http: httpx.Client) -> None:
     ok = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "logprobs": 20}, headers=AUTH)
     assert ok.status_code == 200
-    refused = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "logprobs": 21},
-                        headers=AUTH)
+    refused = http.post(CMPL, json={"prompt": "Hi", "max_tokens": 1, "logprobs": 21}, headers=AUTH)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
 
 
 def test_many_prompts_times_n_beyond_capacity_is_refused(http: httpx.Client) -> None:
-    response = http.post(CMPL, json={"prompt": ["Hi"] * 100, "n": 16, "max_tokens": 1},
-                         headers=AUTH)
+    response = http.post(
+        CMPL, json={"prompt": ["Hi"] * 100, "n": 16, "max_tokens": 1}, headers=AUTH
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
 
 
@@ -222,25 +249,52 @@ def compiled_templates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("path,body,param", [
-    (CHAT, {"messages": MSGS, "chat_template": PAYLOAD}, "chat_template"),
-    (CHAT, {"messages": MSGS, "chat_template": ""}, "chat_template"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"chat_template": PAYLOAD}},
-     "chat_template_kwargs"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"template": PAYLOAD}},
-     "chat_template_kwargs"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"messages": PAYLOAD}},
-     "chat_template_kwargs"),
-    (CHAT, {"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": PAYLOAD}},
-     "chat_template_kwargs"),
-    ("/tokenize", {"messages": MSGS, "chat_template": PAYLOAD}, "chat_template"),
-    ("/tokenize", {"messages": MSGS, "chat_template_kwargs": {"chat_template": PAYLOAD}},
-     "chat_template_kwargs"),
-], ids=["chat field", "empty chat field", "kwargs chat_template", "kwargs template",
-        "kwargs messages", "kwargs add_generation_prompt", "tokenize field", "tokenize kwargs"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (CHAT, {"messages": MSGS, "chat_template": PAYLOAD}, "chat_template"),
+        (CHAT, {"messages": MSGS, "chat_template": ""}, "chat_template"),
+        (
+            CHAT,
+            {"messages": MSGS, "chat_template_kwargs": {"chat_template": PAYLOAD}},
+            "chat_template_kwargs",
+        ),
+        (
+            CHAT,
+            {"messages": MSGS, "chat_template_kwargs": {"template": PAYLOAD}},
+            "chat_template_kwargs",
+        ),
+        (
+            CHAT,
+            {"messages": MSGS, "chat_template_kwargs": {"messages": PAYLOAD}},
+            "chat_template_kwargs",
+        ),
+        (
+            CHAT,
+            {"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": PAYLOAD}},
+            "chat_template_kwargs",
+        ),
+        ("/tokenize", {"messages": MSGS, "chat_template": PAYLOAD}, "chat_template"),
+        (
+            "/tokenize",
+            {"messages": MSGS, "chat_template_kwargs": {"chat_template": PAYLOAD}},
+            "chat_template_kwargs",
+        ),
+    ],
+    ids=[
+        "chat field",
+        "empty chat field",
+        "kwargs chat_template",
+        "kwargs template",
+        "kwargs messages",
+        "kwargs add_generation_prompt",
+        "tokenize field",
+        "tokenize kwargs",
+    ],
+)
 def test_a_chat_template_never_comes_from_a_request(
-        http: httpx.Client, compiled_templates: list[str], path: str, body: dict[str, Any],
-        param: str) -> None:
+    http: httpx.Client, compiled_templates: list[str], path: str, body: dict[str, Any], param: str
+) -> None:
     response = http.post(path, json={**body, "max_tokens": 2}, headers=AUTH)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
@@ -248,11 +302,15 @@ def test_a_chat_template_never_comes_from_a_request(
     assert all("PWNED" not in template for template in compiled_templates)
 
 
-def test_template_kwargs_stay_plain_variables(http: httpx.Client,
-                                              compiled_templates: list[str]) -> None:
+def test_template_kwargs_stay_plain_variables(
+    http: httpx.Client, compiled_templates: list[str]
+) -> None:
     # A kwarg holding template syntax is a string value, never compiled or evaluated.
-    response = http.post("/tokenize", json={"messages": MSGS, "chat_template_kwargs": {
-        "bos_token": PAYLOAD}}, headers=AUTH)
+    response = http.post(
+        "/tokenize",
+        json={"messages": MSGS, "chat_template_kwargs": {"bos_token": PAYLOAD}},
+        headers=AUTH,
+    )
     assert response.status_code == 200
     assert compiled_templates  # the model's own template, through the spy
     assert all("PWNED" not in template for template in compiled_templates)
@@ -274,15 +332,18 @@ def opened_paths() -> Iterator[list[str]]:
     active[0] = False
 
 
-def test_model_paths_are_never_taken_from_requests(http: httpx.Client,
-                                                   opened_paths: list[str]) -> None:
+def test_model_paths_are_never_taken_from_requests(
+    http: httpx.Client, opened_paths: list[str]
+) -> None:
     model_file = embedded_gguf_path()
     other_file = str(Path(__file__).resolve())
     for model in (model_file, other_file, "../../../../etc/passwd", "/etc/hostname"):
-        for method, path, body in (("POST", CHAT, {"messages": MSGS, "model": model}),
-                                   ("POST", CMPL, {"prompt": "Hi", "model": model}),
-                                   ("POST", "/tokenize", {"prompt": "Hi", "model": model}),
-                                   ("GET", f"/v1/models/{quote(model, safe='')}", None)):
+        for method, path, body in (
+            ("POST", CHAT, {"messages": MSGS, "model": model}),
+            ("POST", CMPL, {"prompt": "Hi", "model": model}),
+            ("POST", "/tokenize", {"prompt": "Hi", "model": model}),
+            ("GET", f"/v1/models/{quote(model, safe='')}", None),
+        ):
             response = http.request(method, path, json=body, headers=AUTH)
             assert response.status_code == 404, (model, path, response.text)
             assert response.json()["error"]["param"] == "model"
@@ -290,25 +351,37 @@ def test_model_paths_are_never_taken_from_requests(http: httpx.Client,
         pass
     assert opened_paths.count(other_file) == 1
     opened_paths.remove(other_file)
-    touched = [p for p in opened_paths if any(name in p for name in (
-        Path(model_file).name, Path(other_file).name, "passwd", "hostname"))]
+    touched = [
+        p
+        for p in opened_paths
+        if any(
+            name in p
+            for name in (Path(model_file).name, Path(other_file).name, "passwd", "hostname")
+        )
+    ]
     assert touched == []
 
 
 # ---- no internals in error bodies ------------------------------------------------------
+
 
 def test_no_error_body_carries_a_stack_trace_or_a_path(http: httpx.Client) -> None:
     """Every case of the bad-request table, replayed here, and scanned."""
     scanned = 0
     for case in bad_requests.CASES:
         headers = dict(case.headers)
-        content = case.raw if case.raw is not None else (
-            None if case.body is None else json.dumps(case.body).encode())
+        content = (
+            case.raw
+            if case.raw is not None
+            else (None if case.body is None else json.dumps(case.body).encode())
+        )
         if content is not None:
             headers.setdefault("Content-Type", "application/json")
         response = http.request(case.method, case.path, content=content, headers=headers)
         assert response.status_code >= 400
-        assert leaked_markers(response.text, (content or b"").decode(errors="replace")
-                              + case.path) == [], (case.name, response.text)
+        assert (
+            leaked_markers(response.text, (content or b"").decode(errors="replace") + case.path)
+            == []
+        ), (case.name, response.text)
         scanned += 1
     assert scanned == len(bad_requests.CASES) >= 40

@@ -55,22 +55,28 @@ async def _stream_then_cancel(client: httpx.AsyncClient, index: int) -> int:
 
 async def _non_stream_then_cancel(client: httpx.AsyncClient, index: int) -> None:
     with pytest.raises(httpx.TimeoutException):
-        await client.post("/v1/completions", json={"prompt": f"Story {index}:", **LONG},
-                          timeout=CANCEL_AFTER_S)
+        await client.post(
+            "/v1/completions", json={"prompt": f"Story {index}:", **LONG}, timeout=CANCEL_AFTER_S
+        )
 
 
 async def _cancel_many(url: str) -> None:
     limits = httpx.Limits(max_connections=NUM_STREAMS + NUM_NON_STREAM)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        await asyncio.gather(*[_stream_then_cancel(client, i) for i in range(NUM_STREAMS)],
-                             *[_non_stream_then_cancel(client, i) for i in range(NUM_NON_STREAM)])
+        await asyncio.gather(
+            *[_stream_then_cancel(client, i) for i in range(NUM_STREAMS)],
+            *[_non_stream_then_cancel(client, i) for i in range(NUM_NON_STREAM)],
+        )
 
 
 def test_cancelled_requests_free_the_engine(server: RunningServer) -> None:
     asyncio.run(_cancel_many(server.url))
     cancelled_at = time.monotonic()
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=_chat(
-        "What is the capital of France?", max_tokens=8, temperature=0))
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json=_chat("What is the capital of France?", max_tokens=8, temperature=0),
+    )
     recovery_s = time.monotonic() - cancelled_at
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
     assert recovery_s < RECOVERY_BOUND_S, f"a new request took {recovery_s:.1f} s after the cancels"
@@ -88,8 +94,11 @@ def test_cancelled_requests_free_the_engine(server: RunningServer) -> None:
 
 def test_overload_gets_429_with_retry_after_at_once() -> None:
     num_running, num_queued, num_sent = 2, 2, 8
-    overloaded = RunningServer(engine=ENGINE.replace(max_num_seqs=num_running),
-                               max_queued_requests=num_queued, retry_after_s=2)
+    overloaded = RunningServer(
+        engine=ENGINE.replace(max_num_seqs=num_running),
+        max_queued_requests=num_queued,
+        retry_after_s=2,
+    )
     try:
         statuses = asyncio.run(_burst(overloaded.url, num_sent, num_running + num_queued))
     finally:
@@ -101,18 +110,24 @@ def test_overload_gets_429_with_retry_after_at_once() -> None:
         assert body["error"]["code"] == 429 and "overloaded" in body["error"]["message"]
 
 
-async def _burst(url: str, num_sent: int, num_admitted: int
-                 ) -> list[tuple[int, str | None, float, dict[str, object]]]:
+async def _burst(
+    url: str, num_sent: int, num_admitted: int
+) -> list[tuple[int, str | None, float, dict[str, object]]]:
     """Send `num_sent` long requests at once; return the answers that came back while the
     admitted ones were still running (those are then cancelled)."""
     answers: list[tuple[int, str | None, float, dict[str, object]]] = []
     started = time.monotonic()
 
     async def one(client: httpx.AsyncClient, index: int) -> None:
-        response = await client.post("/v1/completions",
-                                     json={"prompt": f"Story {index}:", **LONG})
-        answers.append((response.status_code, response.headers.get("retry-after"),
-                        time.monotonic() - started, response.json()))
+        response = await client.post("/v1/completions", json={"prompt": f"Story {index}:", **LONG})
+        answers.append(
+            (
+                response.status_code,
+                response.headers.get("retry-after"),
+                time.monotonic() - started,
+                response.json(),
+            )
+        )
 
     limits = httpx.Limits(max_connections=num_sent)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:

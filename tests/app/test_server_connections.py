@@ -22,12 +22,15 @@ CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 
 
-def _post_bytes(path: str, body: bytes, *, content_length: int | None = None,
-                keep_alive: bool = True) -> bytes:
+def _post_bytes(
+    path: str, body: bytes, *, content_length: int | None = None, keep_alive: bool = True
+) -> bytes:
     length = len(body) if content_length is None else content_length
     connection = "keep-alive" if keep_alive else "close"
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\nConnection: {connection}\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nConnection: {connection}\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -43,16 +46,23 @@ def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, fl
 
 # ---- a client that never reads ---------------------------------------------------------
 
-STALLED = {"prompt": "List every word you know:", "n": 8, "max_tokens": 48, "min_tokens": 48,
-           "logprobs": 20, "stream": True}
+STALLED = {
+    "prompt": "List every word you know:",
+    "n": 8,
+    "max_tokens": 48,
+    "min_tokens": 48,
+    "logprobs": 20,
+    "stream": True,
+}
 """8 samples of big events (20 top logprobs per token), about 0.3 MB."""
 
 
 async def _others_complete(url: str, num_requests: int) -> list[float]:
     async def one(client: httpx.AsyncClient, index: int) -> float:
         started = time.monotonic()
-        response = await client.post(CMPL, json={"prompt": f"Fact {index}:", "max_tokens": 8,
-                                                 "ignore_eos": True})
+        response = await client.post(
+            CMPL, json={"prompt": f"Fact {index}:", "max_tokens": 8, "ignore_eos": True}
+        )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
         return time.monotonic() - started
 
@@ -76,12 +86,16 @@ def test_a_client_that_stops_reading_stalls_nobody_and_holds_only_its_output() -
         assert max(latencies) < 60
         # Reading now delivers everything that was held back, coalesced.
         data, _ = _read_until_closed_or_done(stalled)
-        events = [line[len(b"data: "):] for line in data.split(b"\n")
-                  if line.startswith(b"data: ")]
+        events = [
+            line[len(b"data: ") :] for line in data.split(b"\n") if line.startswith(b"data: ")
+        ]
         assert events[-1] == b"[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        finished = [c["choices"][0]["finish_reason"] for c in chunks
-                    if c["choices"] and c["choices"][0]["finish_reason"]]
+        finished = [
+            c["choices"][0]["finish_reason"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["finish_reason"]
+        ]
         assert finished == ["length"] * STALLED["n"]
         assert server.wait_engine_idle().num_unfinished_admitted == 0
     finally:
@@ -98,8 +112,7 @@ def _wait_engine_done(server: RunningServer, timeout_s: float = 60.0) -> Any:
     return snap
 
 
-def _read_until_closed_or_done(sock: socket.socket, timeout_s: float = 60.0
-                               ) -> tuple[bytes, float]:
+def _read_until_closed_or_done(sock: socket.socket, timeout_s: float = 60.0) -> tuple[bytes, float]:
     started = time.monotonic()
     sock.settimeout(timeout_s)
     data = b""
@@ -131,7 +144,8 @@ def test_an_idle_connection_is_closed(strict_server: RunningServer) -> None:
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_request(
-        strict_server: RunningServer) -> None:
+    strict_server: RunningServer,
+) -> None:
     sock = connect(strict_server.url)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     data, closed_after_s = _read_until_closed(sock, timeout_s=10)
@@ -169,8 +183,12 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(strict_server: Runnin
 
 def test_a_stream_longer_than_the_timeouts_is_not_cut(strict_server: RunningServer) -> None:
     started = time.monotonic()
-    body = {"messages": [{"role": "user", "content": "Write a poem."}], "stream": True,
-            "max_tokens": 40, "min_tokens": 40}
+    body = {
+        "messages": [{"role": "user", "content": "Write a poem."}],
+        "stream": True,
+        "max_tokens": 40,
+        "min_tokens": 40,
+    }
     lines = []
     with httpx.stream("POST", strict_server.url + CHAT, json=body, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -190,8 +208,11 @@ async def _burst_then_shutdown(server: RunningServer, num_requests: int) -> list
         if index % 2:
             response = await client.post(CMPL, json={"prompt": f"Item {index}:", **fields})
             return response.status_code, response.json()
-        body = {"messages": [{"role": "user", "content": f"Item {index}"}], "stream": True,
-                **fields}
+        body = {
+            "messages": [{"role": "user", "content": f"Item {index}"}],
+            "stream": True,
+            **fields,
+        }
         async with client.stream("POST", CHAT, json=body) as response:
             lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
             return response.status_code, lines
@@ -225,13 +246,17 @@ def test_shutdown_during_a_burst_ends_every_request_cleanly() -> None:
             reasons = [c["finish_reason"] for c in payload["choices"]]
         else:
             assert payload[-1] == "data: [DONE]"
-            chunks = [json.loads(line[len("data: "):]) for line in payload[:-1]]
-            reasons = [c["choices"][0]["finish_reason"] for c in chunks
-                       if c["choices"] and c["choices"][0]["finish_reason"]]
+            chunks = [json.loads(line[len("data: ") :]) for line in payload[:-1]]
+            reasons = [
+                c["choices"][0]["finish_reason"]
+                for c in chunks
+                if c["choices"] and c["choices"][0]["finish_reason"]
+            ]
         finish_reasons[index] = reasons
     assert all(len(reasons) == 1 for reasons in finish_reasons.values()), finish_reasons
     for index, (reason,) in finish_reasons.items():
-        expected = {1000: {"abort"}, 2: {"length"}}.get(BURST_MAX_TOKENS[index % 4],
-                                                       {"length", "abort"})
+        expected = {1000: {"abort"}, 2: {"length"}}.get(
+            BURST_MAX_TOKENS[index % 4], {"length", "abort"}
+        )
         assert reason in expected, (index, reason)
     assert server.exit_code == 0

@@ -30,11 +30,29 @@ def _start_server(log_path: Path) -> tuple[subprocess.Popen[bytes], str, list[in
     embedded_gguf_path()
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--device", "cpu",
-         "--max-model-len", "2048", "--max-num-batched-tokens", "512", "--log-format", "json",
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
-        stdout=subprocess.DEVNULL, stderr=log_file, cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "512",
+            "--log-format",
+            "json",
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log_file,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.monotonic() + _START_TIMEOUT_S
     url = None
     statuses: list[int | None] = []
@@ -87,21 +105,29 @@ class _Stream(threading.Thread):
         self.first_chunk = threading.Event()
 
     def run(self) -> None:
-        body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
-                "stream": True, "temperature": 0, **self.fields}
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
-                          timeout=120) as response:
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "stream": True,
+            "temperature": 0,
+            **self.fields,
+        }
+        with httpx.stream(
+            "POST", self.url + "/v1/chat/completions", json=body, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if line == "data: [DONE]":
                     self.done = True
                 elif line.startswith("data: "):
-                    self.chunks.append(json.loads(line[len("data: "):]))
+                    self.chunks.append(json.loads(line[len("data: ") :]))
                     self.first_chunk.set()
 
     @property
     def finish_reasons(self) -> list[str]:
-        return [c["choices"][0]["finish_reason"] for c in self.chunks
-                if c["choices"] and c["choices"][0]["finish_reason"]]
+        return [
+            c["choices"][0]["finish_reason"]
+            for c in self.chunks
+            if c["choices"] and c["choices"][0]["finish_reason"]
+        ]
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
@@ -121,8 +147,11 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
         health = _health_once_it_changes(url)
         assert health.status_code == 503 and health.json() == {"status": "draining"}
         assert health.headers.get("retry-after")
-        refused = httpx.post(url + "/v1/chat/completions", timeout=10, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=10,
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        )
         assert refused.status_code == 503 and refused.headers.get("retry-after")
         assert refused.json()["error"]["code"] == 503
         short.join(60)
@@ -133,22 +162,43 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert short.done and short.finish_reasons == ["length"]
-    assert sum(1 for c in short.chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 1
+    assert (
+        sum(1 for c in short.chunks if c["choices"] and c["choices"][0]["delta"].get("content"))
+        >= 1
+    )
     assert endless.done and endless.finish_reasons == ["abort"]
     assert exit_code == 0
     assert SHUTDOWN_TIMEOUT_S - 0.5 < exited_after_s < SHUTDOWN_TIMEOUT_S + 20
 
 
 def test_serve_help_lists_every_server_flag_with_its_environment_variable() -> None:
-    result = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--help"],
-                            capture_output=True, text=True, timeout=120, check=False,
-                            cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-queued-requests",
-                 "--max-queued-prompt-tokens", "--max-request-body-bytes", "--keep-alive-interval",
-                 "--shutdown-timeout", "--clamp-max-tokens", "--log-level", "--log-format",
-                 "--engine-stall-timeout", "--max-model-len", "--runner"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--api-key",
+        "--max-queued-requests",
+        "--max-queued-prompt-tokens",
+        "--max-request-body-bytes",
+        "--keep-alive-interval",
+        "--shutdown-timeout",
+        "--clamp-max-tokens",
+        "--log-level",
+        "--log-format",
+        "--engine-stall-timeout",
+        "--max-model-len",
+        "--runner",
+    ):
         assert flag in text
         if flag not in ("--max-model-len", "--runner"):
             assert "TANDEM_" + flag[2:].upper().replace("-", "_") in text, flag

@@ -21,15 +21,16 @@ CMPL = "/v1/completions"
 LONG = {"max_tokens": 400, "min_tokens": 400}
 
 
-async def _read_stream(client: httpx.AsyncClient, body: dict[str, Any],
-                       first_event: asyncio.Event | None = None) -> list[Any]:
+async def _read_stream(
+    client: httpx.AsyncClient, body: dict[str, Any], first_event: asyncio.Event | None = None
+) -> list[Any]:
     """The data events of a stream: parsed JSON objects, and '[DONE]'."""
     events: list[Any] = []
     async with client.stream("POST", CHAT, json={**body, "stream": True}) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
                 if first_event is not None:
                     first_event.set()
@@ -50,8 +51,9 @@ def _success_count(url: str, reason: str) -> float:
     raise AssertionError(f"no vllm:request_success_total for {reason}")
 
 
-async def _one_failed_step(server: RunningServer, faults: StepFaults
-                           ) -> tuple[list[Any], httpx.Response, httpx.Response]:
+async def _one_failed_step(
+    server: RunningServer, faults: StepFaults
+) -> tuple[list[Any], httpx.Response, httpx.Response]:
     """A (streamed) and B (not) run together; C waits for a free slot. The next step that
     runs both A and B fails."""
     messages = [{"role": "user", "content": "Count to a thousand."}]
@@ -61,8 +63,9 @@ async def _one_failed_step(server: RunningServer, faults: StepFaults
         b = asyncio.create_task(client.post(CMPL, json={"prompt": "Once upon a time", **LONG}))
         await _wait_for(server, lambda s: s.num_running == 2)
         await asyncio.wait_for(a_started.wait(), 60)
-        c = asyncio.create_task(client.post(CMPL, json={"prompt": "Hello", "max_tokens": 5,
-                                                        "ignore_eos": True}))
+        c = asyncio.create_task(
+            client.post(CMPL, json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
+        )
         await _wait_for(server, lambda s: s.num_waiting == 1)
         faults.arm(1, match=lambda sched: len(sched.scheduled_request_ids) == 2)
         return await a, await b, await c
@@ -92,8 +95,15 @@ def test_a_failed_step_fails_only_its_requests() -> None:
         assert c.json()["usage"]["completion_tokens"] == 5
         assert _success_count(server.url, "error") - errors_before == 2
         # The engine keeps serving, stays healthy, and the failed requests left nothing.
-        after = httpx.post(server.url + CHAT, timeout=60, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0})
+        after = httpx.post(
+            server.url + CHAT,
+            timeout=60,
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 3,
+                "temperature": 0,
+            },
+        )
         assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
         assert httpx.get(server.url + "/health").status_code == 200
         snap = server.wait_engine_idle()
@@ -105,13 +115,18 @@ def test_a_failed_step_fails_only_its_requests() -> None:
         server.stop()
 
 
-async def _requests_during_failures(server: RunningServer, faults: StepFaults
-                                    ) -> list[httpx.Response | list[Any]]:
+async def _requests_during_failures(
+    server: RunningServer, faults: StepFaults
+) -> list[httpx.Response | list[Any]]:
     messages = [{"role": "user", "content": "Tell me a story."}]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-        tasks = [asyncio.create_task(_read_stream(client, {"messages": messages, **LONG})),
-                 *[asyncio.create_task(client.post(CMPL, json={"prompt": f"Story {i}:", **LONG}))
-                   for i in range(3)]]
+        tasks = [
+            asyncio.create_task(_read_stream(client, {"messages": messages, **LONG})),
+            *[
+                asyncio.create_task(client.post(CMPL, json={"prompt": f"Story {i}:", **LONG}))
+                for i in range(3)
+            ],
+        ]
         await _wait_for(server, lambda s: s.num_running == 1 and s.num_waiting == 3)
         faults.arm(10_000)  # every step from now on
         return list(await asyncio.gather(*tasks))
@@ -156,8 +171,9 @@ def _stop(server: RunningServer, timeout_s: float = 60.0) -> int | None:
 
 async def _load(url: str, num_requests: int) -> list[int]:
     async def one(client: httpx.AsyncClient, index: int) -> int:
-        response = await client.post(CMPL, json={"prompt": f"Item {index}:",
-                                                 "max_tokens": 1 + index % 9, "ignore_eos": True})
+        response = await client.post(
+            CMPL, json={"prompt": f"Item {index}:", "max_tokens": 1 + index % 9, "ignore_eos": True}
+        )
         assert leaked_markers(response.text) == []
         return response.status_code
 

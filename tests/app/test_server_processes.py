@@ -36,8 +36,9 @@ def _stream_events(url: str, body: dict[str, Any], on_first: Any) -> tuple[list[
     """The SSE data lines of one streamed chat; `on_first()` runs after the first content
     chunk. Returns the lines and when the stream ended (time.monotonic())."""
     lines: list[str] = []
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True},
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -53,7 +54,8 @@ def _ipc_folders(tmp_path: Path) -> list[Path]:
 
 
 def test_engine_killed_mid_stream_ends_streams_with_errors_and_health_says_dead(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     server = ServeProcess(tmp_path / "serve.log", env={"TMPDIR": str(tmp_path)})
     engine_pid = server.engine_pid()
     assert engine_pid in server.descendants() and engine_pid != server.proc.pid
@@ -61,8 +63,11 @@ def test_engine_killed_mid_stream_ends_streams_with_errors_and_health_says_dead(
     non_stream: dict[str, Any] = {}
 
     def request_without_streaming() -> None:
-        response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                              json={**CHAT, "max_tokens": 400, "ignore_eos": True})
+        response = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=60,
+            json={**CHAT, "max_tokens": 400, "ignore_eos": True},
+        )
         non_stream.update(status=response.status_code, at=time.monotonic())
 
     waiting = threading.Thread(target=request_without_streaming)
@@ -74,7 +79,8 @@ def test_engine_killed_mid_stream_ends_streams_with_errors_and_health_says_dead(
 
     try:
         lines, ended_at = _stream_events(
-            server.url, {**CHAT, "max_tokens": 400, "ignore_eos": True}, kill_engine)
+            server.url, {**CHAT, "max_tokens": 400, "ignore_eos": True}, kill_engine
+        )
         waiting.join(timeout=30)
         assert ended_at - killed_at[0] < 1.0, "the stream outlived the engine by over a second"
         assert lines[-1] == "[DONE]" and '"error"' in lines[-2]
@@ -105,17 +111,36 @@ def test_a_killed_server_takes_its_engine_core_with_it(tmp_path: Path) -> None:
 
 
 def test_a_supervised_engine_that_refuses_to_start_exits_and_leaves_no_ipc_folder(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The engine refuses these flags before loading the model (exit 2, one line), and
     exits on its own once it has said so: nobody waits to kill it. (One API server:
     tests/app/test_cli_runner_features.py.)"""
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--device", "cpu",
-         "--log-format", "console", "--api-server-count", "2",
-         "--runner", "v2", "--logits-processors",
-         "tests.gpu._sample_logits_processor:ForceOrBanTokens"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--log-format",
+            "console",
+            "--api-server-count",
+            "2",
+            "--runner",
+            "v2",
+            "--logits-processors",
+            "tests.gpu._sample_logits_processor:ForceOrBanTokens",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "does not support custom logits processors" in result.stderr
     assert "engine_process_killed" not in result.stderr
@@ -131,14 +156,20 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def two_api_servers(tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[tuple[ServeProcess, Path]]:
+def two_api_servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServeProcess, Path]]:
     """`tandem serve --api-server-count 2` with a short stall bound; its ipc folder goes
     in the fixture's own folder."""
     tmp = tmp_path_factory.mktemp("two_api_servers")
-    server = ServeProcess(tmp / "serve.log", "--api-server-count", "2",
-                          "--engine-stall-timeout", str(STALL_TIMEOUT_S),
-                          env={"TMPDIR": str(tmp)})
+    server = ServeProcess(
+        tmp / "serve.log",
+        "--api-server-count",
+        "2",
+        "--engine-stall-timeout",
+        str(STALL_TIMEOUT_S),
+        env={"TMPDIR": str(tmp)},
+    )
     try:
         yield server, tmp
     finally:
@@ -156,8 +187,10 @@ def _completion_by_each_api_server(url: str) -> set[int]:
     for attempt in range(60):
         with httpx.Client(base_url=url, timeout=30) as client:
             index = client.get("/version").json()["api_server"]
-            response = client.post("/v1/completions", json={
-                "prompt": [1, 2, 3, attempt], "max_tokens": 3, "ignore_eos": True})
+            response = client.post(
+                "/v1/completions",
+                json={"prompt": [1, 2, 3, attempt], "max_tokens": 3, "ignore_eos": True},
+            )
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 3
         answered_by.add(index)
@@ -167,7 +200,8 @@ def _completion_by_each_api_server(url: str) -> set[int]:
 
 
 def test_hostile_frames_on_the_engine_socket_leave_the_core_serving(
-        two_api_servers: tuple[ServeProcess, Path]) -> None:
+    two_api_servers: tuple[ServeProcess, Path],
+) -> None:
     """Garbage, a 3-part message and hellos forged for indexes 0 and 1 are dropped: requests
     through either API server still complete (a hijacked index would leave them hanging)."""
     server, tmp = two_api_servers
@@ -177,8 +211,10 @@ def test_hostile_frames_on_the_engine_socket_leave_the_core_serving(
     time.sleep(0.5)
     assert _completion_by_each_api_server(server.url) == {0, 1}
     assert alive(engine_pid) and server.engine_pid() == engine_pid
-    assert any(line.get("event") == "engine_socket_frame_dropped"
-               and line.get("process") == "engine_core" for line in server.lines())
+    assert any(
+        line.get("event") == "engine_socket_frame_dropped" and line.get("process") == "engine_core"
+        for line in server.lines()
+    )
 
 
 def _health(url: str) -> tuple[int, str]:
@@ -196,7 +232,8 @@ def _wait_for_health(url: str, expected: tuple[int, str], timeout_s: float) -> f
 
 
 def test_a_stopped_engine_core_is_reported_stalled_until_it_runs_again(
-        two_api_servers: tuple[ServeProcess, Path]) -> None:
+    two_api_servers: tuple[ServeProcess, Path],
+) -> None:
     """SIGSTOP: /health 503 'stalled' within the bound on both API servers, and a new
     request 503 at once instead of hanging; SIGCONT: 200 again within a second. An idle
     server past the bound is not stalled."""
@@ -213,8 +250,9 @@ def test_a_stopped_engine_core_is_reported_stalled_until_it_runs_again(
         for _ in range(6):
             assert _health(url) == (503, "stalled")
         started = time.monotonic()
-        refused = httpx.post(url + "/v1/completions", timeout=10,
-                             json={"prompt": [1, 2, 3], "max_tokens": 3})
+        refused = httpx.post(
+            url + "/v1/completions", timeout=10, json={"prompt": [1, 2, 3], "max_tokens": 3}
+        )
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert time.monotonic() - started < 1.0
     finally:
@@ -223,27 +261,35 @@ def test_a_stopped_engine_core_is_reported_stalled_until_it_runs_again(
     time.sleep(2 * _TICK_S)
     for _ in range(4):
         assert _health(url) == (200, "ok")
-    response = httpx.post(url + "/v1/completions", timeout=30,
-                          json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True})
+    response = httpx.post(
+        url + "/v1/completions",
+        timeout=30,
+        json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True},
+    )
     assert response.status_code == 200
     events = [line.get("event") for line in server.lines()]
     assert "engine_stalled" in events and "engine_resumed" in events
 
 
 def test_two_api_servers_answer_on_one_port_and_metrics_cover_both(
-        two_api_servers: tuple[ServeProcess, Path]) -> None:
+    two_api_servers: tuple[ServeProcess, Path],
+) -> None:
     server, _ = two_api_servers
     supervisor_children = server.descendants()
     assert len(supervisor_children) == 3  # one engine core, two API servers
-    num_tokens_before = _metric(httpx.get(server.url + "/metrics", timeout=10).text,
-                                "vllm:generation_tokens_total")
+    num_tokens_before = _metric(
+        httpx.get(server.url + "/metrics", timeout=10).text, "vllm:generation_tokens_total"
+    )
     answered_by: set[int] = set()
     num_tokens = 0
     for attempt in range(60):  # a new connection each time: either process accepts it
         version = httpx.get(server.url + "/version", timeout=10).json()
         answered_by.add(version["api_server"])
-        response = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "prompt": [1, 2, 3, attempt], "max_tokens": 3, "ignore_eos": True})
+        response = httpx.post(
+            server.url + "/v1/completions",
+            timeout=60,
+            json={"prompt": [1, 2, 3, attempt], "max_tokens": 3, "ignore_eos": True},
+        )
         assert response.status_code == 200
         num_tokens += response.json()["usage"]["completion_tokens"]
         if answered_by == {0, 1} and attempt >= 3:
@@ -253,19 +299,25 @@ def test_two_api_servers_answer_on_one_port_and_metrics_cover_both(
     for _ in range(60):
         scraped_by.add(httpx.get(server.url + "/version", timeout=10).json()["api_server"])
         text = httpx.get(server.url + "/metrics", timeout=10).text
-        assert (_metric(text, "vllm:generation_tokens_total")
-                == num_tokens_before + num_tokens)
+        assert _metric(text, "vllm:generation_tokens_total") == num_tokens_before + num_tokens
         if len(scraped_by) == 2:
             break
     lines = server.lines()
-    assert {line.get("process") for line in lines} >= {"supervisor", "engine_core",
-                                                         "api_server_0", "api_server_1"}
+    assert {line.get("process") for line in lines} >= {
+        "supervisor",
+        "engine_core",
+        "api_server_0",
+        "api_server_1",
+    }
     _an_api_server_that_dies_is_restarted(server)
 
 
 def _api_server_pids(server: ServeProcess) -> dict[int, int]:
-    return {int(line["process"].rsplit("_", 1)[1]): int(line["pid"]) for line in server.lines()
-            if str(line.get("process", "")).startswith("api_server_")}
+    return {
+        int(line["process"].rsplit("_", 1)[1]): int(line["pid"])
+        for line in server.lines()
+        if str(line.get("process", "")).startswith("api_server_")
+    }
 
 
 def _an_api_server_that_dies_is_restarted(server: ServeProcess) -> None:
@@ -276,13 +328,15 @@ def _an_api_server_that_dies_is_restarted(server: ServeProcess) -> None:
         pids = _api_server_pids(server)
         restarted = pids.get(1) not in (None, victim) and any(
             line.get("event") == "engine_ready" and line.get("pid") == pids[1]
-            for line in server.lines())
+            for line in server.lines()
+        )
         if restarted:
             break
         time.sleep(0.1)
     else:
         raise AssertionError("the killed API server was not restarted")
     assert any(line.get("event") == "api_server_died_restarting" for line in server.lines())
-    answered_by = {httpx.get(server.url + "/version", timeout=10).json()["api_server"]
-                   for _ in range(40)}
+    answered_by = {
+        httpx.get(server.url + "/version", timeout=10).json()["api_server"] for _ in range(40)
+    }
     assert answered_by == {0, 1}

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from actors.frontend.output_stream import RequestStream
-from app.responses import ChoiceState, ResponseMeta
 from app.keep_alive import KeepAliveClock
+from app.responses import ChoiceState, ResponseMeta
 from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions, sse_event
 from tests.app._server_fixtures import ENGINE, RunningServer
 
@@ -28,7 +28,9 @@ MESSAGES = [{"role": "user", "content": "Tell me a short story about a cat."}]
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     # One running request at a time, so a second one provably waits in the queue.
-    running = RunningServer(engine=ENGINE.replace(max_num_seqs=1), keep_alive_interval_s=KEEP_ALIVE_S)
+    running = RunningServer(
+        engine=ENGINE.replace(max_num_seqs=1), keep_alive_interval_s=KEEP_ALIVE_S
+    )
     yield running
     running.stop()
 
@@ -45,15 +47,22 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 def test_sse_framing_role_finish_usage_done(server: RunningServer) -> None:
-    headers, raw = _stream_bytes(server.url, {
-        "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True}})
+    headers, raw = _stream_bytes(
+        server.url,
+        {
+            "messages": MESSAGES,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert headers["content-type"].startswith("text/event-stream")
     assert headers["cache-control"] == "no-cache" and headers["x-accel-buffering"] == "no"
     events = [e for e in _events(raw) if not e.startswith(b":")]
     assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
     assert events[-1] == b"data: [DONE]"
-    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[0]["choices"][0]["finish_reason"] is None
     finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -65,13 +74,19 @@ def test_sse_framing_role_finish_usage_done(server: RunningServer) -> None:
 
 
 def test_keep_alive_comments_while_queued(server: RunningServer) -> None:
-    long_body = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "stream": True,
-                 "ignore_eos": True}
+    long_body = {
+        "messages": MESSAGES,
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     first_started = threading.Event()
 
     def run_first() -> None:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_body,
-                          timeout=120) as response:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=long_body, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     first_started.set()
@@ -108,8 +123,12 @@ def test_error_after_headers_is_an_error_event_then_done() -> None:
     group = _FailingGroup()
     meta = ResponseMeta("chatcmpl-x", int(time.time()), "m")
     choices = [ChoiceState(index=0)]
-    response = EventStreamResponse(group, ChatChunkFormatter(meta, [3], choices, False),  # type: ignore[arg-type]
-                                   StreamOptions(keep_alive=KeepAliveClock(0)), "req-1")
+    response = EventStreamResponse(
+        group,
+        ChatChunkFormatter(meta, [3], choices, False),  # type: ignore[arg-type]
+        StreamOptions(keep_alive=KeepAliveClock(0)),
+        "req-1",
+    )
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -123,7 +142,7 @@ def test_error_after_headers_is_an_error_event_then_done() -> None:
     raw = b"".join(m.get("body", b"") for m in sent[1:])
     events = _events(raw)
     assert sent[0]["status"] == 200
-    error = json.loads(events[-2][len(b"data: "):])["error"]
+    error = json.loads(events[-2][len(b"data: ") :])["error"]
     assert error["code"] == 500 and "req-1" in error["message"]
     assert events[-1] == b"data: [DONE]" and group.closed
 
@@ -135,5 +154,5 @@ def test_unicode_line_breaks_go_out_escaped() -> None:
     event = sse_event({"choices": [{"delta": {"content": text}}]})
     lines = event.decode().splitlines()
     assert lines[1:] == [""] and lines[0].startswith("data: ")
-    assert json.loads(lines[0][len("data: "):])["choices"][0]["delta"]["content"] == text
+    assert json.loads(lines[0][len("data: ") :])["choices"][0]["delta"]["content"] == text
     assert "\u201c" in event.decode()  # other characters stay as they are

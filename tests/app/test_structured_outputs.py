@@ -19,41 +19,81 @@ from app.tool_calls.request import tool_plan
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-@pytest.mark.parametrize(("fields", "spec", "param"), [
-    ({"response_format": {"type": "text"}}, None, None),
-    ({"response_format": {"type": "json_object"}},
-     StructuredOutputSpec("json", JSON_OBJECT_SCHEMA), "response_format"),
-    ({"response_format": {"type": "json_schema",
-                          "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-     StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":"))), "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-     StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":")), strict=False),
-     "response_format"),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputSpec("regex", "[0-9]+"),
-     "structured_outputs.regex"),
-    ({"structured_outputs": {"choice": ["é", "b"], "disable_fallback": True}},
-     StructuredOutputSpec("choice", '["é", "b"]'), "structured_outputs.choice"),
-    ({"structured_outputs": {"json_object": True}},
-     StructuredOutputSpec("json", JSON_OBJECT_SCHEMA), "structured_outputs.json_object"),
-    ({"guided_json": json.dumps(SCHEMA)},
-     StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":"))), "guided_json"),
-    ({"guided_grammar": 'root ::= "x"'}, StructuredOutputSpec("grammar", 'root ::= "x"'),
-     "guided_grammar"),
-])
+@pytest.mark.parametrize(
+    ("fields", "spec", "param"),
+    [
+        ({"response_format": {"type": "text"}}, None, None),
+        (
+            {"response_format": {"type": "json_object"}},
+            StructuredOutputSpec("json", JSON_OBJECT_SCHEMA),
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":"))),
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA},
+                }
+            },
+            StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":")), strict=False),
+            "response_format",
+        ),
+        (
+            {"structured_outputs": {"regex": "[0-9]+"}},
+            StructuredOutputSpec("regex", "[0-9]+"),
+            "structured_outputs.regex",
+        ),
+        (
+            {"structured_outputs": {"choice": ["é", "b"], "disable_fallback": True}},
+            StructuredOutputSpec("choice", '["é", "b"]'),
+            "structured_outputs.choice",
+        ),
+        (
+            {"structured_outputs": {"json_object": True}},
+            StructuredOutputSpec("json", JSON_OBJECT_SCHEMA),
+            "structured_outputs.json_object",
+        ),
+        (
+            {"guided_json": json.dumps(SCHEMA)},
+            StructuredOutputSpec("json", json.dumps(SCHEMA, separators=(",", ":"))),
+            "guided_json",
+        ),
+        (
+            {"guided_grammar": 'root ::= "x"'},
+            StructuredOutputSpec("grammar", 'root ::= "x"'),
+            "guided_grammar",
+        ),
+    ],
+)
 def test_every_spelling_gives_one_spec(fields: dict[str, Any], spec: Any, param: Any) -> None:
     assert structured_output_spec(fields) == (None if spec is None else (spec, param))
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"response_format": "json"}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
-     "response_format.json_schema.schema"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
-    ({"structured_outputs": {}}, "structured_outputs"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": "json"}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ],
+)
 def test_malformed_fields_are_refused_naming_them(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as refused:
         structured_output_spec(fields)
@@ -79,8 +119,9 @@ def _constrain(request: _Request, **kwargs: Any) -> SamplingParams:
 
 def test_tool_choice_brings_its_schema_and_parser_decoding() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
-    named = _constrain(_Request(), tools=tool_plan(tools, {"type": "function",
-                                                           "function": {"name": "f"}}, "none"))
+    named = _constrain(
+        _Request(), tools=tool_plan(tools, {"type": "function", "function": {"name": "f"}}, "none")
+    )
     assert json.loads(named.structured_output.text) == SCHEMA
     auto = _constrain(_Request(), tools=tool_plan(tools, "auto", "hermes"))
     assert auto.structured_output is None and auto.skip_special_tokens is False
@@ -90,8 +131,10 @@ def test_tool_choice_brings_its_schema_and_parser_decoding() -> None:
 
 
 def test_invalid_specs_are_found_before_the_engine() -> None:
-    for fields, message in (({"guided_json": {"type": "integer", "minimum": "x"}}, "JSON schema"),
-                            ({"guided_grammar": "start: missing_rule"}, "grammar")):
+    for fields, message in (
+        ({"guided_json": {"type": "integer", "minimum": "x"}}, "JSON schema"),
+        ({"guided_grammar": "start: missing_rule"}, "grammar"),
+    ):
         with pytest.raises(APIError, match=message):
             _constrain(_Request(**fields))
     ok = _constrain(_Request(guided_regex="[a-z]{3}"))

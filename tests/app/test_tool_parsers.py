@@ -28,10 +28,15 @@ from app.tool_calls.parsers import (
 from app.tool_calls.request import tool_plan
 from app.tool_calls.schema import required_tools_schema
 
-HERMES = ('I will check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
-          '"Paris", "days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}'
-          "\n</tool_call>")
-LLAMA3 = '<|python_tag|>{"name": "search", "parameters": {"q": "a \\"b\\" }"}}; {"name": "now", "parameters": {}}'
+HERMES = (
+    'I will check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+    '"Paris", "days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}'
+    "\n</tool_call>"
+)
+LLAMA3 = (
+    '<|python_tag|>{"name": "search", "parameters": {"q": "a \\"b\\" }"}}; '
+    '{"name": "now", "parameters": {}}'
+)
 ARRAY = '[{"name": "search", "parameters": {"q": "x"}}, {"name": "now", "parameters": {}}]'
 
 
@@ -52,8 +57,12 @@ def _run(parser: ToolCallParser, text: str, cuts: list[int]) -> tuple[str, dict[
 
 
 CASES = [
-    (HermesParser, HERMES, "I will check.",
-     {0: ["get_weather", '{"city": "Paris", "days": [1, 2]}'], 1: ["now", "{}"]}),
+    (
+        HermesParser,
+        HERMES,
+        "I will check.",
+        {0: ["get_weather", '{"city": "Paris", "days": [1, 2]}'], 1: ["now", "{}"]},
+    ),
     (Llama3JsonParser, LLAMA3, "", {0: ["search", '{"q": "a \\"b\\" }"}'], 1: ["now", "{}"]}),
     (JsonArrayParser, ARRAY, "", {0: ["search", '{"q": "x"}'], 1: ["now", "{}"]}),
     (lambda: NamedFunctionParser("f"), '{"a": 1}', "", {0: ["f", '{"a": 1}']}),
@@ -61,7 +70,12 @@ CASES = [
     (HermesParser, "Hello <tool and <b> bye  \n", "Hello <tool and <b> bye  \n", {}),
     (Llama3JsonParser, "  The answer is {x}.", "  The answer is {x}.", {}),
     # Something that claimed to be a call but is not: it is content.
-    (HermesParser, "x <tool_call>not json</tool_call> y", "x <tool_call>not json</tool_call> y", {}),
+    (
+        HermesParser,
+        "x <tool_call>not json</tool_call> y",
+        "x <tool_call>not json</tool_call> y",
+        {},
+    ),
     (Llama3JsonParser, "{not json", "{not json", {}),
 ]
 
@@ -78,17 +92,23 @@ def test_any_split_gives_the_same_content_and_calls(make, text, content, calls, 
 
 
 def test_parser_default_comes_from_the_chat_template() -> None:
-    assert parser_for_template("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}") \
+    assert (
+        parser_for_template("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}")
         == "hermes"
-    assert parser_for_template("<|start_header_id|>ipython<|end_header_id|> parameters") \
+    )
+    assert (
+        parser_for_template("<|start_header_id|>ipython<|end_header_id|> parameters")
         == "llama3_json"
+    )
     assert parser_for_template("{{ '<|im_start|>' + message['content'] }}") == "none"
     assert parser_for_template(None) == "none"
 
 
 def test_required_schema_lists_every_tool() -> None:
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
-             for n in ("a", "b")]
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        for n in ("a", "b")
+    ]
     schema = required_tools_schema(tools)
     assert schema["minItems"] == 1
     assert [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [["a"], ["b"]]
@@ -100,16 +120,18 @@ def _sse_chunks(text: str, pieces: int) -> list[dict]:
     """The chunks the SSE writer sends for `text` arriving in `pieces` parts."""
     meta = ResponseMeta("chatcmpl-1", 0, "m")
     choices = [ChoiceState(index=0)]
-    formatter = ChatChunkFormatter(meta, [3], choices, False,
-                                   tool_calls=lambda: ToolCallOutput(HermesParser()))
+    formatter = ChatChunkFormatter(
+        meta, [3], choices, False, tool_calls=lambda: ToolCallOutput(HermesParser())
+    )
     rng = random.Random(pieces)
     cuts = sorted(rng.sample(range(1, len(text)), pieces - 1))
     parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     chunks = []
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        delta = StreamDelta("r", (1,), part, None, "stop" if last else None, None, None, 3, 0,
-                            i + 1, None, None)
+        delta = StreamDelta(
+            "r", (1,), part, None, "stop" if last else None, None, None, 3, 0, i + 1, None, None
+        )
         chunks += formatter.chunks(choices[0], delta, first=i == 0)
     return chunks
 
@@ -122,16 +144,23 @@ def test_stream_accumulates_into_the_non_streamed_message(pieces: int) -> None:
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     streamed = state.get_final_completion().choices[0]
     choice = ChoiceState(index=0, text_parts=[HERMES], finish_reason="stop")
-    whole = chat_response(ResponseMeta("chatcmpl-1", 0, "m"), [choice], 3,
-                          tool_calls=lambda: ToolCallOutput(HermesParser()))["choices"][0]
+    whole = chat_response(
+        ResponseMeta("chatcmpl-1", 0, "m"),
+        [choice],
+        3,
+        tool_calls=lambda: ToolCallOutput(HermesParser()),
+    )["choices"][0]
     assert streamed.finish_reason == whole["finish_reason"] == "tool_calls"
     assert streamed.message.content == whole["message"]["content"] == "I will check."
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c["function"]["name"], c["function"]["arguments"])
-         for c in whole["message"]["tool_calls"]]
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]
+    ]
     # OpenAI's order: a header entry (id, type, name, empty arguments), then fragments.
-    entries = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
-               if c["choices"][0]["delta"].get("tool_calls")]
+    entries = [
+        c["choices"][0]["delta"]["tool_calls"][0]
+        for c in chunks
+        if c["choices"][0]["delta"].get("tool_calls")
+    ]
     assert entries[0]["id"].startswith("call_") and entries[0]["type"] == "function"
     assert entries[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert all("id" not in e for e in entries[1:] if e["index"] == 0)

@@ -12,9 +12,28 @@ from benchmarks import paged_attention, sampler
 
 def test_paged_attention_checks_the_kernel_then_times_it(tmp_path: Path) -> None:
     out = tmp_path / "pa.json"
-    assert paged_attention.main(["--batch", "3", "--context", "40", "--num-heads", "4",
-                                 "--num-kv-heads", "2", "--head-dim", "16", "--device", "cpu",
-                                 "--not-a-result", "--output", str(out)]) == 0
+    assert (
+        paged_attention.main(
+            [
+                "--batch",
+                "3",
+                "--context",
+                "40",
+                "--num-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--device",
+                "cpu",
+                "--not-a-result",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads(out.read_text())
     assert record["workload"]["dtype"] == "float32" and record["workload"]["batch"] == 3
     details = record["details"]
@@ -25,9 +44,26 @@ def test_paged_attention_checks_the_kernel_then_times_it(tmp_path: Path) -> None
 
 def test_sampler_times_each_path(tmp_path: Path) -> None:
     out = tmp_path / "s.json"
-    assert sampler.main(["--batch", "4", "--vocab", "300", "--device", "cpu",
-                         "--paths", "greedy", "top_p_only", "temperature_logprobs5",
-                         "--not-a-result", "--output", str(out)]) == 0
+    assert (
+        sampler.main(
+            [
+                "--batch",
+                "4",
+                "--vocab",
+                "300",
+                "--device",
+                "cpu",
+                "--paths",
+                "greedy",
+                "top_p_only",
+                "temperature_logprobs5",
+                "--not-a-result",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads(out.read_text())
     assert set(record["figures"]) == {"greedy_us", "top_p_only_us", "temperature_logprobs5_us"}
     paths = record["details"]["paths"]

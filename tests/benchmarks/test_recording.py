@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -37,7 +38,8 @@ def repo(tmp_path: Path) -> Path:
 
 def _args(tmp_path: Path, *extra: str) -> object:
     return recording.parser("throughput", None).parse_args(
-        ["--results-dir", str(tmp_path / "out"), *extra])
+        ["--results-dir", str(tmp_path / "out"), *extra]
+    )
 
 
 def test_a_clean_checkout_names_its_commit_and_results_do_not_dirty_it(repo: Path) -> None:
@@ -54,13 +56,15 @@ def test_a_clean_checkout_names_its_commit_and_results_do_not_dirty_it(repo: Pat
     assert not recording.source_state(repo).clean  # an untracked file is a change too
 
 
-def test_a_run_from_an_unclean_tree_stops_unless_it_is_not_a_result(repo: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_run_from_an_unclean_tree_stops_unless_it_is_not_a_result(
+    repo: Path, tmp_path: Path
+) -> None:
     (repo / "actors" / "engine.py").write_text("STEP = 2\n")
     with pytest.raises(recording.DirtyTreeError, match="--not-a-result"):
         recording.Run("throughput", _args(tmp_path), "w1", {}, [], roots=(repo, repo))
-    run = recording.Run("throughput", _args(tmp_path, "--not-a-result"), "w1", {"n": 1}, [],
-                        roots=(repo, repo))
+    run = recording.Run(
+        "throughput", _args(tmp_path, "--not-a-result"), "w1", {"n": 1}, [], roots=(repo, repo)
+    )
     record = run.finish({"tok_s": 1.0}, {"runs": []})
     assert record["clean"] is False and record["commit"] == _git(repo, "rev-parse", "HEAD")
     assert not (tmp_path / "out").exists()  # nothing recorded
@@ -68,8 +72,14 @@ def test_a_run_from_an_unclean_tree_stops_unless_it_is_not_a_result(repo: Path,
 
 def test_each_result_keeps_its_current_entry_and_a_history(repo: Path, tmp_path: Path) -> None:
     for rate in (10.0, 20.0, 30.0):
-        run = recording.Run("throughput", _args(tmp_path), "w1",
-                            {"name": "W1"}, ["--workload", "W1"], roots=(repo, repo))
+        run = recording.Run(
+            "throughput",
+            _args(tmp_path),
+            "w1",
+            {"name": "W1"},
+            ["--workload", "W1"],
+            roots=(repo, repo),
+        )
         run.finish({"tok_s": rate}, {"runs": [rate]})
     result = json.loads((tmp_path / "out" / "w1.json").read_text())
     assert result["result"] == "w1" and result["benchmark"] == "throughput"
@@ -101,13 +111,13 @@ def test_a_stamp_carries_the_commit_to_a_tree_without_git(repo: Path, tmp_path: 
 
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs this checkout's git history")
-def test_a_baseline_extracted_from_a_commit_is_stamped_from_this_repository(
-        tmp_path: Path) -> None:
+def test_a_baseline_extracted_from_a_commit_is_stamped_from_this_repository(tmp_path: Path) -> None:
     """The A/B baseline of device_run.sh: `git archive REV | tar -x -C .base`."""
     base = tmp_path / "base"
     base.mkdir()
-    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", "HEAD"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
     stamp = json.loads(recording.write_stamp(base, "HEAD").read_text())
     assert stamp["commit"] == _git(ROOT, "rev-parse", "HEAD")
@@ -118,10 +128,20 @@ def test_a_baseline_extracted_from_a_commit_is_stamped_from_this_repository(
 
 def test_device_run_records_into_out_and_runs_an_ab_in_turns(tmp_path: Path) -> None:
     def device_run(*command: str, **env: str) -> list[str]:
-        result = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), *command],
-                                cwd=ROOT, capture_output=True, text=True, check=True, timeout=60,
-                                env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path),
-                                     "WHEELS": str(tmp_path / "no-wheels"), **env})
+        result = subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / "device_run.sh"), *command],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "OUT": str(tmp_path),
+                "WHEELS": str(tmp_path / "no-wheels"),
+                **env,
+            },
+        )
         return [line for line in result.stdout.splitlines() if not line.startswith("===")]
 
     assert device_run("echo", "run") == [f"run --results-dir {tmp_path}"]
@@ -129,5 +149,9 @@ def test_device_run_records_into_out_and_runs_an_ab_in_turns(tmp_path: Path) -> 
     base = tmp_path / "base_tree"
     base.mkdir()
     lines = device_run("echo", "run", BASELINE=str(base), ROUNDS="2")
-    assert lines == [f"-P run --results-dir {tmp_path}/base", f"run --results-dir {tmp_path}",
-                     f"run --results-dir {tmp_path}", f"-P run --results-dir {tmp_path}/base"]
+    assert lines == [
+        f"-P run --results-dir {tmp_path}/base",
+        f"run --results-dir {tmp_path}",
+        f"run --results-dir {tmp_path}",
+        f"-P run --results-dir {tmp_path}/base",
+    ]

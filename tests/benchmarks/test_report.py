@@ -12,15 +12,26 @@ from benchmarks.report import main
 
 
 def _entry(rate: float, workload: str = "W1", gpu: str = "NVIDIA H200") -> dict[str, object]:
-    return {"date": "2026-12-03T00:00:00Z", "commit": "abc1234", "clean": True,
-            "hardware": {"gpus": [gpu]}, "command": "python -m benchmarks.throughput",
-            "workload": {"name": workload}, "figures": {"v2_output_tok_s": rate}}
+    return {
+        "date": "2026-12-03T00:00:00Z",
+        "commit": "abc1234",
+        "clean": True,
+        "hardware": {"gpus": [gpu]},
+        "command": "python -m benchmarks.throughput",
+        "workload": {"name": workload},
+        "figures": {"v2_output_tok_s": rate},
+    }
 
 
 def test_current_figures_beside_the_last_comparable_entry(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for entry in (_entry(100.0), _entry(50.0, gpu="NVIDIA H100"), _entry(999.0, "W2"),
-                  _entry(110.0)):
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for entry in (
+        _entry(100.0),
+        _entry(50.0, gpu="NVIDIA H100"),
+        _entry(999.0, "W2"),
+        _entry(110.0),
+    ):
         record_result(tmp_path, "w1", "throughput", entry)
     assert main(["--results-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
@@ -29,8 +40,9 @@ def test_current_figures_beside_the_last_comparable_entry(
     assert text.count("history:") == 3
 
 
-def test_against_a_baseline_and_unknown_results(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_against_a_baseline_and_unknown_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     record_result(tmp_path / "base", "w1", "throughput", _entry(200.0))
     record_result(tmp_path, "w1", "throughput", _entry(190.0))
     assert main(["--results-dir", str(tmp_path), "--against", str(tmp_path / "base")]) == 0

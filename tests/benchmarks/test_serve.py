@@ -27,8 +27,9 @@ from benchmarks.workloads import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "finish_reason": None}]}
+ROLE = {
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+}
 
 
 def _content(text: str, finish_reason: str | None = None) -> dict[str, Any]:
@@ -36,10 +37,15 @@ def _content(text: str, finish_reason: str | None = None) -> dict[str, Any]:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                     "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens,
-                                     "prompt_tokens_details": {"cached_tokens": cached_tokens}}}
+    return {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        },
+    }
 
 
 def _timeline(sent_s: float, events: list[tuple[float, dict[str, Any]]]) -> RequestResult:
@@ -53,8 +59,16 @@ def _timeline(sent_s: float, events: list[tuple[float, dict[str, Any]]]) -> Requ
 # finish chunk 11.0, usage 11.1 (4 tokens). TTFT 0.2, ITL 0.0/0.3/0.5, E2EL 1.0,
 # TPOT (1.0 - 0.2) / 3.
 def _request_a() -> RequestResult:
-    return _timeline(10.0, [(10.2, ROLE), (10.2, _content("a")), (10.5, _content("b")),
-                            (11.0, _content("c", "length")), (11.1, _usage(5, 4, 2))])
+    return _timeline(
+        10.0,
+        [
+            (10.2, ROLE),
+            (10.2, _content("a")),
+            (10.5, _content("b")),
+            (11.0, _content("c", "length")),
+            (11.1, _usage(5, 4, 2)),
+        ],
+    )
 
 
 # Request B: sent at 0; role 0.4, last token with finish 0.6, usage 0.9 (1 token).
@@ -97,7 +111,9 @@ def test_summary_figures_are_hand_checked() -> None:
     assert s["total_token_throughput_tok_s"] == pytest.approx(8.5)
     assert s["output_len_mismatches"] == 1
     # TTFT 200 and 400 ms; p99 interpolates linearly: 200 + 0.99 * 200.
-    assert s["ttft"]["mean_ms"] == pytest.approx(300) and s["ttft"]["median_ms"] == pytest.approx(300)
+    assert s["ttft"]["mean_ms"] == pytest.approx(300) and s["ttft"]["median_ms"] == pytest.approx(
+        300
+    )
     assert s["ttft"]["p99_ms"] == pytest.approx(398)
     # ITL pooled over both requests: 0, 200, 300, 500 ms.
     assert s["itl"]["mean_ms"] == pytest.approx(250) and s["itl"]["p50_ms"] == pytest.approx(250)
@@ -109,7 +125,9 @@ def test_summary_figures_are_hand_checked() -> None:
 
 def test_summary_without_successes_reports_no_latency() -> None:
     s = summarize([RequestResult(success=False, error="x")], duration_s=1.0)
-    assert s["completed"] == 0 and s["ttft"]["median_ms"] is None and s["output_throughput_tok_s"] == 0
+    assert (
+        s["completed"] == 0 and s["ttft"]["median_ms"] is None and s["output_throughput_tok_s"] == 0
+    )
 
 
 def test_arrivals() -> None:
@@ -137,28 +155,44 @@ def test_prompts_and_bodies() -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--concurrency", "1,0"], "--concurrency"),
-    (["--concurrency", "x"], "--concurrency"),
-    (["--request-rate", "0"], "--request-rate"),
-    (["--token-id-range", "50:10"], "--token-id-range"),
-    (["--num-prompts", "0"], "--num-prompts"),
-    (["--base-url", "127.0.0.1:8000"], "--base-url"),
-    (["--clients", "4", "--concurrency", "2"], "--clients"),
-    (["--response-format", "[1]"], "--response-format"),
-    (["--base-url", "http://h:1", "--server", "--device cpu"], "not allowed with"),
-])
-def test_bad_flags_name_the_flag(flags: list[str], message: str,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "1,0"], "--concurrency"),
+        (["--concurrency", "x"], "--concurrency"),
+        (["--request-rate", "0"], "--request-rate"),
+        (["--token-id-range", "50:10"], "--token-id-range"),
+        (["--num-prompts", "0"], "--num-prompts"),
+        (["--base-url", "127.0.0.1:8000"], "--base-url"),
+        (["--clients", "4", "--concurrency", "2"], "--clients"),
+        (["--response-format", "[1]"], "--response-format"),
+        (["--base-url", "http://h:1", "--server", "--device cpu"], "not allowed with"),
+    ],
+)
+def test_bad_flags_name_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_flags_become_config() -> None:
-    config = parse_args(["--base-url", "http://h:1/v1/", "--concurrency", "1,16,64",
-                         "--request-rate", "inf", "--ignore-eos", "--endpoint", "chat",
-                         "--clients", "1"]).config
+    config = parse_args(
+        [
+            "--base-url",
+            "http://h:1/v1/",
+            "--concurrency",
+            "1,16,64",
+            "--request-rate",
+            "inf",
+            "--ignore-eos",
+            "--endpoint",
+            "chat",
+            "--clients",
+            "1",
+        ]
+    ).config
     assert config.base_url == "http://h:1" and config.concurrencies == (1, 16, 64)
     assert math.isinf(config.request_rate) and config.workload.ignore_eos
     assert config.workload.endpoint == "chat"
@@ -166,8 +200,14 @@ def test_flags_become_config() -> None:
 
 def test_the_structured_output_workload_reaches_every_request_body() -> None:
     """benchmarks/structured_output.json: the schema of `serve_chat_json_schema`."""
-    config = parse_args(["--endpoint", "chat", "--response-format",
-                         f"@{ROOT / 'benchmarks' / 'structured_output.json'}"]).config
+    config = parse_args(
+        [
+            "--endpoint",
+            "chat",
+            "--response-format",
+            f"@{ROOT / 'benchmarks' / 'structured_output.json'}",
+        ]
+    ).config
     body = request_body(config.workload, "hi", "m")
     assert body["response_format"]["type"] == "json_schema"
     assert body["response_format"]["json_schema"]["schema"]["minItems"] == 200
@@ -197,14 +237,28 @@ def _check_level(level: dict[str, Any], num_prompts: int, output_len: int) -> No
         assert 0 <= figures["p50_ms"] <= figures["p99_ms"], (metric, figures)
     assert level["e2el"]["median_ms"] > level["ttft"]["median_ms"]
     assert level["output_throughput_tok_s"] == pytest.approx(
-        num_prompts * output_len / level["duration_s"])
+        num_prompts * output_len / level["duration_s"]
+    )
 
 
 @pytest.mark.slow
 def test_a_run_against_a_running_server(server: Any, tmp_path: Path) -> None:
-    record = _serve(tmp_path, "--base-url", server.url, "--num-prompts", "3",
-                    "--input-len", "12", "--output-len", "6", "--concurrency", "1,3",
-                    "--warmup", "1", "--ignore-eos")
+    record = _serve(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "12",
+        "--output-len",
+        "6",
+        "--concurrency",
+        "1,3",
+        "--warmup",
+        "1",
+        "--ignore-eos",
+    )
     assert {"date", "commit", "clean", "hardware", "command", "workload"} <= set(record)
     assert record["workload"]["server"] == server.url
     details = record["details"]
@@ -215,15 +269,34 @@ def test_a_run_against_a_running_server(server: Any, tmp_path: Path) -> None:
         _check_level(level, 3, 6)
         assert level["total_input_tokens"] == 3 * 12  # token-id prompts are exact
     assert record["figures"]["c3_output_tok_s"] == pytest.approx(
-        details["levels"][1]["output_throughput_tok_s"], abs=0.05)
+        details["levels"][1]["output_throughput_tok_s"], abs=0.05
+    )
 
 
 @pytest.mark.slow
 def test_several_client_processes_share_a_level_of_chat(server: Any, tmp_path: Path) -> None:
-    record = _serve(tmp_path, "--base-url", server.url, "--endpoint", "chat",
-                    "--tokenizer", "default", "--num-prompts", "5", "--input-len", "8",
-                    "--output-len", "4", "--concurrency", "4", "--warmup", "2",
-                    "--clients", "2", "--ignore-eos")
+    record = _serve(
+        tmp_path,
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "chat",
+        "--tokenizer",
+        "default",
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "4",
+        "--warmup",
+        "2",
+        "--clients",
+        "2",
+        "--ignore-eos",
+    )
     assert record["details"]["endpoint"] == "/v1/chat/completions"
     (level,) = record["details"]["levels"]
     assert level["clients"] == 2 and level["concurrency"] == 4
@@ -232,11 +305,24 @@ def test_several_client_processes_share_a_level_of_chat(server: Any, tmp_path: P
 
 @pytest.mark.slow
 def test_a_run_starts_and_stops_its_own_server(tmp_path: Path) -> None:
-    record = _serve(tmp_path, "--server", "--device cpu --max-num-seqs 2 --max-model-len 256",
-                    "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
-                    "--concurrency", "2", "--ignore-eos")
-    assert record["workload"]["server"] == "tandem serve --device cpu --max-num-seqs 2 " \
-                                           "--max-model-len 256"
+    record = _serve(
+        tmp_path,
+        "--server",
+        "--device cpu --max-num-seqs 2 --max-model-len 256",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--concurrency",
+        "2",
+        "--ignore-eos",
+    )
+    assert (
+        record["workload"]["server"] == "tandem serve --device cpu --max-num-seqs 2 "
+        "--max-model-len 256"
+    )
     _check_level(record["details"]["levels"][0], 2, 3)
     assert "vllm:num_preemptions_total" in record["details"]["server_metrics"]
 

@@ -33,15 +33,30 @@ bound catches a per-request leak of roughly 1 MiB."""
 def test_soak_loses_nothing_and_leaks_nothing() -> None:
     # Requests here take up to ~10 s, so hang-ups within 8 s land while queued, during
     # prefill and mid-stream.
-    config = SoakConfig(num_requests=150, concurrency=32, seed=7,
-                        mix=SoakMix(disconnect_within_s=8.0),
-                        max_rss_growth_mib=MAX_RSS_GROWTH_MIB)
-    with InProcessServer(ServeSettings(engine=ENGINE, port=0, api_key=API_KEY),
-                         shared_model()) as server:
+    config = SoakConfig(
+        num_requests=150,
+        concurrency=32,
+        seed=7,
+        mix=SoakMix(disconnect_within_s=8.0),
+        max_rss_growth_mib=MAX_RSS_GROWTH_MIB,
+    )
+    with InProcessServer(
+        ServeSettings(engine=ENGINE, port=0, api_key=API_KEY), shared_model()
+    ) as server:
         report = run_soak(server, config, api_key=API_KEY)
         exit_code = server.stop()
-    summary = {k: report[k] for k in ("outcomes", "outcomes_by_plan", "client_aborts",
-                                      "num_5xx", "elapsed_s", "server_finish_reasons", "after")}
+    summary = {
+        k: report[k]
+        for k in (
+            "outcomes",
+            "outcomes_by_plan",
+            "client_aborts",
+            "num_5xx",
+            "elapsed_s",
+            "server_finish_reasons",
+            "after",
+        )
+    }
     summary["rss_mib"] = {k: v for k, v in report["rss_mib"].items() if not k.startswith("series")}
     print(json.dumps(summary, indent=1))
     assert report["passed"], (report["problems"], report["failures"])
@@ -56,8 +71,9 @@ def test_soak_loses_nothing_and_leaks_nothing() -> None:
     # the engine's aborts are the clients' disconnects.
     server_reasons = report["server_finish_reasons"]
     client_reasons = report["client_finish_reasons"]
-    assert server_reasons.get("stop", 0) + server_reasons.get("length", 0) >= \
-        client_reasons.get("stop", 0) + client_reasons.get("length", 0)
+    assert server_reasons.get("stop", 0) + server_reasons.get("length", 0) >= client_reasons.get(
+        "stop", 0
+    ) + client_reasons.get("length", 0)
     assert exit_code == 0
 
 
@@ -65,9 +81,28 @@ def test_the_long_form_records_its_verdict(tmp_path: Path) -> None:
     # A process of its own: the long form sets up logging for itself.
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--requests", "12", "--concurrency", "4",
-         "--max-tokens", "4", "--disconnect-within", "2", "--not-a-result", "--output", str(out)],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.soak",
+            "--requests",
+            "12",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+            "--disconnect-within",
+            "2",
+            "--not-a-result",
+            "--output",
+            str(out),
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["workload"]["num_requests"] == 12 and record["workload"]["torch_threads"] == 1

@@ -35,10 +35,25 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_run_on_the_embedded_model_records_every_arm(tmp_path: Path) -> None:
     out = tmp_path / "w.json"
-    argv = ["--workload", "CPU", "--num-prompts", "3", "--input-len", "16", "--output-len", "5",
-            "--repeats", "1",
-            "--arms", "v2,v1,hf_static", "--hf-num-prompts", "2", "--not-a-result",
-            "--output", str(out)]
+    argv = [
+        "--workload",
+        "CPU",
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "5",
+        "--repeats",
+        "1",
+        "--arms",
+        "v2,v1,hf_static",
+        "--hf-num-prompts",
+        "2",
+        "--not-a-result",
+        "--output",
+        str(out),
+    ]
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["command"] == "python -m benchmarks.throughput " + " ".join(argv)
@@ -56,15 +71,22 @@ def test_a_run_on_the_embedded_model_records_every_arm(tmp_path: Path) -> None:
     assert details["runs"][2]["output_tokens"] == 2 * 5
     figures = record["figures"]
     assert figures["v2_output_tok_s"] == pytest.approx(
-        details["summary"]["v2"]["median_output_tok_s"], abs=0.05)
+        details["summary"]["v2"]["median_output_tok_s"], abs=0.05
+    )
     assert {"v1_output_tok_s", "hf_static_output_tok_s", "v2_over_v1", "ready_s"} <= set(figures)
     assert details["startup"]["runner"] == "v2"
 
 
 def test_bad_arms_and_workloads_are_usage_errors() -> None:
     def throughput(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "benchmarks.throughput", *args],
-                              check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "benchmarks.throughput", *args],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     bad_arm = throughput("--arms", "v2,vllm", "--not-a-result")
     assert bad_arm.returncode == 2 and "--arms must start with v2" in bad_arm.stderr
@@ -80,6 +102,7 @@ def test_abba_order_alternates_which_arm_goes_first() -> None:
 
 def test_workloads_match_the_issue_and_prompts_are_fixed_length() -> None:
     w1, w2, w3 = WORKLOADS["W1"], WORKLOADS["W2"], WORKLOADS["W3"]
+
     def shape(w: Workload) -> tuple[str, int, int, int]:
         return w.model, w.num_prompts, w.input_len, w.output_len
 
@@ -99,8 +122,9 @@ def test_workloads_match_the_issue_and_prompts_are_fixed_length() -> None:
 
 def test_tpot_follows_vllm_definition() -> None:
     # 11 tokens, first after 0.5 s, last at 2.5 s: TPOT = (2.5 - 0.5) / 10.
-    run = EngineRun(3.0, (RequestTiming(11, 0.5, 2.5, "length"),
-                          RequestTiming(1, 0.2, 0.2, "length")), (), 0)
+    run = EngineRun(
+        3.0, (RequestTiming(11, 0.5, 2.5, "length"), RequestTiming(1, 0.2, 0.2, "length")), (), 0
+    )
     figures = latency_figures(run)
     assert figures["tpot"]["mean_ms"] == pytest.approx(200.0)  # the 1-token request has no TPOT
     assert figures["ttft"]["median_ms"] == pytest.approx(350.0)
@@ -110,8 +134,12 @@ def test_gpu_idle_fraction_skips_the_first_step_and_small_batches() -> None:
     def step(num_reqs: int, busy_s: float, idle_s: float) -> StepStats:
         return StepStats(0, num_reqs, num_reqs, 0, step_time_s=busy_s, gpu_idle_s=idle_s)
 
-    steps = (step(128, 0.010, 5.0), step(128, 0.010, 0.001), step(8, 0.010, 0.5),
-             step(128, 0.010, 0.003))
+    steps = (
+        step(128, 0.010, 5.0),
+        step(128, 0.010, 0.001),
+        step(8, 0.010, 0.5),
+        step(128, 0.010, 0.003),
+    )
     figures = gpu_idle_figures(steps, min_batch=64)
     assert figures["num_steps"] == 2
     assert figures["idle_fraction"] == pytest.approx(0.004 / 0.024)

@@ -31,7 +31,7 @@ def _load_lane() -> ModuleType:
 
 lane = _load_lane()
 
-SAMPLE_TESTS = '''
+SAMPLE_TESTS = """
 import pytest
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_param(n):
 @pytest.mark.other
 def test_deselected():
     pass
-'''
+"""
 
 
 def _run_sample(tmp_path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -86,10 +86,26 @@ def _run_sample(tmp_path: Path) -> tuple[list[dict[str, Any]], int]:
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    other: deselected\n")
     events = tmp_path / "events.jsonl"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / ".ci" / "gpu-lane"), "_pytest", str(events), "--",
-         "-m", "not other", "--continue-on-collection-errors", "-p", "no:cacheprovider", "-q",
-         str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            str(REPO_ROOT / ".ci" / "gpu-lane"),
+            "_pytest",
+            str(events),
+            "--",
+            "-m",
+            "not other",
+            "--continue-on-collection-errors",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return lane.read_events(events), result.returncode
 
 
@@ -97,15 +113,25 @@ def test_a_pytest_run_counts_as_pytest_counts_it(tmp_path: Path) -> None:
     events, exit_status = _run_sample(tmp_path)
     summary = lane.summarize(events)
     assert exit_status == 1
-    assert summary["counts"] == {"passed": 3, "failed": 2, "skipped": 3, "error": 3,
-                                 "xfailed": 1, "xpassed": 0}
+    assert summary["counts"] == {
+        "passed": 3,
+        "failed": 2,
+        "skipped": 3,
+        "error": 3,
+        "xfailed": 1,
+        "xpassed": 0,
+    }
     assert summary["collected"] == 10 and summary["deselected"] == 1
     assert summary["failures"] == ["test_sample.py::test_fails", "test_sample.py::test_param[2]"]
-    assert sorted(summary["errors"]) == ["test_broken_import.py",
-                                         "test_sample.py::test_errors_in_setup",
-                                         "test_sample.py::test_passes_then_errors_in_teardown"]
-    assert summary["skips"] == [{"reason": "no such device", "count": 2},
-                                {"reason": "not today", "count": 1}]
+    assert sorted(summary["errors"]) == [
+        "test_broken_import.py",
+        "test_sample.py::test_errors_in_setup",
+        "test_sample.py::test_passes_then_errors_in_teardown",
+    ]
+    assert summary["skips"] == [
+        {"reason": "no such device", "count": 2},
+        {"reason": "not today", "count": 1},
+    ]
     assert "one is not two" in summary["messages"]["test_sample.py::test_fails"]
     assert "setup broke" in summary["messages"]["test_sample.py::test_errors_in_setup"]
     assert "no_such_module_here" in summary["messages"]["test_broken_import.py"]
@@ -115,10 +141,15 @@ def test_a_test_that_never_finished_is_an_error_when_time_ran_out() -> None:
     def report(nodeid: str, when: str) -> dict[str, Any]:
         return {"event": "report", "nodeid": nodeid, "when": when, "outcome": "passed"}
 
-    events = [{"event": "collected", "count": 2}, {"event": "start", "nodeid": "t.py::test_a"},
-              report("t.py::test_a", "setup"), report("t.py::test_a", "call"),
-              report("t.py::test_a", "teardown"), {"event": "start", "nodeid": "t.py::test_hangs"},
-              report("t.py::test_hangs", "setup")]
+    events = [
+        {"event": "collected", "count": 2},
+        {"event": "start", "nodeid": "t.py::test_a"},
+        report("t.py::test_a", "setup"),
+        report("t.py::test_a", "call"),
+        report("t.py::test_a", "teardown"),
+        {"event": "start", "nodeid": "t.py::test_hangs"},
+        report("t.py::test_hangs", "setup"),
+    ]
     assert lane.summarize(events)["errors"] == []
     summary = lane.summarize(events, timed_out=True)
     assert summary["errors"] == ["t.py::test_hangs"]
@@ -126,16 +157,37 @@ def test_a_test_that_never_finished_is_an_error_when_time_ran_out() -> None:
     assert "time ran out" in summary["messages"]["t.py::test_hangs"]
 
 
-def _record(tmp_path: Path, *, dirty: bool = False, events: list[dict[str, Any]] | None = None,
-            exit_status: int | None = 0, timed_out: bool = False) -> dict[str, Any]:
-    events = events if events is not None else [
-        {"event": "report", "nodeid": "t.py::test_a", "when": "call", "outcome": "passed"}]
-    source = {"commit": "a" * 40, "dirty": dirty, "modified": ["gpu/x.py"] if dirty else [],
-              "missing": [], "untracked": [], "num_changed": int(dirty)}
-    return lane.build_record(events, source=source, wheels=[],
-                             hardware={"gpu": "NVIDIA H200", "driver": "580"},
-                             command="python3 -m pytest -m gpu", duration_s=1.0,
-                             exit_status=exit_status, timed_out=timed_out)
+def _record(
+    tmp_path: Path,
+    *,
+    dirty: bool = False,
+    events: list[dict[str, Any]] | None = None,
+    exit_status: int | None = 0,
+    timed_out: bool = False,
+) -> dict[str, Any]:
+    events = (
+        events
+        if events is not None
+        else [{"event": "report", "nodeid": "t.py::test_a", "when": "call", "outcome": "passed"}]
+    )
+    source = {
+        "commit": "a" * 40,
+        "dirty": dirty,
+        "modified": ["gpu/x.py"] if dirty else [],
+        "missing": [],
+        "untracked": [],
+        "num_changed": int(dirty),
+    }
+    return lane.build_record(
+        events,
+        source=source,
+        wheels=[],
+        hardware={"gpu": "NVIDIA H200", "driver": "580"},
+        command="python3 -m pytest -m gpu",
+        duration_s=1.0,
+        exit_status=exit_status,
+        timed_out=timed_out,
+    )
 
 
 def test_green_needs_a_passing_test_and_nothing_red(tmp_path: Path) -> None:
@@ -143,8 +195,15 @@ def test_green_needs_a_passing_test_and_nothing_red(tmp_path: Path) -> None:
     assert not _record(tmp_path, events=[])["green"]  # everything skipped proves nothing
     assert not _record(tmp_path, exit_status=1)["green"]
     assert not _record(tmp_path, exit_status=None, timed_out=True)["green"]
-    failed = [{"event": "report", "nodeid": "t.py::test_b", "when": "call", "outcome": "failed",
-               "message": "AssertionError"}]
+    failed = [
+        {
+            "event": "report",
+            "nodeid": "t.py::test_b",
+            "when": "call",
+            "outcome": "failed",
+            "message": "AssertionError",
+        }
+    ]
     red = _record(tmp_path, events=failed, exit_status=1)
     assert not red["green"]
     assert "FAILED t.py::test_b - AssertionError" in lane.render_summary(red)
@@ -199,13 +258,22 @@ def test_the_tree_is_told_apart_from_the_commit_it_was_stamped_with(tmp_path: Pa
     (tmp_path / "pkg" / "new.py").write_text("z = 3\n")
     (tmp_path / "pkg" / "cache.pyc").write_bytes(b"\0")
     (tmp_path / ".gitignore").write_text("*.pyc\n/.gpu-lane/\n")
-    stamp = {"commit": "c" * 40, "blobs": {
-        "pkg/same.py": lane.blob_id(b"x = 1\n"), "pkg/changed.py": lane.blob_id(b"y = 1\n"),
-        "pkg/gone.py": lane.blob_id(b""), ".gitignore": lane.blob_id(b"*.pyc\n/.gpu-lane/\n")}}
+    stamp = {
+        "commit": "c" * 40,
+        "blobs": {
+            "pkg/same.py": lane.blob_id(b"x = 1\n"),
+            "pkg/changed.py": lane.blob_id(b"y = 1\n"),
+            "pkg/gone.py": lane.blob_id(b""),
+            ".gitignore": lane.blob_id(b"*.pyc\n/.gpu-lane/\n"),
+        },
+    }
     source = lane.check_source(tmp_path, stamp)
     assert source["dirty"] and source["commit"] == "c" * 40
     assert (source["modified"], source["missing"], source["untracked"]) == (
-        ["pkg/changed.py"], ["pkg/gone.py"], ["pkg/new.py"])
+        ["pkg/changed.py"],
+        ["pkg/gone.py"],
+        ["pkg/new.py"],
+    )
     (tmp_path / "pkg" / "changed.py").write_text("y = 1\n")
     (tmp_path / "pkg" / "gone.py").write_text("")
     (tmp_path / "pkg" / "new.py").unlink()
@@ -215,8 +283,13 @@ def test_the_tree_is_told_apart_from_the_commit_it_was_stamped_with(tmp_path: Pa
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_blob_ids_are_gits() -> None:
     data = b"tandem\n\x00binary"
-    git = subprocess.run(["git", "hash-object", "--stdin"], input=data, capture_output=True,
-                         check=True, cwd=REPO_ROOT)
+    git = subprocess.run(
+        ["git", "hash-object", "--stdin"],
+        input=data,
+        capture_output=True,
+        check=True,
+        cwd=REPO_ROOT,
+    )
     assert lane.blob_id(data) == git.stdout.decode().strip()
 
 

@@ -45,7 +45,9 @@ class PagedKVBook:
             blocks = self._ensure_blocks(req, seq_len)
             for pos in range(start, seq_len):
                 positions.append(pos)
-                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             seq_lens.append(seq_len)
             query_start_loc.append(query_start_loc[-1] + num_new)
             self.num_computed_by_req[req] = seq_len

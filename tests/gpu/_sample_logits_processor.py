@@ -24,16 +24,19 @@ class ForceOrBanTokens(LogitsProcessor):
     def validate_params(cls, sampling_params) -> None:
         args = sampling_params.extra_args or {}
         force = args.get("force_token_id")
-        if force is not None and (isinstance(force, bool) or not isinstance(force, int)
-                                  or force < 0):
+        if force is not None and (
+            isinstance(force, bool) or not isinstance(force, int) or force < 0
+        ):
             raise ValueError(f"force_token_id must be a non-negative integer, got {force!r}")
         banned = args.get("ban_token_ids")
-        if banned is not None and not (isinstance(banned, list)
-                                       and all(isinstance(t, int) and t >= 0 for t in banned)):
+        if banned is not None and not (
+            isinstance(banned, list) and all(isinstance(t, int) and t >= 0 for t in banned)
+        ):
             raise ValueError(f"ban_token_ids must be a list of token ids, got {banned!r}")
 
-    def __init__(self, config: LogitsProcessorConfig, device: torch.device,
-                 is_pin_memory: bool) -> None:
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None:
         self.vocab_size = config.vocab_size
         self.rules: dict[int, tuple[int | None, tuple[int, ...]]] = {}
         """batch index -> (forced token, banned tokens), only for requests with rules."""

@@ -22,21 +22,27 @@ from gpu.sampling.batch_shard import AllGatherSampler, BatchShardedSampler, to_o
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState
 from gpu.weights.dummy import dummy_weights
-from gpu.weights.shard_loader import load_weight_shard
 from gpu.weights.shard_layout import ShardSlice, take_shard
+from gpu.weights.shard_loader import load_weight_shard
 from tests.gpu._paged_kv_batch import PagedKVBook
 
 GROUP_TIMEOUT_S = 60.0
 EOS = 7
 
 
-def _spec(rank: int, world_size: int, init_method: str, timeout_s: float = GROUP_TIMEOUT_S,
-          device_kind: str = "cpu") -> TPGroupSpec:
+def _spec(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    timeout_s: float = GROUP_TIMEOUT_S,
+    device_kind: str = "cpu",
+) -> TPGroupSpec:
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     return TPGroupSpec(rank, world_size, init_method, device, timeout_s)
 
 
 # ---- the model ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class GreedyRun:
@@ -44,14 +50,21 @@ class GreedyRun:
     tokens: torch.Tensor  # [num_prompts, num_steps] int64, greedy continuations
 
 
-def run_greedy(config: ModelConfig, weights: dict[str, torch.Tensor], prompts: list[list[int]],
-               num_steps: int, tp: Communicator | None = None, device: str = "cpu") -> GreedyRun:
+def run_greedy(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    prompts: list[list[int]],
+    num_steps: int,
+    tp: Communicator | None = None,
+    device: str = "cpu",
+) -> GreedyRun:
     """Prefill `prompts` in one varlen batch, then decode greedily; with `tp`, tokens come
     from batch-sharded sampling of the local logits. Results come back on the CPU."""
     model = DecoderModel(config, TorchAttentionBackend(), torch.float32, device, tp)
     model.load_weights(weights)
-    kv_caches = allocate_kv_cache(config.num_layers, 64, 8, model.num_kv_heads, config.head_dim,
-                                  torch.float32, device)
+    kv_caches = allocate_kv_cache(
+        config.num_layers, 64, 8, model.num_kv_heads, config.head_dim, torch.float32, device
+    )
     book = PagedKVBook(num_blocks=64, block_size=8, seed=1)
     state = SamplingState(len(prompts), config.vocab_size, device)
     for row in range(len(prompts)):
@@ -71,34 +84,58 @@ def run_greedy(config: ModelConfig, weights: dict[str, torch.Tensor], prompts: l
             if tp is not None:
                 last = last[sampler.logits_row_order(len(prompts))]
             local = model.compute_logits_local(hidden[last]).float()
-            sampled = sampler(local, torch.from_numpy(rows).to(device), rows,
-                              positions[last] + 1,
-                              torch.zeros(len(rows), dtype=torch.int32, device=device),
-                              None).sampled_token_ids
+            sampled = sampler(
+                local,
+                torch.from_numpy(rows).to(device),
+                rows,
+                positions[last] + 1,
+                torch.zeros(len(rows), dtype=torch.int32, device=device),
+                None,
+            ).sampled_token_ids
             tokens.append(sampled.cpu())
             step, input_ids = [(f"r{i}", 1) for i in range(len(prompts))], sampled
     return GreedyRun(prompt_logits, torch.stack(tokens[:num_steps], dim=1))
 
 
-def dummy_model_rank(rank: int, world_size: int, init_method: str,
-                     cases: list[tuple[ModelConfig, list[list[int]], int]],
-                     device_kind: str = "cpu") -> list[GreedyRun]:
+def dummy_model_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    cases: list[tuple[ModelConfig, list[list[int]], int]],
+    device_kind: str = "cpu",
+) -> list[GreedyRun]:
     with init_tp_group(_spec(rank, world_size, init_method, device_kind=device_kind)) as group:
         comm, device = Communicator(group), str(group.device)
-        return [run_greedy(config, dummy_weights(config, torch.float32, device, seed=5,
-                                                 tp_rank=rank, tp_size=world_size),
-                           prompts, num_steps, comm, device)
-                for config, prompts, num_steps in cases]
+        return [
+            run_greedy(
+                config,
+                dummy_weights(
+                    config, torch.float32, device, seed=5, tp_rank=rank, tp_size=world_size
+                ),
+                prompts,
+                num_steps,
+                comm,
+                device,
+            )
+            for config, prompts, num_steps in cases
+        ]
 
 
-def model_file_rank(rank: int, world_size: int, init_method: str, model: str,
-                    prompts: list[list[int]], num_steps: int) -> GreedyRun:
+def model_file_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    model: str,
+    prompts: list[list[int]],
+    num_steps: int,
+) -> GreedyRun:
     with init_tp_group(_spec(rank, world_size, init_method)) as group:
         shard = load_weight_shard(model, torch.float32, "cpu", rank, world_size)
         return run_greedy(shard.config, shard.weights, prompts, num_steps, Communicator(group))
 
 
 # ---- sampling -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingCase:
@@ -119,16 +156,23 @@ def case_inputs(case: SamplingCase, device: str = "cpu") -> tuple[Sampler, torch
     logits = torch.randn(len(case.rows), case.vocab_size, generator=generator) * 3.0
     rows_np = np.asarray(case.rows, dtype=np.int32)
     num_rows = len(rows_np)
-    args = dict(idx_mapping_gpu=torch.from_numpy(rows_np).to(device), idx_mapping_np=rows_np,
-                positions_gpu=torch.arange(100, 100 + num_rows, dtype=torch.int64,
-                                           device=device) * 7,
-                num_output_tokens_gpu=torch.full((num_rows,), 2, dtype=torch.int32, device=device),
-                max_num_logprobs=case.max_num_logprobs)
+    args = dict(
+        idx_mapping_gpu=torch.from_numpy(rows_np).to(device),
+        idx_mapping_np=rows_np,
+        positions_gpu=torch.arange(100, 100 + num_rows, dtype=torch.int64, device=device) * 7,
+        num_output_tokens_gpu=torch.full((num_rows,), 2, dtype=torch.int32, device=device),
+        max_num_logprobs=case.max_num_logprobs,
+    )
     return Sampler(state), logits.to(device), args
 
 
-def sampling_rank(rank: int, world_size: int, init_method: str, cases: list[SamplingCase],
-                  device_kind: str = "cpu") -> list[tuple[SamplerOutput, SamplerOutput]]:
+def sampling_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    cases: list[SamplingCase],
+    device_kind: str = "cpu",
+) -> list[tuple[SamplerOutput, SamplerOutput]]:
     """(batch-sharded output, all-gather output) per case, on the CPU."""
     with init_tp_group(_spec(rank, world_size, init_method, device_kind=device_kind)) as group:
         comm = Communicator(group)
@@ -136,25 +180,41 @@ def sampling_rank(rank: int, world_size: int, init_method: str, cases: list[Samp
         for case in cases:
             sampler, logits, args = case_inputs(case, str(group.device))
             shard = vocab_shard(case.vocab_size, rank, world_size)
-            local = take_shard(logits, ShardSlice(1, shard.start, shard.start + shard.num_real_rows,
-                                                  shard.num_rows))
+            local = take_shard(
+                logits,
+                ShardSlice(1, shard.start, shard.start + shard.num_real_rows, shard.num_rows),
+            )
             sharded = BatchShardedSampler(sampler, comm)
             owner_major = to_owner_major(local, sharded.plan(len(case.rows)))
-            outputs.append((_to_cpu(sharded(owner_major, **args)),
-                            _to_cpu(AllGatherSampler(sampler, comm)(local, **args))))
+            outputs.append(
+                (
+                    _to_cpu(sharded(owner_major, **args)),
+                    _to_cpu(AllGatherSampler(sampler, comm)(local, **args)),
+                )
+            )
         return outputs
 
 
 def _to_cpu(output: SamplerOutput) -> SamplerOutput:
-    return SamplerOutput(*(None if t is None else t.cpu() for t in
-                           (output.sampled_token_ids, output.logprob_token_ids, output.logprobs,
-                            output.sampled_ranks)))
+    return SamplerOutput(
+        *(
+            None if t is None else t.cpu()
+            for t in (
+                output.sampled_token_ids,
+                output.logprob_token_ids,
+                output.logprobs,
+                output.sampled_ranks,
+            )
+        )
+    )
 
 
 # ---- collectives, step broadcast and failures -----------------------------------------
 
-def collectives_rank(rank: int, world_size: int, init_method: str, payloads: list[bytes]
-                     ) -> dict[str, object]:
+
+def collectives_rank(
+    rank: int, world_size: int, init_method: str, payloads: list[bytes]
+) -> dict[str, object]:
     with init_tp_group(_spec(rank, world_size, init_method)) as group:
         comm = Communicator(group)
         mine = torch.arange(6, dtype=torch.float32).view(3, 2) + 100 * rank
@@ -176,8 +236,7 @@ def collectives_rank(rank: int, world_size: int, init_method: str, payloads: lis
         return results
 
 
-def failing_rank(rank: int, world_size: int, init_method: str, mode: str,
-                 timeout_s: float) -> None:
+def failing_rank(rank: int, world_size: int, init_method: str, mode: str, timeout_s: float) -> None:
     """Rank 1 raises ('raise') or stops answering ('hang'); rank 0 waits in an all-reduce."""
     with init_tp_group(_spec(rank, world_size, init_method, timeout_s)) as group:
         if rank == 1 and mode == "raise":

@@ -13,8 +13,12 @@ from tests._embedded_model import needs_embedded_model
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
-QUESTIONS = ["What is the capital of France?", "Name three colors.",
-             "Tell me one fact about bees.", "Please count from one to ten."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Tell me one fact about bees.",
+    "Please count from one to ten.",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SMALL = dict(device="cpu", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
 

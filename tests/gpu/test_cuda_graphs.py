@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from actors.protocol.config import EngineConfig
 from actors.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.config import EngineConfig
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
@@ -27,9 +27,19 @@ from gpu.runner_v2.step_plan import GraphSizes, padded_batch_size, plan_step
 from gpu.runner_v2.step_state import V2StepState
 from gpu.weights.dummy import dummy_weights
 
-TINY = ModelConfig(architecture="qwen3", vocab_size=96, hidden_size=64, intermediate_size=96,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
+TINY = ModelConfig(
+    architecture="qwen3",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    qk_norm=True,
+)
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
 MAX_REQS = 8
@@ -64,16 +74,27 @@ def test_step_meta_larger_than_the_buffers_is_refused() -> None:
 def test_upload_packs_counts_rows_and_padded_query_starts() -> None:
     buffers = InputBuffers(4, 32, 8, torch.device("cpu"))
     buffers.idx_mapping.fill_(7)
-    buffers.upload_step_meta(np.array([3, 1], dtype=np.int32), np.array([0, 5, 6, 6, 6], dtype=np.int32))
+    buffers.upload_step_meta(
+        np.array([3, 1], dtype=np.int32), np.array([0, 5, 6, 6, 6], dtype=np.int32)
+    )
     assert buffers.step_counts.tolist() == [2, 6]
     assert buffers.idx_mapping.tolist() == [3, 1, 0, 0]  # padding rows read row 0
     assert buffers.query_start_loc.tolist() == [0, 5, 6, 6, 6]
 
 
-def _sched(ids: list[str], scheduled: list[int], computed: list[int], new=(), finished=(),
-           samples=None) -> SchedulerOutput:
-    return SchedulerOutput(1, tuple(new), CachedRequestData(), tuple(ids), tuple(scheduled),
-                           tuple(computed), tuple(samples or [True] * len(ids)), frozenset(finished))
+def _sched(
+    ids: list[str], scheduled: list[int], computed: list[int], new=(), finished=(), samples=None
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        1,
+        tuple(new),
+        CachedRequestData(),
+        tuple(ids),
+        tuple(scheduled),
+        tuple(computed),
+        tuple(samples or [True] * len(ids)),
+        frozenset(finished),
+    )
 
 
 def test_plan_pads_decode_steps_to_a_decode_graph() -> None:
@@ -85,7 +106,9 @@ def test_plan_pads_decode_steps_to_a_decode_graph() -> None:
 
 
 def test_plan_pads_mixed_steps_by_tokens_with_empty_padding_requests() -> None:
-    plan = plan_step(_sched(["a", "b", "c"], [1, 12, 1], [4, 0, 2]), {"a": 0, "b": 1, "c": 2}, SIZES)
+    plan = plan_step(
+        _sched(["a", "b", "c"], [1, 12, 1], [4, 0, 2]), {"a": 0, "b": 1, "c": 2}, SIZES
+    )
     assert plan.forward is not None and not plan.forward.is_decode
     assert (plan.forward.num_tokens, plan.forward.num_reqs, plan.num_rows_padded) == (16, 8, 4)
     assert plan.query_start_loc_np.tolist() == [0, 1, 13, 14, 14, 14, 14, 14, 14]
@@ -106,22 +129,49 @@ class _Engine:
     step graphs (the fake worker holds what the runner borrows)."""
 
     def __init__(self, model: DecoderModel, device: torch.device, graphs: bool) -> None:
-        self.kv_caches = allocate_kv_cache(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads,
-                                           TINY.head_dim, torch.float32, device)
+        self.kv_caches = allocate_kv_cache(
+            TINY.num_layers,
+            NUM_BLOCKS,
+            BLOCK_SIZE,
+            TINY.num_kv_heads,
+            TINY.head_dim,
+            torch.float32,
+            device,
+        )
         buffers = InputBuffers(MAX_REQS, MAX_TOKENS, MAX_MODEL_LEN // BLOCK_SIZE, device)
-        state = V2StepState(buffers, MAX_MODEL_LEN, MAX_MODEL_LEN // BLOCK_SIZE, TINY.vocab_size,
-                            TINY.hidden_size, torch.float32, with_graph_outputs=graphs)
+        state = V2StepState(
+            buffers,
+            MAX_MODEL_LEN,
+            MAX_MODEL_LEN // BLOCK_SIZE,
+            TINY.vocab_size,
+            TINY.hidden_size,
+            torch.float32,
+            with_graph_outputs=graphs,
+        )
         step_graphs = None
         if graphs:
             step_graphs = StepGraphs(model, self.kv_caches, state, SIZES, BLOCK_SIZE, MAX_MODEL_LEN)
             step_graphs.capture()
-        config = EngineConfig(model="dummy:tiny", device=str(device), block_size=BLOCK_SIZE,
-                              max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS)
-        worker = SimpleNamespace(config=config, device=device, buffers=buffers, step_state=state,
-                                 graphs=step_graphs, model=model, kv_caches=self.kv_caches,
-                                 max_model_len=MAX_MODEL_LEN,
-                                 max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE, model_config=TINY,
-                                 dtype=torch.float32)
+        config = EngineConfig(
+            model="dummy:tiny",
+            device=str(device),
+            block_size=BLOCK_SIZE,
+            max_num_seqs=MAX_REQS,
+            max_num_batched_tokens=MAX_TOKENS,
+        )
+        worker = SimpleNamespace(
+            config=config,
+            device=device,
+            buffers=buffers,
+            step_state=state,
+            graphs=step_graphs,
+            model=model,
+            kv_caches=self.kv_caches,
+            max_model_len=MAX_MODEL_LEN,
+            max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE,
+            model_config=TINY,
+            dtype=torch.float32,
+        )
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]
 
     def step(self, sched: SchedulerOutput) -> list[int]:
@@ -130,11 +180,14 @@ class _Engine:
         return out.sampled_token_ids.tolist()
 
 
-_PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3),
-           SamplingParams(temperature=0.7, seed=4),
-           SamplingParams(top_k=5, top_p=0.8, seed=5),
-           SamplingParams(temperature=1.2, min_p=0.1, top_k=20, top_p=0.9, seed=6),
-           SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3, logprobs=2)]
+_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, seed=3),
+    SamplingParams(temperature=0.7, seed=4),
+    SamplingParams(top_k=5, top_p=0.8, seed=5),
+    SamplingParams(temperature=1.2, min_p=0.1, top_k=20, top_p=0.9, seed=6),
+    SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3, logprobs=2),
+]
 
 
 def _script(rng: np.random.Generator) -> list[SchedulerOutput]:
@@ -142,27 +195,58 @@ def _script(rng: np.random.Generator) -> list[SchedulerOutput]:
     then with them, a partial chunk beside decodes, a step too long for any graph (eager
     forward, graphed sampling rows), then penalties and logprobs (eager sampling), requests
     joining and leaving."""
-    prompts = {f"r{i}": tuple(int(t) for t in rng.integers(0, TINY.vocab_size, n))
-               for i, n in enumerate((5, 11, 7, 9, 30, 6))}
+    prompts = {
+        f"r{i}": tuple(int(t) for t in rng.integers(0, TINY.vocab_size, n))
+        for i, n in enumerate((5, 11, 7, 9, 30, 6))
+    }
     blocks = iter(range(NUM_BLOCKS))
 
     def new(request_id: str, params: SamplingParams) -> NewRequestData:
         tokens = prompts[request_id]
-        return NewRequestData(request_id, tokens, len(tokens),
-                              tuple(next(blocks) for _ in range(MAX_MODEL_LEN // BLOCK_SIZE)), 0, params)
+        return NewRequestData(
+            request_id,
+            tokens,
+            len(tokens),
+            tuple(next(blocks) for _ in range(MAX_MODEL_LEN // BLOCK_SIZE)),
+            0,
+            params,
+        )
 
-    steps = [_sched(["r0", "r1", "r2"], [5, 11, 7], [0, 0, 0],
-                    new=[new("r0", _PARAMS[0]), new("r1", _PARAMS[1]), new("r2", _PARAMS[2])])]
+    steps = [
+        _sched(
+            ["r0", "r1", "r2"],
+            [5, 11, 7],
+            [0, 0, 0],
+            new=[new("r0", _PARAMS[0]), new("r1", _PARAMS[1]), new("r2", _PARAMS[2])],
+        )
+    ]
     steps += [_sched(["r0", "r1", "r2"], [1, 1, 1], [5 + i, 11 + i, 7 + i]) for i in range(3)]
-    steps.append(_sched(["r0", "r1", "r2", "r3"], [1, 1, 1, 4], [8, 14, 10, 0],
-                        new=[new("r3", _PARAMS[3])], samples=[True, True, True, False]))
-    steps.append(_sched(["r1", "r3", "r4"], [1, 5, 30], [15, 4, 0], new=[new("r4", _PARAMS[4])],
-                        finished=["r0", "r2"]))  # 36 tokens: more than any mixed graph
+    steps.append(
+        _sched(
+            ["r0", "r1", "r2", "r3"],
+            [1, 1, 1, 4],
+            [8, 14, 10, 0],
+            new=[new("r3", _PARAMS[3])],
+            samples=[True, True, True, False],
+        )
+    )
+    steps.append(
+        _sched(
+            ["r1", "r3", "r4"],
+            [1, 5, 30],
+            [15, 4, 0],
+            new=[new("r4", _PARAMS[4])],
+            finished=["r0", "r2"],
+        )
+    )  # 36 tokens: more than any mixed graph
     steps += [_sched(["r1", "r3", "r4"], [1, 1, 1], [16 + i, 9 + i, 30 + i]) for i in range(2)]
-    steps.append(_sched(["r1", "r3", "r4", "r5"], [1, 1, 1, 6], [18, 11, 32, 0],
-                        new=[new("r5", _PARAMS[5])]))
-    steps += [_sched(["r1", "r3", "r4", "r5"], [1, 1, 1, 1], [19 + i, 12 + i, 33 + i, 6 + i])
-              for i in range(3)]
+    steps.append(
+        _sched(["r1", "r3", "r4", "r5"], [1, 1, 1, 6], [18, 11, 32, 0], new=[new("r5", _PARAMS[5])])
+    )
+    steps += [
+        _sched(["r1", "r3", "r4", "r5"], [1, 1, 1, 1], [19 + i, 12 + i, 33 + i, 6 + i])
+        for i in range(3)
+    ]
     return steps
 
 
@@ -178,10 +262,12 @@ def _check_graphed_runner_matches_eager(device: str) -> None:
     # The penalty request's output counts hold exactly the tokens it generated.
     runner = graphed.runner
     row = runner.states.row_of["r5"]
-    outputs = runner.states.token_ids_gpu[row, 6:int(runner.states.total_len_gpu[row])].long()
+    outputs = runner.states.token_ids_gpu[row, 6 : int(runner.states.total_len_gpu[row])].long()
     counts = runner.sampling_state.output_counts_gpu[row]
-    assert outputs.numel() == 4 and torch.equal(counts, torch.bincount(outputs.cpu(), minlength=TINY.vocab_size)
-                                                 .to(counts.device, counts.dtype))
+    assert outputs.numel() == 4 and torch.equal(
+        counts,
+        torch.bincount(outputs.cpu(), minlength=TINY.vocab_size).to(counts.device, counts.dtype),
+    )
 
 
 def test_graphed_runner_gives_the_eager_runner_tokens() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.protocol.messages import SchedulerOutput, CachedRequestData
+from actors.protocol.messages import CachedRequestData, SchedulerOutput
 from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.runner_v2.states import RequestStates
 from gpu.spec_decode.device_drafts import DeviceDrafts
@@ -14,7 +14,7 @@ from gpu.spec_decode.device_drafts import DeviceDrafts
 def _states(histories: list[list[int]], max_model_len: int) -> RequestStates:
     states = RequestStates(len(histories), max_model_len, 4, torch.device("cpu"))
     for row, history in enumerate(histories):
-        states.token_ids_gpu[row, :len(history)] = torch.tensor(history, dtype=torch.int32)
+        states.token_ids_gpu[row, : len(history)] = torch.tensor(history, dtype=torch.int32)
         states.total_len_gpu[row] = len(history)
     return states
 
@@ -39,10 +39,17 @@ def test_drafts_follow_the_known_tokens_and_fill_the_table() -> None:
 
 
 def _sched(step_id: int, ids: tuple[str, ...], slots: tuple[int, ...]) -> SchedulerOutput:
-    return SchedulerOutput(step_id=step_id, new_requests=(), cached_requests=CachedRequestData(),
-                           scheduled_request_ids=ids, num_scheduled_tokens=tuple(1 + n for n in slots),
-                           num_computed_tokens=(10,) * len(ids), samples_token=(True,) * len(ids),
-                           finished_request_ids=frozenset(), num_draft_slots=slots)
+    return SchedulerOutput(
+        step_id=step_id,
+        new_requests=(),
+        cached_requests=CachedRequestData(),
+        scheduled_request_ids=ids,
+        num_scheduled_tokens=tuple(1 + n for n in slots),
+        num_computed_tokens=(10,) * len(ids),
+        samples_token=(True,) * len(ids),
+        finished_request_ids=frozenset(),
+        num_draft_slots=slots,
+    )
 
 
 def test_cpu_steps_run_only_the_slots_that_hold_a_draft() -> None:
@@ -50,10 +57,17 @@ def test_cpu_steps_run_only_the_slots_that_hold_a_draft() -> None:
     states = _states([[1, 2, 3, 4, 1, 2], [5, 6, 7, 8]], max_model_len=8)
     states.row_of.update({"a": 0, "b": 1, "c": 1})
     drafts = DeviceDrafts(SpeculativeConfig("ngram", 4, 1, 2), 2, torch.device("cpu"))
-    sched = SchedulerOutput(step_id=0, new_requests=(), cached_requests=CachedRequestData(),
-                            scheduled_request_ids=("a", "b", "c"), num_scheduled_tokens=(5, 5, 9),
-                            num_computed_tokens=(10, 10, 0), samples_token=(True, True, False),
-                            finished_request_ids=frozenset(), num_draft_slots=(4, 4, 0))
+    sched = SchedulerOutput(
+        step_id=0,
+        new_requests=(),
+        cached_requests=CachedRequestData(),
+        scheduled_request_ids=("a", "b", "c"),
+        num_scheduled_tokens=(5, 5, 9),
+        num_computed_tokens=(10, 10, 0),
+        samples_token=(True, True, False),
+        finished_request_ids=frozenset(),
+        num_draft_slots=(4, 4, 0),
+    )
     trimmed = drafts.trim_slots(sched, states)
     assert trimmed.num_scheduled_tokens == (3, 1, 9) and trimmed.num_draft_slots == (2, 0, 0)
 

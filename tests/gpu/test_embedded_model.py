@@ -52,15 +52,16 @@ def test_prompt_logits_match_transformers_in_one_varlen_batch(llm: LLM, hf_model
     prompts = _prompt_ids(llm)[:4]
     model, mc = llm.worker.model, llm.worker.model_config
     book = PagedKVBook(num_blocks=64, block_size=16, seed=3)
-    kv_caches = allocate_kv_cache(mc.num_layers, 64, 16, mc.num_kv_heads, mc.head_dim,
-                                  torch.float32, "cpu")
+    kv_caches = allocate_kv_cache(
+        mc.num_layers, 64, 16, mc.num_kv_heads, mc.head_dim, torch.float32, "cpu"
+    )
     positions, metadata = book.step([(f"r{i}", len(p)) for i, p in enumerate(prompts)])
     input_ids = torch.tensor([t for p in prompts for t in p])
     logits = model.compute_logits(model(input_ids, positions, kv_caches, metadata))
     start = 0
     for ids in prompts:
         expected = hf_model(torch.tensor([ids])).logits[0].float()
-        got = logits[start: start + len(ids)]
+        got = logits[start : start + len(ids)]
         start += len(ids)
         rel_err = (got - expected).abs().max() / expected.abs().max()
         assert rel_err < 1e-4, f"max relative logit error {rel_err:.2e}"
@@ -74,7 +75,7 @@ def test_greedy_continuations_match_transformers(llm: LLM, hf_model) -> None:
     for ids, out in zip(prompts, outputs):
         generated = list(out.outputs[0].token_ids)
         assert len(generated) == 32
-        logits = hf_model(torch.tensor([ids + generated])).logits[0, len(ids) - 1: -1].float()
+        logits = hf_model(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1].float()
         top2 = logits.topk(2, dim=-1)
         for step, token in enumerate(generated):
             if token == int(top2.indices[step, 0]):
@@ -82,7 +83,8 @@ def test_greedy_continuations_match_transformers(llm: LLM, hf_model) -> None:
             margin = float(top2.values[step, 0] - logits[step, token])
             assert margin < NEAR_TIE_MARGIN, (
                 f"prompt {QUESTIONS[prompts.index(ids)]!r} step {step}: tandem chose {token}, "
-                f"transformers {int(top2.indices[step, 0])} by a margin of {margin:.3g}")
+                f"transformers {int(top2.indices[step, 0])} by a margin of {margin:.3g}"
+            )
             near_ties.append((step, margin))
             break  # after a tolerated near-tie the two continuations may legitimately diverge
     print(f"near-ties tolerated: {near_ties}")

@@ -22,8 +22,19 @@ def _mask_allowing(buffer: np.ndarray, allowed: list[set[int]]) -> None:
             bits[row, token // 32] |= np.uint32(1 << (token % 32))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
 def test_a_mask_in_an_allocated_buffer_masks_the_rows_it_names(device: str) -> None:
     allocate = mask_buffer_allocator(torch.device(device))
     buffer = allocate(2, NUM_WORDS)

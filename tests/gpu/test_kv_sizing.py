@@ -29,8 +29,15 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated()  # earlier tests' live tensors, if any
-    llm = LLM("dummy:qwen3-0.6b", runner="v2", dtype="bfloat16", max_num_seqs=64,
-              max_num_batched_tokens=2048, max_model_len=1024, gpu_memory_utilization=0.2)
+    llm = LLM(
+        "dummy:qwen3-0.6b",
+        runner="v2",
+        dtype="bfloat16",
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        max_model_len=1024,
+        gpu_memory_utilization=0.2,
+    )
     worker = llm.worker
     report = worker.memory_report
     assert report is not None and worker.graphs is not None
@@ -39,8 +46,14 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
     assert report.activation_peak_bytes > 0 and report.graph_estimate_bytes > 0
     assert report.non_torch_bytes > 0 and report.kv_budget_bytes > 0
     assert worker.kv_spec.num_bytes <= report.kv_budget_bytes
-    total_planned = (report.weights_bytes + report.activation_peak_bytes + report.graph_estimate_bytes
-                     + report.non_torch_bytes + report.runner_state_bytes + report.kv_budget_bytes)
+    total_planned = (
+        report.weights_bytes
+        + report.activation_peak_bytes
+        + report.graph_estimate_bytes
+        + report.non_torch_bytes
+        + report.runner_state_bytes
+        + report.kv_budget_bytes
+    )
     assert total_planned <= 0.2 * report.total_bytes + (1 << 20)
     sizes = worker.graphs.sizes
     assert worker.graphs.num_captured == 4 * len(sizes.decode) + len(sizes.mixed)

@@ -75,7 +75,9 @@ def test_llama3_inv_freq_bands() -> None:
 
 def test_linear_rope_divides_and_unknown_type_is_rejected() -> None:
     plain = rope_inv_freq(16, 500000.0, None)
-    torch.testing.assert_close(rope_inv_freq(16, 500000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4)
+    torch.testing.assert_close(
+        rope_inv_freq(16, 500000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4
+    )
     with pytest.raises(UnsupportedModelError, match="yarn"):
         rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
@@ -94,7 +96,9 @@ def test_rotary_matches_transformers_exactly(rope_scaling: dict[str, Any] | None
     positions = torch.tensor([0, 1, 5, 63, 64, 700, 4095])
     q, k = torch.randn(len(positions), 4, 32), torch.randn(len(positions), 2, 32)
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(q, positions[None])
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    hf_q, hf_k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
+    )
     rotary = RotaryEmbedding(32, 4096, 500000.0, rope_scaling, "cpu")
     cos, sin = rotary.cos_sin(positions, torch.float32)
     assert torch.equal(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))

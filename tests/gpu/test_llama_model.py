@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.gpu._paged_kv_batch import PagedKVBook
-from tests.gpu._tiny_hf_models import TINY_MODEL_NAMES, build_tiny_hf_model
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
+from tests.gpu._paged_kv_batch import PagedKVBook
+from tests.gpu._tiny_hf_models import TINY_MODEL_NAMES, build_tiny_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,10 @@ def tiny_model() -> Callable[[str], TinyModel]:
 
 
 def _decoder(
-    config: ModelConfig, weights: dict[str, torch.Tensor], backend: str = "torch", device: str = "cpu"
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    backend: str = "torch",
+    device: str = "cpu",
 ) -> DecoderModel:
     model = DecoderModel(config, BACKENDS[backend](), torch.float32, device)
     model.load_weights(weights)
@@ -53,7 +56,13 @@ def _decoder(
 
 def _kv_caches(config: ModelConfig, block_size: int, device: str = "cpu") -> list[torch.Tensor]:
     return allocate_kv_cache(
-        config.num_layers, NUM_BLOCKS, block_size, config.num_kv_heads, config.head_dim, torch.float32, device
+        config.num_layers,
+        NUM_BLOCKS,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        device,
     )
 
 
@@ -75,27 +84,39 @@ def _assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _prefill_logits(
-    model: DecoderModel, config: ModelConfig, prompts: list[torch.Tensor], block_size: int, device: str = "cpu"
+    model: DecoderModel,
+    config: ModelConfig,
+    prompts: list[torch.Tensor],
+    block_size: int,
+    device: str = "cpu",
 ) -> list[torch.Tensor]:
     """All prompts as one flat batch (plus 3 padding tokens); per-prompt logits back."""
     book = PagedKVBook(NUM_BLOCKS, block_size, seed=1)
     num_padding = 3
     positions, metadata = book.step(
-        [(f"req{i}", len(p)) for i, p in enumerate(prompts)], num_padding_tokens=num_padding, device=device
+        [(f"req{i}", len(p)) for i, p in enumerate(prompts)],
+        num_padding_tokens=num_padding,
+        device=device,
     )
     input_ids = torch.cat([*prompts, torch.zeros(num_padding, dtype=torch.int64)]).to(device)
     hidden = model(input_ids, positions, _kv_caches(config, block_size, device), metadata)
     logits = model.compute_logits(hidden[: metadata.num_actual_tokens])
-    assert logits.dtype == torch.float32 and logits.shape == (metadata.num_actual_tokens, config.vocab_size)
+    assert logits.dtype == torch.float32 and logits.shape == (
+        metadata.num_actual_tokens,
+        config.vocab_size,
+    )
     return list(logits.split([len(p) for p in prompts]))
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("torch", id="torch"),
-    # The Triton backend's code path; its kernels dispatch to their references off CUDA
-    # (the kernels themselves: tests/kernels, tests/gpu/test_torch_attention.py).
-    pytest.param("triton", id="triton_backend_on_torch_references"),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("torch", id="torch"),
+        # The Triton backend's code path; its kernels dispatch to their references off CUDA
+        # (the kernels themselves: tests/kernels, tests/gpu/test_torch_attention.py).
+        pytest.param("triton", id="triton_backend_on_torch_references"),
+    ],
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("name", TINY_MODEL_NAMES)
 def test_varlen_prefill_matches_transformers(
@@ -120,7 +141,9 @@ def test_llama3_rope_scaling_changes_the_logits(tiny_model: Callable[[str], Tiny
 
 @pytest.mark.parametrize("name", TINY_MODEL_NAMES)
 @torch.no_grad()
-def test_chunked_prefill_matches_transformers(tiny_model: Callable[[str], TinyModel], name: str) -> None:
+def test_chunked_prefill_matches_transformers(
+    tiny_model: Callable[[str], TinyModel], name: str
+) -> None:
     hf_model, config, weights = tiny_model(name)
     model = _decoder(config, weights)
     kv_caches = _kv_caches(config, block_size=4)
@@ -132,7 +155,9 @@ def test_chunked_prefill_matches_transformers(tiny_model: Callable[[str], TinyMo
     for step in range(3):
         scheduled = [(f"req{i}", chunk_lens[i][step]) for i in range(2)]
         positions, metadata = book.step(scheduled)
-        input_ids = torch.cat([prompts[i][done[i] : done[i] + n] for i, (_, n) in enumerate(scheduled)])
+        input_ids = torch.cat(
+            [prompts[i][done[i] : done[i] + n] for i, (_, n) in enumerate(scheduled)]
+        )
         logits = model.compute_logits(model(input_ids, positions, kv_caches, metadata))
         for i, chunk_logits in enumerate(logits.split([n for _, n in scheduled])):
             _assert_logits_close(chunk_logits, hf_logits[i][done[i] : done[i] + len(chunk_logits)])
@@ -157,10 +182,14 @@ def _greedy_decode(
     step = 0
     while any(len(out) < num_new_tokens for out in outputs):
         running = [
-            i for i, out in enumerate(outputs) if arrival_steps[i] <= step and len(out) < num_new_tokens
+            i
+            for i, out in enumerate(outputs)
+            if arrival_steps[i] <= step and len(out) < num_new_tokens
         ]
         new_ids = [prompts[i] if not outputs[i] else torch.tensor(outputs[i][-1:]) for i in running]
-        positions, metadata = book.step([(f"req{i}", len(ids)) for i, ids in zip(running, new_ids)], device=device)
+        positions, metadata = book.step(
+            [(f"req{i}", len(ids)) for i, ids in zip(running, new_ids)], device=device
+        )
         hidden = model(torch.cat(new_ids).to(device), positions, kv_caches, metadata)
         last_rows = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long().to(device)
         next_ids = model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
@@ -177,13 +206,19 @@ def test_greedy_decode_matches_transformers_generate(
     hf_model, config, weights = tiny_model(name)
     prompts = _prompts([5, 9, 14], config.vocab_size, seed=2)
     # the third request joins two steps late, so steps mix a prefill with decodes
-    outputs = _greedy_decode(_decoder(config, weights), config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16)
+    outputs = _greedy_decode(
+        _decoder(config, weights), config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16
+    )
     for prompt, output in zip(prompts, outputs, strict=True):
-        expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[0, len(prompt) :]
+        expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[
+            0, len(prompt) :
+        ]
         assert output == expected.tolist()
 
 
-def test_load_weights_names_missing_unexpected_and_misshaped(tiny_model: Callable[[str], TinyModel]) -> None:
+def test_load_weights_names_missing_unexpected_and_misshaped(
+    tiny_model: Callable[[str], TinyModel],
+) -> None:
     _, config, weights = tiny_model("qwen2")
     broken = dict(weights)
     del broken["model.layers.1.self_attn.k_proj.bias"]
@@ -195,7 +230,10 @@ def test_load_weights_names_missing_unexpected_and_misshaped(tiny_model: Callabl
     message = str(error.value)
     assert "missing (1): model.layers.1.self_attn.k_proj.bias" in message
     assert "unexpected (1): model.layers.0.mlp.extra.weight" in message
-    assert f"model.layers.0.mlp.up_proj.weight: expected ({config.intermediate_size}, 64), got (5, 5)" in message
+    assert (
+        f"model.layers.0.mlp.up_proj.weight: expected ({config.intermediate_size}, 64), got (5, 5)"
+        in message
+    )
 
 
 def test_tied_lm_head_is_the_embedding_and_accepts_missing_lm_head(
@@ -214,14 +252,22 @@ def test_tied_lm_head_is_the_embedding_and_accepts_missing_lm_head(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", TINY_MODEL_NAMES)
-def test_triton_backend_on_cuda_matches_transformers(tiny_model: Callable[[str], TinyModel], name: str) -> None:
+def test_triton_backend_on_cuda_matches_transformers(
+    tiny_model: Callable[[str], TinyModel], name: str
+) -> None:
     hf_model, config, weights = tiny_model(name)
     model = _decoder(config, weights, backend="triton", device="cuda")
     prompts = _prompts([7, 13, 1, 22], config.vocab_size)
-    for prompt, logits in zip(prompts, _prefill_logits(model, config, prompts, 16, "cuda"), strict=True):
+    for prompt, logits in zip(
+        prompts, _prefill_logits(model, config, prompts, 16, "cuda"), strict=True
+    ):
         _assert_logits_close(logits, _hf_logits(hf_model, prompt))
     prompts = _prompts([5, 9, 14], config.vocab_size, seed=2)
-    outputs = _greedy_decode(model, config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16, device="cuda")
+    outputs = _greedy_decode(
+        model, config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16, device="cuda"
+    )
     for prompt, output in zip(prompts, outputs, strict=True):
-        expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[0, len(prompt) :]
+        expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[
+            0, len(prompt) :
+        ]
         assert output == expected.tolist()

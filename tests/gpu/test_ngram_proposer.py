@@ -31,9 +31,14 @@ def test_drafts_follow_the_rule_as_histories_grow(seed: int) -> None:
         rows = rng.sample(range(num_rows), rng.randint(1, num_rows))
         drafts, num_drafts = proposer.propose(np.asarray(rows, dtype=np.int32))
         for b, row in enumerate(rows):
-            expected = oracle(histories[row], config.num_speculative_tokens,
-                              config.prompt_lookup_min, config.prompt_lookup_max, max_model_len)
-            assert drafts[b, :num_drafts[b]].tolist() == expected
+            expected = oracle(
+                histories[row],
+                config.num_speculative_tokens,
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+                max_model_len,
+            )
+            assert drafts[b, : num_drafts[b]].tolist() == expected
             accepted = [rng.randrange(5) for _ in range(rng.randint(1, 3))]
             proposer.append(row, accepted)
             histories[row] += accepted

@@ -35,12 +35,16 @@ def test_without_proc_the_probe_reads_the_kernel_release_and_free_pages(
         raise PermissionError(path)
 
     monkeypatch.setattr(platform_module, "open", no_proc, raising=False)
-    uname = SimpleNamespace(release="5.15.153.1-microsoft-standard-WSL2", processor="x86_64",
-                            machine="x86_64")
+    uname = SimpleNamespace(
+        release="5.15.153.1-microsoft-standard-WSL2", processor="x86_64", machine="x86_64"
+    )
     monkeypatch.setattr(platform_module.py_platform, "uname", lambda: uname)
     free_pages, sysconf = 1234, os.sysconf
-    monkeypatch.setattr(platform_module.os, "sysconf",
-                        lambda name: free_pages if name == "SC_AVPHYS_PAGES" else sysconf(name))
+    monkeypatch.setattr(
+        platform_module.os,
+        "sysconf",
+        lambda name: free_pages if name == "SC_AVPHYS_PAGES" else sysconf(name),
+    )
     platform = probe_platform("cpu")
     assert platform.is_wsl
     page = sysconf("SC_PAGE_SIZE")
@@ -49,7 +53,8 @@ def test_without_proc_the_probe_reads_the_kernel_release_and_free_pages(
 
 
 def test_pinned_memory_that_fails_to_allocate_is_reported_off(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     def no_pinned_memory(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("no CUDA driver to pin memory with")

@@ -38,8 +38,10 @@ def test_both_runners_match_transformers_under_chunked_prefill() -> None:
     v1 = LLM("default", reuse=llm, runner="v1", **OPTIONS)
     token_ids = tuple(llm.tokenizer.encode(PROMPT))
     assert len(token_ids) > 2 * OPTIONS["max_num_batched_tokens"]
-    params = [SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4),
-              SamplingParams(temperature=0.0, max_tokens=3)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4),
+        SamplingParams(temperature=0.0, max_tokens=3),
+    ]
     prompts = [list(token_ids), "Hello there, how are you today?"]
     with torch.no_grad():
         logits = hf_reference_model()(torch.tensor([token_ids])).logits[0].float()

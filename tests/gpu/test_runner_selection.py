@@ -269,8 +269,7 @@ def test_fallback_with_a_v2_only_feature_is_an_error_not_a_silent_downgrade() ->
     [
         (PLAIN, GPU_WITHOUT_TRITON, "rule 3 (triton)"),
         (PLAIN, WSL_GPU, "rule 4 (pinned_memory)"),
-        (_config(custom_logits_processors=("a.B",)), HEALTHY_GPU,
-         "rule 5 (unsupported_features)"),
+        (_config(custom_logits_processors=("a.B",)), HEALTHY_GPU, "rule 5 (unsupported_features)"),
     ],
 )
 def test_each_fallback_logs_exactly_one_warning_naming_the_rule(
@@ -340,31 +339,42 @@ def test_selection_input_rejects_bad_values(changes: dict, message: str) -> None
 
 
 @pytest.mark.parametrize("platform", [HEALTHY_GPU, CPU_ONLY], ids=["gpu", "cpu"])
-def test_tensor_parallelism_runs_on_v2_by_default(platform: Platform,
-                                                  warnings_logged: _Warnings) -> None:
+def test_tensor_parallelism_runs_on_v2_by_default(
+    platform: Platform, warnings_logged: _Warnings
+) -> None:
     choice = select_runner(_config(tensor_parallel_size=2), platform)
     assert (choice.runner, choice.rule) == ("v2", "default")
     assert warnings_logged.messages() == []
 
 
-@pytest.mark.parametrize("force", [{"requested_runner": "v1"}, {"env_override": False}],
-                         ids=["flag", "env"])
+@pytest.mark.parametrize(
+    "force", [{"requested_runner": "v1"}, {"env_override": False}], ids=["flag", "env"]
+)
 def test_v1_refuses_tensor_parallelism(force: dict) -> None:
-    with pytest.raises(RunnerSelectionError,
-                       match=r"V1 runner, which does not support: tensor parallelism "
-                             r"\(--tensor-parallel-size 4\)"):
+    with pytest.raises(
+        RunnerSelectionError,
+        match=r"V1 runner, which does not support: tensor parallelism "
+        r"\(--tensor-parallel-size 4\)",
+    ):
         select_runner(_config(tensor_parallel_size=4, **force), HEALTHY_GPU)
     assert select_runner(_config(tensor_parallel_size=1, **force), HEALTHY_GPU).runner == "v1"
 
 
-@pytest.mark.parametrize("changes", [
-    {"sequence_parallel": True},
-    {"pipeline_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"sequence_parallel": True},
+        {"pipeline_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
+    ],
+)
 def test_rules_that_select_v1_still_do_and_then_refuse_tensor_parallelism(
-        changes: dict, warnings_logged: _Warnings) -> None:
+    changes: dict, warnings_logged: _Warnings
+) -> None:
     assert select_runner(_config(**changes), HEALTHY_GPU).runner == "v1"
     assert len(warnings_logged.messages()) == 1
-    with pytest.raises(RunnerSelectionError, match=r"tensor parallelism .* need the V2 runner, "
-                                                   r"but rule 5 \(unsupported_features\)"):
+    with pytest.raises(
+        RunnerSelectionError,
+        match=r"tensor parallelism .* need the V2 runner, "
+        r"but rule 5 \(unsupported_features\)",
+    ):
         select_runner(_config(tensor_parallel_size=2, **changes), HEALTHY_GPU)

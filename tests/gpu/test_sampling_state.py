@@ -20,10 +20,13 @@ def _state(**rows: SamplingParams) -> SamplingState:
 
 
 def test_parameters_are_normalised() -> None:
-    state = _state(r0=SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1),
-                   r1=SamplingParams(temperature=1e-7, seed=3),
-                   r2=SamplingParams(temperature=0.5, top_k=-1, top_p=0.9, min_p=0.2),
-                   r3=SamplingParams(top_k=VOCAB), r4=SamplingParams(top_k=12))
+    state = _state(
+        r0=SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1),
+        r1=SamplingParams(temperature=1e-7, seed=3),
+        r2=SamplingParams(temperature=0.5, top_k=-1, top_p=0.9, min_p=0.2),
+        r3=SamplingParams(top_k=VOCAB),
+        r4=SamplingParams(top_k=12),
+    )
     assert state.temperature_np[:5].tolist() == pytest.approx([0.0, 0.0, 0.5, 1.0, 1.0])
     assert state.top_k_np[:5].tolist() == [0, 0, 0, 0, 12]  # greedy, off, off, >= vocab: off
     assert state.top_p_np[:3].tolist() == pytest.approx([1.0, 1.0, 0.9])
@@ -31,8 +34,12 @@ def test_parameters_are_normalised() -> None:
 
 
 def test_seeds_keep_their_low_64_bits_and_default_when_missing() -> None:
-    state = _state(r0=SamplingParams(seed=2**64 - 1), r1=SamplingParams(seed=-5),
-                   r2=SamplingParams(), r3=SamplingParams(seed=2**63))
+    state = _state(
+        r0=SamplingParams(seed=2**64 - 1),
+        r1=SamplingParams(seed=-5),
+        r2=SamplingParams(),
+        r3=SamplingParams(seed=2**63),
+    )
     assert state.seed_np[:4].tolist() == [-1, -5, 77, -(2**63)]
 
 
@@ -56,8 +63,14 @@ def test_penalty_state_is_lazy_and_rebuilt_from_the_token_history() -> None:
     state = _state(r0=SamplingParams())
     state.flush_to_device()
     assert state.prompt_mask_gpu is None and state.output_counts_gpu is None
-    state.add_request(3, SamplingParams(frequency_penalty=1.0), prompt_token_ids=[4, 4, 9],
-                      output_token_ids=[7, 7, 8], eos_token_ids=[0], default_seed=0)
+    state.add_request(
+        3,
+        SamplingParams(frequency_penalty=1.0),
+        prompt_token_ids=[4, 4, 9],
+        output_token_ids=[7, 7, 8],
+        eos_token_ids=[0],
+        default_seed=0,
+    )
     state.flush_to_device()
     assert state.prompt_mask_gpu is not None and state.output_counts_gpu is not None
     assert torch.nonzero(state.prompt_mask_gpu[3]).flatten().tolist() == [4, 9]
@@ -76,19 +89,23 @@ def test_penalty_state_is_lazy_and_rebuilt_from_the_token_history() -> None:
 
 
 def test_logit_bias_and_stop_ids_fill_the_tables_and_grow_them() -> None:
-    state = _state(r1=SamplingParams(logit_bias=((3, 1.0), (4, -2.0), (3, 5.0))),
-                   r2=SamplingParams(min_tokens=2, stop_token_ids=(9, 0, 9)),
-                   r3=SamplingParams(min_tokens=2, stop_token_ids=(9,), ignore_eos=True),
-                   r4=SamplingParams(stop_token_ids=(9,)))
+    state = _state(
+        r1=SamplingParams(logit_bias=((3, 1.0), (4, -2.0), (3, 5.0))),
+        r2=SamplingParams(min_tokens=2, stop_token_ids=(9, 0, 9)),
+        r3=SamplingParams(min_tokens=2, stop_token_ids=(9,), ignore_eos=True),
+        r4=SamplingParams(stop_token_ids=(9,)),
+    )
     assert state.num_logit_bias_np[1] == 2  # a repeated token keeps its last value
-    state.add_request(5, SamplingParams(logit_bias=tuple((t, 0.5) for t in range(20))), [], [], [0], 0)
+    state.add_request(
+        5, SamplingParams(logit_bias=tuple((t, 0.5) for t in range(20))), [], [], [0], 0
+    )
     state.flush_to_device()
     assert state.logit_bias_token_ids_gpu.shape[1] >= 20
     assert state.logit_bias_token_ids_gpu[1, :2].tolist() == [3, 4]  # kept across the growth
     assert state.logit_bias_values_gpu[1, :2].tolist() == [5.0, -2.0]
     assert state.logit_bias_token_ids_gpu[5, :20].tolist() == list(range(20))
-    assert state.stop_token_ids_gpu[2, :state.num_stop_token_ids_np[2]].tolist() == [0, 9]
-    assert state.stop_token_ids_gpu[3, :state.num_stop_token_ids_np[3]].tolist() == [9]
+    assert state.stop_token_ids_gpu[2, : state.num_stop_token_ids_np[2]].tolist() == [0, 9]
+    assert state.stop_token_ids_gpu[3, : state.num_stop_token_ids_np[3]].tolist() == [9]
     assert state.min_tokens_np[[2, 3, 4]].tolist() == [2, 2, 0]
 
 
@@ -114,8 +131,14 @@ def test_bad_requests_are_rejected_with_the_parameter_named() -> None:
 def test_cuda_uploads_and_penalty_rebuilds_match_the_numpy_mirrors() -> None:
     state = SamplingState(max_num_reqs=16, vocab_size=VOCAB, device="cuda")
     for row in range(16):
-        state.add_request(row, SamplingParams(temperature=row / 10, seed=row, repetition_penalty=1.1),
-                          [row, row + 1], [row + 2] * row, eos_token_ids=[0], default_seed=0)
+        state.add_request(
+            row,
+            SamplingParams(temperature=row / 10, seed=row, repetition_penalty=1.1),
+            [row, row + 1],
+            [row + 2] * row,
+            eos_token_ids=[0],
+            default_seed=0,
+        )
     state.flush_to_device()
     torch.cuda.synchronize()
     assert np.allclose(state.temperature_gpu.cpu().numpy(), state.temperature_np)

@@ -37,28 +37,60 @@ MAX_TOKENS = 64
 NUM_BLOCKS = 8 * MAX_MODEL_LEN // BLOCK_SIZE
 SIZES = GraphSizes(decode=(1, 2, 4, 8), mixed=(16, 32, 64), max_num_reqs=MAX_REQS)
 SPEC = SpeculativeConfig("ngram", 3, 1, 2)
-PARAMS = {"g0": SamplingParams(temperature=0.0), "s1": SamplingParams(temperature=0.8, seed=3),
-          "f2": SamplingParams(temperature=1.1, top_k=6, top_p=0.9, seed=4),
-          "g3": SamplingParams(temperature=0.0), "l4": SamplingParams(temperature=0.0, logprobs=2)}
+PARAMS = {
+    "g0": SamplingParams(temperature=0.0),
+    "s1": SamplingParams(temperature=0.8, seed=3),
+    "f2": SamplingParams(temperature=1.1, top_k=6, top_p=0.9, seed=4),
+    "g3": SamplingParams(temperature=0.0),
+    "l4": SamplingParams(temperature=0.0, logprobs=2),
+}
 
 
 class _Engine:
     def __init__(self, model: DecoderModel, device: torch.device, tail_graphs: bool) -> None:
-        self.kv_caches = allocate_kv_cache(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE,
-                                           TINY.num_kv_heads, TINY.head_dim, torch.float32, device)
+        self.kv_caches = allocate_kv_cache(
+            TINY.num_layers,
+            NUM_BLOCKS,
+            BLOCK_SIZE,
+            TINY.num_kv_heads,
+            TINY.head_dim,
+            torch.float32,
+            device,
+        )
         buffers = InputBuffers(MAX_REQS, MAX_TOKENS, MAX_MODEL_LEN // BLOCK_SIZE, device)
-        state = V2StepState(buffers, MAX_MODEL_LEN, MAX_MODEL_LEN // BLOCK_SIZE, TINY.vocab_size,
-                            TINY.hidden_size, torch.float32, with_graph_outputs=True)
+        state = V2StepState(
+            buffers,
+            MAX_MODEL_LEN,
+            MAX_MODEL_LEN // BLOCK_SIZE,
+            TINY.vocab_size,
+            TINY.hidden_size,
+            torch.float32,
+            with_graph_outputs=True,
+        )
         graphs = StepGraphs(model, self.kv_caches, state, SIZES, BLOCK_SIZE, MAX_MODEL_LEN)
         graphs.capture()
-        config = EngineConfig(model="dummy:tiny", device=str(device), block_size=BLOCK_SIZE,
-                              max_num_seqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
-                              speculative_config=SPEC, spec_tail_graphs=tail_graphs)
-        worker = SimpleNamespace(config=config, device=device, buffers=buffers, step_state=state,
-                                 graphs=graphs, model=model, kv_caches=self.kv_caches,
-                                 max_model_len=MAX_MODEL_LEN,
-                                 max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE,
-                                 model_config=TINY, dtype=torch.float32)
+        config = EngineConfig(
+            model="dummy:tiny",
+            device=str(device),
+            block_size=BLOCK_SIZE,
+            max_num_seqs=MAX_REQS,
+            max_num_batched_tokens=MAX_TOKENS,
+            speculative_config=SPEC,
+            spec_tail_graphs=tail_graphs,
+        )
+        worker = SimpleNamespace(
+            config=config,
+            device=device,
+            buffers=buffers,
+            step_state=state,
+            graphs=graphs,
+            model=model,
+            kv_caches=self.kv_caches,
+            max_model_len=MAX_MODEL_LEN,
+            max_blocks_per_req=MAX_MODEL_LEN // BLOCK_SIZE,
+            model_config=TINY,
+            dtype=torch.float32,
+        )
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]
         assert (self.runner.spec_graphs is not None) == tail_graphs
         self.runner.drafts.trims_on_cpu = False  # slots without drafts, as on a GPU
@@ -79,8 +111,11 @@ class _Engine:
     def step(self, sched: SchedulerOutput) -> tuple[list[int], list[int], list[int]]:
         out = self.runner.execute(sched).result()
         assert out.error is None
-        num_sampled = ([1] * len(out.request_ids) if out.num_sampled_tokens is None
-                       else out.num_sampled_tokens.tolist())
+        num_sampled = (
+            [1] * len(out.request_ids)
+            if out.num_sampled_tokens is None
+            else out.num_sampled_tokens.tolist()
+        )
         num_drafts = [] if out.num_draft_tokens is None else out.num_draft_tokens.tolist()
         return out.sampled_token_ids.tolist(), num_sampled, num_drafts
 
@@ -88,22 +123,29 @@ class _Engine:
 def _prompts(rng: np.random.Generator) -> dict[str, tuple[int, ...]]:
     # Repeated phrases: the proposer finds n-grams to draft from.
     phrase = rng.integers(0, TINY.vocab_size, 5)
-    return {name: tuple(int(t) for t in np.concatenate([phrase, rng.integers(0, 4, 3), phrase]))
-            for name in PARAMS}
+    return {
+        name: tuple(int(t) for t in np.concatenate([phrase, rng.integers(0, 4, 3), phrase]))
+        for name in PARAMS
+    }
 
 
 def _run_script(engines: list[_Engine], prompts: dict[str, tuple[int, ...]]) -> list[tuple]:
     """Prefill r0..r3, then speculative steps of K slots per row (step 10 plain), l4
-    (logprobs) joining for a few steps and leaving; every engine runs each step, which the first one's emitted
-    counts plan (they must agree anyway)."""
+    (logprobs) joining for a few steps and leaving; every engine runs each step, which the
+    first one's emitted counts plan (they must agree anyway)."""
     blocks = iter(range(NUM_BLOCKS))
     total = {}
     results = []
 
     def new(name: str) -> NewRequestData:
-        return NewRequestData(name, prompts[name], len(prompts[name]),
-                              tuple(next(blocks) for _ in range(MAX_MODEL_LEN // BLOCK_SIZE)), 0,
-                              PARAMS[name])
+        return NewRequestData(
+            name,
+            prompts[name],
+            len(prompts[name]),
+            tuple(next(blocks) for _ in range(MAX_MODEL_LEN // BLOCK_SIZE)),
+            0,
+            PARAMS[name],
+        )
 
     def run(sched: SchedulerOutput) -> None:
         outs = [engine.step(sched) for engine in engines]
@@ -113,23 +155,43 @@ def _run_script(engines: list[_Engine], prompts: dict[str, tuple[int, ...]]) -> 
         results.append(outs[0])
 
     first = ["g0", "s1", "f2", "g3"]
-    run(SchedulerOutput(0, tuple(new(n) for n in first), CachedRequestData(), tuple(first),
-                        tuple(len(prompts[n]) for n in first), (0,) * 4, (True,) * 4,
-                        frozenset()))
+    run(
+        SchedulerOutput(
+            0,
+            tuple(new(n) for n in first),
+            CachedRequestData(),
+            tuple(first),
+            tuple(len(prompts[n]) for n in first),
+            (0,) * 4,
+            (True,) * 4,
+            frozenset(),
+        )
+    )
     for step_id in range(1, 13):
         names = [n for n in PARAMS if n in total] if step_id < 8 else first
         if step_id == 3:
             names = first + ["l4"]
         speculates = step_id != 10  # a plain step: step 11 proposes before its forward
-        num_slots = tuple(SPEC.num_speculative_tokens if n in total and speculates else 0
-                          for n in names)
+        num_slots = tuple(
+            SPEC.num_speculative_tokens if n in total and speculates else 0 for n in names
+        )
         computed = tuple(total[n] - 1 if n in total else 0 for n in names)
-        scheduled = tuple(s + 1 if n in total else len(prompts[n]) for n, s in zip(names, num_slots))
-        run(SchedulerOutput(step_id, tuple(new(n) for n in names if n not in total),
-                            CachedRequestData(), tuple(names), scheduled, computed,
-                            (True,) * len(names),
-                            frozenset(["l4"]) if step_id == 8 else frozenset(),
-                            num_draft_slots=num_slots))
+        scheduled = tuple(
+            s + 1 if n in total else len(prompts[n]) for n, s in zip(names, num_slots)
+        )
+        run(
+            SchedulerOutput(
+                step_id,
+                tuple(new(n) for n in names if n not in total),
+                CachedRequestData(),
+                tuple(names),
+                scheduled,
+                computed,
+                (True,) * len(names),
+                frozenset(["l4"]) if step_id == 8 else frozenset(),
+                num_draft_slots=num_slots,
+            )
+        )
         if step_id == 8:
             total.pop("l4")
     return results
@@ -148,8 +210,9 @@ def _check_tail_graphs_match_the_eager_tail(device: str) -> None:
     num_accepted = sum(sum(r[1]) - len(r[1]) for r in results[1:])
     assert num_drafts > 0 and num_accepted > 0  # both paths verified and accepted drafts
     for name in ("token_ids_gpu", "num_computed_gpu", "total_len_gpu", "last_sampled_gpu"):
-        assert torch.equal(getattr(graphed.runner.states, name),
-                           getattr(eager.runner.states, name)), name
+        assert torch.equal(
+            getattr(graphed.runner.states, name), getattr(eager.runner.states, name)
+        ), name
     for got, want in zip(graphed.kv_caches, eager.kv_caches):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -19,8 +19,12 @@ from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler, batch_ops
 from gpu.sampling.state import SamplingState
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from gpu.spec_decode.spec_graphs import (MAX_SPEC_GRAPH_LOGIT_ROWS, fixed_logits_indices,
-                                         spec_graph_sizes, spec_tail)
+from gpu.spec_decode.spec_graphs import (
+    MAX_SPEC_GRAPH_LOGIT_ROWS,
+    fixed_logits_indices,
+    spec_graph_sizes,
+    spec_tail,
+)
 from gpu.spec_decode.spec_step import spec_layout, verify_and_update
 
 K = 3
@@ -29,19 +33,27 @@ HIDDEN = 12
 MAX_REQS = 8
 MAX_TOKENS = 64
 MAX_MODEL_LEN = 48
-PARAMS = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11),
-          SamplingParams(temperature=1.3, seed=12), SamplingParams(temperature=0.0),
-          SamplingParams(temperature=0.8, seed=13), SamplingParams(temperature=1.0, seed=14))
+PARAMS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, seed=11),
+    SamplingParams(temperature=1.3, seed=12),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=13),
+    SamplingParams(temperature=1.0, seed=14),
+)
 FILTERED = SamplingParams(temperature=1.1, top_k=8, top_p=0.9, min_p=0.05, seed=15)
 
 
 def _plan(query_lens: list[int], rows: list[int], num_reqs_padded: int) -> SimpleNamespace:
     num_tokens = int(sum(query_lens))
     query_start_loc = np.full(num_reqs_padded + 1, num_tokens, dtype=np.int32)
-    query_start_loc[:len(query_lens) + 1] = np.concatenate([[0], np.cumsum(query_lens)])
-    return SimpleNamespace(num_reqs=len(query_lens), num_tokens=num_tokens,
-                           query_start_loc_np=query_start_loc,
-                           idx_mapping_np=np.asarray(rows, dtype=np.int32))
+    query_start_loc[: len(query_lens) + 1] = np.concatenate([[0], np.cumsum(query_lens)])
+    return SimpleNamespace(
+        num_reqs=len(query_lens),
+        num_tokens=num_tokens,
+        query_start_loc_np=query_start_loc,
+        idx_mapping_np=np.asarray(rows, dtype=np.int32),
+    )
 
 
 def test_sizes_stop_at_the_logit_row_budget() -> None:
@@ -59,15 +71,17 @@ def test_fixed_rows_are_the_variable_layout_rows_then_repeats(seed: int) -> None
     query_lens = [int(s) + 1 if s or rng.random() < 0.5 else int(rng.integers(2, 6)) for s in slots]
     plan = _plan(query_lens, list(range(num_reqs)), 8)
     variable = spec_layout(plan, tuple(int(s) for s in slots), torch.device("cpu"))
-    fixed = fixed_logits_indices(torch.from_numpy(plan.query_start_loc_np),
-                                 torch.from_numpy(np.pad(slots, (0, 8 - num_reqs))).to(torch.int32),
-                                 K)
+    fixed = fixed_logits_indices(
+        torch.from_numpy(plan.query_start_loc_np),
+        torch.from_numpy(np.pad(slots, (0, 8 - num_reqs))).to(torch.int32),
+        K,
+    )
     assert fixed.shape == (8, K + 1)
     cu = variable.cu_num_logits_np
     for b in range(num_reqs):
-        real = variable.logits_indices_gpu[cu[b]:cu[b + 1]].tolist()
-        assert fixed[b, :slots[b] + 1].tolist() == real
-        assert fixed[b, slots[b] + 1:].tolist() == [real[-1]] * (K - slots[b])
+        real = variable.logits_indices_gpu[cu[b] : cu[b + 1]].tolist()
+        assert fixed[b, : slots[b] + 1].tolist() == real
+        assert fixed[b, slots[b] + 1 :].tolist() == [real[-1]] * (K - slots[b])
     assert fixed[num_reqs:].tolist() == [[plan.num_tokens - 1] * (K + 1)] * (8 - num_reqs)
 
 
@@ -83,7 +97,9 @@ class _Step:
         self.drafts = DeviceDrafts(SpeculativeConfig("ngram", K, 1, 2), MAX_REQS, device)
         # Rows outside the step hold histories and drafts the proposer would not write:
         # a write that reached them would show.
-        self.states.token_ids_gpu[:] = torch.from_numpy(rng.integers(0, 6, (MAX_REQS, MAX_MODEL_LEN)))
+        self.states.token_ids_gpu[:] = torch.from_numpy(
+            rng.integers(0, 6, (MAX_REQS, MAX_MODEL_LEN))
+        )
         self.states.total_len_gpu[:] = 20
         self.states.num_computed_gpu[:] = 19
         self.drafts.draft_token_ids_gpu[:] = VOCAB - 1
@@ -108,45 +124,67 @@ class _Step:
             self.drafts.num_drafts_gpu[row] = num_drafts
             self.drafts.draft_token_ids_gpu[row] = torch.tensor(
                 [int(t) if j < num_drafts else -1 for j, t in enumerate(rng.integers(0, VOCAB, K))],
-                dtype=torch.int32)
+                dtype=torch.int32,
+            )
         self.sampling.flush_to_device()
         self.plan = _plan(query_lens, self.rows.tolist(), MAX_REQS)
         self.buffers = InputBuffers(MAX_REQS, MAX_TOKENS, 4, device)
         self.buffers.upload_step_meta(self.plan.idx_mapping_np, self.plan.query_start_loc_np)
-        self.buffers.positions[:len(positions)] = torch.tensor(positions)
+        self.buffers.positions[: len(positions)] = torch.tensor(positions)
         self.hidden = torch.zeros(MAX_TOKENS, HIDDEN)
-        self.hidden[:len(positions)] = torch.from_numpy(rng.standard_normal((len(positions), HIDDEN))
-                                                        ).float()
+        self.hidden[: len(positions)] = torch.from_numpy(
+            rng.standard_normal((len(positions), HIDDEN))
+        ).float()
         weight = torch.from_numpy(rng.standard_normal((HIDDEN, VOCAB))).float() * 3
         self.model = SimpleNamespace(compute_logits=lambda hidden, out=None: hidden @ weight)
 
     def run_eager(self) -> tuple[SimpleNamespace, torch.Tensor]:
         """The current eager tail on a copy; the copy's state and the sampler's tokens at
         every variable logit row."""
-        state = copy.deepcopy(SimpleNamespace(states=self.states, sampling=self.sampling,
-                                              drafts=self.drafts))
+        state = copy.deepcopy(
+            SimpleNamespace(states=self.states, sampling=self.sampling, drafts=self.drafts)
+        )
         layout = spec_layout(self.plan, tuple(self.slots.tolist()), torch.device("cpu"))
         num_reqs = self.plan.num_reqs
         idx_mapping = self.buffers.idx_mapping[:num_reqs]
         sampled = verify_and_update(
-            self.model.compute_logits(self.hidden[layout.logits_indices_gpu]), layout,
-            idx_mapping, self.buffers.query_start_loc[:num_reqs + 1], self.buffers.positions,
-            state.states, Sampler(state.sampling), state.drafts,
-            batch_ops(state.sampling, layout.logit_rows_np), None)
+            self.model.compute_logits(self.hidden[layout.logits_indices_gpu]),
+            layout,
+            idx_mapping,
+            self.buffers.query_start_loc[: num_reqs + 1],
+            self.buffers.positions,
+            state.states,
+            Sampler(state.sampling),
+            state.drafts,
+            batch_ops(state.sampling, layout.logit_rows_np),
+            None,
+        )
         state.drafts.propose(state.states, idx_mapping)
         state.result = (sampled.output_token_ids, sampled.num_accepted, sampled.num_draft_tokens)
         return state, sampled.sampler.sampled_token_ids
 
     def run_fixed(self, filters: bool, num_reqs_padded: int = MAX_REQS) -> SimpleNamespace:
-        state = copy.deepcopy(SimpleNamespace(states=self.states, sampling=self.sampling,
-                                              drafts=self.drafts))
+        state = copy.deepcopy(
+            SimpleNamespace(states=self.states, sampling=self.sampling, drafts=self.drafts)
+        )
         slots = torch.zeros(num_reqs_padded, dtype=torch.int32)
-        slots[:self.plan.num_reqs] = torch.from_numpy(self.slots)
-        packed = spec_tail(self.model, self.hidden, self.buffers, slots, state.states,
-                           Sampler(state.sampling), state.drafts, filters)
+        slots[: self.plan.num_reqs] = torch.from_numpy(self.slots)
+        packed = spec_tail(
+            self.model,
+            self.hidden,
+            self.buffers,
+            slots,
+            state.states,
+            Sampler(state.sampling),
+            state.drafts,
+            filters,
+        )
         num_reqs = self.plan.num_reqs
-        state.result = (packed[:num_reqs, :K + 1], packed[:num_reqs, K + 1].to(torch.int32),
-                        packed[:num_reqs, K + 2].to(torch.int32))
+        state.result = (
+            packed[:num_reqs, : K + 1],
+            packed[:num_reqs, K + 1].to(torch.int32),
+            packed[:num_reqs, K + 2].to(torch.int32),
+        )
         return state
 
     def accept_some(self, rng: np.random.Generator, sampled: torch.Tensor) -> np.ndarray:
@@ -166,10 +204,13 @@ class _Step:
         return targets
 
 
-@pytest.mark.parametrize("seed,num_reqs,filtered", [(0, 5, False), (1, 3, True), (2, 6, False),
-                                                    (3, 8, True), (4, 1, False)])
-def test_fixed_tail_emits_what_the_eager_tail_emits(seed: int, num_reqs: int, filtered: bool
-                                                    ) -> None:
+@pytest.mark.parametrize(
+    "seed,num_reqs,filtered",
+    [(0, 5, False), (1, 3, True), (2, 6, False), (3, 8, True), (4, 1, False)],
+)
+def test_fixed_tail_emits_what_the_eager_tail_emits(
+    seed: int, num_reqs: int, filtered: bool
+) -> None:
     rng = np.random.default_rng(seed)
     step = _Step(rng, num_reqs, filtered)
     _, sampled = step.run_eager()

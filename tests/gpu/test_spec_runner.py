@@ -11,8 +11,14 @@ from gpu.spec_decode.spec_runner import check_speculative_step
 
 
 def _sched(**fields: object) -> types.SimpleNamespace:
-    step = dict(step_id=7, scheduled_request_ids=("a", "b"), num_computed_tokens=(12, 40),
-                num_scheduled_tokens=(3, 1), grammar_bitmask=None, grammar_mask_deferred=False)
+    step = dict(
+        step_id=7,
+        scheduled_request_ids=("a", "b"),
+        num_computed_tokens=(12, 40),
+        num_scheduled_tokens=(3, 1),
+        grammar_bitmask=None,
+        grammar_mask_deferred=False,
+    )
     return types.SimpleNamespace(**{**step, **fields})
 
 

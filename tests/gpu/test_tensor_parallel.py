@@ -59,11 +59,22 @@ def test_collectives_and_the_step_broadcast(tmp_path) -> None:
 
 # ---- the model ------------------------------------------------------------------------
 
+
 def _tiny(architecture: str, **changes: Any) -> ModelConfig:
-    base = {"llama": PRESETS["llama-3.1-8b"], "qwen2": PRESETS["qwen2-0.5b"],
-            "qwen3": PRESETS["qwen3-0.6b"]}[architecture]
-    sizes = dict(vocab_size=1001, hidden_size=64, intermediate_size=96, num_layers=2,
-                 num_heads=4, head_dim=16, max_position_embeddings=256)
+    base = {
+        "llama": PRESETS["llama-3.1-8b"],
+        "qwen2": PRESETS["qwen2-0.5b"],
+        "qwen3": PRESETS["qwen3-0.6b"],
+    }[architecture]
+    sizes = dict(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     return base.replace(**{**sizes, **changes})
 
 
@@ -83,8 +94,9 @@ def _assert_same_run(tp: GreedyRun, single: GreedyRun) -> None:
 def test_tp2_dummy_models_match_one_device(tmp_path) -> None:
     ranks = _run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES)
     for index, (config, prompts, num_steps) in enumerate(DUMMY_CASES):
-        single = run_greedy(config, dummy_weights(config, torch.float32, "cpu", seed=5), prompts,
-                            num_steps)
+        single = run_greedy(
+            config, dummy_weights(config, torch.float32, "cpu", seed=5), prompts, num_steps
+        )
         if not config.tie_word_embeddings:  # a random tied model repeats its input token
             assert len(set(single.tokens.reshape(-1).tolist())) > 3, "a degenerate continuation"
         for rank_runs in ranks:
@@ -106,22 +118,56 @@ def test_tp3_embedded_gguf_matches_one_device(tmp_path) -> None:
 
 _ROWS = [5, 2, 9, 0, 11, 3, 7]
 SAMPLING_CASES = {
-    "greedy": SamplingCase(1001, {r: SamplingParams(temperature=0.0) for r in _ROWS}, _ROWS,
-                           None, 1),
+    "greedy": SamplingCase(
+        1001, {r: SamplingParams(temperature=0.0) for r in _ROWS}, _ROWS, None, 1
+    ),
     "seeded_temperature": SamplingCase(
-        1000, {r: SamplingParams(temperature=0.8, seed=100 + r) for r in _ROWS}, _ROWS, None, 2),
+        1000, {r: SamplingParams(temperature=0.8, seed=100 + r) for r in _ROWS}, _ROWS, None, 2
+    ),
     "top_p_and_greedy_with_logprobs": SamplingCase(
-        1001, {r: (SamplingParams(temperature=1.3, top_p=0.9, seed=r) if r % 2 else
-                   SamplingParams(temperature=0.0)) for r in _ROWS}, _ROWS, 3, 3),
+        1001,
+        {
+            r: (
+                SamplingParams(temperature=1.3, top_p=0.9, seed=r)
+                if r % 2
+                else SamplingParams(temperature=0.0)
+            )
+            for r in _ROWS
+        },
+        _ROWS,
+        3,
+        3,
+    ),
     "top_k_top_p_min_p": SamplingCase(
-        999, {r: SamplingParams(temperature=0.7, top_k=5 + r, top_p=0.8, min_p=0.05 * (r % 3))
-              for r in _ROWS}, _ROWS, 0, 4),
+        999,
+        {
+            r: SamplingParams(temperature=0.7, top_k=5 + r, top_p=0.8, min_p=0.05 * (r % 3))
+            for r in _ROWS
+        },
+        _ROWS,
+        0,
+        4,
+    ),
     "penalties_bias_min_tokens": SamplingCase(
-        1001, {r: SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5,
-                                 presence_penalty=0.4, logit_bias=((r, 5.0),), min_tokens=4)
-               for r in _ROWS}, _ROWS, 2, 5),
-    "one_row_for_two_ranks": SamplingCase(1001, {4: SamplingParams(temperature=0.9, seed=4)},
-                                          [4], 1, 6),
+        1001,
+        {
+            r: SamplingParams(
+                temperature=1.0,
+                repetition_penalty=1.3,
+                frequency_penalty=0.5,
+                presence_penalty=0.4,
+                logit_bias=((r, 5.0),),
+                min_tokens=4,
+            )
+            for r in _ROWS
+        },
+        _ROWS,
+        2,
+        5,
+    ),
+    "one_row_for_two_ranks": SamplingCase(
+        1001, {4: SamplingParams(temperature=0.9, seed=4)}, [4], 1, 6
+    ),
 }
 
 
@@ -141,9 +187,17 @@ def _check_batch_sharded_sampling(tmp_path, device_kind: str) -> None:
     for index, (name, case) in enumerate(SAMPLING_CASES.items()):
         sampler, logits, args = case_inputs(case, reference_device)
         expected = sampler(logits, **args)
-        expected = type(expected)(*(None if t is None else t.cpu() for t in (
-            expected.sampled_token_ids, expected.logprob_token_ids, expected.logprobs,
-            expected.sampled_ranks)))
+        expected = type(expected)(
+            *(
+                None if t is None else t.cpu()
+                for t in (
+                    expected.sampled_token_ids,
+                    expected.logprob_token_ids,
+                    expected.logprobs,
+                    expected.sampled_ranks,
+                )
+            )
+        )
         if len(case.rows) > 1:
             assert len(set(expected.sampled_token_ids.tolist())) > 1, name
         for rank_outputs in ranks:
@@ -167,7 +221,12 @@ def test_batch_sharded_sampling_over_nccl(tmp_path) -> None:
 def test_tp2_dummy_models_over_nccl_match_one_device(tmp_path) -> None:
     ranks = _run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES, "cuda")
     for index, (config, prompts, num_steps) in enumerate(DUMMY_CASES):
-        single = run_greedy(config, dummy_weights(config, torch.float32, "cuda:0", seed=5),
-                            prompts, num_steps, device="cuda:0")
+        single = run_greedy(
+            config,
+            dummy_weights(config, torch.float32, "cuda:0", seed=5),
+            prompts,
+            num_steps,
+            device="cuda:0",
+        )
         for rank_runs in ranks:
             _assert_same_run(rank_runs[index], single)

@@ -42,7 +42,9 @@ def _dense_attention(
     scores = torch.einsum("qhd,khd->hqk", query.double(), keys) * SCALE
     query_len, seq_len = query.shape[0], keys.shape[0]
     future = torch.arange(seq_len)[None, :] > torch.arange(seq_len - query_len, seq_len)[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
+    return torch.einsum(
+        "hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), values
+    )
 
 
 def _run_steps(
@@ -55,7 +57,9 @@ def _run_steps(
 ) -> None:
     generator = torch.Generator().manual_seed(0)
     book = PagedKVBook(NUM_BLOCKS, block_size, seed=5)
-    kv_cache = torch.zeros(2, NUM_BLOCKS, block_size, num_kv_heads, HEAD_DIM, dtype=dtype, device=device)
+    kv_cache = torch.zeros(
+        2, NUM_BLOCKS, block_size, num_kv_heads, HEAD_DIM, dtype=dtype, device=device
+    )
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for step, scheduled in enumerate(STEPS):
         num_padding = 2 if step == 2 else 0
@@ -78,9 +82,13 @@ def _run_steps(
             history[req] = (keys, values)
             expected = _dense_attention(query[start : start + num_new], keys, values)
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(out[start : start + num_new].double(), expected, rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(
+                out[start : start + num_new].double(), expected, rtol=tolerance, atol=tolerance
+            )
             start += num_new
-        _assert_only_scheduled_slots_written(cache_before, kv_cache, metadata.slot_mapping, key, value)
+        _assert_only_scheduled_slots_written(
+            cache_before, kv_cache, metadata.slot_mapping, key, value
+        )
 
 
 def _assert_only_scheduled_slots_written(
@@ -98,10 +106,13 @@ def _assert_only_scheduled_slots_written(
     assert torch.equal(after.cpu(), expected)
 
 
-@pytest.mark.parametrize("backend_cls", [
-    pytest.param(TorchAttentionBackend, id="torch"),
-    pytest.param(TritonAttentionBackend, id="triton_backend_on_torch_references"),
-])
+@pytest.mark.parametrize(
+    "backend_cls",
+    [
+        pytest.param(TorchAttentionBackend, id="torch"),
+        pytest.param(TritonAttentionBackend, id="triton_backend_on_torch_references"),
+    ],
+)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (9, 3)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_backend_matches_dense_causal_attention(
@@ -142,5 +153,7 @@ def test_padding_rows_of_torch_backend_are_zero() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend])
-def test_backend_on_cuda_matches_dense_causal_attention(backend_cls: type, dtype: torch.dtype) -> None:
+def test_backend_on_cuda_matches_dense_causal_attention(
+    backend_cls: type, dtype: torch.dtype
+) -> None:
     _run_steps(backend_cls(), 8, 2, 16, dtype=dtype, device="cuda")

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from actors.core.engine_startup import load_engine
 from actors.protocol.config import ConfigError, EngineConfig
 from app.engine_args import add_engine_args, engine_config_from_args
-from actors.core.engine_startup import load_engine
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.config import PRESETS
 from gpu.runner_selection import RunnerSelectionError
@@ -34,15 +34,19 @@ def test_the_flag_its_short_form_and_its_environment_variable(monkeypatch) -> No
         EngineConfig(tensor_parallel_size=0)
 
 
-@pytest.mark.parametrize(("tp_size", "device_type", "device", "num_devices", "message"), [
-    (3, "cuda", "cuda", 8, "does not divide its 32 attention heads"),
-    (3, "cpu", "cpu", 0, "does not divide its 32 attention heads"),
-    (4, "cuda", "auto", 2, "needs 4 GPUs, but 2 are visible"),
-    (2, "cuda", "cuda", 1, "needs 2 GPUs, but 1 is visible"),
-    (2, "cuda", "cuda:1", 8, "--device cuda:1 names one GPU"),
-])
-def test_sizes_the_model_or_the_machine_cannot_take(tp_size, device_type, device, num_devices,
-                                                    message) -> None:
+@pytest.mark.parametrize(
+    ("tp_size", "device_type", "device", "num_devices", "message"),
+    [
+        (3, "cuda", "cuda", 8, "does not divide its 32 attention heads"),
+        (3, "cpu", "cpu", 0, "does not divide its 32 attention heads"),
+        (4, "cuda", "auto", 2, "needs 4 GPUs, but 2 are visible"),
+        (2, "cuda", "cuda", 1, "needs 2 GPUs, but 1 is visible"),
+        (2, "cuda", "cuda:1", 8, "--device cuda:1 names one GPU"),
+    ],
+)
+def test_sizes_the_model_or_the_machine_cannot_take(
+    tp_size, device_type, device, num_devices, message
+) -> None:
     with pytest.raises(TensorParallelError, match=message):
         validate_tensor_parallel(tp_size, LLAMA_8B, device_type, device, num_devices)
 
@@ -53,8 +57,10 @@ def test_an_mlp_width_that_does_not_split_is_refused() -> None:
         validate_tensor_parallel(32, odd_mlp, "cuda", "cuda", 32)
 
 
-@pytest.mark.parametrize(("tp_size", "device_type", "num_devices"),
-                         [(1, "cuda", 1), (2, "cuda", 2), (8, "cuda", 8), (4, "cpu", 0)])
+@pytest.mark.parametrize(
+    ("tp_size", "device_type", "num_devices"),
+    [(1, "cuda", 1), (2, "cuda", 2), (8, "cuda", 8), (4, "cpu", 0)],
+)
 def test_sizes_that_fit(tp_size, device_type, num_devices) -> None:
     validate_tensor_parallel(tp_size, LLAMA_8B, device_type, "auto", num_devices)
 
@@ -67,5 +73,8 @@ def test_startup_refuses_a_size_that_does_not_divide_the_heads_before_loading() 
 
 def test_startup_refuses_tensor_parallelism_the_runner_cannot_run_before_loading() -> None:
     with pytest.raises(RunnerSelectionError, match="tensor parallelism"):
-        load_engine(EngineConfig(model="dummy:qwen3-0.6b", device="cpu", runner="v1",
-                                 tensor_parallel_size=2))
+        load_engine(
+            EngineConfig(
+                model="dummy:qwen3-0.6b", device="cpu", runner="v1", tensor_parallel_size=2
+            )
+        )

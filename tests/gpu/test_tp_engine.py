@@ -20,9 +20,9 @@ import anyio
 import pytest
 import torch
 
-from actors.protocol.config import EngineConfig
 from actors.core.engine_startup import choose_runner, load_engine
 from actors.inprocess_engine import InProcessEngine
+from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
@@ -32,8 +32,14 @@ from gpu.platform import probe_platform
 from tests._embedded_model import needs_embedded_model
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
-ENGINE_OPTIONS = dict(device="cpu", max_model_len=128, num_kv_blocks=48, block_size=8,
-                      max_num_seqs=8, max_num_batched_tokens=24)
+ENGINE_OPTIONS = dict(
+    device="cpu",
+    max_model_len=128,
+    num_kv_blocks=48,
+    block_size=8,
+    max_num_seqs=8,
+    max_num_batched_tokens=24,
+)
 """A 24-token budget: the 30-token prompt is prefilled in chunks beside the others' decodes."""
 PROMPTS = [[1, 5, 17, 30, 2], list(range(40, 70)), [7, 8, 9], [100, 3, 100, 3], [64] * 6]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -41,8 +47,14 @@ SAMPLED = [
     SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, logprobs=3),
     SamplingParams(temperature=1.0, seed=4, top_p=0.8, max_tokens=10, ignore_eos=True),
     SamplingParams(temperature=0.7, seed=5, top_k=5, max_tokens=10, ignore_eos=True, logprobs=0),
-    SamplingParams(temperature=1.2, seed=6, repetition_penalty=1.3, frequency_penalty=0.5,
-                   max_tokens=10, ignore_eos=True),
+    SamplingParams(
+        temperature=1.2,
+        seed=6,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        max_tokens=10,
+        ignore_eos=True,
+    ),
     SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
 ]
 DEAD_WITHIN_S = 20.0
@@ -56,8 +68,11 @@ def _outputs(llm: LLM) -> list:
 
 
 def _alive(pids: list[int | None]) -> list[int]:
-    return [pid for pid in pids if pid is not None and os.path.exists(f"/proc/{pid}")
-            and "zombie" not in _status(pid)]
+    return [
+        pid
+        for pid in pids
+        if pid is not None and os.path.exists(f"/proc/{pid}") and "zombie" not in _status(pid)
+    ]
 
 
 def _status(pid: int) -> str:
@@ -68,15 +83,20 @@ def _status(pid: int) -> str:
         return "gone"
 
 
-NCCL = pytest.param("cuda", marks=[
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])
+NCCL = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    ],
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", NCCL])
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(tmp_path, architecture,
-                                                                device) -> None:
+def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(
+    tmp_path, architecture, device
+) -> None:
     # On CUDA the TP 2 engine runs its forward in CUDA graphs with the all-reduces captured.
     save_sharded(tiny_hf_model(architecture), str(tmp_path))
     options = {**ENGINE_OPTIONS, "device": device, "dtype": "float32"}
@@ -94,8 +114,9 @@ def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(tmp_path, archit
         for tp_entry, one_entry in zip(tp.logprobs or (), one.logprobs or (), strict=True):
             assert tp_entry.token_id == one_entry.token_id and tp_entry.rank == one_entry.rank
             assert tp_entry.logprob == pytest.approx(one_entry.logprob, abs=1e-4)
-            assert ([t.token_id for t in tp_entry.top_logprobs]
-                    == [t.token_id for t in one_entry.top_logprobs])
+            assert [t.token_id for t in tp_entry.top_logprobs] == [
+                t.token_id for t in one_entry.top_logprobs
+            ]
 
 
 @pytest.mark.slow
@@ -126,8 +147,9 @@ def test_a_hung_rank_fails_the_engine_after_the_group_timeout(tmp_path) -> None:
             await tg.start(engine.run)
             os.kill(pids[0], signal.SIGSTOP)  # alive, but never answers a collective
             stopped_at = time.monotonic()
-            stream = engine.add_request(EngineRequest(
-                "hung", tuple(PROMPTS[0]), GREEDY, time.monotonic()))
+            stream = engine.add_request(
+                EngineRequest("hung", tuple(PROMPTS[0]), GREEDY, time.monotonic())
+            )
             with anyio.fail_after(DEAD_WITHIN_S):
                 final = await stream.wait_finished()
                 while not dead_reasons:
@@ -148,19 +170,26 @@ def test_a_hung_rank_fails_the_engine_after_the_group_timeout(tmp_path) -> None:
 
 def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp_path) -> None:
     save_sharded(tiny_hf_model("llama"), str(tmp_path))
-    loaded = load_engine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2,
-                                      **ENGINE_OPTIONS))
+    loaded = load_engine(
+        EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    )
     pids = loaded.worker.tp_leader.workers.pids
     dead_reasons: list[str] = []
 
     async def run() -> tuple[str | None, float]:
-        engine = InProcessEngine(loaded.worker, loaded.runner, loaded.config,
-                                 on_dead=dead_reasons.append)
+        engine = InProcessEngine(
+            loaded.worker, loaded.runner, loaded.config, on_dead=dead_reasons.append
+        )
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
-            stream = engine.add_request(EngineRequest(
-                "long", tuple(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=100,
-                                                          ignore_eos=True), time.monotonic()))
+            stream = engine.add_request(
+                EngineRequest(
+                    "long",
+                    tuple(PROMPTS[0]),
+                    SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+                    time.monotonic(),
+                )
+            )
             first = await stream.get()
             assert first is not None and first.token_ids
             os.kill(pids[0], signal.SIGKILL)

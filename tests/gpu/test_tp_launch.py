@@ -29,8 +29,12 @@ def test_apply_worker_env_turns_multicast_off_and_says_what_it_overrode() -> Non
     environ = {"NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "1", "OTHER": "x"}
     overridden = apply_worker_env(environ)
     assert overridden == {"NCCL_NVLS_ENABLE": "1"}
-    assert environ == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                       "NVSHMEM_DISABLE_NVLS": "1", "OTHER": "x"}
+    assert environ == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "OTHER": "x",
+    }
 
 
 def test_results_come_back_in_rank_order() -> None:
@@ -41,8 +45,9 @@ def test_results_come_back_in_rank_order() -> None:
 
 
 @pytest.mark.parametrize(("mode", "group_timeout_s"), [("raise", 30.0), ("hang", 3.0)])
-def test_a_failing_or_hung_rank_fails_the_group_within_its_deadline(tmp_path, mode,
-                                                                    group_timeout_s) -> None:
+def test_a_failing_or_hung_rank_fails_the_group_within_its_deadline(
+    tmp_path, mode, group_timeout_s
+) -> None:
     started = time.monotonic()
     args = (2, file_rendezvous(str(tmp_path)), mode, group_timeout_s)
     with start_workers(failing_rank, 2, args) as workers:

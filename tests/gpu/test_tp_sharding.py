@@ -46,24 +46,42 @@ from tests.gpu._tiny_checkpoints import (
 
 
 def _heads(num_heads: int, num_kv_heads: int) -> ModelConfig:
-    return PRESETS["llama-3.1-8b"].replace(num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                           intermediate_size=1536)
+    return PRESETS["llama-3.1-8b"].replace(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=1536
+    )
 
 
-def _assert_shards_of(full: dict[str, torch.Tensor], config: ModelConfig, tp_rank: int,
-                      tp_size: int, shard: dict[str, torch.Tensor]) -> None:
+def _assert_shards_of(
+    full: dict[str, torch.Tensor],
+    config: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    shard: dict[str, torch.Tensor],
+) -> None:
     slices = weight_shard_slices(config, tp_rank, tp_size)
-    assert {k: tuple(v.shape) for k, v in shard.items()} == expected_shard_shapes(config, tp_rank,
-                                                                                   tp_size)
+    assert {k: tuple(v.shape) for k, v in shard.items()} == expected_shard_shapes(
+        config, tp_rank, tp_size
+    )
     for name, tensor in shard.items():
         assert torch.equal(tensor, take_shard(full[name], slices[name])), name
 
 
 # ---- the partition --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "tp_size"),
-                         [(32, 8, 2), (32, 8, 4), (32, 8, 8), (32, 8, 16), (4, 1, 2), (9, 3, 3),
-                          (16, 16, 4), (14, 2, 2)])
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "tp_size"),
+    [
+        (32, 8, 2),
+        (32, 8, 4),
+        (32, 8, 8),
+        (32, 8, 16),
+        (4, 1, 2),
+        (9, 3, 3),
+        (16, 16, 4),
+        (14, 2, 2),
+    ],
+)
 def test_each_rank_holds_the_kv_head_its_query_heads_read(num_heads, num_kv_heads, tp_size) -> None:
     config = _heads(num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
@@ -81,11 +99,14 @@ def test_each_rank_holds_the_kv_head_its_query_heads_read(num_heads, num_kv_head
     assert covered == list(range(num_heads))
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"num_heads": 9, "num_kv_heads": 3}, "9 attention heads"),
-    ({"num_heads": 24, "num_kv_heads": 6}, "6 KV heads"),
-    ({"num_heads": 32, "num_kv_heads": 8, "intermediate_size": 1001}, "MLP width 1001"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_heads": 9, "num_kv_heads": 3}, "9 attention heads"),
+        ({"num_heads": 24, "num_kv_heads": 6}, "6 KV heads"),
+        ({"num_heads": 32, "num_kv_heads": 8, "intermediate_size": 1001}, "MLP width 1001"),
+    ],
+)
 def test_sizes_that_do_not_split_are_refused(changes, message) -> None:
     config = PRESETS["llama-3.1-8b"].replace(**changes)
     with pytest.raises(UnsupportedModelError, match=message):
@@ -118,11 +139,13 @@ def test_shard_plan_is_owner_major_with_padding() -> None:
 
 # ---- loaders --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-0.6b"])
 def test_dummy_shards_are_slices_of_the_whole_dummy_model(preset, tp_size) -> None:
-    config = PRESETS[preset].replace(vocab_size=1003, hidden_size=64, intermediate_size=600,
-                                     num_layers=2, head_dim=16)
+    config = PRESETS[preset].replace(
+        vocab_size=1003, hidden_size=64, intermediate_size=600, num_layers=2, head_dim=16
+    )
     full = dummy_weights(config, torch.float32, seed=9)
     for rank in range(tp_size):
         shard = dummy_weights(config, torch.float32, seed=9, tp_rank=rank, tp_size=tp_size)
@@ -168,8 +191,9 @@ def test_safetensors_ranks_read_only_their_slices(tmp_path, monkeypatch, archite
         assert whole_reads and all(slices[name].dim is None for name in whole_reads)
 
 
-@pytest.mark.parametrize(("architecture", "tensor_type"), [("llama", "F32"), ("qwen2", "F16"),
-                                                          ("qwen3", "F32")])
+@pytest.mark.parametrize(
+    ("architecture", "tensor_type"), [("llama", "F32"), ("qwen2", "F16"), ("qwen3", "F32")]
+)
 def test_gguf_shards_equal_slices_of_the_whole_model(tmp_path, architecture, tensor_type) -> None:
     path = str(tmp_path / "tiny.gguf")
     write_tiny_gguf(tiny_hf_model(architecture), path, tensor_type)
@@ -184,10 +208,15 @@ def test_embedded_gguf_shards_read_rows_and_whole_quantization_blocks() -> None:
     gguf = GGUFFile(embedded_gguf_path())  # Q4_1 matrices, a Q8_0 embedding
     config = read_gguf_config(gguf)
     tp_size = 3  # 9 query heads, 3 KV heads
-    expected_modes = {"token_embd.weight": ROWS, "blk.0.attn_q.weight": ROWS,
-                      "blk.0.attn_k.weight": ROWS, "blk.0.ffn_up.weight": ROWS,
-                      "blk.0.attn_output.weight": BLOCK_COLUMNS,
-                      "blk.0.ffn_down.weight": BLOCK_COLUMNS, "blk.0.attn_norm.weight": WHOLE}
+    expected_modes = {
+        "token_embd.weight": ROWS,
+        "blk.0.attn_q.weight": ROWS,
+        "blk.0.attn_k.weight": ROWS,
+        "blk.0.ffn_up.weight": ROWS,
+        "blk.0.attn_output.weight": BLOCK_COLUMNS,
+        "blk.0.ffn_down.weight": BLOCK_COLUMNS,
+        "blk.0.attn_norm.weight": WHOLE,
+    }
     full = {name: read_gguf_shard(gguf, name, WHOLE_TENSOR, "cpu") for name in expected_modes}
     for rank in range(tp_size):
         slices = weight_shard_slices(config, rank, tp_size)
@@ -204,13 +233,21 @@ def test_column_slices_through_quantization_blocks_dequantize_then_slice(tmp_pat
     values = np.random.default_rng(3).standard_normal((4, 96)).astype(np.float32)
     raw = gguf_lib.quants.quantize(values, gguf_lib.GGMLQuantizationType.Q8_0)
     path = str(tmp_path / "q8.gguf")
-    write_gguf_with_tensor(path, "llama", "blk.0.ffn_down.weight", raw,
-                           gguf_lib.GGMLQuantizationType.Q8_0, embedding_length=4)
+    write_gguf_with_tensor(
+        path,
+        "llama",
+        "blk.0.ffn_down.weight",
+        raw,
+        gguf_lib.GGMLQuantizationType.Q8_0,
+        embedding_length=4,
+    )
     gguf = GGUFFile(path)
     full = read_gguf_shard(gguf, "blk.0.ffn_down.weight", WHOLE_TENSOR, "cpu")
-    for shard, mode in [(ShardSlice(1, 32, 64, 32), BLOCK_COLUMNS),
-                        (ShardSlice(1, 16, 48, 32), DEQUANTIZE_THEN_SLICE),
-                        (ShardSlice(0, 1, 3, 3), ROWS)]:
+    for shard, mode in [
+        (ShardSlice(1, 32, 64, 32), BLOCK_COLUMNS),
+        (ShardSlice(1, 16, 48, 32), DEQUANTIZE_THEN_SLICE),
+        (ShardSlice(0, 1, 3, 3), ROWS),
+    ]:
         assert shard_read_mode(gguf, "blk.0.ffn_down.weight", shard) == mode
         got = read_gguf_shard(gguf, "blk.0.ffn_down.weight", shard, "cpu")
         assert torch.equal(got, take_shard(full, shard)), mode

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.logits_processors import (
     BatchUpdate,
     LogitsProcessor,
     LogitsProcessorConfig,
     MoveDirectionality,
 )
+from actors.protocol.sampling_params import SamplingParams
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from tests.gpu._sample_logits_processor import ForceOrBanTokens
 
@@ -26,8 +26,9 @@ class _LayoutMirror(LogitsProcessor):
     """Applies each BatchUpdate literally, as the interface describes it, to a list of
     (request marker, live output list) per batch index."""
 
-    def __init__(self, config: LogitsProcessorConfig, device: torch.device,
-                 is_pin_memory: bool) -> None:
+    def __init__(
+        self, config: LogitsProcessorConfig, device: torch.device, is_pin_memory: bool
+    ) -> None:
         self.slots: list[tuple[str, list[int]] | None] = []
         self.num_none_updates = 0
 
@@ -38,9 +39,11 @@ class _LayoutMirror(LogitsProcessor):
         if batch_update is None:
             self.num_none_updates += 1
             return
-        size = max([batch_update.batch_size, len(self.slots)]
-                   + [i + 1 for i, *_ in batch_update.added]
-                   + [max(a, b) + 1 for a, b, _ in batch_update.moved])
+        size = max(
+            [batch_update.batch_size, len(self.slots)]
+            + [i + 1 for i, *_ in batch_update.added]
+            + [max(a, b) + 1 for a, b, _ in batch_update.moved]
+        )
         self.slots += [None] * (size - len(self.slots))
         for index in batch_update.removed:
             assert self.slots[index] is not None, "removed an empty index"
@@ -53,8 +56,8 @@ class _LayoutMirror(LogitsProcessor):
                 self.slots[source], self.slots[target] = self.slots[target], self.slots[source]
             else:
                 self.slots[target], self.slots[source] = self.slots[source], None
-        assert all(s is None for s in self.slots[batch_update.batch_size:])
-        del self.slots[batch_update.batch_size:]
+        assert all(s is None for s in self.slots[batch_update.batch_size :])
+        del self.slots[batch_update.batch_size :]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
@@ -65,9 +68,13 @@ def _params(marker: str, **extra) -> SamplingParams:
 
 
 _steps = st.lists(
-    st.tuples(st.lists(st.integers(0, 9), max_size=8, unique=True),  # scheduled, in order
-              st.lists(st.integers(0, 9), max_size=3, unique=True)),  # preempted and re-added
-    min_size=1, max_size=12)
+    st.tuples(
+        st.lists(st.integers(0, 9), max_size=8, unique=True),  # scheduled, in order
+        st.lists(st.integers(0, 9), max_size=3, unique=True),
+    ),  # preempted and re-added
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=150, deadline=None)

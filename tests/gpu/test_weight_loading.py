@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from app.tokenizer_loader import load_generation_config, load_tokenizer
 from gpu.models.config import PRESETS, ModelConfig
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import expected_weight_shapes
-from app.tokenizer_loader import load_generation_config, load_tokenizer
 from gpu.weights.loader import ModelLoadError, load_model_files, resolve_model_path
 from tests._embedded_model import embedded_gguf_path, needs_embedded_model
 from tests._hf_reference import hf_reference_dir, hf_reference_model
@@ -139,7 +139,9 @@ def test_embedded_gguf_equals_transformers_float32():
     from gpu.weights.gguf_shard import read_gguf_shard
     from gpu.weights.shard_layout import WHOLE_TENSOR
 
-    raw_q = read_gguf_shard(GGUFFile(embedded_gguf_path()), "blk.0.attn_q.weight", WHOLE_TENSOR, "cpu")
+    raw_q = read_gguf_shard(
+        GGUFFile(embedded_gguf_path()), "blk.0.attn_q.weight", WHOLE_TENSOR, "cpu"
+    )
     assert not torch.equal(raw_q, reference["model.layers.0.self_attn.q_proj.weight"])
     hf_json = json.loads(open(os.path.join(hf_reference_dir(), "config.json")).read())
     expected = ModelConfig.from_hf_config(hf_json)

@@ -46,7 +46,8 @@ def test_noise_matches_the_integer_oracle() -> None:
     for row, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
         for token_id in (0, 1, 2, 150, 299):
             assert noise[row, token_id].item() == pytest.approx(
-                _oracle_noise(seed, position, token_id), rel=1e-5, abs=1e-5)
+                _oracle_noise(seed, position, token_id), rel=1e-5, abs=1e-5
+            )
 
 
 def test_noise_has_gumbel_statistics() -> None:
@@ -65,13 +66,20 @@ def test_noise_changes_with_seed_and_position() -> None:
     assert torch.equal(base, gumbel_noise_ref(torch.tensor([5]), torch.tensor([10]), 100))
     assert not torch.equal(base, gumbel_noise_ref(torch.tensor([6]), torch.tensor([10]), 100))
     assert not torch.equal(base, gumbel_noise_ref(torch.tensor([5]), torch.tensor([11]), 100))
-    assert not torch.equal(base, gumbel_noise_ref(torch.tensor([5]), torch.tensor([10 + 2**32]), 100))
+    assert not torch.equal(
+        base, gumbel_noise_ref(torch.tensor([5]), torch.tensor([10 + 2**32]), 100)
+    )
 
 
 def test_greedy_rows_take_the_first_argmax() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 0.0, 0.0]])
-    sampled = gumbel_sample(logits, torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0.0]),
-                            torch.tensor([1]), torch.tensor([0, 1]))
+    sampled = gumbel_sample(
+        logits,
+        torch.tensor([0, 0], dtype=torch.int32),
+        torch.tensor([0.0]),
+        torch.tensor([1]),
+        torch.tensor([0, 1]),
+    )
     assert sampled.tolist() == [1, 0]
 
 
@@ -81,36 +89,54 @@ def test_a_large_gap_beats_any_noise_and_temperature_is_applied_on_request() -> 
     logits[:, 7] = 1.0
     idx_mapping = torch.zeros(400, dtype=torch.int32)
     temperature, seed, positions = torch.tensor([0.04]), torch.tensor([3]), torch.arange(400)
-    scaled = gumbel_sample(logits, idx_mapping, temperature, seed, positions, apply_temperature=True)
+    scaled = gumbel_sample(
+        logits, idx_mapping, temperature, seed, positions, apply_temperature=True
+    )
     assert (scaled == 7).all()  # a gap of 1 / 0.04 = 25
-    unscaled = gumbel_sample(logits, idx_mapping, temperature, seed, positions, apply_temperature=False)
+    unscaled = gumbel_sample(
+        logits, idx_mapping, temperature, seed, positions, apply_temperature=False
+    )
     assert len(set(unscaled.tolist())) > 10
 
 
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="seed must be torch.int64"):
-        gumbel_sample(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.ones(1),
-                      torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+        gumbel_sample(
+            torch.zeros(1, 4),
+            torch.zeros(1, dtype=torch.int32),
+            torch.ones(1),
+            torch.ones(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+        )
     with pytest.raises(ValueError, match="positions must have size 1"):
-        gumbel_sample(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.ones(1),
-                      torch.ones(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+        gumbel_sample(
+            torch.zeros(1, 4),
+            torch.zeros(1, dtype=torch.int32),
+            torch.ones(1),
+            torch.ones(1, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+        )
 
 
 def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:
     generator = torch.Generator().manual_seed(vocab_size)
     temperature = torch.tensor([0.0, 1.0, 0.6, 1.7, 0.0, 1.0]).to(device)
     seed = torch.tensor([1, -7, 2**62 + 11, 42, 5, -(2**63)]).to(device)
-    idx_mapping = torch.randint(0, 6, (num_rows,), generator=generator, dtype=torch.int32).to(device)
+    idx_mapping = torch.randint(0, 6, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
     positions = torch.randint(0, 2**40, (num_rows,), generator=generator).to(device)
     random_logits = (torch.randn(num_rows, vocab_size, generator=generator) * 2).to(device)
     tied_logits = torch.zeros(num_rows, vocab_size, device=device)  # greedy: 0; else pure noise
     kwargs = {} if block_size is None else {"block_size": block_size}
     for logits in (random_logits, tied_logits):
         for apply_temperature in (True, False):
-            expected = gumbel_sample_ref(logits, idx_mapping, temperature, seed, positions,
-                                         apply_temperature)
-            actual = gumbel_sample_triton(logits, idx_mapping, temperature, seed, positions,
-                                          apply_temperature, **kwargs)
+            expected = gumbel_sample_ref(
+                logits, idx_mapping, temperature, seed, positions, apply_temperature
+            )
+            actual = gumbel_sample_triton(
+                logits, idx_mapping, temperature, seed, positions, apply_temperature, **kwargs
+            )
             assert torch.equal(actual, expected)
 
 

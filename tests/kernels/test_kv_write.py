@@ -72,7 +72,9 @@ def test_dispatcher_uses_reference_on_cpu() -> None:
         (lambda k, v, c, s: (k.transpose(1, 2), v, c, s), "key must be"),
     ],
 )
-def test_bad_arguments_raise_clear_errors(change: Callable[..., tuple[torch.Tensor, ...]], message: str) -> None:
+def test_bad_arguments_raise_clear_errors(
+    change: Callable[..., tuple[torch.Tensor, ...]], message: str
+) -> None:
     args = change(*_inputs(7, 4, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32))
     for fn in (kv_write_ref, kv_write_triton):
         with pytest.raises(ValueError, match=message):

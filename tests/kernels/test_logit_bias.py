@@ -44,8 +44,9 @@ def test_positive_bias_does_not_revive_a_suppressed_stop_token() -> None:
     tables = _tables()
     tables["logit_bias_values"][0, 1] = 100.0  # token 3 is also a stop id
     logits = torch.zeros(1, 5)
-    apply_logit_bias_ref(logits, torch.tensor([0], dtype=torch.int32),
-                         torch.tensor([0], dtype=torch.int32), **tables)
+    apply_logit_bias_ref(
+        logits, torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), **tables
+    )
     assert logits[0, 3] == NEG_INF
 
 
@@ -53,29 +54,41 @@ def test_bad_arguments_name_the_culprit() -> None:
     tables = _tables()
     tables["logit_bias_values"] = tables["logit_bias_values"][:, :3].contiguous()
     with pytest.raises(ValueError, match="logit_bias_values must have size 4 in dim 1"):
-        apply_logit_bias(torch.zeros(1, 5), torch.tensor([0], dtype=torch.int32),
-                         torch.tensor([0], dtype=torch.int32), **tables)
+        apply_logit_bias(
+            torch.zeros(1, 5),
+            torch.tensor([0], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+            **tables,
+        )
 
 
-def _random_tables(num_reqs: int, vocab_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def _random_tables(
+    num_reqs: int, vocab_size: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
     bias_width, stop_width = 64, 8
     return {
         "num_logit_bias": torch.tensor([0, 3, 64, 1, 40][:num_reqs], dtype=torch.int32),
-        "logit_bias_token_ids": torch.stack([torch.randperm(vocab_size, generator=generator)[:bias_width]
-                                             for _ in range(num_reqs)]).to(torch.int32),
+        "logit_bias_token_ids": torch.stack(
+            [torch.randperm(vocab_size, generator=generator)[:bias_width] for _ in range(num_reqs)]
+        ).to(torch.int32),
         "logit_bias_values": torch.randn(num_reqs, bias_width, generator=generator) * 10,
         "min_tokens": torch.tensor([0, 4, 2, 1, 3][:num_reqs], dtype=torch.int32),
         "num_stop_token_ids": torch.tensor([0, 2, 8, 1, 5][:num_reqs], dtype=torch.int32),
-        "stop_token_ids": torch.randint(0, vocab_size, (num_reqs, stop_width), generator=generator,
-                                        dtype=torch.int32),
+        "stop_token_ids": torch.randint(
+            0, vocab_size, (num_reqs, stop_width), generator=generator, dtype=torch.int32
+        ),
     }
 
 
 def _compare(num_rows: int, vocab_size: int, device: str) -> None:
     generator = torch.Generator().manual_seed(vocab_size)
     tables = {name: t.to(device) for name, t in _random_tables(5, vocab_size, generator).items()}
-    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(device)
-    num_output_tokens = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(device)
+    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
+    num_output_tokens = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
     logits = torch.randn(num_rows, vocab_size, generator=generator).to(device)
     original = logits.clone()
     expected = logits.clone()

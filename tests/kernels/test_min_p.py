@@ -33,13 +33,19 @@ def test_min_p_one_keeps_only_the_maximum() -> None:
 
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="min_p must be torch.float32"):
-        apply_min_p(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.float64))
+        apply_min_p(
+            torch.zeros(1, 4),
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.float64),
+        )
 
 
 def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:
     generator = torch.Generator().manual_seed(vocab_size)
     min_p = torch.tensor([0.0, 0.05, 0.3, 1e-4, 0.9]).to(device)
-    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(device)
+    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
     logits = (torch.randn(num_rows, vocab_size, generator=generator) * 4).to(device)
     expected = logits.clone()
     apply_min_p_ref(expected, idx_mapping, min_p)

@@ -19,24 +19,32 @@ def oracle(tokens: list[int], k: int, min_n: int, max_n: int, max_model_len: int
     for n in range(max_n, min_n - 1, -1):
         if n > total:
             continue
-        suffix = tokens[total - n:]
+        suffix = tokens[total - n :]
         for start in range(total - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
+            if tokens[start : start + n] == suffix:
                 num = min(k, total - (start + n), max_model_len - total)
-                return tokens[start + n:start + n + max(num, 0)]
+                return tokens[start + n : start + n + max(num, 0)]
     return []
 
 
 def _history(rows: list[list[int]], max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     token_ids = torch.full((len(rows), max_model_len), 7777, dtype=torch.int32)
     for r, tokens in enumerate(rows):
-        token_ids[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        token_ids[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
     total_len = torch.tensor([len(t) for t in rows], dtype=torch.int32)
     return token_ids, total_len
 
 
-def _propose(impl, rows: list[list[int]], k: int, min_n: int, max_n: int, max_model_len: int = 32,
-             order: list[int] | None = None, **kwargs) -> list[list[int]]:
+def _propose(
+    impl,
+    rows: list[list[int]],
+    k: int,
+    min_n: int,
+    max_n: int,
+    max_model_len: int = 32,
+    order: list[int] | None = None,
+    **kwargs,
+) -> list[list[int]]:
     token_ids, total_len = _history(rows, max_model_len)
     order = list(range(len(rows))) if order is None else order
     idx_mapping = torch.tensor(order, dtype=torch.int32)
@@ -91,8 +99,9 @@ def test_rows_follow_idx_mapping() -> None:
 def test_reference_matches_oracle_on_random_histories(seed: int) -> None:
     rng = random.Random(seed)
     max_model_len = 48
-    rows = [[rng.randrange(4 if r % 2 else 12) for _ in range(rng.randrange(0, 41))]
-            for r in range(24)]
+    rows = [
+        [rng.randrange(4 if r % 2 else 12) for _ in range(rng.randrange(0, 41))] for r in range(24)
+    ]
     k, min_n = rng.randint(1, 6), rng.randint(1, 3)
     max_n = rng.randint(min_n, 5)
     got = _propose(ngram_propose_ref, rows, k, min_n, max_n, max_model_len)
@@ -115,8 +124,10 @@ def test_bad_arguments_name_the_culprit() -> None:
 
 def _compare(num_rows: int, max_model_len: int, device: str, block_size: int | None) -> None:
     rng = random.Random(max_model_len)
-    rows = [[rng.randrange(3 + r % 5) for _ in range(rng.randrange(0, max_model_len + 1))]
-            for r in range(num_rows)]
+    rows = [
+        [rng.randrange(3 + r % 5) for _ in range(rng.randrange(0, max_model_len + 1))]
+        for r in range(num_rows)
+    ]
     rows += [CRAFTED[1][0], CRAFTED[4][0], CRAFTED[10][0]]
     token_ids, total_len = _history(rows, max_model_len)
     token_ids, total_len = token_ids.to(device), total_len.to(device)

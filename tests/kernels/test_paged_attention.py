@@ -44,7 +44,9 @@ def _inputs(case: Case, device: str = "cpu", seed: int = 0) -> dict[str, torch.T
         return torch.randn(shape, generator=generator).to(case.dtype).to(device)
 
     block_table = torch.randperm(num_blocks, generator=generator)[: len(case.seq_lens) * max_blocks]
-    query_start_loc = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query_start_loc = torch.tensor(
+        [0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32
+    )
     return {
         "query": randn(num_tokens, case.num_heads, case.head_dim),
         "key_cache": randn(*cache_shape),
@@ -87,7 +89,10 @@ def test_ref_with_context_sees_all_cached_tokens_and_zeroes_padding() -> None:
 def test_dispatcher_uses_reference_on_cpu() -> None:
     case = Case(query_lens=(3, 1), seq_lens=(7, 5))
     inputs = _inputs(case)
-    assert torch.equal(paged_attention(**inputs, scale=0.25, max_query_len=3), paged_attention_ref(**inputs, scale=0.25))
+    assert torch.equal(
+        paged_attention(**inputs, scale=0.25, max_query_len=3),
+        paged_attention_ref(**inputs, scale=0.25),
+    )
 
 
 @pytest.mark.parametrize(
@@ -122,7 +127,12 @@ INTERPRETER_CASES = [
     # queries longer than one q block (BLOCK_Q = 32 here): programs search their request
     (Case(query_lens=(40, 1, 0, 33), seq_lens=(45, 10, 2, 33), num_padding_tokens=3), 1, 16, None),
     # group of 3 (not a power of two), tiles that span several blocks, head_dim padded
-    (Case(query_lens=(5, 1, 9), seq_lens=(21, 40, 9), num_heads=9, num_kv_heads=3, head_dim=24), 1, 16, None),
+    (
+        Case(query_lens=(5, 1, 9), seq_lens=(21, 40, 9), num_heads=9, num_kv_heads=3, head_dim=24),
+        1,
+        16,
+        None,
+    ),
     (Case(query_lens=(2, 30), seq_lens=(7, 35), block_size=16, num_kv_heads=4), 1, 32, None),
     (Case(query_lens=(1, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 4, 16, None),
     (Case(query_lens=(6, 1), seq_lens=(17, 50), block_size=16, dtype=torch.float16), 1, 16, None),
@@ -144,7 +154,9 @@ def check_interpreted_kernel_matches_reference() -> None:
         )  # fmt: skip
         num_real = _num_real_tokens(case)
         tolerance = 1e-5 if case.dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(out[:num_real], expected[:num_real], rtol=tolerance, atol=tolerance, msg=str(case))
+        torch.testing.assert_close(
+            out[:num_real], expected[:num_real], rtol=tolerance, atol=tolerance, msg=str(case)
+        )
 
 
 @needs_triton
@@ -159,9 +171,13 @@ def test_splitting_the_context_of_a_prefill_is_refused() -> None:
         paged_attention_triton(**inputs, scale=1.0, max_query_len=3, num_kv_splits=2)
 
 
-def _random_case(num_decodes: int, prefill_lens: tuple[int, ...], max_context: int, **sizes: int) -> Case:
+def _random_case(
+    num_decodes: int, prefill_lens: tuple[int, ...], max_context: int, **sizes: int
+) -> Case:
     generator = torch.Generator().manual_seed(num_decodes + len(prefill_lens))
-    contexts = torch.randint(0, max_context, (num_decodes + len(prefill_lens),), generator=generator).tolist()
+    contexts = torch.randint(
+        0, max_context, (num_decodes + len(prefill_lens),), generator=generator
+    ).tolist()
     query_lens = (1,) * num_decodes + prefill_lens
     seq_lens = tuple(c + q for c, q in zip(contexts, query_lens, strict=True))
     return Case(query_lens=query_lens, seq_lens=seq_lens, block_size=16, **sizes)  # type: ignore[arg-type]
@@ -172,10 +188,16 @@ GPU_CASES = {
     "decode_qwen3": (_random_case(64, (), 2000, **QWEN3_HEADS), None, None),
     "decode_qwen3_split4": (_random_case(64, (), 2000, **QWEN3_HEADS), 4, None),
     "decode_few_long": (_random_case(3, (), 6000, **QWEN3_HEADS), None, None),
-    "mixed_smollm": (_random_case(20, (1, 37, 300, 129), 700, num_heads=9, num_kv_heads=3, head_dim=64),
-                     None, None),
-    "mixed_llama8b": (_random_case(17, (64, 250), 1500, num_heads=32, num_kv_heads=8, head_dim=128),
-                      None, None),
+    "mixed_smollm": (
+        _random_case(20, (1, 37, 300, 129), 700, num_heads=9, num_kv_heads=3, head_dim=64),
+        None,
+        None,
+    ),
+    "mixed_llama8b": (
+        _random_case(17, (64, 250), 1500, num_heads=32, num_kv_heads=8, head_dim=128),
+        None,
+        None,
+    ),
     "mixed_qwen3_decode_tiles": (_random_case(200, (128, 3), 400, **QWEN3_HEADS), None, 16),
 }
 
@@ -210,8 +232,12 @@ def test_decode_replays_in_a_cuda_graph_with_new_lengths() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_out = run()
-    inputs["seq_lens"].copy_(torch.randint(1, max(case.seq_lens) + 1, (32,), device="cuda", dtype=torch.int32))
+    inputs["seq_lens"].copy_(
+        torch.randint(1, max(case.seq_lens) + 1, (32,), device="cuda", dtype=torch.int32)
+    )
     inputs["query"].normal_()
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(graph_out, paged_attention_ref(**inputs, scale=scale), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        graph_out, paged_attention_ref(**inputs, scale=scale), rtol=2e-2, atol=2e-2
+    )

@@ -14,8 +14,10 @@ from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 
 def _state(num_reqs: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.zeros(num_reqs, vocab_size, dtype=torch.bool),
-            torch.zeros(num_reqs, vocab_size, dtype=torch.int32))
+    return (
+        torch.zeros(num_reqs, vocab_size, dtype=torch.bool),
+        torch.zeros(num_reqs, vocab_size, dtype=torch.int32),
+    )
 
 
 def test_hand_computed_penalties() -> None:
@@ -25,9 +27,13 @@ def test_hand_computed_penalties() -> None:
     output_counts[1, 2] = 1  # token 2 once
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 2)
     apply_penalties(
-        logits, torch.tensor([0, 1], dtype=torch.int32),
-        repetition_penalty=torch.tensor([1.0, 2.0]), frequency_penalty=torch.tensor([0.0, 0.5]),
-        presence_penalty=torch.tensor([0.0, 0.25]), prompt_mask=prompt_mask, output_counts=output_counts,
+        logits,
+        torch.tensor([0, 1], dtype=torch.int32),
+        repetition_penalty=torch.tensor([1.0, 2.0]),
+        frequency_penalty=torch.tensor([0.0, 0.5]),
+        presence_penalty=torch.tensor([0.0, 0.25]),
+        prompt_mask=prompt_mask,
+        output_counts=output_counts,
     )
     assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # neutral row untouched
     assert logits[1].tolist() == [
@@ -43,8 +49,15 @@ def test_prompt_tokens_get_repetition_but_not_frequency_or_presence() -> None:
     prompt_mask, output_counts = _state(1, 3)
     prompt_mask[0, 1] = True
     logits = torch.tensor([[1.0, 1.0, 1.0]])
-    apply_penalties_ref(logits, torch.tensor([0], dtype=torch.int32), torch.tensor([1.0]),
-                        torch.tensor([1.0]), torch.tensor([1.0]), prompt_mask, output_counts)
+    apply_penalties_ref(
+        logits,
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([1.0]),
+        torch.tensor([1.0]),
+        torch.tensor([1.0]),
+        prompt_mask,
+        output_counts,
+    )
     assert logits.tolist() == [[1.0, 1.0, 1.0]]
 
 
@@ -52,11 +65,25 @@ def test_bad_arguments_name_the_culprit() -> None:
     prompt_mask, output_counts = _state(2, 5)
     ones, zeros = torch.ones(2), torch.zeros(2)
     with pytest.raises(ValueError, match="prompt_mask must have size 4"):
-        apply_penalties(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), ones, zeros, zeros,
-                        prompt_mask, output_counts)
+        apply_penalties(
+            torch.zeros(1, 4),
+            torch.zeros(1, dtype=torch.int32),
+            ones,
+            zeros,
+            zeros,
+            prompt_mask,
+            output_counts,
+        )
     with pytest.raises(ValueError, match="frequency_penalty has 3 request rows"):
-        apply_penalties(torch.zeros(1, 5), torch.zeros(1, dtype=torch.int32), ones, torch.zeros(3),
-                        zeros, prompt_mask, output_counts)
+        apply_penalties(
+            torch.zeros(1, 5),
+            torch.zeros(1, dtype=torch.int32),
+            ones,
+            torch.zeros(3),
+            zeros,
+            prompt_mask,
+            output_counts,
+        )
 
 
 def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:

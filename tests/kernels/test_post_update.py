@@ -234,4 +234,3 @@ def test_triton_matches_reference_on_cuda() -> None:
     _apply(post_update_triton, state, rows, query_lens, sampled)
     _apply(post_update_ref, ref_state, rows, query_lens, sampled)
     _assert_same_state(state, ref_state)
-

@@ -274,4 +274,3 @@ def test_triton_reads_pinned_host_history_through_uva() -> None:
         _run(prepare_inputs_triton, pinned, *padded), _run(prepare_inputs_ref, case, *padded)
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-

@@ -14,24 +14,43 @@ EPS = 1e-6
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
 
 
-def _case(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-          qk_norm: bool, device: str = "cpu", seed: int = 0) -> dict:
+def _case(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    qk_norm: bool,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
     generator = torch.Generator().manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     angles = torch.arange(128).double()[:, None] * inv_freq[None, :]
     slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=generator)[:num_tokens]
     slots[1::4] = -1  # padding tokens write nothing
-    norm = (lambda: torch.randn(head_dim, generator=generator).to(dtype).to(device)) if qk_norm else (lambda: None)
+    norm = (
+        (lambda: torch.randn(head_dim, generator=generator).to(dtype).to(device))
+        if qk_norm
+        else (lambda: None)
+    )
     return dict(
         qkv=torch.randn(num_tokens, width, generator=generator).to(dtype).to(device),
         positions=torch.randint(0, 128, (num_tokens,), generator=generator).to(device),
-        cos_cache=angles.cos().float().to(device), sin_cache=angles.sin().float().to(device),
-        q_norm_weight=norm(), k_norm_weight=norm(), eps=EPS,
-        kv_cache=torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim,
-                             generator=generator).to(dtype).to(device),
-        slot_mapping=slots.to(device), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim)
+        cos_cache=angles.cos().float().to(device),
+        sin_cache=angles.sin().float().to(device),
+        q_norm_weight=norm(),
+        k_norm_weight=norm(),
+        eps=EPS,
+        kv_cache=torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)
+        .to(dtype)
+        .to(device),
+        slot_mapping=slots.to(device),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
 
 
 def _rotate64(x: torch.Tensor, positions: torch.Tensor, case: dict) -> torch.Tensor:
@@ -62,7 +81,9 @@ def test_reference_matches_float64_math_and_writes_only_real_slots(qk_norm: bool
     for token, slot in enumerate(case["slot_mapping"].tolist()):
         if slot >= 0:
             written[slot] = True
-            torch.testing.assert_close(flat[0, slot].double(), expected_k[token], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                flat[0, slot].double(), expected_k[token], rtol=1e-5, atol=1e-5
+            )
             assert torch.equal(flat[1, slot], case["qkv"][token, 96:].view(2, 16))
     before = cache_before.view(2, NUM_BLOCKS * BLOCK_SIZE, 2, 16)
     assert torch.equal(flat[:, ~written], before[:, ~written])
@@ -88,8 +109,16 @@ def _compare(num_tokens: int, shapes: list[tuple[int, int, int]], device: str) -
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for num_heads, num_kv_heads, head_dim in shapes:
             for qk_norm in (True, False):
-                case = _case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, qk_norm, device,
-                             seed=num_heads + head_dim)
+                case = _case(
+                    num_tokens,
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    dtype,
+                    qk_norm,
+                    device,
+                    seed=num_heads + head_dim,
+                )
                 expected_cache, actual_cache = case["kv_cache"].clone(), case["kv_cache"].clone()
                 expected = qkv_prologue_ref(**{**case, "kv_cache": expected_cache})
                 actual = qkv_prologue_triton(**{**case, "kv_cache": actual_cache})

@@ -21,15 +21,16 @@ MIN_P_VALUE = 1e-3
 of runs; the seeds below are fixed, so each test is deterministic."""
 
 
-def _batch(logits_per_req: list[torch.Tensor], drafts: list[list[int]], k: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(
+    logits_per_req: list[torch.Tensor], drafts: list[list[int]], k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = torch.cat(logits_per_req)
     counts = [len(d) + 1 for d in drafts]
     assert counts == [x.shape[0] for x in logits_per_req]
     cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     draft_ids = torch.full((len(drafts), k), -1, dtype=torch.int32)
     for b, d in enumerate(drafts):
-        draft_ids[b, :len(d)] = torch.tensor(d, dtype=torch.int32)
+        draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.int32)
     return logits, cu, draft_ids
 
 
@@ -44,12 +45,24 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_target() -> None:
     # Request 1: all drafts match: both accepted plus the bonus. Request 2: no drafts.
     # Request 3: the first draft is wrong.
     logits, cu, drafts = _batch(
-        [_one_hot_logits([3, 4, 5, 6]), _one_hot_logits([1, 2, 7]), _one_hot_logits([8]),
-         _one_hot_logits([0, 1])],
-        [[3, 4, 9], [1, 2], [], [5]], k=3)
+        [
+            _one_hot_logits([3, 4, 5, 6]),
+            _one_hot_logits([1, 2, 7]),
+            _one_hot_logits([8]),
+            _one_hot_logits([0, 1]),
+        ],
+        [[3, 4, 9], [1, 2], [], [5]],
+        k=3,
+    )
     out, accepted = rejection_sample(
-        logits, cu, drafts, torch.tensor([2, 0, 1, 3], dtype=torch.int32),
-        temperature=torch.zeros(4), seed=torch.arange(4), positions=torch.tensor([10, 20, 30, 40]))
+        logits,
+        cu,
+        drafts,
+        torch.tensor([2, 0, 1, 3], dtype=torch.int32),
+        temperature=torch.zeros(4),
+        seed=torch.arange(4),
+        positions=torch.tensor([10, 20, 30, 40]),
+    )
     assert accepted.tolist() == [2, 2, 0, 0]
     assert out.tolist() == [[3, 4, 5, -1], [1, 2, 7, -1], [8, -1, -1, -1], [0, -1, -1, -1]]
 
@@ -74,18 +87,19 @@ def test_output_is_the_non_speculative_stream_up_to_the_first_mismatch() -> None
     # Drafts that copy the ordinary sampler's choice are accepted, so runs get long.
     counts = (cu[1:] - cu[:-1]).long()
     rows = torch.repeat_interleave(idx_mapping, counts)
-    logit_positions = torch.cat([positions[b] + torch.arange(int(counts[b]))
-                                 for b in range(num_reqs)])
+    logit_positions = torch.cat(
+        [positions[b] + torch.arange(int(counts[b])) for b in range(num_reqs)]
+    )
     plain = gumbel_sample(logits, rows, temperature, seed, logit_positions)
     for b in range(0, num_reqs, 2):
         n = int(counts[b]) - 1
-        drafts[b, :n] = plain[cu[b]:cu[b] + n].to(torch.int32)
+        drafts[b, :n] = plain[cu[b] : cu[b] + n].to(torch.int32)
     out, accepted = rejection_sample(logits, cu, drafts, idx_mapping, temperature, seed, positions)
     for b in range(num_reqs):
         n, a = int(counts[b]) - 1, int(accepted[b])
-        expected = plain[cu[b]:cu[b] + a + 1].tolist()
-        assert out[b, :a + 1].tolist() == expected
-        assert (out[b, a + 1:] == -1).all()
+        expected = plain[cu[b] : cu[b] + a + 1].tolist()
+        assert out[b, : a + 1].tolist() == expected
+        assert (out[b, a + 1 :] == -1).all()
         assert drafts[b, :a].tolist() == expected[:a]
         assert a == n or int(drafts[b, a]) != expected[a]
         if b % 2 == 0:
@@ -106,9 +120,15 @@ def test_seeded_results_are_reproducible_and_batch_invariant() -> None:
     # Request 5 alone gives what it gave in the batch.
     b = 5
     alone_cu = torch.tensor([0, int(cu[b + 1] - cu[b])], dtype=torch.int32)
-    alone = rejection_sample(logits[cu[b]:cu[b + 1]], alone_cu, drafts[b:b + 1],
-                             torch.tensor([b], dtype=torch.int32), temperature, seed,
-                             positions[b:b + 1])
+    alone = rejection_sample(
+        logits[cu[b] : cu[b + 1]],
+        alone_cu,
+        drafts[b : b + 1],
+        torch.tensor([b], dtype=torch.int32),
+        temperature,
+        seed,
+        positions[b : b + 1],
+    )
     assert torch.equal(alone[0][0], first[0][b]) and int(alone[1][0]) == int(first[1][b])
     reseeded = rejection_sample(logits, cu, drafts, idx_mapping, temperature, seed + 1, positions)
     assert not torch.equal(reseeded[0], first[0])
@@ -159,17 +179,30 @@ def test_speculation_keeps_the_target_distribution(temperature: float) -> None:
     residual = p_0.clone()
     residual[drafts_0] = 0
     residual /= residual.sum()
-    assert _chi_square_p_value(torch.bincount(rejected, minlength=vocab).double(),
-                               residual * rejected.numel()) > MIN_P_VALUE
+    assert (
+        _chi_square_p_value(
+            torch.bincount(rejected, minlength=vocab).double(), residual * rejected.numel()
+        )
+        > MIN_P_VALUE
+    )
     # Accepted at position 0: the next token follows p_1.
     second = out[accepted >= 1, 1]
-    assert _chi_square_p_value(torch.bincount(second, minlength=vocab).double(),
-                               p_1 * second.numel()) > MIN_P_VALUE
+    assert (
+        _chi_square_p_value(torch.bincount(second, minlength=vocab).double(), p_1 * second.numel())
+        > MIN_P_VALUE
+    )
     # Against the non-speculative sampler on other seeds.
-    plain = gumbel_sample(logits[::3].contiguous(), idx_mapping, temperatures,
-                          seed + num_samples * 1_000_003, positions)
-    assert _homogeneity_p_value(first_counts,
-                                torch.bincount(plain, minlength=vocab).double()) > MIN_P_VALUE
+    plain = gumbel_sample(
+        logits[::3].contiguous(),
+        idx_mapping,
+        temperatures,
+        seed + num_samples * 1_000_003,
+        positions,
+    )
+    assert (
+        _homogeneity_p_value(first_counts, torch.bincount(plain, minlength=vocab).double())
+        > MIN_P_VALUE
+    )
     acceptance_rate = float((accepted >= 1).double().mean())
     assert abs(acceptance_rate - float(p_0[drafts_0])) < 4 * (0.25 / num_samples) ** 0.5
 
@@ -192,7 +225,9 @@ def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="draft_token_ids must be torch.int32"):
         rejection_sample(logits, cu, drafts.long(), idx, *args)
     with pytest.raises(ValueError, match="one row per scheduled request"):
-        rejection_sample(logits, cu, drafts, idx, args[0], args[1], torch.zeros(2, dtype=torch.int64))
+        rejection_sample(
+            logits, cu, drafts, idx, args[0], args[1], torch.zeros(2, dtype=torch.int64)
+        )
 
 
 def _compare(num_reqs: int, k: int, vocab_size: int, device: str) -> None:
@@ -201,17 +236,19 @@ def _compare(num_reqs: int, k: int, vocab_size: int, device: str) -> None:
     # Half the rows draft the greedy continuation, so long accepted runs are covered.
     for b in range(0, num_reqs, 2):
         n = int(cu[b + 1] - cu[b]) - 1
-        drafts[b, :n] = logits[int(cu[b]):int(cu[b]) + n].argmax(-1).to(torch.int32)
+        drafts[b, :n] = logits[int(cu[b]) : int(cu[b]) + n].argmax(-1).to(torch.int32)
     temperature = torch.tensor([0.0, 1.0, 0.6, 1.7, 0.0]).to(device)
     seed = torch.tensor([1, -7, 2**62 + 11, 42, 5]).to(device)
     idx_mapping = torch.randint(0, 5, (num_reqs,), generator=generator, dtype=torch.int32)
     positions = torch.randint(0, 2**40, (num_reqs,), generator=generator)
     args = [t.to(device) for t in (logits, cu, drafts, idx_mapping)]
     for apply_temperature in (True, False):
-        expected = rejection_sample_ref(*args, temperature, seed, positions.to(device),
-                                        apply_temperature)
-        actual = rejection_sample_triton(*args, temperature, seed, positions.to(device),
-                                         apply_temperature)
+        expected = rejection_sample_ref(
+            *args, temperature, seed, positions.to(device), apply_temperature
+        )
+        actual = rejection_sample_triton(
+            *args, temperature, seed, positions.to(device), apply_temperature
+        )
         assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
 
 

@@ -12,8 +12,9 @@ from tests.kernels._triton_interpreter import assert_interpreted, triton_vs_refe
 EPS = 1e-6
 
 
-def _inputs(num_rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    num_rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_rows, hidden, generator=generator) * 3
     residual = torch.randn(num_rows, hidden, generator=generator) * 10
@@ -30,7 +31,9 @@ def test_reference_is_rms_norm_of_the_sum_and_returns_the_sum() -> None:
     assert torch.equal(new_residual, total)
     normed_alone, same = add_rms_norm_ref(x, None, weight, EPS)
     assert same is x
-    torch.testing.assert_close(normed_alone, weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+    torch.testing.assert_close(
+        normed_alone, weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    )
 
 
 def test_bf16_reference_rounds_where_transformers_rounds() -> None:

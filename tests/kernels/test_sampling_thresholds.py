@@ -29,12 +29,22 @@ from tests.kernels._triton_interpreter import (
 NEG_INF = float("-inf")
 
 
-def _kept(logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-          min_p: float = 0.0) -> list[int]:
+def _kept(
+    logits: list[float],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> list[int]:
     row = torch.tensor([logits])
-    threshold = sampling_thresholds(row, torch.zeros(1, dtype=torch.int32),
-                                    torch.tensor([temperature]), torch.tensor([top_k], dtype=torch.int32),
-                                    torch.tensor([top_p]), torch.tensor([min_p]))
+    threshold = sampling_thresholds(
+        row,
+        torch.zeros(1, dtype=torch.int32),
+        torch.tensor([temperature]),
+        torch.tensor([top_k], dtype=torch.int32),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )
     scaled = row[0] / (temperature if temperature not in (0.0, 1.0) else 1.0)
     return torch.nonzero(scaled >= threshold).flatten().tolist()
 
@@ -66,8 +76,14 @@ def test_temperature_scales_before_the_filters() -> None:
     assert _kept(logits, temperature=2.0, top_p=0.5) == [0, 1]
 
 
-def _old_kept_mask(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
-                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _old_kept_mask(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
     """The sampler's previous in-place pipeline, full sort: which tokens stay finite."""
     processed = logits.clone()
     apply_temperature_ref(processed, rows, temperature)
@@ -76,9 +92,12 @@ def _old_kept_mask(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.
     return processed > NEG_INF
 
 
-def _random_filters(num_reqs: int, vocab: int, generator: torch.Generator
-                    ) -> tuple[torch.Tensor, ...]:
-    pick = lambda options: torch.tensor(options)[torch.randint(len(options), (num_reqs,), generator=generator)]  # noqa: E731
+def _random_filters(
+    num_reqs: int, vocab: int, generator: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    def pick(options: list[float]) -> torch.Tensor:
+        return torch.tensor(options)[torch.randint(len(options), (num_reqs,), generator=generator)]
+
     temperature = pick([1.0, 0.0, 0.5, 0.8, 1.3, 2.0])
     top_k = pick([0, 0, 1, 2, 7, 50, vocab // 3, vocab - 1, vocab + 5]).to(torch.int32)
     top_p = pick([1.0, 1.0, 0.05, 0.5, 0.8, 0.9, 0.95, 0.999])
@@ -105,7 +124,9 @@ def test_reference_keeps_what_the_sort_based_in_place_ops_keep() -> None:
     rows = torch.randint(0, 16, (64,), generator=generator, dtype=torch.int32)
     thresholds = sampling_thresholds_ref(logits, rows, *filters)
     temperature = filters[0][rows.long()]
-    scaled = logits / torch.where((temperature == 0) | (temperature == 1), 1.0, temperature)[:, None]
+    scaled = (
+        logits / torch.where((temperature == 0) | (temperature == 1), 1.0, temperature)[:, None]
+    )
     assert torch.equal(scaled >= thresholds[:, None], _old_kept_mask(logits, rows, *filters))
 
 
@@ -137,8 +158,14 @@ p = 0.99 on a row of std 3.75 it was 2.6e-5 off, where the search's threshold wa
 one in float64."""
 
 
-def _knife_edge_only(row_logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                     min_p: float, thresholds: tuple[float, float]) -> bool:
+def _knife_edge_only(
+    row_logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    thresholds: tuple[float, float],
+) -> bool:
     """Whether two thresholds of one row differ only by tokens at a float32 knife edge: a
     min-p floor within rounding of their value, or a top-p cut within KNIFE_EDGE_MASS of
     their exclusive cumulative mass (float64, over the top-k survivors in rank order)."""
@@ -157,20 +184,31 @@ def _knife_edge_only(row_logits: torch.Tensor, temperature: float, top_k: int, t
     mass_before = torch.cumsum(probs, dim=0) - probs
     first_rank = torch.searchsorted(-ranked, -between)  # each value's first place in rank order
     near_cut = (first_rank < ranked.numel()) & (
-        (mass_before[first_rank.clamp(max=ranked.numel() - 1)] - top_p).abs() <= KNIFE_EDGE_MASS)
+        (mass_before[first_rank.clamp(max=ranked.numel() - 1)] - top_p).abs() <= KNIFE_EDGE_MASS
+    )
     return bool((at_floor | (near_cut & (top_p < 1.0))).all())
 
 
-def _assert_thresholds_match(logits: torch.Tensor, rows: torch.Tensor, filters: list[torch.Tensor],
-                             actual: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_thresholds_match(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    filters: list[torch.Tensor],
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+) -> None:
     """Equal, but for rows that differ only at a float32 knife edge (at 151936 tokens a flat
     row's tokens each carry ~7e-6 of the mass, near float32 summation error)."""
     temperature, top_k, top_p, min_p = (f.cpu() for f in filters)
     for row in torch.nonzero(actual != expected).flatten().tolist():
         req = int(rows[row])
-        assert _knife_edge_only(logits[row], float(temperature[req]), int(top_k[req]), float(top_p[req]),
-                                float(min_p[req]), (float(actual[row]), float(expected[row]))), (
-            row, float(actual[row]), float(expected[row]))
+        assert _knife_edge_only(
+            logits[row],
+            float(temperature[req]),
+            int(top_k[req]),
+            float(top_p[req]),
+            float(min_p[req]),
+            (float(actual[row]), float(expected[row])),
+        ), (row, float(actual[row]), float(expected[row]))
 
 
 def _compare(num_rows: int, vocab: int, chunk: int | None, num_batches: int, device: str) -> None:
@@ -196,15 +234,33 @@ test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_c
     triton_vs_reference_tests(
         _compare,
         # 1500 tokens over 512-token chunks; k up to 1505 passes the 1024-candidate capacity.
-        interpreted={"num_rows": 20, "vocab": 1500, "chunk": 512, "num_batches": 2, "device": "cpu"},
-        on_cuda={"num_rows": 256, "vocab": 151936, "chunk": None, "num_batches": 4, "device": "cuda"},
+        interpreted={
+            "num_rows": 20,
+            "vocab": 1500,
+            "chunk": 512,
+            "num_batches": 2,
+            "device": "cpu",
+        },
+        on_cuda={
+            "num_rows": 256,
+            "vocab": 151936,
+            "chunk": None,
+            "num_batches": 4,
+            "device": "cuda",
+        },
     )
 )
 
 
-def _sample_both_ways(logits: torch.Tensor, rows: torch.Tensor, filters: tuple[torch.Tensor, ...],
-                      seed: torch.Tensor, positions: torch.Tensor, threshold_fn, gumbel_fn
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_both_ways(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    filters: tuple[torch.Tensor, ...],
+    seed: torch.Tensor,
+    positions: torch.Tensor,
+    threshold_fn,
+    gumbel_fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
     temperature, top_k, top_p, min_p = filters
     old = logits.clone()
     apply_temperature_ref(old, rows, temperature)
@@ -222,10 +278,11 @@ def test_sampling_through_thresholds_draws_what_the_sort_based_path_draws(seed: 
     logits = _random_logits(num_rows, vocab, generator)
     filters = _random_filters(num_rows, vocab, generator)
     rows = torch.randperm(num_rows, generator=generator).to(torch.int32)
-    seeds = torch.randint(-2**62, 2**62, (num_rows,), generator=generator)
+    seeds = torch.randint(-(2**62), 2**62, (num_rows,), generator=generator)
     positions = torch.randint(0, 4096, (num_rows,), generator=generator)
-    actual, expected = _sample_both_ways(logits, rows, filters, seeds, positions,
-                                         sampling_thresholds_ref, gumbel_sample_ref)
+    actual, expected = _sample_both_ways(
+        logits, rows, filters, seeds, positions, sampling_thresholds_ref, gumbel_sample_ref
+    )
     assert torch.equal(actual, expected)
 
 
@@ -238,10 +295,15 @@ def check_interpreted_sampling_matches_the_sort_based_path() -> None:
     seeds = torch.randint(0, 2**62, (num_rows,), generator=generator)
     positions = torch.randint(0, 4096, (num_rows,), generator=generator)
     actual, expected = _sample_both_ways(
-        logits, rows, filters, seeds, positions,
-        lambda *args: sampling_thresholds_triton(*args, chunk=256), gumbel_sample_triton)
+        logits,
+        rows,
+        filters,
+        seeds,
+        positions,
+        lambda *args: sampling_thresholds_triton(*args, chunk=256),
+        gumbel_sample_triton,
+    )
     assert torch.equal(actual, expected)
-
 
 
 @needs_triton

@@ -21,8 +21,10 @@ def test_reference_is_silu_of_the_first_half_times_the_second() -> None:
 def test_odd_widths_are_refused() -> None:
     with pytest.raises(ValueError, match="2 \\* intermediate"):
         silu_mul(torch.zeros(2, 7))
-    assert torch.equal(silu_mul_ref(torch.zeros(2, 4, dtype=torch.bfloat16)),
-                       F.silu(torch.zeros(2, 2, dtype=torch.bfloat16)))
+    assert torch.equal(
+        silu_mul_ref(torch.zeros(2, 4, dtype=torch.bfloat16)),
+        F.silu(torch.zeros(2, 2, dtype=torch.bfloat16)),
+    )
 
 
 def _compare(num_rows: int, intermediate: int, device: str) -> None:
@@ -32,7 +34,9 @@ def _compare(num_rows: int, intermediate: int, device: str) -> None:
         assert_interpreted(module._silu_mul_kernel)
     generator = torch.Generator().manual_seed(intermediate)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        gate_up = (torch.randn(num_rows, 2 * intermediate, generator=generator) * 4).to(dtype).to(device)
+        gate_up = (
+            (torch.randn(num_rows, 2 * intermediate, generator=generator) * 4).to(dtype).to(device)
+        )
         assert_matches_reference(silu_mul_triton(gate_up), silu_mul_ref(gate_up))
 
 

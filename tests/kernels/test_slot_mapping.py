@@ -264,4 +264,3 @@ def test_triton_matches_reference_on_cuda(block_size: int) -> None:
     want = _run(gather_block_table_ref, compute_slot_mapping_ref, case, *padded)
     for got_tensor, want_tensor in zip(got, want):
         torch.testing.assert_close(got_tensor, want_tensor, rtol=0, atol=0)
-

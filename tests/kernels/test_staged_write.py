@@ -207,4 +207,3 @@ def test_triton_matches_reference_on_cuda_float32() -> None:
     staged_write_triton(got, *index, float_values)
     staged_write_ref(want, *index, float_values)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-

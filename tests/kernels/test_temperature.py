@@ -20,13 +20,15 @@ def test_rows_are_divided_by_their_request_temperature() -> None:
     logits = torch.tensor([[2.0, -4.0, 1.0]] * 5)
     idx_mapping = torch.tensor([3, 0, 1, 2, 0], dtype=torch.int32)
     apply_temperature(logits, idx_mapping, TEMPERATURE)
-    expected = torch.tensor([
-        [1.0, -2.0, 0.5],  # T 2
-        [4.0, -8.0, 2.0],  # T 0.5
-        [2.0, -4.0, 1.0],  # greedy: untouched
-        [2.0, -4.0, 1.0],  # T 1: untouched
-        [4.0, -8.0, 2.0],
-    ])
+    expected = torch.tensor(
+        [
+            [1.0, -2.0, 0.5],  # T 2
+            [4.0, -8.0, 2.0],  # T 0.5
+            [2.0, -4.0, 1.0],  # greedy: untouched
+            [2.0, -4.0, 1.0],  # T 1: untouched
+            [4.0, -8.0, 2.0],
+        ]
+    )
     assert torch.equal(logits, expected)
 
 
@@ -51,7 +53,9 @@ def test_bad_arguments_name_the_culprit() -> None:
 def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:
     generator = torch.Generator().manual_seed(num_rows + vocab_size)
     temperature = torch.tensor([0.0, 1.0, 0.3, 0.7, 1.9, 1e-3]).to(device)
-    idx_mapping = torch.randint(0, 6, (num_rows,), generator=generator, dtype=torch.int32).to(device)
+    idx_mapping = torch.randint(0, 6, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
     logits = (torch.randn(num_rows, vocab_size, generator=generator) * 5).to(device)
     expected = logits.clone()
     apply_temperature_ref(expected, idx_mapping, temperature)

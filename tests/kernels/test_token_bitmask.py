@@ -37,24 +37,37 @@ def test_only_listed_rows_are_masked_and_only_cleared_bits() -> None:
 
 def test_tokens_past_the_bitmask_are_forbidden() -> None:
     logits = torch.zeros(1, 70)  # model vocabulary padded past a 64-token tokenizer
-    apply_token_bitmask_ref(logits, _pack([list(range(64))], 64), torch.tensor([0], dtype=torch.int32))
+    apply_token_bitmask_ref(
+        logits, _pack([list(range(64))], 64), torch.tensor([0], dtype=torch.int32)
+    )
     assert not torch.isinf(logits[0, :64]).any() and torch.isinf(logits[0, 64:]).all()
 
 
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="bitmask must be torch.int32"):
-        apply_token_bitmask(torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64),
-                            torch.tensor([0], dtype=torch.int32))
+        apply_token_bitmask(
+            torch.zeros(1, 8),
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.tensor([0], dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="row_indices must have size 2 in dim 0"):
-        apply_token_bitmask(torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int32),
-                            torch.tensor([0], dtype=torch.int32))
+        apply_token_bitmask(
+            torch.zeros(2, 8),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+        )
 
 
 def _compare(num_rows: int, vocab_size: int, device: str) -> None:
     generator = torch.Generator().manual_seed(vocab_size)
     num_words = (vocab_size + 31) // 32
-    bitmask = torch.randint(-2**31, 2**31, (num_rows // 2, num_words), generator=generator,
-                            dtype=torch.int64).to(torch.int32).to(device)
+    bitmask = (
+        torch.randint(
+            -(2**31), 2**31, (num_rows // 2, num_words), generator=generator, dtype=torch.int64
+        )
+        .to(torch.int32)
+        .to(device)
+    )
     row_indices = torch.randperm(num_rows, generator=generator)[: num_rows // 2]
     row_indices = row_indices.to(torch.int32).to(device)
     logits = torch.randn(num_rows, vocab_size, generator=generator).to(device)

@@ -20,8 +20,13 @@ LOGITS = torch.tensor([[math.log(0.3), math.log(0.1), math.log(0.4), math.log(0.
 
 def _kept(top_k: int, top_p: float, num_candidates: int = 4) -> list[int]:
     logits = LOGITS.clone()
-    apply_top_k_top_p(logits, torch.tensor([0], dtype=torch.int32),
-                      torch.tensor([top_k], dtype=torch.int32), torch.tensor([top_p]), num_candidates)
+    apply_top_k_top_p(
+        logits,
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([top_k], dtype=torch.int32),
+        torch.tensor([top_p]),
+        num_candidates,
+    )
     return torch.nonzero(~torch.isinf(logits[0])).flatten().tolist()
 
 
@@ -61,18 +66,26 @@ def test_topk_candidates_and_full_sort_agree() -> None:
 
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(ValueError, match="num_candidates"):
-        apply_top_k_top_p(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32),
-                          torch.zeros(1, dtype=torch.int32), torch.ones(1), 0)
+        apply_top_k_top_p(
+            torch.zeros(1, 4),
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            torch.ones(1),
+            0,
+        )
     with pytest.raises(ValueError, match="top_k must be torch.int32"):
-        apply_top_k_top_p(torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.zeros(1),
-                          torch.ones(1), 4)
+        apply_top_k_top_p(
+            torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.ones(1), 4
+        )
 
 
 def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None) -> None:
     generator = torch.Generator().manual_seed(vocab_size)
     top_k = torch.tensor([0, 5, 40, 0, 20], dtype=torch.int32).to(device)
     top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.95]).to(device)
-    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(device)
+    idx_mapping = torch.randint(0, 5, (num_rows,), generator=generator, dtype=torch.int32).to(
+        device
+    )
     logits = (torch.randn(num_rows, vocab_size, generator=generator) * 3).to(device)
     for num_candidates in (vocab_size, 40):
         rows = idx_mapping if num_candidates == vocab_size else idx_mapping.clamp(min=1)

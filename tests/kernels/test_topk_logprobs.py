@@ -16,7 +16,9 @@ def test_hand_computed_logprobs_and_rank() -> None:
     logits = torch.tensor([[math.log(p) + 5.0 for p in probs]])  # a shift changes nothing
     token_ids, logprobs, ranks = topk_logprobs(logits, torch.tensor([1]), num_logprobs=2)
     assert token_ids.tolist() == [[1, 3, 2]]
-    torch.testing.assert_close(logprobs, torch.tensor([[math.log(0.2), math.log(0.4), math.log(0.3)]]))
+    torch.testing.assert_close(
+        logprobs, torch.tensor([[math.log(0.2), math.log(0.4), math.log(0.3)]])
+    )
     assert ranks.tolist() == [3]
 
 
@@ -39,7 +41,9 @@ def _compare(num_rows: int, vocab_size: int, device: str, block_size: int | None
     generator = torch.Generator().manual_seed(vocab_size)
     logits = (torch.randn(num_rows, vocab_size, generator=generator) * 4).to(device)
     logits[0, : vocab_size // 2] = float("-inf")  # masked logits must not poison the sum
-    sampled = torch.randint(vocab_size // 2, vocab_size, (num_rows,), generator=generator).to(device)
+    sampled = torch.randint(vocab_size // 2, vocab_size, (num_rows,), generator=generator).to(
+        device
+    )
     kwargs = {} if block_size is None else {"block_size": block_size}
     for num_logprobs in (0, 5, 20):
         expected = topk_logprobs_ref(logits, sampled, num_logprobs)

@@ -38,8 +38,9 @@ def _handler_for(receiver: OTLPReceiver) -> type[BaseHTTPRequestHandler]:
                 body = gzip.decompress(body)
             request = ExportTraceServiceRequest()
             request.ParseFromString(body)
-            receiver.exports.append(ReceivedExport(
-                self.path, {k.lower(): v for k, v in self.headers.items()}, request))
+            receiver.exports.append(
+                ReceivedExport(self.path, {k.lower(): v for k, v in self.headers.items()}, request)
+            )
             reply = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
@@ -58,8 +59,12 @@ def running_otlp_receiver() -> Iterator[OTLPReceiver]:
     receiver = OTLPReceiver(port=0)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(receiver))
     receiver.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
-                              name="otlp-receiver", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.02},
+        name="otlp-receiver",
+        daemon=True,
+    )
     thread.start()
     try:
         yield receiver

@@ -28,17 +28,20 @@ def test_batches_land_in_the_same_buckets_as_prometheus_client(batch_size: int) 
     rng = np.random.default_rng(batch_size)
     values = np.concatenate([rng.exponential(0.05, batch_size), np.array(BOUNDS), [-1.0, 5.0]])
     registry = CollectorRegistry()
-    reference = Histogram("ref_seconds", "reference", ["model_name"], buckets=BOUNDS,
-                          registry=registry).labels(model_name="m")
-    batch = BatchHistogram("batch_seconds", "under test", BOUNDS, {"model_name": "m"},
-                           registry=registry)
+    reference = Histogram(
+        "ref_seconds", "reference", ["model_name"], buckets=BOUNDS, registry=registry
+    ).labels(model_name="m")
+    batch = BatchHistogram(
+        "batch_seconds", "under test", BOUNDS, {"model_name": "m"}, registry=registry
+    )
     for value in values:
         reference.observe(float(value))
     batch.observe_many(values[:batch_size])
     batch.observe_many(values[batch_size:].tolist())
     assert bucket_counts(registry, "batch_seconds") == bucket_counts(registry, "ref_seconds")
     assert sample_value(registry, "batch_seconds", "_sum") == pytest.approx(
-        sample_value(registry, "ref_seconds", "_sum"))
+        sample_value(registry, "ref_seconds", "_sum")
+    )
     assert sample_value(registry, "batch_seconds", "_count") == len(values) == batch.count
 
 

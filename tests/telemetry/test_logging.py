@@ -11,8 +11,8 @@ import anyio
 import pytest
 import structlog
 
-from actors.protocol.messages import StepStats
 from actors.protocol.config import EngineConfig
+from actors.protocol.messages import StepStats
 from telemetry.logging import (
     EngineStatsLog,
     bind_actor,
@@ -73,7 +73,8 @@ def test_request_and_trace_ids_are_bound_only_inside_the_block(configure: Config
         ("request_admitted", "req-1", "0af7651916cd43dd8448eb211c80319c"),
         ("nested", "req-2", "0af7651916cd43dd8448eb211c80319c"),
         ("back", "req-1", "0af7651916cd43dd8448eb211c80319c"),
-        ("after", None, None)]
+        ("after", None, None),
+    ]
 
 
 async def test_concurrent_tasks_keep_their_own_actor_and_request(configure: Configure) -> None:
@@ -118,11 +119,21 @@ def test_runner_selection_fallback_warning_is_a_json_line(configure: Configure) 
     from gpu.runner_selection import RunnerSelectionInput, select_runner
 
     stream = configure()
-    cpu = Platform(device_type="cpu", device="cpu", device_name="cpu", compute_capability=None,
-                   total_memory_bytes=1 << 30, free_memory_bytes=1 << 30, has_triton=False,
-                   pin_memory_available=False, uva_available=False, is_wsl=False)
-    choice = select_runner(RunnerSelectionInput(architecture="llama",
-                                                custom_logits_processors=("my.Proc",)), cpu)
+    cpu = Platform(
+        device_type="cpu",
+        device="cpu",
+        device_name="cpu",
+        compute_capability=None,
+        total_memory_bytes=1 << 30,
+        free_memory_bytes=1 << 30,
+        has_triton=False,
+        pin_memory_available=False,
+        uva_available=False,
+        is_wsl=False,
+    )
+    choice = select_runner(
+        RunnerSelectionInput(architecture="llama", custom_logits_processors=("my.Proc",)), cpu
+    )
     assert choice.runner == "v1"
     [line] = json_lines(stream)
     assert line["level"] == "warning" and line["logger"] == "gpu.runner_selection"
@@ -160,8 +171,15 @@ def test_bad_level_is_refused_with_the_choices() -> None:
 
 def fake_steps(num_steps: int) -> Iterator[StepStats]:
     for step_id in range(num_steps):
-        yield StepStats(step_id=step_id, num_reqs=8, num_tokens=10, num_prefill_tokens=2,
-                        schedule_time_s=1e-4, step_time_s=0.004, gpu_idle_s=0.001)
+        yield StepStats(
+            step_id=step_id,
+            num_reqs=8,
+            num_tokens=10,
+            num_prefill_tokens=2,
+            schedule_time_s=1e-4,
+            step_time_s=0.004,
+            gpu_idle_s=0.001,
+        )
 
 
 def run_engine_loop(stats_log: EngineStatsLog, clock: list[float], num_steps: int) -> None:
@@ -174,8 +192,9 @@ def run_engine_loop(stats_log: EngineStatsLog, clock: list[float], num_steps: in
 def test_engine_loop_logs_no_per_step_lines_at_info(configure: Configure) -> None:
     stream = configure(level="info")
     clock = [0.0]
-    stats_log = EngineStatsLog(structlog.get_logger("tandem.engine"), interval_s=1.0,
-                               clock=lambda: clock[0])
+    stats_log = EngineStatsLog(
+        structlog.get_logger("tandem.engine"), interval_s=1.0, clock=lambda: clock[0]
+    )
     run_engine_loop(stats_log, clock, num_steps=2000)  # 10 s of engine time
     lines = json_lines(stream)
     assert {line["event"] for line in lines} == {"engine_throughput"}
@@ -191,8 +210,9 @@ def test_engine_loop_logs_no_per_step_lines_at_info(configure: Configure) -> Non
 def test_engine_loop_logs_every_step_at_debug(configure: Configure) -> None:
     stream = configure(level="debug")
     clock = [0.0]
-    stats_log = EngineStatsLog(structlog.get_logger("tandem.engine"), interval_s=1.0,
-                               clock=lambda: clock[0])
+    stats_log = EngineStatsLog(
+        structlog.get_logger("tandem.engine"), interval_s=1.0, clock=lambda: clock[0]
+    )
     run_engine_loop(stats_log, clock, num_steps=300)
     step_lines = [d for d in json_lines(stream) if d["event"] == "engine_step"]
     assert [d["step_id"] for d in step_lines] == list(range(300))
@@ -202,8 +222,9 @@ def test_engine_loop_logs_every_step_at_debug(configure: Configure) -> None:
 def test_idle_time_neither_logs_nor_dilutes_the_rates(configure: Configure) -> None:
     stream = configure(level="info")
     clock = [0.0]
-    stats_log = EngineStatsLog(structlog.get_logger("tandem.engine"), interval_s=1.0,
-                               clock=lambda: clock[0])
+    stats_log = EngineStatsLog(
+        structlog.get_logger("tandem.engine"), interval_s=1.0, clock=lambda: clock[0]
+    )
     run_engine_loop(stats_log, clock, num_steps=100)  # half a second: no summary yet
     clock[0] += 60.0  # a quiet minute
     assert stream.getvalue() == ""
@@ -220,9 +241,15 @@ def test_startup_line_has_config_device_runner_and_kv_size(configure: Configure)
     from gpu.runner_selection import RunnerChoice
 
     stream = configure()
-    log_startup(structlog.get_logger("tandem.startup"), config=EngineConfig(max_num_seqs=64),
-                device="cpu", runner=RunnerChoice("v2", "no fallback rule applies", "default"),
-                num_kv_blocks=100, block_size=16, kv_cache_bytes=100 * 16 * 9216)
+    log_startup(
+        structlog.get_logger("tandem.startup"),
+        config=EngineConfig(max_num_seqs=64),
+        device="cpu",
+        runner=RunnerChoice("v2", "no fallback rule applies", "default"),
+        num_kv_blocks=100,
+        block_size=16,
+        kv_cache_bytes=100 * 16 * 9216,
+    )
     [line] = json_lines(stream)
     assert line["event"] == "engine_started" and line["device"] == "cpu"
     assert line["config"]["max_num_seqs"] == 64  # type: ignore[index]

@@ -20,13 +20,17 @@ def scrape(metrics: EngineMetrics) -> dict[str, Metric]:
     return {family.name: family for family in text_string_to_metric_families(body.decode())}
 
 
-def value(families: dict[str, Metric], family: str, sample: str | None = None,
-          **labels: str) -> float:
+def value(
+    families: dict[str, Metric], family: str, sample: str | None = None, **labels: str
+) -> float:
     """The one sample named `sample` (default: the family name) whose labels include
     `labels` and model_name."""
     wanted = {"model_name": MODEL, **labels}
-    matches = [s.value for s in families[family].samples
-               if s.name == (sample or family) and wanted.items() <= s.labels.items()]
+    matches = [
+        s.value
+        for s in families[family].samples
+        if s.name == (sample or family) and wanted.items() <= s.labels.items()
+    ]
     assert len(matches) == 1, (family, sample, labels, families[family].samples)
     return matches[0]
 
@@ -35,24 +39,52 @@ def bucket(families: dict[str, Metric], histogram: str, le: str) -> float:
     return value(families, histogram, f"{histogram}_bucket", le=le)
 
 
-def engine_stats(running: int, waiting: int, usage_perc: float, queries: int = 0,
-                 hits: int = 0, preemptions: int = 0) -> SchedulerStats:
-    return SchedulerStats(num_running=running, num_waiting=waiting,
-                          num_preemptions_total=preemptions, num_total_kv_blocks=100,
-                          num_free_kv_blocks=100 - int(usage_perc * 100),
-                          kv_usage_perc=usage_perc, prefix_cache_queries_tokens=queries,
-                          prefix_cache_hits_tokens=hits, num_free_rows=None)
+def engine_stats(
+    running: int,
+    waiting: int,
+    usage_perc: float,
+    queries: int = 0,
+    hits: int = 0,
+    preemptions: int = 0,
+) -> SchedulerStats:
+    return SchedulerStats(
+        num_running=running,
+        num_waiting=waiting,
+        num_preemptions_total=preemptions,
+        num_total_kv_blocks=100,
+        num_free_kv_blocks=100 - int(usage_perc * 100),
+        kv_usage_perc=usage_perc,
+        prefix_cache_queries_tokens=queries,
+        prefix_cache_hits_tokens=hits,
+        num_free_rows=None,
+    )
 
 
-def record(request_id: str, reason: str, prompt: int, output: int, *, ttft: float | None,
-           e2e: float, itl: Iterable[float] = (), cached: int = 0) -> RequestRecord:
+def record(
+    request_id: str,
+    reason: str,
+    prompt: int,
+    output: int,
+    *,
+    ttft: float | None,
+    e2e: float,
+    itl: Iterable[float] = (),
+    cached: int = 0,
+) -> RequestRecord:
     arrival = 1000.0
     return RequestRecord(
-        request_id, arrival, arrival + e2e, reason, num_prompt_tokens=prompt,
-        num_output_tokens=output, num_cached_tokens=cached, queued_time=arrival + 0.001,
+        request_id,
+        arrival,
+        arrival + e2e,
+        reason,
+        num_prompt_tokens=prompt,
+        num_output_tokens=output,
+        num_cached_tokens=cached,
+        queued_time=arrival + 0.001,
         first_scheduled_time=None if ttft is None else arrival + 0.011,
         first_token_time=None if ttft is None else arrival + ttft,
-        inter_token_latencies_s=tuple(itl))
+        inter_token_latencies_s=tuple(itl),
+    )
 
 
 KNOWN_REQUESTS = [
@@ -67,10 +99,14 @@ KNOWN_REQUESTS = [
 def test_every_name_is_exported_with_its_type_and_model_label() -> None:
     families = scrape(EngineMetrics(MODEL))
     expected = {
-        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-        "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
-        "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
-        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
         "vllm:request_success": "counter",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
@@ -79,18 +115,26 @@ def test_every_name_is_exported_with_its_type_and_model_label() -> None:
         "vllm:request_queue_time_seconds": "histogram",
         "vllm:request_prefill_time_seconds": "histogram",
         "vllm:request_decode_time_seconds": "histogram",
-        "tandem:runner_info": "gauge", "tandem:engine_step_duration_seconds": "histogram",
-        "tandem:gpu_idle_between_steps_seconds": "histogram", "tandem:gpu_idle_fraction": "gauge",
+        "tandem:runner_info": "gauge",
+        "tandem:engine_step_duration_seconds": "histogram",
+        "tandem:gpu_idle_between_steps_seconds": "histogram",
+        "tandem:gpu_idle_fraction": "gauge",
         "tandem:scheduler_cpu_time_per_step_seconds": "histogram",
-        "tandem:rejected_requests": "counter", "tandem:client_disconnects": "counter",
-        "tandem:num_requests_unsent": "gauge"}
+        "tandem:rejected_requests": "counter",
+        "tandem:client_disconnects": "counter",
+        "tandem:num_requests_unsent": "gauge",
+    }
     for name, kind in expected.items():
         assert families[name].type == kind, name
         for sample in families[name].samples:
             assert sample.labels["model_name"] == MODEL
     body = EngineMetrics(MODEL).render()[0].decode()
-    for wire_name in ("vllm:prompt_tokens_total{", "vllm:request_success_total{",
-                      "vllm:num_preemptions_total{", "tandem:client_disconnects_total{"):
+    for wire_name in (
+        "vllm:prompt_tokens_total{",
+        "vllm:request_success_total{",
+        "vllm:num_preemptions_total{",
+        "tandem:client_disconnects_total{",
+    ):
         assert wire_name in body
 
 
@@ -100,12 +144,16 @@ def test_counters_and_histograms_match_a_known_set_of_requests() -> None:
         metrics.observe_request_finished(finished)
     families = scrape(metrics)
     success = "vllm:request_success"
-    assert [value(families, success, f"{success}_total", finished_reason=reason)
-            for reason in ("stop", "length", "abort", "error")] == [2, 1, 1, 1]
+    assert [
+        value(families, success, f"{success}_total", finished_reason=reason)
+        for reason in ("stop", "length", "abort", "error")
+    ] == [2, 1, 1, 1]
     # Prompts count once their prefill produced a token (the aborted one never ran).
     assert value(families, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == 10 + 20 + 7 + 9
-    assert value(families, "vllm:generation_tokens",
-                 "vllm:generation_tokens_total") == 5 + 1 + 16 + 0 + 2
+    assert (
+        value(families, "vllm:generation_tokens", "vllm:generation_tokens_total")
+        == 5 + 1 + 16 + 0 + 2
+    )
 
     def count(histogram: str) -> float:
         return value(families, histogram, f"{histogram}_count")
@@ -120,19 +168,31 @@ def test_counters_and_histograms_match_a_known_set_of_requests() -> None:
     assert count("vllm:inter_token_latency_seconds") == 4 + 15 + 1
 
     ttft = "vllm:time_to_first_token_seconds"
-    assert [bucket(families, ttft, le) for le in ("0.01", "0.02", "0.04", "0.06", "0.25",
-                                                  "0.5", "+Inf")] == [0, 1, 2, 3, 3, 4, 4]
+    assert [
+        bucket(families, ttft, le) for le in ("0.01", "0.02", "0.04", "0.06", "0.25", "0.5", "+Inf")
+    ] == [0, 1, 2, 3, 3, 4, 4]
     assert value(families, ttft, f"{ttft}_sum") == pytest.approx(0.03 + 0.3 + 0.015 + 0.05)
     itl = "vllm:inter_token_latency_seconds"
     assert [bucket(families, itl, le) for le in ("0.01", "0.025", "0.05", "0.3", "+Inf")] == [
-        0, 17, 19, 20, 20]
+        0,
+        17,
+        19,
+        20,
+        20,
+    ]
     e2e = "vllm:e2e_request_latency_seconds"
     assert [bucket(families, e2e, le) for le in ("0.3", "0.5", "1.0", "1.5", "2.0")] == [
-        2, 3, 3, 4, 5]  # vLLM's latency buckets start at 0.3 s; a bound counts as inside
+        2,
+        3,
+        3,
+        4,
+        5,
+    ]  # vLLM's latency buckets start at 0.3 s; a bound counts as inside
     tpot = "vllm:request_time_per_output_token_seconds"
     # Request c: (1.2 - 0.015) s of decode over 15 tokens after the first.
     assert value(families, tpot, f"{tpot}_sum") == pytest.approx(
-        (0.4 - 0.03) / 4 + (1.2 - 0.015) / 15 + (0.09 - 0.05) / 1)
+        (0.4 - 0.03) / 4 + (1.2 - 0.015) / 15 + (0.09 - 0.05) / 1
+    )
 
 
 def test_gauges_go_back_to_zero_and_prefix_counters_follow_the_totals() -> None:
@@ -154,8 +214,10 @@ def test_gauges_go_back_to_zero_and_prefix_counters_follow_the_totals() -> None:
     assert value(idle, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 160
     assert value(idle, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 40
     metrics.set_engine_load(engine_stats(1, 0, 0.1, queries=0))  # load only: totals stay
-    assert value(scrape(metrics), "vllm:prefix_cache_queries",
-                 "vllm:prefix_cache_queries_total") == 160
+    assert (
+        value(scrape(metrics), "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
+        == 160
+    )
 
 
 def test_preemption_counter_advances_by_the_change_in_the_total() -> None:
@@ -168,9 +230,16 @@ def test_preemption_counter_advances_by_the_change_in_the_total() -> None:
 
 
 def step(step_id: int, step_time_s: float, gpu_idle_s: float, num_tokens: int = 8) -> StepStats:
-    return StepStats(step_id=step_id, num_reqs=4, num_tokens=num_tokens, num_prefill_tokens=0,
-                     schedule_time_s=3e-5, prepare_time_s=2e-4, step_time_s=step_time_s,
-                     gpu_idle_s=gpu_idle_s)
+    return StepStats(
+        step_id=step_id,
+        num_reqs=4,
+        num_tokens=num_tokens,
+        num_prefill_tokens=0,
+        schedule_time_s=3e-5,
+        prepare_time_s=2e-4,
+        step_time_s=step_time_s,
+        gpu_idle_s=gpu_idle_s,
+    )
 
 
 def test_step_histograms_and_idle_fraction() -> None:
@@ -183,10 +252,22 @@ def test_step_histograms_and_idle_fraction() -> None:
     idle = "tandem:gpu_idle_between_steps_seconds"
     assert bucket(families, idle, "0.0") == 5  # perfectly overlapped steps
     assert bucket(families, idle, "0.0025") == 10
-    assert value(families, "tandem:engine_step_duration_seconds",
-                 "tandem:engine_step_duration_seconds_count") == 10
-    assert value(families, "tandem:scheduler_cpu_time_per_step_seconds",
-                 "tandem:scheduler_cpu_time_per_step_seconds_count") == 10
+    assert (
+        value(
+            families,
+            "tandem:engine_step_duration_seconds",
+            "tandem:engine_step_duration_seconds_count",
+        )
+        == 10
+    )
+    assert (
+        value(
+            families,
+            "tandem:scheduler_cpu_time_per_step_seconds",
+            "tandem:scheduler_cpu_time_per_step_seconds_count",
+        )
+        == 10
+    )
     assert value(families, "tandem:gpu_idle_fraction") == pytest.approx(0.01 / (0.01 + 0.04))
     # The fraction covers the most recent steps only.
     for step_id in range(IDLE_FRACTION_WINDOW_STEPS):
@@ -200,8 +281,12 @@ def test_runner_info_shows_only_the_current_choice() -> None:
     metrics.set_runner("v2", "no fallback rule applies", "default")
     [sample] = scrape(metrics)["tandem:runner_info"].samples
     assert sample.value == 1
-    assert sample.labels == {"model_name": MODEL, "runner": "v2",
-                             "reason": "no fallback rule applies", "rule": "default"}
+    assert sample.labels == {
+        "model_name": MODEL,
+        "runner": "v2",
+        "reason": "no fallback rule applies",
+        "rule": "default",
+    }
 
 
 def test_rejections_by_reason_and_disconnects() -> None:
@@ -227,8 +312,9 @@ def test_unsent_requests_gauge_follows_the_admission_count() -> None:
 def test_each_server_has_a_private_registry() -> None:
     first, second = EngineMetrics(MODEL), EngineMetrics(MODEL)  # no duplicate-name clash
     first.record_disconnect()
-    assert value(scrape(second), "tandem:client_disconnects",
-                 "tandem:client_disconnects_total") == 0
+    assert (
+        value(scrape(second), "tandem:client_disconnects", "tandem:client_disconnects_total") == 0
+    )
     global_body = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
     assert "vllm:" not in global_body and "tandem:" not in global_body
 

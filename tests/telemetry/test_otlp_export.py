@@ -32,10 +32,16 @@ def receiver() -> Iterator[OTLPReceiver]:
 
 @pytest.fixture(autouse=True)
 def otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER",
-                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
-                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_RESOURCE_ATTRIBUTES",
-                 "OTEL_TRACES_SAMPLER"):
+    for name in (
+        "OTEL_SDK_DISABLED",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_TRACES_SAMPLER",
+    ):
         monkeypatch.delenv(name, raising=False)
     # A proxy from the environment must not intercept the loopback receiver.
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
@@ -48,27 +54,47 @@ def export_one_request_span() -> None:
     tracing = setup_tracing("tandem")
     assert tracing.enabled
     arrival = time.monotonic()
-    span = tracing.start_request("chat", "smollm2", arrival_time=arrival,
-                                 headers={"traceparent": TRACEPARENT},
-                                 params=SamplingParams(max_tokens=9, seed=5), stream=True,
-                                 response_id="chatcmpl-otlp")
-    span.finish(RequestRecord("r1", arrival, arrival + 0.05, "length", num_prompt_tokens=12,
-                              num_output_tokens=9, num_cached_tokens=0,
-                              queued_time=arrival + 0.001, first_scheduled_time=arrival + 0.002,
-                              first_token_time=arrival + 0.01))
+    span = tracing.start_request(
+        "chat",
+        "smollm2",
+        arrival_time=arrival,
+        headers={"traceparent": TRACEPARENT},
+        params=SamplingParams(max_tokens=9, seed=5),
+        stream=True,
+        response_id="chatcmpl-otlp",
+    )
+    span.finish(
+        RequestRecord(
+            "r1",
+            arrival,
+            arrival + 0.05,
+            "length",
+            num_prompt_tokens=12,
+            num_output_tokens=9,
+            num_cached_tokens=0,
+            queued_time=arrival + 0.001,
+            first_scheduled_time=arrival + 0.002,
+            first_token_time=arrival + 0.01,
+        )
+    )
     tracing.shutdown()  # flushes the batch processor: the export has happened on return
 
 
 def only_span(receiver: OTLPReceiver) -> tuple[ReceivedExport, ProtoSpan]:
-    spans = [(export, span) for export in receiver.exports
-             for resource_spans in export.request.resource_spans
-             for scope_spans in resource_spans.scope_spans for span in scope_spans.spans]
+    spans = [
+        (export, span)
+        for export in receiver.exports
+        for resource_spans in export.request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    ]
     assert len(spans) == 1
     return spans[0]
 
 
-def test_generic_endpoint_variable_sends_to_v1_traces(monkeypatch: pytest.MonkeyPatch,
-                                                      receiver: OTLPReceiver) -> None:
+def test_generic_endpoint_variable_sends_to_v1_traces(
+    monkeypatch: pytest.MonkeyPatch, receiver: OTLPReceiver
+) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.port}")
     export_one_request_span()
     export, span = only_span(receiver)
@@ -95,13 +121,16 @@ def test_generic_endpoint_variable_sends_to_v1_traces(monkeypatch: pytest.Monkey
     assert attributes["gen_ai.usage.output_tokens"] == 9
     assert [e.name for e in span.events] == ["queued", "scheduled", "first_token", "finished"]
     assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 == pytest.approx(
-        0.05, abs=2e-6)
+        0.05, abs=2e-6
+    )
 
 
-def test_traces_endpoint_variable_is_used_as_is(monkeypatch: pytest.MonkeyPatch,
-                                                receiver: OTLPReceiver) -> None:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                       f"http://127.0.0.1:{receiver.port}/collector/traces")
+def test_traces_endpoint_variable_is_used_as_is(
+    monkeypatch: pytest.MonkeyPatch, receiver: OTLPReceiver
+) -> None:
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{receiver.port}/collector/traces"
+    )
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
     export_one_request_span()

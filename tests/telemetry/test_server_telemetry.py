@@ -38,17 +38,23 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 # ---- helpers -----------------------------------------------------------------------------
 
-def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
-                ) -> list[dict[str, Any]]:
+
+def stream_chat(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """The JSON chunks of a streamed chat completion (usage chunk included)."""
     chunks = []
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, headers=headers,
-                      json={**body, "stream": True, "stream_options": {"include_usage": True}}
-                      ) as response:
+    with httpx.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        timeout=120,
+        headers=headers,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
     return chunks
 
 
@@ -56,16 +62,21 @@ def scrape(url: str) -> Samples:
     response = httpx.get(url + "/metrics", timeout=30)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return {(sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(response.text)
-            for sample in family.samples}
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
 
 
 def metric(samples: Samples, name: str, **labels: str) -> float:
     """The one sample `name` whose labels include `labels` (model_name is always there)."""
     wanted = set(labels.items())
-    found = [value for (sample_name, sample_labels), value in samples.items()
-             if sample_name == name and wanted <= sample_labels]
+    found = [
+        value
+        for (sample_name, sample_labels), value in samples.items()
+        if sample_name == name and wanted <= sample_labels
+    ]
     assert len(found) == 1, (name, labels, found)
     return found[0]
 
@@ -82,6 +93,7 @@ def scrape_until(url: str, done: Callable[[Samples], bool], timeout_s: float = 2
 
 # ---- the SERVER span ---------------------------------------------------------------------
 
+
 @pytest.fixture
 def traced_server() -> Iterator[tuple[RunningServer, InMemorySpanExporter]]:
     server = RunningServer()
@@ -91,8 +103,9 @@ def traced_server() -> Iterator[tuple[RunningServer, InMemorySpanExporter]]:
     server.stop()
 
 
-def server_spans(server: RunningServer, exporter: InMemorySpanExporter, timeout_s: float = 10.0
-                 ) -> list[ReadableSpan]:
+def server_spans(
+    server: RunningServer, exporter: InMemorySpanExporter, timeout_s: float = 10.0
+) -> list[ReadableSpan]:
     """The SERVER spans ended so far, once there is one (a stream's span ends just after
     its last bytes went out, so the client may be faster)."""
     deadline = time.monotonic() + timeout_s
@@ -110,11 +123,22 @@ def event_seconds_after_start(span: ReadableSpan) -> dict[str, float]:
 
 
 def test_streamed_chat_has_one_server_span_under_the_caller_with_genai_attributes(
-        traced_server: tuple[RunningServer, InMemorySpanExporter]) -> None:
+    traced_server: tuple[RunningServer, InMemorySpanExporter],
+) -> None:
     server, exporter = traced_server
-    chunks = stream_chat(server.url, {"messages": MESSAGES, "max_tokens": 9, "ignore_eos": True,
-                                      "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 11},
-                         headers={"traceparent": TRACEPARENT, "X-Request-Id": "span-test-1"})
+    chunks = stream_chat(
+        server.url,
+        {
+            "messages": MESSAGES,
+            "max_tokens": 9,
+            "ignore_eos": True,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "top_k": 20,
+            "seed": 11,
+        },
+        headers={"traceparent": TRACEPARENT, "X-Request-Id": "span-test-1"},
+    )
     usage = chunks[-1]["usage"]
     [span] = server_spans(server, exporter)
 
@@ -124,16 +148,21 @@ def test_streamed_chat_has_one_server_span_under_the_caller_with_genai_attribute
     assert span.name == f"chat {chunks[0]['model']}"
     assert span.status.status_code is StatusCode.UNSET
     attributes = dict(span.attributes or {})
-    expected = {"gen_ai.operation.name": "chat", "gen_ai.request.model": chunks[0]["model"],
-                "gen_ai.request.max_tokens": 9, "gen_ai.request.temperature": 0.8,
-                "gen_ai.request.top_p": 0.9, "gen_ai.request.top_k": 20,
-                "gen_ai.request.seed": 11, "gen_ai.request.stream": True,
-                "gen_ai.response.id": chunks[0]["id"],
-                "gen_ai.response.finish_reasons": ("length",),
-                "gen_ai.usage.input_tokens": usage["prompt_tokens"],
-                "gen_ai.usage.output_tokens": usage["completion_tokens"],
-                "gen_ai.usage.cache_read.input_tokens":
-                    usage["prompt_tokens_details"]["cached_tokens"]}
+    expected = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.request.model": chunks[0]["model"],
+        "gen_ai.request.max_tokens": 9,
+        "gen_ai.request.temperature": 0.8,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.top_k": 20,
+        "gen_ai.request.seed": 11,
+        "gen_ai.request.stream": True,
+        "gen_ai.response.id": chunks[0]["id"],
+        "gen_ai.response.finish_reasons": ("length",),
+        "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+        "gen_ai.usage.output_tokens": usage["completion_tokens"],
+        "gen_ai.usage.cache_read.input_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
     assert {key: attributes.get(key) for key in expected} == expected
     assert usage["completion_tokens"] == 9
 
@@ -144,18 +173,24 @@ def test_streamed_chat_has_one_server_span_under_the_caller_with_genai_attribute
     assert span.end_time is not None and span.start_time is not None
     assert events["finished"] == pytest.approx((span.end_time - span.start_time) / 1e9)
     assert attributes["gen_ai.latency.time_to_first_token"] == pytest.approx(
-        events["first_token"], abs=1e-6)
+        events["first_token"], abs=1e-6
+    )
     assert attributes["gen_ai.latency.time_in_queue"] == pytest.approx(
-        events["scheduled"] - events["queued"], abs=1e-6)
+        events["scheduled"] - events["queued"], abs=1e-6
+    )
     assert attributes["gen_ai.latency.e2e"] == pytest.approx(events["finished"], abs=1e-6)
 
 
 def test_refused_request_span_has_error_status_and_type(
-        traced_server: tuple[RunningServer, InMemorySpanExporter]) -> None:
+    traced_server: tuple[RunningServer, InMemorySpanExporter],
+) -> None:
     server, exporter = traced_server
-    response = httpx.post(server.url + "/v1/completions", timeout=30,
-                          headers={"traceparent": TRACEPARENT},
-                          json={"prompt": "Hello", "max_tokens": 100_000})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        headers={"traceparent": TRACEPARENT},
+        json={"prompt": "Hello", "max_tokens": 100_000},
+    )
     assert response.status_code == 400  # more than the context holds
     [span] = server_spans(server, exporter)
     assert span.name == f"text_completion {server.state.model_names[0]}"
@@ -165,6 +200,7 @@ def test_refused_request_span_has_error_status_and_type(
 
 
 # ---- /metrics ------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def one_seat_server() -> Iterator[RunningServer]:
@@ -179,21 +215,29 @@ def send_known_requests(url: str) -> list[dict[str, Any]]:
     finish reasons as the client saw them."""
     outcomes = []
     for content in ("Name a colour.", "Name a fruit.", "Name a city."):
-        chunks = stream_chat(url, {"messages": [{"role": "user", "content": content}],
-                                   "max_tokens": 6, "temperature": 0})
-        reason = next(c["choices"][0]["finish_reason"] for c in chunks
-                      if c["choices"] and c["choices"][0]["finish_reason"])
+        chunks = stream_chat(
+            url,
+            {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0},
+        )
+        reason = next(
+            c["choices"][0]["finish_reason"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["finish_reason"]
+        )
         outcomes.append({"usage": chunks[-1]["usage"], "finish_reason": reason})
-    bodies = [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 24, "stop": [" "]}),
-              ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5}),
-              # The same prompt again: its full blocks come from the prefix cache.
-              ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})]
+    bodies = [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 24, "stop": [" "]}),
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5}),
+        # The same prompt again: its full blocks come from the prefix cache.
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3}),
+    ]
     for path, body in bodies:
         response = httpx.post(url + path, json=body, timeout=120)
         assert response.status_code == 200, response.text
         data = response.json()
-        outcomes.append({"usage": data["usage"],
-                         "finish_reason": data["choices"][0]["finish_reason"]})
+        outcomes.append(
+            {"usage": data["usage"], "finish_reason": data["choices"][0]["finish_reason"]}
+        )
     return outcomes
 
 
@@ -209,35 +253,48 @@ def test_metrics_count_exactly_what_was_served(one_seat_server: RunningServer) -
     reasons = Counter(o["finish_reason"] for o in outcomes)
     assert reasons["length"] >= 3 and usages[-1]["prompt_tokens_details"]["cached_tokens"] > 0
     for reason in ("stop", "length", "abort", "error"):
-        assert metric(samples, "vllm:request_success_total",
-                      finished_reason=reason) == reasons[reason]
+        assert (
+            metric(samples, "vllm:request_success_total", finished_reason=reason) == reasons[reason]
+        )
     prompt_total = sum(u["prompt_tokens"] for u in usages)
     assert metric(samples, "vllm:prompt_tokens_total") == prompt_total
     assert metric(samples, "vllm:generation_tokens_total") == sum(num_output)
     assert metric(samples, "vllm:prefix_cache_queries_total") == prompt_total
     assert metric(samples, "vllm:prefix_cache_hits_total") == sum(
-        u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds",
-                 "request_decode_time_seconds"):
+        u["prompt_tokens_details"]["cached_tokens"] for u in usages
+    )
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert metric(samples, f"vllm:{name}_count") == num_requests, name
     assert metric(samples, "vllm:request_time_per_output_token_seconds_count") == sum(
-        n >= 2 for n in num_output)
+        n >= 2 for n in num_output
+    )
     # One token per request per step, so one gap per output token after the first.
     assert metric(samples, "vllm:inter_token_latency_seconds_count") == sum(num_output) - len(
-        num_output)
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                  "vllm:kv_cache_usage_perc"):
+        num_output
+    )
+    for gauge in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert metric(samples, gauge) == 0, gauge
 
     info = server.state.engine_info
-    assert metric(samples, "tandem:runner_info", runner=info.runner,
-                  reason=info.runner_reason) == 1
+    assert metric(samples, "tandem:runner_info", runner=info.runner, reason=info.runner_reason) == 1
     steps = server.state.connection.inprocess_engine.recent_step_stats()
     num_steps = sum(s.num_tokens > 0 for s in steps)
     assert num_steps >= max(num_output)
-    for name in ("engine_step_duration_seconds", "gpu_idle_between_steps_seconds",
-                 "scheduler_cpu_time_per_step_seconds"):
+    for name in (
+        "engine_step_duration_seconds",
+        "gpu_idle_between_steps_seconds",
+        "scheduler_cpu_time_per_step_seconds",
+    ):
         assert metric(samples, f"tandem:{name}_count") == num_steps, name
     assert metric(samples, "tandem:scheduler_cpu_time_per_step_seconds_sum") > 0
 
@@ -245,29 +302,42 @@ def test_metrics_count_exactly_what_was_served(one_seat_server: RunningServer) -
 def test_refusals_disconnects_and_aborts_are_counted(one_seat_server: RunningServer) -> None:
     server = one_seat_server
     long_body = {"messages": MESSAGES, "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_body,
-                      timeout=120) as response:
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=long_body, timeout=120
+    ) as response:
         lines = response.iter_lines()  # kept: dropping the iterator would close the connection
         for line in lines:
             if '"content":"' in line and '"content":""' not in line:
                 break  # the request holds the only seat now
-        refused = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                             json={"messages": MESSAGES, "max_tokens": 2})
+        refused = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": MESSAGES, "max_tokens": 2},
+        )
         assert refused.status_code == 429
     # Leaving the block closed the connection mid-stream.
     server.wait_engine_idle()
-    samples = scrape_until(server.url, lambda s: metric(s, "vllm:kv_cache_usage_perc") == 0
-                           and metric(s, "tandem:client_disconnects_total") == 1)
+    samples = scrape_until(
+        server.url,
+        lambda s: (
+            metric(s, "vllm:kv_cache_usage_perc") == 0
+            and metric(s, "tandem:client_disconnects_total") == 1
+        ),
+    )
     assert metric(samples, "tandem:rejected_requests_total", reason="overloaded") == 1
     assert metric(samples, "tandem:client_disconnects_total") == 1
     assert metric(samples, "vllm:request_success_total", finished_reason="abort") == 1
     assert metric(samples, "vllm:e2e_request_latency_seconds_count") == 1
-    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                  "vllm:kv_cache_usage_perc"):
+    for gauge in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert metric(samples, gauge) == 0, gauge
 
 
 # ---- a served process: JSON logs and OTLP export -------------------------------------------
+
 
 @pytest.fixture
 def otlp_receiver() -> Iterator[OTLPReceiver]:
@@ -279,15 +349,42 @@ def start_serve(log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[b
     embedded_gguf_path()  # skips the test where the embedded model is not installed
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--device", "cpu",
-             "--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "64",
-             "--log-format", "json", "--log-level", "debug", "--access-log"],
-            stdout=subprocess.DEVNULL, stderr=log_file, env=env,
-            cwd=Path(__file__).resolve().parents[2])
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "serve",
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "4",
+                "--num-kv-blocks",
+                "64",
+                "--log-format",
+                "json",
+                "--log-level",
+                "debug",
+                "--access-log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+        )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
-        url = next((line["url"] for line in json_lines(log_path)
-                    if line.get("event") == "server_listening"), None)
+        url = next(
+            (
+                line["url"]
+                for line in json_lines(log_path)
+                if line.get("event") == "server_listening"
+            ),
+            None,
+        )
         if url is not None and _healthy(url):
             return proc, url
         time.sleep(0.1)
@@ -305,22 +402,29 @@ def _healthy(url: str) -> bool:
 def json_lines(log_path: Path) -> list[dict[str, Any]]:
     """Every complete stderr line, parsed as JSON (fails on any line that is not)."""
     text = log_path.read_text()
-    complete = text[:text.rfind("\n") + 1]
+    complete = text[: text.rfind("\n") + 1]
     return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def test_served_request_logs_json_lines_and_exports_its_span(
-        tmp_path: Path, otlp_receiver: OTLPReceiver) -> None:
+    tmp_path: Path, otlp_receiver: OTLPReceiver
+) -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
-    env.update(PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
-               OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_receiver.port}",
-               OTEL_SERVICE_NAME="tandem-e2e")
+    env.update(
+        PYTHONUNBUFFERED="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_receiver.port}",
+        OTEL_SERVICE_NAME="tandem-e2e",
+    )
     log_path = tmp_path / "serve.log"
     proc, url = start_serve(log_path, env)
     try:
-        chunks = stream_chat(url, {"messages": MESSAGES, "max_tokens": 24, "ignore_eos": True,
-                                   "temperature": 0},
-                             headers={"traceparent": TRACEPARENT, "X-Request-Id": "log-test-1"})
+        chunks = stream_chat(
+            url,
+            {"messages": MESSAGES, "max_tokens": 24, "ignore_eos": True, "temperature": 0},
+            headers={"traceparent": TRACEPARENT, "X-Request-Id": "log-test-1"},
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -336,13 +440,18 @@ def test_served_request_logs_json_lines_and_exports_its_span(
     steps = [line for line in lines if line["event"] == "engine_step"]
     assert len(steps) >= 24 and {(s["level"], s["actor"]) for s in steps} == {("debug", "sampler")}
     # engine_throughput is periodic (one per interval of wall time, however slow the machine).
-    info_events = Counter(line["event"] for line in lines
-                          if line["level"] != "debug" and line["event"] != "engine_throughput")
+    info_events = Counter(
+        line["event"]
+        for line in lines
+        if line["level"] != "debug" and line["event"] != "engine_throughput"
+    )
     assert max(info_events.values()) < 5, info_events
     assert any(line["logger"] == "hypercorn.access" for line in lines)
     # Two processes, each line named: the front end and the engine core.
-    assert {line["process"] for line in lines if "process" in line} == {"api_server_0",
-                                                                        "engine_core"}
+    assert {line["process"] for line in lines if "process" in line} == {
+        "api_server_0",
+        "engine_core",
+    }
     assert finished["process"] == "api_server_0"
     [started] = [line for line in lines if line["event"] == "engine_started"]
     assert started["process"] == "engine_core" and started["pid"] != proc.pid
@@ -351,9 +460,13 @@ def test_served_request_logs_json_lines_and_exports_its_span(
     assert (started["kv_cache_blocks"], started["kv_cache_tokens"]) == (64, 64 * 16)
     assert started["kv_cache_bytes"] > 0
 
-    spans = [span for export in otlp_receiver.exports
-             for resource_spans in export.request.resource_spans
-             for scope_spans in resource_spans.scope_spans for span in scope_spans.spans]
+    spans = [
+        span
+        for export in otlp_receiver.exports
+        for resource_spans in export.request.resource_spans
+        for scope_spans in resource_spans.scope_spans
+        for span in scope_spans.spans
+    ]
     [span] = spans
     assert span.trace_id.hex() == CALLER_TRACE_ID and span.parent_span_id.hex() == CALLER_SPAN_ID
     attributes = {a.key: any_value(a.value) for a in span.attributes}

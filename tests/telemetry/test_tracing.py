@@ -18,10 +18,17 @@ from telemetry.tracing import Tracing, TracingConfigError, extract_context, setu
 CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
-OTEL_VARIABLES = ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
-                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_TRACES_EXPORTER",
-                  "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER")
+OTEL_VARIABLES = (
+    "OTEL_SDK_DISABLED",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_SAMPLER",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -50,11 +57,19 @@ def finished_spans(tracing: Tracing, exporter: InMemorySpanExporter) -> tuple[Re
 def streamed_record(arrival: float, request_id: str = "req-1") -> RequestRecord:
     """A request that queued 2 ms after arrival, ran 3 ms later, had its first token 40 ms
     later and finished after 7 tokens at arrival + 0.2 s."""
-    return RequestRecord(request_id=request_id, arrival_time=arrival, finish_time=arrival + 0.2,
-                         finish_reason="stop", num_prompt_tokens=21, num_output_tokens=7,
-                         num_cached_tokens=16, queued_time=arrival + 0.002,
-                         first_scheduled_time=arrival + 0.005, first_token_time=arrival + 0.045,
-                         inter_token_latencies_s=(0.025,) * 6)
+    return RequestRecord(
+        request_id=request_id,
+        arrival_time=arrival,
+        finish_time=arrival + 0.2,
+        finish_reason="stop",
+        num_prompt_tokens=21,
+        num_output_tokens=7,
+        num_cached_tokens=16,
+        queued_time=arrival + 0.002,
+        first_scheduled_time=arrival + 0.005,
+        first_token_time=arrival + 0.045,
+        inter_token_latencies_s=(0.025,) * 6,
+    )
 
 
 def span_attributes(span: ReadableSpan) -> dict[str, Any]:
@@ -67,12 +82,19 @@ def ns_after_start(span: ReadableSpan, timestamp_ns: int | None) -> float:
 
 
 def test_streamed_chat_span_is_a_child_of_the_caller_with_genai_attributes(
-        tracing: Tracing, exporter: InMemorySpanExporter) -> None:
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     arrival = time.monotonic()
     params = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=1234)
-    span = tracing.start_request("chat", "smollm2", arrival_time=arrival,
-                                 headers={"traceparent": TRACEPARENT}, params=params,
-                                 stream=True, response_id="chatcmpl-abc")
+    span = tracing.start_request(
+        "chat",
+        "smollm2",
+        arrival_time=arrival,
+        headers={"traceparent": TRACEPARENT},
+        params=params,
+        stream=True,
+        response_id="chatcmpl-abc",
+    )
     assert span.trace_id == CALLER_TRACE_ID
     span.finish(streamed_record(arrival))
     [server_span] = finished_spans(tracing, exporter)
@@ -101,31 +123,37 @@ def test_streamed_chat_span_is_a_child_of_the_caller_with_genai_attributes(
     assert attributes["gen_ai.latency.e2e"] == pytest.approx(0.2, abs=1e-6)
 
 
-def test_phase_events_sit_at_their_real_times(tracing: Tracing,
-                                              exporter: InMemorySpanExporter) -> None:
+def test_phase_events_sit_at_their_real_times(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     arrival = time.monotonic() - 1.0  # the request arrived a second ago
     span = tracing.start_request("chat", "smollm2", arrival_time=arrival)
     span.finish(streamed_record(arrival))
     [server_span] = finished_spans(tracing, exporter)
     events = [(e.name, ns_after_start(server_span, e.timestamp)) for e in server_span.events]
     assert [name for name, _ in events] == ["queued", "scheduled", "first_token", "finished"]
-    assert [offset for _, offset in events] == pytest.approx([0.002, 0.005, 0.045, 0.2],
-                                                             abs=2e-6)
+    assert [offset for _, offset in events] == pytest.approx([0.002, 0.005, 0.045, 0.2], abs=2e-6)
     assert ns_after_start(server_span, server_span.end_time) == pytest.approx(0.2, abs=2e-6)
     # The span starts at the arrival, not at the moment start_request ran.
     assert server_span.start_time is not None
     assert time.time_ns() - server_span.start_time == pytest.approx(1e9, rel=0.05)
 
 
-def test_request_details_can_come_after_the_span_started(tracing: Tracing,
-                                                         exporter: InMemorySpanExporter) -> None:
+def test_request_details_can_come_after_the_span_started(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     arrival = time.monotonic()
     span = tracing.start_request("text_completion", arrival_time=arrival)
-    span.set_request("smollm2", SamplingParams(max_tokens=5, n=2), stream=False,
-                     response_id="cmpl-1")
-    span.finish([streamed_record(arrival, "a"),
-                 RequestRecord("b", arrival, arrival + 0.3, "length", 21, 5)],
-                input_tokens=21)
+    span.set_request(
+        "smollm2", SamplingParams(max_tokens=5, n=2), stream=False, response_id="cmpl-1"
+    )
+    span.finish(
+        [
+            streamed_record(arrival, "a"),
+            RequestRecord("b", arrival, arrival + 0.3, "length", 21, 5),
+        ],
+        input_tokens=21,
+    )
     [server_span] = finished_spans(tracing, exporter)
     attributes = span_attributes(server_span)
     assert server_span.name == "text_completion smollm2"
@@ -138,8 +166,9 @@ def test_request_details_can_come_after_the_span_started(tracing: Tracing,
     assert "gen_ai.request.top_k" not in attributes  # top-k off (-1) is not reported
 
 
-def test_refused_request_sets_error_status_and_type(tracing: Tracing,
-                                                    exporter: InMemorySpanExporter) -> None:
+def test_refused_request_sets_error_status_and_type(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     span = tracing.start_request("chat", "smollm2", arrival_time=time.monotonic())
     span.fail("429", "too many requests queued")
     span.finish(streamed_record(time.monotonic()))  # already ended: ignored
@@ -161,7 +190,8 @@ def test_exception_is_recorded_on_failure(tracing: Tracing, exporter: InMemorySp
 
 
 def test_client_disconnect_ends_the_span_without_an_error(
-        tracing: Tracing, exporter: InMemorySpanExporter) -> None:
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     arrival = time.monotonic()
     span = tracing.start_request("chat", "smollm2", arrival_time=arrival)
     span.disconnect(end_time=arrival + 0.5)
@@ -172,22 +202,31 @@ def test_client_disconnect_ends_the_span_without_an_error(
     assert ns_after_start(server_span, server_span.end_time) == pytest.approx(0.5, abs=2e-6)
 
 
-def test_engine_error_finish_marks_the_span_failed(tracing: Tracing,
-                                                   exporter: InMemorySpanExporter) -> None:
+def test_engine_error_finish_marks_the_span_failed(
+    tracing: Tracing, exporter: InMemorySpanExporter
+) -> None:
     arrival = time.monotonic()
     span = tracing.start_request("chat", "smollm2", arrival_time=arrival)
-    span.finish(RequestRecord("r", arrival, arrival + 0.01, "error", 5, 0,
-                              queued_time=arrival + 0.001))
+    span.finish(
+        RequestRecord("r", arrival, arrival + 0.01, "error", 5, 0, queued_time=arrival + 0.001)
+    )
     [server_span] = finished_spans(tracing, exporter)
     assert server_span.status.status_code is StatusCode.ERROR
     assert span_attributes(server_span)["error.type"] == "engine_error"
     assert [e.name for e in server_span.events] == ["queued", "finished"]
 
 
-@pytest.mark.parametrize("headers", [{}, {"traceparent": "00-not-a-trace-01"},
-                                     {"traceparent": f"00-{'0' * 32}-{CALLER_SPAN_ID}-01"}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"traceparent": "00-not-a-trace-01"},
+        {"traceparent": f"00-{'0' * 32}-{CALLER_SPAN_ID}-01"},
+    ],
+)
 def test_missing_or_malformed_traceparent_starts_a_new_trace(
-        tracing: Tracing, exporter: InMemorySpanExporter, headers: dict[str, str]) -> None:
+    tracing: Tracing, exporter: InMemorySpanExporter, headers: dict[str, str]
+) -> None:
     span = tracing.start_request("chat", "m", arrival_time=time.monotonic(), headers=headers)
     span.fail("499")
     [server_span] = finished_spans(tracing, exporter)
@@ -203,11 +242,15 @@ def test_header_names_are_matched_in_any_case_and_tracestate_is_kept() -> None:
     assert span_context.trace_state.get("vendor") == "abc"
 
 
-@pytest.mark.parametrize(("env_service_name", "expected"),
-                         [(None, "tandem-test"), ("from-env", "from-env")])
+@pytest.mark.parametrize(
+    ("env_service_name", "expected"), [(None, "tandem-test"), ("from-env", "from-env")]
+)
 def test_service_name_comes_from_code_unless_the_environment_sets_it(
-        monkeypatch: pytest.MonkeyPatch, exporter: InMemorySpanExporter,
-        env_service_name: str | None, expected: str) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+    exporter: InMemorySpanExporter,
+    env_service_name: str | None,
+    expected: str,
+) -> None:
     if env_service_name is not None:
         monkeypatch.setenv("OTEL_SERVICE_NAME", env_service_name)
     tracing = setup_tracing("tandem-test", exporter=exporter)
@@ -217,8 +260,9 @@ def test_service_name_comes_from_code_unless_the_environment_sets_it(
     tracing.shutdown()
 
 
-def test_sampler_variable_is_honoured(monkeypatch: pytest.MonkeyPatch,
-                                      exporter: InMemorySpanExporter) -> None:
+def test_sampler_variable_is_honoured(
+    monkeypatch: pytest.MonkeyPatch, exporter: InMemorySpanExporter
+) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     tracing = setup_tracing("t", exporter=exporter)
     span = tracing.start_request("chat", "m", arrival_time=time.monotonic())
@@ -230,14 +274,17 @@ def test_sampler_variable_is_honoured(monkeypatch: pytest.MonkeyPatch,
 
 # ---- off --------------------------------------------------------------------------------
 
-def test_sdk_disabled_variable_turns_everything_off(monkeypatch: pytest.MonkeyPatch,
-                                                    exporter: InMemorySpanExporter) -> None:
+
+def test_sdk_disabled_variable_turns_everything_off(
+    monkeypatch: pytest.MonkeyPatch, exporter: InMemorySpanExporter
+) -> None:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     tracing = setup_tracing("t", exporter=exporter)
     assert not tracing.enabled
     arrival = time.monotonic()
-    span = tracing.start_request("chat", "m", arrival_time=arrival,
-                                 headers={"traceparent": TRACEPARENT})
+    span = tracing.start_request(
+        "chat", "m", arrival_time=arrival, headers={"traceparent": TRACEPARENT}
+    )
     assert span is NOOP_REQUEST_SPAN and span.trace_id is None
     span.set_request("m", SamplingParams(), stream=True, response_id="x")
     span.finish(streamed_record(arrival))
@@ -246,10 +293,13 @@ def test_sdk_disabled_variable_turns_everything_off(monkeypatch: pytest.MonkeyPa
     assert tracing.force_flush() and exporter.get_finished_spans() == ()
 
 
-@pytest.mark.parametrize("variables", [{}, {"OTEL_TRACES_EXPORTER": "none",
-                                            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}])
-def test_no_endpoint_or_exporter_none_means_off(monkeypatch: pytest.MonkeyPatch,
-                                                variables: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "variables",
+    [{}, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}],
+)
+def test_no_endpoint_or_exporter_none_means_off(
+    monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]
+) -> None:
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert not setup_tracing("t").enabled
@@ -275,8 +325,13 @@ def test_disabled_helpers_build_no_attributes(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr("telemetry.tracing.extract_context", must_not_run)
     tracing = Tracing(None)
     arrival = time.monotonic()
-    span = tracing.start_request("chat", "m", arrival_time=arrival,
-                                 headers={"traceparent": TRACEPARENT}, params=SamplingParams())
+    span = tracing.start_request(
+        "chat",
+        "m",
+        arrival_time=arrival,
+        headers={"traceparent": TRACEPARENT},
+        params=SamplingParams(),
+    )
     span.set_request("m", SamplingParams(), stream=True)
     span.finish(streamed_record(arrival))
 
@@ -298,8 +353,15 @@ def per_request_overhead_s(tracing: Tracing, num_requests: int) -> float:
     def traced() -> float:
         started = time.perf_counter()
         for _ in range(num_requests):
-            span = tracing.start_request("chat", "m", arrival_time=arrival, headers=headers,
-                                         params=params, stream=True, response_id="x")
+            span = tracing.start_request(
+                "chat",
+                "m",
+                arrival_time=arrival,
+                headers=headers,
+                params=params,
+                stream=True,
+                response_id="x",
+            )
             trace_id = span.trace_id
             span.finish(record)
         assert trace_id is None
