@@ -69,7 +69,15 @@ def product_root() -> Path:
 
 
 def source_state(root: Path = REPO_ROOT) -> Source:
-    """The commit of the tree at `root` and whether the tree is exactly that commit."""
+    """The commit of the tree at `root` and whether the tree is exactly that commit. A stamp
+    wins over git metadata: it is written on purpose for a copy of the tree (the GPU
+    machine's copy may hold a .git of some other commit), and it is checked file by file."""
+    if (root / STAMP_NAME).is_file():
+        return _check_stamp(root, json.loads((root / STAMP_NAME).read_text()))
+    return _git_state(root)
+
+
+def _git_state(root: Path) -> Source:
     head = _git(root, "rev-parse", "HEAD")
     if head is not None and Path(_git(root, "rev-parse", "--show-toplevel") or "") == root:
         status = _git(root, "status", "--porcelain", "--untracked-files=normal") or ""
@@ -82,8 +90,6 @@ def source_state(root: Path = REPO_ROOT) -> Source:
                 + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""),
             )
         return Source(head, True, "git")
-    if (root / STAMP_NAME).is_file():
-        return _check_stamp(root, json.loads((root / STAMP_NAME).read_text()))
     return Source(None, False, f"no git metadata and no {STAMP_NAME} (benchmarks/recording.py)")
 
 
@@ -92,7 +98,7 @@ def write_stamp(root: Path = REPO_ROOT, commit: str | None = None) -> Path:
     git checkout, or (with `commit`) a tree extracted from that commit of this repository
     (`git archive COMMIT | tar -x -C DIR`); either way the files must match the commit."""
     if commit is None:
-        source = source_state(root)
+        source = _git_state(root)
         if not source.clean or source.how != "git":
             raise DirtyTreeError(f"{root}: {source.how}")
         commit, repo = source.commit, root

@@ -110,6 +110,18 @@ def test_a_stamp_carries_the_commit_to_a_tree_without_git(repo: Path, tmp_path: 
         recording.write_stamp(repo)
 
 
+def test_a_stamp_wins_over_the_git_metadata_of_another_commit(repo: Path, tmp_path: Path) -> None:
+    # The GPU machine's copy of the tree may hold a .git whose HEAD is not the tree's.
+    head = _git(repo, "rev-parse", "HEAD")
+    recording.write_stamp(repo)
+    copy = tmp_path / "device"
+    shutil.copytree(repo, copy)
+    (copy / "actors" / "engine.py").write_text("STEP = 9\n")
+    _git(copy, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "other")
+    (copy / "actors" / "engine.py").write_text("STEP = 1\n")  # the stamped tree, uncommitted
+    assert recording.source_state(copy) == recording.Source(head, True, "stamp")
+
+
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs this checkout's git history")
 def test_a_baseline_extracted_from_a_commit_is_stamped_from_this_repository(tmp_path: Path) -> None:
     """The A/B baseline of device_run.sh: `git archive REV | tar -x -C .base`."""
