@@ -1,12 +1,14 @@
 """Decode-path bandwidth of paged attention (kernels/paged_attention.py): the Triton kernel on
 CUDA, the torch reference elsewhere, checked against the reference first.
 
-    python -m benchmarks.paged_attention [--sweep]
+    python -m benchmarks.paged_attention [--sweep] [--sliding-window W] [--sinks]
 
 Default workload: qwen3-0.6b attention (16 query heads, 8 kv heads, head_dim 128, bf16),
 batch 256, every request at context 1024, block size 16 with shuffled blocks. The figure is
 the KV bytes read per second against the H200's measured 4.26 TB/s copy bandwidth.
-`--sweep` (CUDA) also times kv_tile_len x num_warps x num_stages.
+`--sweep` (CUDA) also times kv_tile_len x num_warps x num_stages. `--sliding-window W`
+attends each decode to its last W keys only (the bytes counted are those keys), and
+`--sinks` adds one learned sink logit per query head (gpt-oss).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default=default_device())
+    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--sinks", action="store_true", help="one sink logit per query head")
     p.add_argument(
         "--sweep", action="store_true", help="CUDA: also time kv_tile_len x num_warps x num_stages"
     )
@@ -59,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             "device",
         )
     }
+    if args.sliding_window is not None:
+        workload["sliding_window"] = args.sliding_window
+    if args.sinks:
+        workload["sinks"] = True
     result_name = "paged_attention" if args.device == "cuda" else "paged_attention_cpu"
     run = recording.Run(
         "paged_attention",
@@ -68,24 +76,31 @@ def main(argv: list[str] | None = None) -> int:
         argv,
     )
     inputs: dict[str, Any] = decode_inputs(args, dtype)
+    keys_read = min(args.context, args.sliding_window or args.context)
     kv_bytes = (
         2
         * args.batch
-        * args.context
+        * keys_read
         * args.num_kv_heads
         * args.head_dim
         * inputs["query"].element_size()
     )
     scale = args.head_dim**-0.5
+    generator = torch.Generator().manual_seed(1)
+    sinks = torch.randn(args.num_heads, generator=generator).to(args.device) if args.sinks else None
+    window_args: dict[str, Any] = {"sliding_window": args.sliding_window, "sinks": sinks}
 
     def call(**knobs: Any) -> torch.Tensor:
         if knobs:
             return paged_attention_triton(
-                **inputs, scale=scale, max_query_len=1, max_seq_len=args.context, **knobs
-            )
-        return paged_attention(**inputs, scale=scale, max_query_len=1, max_seq_len=args.context)
+                **inputs, scale=scale, max_query_len=1, max_seq_len=args.context,
+                **window_args, **knobs,
+            )  # fmt: skip
+        return paged_attention(
+            **inputs, scale=scale, max_query_len=1, max_seq_len=args.context, **window_args
+        )
 
-    expected = paged_attention_ref(**inputs, scale=scale)
+    expected = paged_attention_ref(**inputs, scale=scale, **window_args)
     max_abs_err = (call().float() - expected.float()).abs().max().item()
     if not max_abs_err <= MAX_ABS_ERR:
         raise SystemExit(

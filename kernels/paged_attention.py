@@ -4,13 +4,18 @@ Request r owns query rows query_start_loc[r]:query_start_loc[r + 1] (q_len rows)
 seq_lens[r] cached tokens, the last q_len of which are this chunk's own keys. Query row i
 (absolute position seq_len - q_len + i) attends to key positions 0..seq_len - q_len + i,
 read from slot block_table[r, pos // block_size] * block_size + pos % block_size.
-Query head h reads kv head h // (num_heads // num_kv_heads) (GQA).
+Query head h reads kv head h // (num_heads // num_kv_heads) (GQA). With a sliding window W,
+query position p sees only keys k with p - W < k <= p, and no KV slot (nor block table
+entry) below the window of a chunk's first query is read. With sinks, head h's learned
+logit sinks[h] (not scaled) joins the softmax denominator only (gpt-oss):
+out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sinks[h])).
 
 The Triton kernel packs the query heads of one kv head, for BLOCK_Q tokens of one
 request, into the M dimension of a tile, so a decode program reads each K/V block once
 for the whole head group; online softmax with float32 accumulation. Decode-only batches
 with few (request, kv head) pairs split the context over more programs and merge the
-partial results in a second kernel.
+partial results in a second kernel, which adds the sink (so it counts once). A window
+skips every KV tile below the first query row's window start.
 """
 
 import functools
@@ -18,9 +23,11 @@ import math
 
 import torch
 
+from kernels._paged_attention_checks import check_args, check_window_and_sinks
 from kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
+    _LOG2_E = tl.constexpr(math.log2(math.e))  # sinks are natural-log logits; the kernel uses exp2
 
     @triton.jit
     def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
@@ -40,12 +47,15 @@ if HAS_TRITON:
     @triton.jit
     def _attend_tiles(
         q, query_pos, row_valid, key_head_ptr, value_head_ptr, block_table_row,
-        tile_start, tile_end, kv_len, scale_log2, stride_cache_block, stride_cache_slot,
+        tile_start, tile_end, kv_start, kv_len, sliding_window, scale_log2,
+        stride_cache_block, stride_cache_slot,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
     ):  # fmt: skip
         """Online softmax of q [BLOCK_M, HEAD_DIM_PADDED] over KV tiles [tile_start, tile_end):
-        returns the row max (log2 units), row sum and unnormalised output, all float32."""
+        returns the row max (log2 units), row sum and unnormalised output, all float32.
+        Only keys in [kv_start, kv_len) are loaded (kv_start is used with HAS_WINDOW)."""
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
         dim_valid = offs_d < HEAD_DIM
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -54,6 +64,8 @@ if HAS_TRITON:
         for tile in range(tile_start, tile_end):
             offs_n = tile * TILE_N + tl.arange(0, TILE_N)
             key_valid = offs_n < kv_len
+            if HAS_WINDOW:
+                key_valid = key_valid & (offs_n >= kv_start)
             block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(
                 tl.int64
             )
@@ -66,6 +78,8 @@ if HAS_TRITON:
             visible = (
                 row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= query_pos[:, None])
             )
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -77,17 +91,25 @@ if HAS_TRITON:
         return m_i, l_i, acc
 
     @triton.jit
+    def _add_sink(m_i, l_i, acc, sink_log2):
+        """Adds one logit per row (log2 units), with no value, to an online-softmax state."""
+        m_new = tl.maximum(m_i, sink_log2)
+        alpha = tl.math.exp2(m_i - m_new)
+        return m_new, l_i * alpha + tl.math.exp2(sink_log2 - m_new), acc * alpha[:, None]
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-        scale_log2, num_reqs, num_heads, num_splits,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+        scale_log2, num_reqs, num_heads, num_splits, sliding_window,
         stride_query_token, stride_query_head, stride_out_token, stride_out_head,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table_req,
         NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr,
         SPLIT_KV: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -118,24 +140,32 @@ if HAS_TRITON:
         q = tl.load(query_ptr + row_offs + offs_d[None, :], mask=row_mask, other=0.0)
         query_pos = context_len + token_in_chunk
 
-        # Keys visible to the last query row of this block; split into num_splits tile ranges
-        # (a run-time value, so one compiled kernel serves every split count).
+        # Keys visible to some query row of this block: up to the last row's position and,
+        # with a window, from the first row's window start. Their tiles are split into
+        # num_splits ranges (a run-time value, so one compiled kernel serves every count).
         kv_len = tl.minimum(seq_len, context_len + (q_block_in_req + 1) * BLOCK_Q)
         num_tiles = tl.cdiv(kv_len, TILE_N)
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_start = split * tiles_per_split
+        kv_start = 0
+        first_tile = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(context_len + q_block_in_req * BLOCK_Q - sliding_window + 1, 0)
+            first_tile = kv_start // TILE_N
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+        tile_start = first_tile + split * tiles_per_split
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
         block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table_req
         m_i, l_i, acc = _attend_tiles(
             q, query_pos, row_valid, key_cache_ptr + kv_head * stride_cache_head,
             value_cache_ptr + kv_head * stride_cache_head, block_table_row, tile_start, tile_end,
-            kv_len,
-            scale_log2, stride_cache_block, stride_cache_slot,
-            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION,
+            kv_start, kv_len, sliding_window, scale_log2, stride_cache_block, stride_cache_slot,
+            HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION, HAS_WINDOW,
         )  # fmt: skip
 
         if not SPLIT_KV:
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+                m_i, l_i, acc = _add_sink(m_i, l_i, acc, sink * _LOG2_E)
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             out_offs = (
                 token[:, None] * stride_out_token
@@ -152,9 +182,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(
-        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, sinks_ptr,
         num_heads, num_splits, stride_out_token, stride_out_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS_PADDED: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -168,8 +199,13 @@ if HAS_TRITON:
         split_max = tl.load(partial_max_ptr + partial_row, mask=split_valid, other=float("-inf"))
         split_sum = tl.load(partial_sum_ptr + partial_row, mask=split_valid, other=0.0)
         max_all = tl.max(split_max, axis=0)
+        if HAS_SINKS:  # the splits hold no sink: it joins the denominator here, once
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2_E
+            max_all = tl.maximum(max_all, sink)
         weight = tl.math.exp2(split_max - tl.where(max_all == float("-inf"), 0.0, max_all))
         total = tl.sum(weight * split_sum, axis=0)
+        if HAS_SINKS:
+            total += tl.math.exp2(sink - max_all)
         split_acc = tl.load(
             partial_acc_ptr + partial_row[:, None] * HEAD_DIM_PADDED + offs_d[None, :],
             mask=split_valid[:, None],
@@ -188,9 +224,14 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
-    """Plain torch paged attention, one request at a time, in float32 (syncs on a GPU)."""
-    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    """Plain torch paged attention, one request at a time, in float32 (syncs on a GPU).
+    Like the kernel, it reads no key below the chunk's first window."""
+    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    check_window_and_sinks(query, sliding_window, sinks)
     out = torch.zeros_like(query)
     block_size = key_cache.shape[1]
     group_size = query.shape[1] // key_cache.shape[2]
@@ -199,19 +240,36 @@ def paged_attention_ref(
         start, end = starts[req], starts[req + 1]
         if end == start:
             continue
-        positions = torch.arange(seq_len, device=query.device)
+        query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
+        kv_start = (
+            0 if sliding_window is None else max(seq_len - (end - start) - sliding_window + 1, 0)
+        )
+        positions = torch.arange(kv_start, seq_len, device=query.device)
         slots = (
             block_table[req, positions // block_size].long() * block_size + positions % block_size
         )
         keys = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
         values = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
-        query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
         scores.masked_fill_(positions[None, :] > query_pos[:, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).to(
-            query.dtype
-        )
+        if sliding_window is not None:
+            outside = positions[None, :] <= query_pos[:, None] - sliding_window
+            scores.masked_fill_(outside, float("-inf"))
+        probs = sink_softmax(scores, None if sinks is None else sinks[:, None, None])
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
+
+
+def sink_softmax(
+    scores: torch.Tensor,  # [..., num_keys] float32, masked keys at -inf
+    sinks: torch.Tensor | None,  # broadcastable to [..., 1]: one logit per row, or None
+) -> torch.Tensor:  # [..., num_keys] float32
+    """Softmax over the keys whose denominator also holds exp(sink) (gpt-oss attention
+    sinks): the sink logit joins the row, the softmax runs, the sink column is dropped."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def paged_attention_triton(
@@ -230,13 +288,17 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     query_tile: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are undefined
     """Triton launcher. max_query_len must bound every request's query length; the
-    remaining keyword arguments are tuning knobs (None = heuristic). Splitting the context
+    next keyword arguments are tuning knobs (None = heuristic). Splitting the context
     (num_kv_splits > 1) is only allowed when max_query_len <= 1. query_tile sets the rows of
     a program's query tile (query heads of a kv head x tokens; default 16 for decodes, 64
-    otherwise): a mixed batch of mostly decodes reads its KV best with decode-sized tiles."""
-    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    otherwise): a mixed batch of mostly decodes reads its KV best with decode-sized tiles.
+    sliding_window and sinks are as in the module docstring (None = off)."""
+    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    check_window_and_sinks(query, sliding_window, sinks)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_reqs = key_cache.shape[2], seq_lens.shape[0]
     group_size = num_heads // num_kv_heads
@@ -246,7 +308,9 @@ def paged_attention_triton(
     tile_n = kv_tile_len or 64
     if num_kv_splits is None:  # only a decode-only batch may split its context
         num_kv_splits = (
-            _default_num_kv_splits(query.device, num_reqs * num_kv_heads, max_seq_len, tile_n)
+            _default_num_kv_splits(
+                query.device, num_reqs * num_kv_heads, max_seq_len, tile_n, sliding_window
+            )
             if is_decode
             else 1
         )
@@ -269,24 +333,27 @@ def paged_attention_triton(
     one_q_block_per_req = max_query_len <= block_q
     num_q_blocks = num_reqs if one_q_block_per_req else num_tokens // block_q + num_reqs
     grid = (num_q_blocks, num_kv_heads, num_kv_splits)
+    window = 0 if sliding_window is None else min(sliding_window, _MAX_WINDOW)
+    sinks_arg = out if sinks is None else sinks  # placeholder pointer without HAS_SINKS
     _paged_attention_kernel[grid](
         out, partial_acc, partial_max, partial_sum,
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale * math.log2(math.e), num_reqs, num_heads, num_kv_splits,
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, sinks_arg,
+        scale * math.log2(math.e), num_reqs, num_heads, num_kv_splits, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         NUM_QUERIES_PER_KV=group_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps or 4, num_stages=num_stages or (3 if block_m <= 16 else 2),
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
-            out, partial_acc, partial_max, partial_sum, query_start_loc,
+            out, partial_acc, partial_max, partial_sum, query_start_loc, sinks_arg,
             num_heads, num_kv_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-            NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+            NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits), HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
 
@@ -303,97 +370,48 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int | None = None,
     query_tile: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Paged attention: the Triton kernel on CUDA tensors, the torch reference otherwise."""
+    """Paged attention: the Triton kernel on CUDA tensors, the torch reference otherwise.
+    sliding_window=W: query position p sees keys p - W < k <= p (None: all k <= p).
+    sinks: head h's logit joins its softmax denominator (None: no sink)."""
     if HAS_TRITON and query.is_cuda:
         return paged_attention_triton(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, query_tile=query_tile,
+            sliding_window=sliding_window, sinks=sinks,
         )  # fmt: skip
     return paged_attention_ref(
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale
-    )
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+        sliding_window=sliding_window, sinks=sinks,
+    )  # fmt: skip
+
+
+_MAX_WINDOW = 2**30  # any longer window sees every key; keeps the kernel's argument int32
 
 
 def _default_num_kv_splits(
-    device: torch.device, num_programs: int, max_seq_len: int | None, tile_n: int
+    device: torch.device,
+    num_programs: int,
+    max_seq_len: int | None,
+    tile_n: int,
+    sliding_window: int | None = None,
 ) -> int:
-    """Enough splits to give every SM about two programs, while each split keeps >= 4 tiles."""
+    """Enough splits to give every SM about two programs, while each split keeps >= 4 of
+    the tiles a decode reads (with a window: its keys, one partial tile more at most)."""
     if device.type != "cuda":
         return 1
     wanted = math.ceil(2 * _num_sms(device) / max(num_programs, 1))
-    if max_seq_len is not None:
-        wanted = min(wanted, math.ceil(max_seq_len / (4 * tile_n)))
+    max_kv_len = max_seq_len
+    if sliding_window is not None:
+        window_kv_len = sliding_window + tile_n - 1
+        max_kv_len = window_kv_len if max_seq_len is None else min(max_seq_len, window_kv_len)
+    if max_kv_len is not None:
+        wanted = min(wanted, math.ceil(max_kv_len / (4 * tile_n)))
     return max(1, min(wanted, 32))
 
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _check_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> None:
-    head_dim = query.shape[-1]
-    if query.dim() != 3 or query.stride(2) != 1:
-        raise ValueError(
-            "query must be [num_tokens, num_heads, head_dim] with contiguous head_dim, "
-            f"got {tuple(query.shape)} strides {query.stride()}"
-        )
-    if key_cache.dim() != 4 or key_cache.shape[3] != head_dim or key_cache.stride(3) != 1:
-        raise ValueError(
-            f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim={head_dim}] "
-            f"with contiguous head_dim, got {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
-        raise ValueError(
-            f"value_cache {tuple(value_cache.shape)} strides {value_cache.stride()} must match "
-            f"key_cache {tuple(key_cache.shape)} strides {key_cache.stride()}"
-        )
-    if query.shape[1] % key_cache.shape[2]:
-        raise ValueError(
-            f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}"
-        )
-    dtypes = (query.dtype, key_cache.dtype, value_cache.dtype)
-    if len(set(dtypes)) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(
-            f"query/key_cache/value_cache must share one of float16/bfloat16/float32, got {dtypes}"
-        )
-    _check_index_args(query.device, block_table, seq_lens, query_start_loc)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.device != query.device:
-            raise ValueError(f"{name} is on {cache.device} but query is on {query.device}")
-
-
-def _check_index_args(
-    device: torch.device,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> None:
-    num_reqs = seq_lens.shape[0]
-    index_tensors = (
-        ("block_table", block_table, 2),
-        ("seq_lens", seq_lens, 1),
-        ("query_start_loc", query_start_loc, 1),
-    )
-    for name, tensor, ndim in index_tensors:
-        if tensor.dtype != torch.int32 or tensor.dim() != ndim or tensor.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be a {ndim}-d int32 tensor with a contiguous last dim, "
-                f"got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but query is on {device}")
-    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"query_start_loc must be [num_reqs + 1] and block_table [>= num_reqs, ...] for "
-            f"num_reqs={num_reqs} (from seq_lens), got {tuple(query_start_loc.shape)} and "
-            f"{tuple(block_table.shape)}"
-        )

@@ -45,8 +45,15 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Attend over a cache that already holds this step's keys and values."""
+        """Attend over a cache that already holds this step's keys and values.
+
+        sliding_window=W (>= 1): a query at position p sees keys p - W < k <= p (None: every
+        k <= p). sinks: head h's learned logit sinks[h] joins its softmax denominator only,
+        out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sinks[h])) (gpt-oss; None: none)."""
         ...
 
     def forward(
@@ -57,8 +64,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write key/value into kv_cache at metadata.slot_mapping, then attend."""
+        """Write key/value into kv_cache at metadata.slot_mapping, then attend (as `attend`)."""
         ...
 
 

@@ -2,8 +2,9 @@
 the GPU backends.
 
 Decode requests (one query token) are batched into one gather + matmul; longer chunks
-run one `scaled_dot_product_attention` call per request. Loops are driven by the
-metadata's CPU arrays, so nothing waits on the device.
+run one `scaled_dot_product_attention` call per request (plain float32 matmuls with
+attention sinks, which SDPA lacks). A sliding window gathers only the blocks it covers.
+Loops are driven by the metadata's CPU arrays, so nothing waits on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
 from kernels.kv_write import kv_write_ref
+from kernels.paged_attention import sink_softmax
 
 
 class TorchAttentionBackend:
@@ -27,12 +29,17 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         num_actual = metadata.num_actual_tokens
         kv_write_ref(
             key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
         )
-        return self.attend(query, kv_cache, metadata, scale)
+        return self.attend(
+            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks
+        )
 
     def attend(
         self,
@@ -40,13 +47,20 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         out = torch.zeros_like(query)
         query_start_loc = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
         query_lens = np.diff(query_start_loc)
         decode_reqs = np.flatnonzero(query_lens == 1)
         if decode_reqs.size:
-            _decode_attention(query, kv_cache, metadata, decode_reqs, scale, out)
+            _decode_attention(
+                query, kv_cache, metadata, decode_reqs, scale, out, sliding_window, sinks
+            )
         for req in np.flatnonzero(query_lens > 1).tolist():
             start, end = int(query_start_loc[req]), int(query_start_loc[req + 1])
             out[start:end] = _chunk_attention(
@@ -55,6 +69,8 @@ class TorchAttentionBackend:
                 metadata.block_table[req],
                 int(metadata.seq_lens_cpu[req]),
                 scale,
+                sliding_window,
+                sinks,
             )
         return out
 
@@ -66,16 +82,29 @@ def _decode_attention(
     reqs_np: np.ndarray,  # [num_decodes] request indices whose query length is 1
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32
 ) -> None:
     num_decodes = reqs_np.size
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     group_size = query.shape[1] // num_kv_heads
-    seq_lens_np = metadata.seq_lens_cpu[reqs_np]
-    num_blocks = -(-int(seq_lens_np.max()) // block_size)
+    seq_lens_np = metadata.seq_lens_cpu[reqs_np].astype(np.int64)
+    # Each decode gathers its blocks from the one holding its window's first key.
+    first_blocks_np = np.zeros_like(seq_lens_np)
+    if sliding_window is not None:
+        first_blocks_np = np.maximum(seq_lens_np - sliding_window, 0) // block_size
+    num_blocks = int((-(-seq_lens_np // block_size) - first_blocks_np).max())
+    block_cols_np = first_blocks_np[:, None] + np.arange(num_blocks)  # [n, num_blocks]
+    # Shorter spans run past their last block; those keys are masked, any block id will do.
+    block_cols_np = np.minimum(block_cols_np, metadata.block_table.shape[1] - 1)
     device = query.device
     reqs = torch.from_numpy(reqs_np).to(device)
     tokens = torch.from_numpy(metadata.query_start_loc_cpu[reqs_np].astype(np.int64)).to(device)
-    blocks = metadata.block_table.index_select(0, reqs)[:, :num_blocks].long()  # [n, num_blocks]
+    blocks = (
+        metadata.block_table.index_select(0, reqs)
+        .gather(1, torch.from_numpy(block_cols_np).to(device))
+        .long()
+    )  # [n, num_blocks]
     # index_select of K and V at once is much faster on CPU than advanced indexing
     kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_decodes, -1, num_kv_heads, head_dim)
     kv = kv.transpose(2, 3).float().contiguous()  # [2, n, kv_heads, max_len, head_dim]
@@ -84,10 +113,14 @@ def _decode_attention(
         query.index_select(0, tokens).float().view(num_decodes, num_kv_heads, group_size, head_dim)
     )
     scores = torch.matmul(queries, keys.transpose(2, 3)) * scale  # [n, kv_heads, group, max_len]
-    key_pos = torch.arange(num_blocks * block_size, device=device)
-    seq_lens = torch.from_numpy(seq_lens_np.astype(np.int64)).to(device)
-    scores.masked_fill_((key_pos[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
-    rows = torch.matmul(scores.softmax(dim=-1), values)  # [n, kv_heads, group, head_dim]
+    key_pos_np = first_blocks_np[:, None] * block_size + np.arange(num_blocks * block_size)
+    hidden_np = key_pos_np >= seq_lens_np[:, None]  # [n, max_len]
+    if sliding_window is not None:
+        hidden_np |= key_pos_np < (seq_lens_np - sliding_window)[:, None]
+    hidden = torch.from_numpy(hidden_np).to(device)
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    sink_rows = None if sinks is None else sinks.view(num_kv_heads, group_size, 1)
+    rows = torch.matmul(sink_softmax(scores, sink_rows), values)  # [n, kv_heads, group, head_dim]
     out.index_copy_(0, tokens, rows.view(num_decodes, -1, head_dim).to(out.dtype))
 
 
@@ -97,20 +130,40 @@ def _chunk_attention(
     block_table_row: torch.Tensor,  # [max_blocks_per_req] int32
     seq_len: int,
     scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
-    query_len = query.shape[0]
+    query_len, num_heads, head_dim = query.shape
     block_size = kv_cache.shape[2]
-    blocks = block_table_row[: -(-seq_len // block_size)].long()
-    kv = kv_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len].transpose(1, 2).float()
-    keys, values = kv[0], kv[1]  # [num_kv_heads, seq_len, head_dim]
-    queries = query.transpose(0, 1).float()
     context_len = seq_len - query_len
+    # Keys from the first query's window start (0 without a window) to the chunk's end.
+    kv_start = 0 if sliding_window is None else max(context_len - sliding_window + 1, 0)
+    first_block = kv_start // block_size
+    blocks = block_table_row[first_block : -(-seq_len // block_size)].long()
+    kv = kv_cache.index_select(1, blocks).flatten(1, 2)
+    kv = kv[:, kv_start - first_block * block_size : seq_len - first_block * block_size]
+    keys, values = kv.transpose(1, 2).float()  # each [num_kv_heads, num_keys, head_dim]
+    queries = query.transpose(0, 1).float()
     mask = None
-    if context_len:
-        key_pos = torch.arange(seq_len, device=query.device)
+    if context_len or sliding_window is not None:
+        key_pos = torch.arange(kv_start, seq_len, device=query.device)
         query_pos = context_len + torch.arange(query_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]
-    rows = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    if sinks is None:
+        rows = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return rows.transpose(0, 1).to(query.dtype)
+    # SDPA has no sink: the same attention with the sink column, per kv head group.
+    num_kv_heads = keys.shape[0]
+    grouped = queries.view(num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
+    scores = torch.matmul(grouped, keys[:, None].transpose(2, 3)) * scale  # [kv, g, q, keys]
+    if mask is None:
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril()
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = sink_softmax(scores, sinks.view(num_kv_heads, -1, 1, 1))
+    rows = torch.matmul(probs, values[:, None]).view(num_heads, query_len, head_dim)
     return rows.transpose(0, 1).to(query.dtype)

@@ -26,9 +26,14 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
         kv_write(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend(query, kv_cache, metadata, scale)
+        return self.attend(
+            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks
+        )
 
     def attend(
         self,
@@ -36,6 +41,9 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
         num_reqs = metadata.num_reqs
         return paged_attention(
@@ -49,4 +57,6 @@ class TritonAttentionBackend:
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             query_tile=metadata.query_tile,
+            sliding_window=sliding_window,
+            sinks=sinks,
         )

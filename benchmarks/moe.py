@@ -1,0 +1,167 @@
+"""Fused MoE layer timing (kernels/fused_moe.py): routing + fused experts at model shapes,
+checked against the torch reference first.
+
+    python -m benchmarks.moe [--model gpt-oss-20b|qwen3-30b-a3b] [--tokens 1,8,64,256,2048]
+                             [--sweep]
+
+On CUDA: eager and CUDA-graph medians of one MoE layer per token count, and the expert weight
+bytes the call must read (each expert hit, once) against the H200's copy bandwidth: at small
+token counts the layer is bound by those bytes. `--sweep` also times a grid of launch shapes
+(block_m, block_n, block_k, warps, stages, split MXFP4 loads) at each token count, for
+choosing `tile_config`'s table. On the CPU the torch reference runs (a check that the script
+runs, not a figure to compare).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from benchmarks import recording
+from benchmarks.kernel_timing import PEAK_BYTES_PER_S, default_device, time_call
+from kernels.fused_moe import (
+    MoEActivation,
+    TileConfig,
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    tile_config,
+)
+from kernels.moe_routing import moe_route
+from kernels.mxfp4 import MXFP4Tensor, quantize_mxfp4
+
+MODELS = {
+    # hidden, intermediate, experts, top_k, mxfp4, activation
+    "gpt-oss-20b": (2880, 2880, 32, 4, True, MoEActivation("swiglu_clamped")),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, False, MoEActivation("silu")),
+}
+MAX_REL_ERR = 2e-2
+SWEEP = [
+    TileConfig(bm, bn, bk, warps, stages, split)
+    for bm, bn, bk, warps, stages in (
+        (16, 64, 128, 4, 4),
+        (16, 32, 128, 4, 4),
+        (16, 64, 256, 4, 3),
+        (16, 128, 128, 4, 3),
+        (32, 64, 128, 4, 4),
+        (64, 64, 64, 4, 3),
+        (64, 128, 64, 4, 3),
+        (128, 64, 64, 8, 3),
+        (128, 128, 64, 8, 3),
+    )
+    for split in (False, True)
+]
+
+
+def _weights(hidden, intermediate, num_experts, mxfp4, device, dtype):
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=g) * intermediate**-0.5
+    if mxfp4:
+        q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+        return tuple(MXFP4Tensor(q.blocks.to(device), q.scales.to(device)) for q in (q13, q2))
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+def _expert_bytes(hidden: int, intermediate: int, mxfp4: bool) -> float:
+    values = 3 * hidden * intermediate
+    return values * 17 / 32 if mxfp4 else values * 2  # MXFP4: 4 bits + 1 scale byte / 32
+
+
+def _bandwidth(timing: dict[str, float], weight_bytes: float) -> dict[str, float]:
+    best_ms = min(timing.values())  # the graph replay where there is one
+    return {
+        **timing,
+        "weight_tb_per_s": weight_bytes / best_ms / 1e9,
+        "fraction_of_peak": weight_bytes / best_ms / 1e-3 / PEAK_BYTES_PER_S,
+    }
+
+
+def _sweep(layer_with_tile, skip_split: bool, device: str) -> list[dict[str, Any]]:
+    rows = []
+    for tile in SWEEP:
+        if tile.split_load and skip_split:
+            continue
+        knobs = dataclasses.asdict(tile)
+        try:
+            rows.append({**knobs, **time_call(functools.partial(layer_with_tile, tile), device)})
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
+            rows.append({**knobs, "error": f"{type(error).__name__}: {error}"[:200]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = recording.parser("moe", __doc__)
+    p.add_argument("--model", default="gpt-oss-20b", choices=sorted(MODELS))
+    p.add_argument("--tokens", default="1,8,64,256,2048")
+    p.add_argument("--device", default=default_device())
+    p.add_argument("--sweep", action="store_true", help="CUDA: also time a grid of tile shapes")
+    args = p.parse_args(argv)
+    hidden, intermediate, num_experts, top_k, mxfp4, activation = MODELS[args.model]
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    run = recording.Run(
+        "moe",
+        args,
+        f"moe_{args.model}" + ("" if args.device == "cuda" else "_cpu"),
+        {
+            "model": args.model,
+            "tokens": token_counts,
+            "device": args.device,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+        argv,
+    )
+    w13, w2 = _weights(hidden, intermediate, num_experts, mxfp4, args.device, dtype)
+    bias13 = torch.zeros(num_experts, 2 * intermediate, dtype=dtype, device=args.device)
+    bias2 = torch.zeros(num_experts, hidden, dtype=dtype, device=args.device)
+    g = torch.Generator().manual_seed(1)
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {"peak_bytes_per_s": PEAK_BYTES_PER_S}
+    for num_tokens in token_counts:
+        x = torch.randn(num_tokens, hidden, generator=g).to(args.device, dtype)
+        logits = torch.randn(num_tokens, num_experts, generator=g).to(args.device)
+
+        def layer(x=x, logits=logits):
+            weights, ids = moe_route(logits, top_k, True)
+            return fused_moe(x, weights, ids, w13, w2, bias13, bias2, activation)
+
+        def layer_with_tile(tile, x=x, logits=logits):
+            weights, ids = moe_route(logits, top_k, True)
+            return fused_moe_triton(x, weights, ids, w13, w2, bias13, bias2, activation, tile)
+
+        weights, ids = moe_route(logits, top_k, True)
+        ref = fused_moe_ref(x, weights, ids, w13, w2, bias13, bias2, activation).float()
+        rel_err = float((layer().float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        if not rel_err <= MAX_REL_ERR:
+            raise SystemExit(f"fused_moe disagrees with its reference: max rel err {rel_err:.3g}")
+        weight_bytes = int(torch.unique(ids).numel()) * _expert_bytes(hidden, intermediate, mxfp4)
+        default = _bandwidth(time_call(layer, args.device), weight_bytes)
+        row: dict[str, Any] = {
+            "tile": dataclasses.asdict(tile_config(num_tokens * top_k, num_experts)),
+            **default,
+            "max_rel_err_vs_ref": rel_err,
+        }
+        if args.sweep and args.device == "cuda":
+            row["sweep"] = _sweep(layer_with_tile, not mxfp4, args.device)
+        details[f"tokens_{num_tokens}"] = row
+        best_ms = min(v for k, v in default.items() if k.endswith("median_ms"))
+        figures[f"tokens_{num_tokens}_us"] = round(1e3 * best_ms, 1)
+        print(
+            f"{args.model} tokens={num_tokens} "
+            + " ".join(f"{k}={v:.4g}" for k, v in default.items()),
+            flush=True,
+        )
+        for sweep_row in row.get("sweep", []):
+            print("   ", sweep_row, flush=True)
+        run.checkpoint(details)
+    run.finish(figures, details)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
