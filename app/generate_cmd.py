@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         from app.llm import LLM
 
         llm = LLM(**_config_kwargs(args))
-        inputs = prompts if args.raw else [llm.apply_chat_template(p) for p in prompts]
+        inputs = prompts if args.raw else [llm.chat_prompt(p) for p in prompts]
         outputs = _generate_with_progress(llm, inputs, params, show=not args.no_progress)
     except user_errors() as exc:
         raise UserFacingError(str(exc)) from None
@@ -118,7 +118,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _generate_with_progress(
-    llm: Any, inputs: list[str], params: SamplingParams, show: bool
+    llm: Any, inputs: list[Any], params: SamplingParams, show: bool
 ) -> list[Any]:
     if not show or len(inputs) < 2:
         return llm.generate(inputs, params)

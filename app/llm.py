@@ -26,6 +26,8 @@ from actors.inprocess_engine import InProcessEngine
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest, StepStats
 from actors.protocol.sampling_params import SamplingParams
+from app.harmony.render import render_prompt
+from app.tokenizer import Tokenizer
 from app.tokenizer_loader import load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -66,7 +68,7 @@ class LLM:
             self.loaded = reuse_engine(reuse.loaded, self.config)
         self.worker = self.loaded.worker
         self._owns_worker = reuse is None
-        self.tokenizer = (
+        self.tokenizer: Tokenizer | None = (
             reuse.tokenizer
             if reuse is not None
             else load_tokenizer(self.config.model, self.config.tokenizer)
@@ -99,9 +101,23 @@ class LLM:
         return self.loaded.runner.reason
 
     def apply_chat_template(self, prompt: str) -> str:
+        """`prompt` as one user turn of the model's chat, as text (a gpt-oss model's in its
+        harmony format). To generate from, prefer `chat_prompt`."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: it has no chat to render")
+        prompt_ids = _harmony_prompt_ids(self.tokenizer, prompt)
+        if prompt_ids is not None:
+            return self.tokenizer.decode(prompt_ids)
         return self.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
+
+    def chat_prompt(self, prompt: str) -> Prompt:
+        """`prompt` as one user turn of the model's chat, ready for `generate`: the chat
+        template's text, or a gpt-oss model's harmony rendering as token ids (text the user
+        wrote stays text, even where it spells a special token)."""
+        prompt_ids = _harmony_prompt_ids(self.tokenizer, prompt)
+        return prompt_ids if prompt_ids is not None else self.apply_chat_template(prompt)
 
     def generate(
         self,
@@ -156,7 +172,11 @@ class LLM:
         results: list[RequestOutput | None],
         on_finished: Callable[[RequestOutput], None] | None,
     ) -> None:
-        token_ids = tuple(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        if isinstance(prompt, str):
+            assert self.tokenizer is not None  # generate() refuses text without one
+            token_ids = tuple(self.tokenizer.encode(prompt))
+        else:
+            token_ids = tuple(prompt)
         request_id = f"offline-{self._next_id}"
         self._next_id += 1
         collected: list[_Collected] = []
@@ -210,6 +230,13 @@ async def _collect(stream: RequestStream, index: int, collected: list[_Collected
             delta.prompt_logprobs,
         )
     )
+
+
+def _harmony_prompt_ids(tokenizer: Tokenizer | None, prompt: str) -> list[int] | None:
+    """A gpt-oss model's prompt ids for one user turn; None for other models."""
+    if tokenizer is None or tokenizer.harmony is None:
+        return None
+    return render_prompt(tokenizer.harmony.encoding, [{"role": "user", "content": prompt}])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.frontend.output_stream import LogprobEntry, StreamDelta
 from app.tool_calls.output import ToolCallOutput
+
+if TYPE_CHECKING:
+    from app.harmony.output import HarmonyOutput
 from telemetry.records import RequestRecord
 
 LOGPROB_FLOOR = -9999.0
@@ -154,13 +157,18 @@ def chat_response(
     echo_prefix: str = "",
     prompt_token_ids: Sequence[int] | None = None,
     tool_calls: Callable[[], ToolCallOutput] | None = None,
+    harmony: Callable[[], HarmonyOutput] | None = None,
 ) -> dict[str, Any]:
-    """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
+    """`tool_calls`: makes each choice's tool-call reader when the request has tools;
+    `harmony`: each choice's reader of a harmony (gpt-oss) completion, which fills
+    `reasoning_content` and `tool_calls` too."""
     body_choices = []
     for choice in choices:
         message: dict[str, Any] = {"content": echo_prefix + choice.text}
         finish_reason = choice.finish_reason
-        if tool_calls is not None:
+        if harmony is not None:
+            message, finish_reason = harmony().message(choice.token_ids, choice.finish_reason)
+        elif tool_calls is not None:
             message, finish_reason = tool_calls().message(choice.text, choice.finish_reason)
         body_choice: dict[str, Any] = {
             "index": choice.index,

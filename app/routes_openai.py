@@ -29,6 +29,13 @@ from app.errors import (
     internal_error,
     model_not_found,
 )
+from app.harmony.request import (
+    harmony_format,
+    harmony_output_factory,
+    harmony_params,
+    harmony_prompt_ids,
+    harmony_tool_plan,
+)
 from app.http_input import (
     check_api_key,
     parse_model,
@@ -187,14 +194,15 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         _array_caps(state),
     )
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
-    params = await constrain_params(
-        sampling_params(state, req, [len(prompt.token_ids)]),
-        req,
-        state.grammar_checker,
-        tools,
-        state.settings.engine.tensor_parallel_size,
-    )
+    harmony = harmony_format(state.tokenizer)
+    params = sampling_params(state, req, [len(prompt.token_ids)])
+    tp_size = state.settings.engine.tensor_parallel_size
+    if harmony is None:
+        params = await constrain_params(params, req, state.grammar_checker, tools, tp_size)
+    else:
+        params = await harmony_params(harmony, params, req, tools, state.grammar_checker, tp_size)
     new_tool_output = tools.output_factory()
+    new_harmony_output = None if harmony is None else harmony_output_factory(harmony, req, tools)
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]
@@ -214,6 +222,7 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
             role=chat.role,
             echo_prefix=chat.echo_prefix,
             tool_calls=new_tool_output,
+            harmony=new_harmony_output,
         )
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, [num_prompt_tokens]):
@@ -226,6 +235,7 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         echo_prefix=chat.echo_prefix,
         prompt_token_ids=prompt_ids,
         tool_calls=new_tool_output,
+        harmony=new_harmony_output,
     )
     prompt_logprobs.add_to_chat(body, choices)
     return _json(body)
@@ -237,6 +247,11 @@ def _prepare_chat(
     _check_size(state, data, completions=False)
     req = parse_model(ChatCompletionRequest, data)
     model = _check_request(state, req, request_id, call)
+    harmony = harmony_format(state.tokenizer)
+    if harmony is not None:
+        tools = harmony_tool_plan(req)
+        prompt_ids = tuple(harmony_prompt_ids(harmony, req, tools))
+        return req, model, ChatPrompt(Prompt(prompt_ids, None), "assistant", ""), tools
     tools = tool_plan(
         req.tools,
         req.tool_choice,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import orjson
@@ -44,6 +44,9 @@ from app.responses import (
     usage,
 )
 from app.tool_calls.output import ToolCallOutput
+
+if TYPE_CHECKING:
+    from app.harmony.output import HarmonyOutput
 from telemetry.logging import bind_request
 
 log = structlog.get_logger("tandem.server")
@@ -126,13 +129,18 @@ class ChatChunkFormatter(ChunkFormatter):
         role: str = "assistant",
         echo_prefix: str = "",
         tool_calls: Callable[[], ToolCallOutput] | None = None,
+        harmony: Callable[[], HarmonyOutput] | None = None,
     ) -> None:
-        """`tool_calls`: makes each choice's tool-call reader when the request has tools."""
+        """`tool_calls`: makes each choice's tool-call reader when the request has tools;
+        `harmony`: each choice's reader of a harmony (gpt-oss) completion, whose chunks
+        carry `reasoning_content`, `content` and `tool_calls` deltas."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.role = role
         self.echo_prefix = echo_prefix
         self._new_tool_output = tool_calls
         self._tool_outputs: dict[int, ToolCallOutput] = {}
+        self._new_harmony_output = harmony
+        self._harmony_outputs: dict[int, HarmonyOutput] = {}
         self._sent_prompt_logprobs = False
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
@@ -148,6 +156,8 @@ class ChatChunkFormatter(ChunkFormatter):
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        if self._new_harmony_output is not None:
+            return out + self._harmony_chunks(choice.index, delta, logprobs)
         if self._new_tool_output is not None:
             return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
@@ -171,6 +181,24 @@ class ChatChunkFormatter(ChunkFormatter):
         if content or logprobs:
             out.append(self._choice(index, {"content": content}, logprobs))
         out += [self._choice(index, {"tool_calls": [entry]}) for entry in entries]
+        if delta.finished:
+            out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
+        return out
+
+    def _harmony_chunks(
+        self, index: int, delta: StreamDelta, logprobs: Any
+    ) -> list[dict[str, Any]]:
+        """One chunk per reasoning, content or tool-call piece, in the order the model wrote
+        them (the delta's logprobs ride on the first), then the finish chunk."""
+        assert self._new_harmony_output is not None
+        output = self._harmony_outputs.setdefault(index, self._new_harmony_output())
+        pieces, finish_reason = output.feed(delta.token_ids, delta.finish_reason)
+        if logprobs and not pieces:
+            pieces = [{"content": ""}]
+        out = [
+            self._choice(index, piece, logprobs if i == 0 else None)
+            for i, piece in enumerate(pieces)
+        ]
         if delta.finished:
             out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
         return out

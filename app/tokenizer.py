@@ -8,12 +8,15 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
 from app.chat_template import CHATML_TEMPLATE, ChatTemplateError, RenderLimit, render_chat_template
 from app.gguf_tokenizer import build_gguf_tokenizer
+
+if TYPE_CHECKING:  # app.harmony builds on this module (its vocabulary reader)
+    from app.harmony.model import HarmonyFormat
 
 CHATML_START = "<|im_start|>"
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -22,6 +25,11 @@ _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class Tokenizer:
     """Text <-> token ids. `encode` always keeps special tokens written in the text whole
     (chat prompts contain them); `add_special_tokens` only controls BOS/EOS insertion."""
+
+    harmony: HarmonyFormat | None = None
+    """The harmony chat format of a gpt-oss model (set by app.tokenizer_loader, which
+    knows the model): chats are then rendered and parsed by it, not by `chat_template`.
+    None for every other model."""
 
     def __init__(
         self,
@@ -35,8 +43,10 @@ class Tokenizer:
         add_bos_token: bool = False,
         add_eos_token: bool = False,
         chat_template: str | None = None,
+        harmony: HarmonyFormat | None = None,
     ) -> None:
         self.raw = raw
+        self.harmony = harmony
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.unk_token_id = unk_token_id

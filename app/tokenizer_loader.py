@@ -3,6 +3,10 @@
 
 `--tokenizer` takes a `tokenizer.json` file or a Hugging Face tokenizer directory, so any
 weights (dummy ones included) can be paired with a real tokenizer, as vLLM's flag does.
+
+A gpt-oss model's tokenizer also carries `harmony` (app.harmony.model.HarmonyFormat): its
+chat is rendered and parsed in the harmony format, with the encoding built offline from
+this tokenizer's vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 from typing import Any
 
 from actors.protocol.model_source import ModelLoadError, is_dummy, resolve_model_path
+from app.harmony.model import HarmonyFormat, is_gpt_oss
 from app.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -33,12 +38,27 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer | None
             raise ModelLoadError(f"tokenizer not found: {source}")
         return None  # the engine core reports the missing model
     try:
-        return _load(source, generation_config=load_generation_config(model))
+        loaded = _load(source, generation_config=load_generation_config(model))
     except ModelLoadError:
         raise
     except Exception as exc:  # tokenizers, JSON and OS errors all mean "cannot read it"
         raise ModelLoadError(
             " ".join(f"cannot load the tokenizer from {source}: {exc}".split())
+        ) from exc
+    if loaded is not None and is_gpt_oss(model):
+        loaded.harmony = _harmony_format(loaded, source)
+    return loaded
+
+
+def _harmony_format(tokenizer: Tokenizer, source: str) -> HarmonyFormat:
+    try:
+        return HarmonyFormat.from_vocab(tokenizer.raw.get_vocab(with_added_tokens=False))
+    except Exception as exc:  # a foreign vocabulary, or an encoding that cannot be built
+        raise ModelLoadError(
+            " ".join(
+                f"this gpt-oss model's chat needs its own tokenizer (o200k_harmony), and the "
+                f"one from {source} cannot serve it: {exc}".split()
+            )
         ) from exc
 
 

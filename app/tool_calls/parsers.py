@@ -78,7 +78,8 @@ class HermesParser(ToolCallParser):
         self._call_start = 0
 
     def _advance(self, final: bool) -> Parsed:
-        content, deltas = "", []
+        content = ""
+        deltas: list[ToolCallDelta] = []
         while True:
             if self._reader is None:
                 tag = self.text.find(self.OPEN, self._pos)

@@ -40,6 +40,8 @@ class ToolPlan:
     structured_output: StructuredOutputSpec | None
     """The grammar that enforces 'required' and 'named'."""
     needs_special_tokens: bool = False
+    forced_name: str | None = None
+    """The function a named tool_choice forces."""
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -59,12 +61,12 @@ NO_TOOLS = ToolPlan((), "none", None, None)
 def tool_plan(tools: Any, tool_choice: Any, parser_name: str) -> ToolPlan:
     """`parser_name`: the server's resolved --tool-call-parser ('hermes', 'llama3_json' or
     'none')."""
-    checked = _check_tools(tools)
+    checked = check_tools(tools)
     if not checked:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools: this request has none", "tool_choice")
         return NO_TOOLS
-    mode, name = _check_choice(tool_choice, checked)
+    mode, name = check_tool_choice(tool_choice, checked)
     if mode == "none":
         return ToolPlan(checked, mode, None, None)
     if mode == "auto":
@@ -87,7 +89,7 @@ def tool_plan(tools: Any, tool_choice: Any, parser_name: str) -> ToolPlan:
         spec = StructuredOutputSpec("json", json.dumps(required_tools_schema(checked)))
         return ToolPlan(checked, mode, JsonArrayParser, spec)
     spec = StructuredOutputSpec("json", json.dumps(named_tool_schema(checked, name)))
-    return ToolPlan(checked, mode, lambda: NamedFunctionParser(name), spec)
+    return ToolPlan(checked, mode, lambda: NamedFunctionParser(name), spec, forced_name=name)
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> str:
@@ -95,7 +97,8 @@ def resolve_parser(setting: str, chat_template: str | None) -> str:
     return parser_for_template(chat_template) if setting == "auto" else setting
 
 
-def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+def check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+    """The request's function tools in OpenAI's shape; a 400 naming the bad one."""
     if tools is None:
         return ()
     if not isinstance(tools, list):
@@ -126,7 +129,8 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
     return tuple(checked)
 
 
-def _check_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str]:
+def check_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str]:
+    """(mode, function name of a named choice); a 400 for a choice the tools cannot meet."""
     if choice is None:
         return "auto", ""
     if choice in ("none", "auto", "required"):
