@@ -7,7 +7,7 @@ checked against the torch reference first.
 On CUDA: eager and CUDA-graph medians of one MoE layer per token count, and the expert weight
 bytes the call must read (each expert hit, once) against the H200's copy bandwidth: at small
 token counts the layer is bound by those bytes. `--sweep` also times a grid of launch shapes
-(block_m, block_n, block_k, warps, stages, split MXFP4 loads) at each token count, for
+(block_m, block_n, block_k, warps, stages) at each token count, for
 choosing `tile_config`'s table. On the CPU the torch reference runs (a check that the script
 runs, not a figure to compare).
 """
@@ -41,8 +41,8 @@ MODELS = {
 }
 MAX_REL_ERR = 2e-2
 SWEEP = [
-    TileConfig(bm, bn, bk, warps, stages, split)
-    for bm, bn, bk, warps, stages in (
+    TileConfig(*shape)
+    for shape in (
         (16, 64, 128, 4, 4),
         (16, 32, 128, 4, 4),
         (16, 64, 256, 4, 3),
@@ -53,7 +53,6 @@ SWEEP = [
         (128, 64, 64, 8, 3),
         (128, 128, 64, 8, 3),
     )
-    for split in (False, True)
 ]
 
 
@@ -81,11 +80,9 @@ def _bandwidth(timing: dict[str, float], weight_bytes: float) -> dict[str, float
     }
 
 
-def _sweep(layer_with_tile, skip_split: bool, device: str) -> list[dict[str, Any]]:
+def _sweep(layer_with_tile, device: str) -> list[dict[str, Any]]:
     rows = []
     for tile in SWEEP:
-        if tile.split_load and skip_split:
-            continue
         knobs = dataclasses.asdict(tile)
         try:
             rows.append({**knobs, **time_call(functools.partial(layer_with_tile, tile), device)})
@@ -142,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         weight_bytes = int(torch.unique(ids).numel()) * _expert_bytes(hidden, intermediate, mxfp4)
         default = _bandwidth(time_call(layer, args.device), weight_bytes)
         row: dict[str, Any] = {
-            "tile": dataclasses.asdict(tile_config(num_tokens * top_k, num_experts)),
+            "tile": dataclasses.asdict(tile_config(num_tokens * top_k, num_experts, mxfp4)),
             **default,
             "max_rel_err_vs_ref": rel_err,
         }
         if args.sweep and args.device == "cuda":
-            row["sweep"] = _sweep(layer_with_tile, not mxfp4, args.device)
+            row["sweep"] = _sweep(layer_with_tile, args.device)
         details[f"tokens_{num_tokens}"] = row
         best_ms = min(v for k, v in default.items() if k.endswith("median_ms"))
         figures[f"tokens_{num_tokens}_us"] = round(1e3 * best_ms, 1)

@@ -67,9 +67,9 @@ def parse_args(argv: list[str] | None) -> Any:
         type=str.upper,
         choices=list(WORKLOADS),
         help="W1 (qwen3-0.6b, 1024 x 128 in / 512 out), W2 (qwen3-0.6b, 1000 x 1024 "
-        "in / 128 out), W3 (llama-3.1-8b, 1024 x 128 in / 512 out), all dummy "
-        "weights in bf16 on CUDA; CPU (the embedded model, float32, 32 x 128 "
-        "in / 64 out)",
+        "in / 128 out), W3 (llama-3.1-8b), W4 (gpt-oss-20b, MXFP4 experts), W5 "
+        "(qwen3-30b-a3b), W3-W5 1024 x 128 in / 512 out, all dummy weights in bf16 on "
+        "CUDA; CPU (the embedded model, float32, 32 x 128 in / 64 out)",
     )
     p.add_argument("--model", help="override the workload's model (e.g. dummy:smollm2-135m)")
     p.add_argument("--num-prompts", type=int, help="override the workload's prompt count")

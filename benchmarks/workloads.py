@@ -17,6 +17,11 @@ KV tokens read are N * (O*I + O*(O-1)/2), so
 A large model at a large batch is bound by matmul throughput instead (llama-3.1-8b at
 batch 1024 does 16 TFLOP per decode step, 21 ms at 790 TFLOP/s, against 15 ms of memory
 traffic): the compute floor 2 * params * N * (I + O) / matmul_rate is given too.
+
+Mixture-of-experts models (W4, W5): a step reads the shared weights and each expert that
+at least one of its tokens is routed to. With B tokens spread uniformly over E experts, k
+per token, that is E * (1 - (1 - k/E) ** B) experts per layer: the k active ones at batch
+1, all of them from a few dozen tokens on. The compute counts active parameters only.
 """
 
 from __future__ import annotations
@@ -51,9 +56,12 @@ WORKLOADS: dict[str, Workload] = {
     "W1": Workload("W1", "dummy:qwen3-0.6b", 1024, 128, 512),
     "W2": Workload("W2", "dummy:qwen3-0.6b", 1000, 1024, 128),
     "W3": Workload("W3", "dummy:llama-3.1-8b", 1024, 128, 512),
+    "W4": Workload("W4", "dummy:gpt-oss-20b", 1024, 128, 512),
+    "W5": Workload("W5", "dummy:qwen3-30b-a3b", 1024, 128, 512),
     "CPU": Workload("CPU", "default", 32, 128, 64, device="cpu", dtype="float32"),
 }
-"""W1-W3 on the GPU (dummy weights); CPU: the embedded SmolLM2-135M-Instruct."""
+"""W1-W5 on the GPU (dummy weights; W4 with MXFP4 experts, as gpt-oss ships); CPU: the
+embedded SmolLM2-135M-Instruct."""
 
 
 def workload_by_name(name: str) -> Workload:
@@ -77,14 +85,16 @@ def floors(
     model: Any, workload: Workload, num_steps: int | None = None, dtype_bytes: int = 2
 ) -> dict[str, Any]:
     """The bandwidth and compute floors of `workload` on `model` (a gpu.models ModelConfig)
-    at the H200's rates; `num_steps` defaults to one step per output token."""
+    at the H200's rates; `num_steps` defaults to one step per output token, each over the
+    workload's whole batch."""
     n, i, o = workload.num_prompts, workload.input_len, workload.output_len
     num_steps = o if num_steps is None else num_steps
     # The head matrix is read whole each step; the embedding lookup reads a few rows only.
     embedding_lookup = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
-    weight_bytes = (model.num_params() - embedding_lookup) * dtype_bytes
+    weight_bytes = step_weight_bytes(model, n, dtype_bytes) - embedding_lookup * dtype_bytes
     kv_bytes = n * (o * i + o * (o - 1) // 2) * model.kv_bytes_per_token * dtype_bytes
-    prefill_flops = 2 * model.num_params() * n * i
+    active_params = model.num_active_params()
+    prefill_flops = 2 * active_params * n * i
     ideal_s = (
         num_steps * weight_bytes + kv_bytes
     ) / COPY_BANDWIDTH_BYTES_PER_S + prefill_flops / BF16_MATMUL_FLOPS_PER_S
@@ -95,10 +105,23 @@ def floors(
         "prefill_flops": prefill_flops,
         "ideal_s": ideal_s,
         "roofline_output_tok_s": n * o / ideal_s,
-        "compute_floor_s": 2 * model.num_params() * n * (i + o) / BF16_MATMUL_FLOPS_PER_S,
+        "compute_floor_s": 2 * active_params * n * (i + o) / BF16_MATMUL_FLOPS_PER_S,
         "bandwidth_bytes_per_s": COPY_BANDWIDTH_BYTES_PER_S,
         "matmul_flops_per_s": BF16_MATMUL_FLOPS_PER_S,
     }
+
+
+def step_weight_bytes(model: Any, num_tokens: int, dtype_bytes: int = 2) -> float:
+    """Weight bytes a step of `num_tokens` tokens reads (every weight of a dense model; for
+    a mixture of experts, the shared weights and the experts expected to receive a token)."""
+    total = model.weight_bytes(dtype_bytes)
+    if not model.is_moe:
+        return total
+    active = model.weight_bytes(dtype_bytes, active_only=True)
+    num_experts, top_k = model.num_experts, model.num_experts_per_tok
+    bytes_per_expert = (total - active) / (num_experts - top_k)  # over all MoE layers
+    experts_hit = num_experts * (1 - (1 - top_k / num_experts) ** max(num_tokens, 1))
+    return active + (experts_hit - top_k) * bytes_per_expert
 
 
 # ---- served requests --------------------------------------------------------------------

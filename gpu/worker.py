@@ -79,7 +79,8 @@ class ModelWorker:
         if tp_group is None:
             files = load_model_files(config.model, dtype=self.dtype, device=self.device)
             self.model = DecoderModel(files.config, self.attn_backend, self.dtype, self.device)
-            self.model.load_weights(files.weights)
+            # consume: each tensor is freed once copied, so loading peaks near one copy
+            self.model.load_weights(files.weights, consume=True)
             self.model_source = files.source
             del files
         else:

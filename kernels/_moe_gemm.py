@@ -21,32 +21,17 @@ if HAS_TRITON:
     from kernels.mxfp4 import mxfp4_dequant_nibbles
 
     @triton.jit
-    def _load_rows(
-        row_ptrs,
-        row_ok,
-        k_start,
-        K,
-        IS_MXFP4: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SPLIT_LOAD: tl.constexpr,
-    ):
+    def _load_rows(row_ptrs, row_ok, k_start, K, IS_MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
         """Columns [k_start, k_start + BLOCK_K) of the activation rows: as (even, odd) column
-        halves for MXFP4, whose bytes hold an even and an odd column; else (tile, tile)."""
-        if IS_MXFP4 and SPLIT_LOAD:
-            ks = k_start + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (ks[None, :] < K)
-            tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)
+        halves for MXFP4, whose bytes hold an even and an odd column; else (tile, tile).
+        The halves come from one contiguous load split in registers: two strided loads
+        measured 1.1x (one token) to 5.6x (4,096 tokens) slower (benchmarks/NOTES.md)."""
+        ks = k_start + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks[None, :] < K)
+        tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)
+        if IS_MXFP4:
             return tl.split(tl.reshape(tile, (tile.shape[0], BLOCK_K // 2, 2)))
-        elif IS_MXFP4:
-            ks = k_start + 2 * tl.arange(0, BLOCK_K // 2)
-            mask = row_ok[:, None] & (ks[None, :] < K)
-            even = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)
-            odd = tl.load(row_ptrs[:, None] + ks[None, :] + 1, mask=mask, other=0.0)
-            return even, odd
         else:
-            ks = k_start + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (ks[None, :] < K)
-            tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)
             return tile, tile
 
     @triton.jit
@@ -134,7 +119,6 @@ if HAS_TRITON:
         ACTIVATION: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
-        SPLIT_LOAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -151,7 +135,7 @@ if HAS_TRITON:
             up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_rows = x_ptr + tokens * x_row_stride
             for k_start in range(0, K, BLOCK_K):
-                x0, x1 = _load_rows(x_rows, row_ok, k_start, K, IS_MXFP4, BLOCK_K, SPLIT_LOAD)
+                x0, x1 = _load_rows(x_rows, row_ok, k_start, K, IS_MXFP4, BLOCK_K)
                 gate = _weight_mma(
                     gate, x0, x1, w_expert, s_expert, cols, col_ok, k_start, K, w_row_stride,
                     scale_row_stride, IS_MXFP4, BLOCK_K, PRECISION, UPCAST_DOT,
@@ -199,7 +183,6 @@ if HAS_TRITON:
         IS_MXFP4: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
-        SPLIT_LOAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -214,7 +197,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             a_rows = a_ptr + pairs * K
             for k_start in range(0, K, BLOCK_K):
-                a0, a1 = _load_rows(a_rows, row_ok, k_start, K, IS_MXFP4, BLOCK_K, SPLIT_LOAD)
+                a0, a1 = _load_rows(a_rows, row_ok, k_start, K, IS_MXFP4, BLOCK_K)
                 acc = _weight_mma(
                     acc, a0, a1, w_expert, s_expert, cols, col_ok, k_start, K, w_row_stride,
                     scale_row_stride, IS_MXFP4, BLOCK_K, PRECISION, UPCAST_DOT,

@@ -57,29 +57,35 @@ class MoEActivation:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape of the two grouped GEMMs. `split_load`: MXFP4 activations loaded as one
-    tile and split into even/odd columns in registers, instead of two strided loads."""
+    """Launch shape of the two grouped GEMMs."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    split_load: bool = False
 
 
-def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
-    """Tile sizes from the mean rows per expert: decode (a few rows per expert) wants the
-    smallest block_m, since weight bytes, not math, bound it; prefill grows block_m so that
-    each weight tile feeds more rows."""
+def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
+    """Tile sizes from the mean rows per expert, as measured on the H200
+    (benchmarks/results/moe_*.json, `python -m benchmarks.moe --sweep`): decode (a few rows
+    per expert) wants the smallest block_m, since weight bytes, not math, bound it; prefill
+    grows block_m so that each weight tile feeds more rows. MXFP4 experts, whose tiles are
+    dequantized in registers, stop at block_m 64 (128 measured 1.2x slower)."""
     rows_per_expert = num_pairs / num_experts
+    if mxfp4:
+        if rows_per_expert <= 2:
+            return TileConfig(16, 32, 128, 4, 4)
+        if rows_per_expert <= 16:
+            return TileConfig(16, 64, 128, 4, 4)
+        return TileConfig(64, 64, 64, 4, 3)
     if rows_per_expert <= 16:
         return TileConfig(16, 64, 128, 4, 4)
     if rows_per_expert <= 48:
         return TileConfig(32, 64, 128, 4, 4)
     if rows_per_expert <= 96:
-        return TileConfig(64, 64, 64, 4, 4)
-    return TileConfig(128, 64, 64, 8, 3)
+        return TileConfig(64, 64, 64, 4, 3)
+    return TileConfig(128, 128, 64, 8, 3)
 
 
 def _weight_shape(w: Weights) -> tuple[int, ...]:
@@ -221,7 +227,7 @@ def fused_moe_triton(
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden.contiguous()
-    config = tile or tile_config(num_pairs, num_experts)
+    config = tile or tile_config(num_pairs, num_experts, isinstance(w13, MXFP4Tensor))
     grouping = group_pairs_triton(topk_ids.contiguous(), num_experts, config.block_m)
     intermediate_out = torch.empty(
         (num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device
@@ -267,7 +273,6 @@ def _launch_gemm1(
         ACTIVATION=ACT_SILU if activation.kind == "silu" else ACT_SWIGLU_CLAMPED,
         PRECISION=_precision(hidden.dtype),
         UPCAST_DOT=_interpreted(),
-        SPLIT_LOAD=config.split_load,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -298,7 +303,6 @@ def _launch_gemm2(
         IS_MXFP4=is_mxfp4,
         PRECISION=_precision(act.dtype),
         UPCAST_DOT=_interpreted(),
-        SPLIT_LOAD=config.split_load,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

@@ -14,6 +14,7 @@ from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
+from gpu.runner_v1.compiled_model import check_compilable
 from gpu.weights.shard_loader import read_model_config
 from gpu.worker import ModelWorker
 
@@ -53,8 +54,11 @@ def choose_runner(config: EngineConfig, platform: Platform, model: ModelConfig) 
 def check_before_load(config: EngineConfig, platform: Platform) -> None:
     """Refuse what cannot be served before spending the model load on it: processors that
     do not import, a forced runner that cannot run them (the
-    forced path of the selection does not depend on the architecture)."""
+    forced path of the selection does not depend on the architecture), a --compile-level
+    for a model whose parts the compiled pieces leave out."""
     load_logits_processor_classes(config.logits_processors)
+    if config.compile_level > 0:
+        check_compilable(read_model_config(config.model), config.compile_level)
     forced = selection_input(config, architecture="")
     if forced.env_override is not None or forced.requested_runner != "auto":
         select_runner(forced, platform)

@@ -27,10 +27,11 @@ __all__ = [
     "SwiGLUMLP",
     "apply_rotary",
     "empty_parameter",
+    "rope_attention_factor",
     "rope_inv_freq",
 ]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -94,6 +95,8 @@ def rope_inv_freq(
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(theta**exponents, head_dim, theta, rope_scaling)
     raise UnsupportedModelError(
         f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -116,11 +119,62 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    pos_freqs: torch.Tensor,  # [head_dim // 2] theta ** (2i / head_dim)
+    head_dim: int,
+    theta: float,
+    rope_scaling: Mapping[str, Any],
+) -> torch.Tensor:
+    # YaRN: dimensions that turn fewer than beta_slow times over the original context are
+    # interpolated (slowed down by `factor`), those that turn more than beta_fast times are
+    # kept, with a linear ramp between.
+    factor = rope_scaling["factor"]
+    original_len = rope_scaling["original_max_position_embeddings"]
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        turns = original_len / (num_rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope_scaling: Mapping[str, Any] | None) -> float:
+    """The factor YaRN scales cos and sin by (1 for every other rope type), as transformers
+    computes it: `attention_factor` if given, else from `factor`, `mscale` and
+    `mscale_all_dim`."""
+    rope_scaling = rope_scaling or {}
+    if rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling["factor"]
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the neox / HF `rotate_half` layout.
 
-    cos and sin are precomputed in float32 for every position below `max_positions`; the
-    attention prologue (kernels/qkv_prologue.py) looks them up by position.
+    cos and sin are precomputed in float32 for every position below `max_positions` (YaRN's
+    attention factor already multiplied in); the attention prologue
+    (kernels/qkv_prologue.py) looks them up by position.
     """
 
     def __init__(
@@ -134,10 +188,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
         angles = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        scale = rope_attention_factor(rope_scaling)
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
+        self.register_buffer("cos_cache", (angles.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin_cache", (angles.sin() * scale).to(device), persistent=False)
 
     def cos_sin(
         self,

@@ -1,11 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a flat varlen token batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, gpt-oss) over a flat
+varlen token batch.
 
 The per-architecture differences are `ModelConfig` flags: `attention_bias` (Qwen2),
-`qk_norm` (Qwen3), `rope_scaling` (Llama 3.1) and `tie_word_embeddings`. q/k/v and
+`qk_norm` (Qwen3), `rope_scaling` (Llama 3.1, YaRN), `tie_word_embeddings`, and for the
+mixture-of-experts models the experts (gpu/models/moe.py replaces the MLP of MoE layers),
+per-layer sliding windows, attention sinks and the o_proj bias (gpt-oss). q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
 tensor names and concatenates them. Given a TP group (`tp`), the model holds one rank's
 shard and communicates as gpu/models/parallel_layers.py describes; without one (the
-default) it is the whole model and runs no collective.
+default) it is the whole model and runs no collective. MoE models run unsharded only.
 
 A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
 fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
@@ -19,15 +22,16 @@ norm.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
-from gpu.models.config import ModelConfig
+from gpu.models.config import MOE_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
+from gpu.models.moe import SparseMoE, ViewTarget, moe_weight_targets
 from gpu.models.parallel_layers import (
     Collectives,
     gather_vocab_logits,
@@ -40,6 +44,13 @@ from kernels.qkv_prologue import qkv_prologue
 
 # Buffers that some checkpoints carry but that are recomputed here.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+Target = torch.Tensor | ViewTarget
+"""Where a checkpoint tensor is copied: a view of a parameter, or (experts in another
+layout) a ViewTarget."""
+_NO_TP_MESSAGE = (
+    "{} is a mixture-of-experts model, which runs on one GPU only for now "
+    "(no tensor or expert parallelism); use --tensor-parallel-size 1"
+)
 
 
 class Attention(nn.Module):
@@ -51,6 +62,7 @@ class Attention(nn.Module):
         device: torch.device | str,
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         heads = head_shard(config, *_rank_and_size(tp))
@@ -71,6 +83,18 @@ class Attention(nn.Module):
             empty_parameter(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
         )
         self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = (
+            empty_parameter(config.hidden_size, dtype=dtype, device=device)
+            if config.o_proj_bias
+            else None
+        )
+        # float32 like the backends' softmax, whatever the model dtype
+        self.sinks = (
+            empty_parameter(self.num_heads, dtype=torch.float32, device=device)
+            if config.attention_sinks
+            else None
+        )
+        self.sliding_window = config.layer_sliding_window(layer_index)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -93,8 +117,11 @@ class Attention(nn.Module):
             self.eps, kv_cache, attn_metadata.slot_mapping,
             self.num_heads, self.num_kv_heads, self.head_dim,
         )  # fmt: skip
-        out = self.attn_backend.attend(query, kv_cache, attn_metadata, self.scale)
-        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj)
+        out = self.attn_backend.attend(
+            query, kv_cache, attn_metadata, self.scale,
+            sliding_window=self.sliding_window, sinks=self.sinks,
+        )  # fmt: skip
+        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -107,16 +134,21 @@ class DecoderLayer(nn.Module):
         device: torch.device | str,
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp)
+        self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp, layer_index)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
-        _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
-        self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
+        self.mlp: SwiGLUMLP | SparseMoE
+        if config.is_moe_layer(layer_index):
+            self.mlp = SparseMoE(config, dtype, device)
+        else:
+            _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
+            self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
 
     def forward(
         self,
@@ -151,6 +183,8 @@ class DecoderModel(nn.Module):
         tp: Collectives | None = None,
     ) -> None:
         super().__init__()
+        if tp is not None and config.architecture in MOE_ARCHITECTURES:
+            raise UnsupportedModelError(_NO_TP_MESSAGE.format(config.name or config.architecture))
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -168,8 +202,8 @@ class DecoderModel(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device, self.rotary, tp)
-            for _ in range(config.num_layers)
+            DecoderLayer(config, attn_backend, dtype, device, self.rotary, tp, index)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
@@ -228,51 +262,58 @@ class DecoderModel(nn.Module):
         return F.linear(hidden, self.lm_head)
 
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], consume: bool = False) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters.
 
         Raises ValueError naming every missing, unexpected or mis-shaped tensor; nothing is
-        partially loaded in that case.
+        partially loaded in that case. consume=True pops each tensor from `weights` (then a
+        dict) as soon as it is copied and leaves it empty: once the caller holds no other
+        reference, the device never holds much more than one copy of the weights.
         """
-        targets = self._weight_targets()
         optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        names = [n for n in weights if not n.endswith(_IGNORED_WEIGHT_SUFFIXES)]
-        missing = sorted(set(targets) - set(names))
-        unexpected = sorted(set(names) - set(targets) - optional)
-        mis_shaped = [
-            f"{name}: expected {tuple(targets[name].shape)}, got {tuple(weights[name].shape)}"
-            for name in names
-            if name in targets and weights[name].shape != targets[name].shape
-        ]
-        problems = [
-            f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
-            for label, items in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("mis-shaped", mis_shaped),
-            )
-            if items
-        ]
-        if problems:
-            raise ValueError("cannot load weights into DecoderModel: " + "; ".join(problems))
-        for name, target in targets.items():
-            target.copy_(weights[name])
+        _check_weights(self._weight_targets(), weights, optional)
+        for targets in self._weight_target_groups():
+            for name, target in targets.items():
+                target.copy_(weights[name])
+                if consume:
+                    del weights[name]  # type: ignore[attr-defined]
+        if consume:
+            weights.clear()  # type: ignore[attr-defined]
 
     def hf_weight_views(self) -> dict[str, torch.Tensor]:
         """Hugging Face tensor name -> a view of the parameter storage holding it (the tied
-        head is left out): lets another framework run on these very weights."""
-        return self._weight_targets()
+        head is left out, and so are experts whose checkpoint layout no view of the
+        parameters gives: gpt-oss's interleaved gate/up): lets another framework run on
+        these very weights."""
+        return {
+            name: target
+            for name, target in self._weight_targets().items()
+            if isinstance(target, torch.Tensor)
+        }
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
+    def _weight_targets(self) -> dict[str, Target]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
-        targets: dict[str, torch.Tensor] = {
+        targets = self._model_weight_targets()
+        for index, layer in enumerate(self.layers):
+            targets.update(_layer_weight_targets(f"model.layers.{index}.", layer, self.config))
+        return targets
+
+    def _weight_target_groups(self) -> Iterator[dict[str, Target]]:
+        """`_weight_targets` in parts, layer by layer; a layer's experts are allocated
+        only when its part is asked for (gpu/models/moe.py)."""
+        yield self._model_weight_targets()
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.materialize()
+            yield _layer_weight_targets(f"model.layers.{index}.", layer, self.config)
+
+    def _model_weight_targets(self) -> dict[str, Target]:
+        targets: dict[str, Target] = {
             "model.embed_tokens.weight": self.embed_tokens.data,
             "model.norm.weight": self.norm.weight.data,
         }
         if not self.config.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
-        for index, layer in enumerate(self.layers):
-            targets.update(_layer_weight_targets(f"model.layers.{index}.", layer))
         return targets
 
 
@@ -289,7 +330,33 @@ def _mm_into_float32_works(device: torch.device) -> bool:
         return False
 
 
-def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.Tensor]:
+def _check_weights(
+    targets: Mapping[str, Target], weights: Mapping[str, torch.Tensor], optional: set[str]
+) -> None:
+    names = [n for n in weights if not n.endswith(_IGNORED_WEIGHT_SUFFIXES)]
+    missing = sorted(set(targets) - set(names))
+    unexpected = sorted(set(names) - set(targets) - optional)
+    mis_shaped = [
+        f"{name}: expected {tuple(targets[name].shape)}, got {tuple(weights[name].shape)}"
+        for name in names
+        if name in targets and weights[name].shape != targets[name].shape
+    ]
+    problems = [
+        f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
+        for label, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", mis_shaped),
+        )
+        if items
+    ]
+    if problems:
+        raise ValueError("cannot load weights into DecoderModel: " + "; ".join(problems))
+
+
+def _layer_weight_targets(
+    prefix: str, layer: DecoderLayer, config: ModelConfig
+) -> dict[str, Target]:
     attn = layer.self_attn
     q_rows, kv_rows = attn.q_size, attn.kv_size
     qkv_splits = {
@@ -297,11 +364,10 @@ def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.T
         "k_proj": (q_rows, kv_rows),
         "v_proj": (q_rows + kv_rows, kv_rows),
     }
-    targets = {
+    targets: dict[str, Target] = {
         f"{prefix}input_layernorm.weight": layer.input_layernorm.weight.data,
         f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
         f"{prefix}self_attn.o_proj.weight": attn.o_proj.data,
-        f"{prefix}mlp.down_proj.weight": layer.mlp.down_proj.data,
     }
     for proj, (start, rows) in qkv_splits.items():
         targets[f"{prefix}self_attn.{proj}.weight"] = attn.qkv_proj.data.narrow(0, start, rows)
@@ -310,13 +376,18 @@ def _layer_weight_targets(prefix: str, layer: DecoderLayer) -> dict[str, torch.T
     if attn.q_norm is not None and attn.k_norm is not None:
         targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight.data
         targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight.data
+    if attn.o_bias is not None:
+        targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_bias.data
+    if attn.sinks is not None:
+        targets[f"{prefix}self_attn.sinks"] = attn.sinks.data
+    if isinstance(layer.mlp, SparseMoE):
+        targets.update(moe_weight_targets(prefix, layer.mlp, config))
+        return targets
     intermediate = layer.mlp.intermediate_size
-    targets[f"{prefix}mlp.gate_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(
-        0, 0, intermediate
-    )
-    targets[f"{prefix}mlp.up_proj.weight"] = layer.mlp.gate_up_proj.data.narrow(
-        0, intermediate, intermediate
-    )
+    gate_up = layer.mlp.gate_up_proj.data
+    targets[f"{prefix}mlp.gate_proj.weight"] = gate_up.narrow(0, 0, intermediate)
+    targets[f"{prefix}mlp.up_proj.weight"] = gate_up.narrow(0, intermediate, intermediate)
+    targets[f"{prefix}mlp.down_proj.weight"] = layer.mlp.down_proj.data
     return targets
 
 

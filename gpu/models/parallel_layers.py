@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.models.config import MOE_ARCHITECTURES, ModelConfig, UnsupportedModelError
 
 
 class Collectives(Protocol):
@@ -63,6 +63,12 @@ def check_tensor_parallel_size(config: ModelConfig, tp_size: int) -> None:
     """Raise UnsupportedModelError unless `config` splits evenly over `tp_size` ranks."""
     if tp_size < 1:
         raise UnsupportedModelError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if tp_size > 1 and config.architecture in MOE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{config.name or config.architecture} is a mixture-of-experts model, which runs "
+            f"on one GPU only for now (no tensor or expert parallelism); use tensor parallel "
+            f"size 1"
+        )
     problems = []
     if config.num_heads % tp_size:
         problems.append(f"its {config.num_heads} attention heads")

@@ -18,6 +18,10 @@ Levels: 0 = eager (default); 1 = torch.compile with inductor's default mode;
 slower startup, faster steps). No CUDA graphs: the batch shape changes every step on V1.
 The token dimension is dynamic (one graph for every batch size >= 2, one for a single
 token), so a server compiles at startup (`warm_up`) and never during serving.
+
+Dense Llama/Qwen decoders only: a model with mixture-of-experts layers, attention sinks,
+sliding windows or an o_proj bias (Qwen3-MoE, gpt-oss) is refused at startup, since the
+traced pieces above do not hold those parts.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
+from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.models.llama import DecoderLayer, DecoderModel
 from gpu.runner_v1.compiled_layers import (
     HeadShape,
@@ -51,11 +56,34 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
     model and level (kept on the model, so it lives exactly as long)."""
     if level not in COMPILE_MODES:
         raise ValueError(f"compile level must be one of {sorted(COMPILE_MODES)}, got {level}")
+    check_compilable(model.config, level)
     per_model: dict[int, CompiledDecoder] = model.__dict__.setdefault(_ATTRIBUTE, {})
     if level not in per_model:
         per_model[level] = CompiledDecoder(model, level)
         per_model[level].warm_up()
     return per_model[level]
+
+
+def check_compilable(config: ModelConfig, level: int) -> None:
+    """Raise UnsupportedModelError when the compiled pieces would leave out a part of
+    `config`'s model (see the module docstring)."""
+    untraced = _untraced_parts(config)
+    if untraced:
+        raise UnsupportedModelError(
+            f"--compile-level {level} cannot compile {config.architecture} "
+            f"({', '.join(untraced)}); serve it with --compile-level 0"
+        )
+
+
+def _untraced_parts(config: ModelConfig) -> list[str]:
+    parts = {
+        "mixture-of-experts layers": config.is_moe,
+        "attention sinks": config.attention_sinks,
+        "sliding-window layers": config.layer_types is not None
+        and "sliding_attention" in config.layer_types,
+        "an o_proj bias": config.o_proj_bias,
+    }
+    return [name for name, present in parts.items() if present]
 
 
 def _pre_weights(layer: DecoderLayer) -> tuple[torch.Tensor | None, ...]:

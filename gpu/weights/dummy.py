@@ -5,6 +5,10 @@ model on a GPU takes seconds. Each weight is drawn in blocks of DUMMY_ROW_BLOCK 
 block from its own seed (a hash of the weight seed, the weight's name and the block
 index), so one tensor-parallel rank generates just the blocks its shard overlaps, and
 its shard equals the same slice of the whole model's weights exactly.
+
+MXFP4 experts (gpt-oss presets) are drawn packed, as the checkpoints store them: uniform
+random e2m1 codes and scales of 2**-8 or 2**-7, so that the values have a standard
+deviation of about 0.018, near the other weights' 0.02.
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ import hashlib
 import torch
 
 from gpu.models.config import PRESETS, ModelConfig, UnsupportedModelError
-from gpu.weights.layout import EMBED_NAME, LM_HEAD_NAME, expected_weight_shapes, is_norm_weight
+from gpu.weights.layout import (
+    EMBED_NAME,
+    LM_HEAD_NAME,
+    expected_weight_shapes,
+    is_mxfp4_weight,
+    is_norm_weight,
+)
 from gpu.weights.shard_layout import ShardSlice, weight_shard_slices
 
 WEIGHT_STD = 0.02
 DUMMY_ROW_BLOCK = 256
+MXFP4_DUMMY_SCALES = (119, 120)
+"""E8M0 exponents (2**-8, 2**-7) of dummy MXFP4 groups."""
 
 
 def preset_config(preset: str) -> ModelConfig:
@@ -39,8 +51,9 @@ def dummy_weights(
     tp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Random weights with the right names and shapes: normal(0, 0.02) matrices and biases,
-    RMSNorm weights of one. Same seed, device and dtype -> same weights. With tp_size > 1,
-    only tensor-parallel rank tp_rank's shard of each (gpu/weights/shard_layout.py)."""
+    RMSNorm weights of one, MXFP4 blocks and scales as the module docstring says. Same
+    seed, device and dtype -> same weights. With tp_size > 1, only tensor-parallel rank
+    tp_rank's shard of each (gpu/weights/shard_layout.py)."""
     device = torch.device(device)
     generator = torch.Generator(device=device)
     slices = weight_shard_slices(config, tp_rank, tp_size)
@@ -50,6 +63,9 @@ def dummy_weights(
             weights[name] = weights[EMBED_NAME]
         elif is_norm_weight(name):
             weights[name] = torch.ones(slices[name].shard_shape(shape), dtype=dtype, device=device)
+        elif is_mxfp4_weight(name):  # MoE models run unsharded: always the whole tensor
+            generator.manual_seed(_block_seed(seed, name, 0))
+            weights[name] = _random_mxfp4(name, shape, device, generator)
         else:
             weights[name] = _random_shard(name, shape, slices[name], dtype, device, seed, generator)
     return weights
@@ -82,6 +98,15 @@ def _random_shard(
             dest = dest.narrow(1, 0, shard.stop - shard.start)
         dest.copy_(part)
     return out
+
+
+def _random_mxfp4(
+    name: str, shape: tuple[int, ...], device: torch.device, generator: torch.Generator
+) -> torch.Tensor:  # uint8
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator)
+    low, high = MXFP4_DUMMY_SCALES[0], MXFP4_DUMMY_SCALES[-1] + 1
+    return torch.randint(low, high, shape, dtype=torch.uint8, device=device, generator=generator)
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:

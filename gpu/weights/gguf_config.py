@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from gpu.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.weights.gguf_file import GGUFFile
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_MOE_GGUF_ARCHITECTURES = ("qwen3moe", "gpt-oss", "qwen3_moe", "gpt_oss")
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
@@ -20,10 +22,14 @@ def gguf_model_config(
 ) -> ModelConfig:
     """Read the architecture's hyperparameters from GGUF metadata."""
     arch = gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch in _MOE_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"GGUF files of the mixture-of-experts architecture {arch!r} are not supported; "
+            f"load its Hugging Face safetensors directory instead"
+        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     meta = gguf.metadata
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from gpu.models.config import ModelConfig
-from gpu.weights.layout import finish_weights
+from gpu.weights.layout import finish_weights, is_mxfp4_weight
 from gpu.weights.shard_layout import (
     WHOLE_TENSOR,
     ShardSlice,
@@ -84,9 +84,10 @@ def load_hf_dir(
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Load a Hugging Face directory's config, weights (in `dtype` on `device`) and
-    generation config (`{}` when the file is absent). With tp_size > 1 only rank tp_rank's
-    shard of each weight is read from the files (gpu/weights/shard_layout.py)."""
+    """Load a Hugging Face directory's config, weights (in `dtype` on `device`, MXFP4
+    blocks and scales as uint8) and generation config (`{}` when the file is absent). With
+    tp_size > 1 only rank tp_rank's shard of each weight is read from the files
+    (gpu/weights/shard_layout.py)."""
     config = load_hf_config(model_dir)
     slices = weight_shard_slices(config, tp_rank, tp_size)
     device_name = str(torch.device(device))
@@ -97,10 +98,21 @@ def load_hf_dir(
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 shard = _read_shard(f, name, slices.get(name, WHOLE_TENSOR))
-                weights[name] = shard.to(device=device_name, dtype=dtype)
+                weights[name] = _to_model_dtype(name, shard, device_name, dtype)
     expected = expected_shard_shapes(config, tp_rank, tp_size)
     weights = finish_weights(config, weights, model_dir, expected)
     return config, weights, load_generation_config(model_dir)
+
+
+def _to_model_dtype(
+    name: str, tensor: torch.Tensor, device: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Floating tensors in the model dtype; MXFP4 blocks and scales stay uint8."""
+    if is_mxfp4_weight(name):
+        if tensor.dtype != torch.uint8:
+            raise ValueError(f"weight {name!r} is {tensor.dtype}, expected uint8 (MXFP4)")
+        return tensor.to(device=device)
+    return tensor.to(device=device, dtype=dtype)
 
 
 def _read_shard(f: Any, name: str, shard: ShardSlice) -> torch.Tensor:

@@ -2,13 +2,21 @@
 
 Every loader (GGUF, Hugging Face directory, dummy) produces exactly these names, and checks
 what it read against these shapes, so the model code can index the dict without guessing.
+
+Mixture-of-experts layers are listed as the real checkpoints store them: Qwen3-MoE one
+tensor per expert and projection plus the router `mlp.gate`; gpt-oss stacked experts with
+gate and up rows interleaved, either MXFP4 (`*_blocks` [..., rows, cols / 32, 16] and
+`*_scales` [..., rows, cols / 32], uint8: OpenAI's checkpoints) or unquantized in the
+transposed layout transformers saves (`gate_up_proj` [E, hidden, 2I], `down_proj`
+[E, I, hidden]). Every floating weight is in the model dtype, the attention sinks included
+(the model keeps them in float32); MXFP4 blocks and scales stay uint8.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu.models.config import ModelConfig
+from gpu.models.config import MXFP4_GROUP_SIZE, ModelConfig
 
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
@@ -36,13 +44,63 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[prefix + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[prefix + "self_attn.o_proj.weight"] = (hidden, q_rows)
+        if config.o_proj_bias:
+            shapes[prefix + "self_attn.o_proj.bias"] = (hidden,)
+        if config.attention_sinks:
+            shapes[prefix + "self_attn.sinks"] = (config.num_heads,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[prefix + "mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[prefix + "mlp.up_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[prefix + "mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+        if config.is_moe_layer(layer):
+            shapes.update(_moe_shapes(config, prefix + "mlp."))
+        else:
+            shapes[prefix + "mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+            shapes[prefix + "mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+            shapes[prefix + "mlp.down_proj.weight"] = (hidden, config.intermediate_size)
     shapes[FINAL_NORM_NAME] = (hidden,)
     shapes[LM_HEAD_NAME] = (config.vocab_size, hidden)
     return shapes
+
+
+def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    hidden, width, num_experts = (
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts,
+    )
+    if config.architecture == "qwen3_moe":
+        shapes = {prefix + "gate.weight": (num_experts, hidden)}
+        for expert in range(num_experts):
+            name = f"{prefix}experts.{expert}."
+            shapes[name + "gate_proj.weight"] = (width, hidden)
+            shapes[name + "up_proj.weight"] = (width, hidden)
+            shapes[name + "down_proj.weight"] = (hidden, width)
+        return shapes
+    experts = prefix + "experts."
+    shapes = {
+        prefix + "router.weight": (num_experts, hidden),
+        prefix + "router.bias": (num_experts,),
+    }
+    if config.mxfp4_experts:
+        group, block_bytes = MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE // 2
+        shapes[experts + "gate_up_proj_blocks"] = (
+            num_experts,
+            2 * width,
+            hidden // group,
+            block_bytes,
+        )
+        shapes[experts + "gate_up_proj_scales"] = (num_experts, 2 * width, hidden // group)
+        shapes[experts + "down_proj_blocks"] = (num_experts, hidden, width // group, block_bytes)
+        shapes[experts + "down_proj_scales"] = (num_experts, hidden, width // group)
+    else:
+        shapes[experts + "gate_up_proj"] = (num_experts, hidden, 2 * width)
+        shapes[experts + "down_proj"] = (num_experts, width, hidden)
+    shapes[experts + "gate_up_proj_bias"] = (num_experts, 2 * width)
+    shapes[experts + "down_proj_bias"] = (num_experts, hidden)
+    return shapes
+
+
+def is_mxfp4_weight(name: str) -> bool:
+    """Whether `name` is a uint8 half of an MXFP4 tensor (blocks or scales)."""
+    return name.endswith(("_blocks", "_scales"))
 
 
 def is_norm_weight(name: str) -> bool:

@@ -53,5 +53,5 @@ def test_against_a_baseline_and_unknown_results(
 def test_floors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--floors"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[1:]] == ["W1", "W2", "W3"]
+    assert [line.split()[0] for line in lines[1:]] == ["W1", "W2", "W3", "W4", "W5"]
     assert "91,1" in lines[1]  # W1's ideal output tok/s

@@ -25,6 +25,7 @@ from benchmarks.workloads import (
     Workload,
     floors,
     random_prompts,
+    step_weight_bytes,
     workload_by_name,
 )
 from gpu.models.config import PRESETS
@@ -160,3 +161,17 @@ def test_the_floor_of_w1_is_near_the_design_figure() -> None:
     assert figures["compute_floor_s"] < figures["ideal_s"]  # W1 is bound by bandwidth
     w3 = floors(PRESETS["llama-3.1-8b"], WORKLOADS["W3"])
     assert w3["compute_floor_s"] > w3["ideal_s"]  # W3 by matmuls
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_a_moe_step_reads_the_active_experts_at_batch_1_and_all_of_them_at_large_batches(
+    preset: str,
+) -> None:
+    model = PRESETS[preset]
+    active, total = model.weight_bytes(2, active_only=True), model.weight_bytes(2)
+    assert active < total / 2  # a few of many experts
+    assert step_weight_bytes(model, 1) == pytest.approx(active)
+    assert step_weight_bytes(model, 8) > step_weight_bytes(model, 2) > active
+    assert step_weight_bytes(model, 1024) == pytest.approx(total, rel=1e-6)
+    dense = PRESETS["qwen3-0.6b"]
+    assert step_weight_bytes(dense, 1) == step_weight_bytes(dense, 1024) == dense.weight_bytes(2)

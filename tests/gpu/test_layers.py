@@ -78,8 +78,8 @@ def test_linear_rope_divides_and_unknown_type_is_rejected() -> None:
     torch.testing.assert_close(
         rope_inv_freq(16, 500000.0, {"rope_type": "linear", "factor": 4.0}), plain / 4
     )
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        rope_inv_freq(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        rope_inv_freq(16, 10000.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 @pytest.mark.slow

@@ -1,0 +1,184 @@
+"""The sparse MLP block of Qwen3-MoE and gpt-oss: router -> top-k -> fused experts.
+
+Expert weights are two stacked tensors per layer, in the layout kernels/fused_moe.py
+multiplies with:
+
+    w13: [num_experts, 2 * I, hidden]   rows [0, I) gate_proj, rows [I, 2I) up_proj
+    w2:  [num_experts, hidden, I]
+
+in the model dtype, or as MXFP4 (uint8 blocks and scales, never converted) when the
+checkpoint ships them so (gpt-oss). Checkpoints store them otherwise: Qwen3-MoE one
+tensor per expert and projection, gpt-oss gate and up rows interleaved (gate = rows 0::2,
+up = rows 1::2) and, as transformers saves it unquantized, transposed. `moe_weight_targets`
+maps each checkpoint tensor onto a view of these parameters, so that loading is one
+strided copy per tensor, with no temporary.
+
+The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
+construction: a loader that frees each checkpoint tensor as it is copied then never holds
+much more than one copy of the experts on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.models.config import MXFP4_GROUP_SIZE, ModelConfig
+from gpu.models.layers import empty_parameter
+from kernels.fused_moe import MoEActivation, fused_moe
+from kernels.moe_routing import moe_route
+from kernels.mxfp4 import MXFP4Tensor
+
+MXFP4_BLOCK_BYTES = MXFP4_GROUP_SIZE // 2
+_META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class ViewTarget:
+    """A load target whose checkpoint tensor, of `shape`, is copied through a reshape to
+    `dest.shape` (`dest` being a strided view of a parameter)."""
+
+    dest: torch.Tensor
+    shape: torch.Size
+
+    def copy_(self, source: torch.Tensor) -> None:
+        self.dest.copy_(source.reshape(self.dest.shape))
+
+
+class SparseMoE(nn.Module):
+    """softmax router, top-k, and the sum of each token's experts weighted by their
+    routing probability (renormalised over the top-k when `config.norm_topk_prob`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        num_experts, hidden = config.num_experts, config.hidden_size
+        self.width = config.moe_intermediate_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.is_mxfp4 = config.mxfp4_experts
+        self.activation = MoEActivation(
+            "silu" if config.moe_activation == "silu" else "swiglu_clamped",
+            config.swiglu_alpha,
+            config.swiglu_limit,
+        )
+        self.router = empty_parameter(num_experts, hidden, dtype=dtype, device=device)
+        self.router_bias = (
+            empty_parameter(num_experts, dtype=dtype, device=device) if config.router_bias else None
+        )
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if config.expert_bias:
+            self.w13_bias = empty_parameter(num_experts, 2 * self.width, dtype=dtype, device=device)
+            self.w2_bias = empty_parameter(num_experts, hidden, dtype=dtype, device=device)
+        for name, shape, param_dtype in self._expert_shapes(num_experts, hidden):
+            self.register_parameter(name, empty_parameter(*shape, dtype=param_dtype, device=_META))
+
+    def _expert_shapes(
+        self, num_experts: int, hidden: int
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        two_width = 2 * self.width
+        if not self.is_mxfp4:
+            return [
+                ("w13_weight", (num_experts, two_width, hidden), self.dtype),
+                ("w2_weight", (num_experts, hidden, self.width), self.dtype),
+            ]
+        groups13, groups2 = hidden // MXFP4_GROUP_SIZE, self.width // MXFP4_GROUP_SIZE
+        return [
+            ("w13_blocks", (num_experts, two_width, groups13, MXFP4_BLOCK_BYTES), torch.uint8),
+            ("w13_scales", (num_experts, two_width, groups13), torch.uint8),
+            ("w2_blocks", (num_experts, hidden, groups2, MXFP4_BLOCK_BYTES), torch.uint8),
+            ("w2_scales", (num_experts, hidden, groups2), torch.uint8),
+        ]
+
+    @property
+    def is_materialized(self) -> bool:
+        return all(not p.is_meta for p in self.parameters())
+
+    def materialize(self) -> None:
+        """Allocate the (uninitialised) stacked expert tensors on the model's device."""
+        for name, param in list(self.named_parameters(recurse=False)):
+            if param.is_meta:
+                real = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                self.register_parameter(name, nn.Parameter(real, requires_grad=False))
+
+    @property
+    def w13(self) -> torch.Tensor | MXFP4Tensor:  # [num_experts, 2 * width, hidden]
+        if self.is_mxfp4:
+            return MXFP4Tensor(self.w13_blocks, self.w13_scales)
+        return self.w13_weight
+
+    @property
+    def w2(self) -> torch.Tensor | MXFP4Tensor:  # [num_experts, hidden, width]
+        if self.is_mxfp4:
+            return MXFP4Tensor(self.w2_blocks, self.w2_scales)
+        return self.w2_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        router_logits = F.linear(x, self.router, self.router_bias)  # [num_tokens, num_experts]
+        topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
+        return fused_moe(
+            x, topk_weights, topk_ids, self.w13, self.w2, self.w13_bias, self.w2_bias,
+            self.activation,
+        )  # fmt: skip
+
+
+def moe_weight_targets(
+    prefix: str, moe: SparseMoE, config: ModelConfig
+) -> dict[str, torch.Tensor | ViewTarget]:
+    """Checkpoint tensor name -> where it is copied, for the MLP of the layer at `prefix`
+    ("model.layers.{i}."); the layouts are gpu/weights/layout.py's."""
+    if config.architecture == "qwen3_moe":
+        return _qwen3_moe_targets(prefix + "mlp.", moe)
+    return _gpt_oss_targets(prefix + "mlp.", moe)
+
+
+def _qwen3_moe_targets(prefix: str, moe: SparseMoE) -> dict[str, torch.Tensor | ViewTarget]:
+    targets: dict[str, torch.Tensor | ViewTarget] = {f"{prefix}gate.weight": moe.router.data}
+    w13, w2 = moe.w13_weight.data, moe.w2_weight.data
+    for expert in range(w13.shape[0]):
+        name = f"{prefix}experts.{expert}."
+        targets[name + "gate_proj.weight"] = w13[expert, : moe.width]
+        targets[name + "up_proj.weight"] = w13[expert, moe.width :]
+        targets[name + "down_proj.weight"] = w2[expert]
+    return targets
+
+
+def _gpt_oss_targets(prefix: str, moe: SparseMoE) -> dict[str, torch.Tensor | ViewTarget]:
+    assert moe.router_bias is not None and moe.w13_bias is not None and moe.w2_bias is not None
+    experts = prefix + "experts."
+    targets: dict[str, torch.Tensor | ViewTarget] = {
+        f"{prefix}router.weight": moe.router.data,
+        f"{prefix}router.bias": moe.router_bias.data,
+        experts + "gate_up_proj_bias": _deinterleaved(moe.w13_bias.data, rows_dim=1),
+        experts + "down_proj_bias": moe.w2_bias.data,
+    }
+    if moe.is_mxfp4:
+        targets[experts + "gate_up_proj_blocks"] = _deinterleaved(moe.w13_blocks.data, 1)
+        targets[experts + "gate_up_proj_scales"] = _deinterleaved(moe.w13_scales.data, 1)
+        targets[experts + "down_proj_blocks"] = moe.w2_blocks.data
+        targets[experts + "down_proj_scales"] = moe.w2_scales.data
+        return targets
+    # transformers' unquantized layout: gate_up_proj [E, hidden, 2I] (columns interleaved),
+    # down_proj [E, I, hidden]; both multiply as x @ w.
+    w13 = moe.w13_weight.data
+    num_experts, two_width, hidden = w13.shape
+    interleaved_t = w13.view(num_experts, 2, two_width // 2, hidden).permute(0, 3, 2, 1)
+    targets[experts + "gate_up_proj"] = ViewTarget(
+        interleaved_t, torch.Size((num_experts, hidden, two_width))
+    )
+    targets[experts + "down_proj"] = moe.w2_weight.data.transpose(1, 2)
+    return targets
+
+
+def _deinterleaved(param: torch.Tensor, rows_dim: int) -> ViewTarget:
+    """A target that reads interleaved rows (gate 0::2, up 1::2 along `rows_dim`) into
+    `param`'s [gate; up] halves."""
+    shape = param.shape
+    num_rows = shape[rows_dim]
+    split = param.view(*shape[:rows_dim], 2, num_rows // 2, *shape[rows_dim + 1 :])
+    return ViewTarget(split.transpose(rows_dim, rows_dim + 1), shape)
