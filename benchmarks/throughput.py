@@ -456,8 +456,18 @@ def _run_hf_arms(
         warm_up_hf,
     )
 
-    hf = hf_model_sharing_weights(v2.worker.model)
-    warm_up_hf(hf, prompts)
+    try:  # a transformers model that cannot be built (no room for its copies) is reported
+        hf = hf_model_sharing_weights(v2.worker.model)
+        warm_up_hf(hf, prompts)
+    except Exception as exc:  # noqa: BLE001
+        for arm in arms:
+            details["runs"].append({"arm": arm, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            print(_describe(details["runs"][-1]), flush=True)
+        return
+    details["hf_implementation"] = {
+        "attention": getattr(hf.config, "_attn_implementation", None),
+        "experts": getattr(hf.config, "_experts_implementation", None),
+    }
     for arm in arms:
         try:
             if arm == "hf_static":

@@ -175,3 +175,23 @@ def test_a_moe_step_reads_the_active_experts_at_batch_1_and_all_of_them_at_large
     assert step_weight_bytes(model, 1024) == pytest.approx(total, rel=1e-6)
     dense = PRESETS["qwen3-0.6b"]
     assert step_weight_bytes(dense, 1) == step_weight_bytes(dense, 1024) == dense.weight_bytes(2)
+
+
+def test_a_transformers_model_that_cannot_be_built_is_reported_per_arm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import benchmarks.hf_arms
+    from benchmarks.throughput import _run_hf_arms
+
+    def no_room(model: object) -> None:
+        raise ValueError("needs 38.2 GB beside tandem, 24.0 GB free")
+
+    monkeypatch.setattr(benchmarks.hf_arms, "hf_model_sharing_weights", no_room)
+    details: dict = {"runs": []}
+
+    class V2:
+        worker = type("Worker", (), {"model": None})()
+
+    _run_hf_arms(details, ["hf_static", "hf_continuous"], V2(), [[1, 2]], WORKLOADS["W4"], 8)
+    assert [run["arm"] for run in details["runs"]] == ["hf_static", "hf_continuous"]
+    assert all("38.2 GB" in run["error"] for run in details["runs"])
