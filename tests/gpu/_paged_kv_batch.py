@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from gpu.attention.base import AttentionMetadata
+from gpu.attention.base import AttentionMetadata, allocate_kv_cache
 
 
 @dataclass(slots=True)
@@ -82,3 +83,49 @@ class PagedKVBook:
                 raise RuntimeError("test KV cache is out of blocks; allocate more")
             blocks.append(self.free_blocks.pop())
         return blocks
+
+
+def model_kv_caches(
+    config: Any, num_blocks: int, block_size: int, device: str = "cpu"
+) -> list[torch.Tensor]:  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+    """float32 KV caches for every layer of a gpu.models ModelConfig."""
+    return allocate_kv_cache(
+        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+        torch.float32, device,
+    )  # fmt: skip
+
+
+def greedy_decode(
+    model: Any,
+    config: Any,
+    prompts: list[torch.Tensor],
+    arrival_steps: list[int],
+    num_new_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    device: str = "cpu",
+) -> list[list[int]]:
+    """Continuous batching by hand over a DecoderModel: request i is prefilled at step
+    arrival_steps[i], then decodes one token per step alongside the others until it has
+    num_new_tokens."""
+    book = PagedKVBook(num_blocks, block_size, seed=3)
+    kv_caches = model_kv_caches(config, num_blocks, block_size, device)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    step = 0
+    while any(len(out) < num_new_tokens for out in outputs):
+        running = [
+            i
+            for i, out in enumerate(outputs)
+            if arrival_steps[i] <= step and len(out) < num_new_tokens
+        ]
+        new_ids = [prompts[i] if not outputs[i] else torch.tensor(outputs[i][-1:]) for i in running]
+        positions, metadata = book.step(
+            [(f"req{i}", len(ids)) for i, ids in zip(running, new_ids)], device=device
+        )
+        hidden = model(torch.cat(new_ids).to(device), positions, kv_caches, metadata)
+        last_rows = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long().to(device)
+        next_ids = model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
+        for i, token in zip(running, next_ids, strict=True):
+            outputs[i].append(token)
+        step += 1
+    return outputs

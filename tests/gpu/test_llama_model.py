@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.attention.base import AttentionBackend, allocate_kv_cache
+from gpu.attention.base import AttentionBackend
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
-from tests.gpu._paged_kv_batch import PagedKVBook
+from tests.gpu._paged_kv_batch import PagedKVBook, greedy_decode, model_kv_caches
 from tests.gpu._tiny_hf_models import TINY_MODEL_NAMES, build_tiny_hf_model
 
 pytestmark = pytest.mark.slow
@@ -54,18 +54,6 @@ def _decoder(
     return model
 
 
-def _kv_caches(config: ModelConfig, block_size: int, device: str = "cpu") -> list[torch.Tensor]:
-    return allocate_kv_cache(
-        config.num_layers,
-        NUM_BLOCKS,
-        block_size,
-        config.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        device,
-    )
-
-
 def _prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
@@ -99,7 +87,9 @@ def _prefill_logits(
         device=device,
     )
     input_ids = torch.cat([*prompts, torch.zeros(num_padding, dtype=torch.int64)]).to(device)
-    hidden = model(input_ids, positions, _kv_caches(config, block_size, device), metadata)
+    hidden = model(
+        input_ids, positions, model_kv_caches(config, NUM_BLOCKS, block_size, device), metadata
+    )
     logits = model.compute_logits(hidden[: metadata.num_actual_tokens])
     assert logits.dtype == torch.float32 and logits.shape == (
         metadata.num_actual_tokens,
@@ -146,7 +136,7 @@ def test_chunked_prefill_matches_transformers(
 ) -> None:
     hf_model, config, weights = tiny_model(name)
     model = _decoder(config, weights)
-    kv_caches = _kv_caches(config, block_size=4)
+    kv_caches = model_kv_caches(config, NUM_BLOCKS, 4)
     book = PagedKVBook(NUM_BLOCKS, block_size=4, seed=2)
     prompts = _prompts([22, 19], config.vocab_size, seed=1)
     chunk_lens = [[9, 8, 5], [3, 10, 6]]
@@ -166,39 +156,6 @@ def test_chunked_prefill_matches_transformers(
 
 
 @torch.no_grad()
-def _greedy_decode(
-    model: DecoderModel,
-    config: ModelConfig,
-    prompts: list[torch.Tensor],
-    arrival_steps: list[int],
-    num_new_tokens: int,
-    device: str = "cpu",
-) -> list[list[int]]:
-    """Continuous batching by hand: request i is prefilled at step arrival_steps[i], then
-    decodes one token per step alongside the others until it has num_new_tokens."""
-    book = PagedKVBook(NUM_BLOCKS, block_size=4, seed=3)
-    kv_caches = _kv_caches(config, 4, device)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    step = 0
-    while any(len(out) < num_new_tokens for out in outputs):
-        running = [
-            i
-            for i, out in enumerate(outputs)
-            if arrival_steps[i] <= step and len(out) < num_new_tokens
-        ]
-        new_ids = [prompts[i] if not outputs[i] else torch.tensor(outputs[i][-1:]) for i in running]
-        positions, metadata = book.step(
-            [(f"req{i}", len(ids)) for i, ids in zip(running, new_ids)], device=device
-        )
-        hidden = model(torch.cat(new_ids).to(device), positions, kv_caches, metadata)
-        last_rows = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long().to(device)
-        next_ids = model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
-        for i, token in zip(running, next_ids, strict=True):
-            outputs[i].append(token)
-        step += 1
-    return outputs
-
-
 @pytest.mark.parametrize("name", TINY_MODEL_NAMES)
 def test_greedy_decode_matches_transformers_generate(
     tiny_model: Callable[[str], TinyModel], name: str
@@ -206,9 +163,10 @@ def test_greedy_decode_matches_transformers_generate(
     hf_model, config, weights = tiny_model(name)
     prompts = _prompts([5, 9, 14], config.vocab_size, seed=2)
     # the third request joins two steps late, so steps mix a prefill with decodes
-    outputs = _greedy_decode(
-        _decoder(config, weights), config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16
-    )
+    outputs = greedy_decode(
+        _decoder(config, weights), config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16,
+        num_blocks=NUM_BLOCKS, block_size=4,
+    )  # fmt: skip
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[
             0, len(prompt) :
@@ -263,9 +221,10 @@ def test_triton_backend_on_cuda_matches_transformers(
     ):
         _assert_logits_close(logits, _hf_logits(hf_model, prompt))
     prompts = _prompts([5, 9, 14], config.vocab_size, seed=2)
-    outputs = _greedy_decode(
-        model, config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16, device="cuda"
-    )
+    outputs = greedy_decode(
+        model, config, prompts, arrival_steps=[0, 0, 2], num_new_tokens=16,
+        num_blocks=NUM_BLOCKS, block_size=4, device="cuda",
+    )  # fmt: skip
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_model.generate(prompt[None], max_new_tokens=16, do_sample=False)[
             0, len(prompt) :

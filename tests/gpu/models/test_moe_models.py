@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.attention.base import allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import SparseMoE
 from gpu.weights.hf_loader import load_hf_dir
-from tests.gpu._paged_kv_batch import PagedKVBook
+from tests.gpu._paged_kv_batch import PagedKVBook, greedy_decode, model_kv_caches
 from tests.gpu.models._tiny_moe_models import (
     SLIDING_WINDOW,
     TINY_MOE_NAMES,
@@ -58,18 +57,6 @@ def _decoder(config: ModelConfig, weights: dict[str, torch.Tensor]) -> DecoderMo
     return model
 
 
-def _kv_caches(config: ModelConfig) -> list[torch.Tensor]:
-    return allocate_kv_cache(
-        config.num_layers,
-        NUM_BLOCKS,
-        BLOCK_SIZE,
-        config.num_kv_heads,
-        config.head_dim,
-        torch.float32,
-        "cpu",
-    )
-
-
 def _prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
@@ -94,7 +81,7 @@ def _prefill_logits(
         [(f"req{i}", len(p)) for i, p in enumerate(prompts)], num_padding_tokens=3
     )
     input_ids = torch.cat([*prompts, torch.zeros(3, dtype=torch.int64)])
-    hidden = model(input_ids, positions, _kv_caches(config), metadata)
+    hidden = model(input_ids, positions, model_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE), metadata)
     logits = model.compute_logits(hidden[: metadata.num_actual_tokens])
     return list(logits.split([len(p) for p in prompts]))
 
@@ -156,7 +143,7 @@ def test_each_gpt_oss_feature_moves_the_logits(tiny: Callable[[str], Tiny], chan
 def test_chunked_prefill_matches_transformers(tiny: Callable[[str], Tiny], name: str) -> None:
     hf_model, config, weights = tiny(name)
     model = _decoder(config, weights)
-    kv_caches = _kv_caches(config)
+    kv_caches = model_kv_caches(config, NUM_BLOCKS, BLOCK_SIZE)
     book = PagedKVBook(NUM_BLOCKS, BLOCK_SIZE, seed=2)
     prompts = _prompts([22, 19], config.vocab_size, seed=1)
     chunk_lens = [[9, 8, 5], [3, 10, 6]]  # chunks that start past the window and cross it
@@ -175,36 +162,6 @@ def test_chunked_prefill_matches_transformers(tiny: Callable[[str], Tiny], name:
 
 
 @torch.no_grad()
-def _greedy_decode(
-    model: DecoderModel,
-    config: ModelConfig,
-    prompts: list[torch.Tensor],
-    arrival_steps: list[int],
-    num_new_tokens: int,
-) -> list[list[int]]:
-    """Continuous batching by hand: request i is prefilled at step arrival_steps[i], then
-    decodes one token per step alongside the others until it has num_new_tokens."""
-    book = PagedKVBook(NUM_BLOCKS, BLOCK_SIZE, seed=3)
-    kv_caches = _kv_caches(config)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    step = 0
-    while any(len(out) < num_new_tokens for out in outputs):
-        running = [
-            i
-            for i, out in enumerate(outputs)
-            if arrival_steps[i] <= step and len(out) < num_new_tokens
-        ]
-        new_ids = [prompts[i] if not outputs[i] else torch.tensor(outputs[i][-1:]) for i in running]
-        positions, metadata = book.step([(f"req{i}", len(ids)) for i, ids in zip(running, new_ids)])
-        hidden = model(torch.cat(new_ids), positions, kv_caches, metadata)
-        last_rows = torch.from_numpy(metadata.query_start_loc_cpu[1:] - 1).long()
-        next_ids = model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
-        for i, token in zip(running, next_ids, strict=True):
-            outputs[i].append(token)
-        step += 1
-    return outputs
-
-
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_greedy_decode_matches_transformers_generate(
     tiny: Callable[[str], Tiny], name: str
@@ -213,7 +170,9 @@ def test_greedy_decode_matches_transformers_generate(
     prompts = _prompts([5, 9, 14], config.vocab_size, seed=2)
     num_new = 24  # every request decodes well past the sliding window
     # the third request joins two steps late, so steps mix a prefill with decodes
-    outputs = _greedy_decode(_decoder(config, weights), config, prompts, [0, 0, 2], num_new)
+    outputs = greedy_decode(
+        _decoder(config, weights), config, prompts, [0, 0, 2], num_new, NUM_BLOCKS, BLOCK_SIZE
+    )
     for prompt, output in zip(prompts, outputs, strict=True):
         expected = hf_model.generate(prompt[None], max_new_tokens=num_new, do_sample=False)
         assert output == expected[0, len(prompt) :].tolist()
