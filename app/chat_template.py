@@ -21,6 +21,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from app.bounded_text import json_text_problem
 from app.large_body import release_gradually
 
 CHATML_TEMPLATE = (
@@ -41,13 +42,17 @@ class ChatTemplateError(ValueError):
     """The chat template is invalid, rejected the conversation, or failed to render."""
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], first_index: int = 0
+) -> list[dict[str, Any]]:
     """Copy messages as templates expect them: list-of-parts content
     (`[{"type": "text", "text": ...}]`) joined into one string, null or missing content as
     "" (an assistant message that only called tools), and tool-call arguments given as JSON
-    text decoded into objects (templates write them with `tojson`)."""
+    text decoded into objects (templates write them with `tojson`); arguments too long or
+    nested too deeply to decode are refused (app/bounded_text.py). Errors name messages by
+    their index, counted from `first_index`."""
     normalized = []
-    for index, message in enumerate(messages):
+    for index, message in enumerate(messages, start=first_index):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"message {index} is not an object")
         message = dict(message)
@@ -57,16 +62,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         elif content is None:
             message["content"] = ""
         if message.get("tool_calls"):
-            message["tool_calls"] = [_decoded_call(call) for call in message["tool_calls"]]
+            message["tool_calls"] = [
+                _decoded_call(call, index, call_index)
+                for call_index, call in enumerate(message["tool_calls"])
+            ]
         normalized.append(message)
     return normalized
 
 
-def _decoded_call(call: Any) -> Any:
+def _decoded_call(call: Any, message_index: int, call_index: int) -> Any:
     function = call.get("function") if isinstance(call, Mapping) else None
     arguments = function.get("arguments") if isinstance(function, Mapping) else None
     if not isinstance(arguments, str):
         return call
+    problem = json_text_problem(arguments)
+    if problem is not None:
+        raise ChatTemplateError(
+            f"message {message_index}: the arguments of tool call {call_index} {problem}"
+        )
     try:
         decoded = json.loads(arguments)
     except ValueError:
@@ -134,6 +147,10 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template error: {exc.message or exc}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    except RecursionError:  # a value the template walks (tools, arguments) nests too deeply
+        raise ChatTemplateError(
+            "chat template failed: a value it renders nests too deeply"
+        ) from None
     finally:
         release_gradually(normalized)
 

@@ -10,6 +10,10 @@ prompt token and the top `prompt_logprobs` tokens at that position, as vLLM's do
 Streamed, they ride on each completions choice's first chunk (with the echoed prompt, before
 any generated text) and on a chat stream's first chunk (once), so the chunks put together
 equal the response that is not streamed.
+
+A response holds every prompt token's top-k entries for every choice, built as Python
+objects and encoded on the event loop: a request whose total would pass
+MAX_PROMPT_LOGPROB_ENTRIES is refused before the engine sees it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from typing import Any
 
 from actors.frontend.output_stream import LogprobEntry
 from actors.protocol.sampling_params import SamplingParams
+from app.errors import bad_request
 from app.responses import completion_logprobs, floor_logprob
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
+"""Most prompt logprob entries (prompt tokens x choices carrying them x (k + 1)) one
+response may hold: about 200 MiB of response objects, a 32k-token prompt with the top 15,
+or 64 prompts of 2k tokens with the top 3."""
 
 
 def with_prompt_logprobs(params: SamplingParams, echo: bool) -> SamplingParams:
@@ -27,6 +37,26 @@ def with_prompt_logprobs(params: SamplingParams, echo: bool) -> SamplingParams:
     if echo and params.logprobs is not None:
         params = params.replace(prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
     return params
+
+
+def check_num_entries(
+    params: SamplingParams, prompt_lens: Sequence[int], choices_per_prompt: int, param: str
+) -> None:
+    """400 naming `param` when the response's prompt logprobs would pass
+    MAX_PROMPT_LOGPROB_ENTRIES (`choices_per_prompt`: how many choices carry each prompt's;
+    a chat response carries them once)."""
+    if params.prompt_logprobs is None:
+        return
+    num_tokens = sum(prompt_lens)
+    num_entries = num_tokens * choices_per_prompt * (params.prompt_logprobs + 1)
+    if num_entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise bad_request(
+            f"{param}: the prompt logprobs asked for ({num_tokens} prompt tokens x "
+            f"{choices_per_prompt} choices x {params.prompt_logprobs + 1} entries = "
+            f"{num_entries}) are more than the server returns in one response "
+            f"({MAX_PROMPT_LOGPROB_ENTRIES}); ask for fewer prompts, choices or logprobs",
+            param,
+        )
 
 
 def vllm_prompt_logprobs(

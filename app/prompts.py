@@ -76,7 +76,6 @@ def chat_prompt(
     if tools:
         kwargs.setdefault("tools", tools)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    last = normalize_messages(messages[-1:])[0]
     limit = state.max_model_len - 1
     # A conversation cut to its last tokens is rendered whole (its end is what is kept); a
     # continued final message is cut after rendering.
@@ -87,6 +86,7 @@ def chat_prompt(
         else _render_limit(tokenizer, limit)
     )
     try:
+        last = normalize_messages(messages[-1:], first_index=len(messages) - 1)[0]
         text = _render(
             tokenizer,
             messages,

@@ -18,6 +18,9 @@ from actors.frontend.admission import AdmissionLimits
 from app.errors import bad_request, context_length_error
 from app.lenient_types import int_as_read
 
+MAX_VLLM_XARGS = 256
+"""Most entries in a request's vllm_xargs (each is an argument for a logits processor)."""
+
 
 def check_generation_size(
     data: Mapping[str, Any],
@@ -29,7 +32,7 @@ def check_generation_size(
 ) -> None:
     """400 when a chat or completions request asks for more than the server takes: n,
     prompts x n (at most what the server holds at once, running and queued), token-list
-    prompts that cannot fit the context, and the sizes of stop, logit_bias and
+    prompts that cannot fit the context, and the sizes of stop, logit_bias, vllm_xargs and
     stop_token_ids."""
     n = _int_or(data.get("n"), 1)
     if n > limits.max_n:
@@ -52,6 +55,7 @@ def check_generation_size(
     _check_count(data, "stop", limits.max_stop_strings, "stop strings")
     _check_count(data, "logit_bias", limits.max_logit_bias_entries, "logit_bias entries")
     _check_count(data, "stop_token_ids", vocab_size, "stop token ids")
+    _check_count(data, "vllm_xargs", MAX_VLLM_XARGS, "vllm_xargs entries")
 
 
 def drop_truncated_tokens(data: dict[str, Any], max_model_len: int) -> None:

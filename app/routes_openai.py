@@ -13,7 +13,7 @@ import anyio
 import orjson
 import structlog
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -55,6 +55,7 @@ from app.prompts import (
     truncate_and_check,
 )
 from app.request_limits import (
+    MAX_VLLM_XARGS,
     check_generation_size,
     check_priority,
     drop_truncated_tokens,
@@ -86,7 +87,7 @@ GenerationHandler = Callable[[Request, str, RequestTelemetry], Awaitable[Respons
 Endpoint = Callable[[Request], Awaitable[Response]]
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLIENT_CLOSED_STATUS = 499
-"""Logged for a non-stream request whose client left; nobody receives the response."""
+"""Logged for a request whose client left before its answer; nobody receives it."""
 
 
 def openai_routes() -> list[Route]:
@@ -106,7 +107,8 @@ def openai_routes() -> list[Route]:
 
 def api_endpoint(handler: Handler) -> Endpoint:
     """Gives the handler a request id and turns every error into an OpenAI-shaped answer:
-    APIError as-is, anything else a logged 500 that shows no internals."""
+    APIError as-is, a client that hung up mid-body a 499 nobody receives (a disconnect,
+    not a server error), anything else a logged 500 that shows no internals."""
 
     async def endpoint(request: Request) -> Response:
         request_id = client_request_id(request)
@@ -150,6 +152,11 @@ async def _answer(
         if call is not None:
             call.refused(exc, server_state(request).phase)
         return error_response(exc, headers)
+    except ClientDisconnect:  # it hung up before its body had arrived: the client's doing
+        log.info("client_disconnected", request_id=request_id, path=request.url.path)
+        if call is not None:
+            call.end((), (), disconnected=True)
+        return Response(status_code=CLIENT_CLOSED_STATUS, headers=headers)
     except Exception as exc:
         log.exception("internal_error", request_id=request_id, path=request.url.path)
         if call is not None:
@@ -201,6 +208,7 @@ async def _chat_completions(request: Request, request_id: str, call: RequestTele
         params = await constrain_params(params, req, state.grammar_checker, tools, tp_size)
     else:
         params = await harmony_params(harmony, params, req, tools, state.grammar_checker, tp_size)
+    prompt_logprobs.check_num_entries(params, [len(prompt.token_ids)], 1, "prompt_logprobs")
     new_tool_output = tools.output_factory()
     new_harmony_output = None if harmony is None else harmony_output_factory(harmony, req, tools)
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
@@ -285,6 +293,9 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         req,
         state.grammar_checker,
         tensor_parallel_size=state.settings.engine.tensor_parallel_size,
+    )
+    prompt_logprobs.check_num_entries(
+        params, prompt_lens, params.n, "prompt_logprobs" if req.prompt_logprobs else "logprobs"
     )
     meta = ResponseMeta(f"cmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
@@ -396,13 +407,14 @@ def _check_size(state: ServerState, data: dict[str, Any], completions: bool) -> 
 
 def _array_caps(state: ServerState) -> dict[str, int]:
     """Most items of what is refused while a large body is decoded: more prompts than the
-    server holds at once, more stop strings or logit_bias entries than allowed."""
+    server holds at once, more stop strings, logit_bias or vllm_xargs entries than allowed."""
     assert state.admission is not None
     limits = state.admission.limits
     return {
         "prompt": limits.max_num_running + limits.max_queued_requests,
         "stop": limits.max_stop_strings,
         "logit_bias": limits.max_logit_bias_entries,
+        "vllm_xargs": MAX_VLLM_XARGS,
     }
 
 

@@ -8,9 +8,11 @@ Accepted, as OpenAI and vLLM spell them (at most one per request):
                       | {"json_object": true}
     guided_json, guided_regex, guided_choice, guided_grammar   (vLLM's older names)
 
-An invalid schema, regex or grammar, or one over a budget (actors/core/grammar_limits.py, the
-compile time budget), is a 400 naming the field and the problem, found by compiling it as
-the engine will, in a checker process (app/grammar_checker.py).
+A spec longer than app/bounded_text.py allows, or a schema given as JSON text nested deeper,
+is refused before it is parsed. An invalid schema, regex or grammar, or one over a budget
+(actors/core/grammar_limits.py, the compile time budget), is a 400 naming the field and the
+problem, found by compiling it as the engine will, in a checker process
+(app/grammar_checker.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
+from app.bounded_text import json_text_problem, spec_size_problem
 from app.errors import APIError, bad_request
 from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
 from app.tool_calls.request import NO_TOOLS, ToolPlan
@@ -195,21 +198,32 @@ def _spec(kind: str, value: Any, param: str) -> StructuredOutputSpec:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise bad_request(f"{param} must be a non-empty list of strings", param)
-        return StructuredOutputSpec("choice", json.dumps(value, ensure_ascii=False))
+        return StructuredOutputSpec("choice", _sized(json.dumps(value, ensure_ascii=False), param))
     if not isinstance(value, str) or not value:
         raise bad_request(f"{param} must be a non-empty string", param)
-    return StructuredOutputSpec(kind, value)  # type: ignore[arg-type]
+    return StructuredOutputSpec(kind, _sized(value, param))  # type: ignore[arg-type]
 
 
 def _schema_text(schema: Any, param: str) -> str:
+    if isinstance(schema, str):  # vLLM takes a schema as JSON text too
+        problem = json_text_problem(schema)
+        if problem is not None:
+            raise bad_request(f"{param} {problem}", param)
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise bad_request(f"{param} is not valid JSON", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema object", param)
     try:
-        if isinstance(schema, str):  # vLLM takes a schema as JSON text too
-            try:
-                schema = json.loads(schema)
-            except ValueError:
-                raise bad_request(f"{param} is not valid JSON", param) from None
-        if not isinstance(schema, (dict, bool)):
-            raise bad_request(f"{param} must be a JSON schema object", param)
-        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=False)
-    except RecursionError:  # a schema in a string escapes the body's bound on nesting
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), sort_keys=False)
+    except RecursionError:  # nested as deep as the body's parse allows, and then some
         raise bad_request(f"{param} nests too deeply", param) from None
+    return _sized(text, param)
+
+
+def _sized(text: str, param: str) -> str:
+    problem = spec_size_problem(text)
+    if problem is not None:
+        raise bad_request(f"{param} {problem}", param)
+    return text

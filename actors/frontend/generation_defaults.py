@@ -10,6 +10,7 @@ SamplingParamsError with `param` naming the request field (OpenAI error `param`)
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,11 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+MAX_SHOWN_CHARS = 80
+"""A bad value is quoted in its error abridged to about this many characters (a logit_bias
+key may be megabytes long)."""
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = _SHORT_REPR.maxlong = MAX_SHOWN_CHARS
 _INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -60,7 +66,7 @@ def model_sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, A
         ok_types = (int,) if is_int_field else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_types) or not math.isfinite(value):
             kind = "an integer" if is_int_field else "a finite number"
-            raise ValueError(f"generation_config {key} must be {kind}, got {value!r}")
+            raise ValueError(f"generation_config {key} must be {kind}, got {_shown(value)}")
         found[field_name] = value if is_int_field else float(value)
     return found
 
@@ -104,7 +110,7 @@ def _get_float(request_fields: Mapping[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be a finite number, got {_shown(value)}")
     return float(value)
 
 
@@ -113,7 +119,7 @@ def _get_int(request_fields: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {_shown(value)}")
     return value
 
 
@@ -122,7 +128,7 @@ def _get_bool(request_fields: Mapping[str, Any], name: str) -> bool | None:
     if value is None:
         return None
     if not isinstance(value, bool):
-        raise SamplingParamsError(name, f"{name} must be true or false, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be true or false, got {_shown(value)}")
     return value
 
 
@@ -144,7 +150,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         raise SamplingParamsError(
-            "stop", f"stop must be a string or a list of strings, got {value!r}"
+            "stop", f"stop must be a string or a list of strings, got {_shown(value)}"
         )
     if not all(value):
         raise SamplingParamsError("stop", "stop strings must not be empty")
@@ -156,9 +162,11 @@ def _token_id(value: Any, param: str, defaults: RequestDefaults) -> int:
         try:
             value = int(value.strip())
         except ValueError:
-            raise SamplingParamsError(param, f"{param}: {value!r} is not a token id") from None
+            raise SamplingParamsError(
+                param, f"{param}: {_shown(value)} is not a token id"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingParamsError(param, f"{param}: {value!r} is not a token id")
+        raise SamplingParamsError(param, f"{param}: {_shown(value)} is not a token id")
     if not 0 <= value < defaults.vocab_size:
         raise SamplingParamsError(
             param, f"{param}: token id {value} is outside the vocabulary [0, {defaults.vocab_size})"
@@ -171,7 +179,7 @@ def _stop_token_ids(value: Any, defaults: RequestDefaults) -> tuple[int, ...]:
         return ()
     if not isinstance(value, (list, tuple)) or any(isinstance(v, str) for v in value):
         raise SamplingParamsError(
-            "stop_token_ids", f"stop_token_ids must be a list of token ids, got {value!r}"
+            "stop_token_ids", f"stop_token_ids must be a list of token ids, got {_shown(value)}"
         )
     return tuple(_token_id(v, "stop_token_ids", defaults) for v in value)
 
@@ -181,14 +189,16 @@ def _logit_bias(value: Any, defaults: RequestDefaults) -> tuple[tuple[int, float
         return ()
     if not isinstance(value, Mapping):
         raise SamplingParamsError(
-            "logit_bias", f"logit_bias must be an object mapping token ids to biases, got {value!r}"
+            "logit_bias",
+            f"logit_bias must be an object mapping token ids to biases, got {_shown(value)}",
         )
     biases: dict[int, float] = {}
     for key, bias in value.items():
         token_id = _token_id(key, "logit_bias", defaults)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
             raise SamplingParamsError(
-                "logit_bias", f"logit_bias for token {token_id} must be a number, got {bias!r}"
+                "logit_bias",
+                f"logit_bias for token {token_id} must be a number, got {_shown(bias)}",
             )
         biases[token_id] = float(bias)
     return tuple(sorted(biases.items()))
@@ -208,7 +218,7 @@ def _num_logprobs(request_fields: Mapping[str, Any], defaults: RequestDefaults) 
         )
     if not isinstance(logprobs, int):
         raise SamplingParamsError(
-            "logprobs", f"logprobs must be a boolean or an integer, got {logprobs!r}"
+            "logprobs", f"logprobs must be a boolean or an integer, got {_shown(logprobs)}"
         )
     return _check_num_logprobs(logprobs, "logprobs", defaults)
 
@@ -219,3 +229,8 @@ def _check_num_logprobs(value: int, param: str, defaults: RequestDefaults) -> in
             param, f"{param} must be in [0, {defaults.max_logprobs}], got {value}"
         )
     return value
+
+
+def _shown(value: Any) -> str:
+    """`repr(value)`, abridged to about MAX_SHOWN_CHARS."""
+    return _SHORT_REPR.repr(value)

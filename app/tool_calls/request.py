@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.protocol.structured_output import StructuredOutputSpec
+from app.bounded_text import spec_size_problem
 from app.errors import bad_request
 from app.tool_calls.output import ToolCallOutput
 from app.tool_calls.parsers import (
@@ -27,6 +28,10 @@ from app.tool_calls.parsers import (
     parser_for_template,
 )
 from app.tool_calls.schema import named_tool_schema, required_tools_schema
+
+MAX_LISTED_NAMES = 20
+"""An error that lists the request's tools names this many at most."""
+MAX_SHOWN_CHARS = 80
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +91,39 @@ def tool_plan(tools: Any, tool_choice: Any, parser_name: str) -> ToolPlan:
             needs_special_tokens=bool(getattr(factory, "needs_special_tokens", False)),
         )
     if mode == "required":
-        spec = StructuredOutputSpec("json", json.dumps(required_tools_schema(checked)))
+        spec = _schema_spec(required_tools_schema(checked), mode)
         return ToolPlan(checked, mode, JsonArrayParser, spec)
-    spec = StructuredOutputSpec("json", json.dumps(named_tool_schema(checked, name)))
+    spec = _schema_spec(named_tool_schema(checked, name), f"{name!r}")
     return ToolPlan(checked, mode, lambda: NamedFunctionParser(name), spec, forced_name=name)
+
+
+def _schema_spec(schema: dict[str, Any], choice: str) -> StructuredOutputSpec:
+    """The grammar spec of a tool_choice; a 400 when the tools' parameter schemas make it
+    too deep to write or too large to compile (app/bounded_text.py)."""
+    try:
+        text = json.dumps(schema)
+    except RecursionError:
+        raise bad_request(
+            f"tool_choice {choice}: the tools' parameter schemas nest too deeply", "tools"
+        ) from None
+    problem = spec_size_problem(text)
+    if problem is not None:
+        raise bad_request(
+            f"tool_choice {choice}: the schema its tools make {problem}", "tool_choice"
+        )
+    return StructuredOutputSpec("json", text)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value[: MAX_SHOWN_CHARS + 1] if isinstance(value, str) else value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "..."
+
+
+def _listed(names: list[str]) -> str:
+    """The first MAX_LISTED_NAMES names (a request may carry thousands)."""
+    listed = ", ".join(_shown(n)[1:-1] for n in names[:MAX_LISTED_NAMES])
+    more = len(names) - MAX_LISTED_NAMES
+    return listed if more <= 0 else f"{listed} and {more} more"
 
 
 def resolve_parser(setting: str, chat_template: str | None) -> str:
@@ -141,7 +175,8 @@ def check_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> tuple[s
         known = [t["function"]["name"] for t in tools]
         if name not in known:
             raise bad_request(
-                f"tool_choice names function {name!r}, which is not in tools ({', '.join(known)})",
+                f"tool_choice names function {_shown(name)}, which is not in tools "
+                f"({_listed(known)})",
                 "tool_choice",
             )
         return "named", str(name)
