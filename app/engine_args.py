@@ -124,6 +124,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over this many GPUs of this host (one worker process "
         "each; needs the V2 runner and attention heads divisible by it)",
     )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=_env("cpu_threads", None),
+        help="torch intra-op threads of the engine core (of each tensor-parallel rank). "
+        "Default: chosen from the CPUs it may use (affinity and cgroup quota): 1 on "
+        "1-2 CPUs, otherwise all but one left to the API servers; at most 8 on CUDA. "
+        "OMP_NUM_THREADS also sets it. Env: TANDEM_CPU_THREADS",
+    )
     _add_runner_feature_args(parser, g)
 
 
@@ -190,6 +199,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
         "compile_level": args.compile_level,
         "logits_processors": parse_logits_processor_specs(args.logits_processors or ""),
         "speculative_config": (

@@ -35,6 +35,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.parent_death import die_with_parent
 from actors.protocol.transport import TransportClosed, ZmqCoreEndpoint
+from gpu.cpu_threads import set_quiet_openmp_env
 
 log = structlog.get_logger("tandem.engine_core")
 
@@ -44,6 +45,7 @@ _FAILURE_FLUSH_S = 0.5
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    set_quiet_openmp_env()  # read once, as torch loads its OpenMP runtime
     die_with_parent(args.parent_pid)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
@@ -139,7 +141,7 @@ async def _greet_while_loading(
 def _load(config: EngineConfig):
     from actors.core.engine_startup import load_engine
 
-    return load_engine(config)
+    return load_engine(config, frontends_share_host=True)
 
 
 async def _report_failure(endpoint: ZmqCoreEndpoint, clients: set[int], exc: Exception) -> int:

@@ -9,6 +9,7 @@ import structlog
 
 from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.logits_processors import load_logits_processor_classes
+from gpu.cpu_threads import apply_cpu_threads, engine_thread_plan, log_cpu_threads
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
@@ -64,15 +65,21 @@ def check_before_load(config: EngineConfig, platform: Platform) -> None:
         select_runner(forced, platform)
 
 
-def load_engine(config: EngineConfig) -> LoadedEngine:
-    """Everything slow that happens once per process, before the engine's actors start."""
+def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> LoadedEngine:
+    """Everything slow that happens once per process, before the engine's actors start.
+
+    `frontends_share_host`: API-server processes run beside this one (the server's engine
+    core), which leaves them a CPU when torch's threads are chosen."""
     platform = probe_platform(config.device)
+    threads = engine_thread_plan(config, platform.device_type, frontends_share_host)
+    apply_cpu_threads(threads)
     check_before_load(config, platform)
     if config.tensor_parallel_size == 1:
         worker = ModelWorker(config, platform)
     else:
         check_tensor_parallel(config, platform)
         worker = load_tp_worker(config, platform)
+    log_cpu_threads(threads)
     try:
         runner = choose_runner(config, platform, worker.model_config)
     except BaseException:

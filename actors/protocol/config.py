@@ -63,6 +63,9 @@ class EngineConfig:
     """With speculation on V2 and CUDA graphs: replay the speculative step's head,
     sampling, acceptance and drafting as CUDA graphs (gpu/spec_decode/spec_graphs.py);
     False launches them eagerly (the Python API's switch for measuring the difference)."""
+    cpu_threads: int | None = None
+    """torch intra-op threads of the engine (of each tensor-parallel rank); None chooses
+    them from the CPUs the engine may use (gpu/cpu_threads.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -84,6 +87,12 @@ class EngineConfig:
         if isinstance(self.logits_processors, str):
             raise ConfigError("logits_processors must be a tuple of 'module:Class' strings")
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool)
+            or not isinstance(self.cpu_threads, int)
+            or self.cpu_threads < 1
+        ):
+            raise ConfigError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -30,6 +30,7 @@ import torch
 from actors.protocol.codec import dec_hook, ext_hook
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import SchedulerOutput
+from gpu.cpu_threads import apply_cpu_threads, engine_thread_plan
 from gpu.distributed.group import (
     DEFAULT_TIMEOUT_S,
     TPGroupSpec,
@@ -72,8 +73,10 @@ def load_tp_worker(
     the ranks start, after `step_timeout_s` (default: the same) once they serve."""
     tp_size = config.tensor_parallel_size
     init_method = tcp_rendezvous()
+    # The other ranks run as many torch threads as rank 0 (chosen at engine startup).
+    rank_config = config.replace(cpu_threads=torch.get_num_threads())
     workers = start_workers(
-        worker_rank_main, tp_size, (config, init_method, timeout_s), first_rank=1
+        worker_rank_main, tp_size, (rank_config, init_method, timeout_s), first_rank=1
     )
     try:
         worker = _while_ranks_live(
@@ -178,10 +181,9 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
     """A spawned rank: join the group, load the shard, run what rank 0 sends until it
     shuts the loop down."""
     platform = probe_platform(config.device)
-    if platform.device_type == "cpu":
-        # N ranks share the host's cores: each taking all of them would oversubscribe
-        # them, and every collective would wait for a descheduled peer.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    # N ranks share the host's cores: each taking all of them would oversubscribe them,
+    # and every collective would wait for a descheduled peer.
+    apply_cpu_threads(engine_thread_plan(config, platform.device_type, True))
     spec = TPGroupSpec(
         rank, config.tensor_parallel_size, init_method, rank_device(platform, rank), timeout_s
     )
