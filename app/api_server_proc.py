@@ -8,14 +8,20 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from typing import TYPE_CHECKING
 
+import anyio
 import msgspec
 
 from actors.protocol import event_loop
 from actors.protocol.launch_secret import read_secret
 from actors.protocol.parent_death import die_with_parent
 from app.engine_connection import EngineAttachment
+from app.heartbeat_pipe import send_heartbeats
 from app.serve_settings import ServeSettings
+
+if TYPE_CHECKING:
+    from app.server import TandemServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     sock = socket.socket(fileno=args.fd)
     server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
-    exit_code: int = event_loop.run(server.serve)
+    exit_code: int = event_loop.run(_serve, server, args.heartbeat_fd)
     if server.state.failure_message is not None:
         print(f"tandem: error: {server.state.failure_message}", file=sys.stderr)
         return 2
+    return exit_code
+
+
+async def _serve(server: TandemServer, heartbeat_fd: int | None) -> int:
+    """Serve, beating on the supervisor's heartbeat pipe meanwhile (app/heartbeat_pipe.py)."""
+    async with anyio.create_task_group() as tg:
+        if heartbeat_fd is not None:
+            tg.start_soon(send_heartbeats, heartbeat_fd)
+        exit_code = await server.serve()
+        tg.cancel_scope.cancel()
     return exit_code
 
 
@@ -54,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-pid", type=int, required=True)
     parser.add_argument("--settings", required=True, help="the ServeSettings as JSON")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--heartbeat-fd", type=int, help="the supervisor's heartbeat pipe")
     return parser
 
 

@@ -236,6 +236,17 @@ def _add_process_args(p: Any) -> None:
         "of them keep up with more streams. /metrics from any of them covers "
         "the whole server (default 1). Env: TANDEM_API_SERVER_COUNT",
     )
+    proc.add_argument(
+        "--api-server-stall-timeout",
+        type=float,
+        default=_env("api_server_stall_timeout", 30.0, float),
+        help="with --api-server-count > 1: seconds an API server may stay silent "
+        "(it sends the supervisor a heartbeat every 0.5 s from its event loop; "
+        "stopped or blocked, it falls silent) before the supervisor logs "
+        "api_server_unresponsive, kills it and starts another in its place. "
+        "At least 1, or 0 to disable (default 30). "
+        "Env: TANDEM_API_SERVER_STALL_TIMEOUT",
+    )
 
 
 def _split_names(value: str) -> list[str]:
@@ -266,6 +277,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         send_timeout_s=args.send_timeout,
         priority_scheduling=args.scheduling_policy == "priority",
         api_server_count=args.api_server_count,
+        api_server_stall_timeout_s=args.api_server_stall_timeout,
         log_format=args.log_format,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
@@ -281,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from telemetry.tracing import TracingConfigError
 
     _check_args(args)
+    bound_frontend_threads()
     # Before anything logs: structlog fixes a logger's level when it is first used.
     configure_logging(
         json=args.log_format == "json",
@@ -303,6 +316,14 @@ def run(args: argparse.Namespace) -> int:
     return exit_code
 
 
+def bound_frontend_threads(environ: Any = os.environ) -> None:
+    """Keep the tokenizers' (Rust) thread pools to one thread in this process and the ones
+    it starts, unless the user chose otherwise: API servers tokenize one request at a time,
+    and the CPUs belong to the engine core's torch threads."""
+    environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    environ.setdefault("RAYON_NUM_THREADS", "1")
+
+
 def _supervise(settings: Any) -> int:
     from app.cli_errors import UserFacingError
     from app.server import ServerStartError
@@ -318,6 +339,7 @@ def _supervise(settings: Any) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     from app.cli_errors import UserFacingError
     from app.engine_watchdog import MIN_STALL_TIMEOUT_S
+    from app.heartbeat_pipe import MIN_API_SERVER_STALL_TIMEOUT_S
 
     checks = [
         (0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
@@ -343,6 +365,11 @@ def _check_args(args: argparse.Namespace) -> None:
         (args.max_n >= 1, "--max-n must be at least 1"),
         (args.grammar_compile_timeout > 0, "--grammar-compile-timeout must be > 0"),
         (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]"),
+        (
+            args.api_server_stall_timeout == 0
+            or args.api_server_stall_timeout >= MIN_API_SERVER_STALL_TIMEOUT_S,
+            f"--api-server-stall-timeout must be 0 or at least {MIN_API_SERVER_STALL_TIMEOUT_S:g}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

@@ -51,6 +51,10 @@ class ServeSettings:
     """The most a new structured output spec may take to compile (in a checker process)."""
     api_server_count: int = 1
     """Front-end processes sharing the listening socket, in front of one engine core."""
+    api_server_stall_timeout_s: float = 30.0
+    """With several API servers, one silent this long (no heartbeat from its event loop:
+    stopped or blocked) is killed and restarted by the supervisor. 0: never
+    (app/heartbeat_pipe.py)."""
     log_format: str = "json"
     log_level: str = "info"
 

@@ -14,6 +14,11 @@ sharing one listening socket, watched by this (torch-free) parent.
   shut down. Exit code 0, or the API servers' worst.
 - An API server that dies is restarted (its requests are aborted in the core when the new
   one says hello); more than MAX_RESTARTS in RESTART_WINDOW_S and the server exits 1.
+- An API server that stops answering (SIGSTOP, or its event loop blocked) is found by its
+  silence on a heartbeat pipe (app/heartbeat_pipe.py): silent for --api-server-stall-timeout
+  seconds, it is logged (api_server_unresponsive), SIGKILLed and restarted like one that
+  died (its connections are reset; while it is silent, the others accept every new
+  connection). While draining it is killed and not restarted, and the exit code is 1.
 - The engine core dying is seen by every API server at once (/health 503 'dead').
 - Every child dies with the supervisor (PR_SET_PDEATHSIG): no orphans.
 - The engine core serves only peers that present this launch's secret, which every child
@@ -39,6 +44,7 @@ import structlog
 from actors.protocol.launch_secret import new_secret, start_with_secret
 from actors.protocol.transport import ipc_address, send_shutdown
 from app.engine_process import start_engine_process, stop_process
+from app.heartbeat_pipe import HeartbeatReader
 from app.serve_settings import ServeSettings
 from app.server import bind_listening_socket
 
@@ -62,6 +68,8 @@ class Supervisor:
         self._secret = new_secret()
         self._engine: subprocess.Popen[bytes] | None = None
         self._api_servers: dict[int, subprocess.Popen[bytes]] = {}
+        self._heartbeats: dict[int, HeartbeatReader] = {}
+        self._killed_silent: set[int] = set()  # pids killed for their silence
         self._restarts: deque[float] = deque()
         self._signals: deque[int] = deque()
         self._draining = False
@@ -106,7 +114,26 @@ class Supervisor:
                 returncode = process.poll()
                 if returncode is not None:
                     self._on_api_server_exit(index, process, returncode)
+                else:
+                    self._check_heartbeat(index, process)
             time.sleep(_POLL_S)
+
+    def _check_heartbeat(self, index: int, process: subprocess.Popen[bytes]) -> None:
+        reader = self._heartbeats.get(index)
+        if reader is None or process.pid in self._killed_silent:
+            return
+        now = time.monotonic()
+        reader.read(now)
+        if reader.is_silent_too_long(now):
+            log.error(
+                "api_server_unresponsive",
+                index=index,
+                pid=process.pid,
+                silent_s=round(reader.silent_s(now), 3),
+                stall_timeout_s=reader.stall_timeout_s,
+            )
+            self._killed_silent.add(process.pid)
+            process.kill()  # a stopped process dies of SIGKILL too
 
     def _forward(self, signum: int) -> None:
         log.info(
@@ -122,7 +149,13 @@ class Supervisor:
         self, index: int, process: subprocess.Popen[bytes], returncode: int
     ) -> None:
         del self._api_servers[index]
+        reader = self._heartbeats.pop(index, None)
+        if reader is not None:
+            reader.close()
         _mark_process_dead(process.pid, self._metrics_dir)
+        if process.pid in self._killed_silent:
+            self._killed_silent.discard(process.pid)
+            returncode = 1  # not the SIGKILL's -9: an unresponsive server is a failure
         if self._draining:
             self.exit_code = max(self.exit_code, returncode)
             return
@@ -167,10 +200,29 @@ class Supervisor:
             MULTIPROC_DIR_ENV: self._metrics_dir,
             "TANDEM_PROCESS_NAME": f"api_server_{index}",
         }
+        stall_timeout_s = self.settings.api_server_stall_timeout_s
+        if stall_timeout_s <= 0:
+            return self._spawn(command, env)
+        read_fd, write_fd = os.pipe()
+        try:
+            process = self._spawn([*command, "--heartbeat-fd", str(write_fd)], env, write_fd)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the child holds it now
+        self._heartbeats[index] = HeartbeatReader(read_fd, time.monotonic(), stall_timeout_s)
+        return process
+
+    def _spawn(self, command: list[str], env: dict[str, str], *fds: int) -> subprocess.Popen[bytes]:
         # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
         # forwards one signal (two would skip the drain).
         return start_with_secret(
-            command, self._secret, pass_fds=(self.sock.fileno(),), env=env, start_new_session=True
+            command,
+            self._secret,
+            pass_fds=(self.sock.fileno(), *fds),
+            env=env,
+            start_new_session=True,
         )
 
     def _stop_engine(self) -> None:

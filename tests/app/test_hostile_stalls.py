@@ -1,0 +1,235 @@
+"""Stopped processes (SIGSTOP) under a real `tandem serve`: an engine core stopped and
+resumed finishes the requests in flight, unchanged, while /health says 'stalled'; an API
+server stopped under the supervisor is found silent, killed and restarted, its client's
+connection ends instead of hanging, and the core frees what it held. Throughout, /health
+on a new connection answers within a second, and afterwards the server's resident memory
+is back near its baseline.
+
+The issue's stall lasts 30 s; these last a few times the (shortened) stall bound, which
+exercises the same paths in a fraction of the CI time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.soak_server import resident_bytes
+from tests.app._hostile import MAX_HEALTH_S, RSS_SLACK_BYTES, metric, wait_until
+from tests.app._serve_process import ServeProcess, alive
+
+pytestmark = pytest.mark.slow
+
+STALL_TIMEOUT_S = 2.0
+STOPPED_S = 3 * STALL_TIMEOUT_S
+GREEDY_CHAT = {
+    "messages": [{"role": "user", "content": "Count to one hundred."}],
+    "max_tokens": 40,
+    "ignore_eos": True,
+    "temperature": 0.0,
+}
+
+
+class FreshConnectionProbe:
+    """GETs /health on a new connection each time (a kept-alive one could belong to a
+    stopped API server), in a thread; records each (status, body status) and the slowest
+    answer."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[tuple[int, str]] = []
+        self.max_latency_s = 0.0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                response = httpx.get(self.url + "/health", timeout=30)
+                self.answers.append((response.status_code, response.json()["status"]))
+            except httpx.HTTPError as exc:
+                self.failures.append(repr(exc))
+            self.max_latency_s = max(self.max_latency_s, time.monotonic() - started)
+            self._stop.wait(0.05)
+
+
+@contextmanager
+def probed(server: ServeProcess) -> Iterator[FreshConnectionProbe]:
+    """The block under a FreshConnectionProbe; then /health was quick throughout and the
+    server's processes hold no more than RSS_SLACK_BYTES over their RSS before it."""
+    baseline = _tree_rss(server)
+    probe = FreshConnectionProbe(server.url)
+    probe._thread.start()
+    try:
+        wait_until(lambda: bool(probe.answers), 10.0, "/health did not answer")
+        yield probe
+    finally:
+        probe._stop.set()
+        probe._thread.join()
+    assert not probe.failures, probe.failures
+    assert probe.max_latency_s < MAX_HEALTH_S, f"/health took {probe.max_latency_s:.2f} s"
+    grown = _tree_rss(server) - baseline
+    assert grown < RSS_SLACK_BYTES, f"RSS stayed {grown / 2**20:.0f} MiB above baseline"
+
+
+def _tree_rss(server: ServeProcess) -> int:
+    return sum(resident_bytes(pid) for pid in [server.proc.pid, *server.descendants()])
+
+
+def _stream_text(client: httpx.Client, body: dict[str, Any], on_first: Any = None) -> str:
+    """The content of a streamed chat; `on_first()` runs after the first content chunk."""
+    import json
+
+    text = ""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            delta = chunk["choices"][0]["delta"].get("content") or ""
+            if delta and not text and on_first is not None:
+                on_first()
+            text += delta
+    return text
+
+
+def _assert_engine_idle(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        wait_until(
+            lambda: metric(http, "vllm:num_requests_running") == 0,
+            10.0,
+            "requests still run in the core",
+        )
+        assert metric(http, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Stopped for three stall bounds mid-stream: /health says 'stalled' meanwhile (and
+    answers within a second), the streamed and the plain request both complete once the
+    core runs again, each with the text it gives without a stall."""
+    server = ServeProcess(tmp_path / "serve.log", "--engine-stall-timeout", str(STALL_TIMEOUT_S))
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            expected = _stream_text(client, GREEDY_CHAT)
+            plain = client.post("/v1/chat/completions", json=GREEDY_CHAT).json()
+            assert plain["choices"][0]["message"]["content"] == expected
+        engine_pid = server.engine_pid()
+        stopped_at: list[float] = []
+
+        def stop_engine_for_a_while() -> None:
+            os.kill(engine_pid, signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+            threading.Timer(STOPPED_S, os.kill, (engine_pid, signal.SIGCONT)).start()
+
+        answers: dict[str, Any] = {}
+
+        def plain_request() -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                answers["plain"] = client.post("/v1/chat/completions", json=GREEDY_CHAT)
+
+        with probed(server) as probe:
+            other = threading.Thread(target=plain_request)
+            other.start()
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                streamed = _stream_text(client, GREEDY_CHAT, on_first=stop_engine_for_a_while)
+            other.join(timeout=60)
+            resumed_after_s = time.monotonic() - stopped_at[0] - STOPPED_S
+            assert resumed_after_s < 10.0, "the requests took too long after the resume"
+            wait_until(lambda: probe.answers[-1] == (200, "ok"), 5.0, "/health stayed 503")
+        assert (503, "stalled") in probe.answers
+        assert set(probe.answers) <= {(200, "ok"), (503, "stalled")}
+        assert streamed == expected
+        assert answers["plain"].status_code == 200
+        assert answers["plain"].json()["choices"][0]["message"]["content"] == expected
+        _assert_engine_idle(server.url)
+    finally:
+        os.kill(server.engine_pid(), signal.SIGCONT)
+        assert server.stop() == 0
+
+
+def _api_server_pids(server: ServeProcess) -> dict[int, int]:
+    return {
+        int(line["process"].rsplit("_", 1)[1]): int(line["pid"])
+        for line in server.lines()
+        if str(line.get("process", "")).startswith("api_server_")
+    }
+
+
+def _client_of_api_server(url: str, index: int) -> httpx.Client:
+    """A kept-alive connection that API server `index` accepted."""
+    for _ in range(100):
+        client = httpx.Client(base_url=url, timeout=30)
+        if client.get("/version").json()["api_server"] == index:
+            return client
+        client.close()
+    raise AssertionError(f"API server {index} never accepted a connection")
+
+
+def test_a_stopped_api_server_is_killed_and_restarted_by_the_supervisor(
+    tmp_path: Path,
+) -> None:
+    """With two API servers, one stopped mid-stream: the supervisor logs it unresponsive
+    after the bound, kills it and starts another; the stream on its connection ends with a
+    transport error instead of hanging; the core aborts its request (KV back to 0); the
+    other API server answers /health within a second throughout; both serve again."""
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--api-server-count",
+        "2",
+        "--api-server-stall-timeout",
+        str(STALL_TIMEOUT_S),
+    )
+    try:
+        victim = _api_server_pids(server)[1]
+        client = _client_of_api_server(server.url, 1)
+        with probed(server):
+            stopped_at: list[float] = []
+
+            def stop_api_server() -> None:
+                os.kill(victim, signal.SIGSTOP)
+                stopped_at.append(time.monotonic())
+
+            long_chat = {**GREEDY_CHAT, "max_tokens": 400}
+            try:
+                with pytest.raises(httpx.TransportError) as ended:
+                    _stream_text(client, long_chat, on_first=stop_api_server)
+            finally:
+                client.close()
+            assert not isinstance(ended.value, httpx.TimeoutException), "the stream hung"
+            assert time.monotonic() - stopped_at[0] < STALL_TIMEOUT_S + 5.0
+            wait_until(lambda: not alive(victim), 5.0, "the stopped API server was not killed")
+            wait_until(
+                lambda: _api_server_pids(server).get(1, victim) != victim,
+                60.0,
+                "the stopped API server was not restarted",
+            )
+            _assert_engine_idle(server.url)
+        events = [line for line in server.lines() if line.get("process") == "supervisor"]
+        [unresponsive] = [line for line in events if line["event"] == "api_server_unresponsive"]
+        assert unresponsive["index"] == 1 and unresponsive["pid"] == victim
+        assert unresponsive["silent_s"] >= STALL_TIMEOUT_S
+        restarted = _client_of_api_server(server.url, 1)
+        try:
+            response = restarted.post("/v1/chat/completions", json=GREEDY_CHAT)
+        finally:
+            restarted.close()
+        assert response.status_code == 200
+    finally:
+        if alive(victim):
+            os.kill(victim, signal.SIGCONT)
+        exit_code = server.stop()
+    assert exit_code == 0
