@@ -132,7 +132,7 @@ def _change(value: Any, before: Any) -> str:
 
 
 def floors_table() -> str:
-    from gpu.models.config import PRESETS
+    from gpu.models.presets import PRESETS
 
     lines = [
         "workload | bandwidth floor (weights + KV per step) | compute floor | ideal output tok/s"

@@ -17,7 +17,8 @@ import hashlib
 
 import torch
 
-from gpu.models.config import PRESETS, ModelConfig, UnsupportedModelError
+from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.models.presets import PRESETS
 from gpu.weights.layout import (
     EMBED_NAME,
     LM_HEAD_NAME,

@@ -17,7 +17,8 @@ from actors.protocol.model_source import (  # noqa: F401 - re-exported
     ModelLoadError,
     resolve_model_path,
 )
-from gpu.models.config import PRESETS, ModelConfig
+from gpu.models.config import ModelConfig
+from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights, preset_config
 from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
 from gpu.weights.gguf_loader import load_gguf

@@ -10,8 +10,9 @@ import torch
 from benchmarks.hf_arms import hf_model_sharing_weights
 from gpu.attention.base import AttentionMetadata, allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.models.config import PRESETS, ModelConfig
+from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
+from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ from benchmarks.hf_arms import (
     run_hf_static,
 )
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.models.config import PRESETS
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import SparseMoE
+from gpu.models.presets import PRESETS
 from gpu.weights.hf_loader import load_hf_dir
 from tests.gpu.models._tiny_moe_models import SLIDING_WINDOW, save_tiny_moe_checkpoint
 

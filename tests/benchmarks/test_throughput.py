@@ -28,7 +28,7 @@ from benchmarks.workloads import (
     step_weight_bytes,
     workload_by_name,
 )
-from gpu.models.config import PRESETS
+from gpu.models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 

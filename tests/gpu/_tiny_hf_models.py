@@ -55,7 +55,14 @@ def build_tiny_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         model_cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(f"unknown tiny model {name!r}; known: {TINY_MODEL_NAMES}")
-    config.eos_token_id = None  # generate() must run the full length
+    return seeded_model(model_cls, config, seed)
+
+
+def seeded_model(model_cls: Any, config: Any, seed: int) -> Any:
+    """`model_cls(config)` in float32 eval mode with seeded weights, its norms and biases
+    (and attention sinks) randomised so that each visibly moves the logits, and no EOS, so
+    that generate() runs the full length."""
+    config.eos_token_id = None
     config.pad_token_id = 0
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
@@ -64,7 +71,7 @@ def build_tiny_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif param_name.endswith(".bias"):
+            elif param_name.endswith(("bias", "sinks")):
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

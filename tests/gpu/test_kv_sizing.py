@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu.kv_sizing import StepShape, runner_state_bytes
-from gpu.models.config import PRESETS
+from gpu.models.presets import PRESETS
 
 
 def test_runner_state_counts_the_penalty_rows_allocated_after_startup() -> None:

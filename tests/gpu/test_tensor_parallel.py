@@ -17,7 +17,8 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from gpu.distributed.group import file_rendezvous
 from gpu.distributed.launch import start_workers
-from gpu.models.config import PRESETS, ModelConfig
+from gpu.models.config import ModelConfig
+from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.shard_loader import load_weight_shard
 from tests._embedded_model import needs_embedded_model

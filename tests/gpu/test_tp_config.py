@@ -10,7 +10,7 @@ from actors.core.engine_startup import load_engine
 from actors.protocol.config import ConfigError, EngineConfig
 from app.engine_args import add_engine_args, engine_config_from_args
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
-from gpu.models.config import PRESETS
+from gpu.models.presets import PRESETS
 from gpu.runner_selection import RunnerSelectionError
 from tests._embedded_model import needs_embedded_model
 

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import gpu.weights.hf_loader as hf_loader
-from gpu.models.config import PRESETS, ModelConfig, UnsupportedModelError
+from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.models.parallel_layers import (
     check_tensor_parallel_size,
     head_shard,
     intermediate_shard,
     vocab_shard,
 )
+from gpu.models.presets import PRESETS
 from gpu.sampling.batch_shard import shard_plan, to_owner_major
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.gguf_file import GGUFFile

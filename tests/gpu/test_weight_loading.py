@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from app.tokenizer_loader import load_generation_config, load_tokenizer
-from gpu.models.config import PRESETS, ModelConfig
+from gpu.models.config import ModelConfig
+from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import expected_weight_shapes
 from gpu.weights.loader import ModelLoadError, load_model_files, resolve_model_path

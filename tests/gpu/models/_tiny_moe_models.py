@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from tests.gpu._tiny_hf_models import seeded_model
 
 SLIDING_WINDOW = 6
 TINY_MOE_SIZES: dict[str, Any] = dict(
@@ -72,20 +73,7 @@ def build_tiny_moe_model(name: str, seed: int = 0) -> torch.nn.Module:
         model_cls = transformers.GptOssForCausalLM
     else:
         raise ValueError(f"unknown tiny MoE model {name!r}; known: {TINY_MOE_NAMES}")
-    config.eos_token_id = None  # generate() must run the full length
-    config.pad_token_id = 0
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
-            elif param_name.endswith(("bias", "sinks")):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return seeded_model(model_cls, config, seed)
 
 
 def save_mxfp4_checkpoint(hf_model: Any, directory: Path) -> None:

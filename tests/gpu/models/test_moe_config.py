@@ -15,10 +15,11 @@ import torch
 from gpu.attention.base import allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
-from gpu.models.config import PRESETS, ModelConfig, UnsupportedModelError
+from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import SparseMoE
 from gpu.models.parallel_layers import check_tensor_parallel_size
+from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import expected_weight_shapes, is_mxfp4_weight
 from gpu.weights.loader import ModelLoadError, load_model_files
