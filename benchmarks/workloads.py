@@ -93,7 +93,9 @@ def floors(
     embedding_lookup = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
     weight_bytes = step_weight_bytes(model, n, dtype_bytes) - embedding_lookup * dtype_bytes
     kv_bytes = n * (o * i + o * (o - 1) // 2) * model.kv_bytes_per_token * dtype_bytes
-    active_params = model.num_active_params()
+    active_params = (
+        model.num_active_params() if hasattr(model, "num_active_params") else model.num_params()
+    )
     prefill_flops = 2 * active_params * n * i
     ideal_s = (
         num_steps * weight_bytes + kv_bytes
@@ -114,6 +116,8 @@ def floors(
 def step_weight_bytes(model: Any, num_tokens: int, dtype_bytes: int = 2) -> float:
     """Weight bytes a step of `num_tokens` tokens reads (every weight of a dense model; for
     a mixture of experts, the shared weights and the experts expected to receive a token)."""
+    if not hasattr(model, "weight_bytes"):  # a baseline engine older than the MoE models
+        return float(model.num_params() * dtype_bytes)
     total = model.weight_bytes(dtype_bytes)
     if not model.is_moe:
         return total
