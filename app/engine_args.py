@@ -85,6 +85,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="most tokens in one step; longer prompts are prefilled in chunks",
     )
     g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=int(_env("max_logprobs", _DEFAULTS.max_logprobs)),
+        help="most logprobs returned per token: the largest 'logprobs' (completions), "
+        "'top_logprobs' (chat) and 'prompt_logprobs' a request may ask for; more is a "
+        "400 naming the field. Default 20, as vLLM; -1: no cap but the vocabulary "
+        "size (a large answer may then take much memory). Env: TANDEM_MAX_LOGPROBS",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         action="store_true",
         default=_bool_env("no_prefix_caching", False),
@@ -193,6 +202,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_logprobs": args.max_logprobs,
         "enable_prefix_caching": not args.no_prefix_caching,
         "runner": args.runner,
         "enforce_eager": args.enforce_eager,

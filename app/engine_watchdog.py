@@ -2,7 +2,9 @@
 every HEARTBEAT_INTERVAL_S from its event loop (actors/core/engine_core_proc.py), so a core
 that is stopped (SIGSTOP), or whose loop is blocked, falls silent. Silent for longer than
 the stall bound, it is reported stalled (/health 503 'stalled', new requests 503 +
-Retry-After) until it answers again.
+Retry-After) until it answers again. Silent for FAIL_AFTER_STALL_TIMEOUTS times the bound, it
+is reported unresponsive, once per silence: the front end then ends every request in flight
+with an error (a core that never resumes would otherwise hold them forever).
 
 Judging by silence rather than by "work pending and no step finished" keeps both rules
 the server needs: an idle core still sends heartbeats, so an idle server is never
@@ -21,6 +23,9 @@ from actors.protocol.messages import HEARTBEAT_INTERVAL_S
 
 MIN_STALL_TIMEOUT_S = 2 * HEARTBEAT_INTERVAL_S
 """A shorter bound would call a healthy core stalled between two heartbeats."""
+FAIL_AFTER_STALL_TIMEOUTS = 2
+"""A core silent this many stall bounds is unresponsive: a stall that long is no pause (a
+blocked step does not silence the core), and clients waiting on it get an answer instead."""
 
 
 class EngineWatchdog:
@@ -30,15 +35,20 @@ class EngineWatchdog:
         last_heard_at: Callable[[], float],
         on_stalled: Callable[[float], None],
         on_resumed: Callable[[], None],
+        on_unresponsive: Callable[[float], None],
     ) -> None:
         """`last_heard_at()`: time.monotonic() of the core's latest message;
-        `on_stalled(silent_s)` and `on_resumed()` are called on each change."""
+        `on_stalled(silent_s)` and `on_resumed()` are called on each change,
+        `on_unresponsive(silent_s)` once per silence that reaches the fail bound."""
         if stall_timeout_s < MIN_STALL_TIMEOUT_S:
             raise ValueError(f"the stall timeout must be at least {MIN_STALL_TIMEOUT_S} s")
         self.stall_timeout_s = stall_timeout_s
         self._last_heard_at = last_heard_at
+        self.fail_after_s = FAIL_AFTER_STALL_TIMEOUTS * stall_timeout_s
         self._on_stalled, self._on_resumed = on_stalled, on_resumed
+        self._on_unresponsive = on_unresponsive
         self.is_stalled = False
+        self.is_unresponsive = False
         self._scope: anyio.CancelScope | None = None
         self._is_stopped = False
 
@@ -65,8 +75,11 @@ class EngineWatchdog:
             self.is_stalled = True
             self._on_stalled(silent_s)
         elif self.is_stalled and silent_s <= self.stall_timeout_s:
-            self.is_stalled = False
+            self.is_stalled = self.is_unresponsive = False
             self._on_resumed()
+        if self.is_stalled and not self.is_unresponsive and silent_s > self.fail_after_s:
+            self.is_unresponsive = True
+            self._on_unresponsive(silent_s)
 
     def stop(self) -> None:
         self._is_stopped = True

@@ -110,6 +110,19 @@ def internal_error(request_id: str, reason: str | None = None) -> APIError:
     )
 
 
+def request_failed_error(
+    request_id: str, reason: str | None, retryable: bool, retry_after_s: int | None = None
+) -> APIError:
+    """The answer to a request the engine failed: a 503 (with `retry_after_s` as Retry-After)
+    when the failure came from the server's state (its engine core stopped answering) and a
+    retry may succeed, otherwise `internal_error`."""
+    if retryable:
+        return APIError(
+            503, reason or "The engine is unavailable; retry shortly", retry_after_s=retry_after_s
+        )
+    return internal_error(request_id, reason)
+
+
 def context_length_error(num_tokens: int, max_model_len: int) -> APIError:
     return APIError(
         400,

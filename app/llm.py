@@ -21,6 +21,7 @@ import anyio
 
 from actors.core.engine_startup import LoadedEngine, load_engine, reuse_engine
 from actors.frontend.admission import child_sampling_params
+from actors.frontend.generation_defaults import check_logprobs_within, logprobs_limit
 from actors.frontend.output_stream import RequestStream
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.config import EngineConfig
@@ -139,6 +140,9 @@ class LLM:
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         if self.tokenizer is None:
             _check_token_id_only(prompt_list, params_list)
+        limit = logprobs_limit(self.config.max_logprobs, self.worker.model_config.vocab_size)
+        for params in params_list:
+            check_logprobs_within(params, limit)
         return anyio.run(self._generate, prompt_list, params_list, on_finished)
 
     async def _generate(

@@ -264,7 +264,9 @@ def sampling_params(
     if requested is None:
         requested = req.max_tokens
     defaults = RequestDefaults(
-        vocab_size=state.vocab_size, max_tokens=None if is_chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        vocab_size=state.vocab_size,
+        max_tokens=None if is_chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+        max_logprobs=state.settings.engine.max_logprobs,
     )
     try:
         params = resolve_sampling_params(fields, state.generation_config, defaults)

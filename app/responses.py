@@ -47,6 +47,8 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    retryable: bool = False
+    """Its error came from the server's state, not the request (StreamDelta.retryable)."""
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0
@@ -68,7 +70,7 @@ class ChoiceState:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            self.error = delta.error
+            self.error, self.retryable = delta.error, delta.retryable
             self.record = delta.record
 
     @property

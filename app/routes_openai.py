@@ -28,6 +28,7 @@ from app.errors import (
     error_response,
     internal_error,
     model_not_found,
+    request_failed_error,
 )
 from app.harmony.request import (
     harmony_format,
@@ -500,7 +501,8 @@ async def _collect(
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
         log.error("request_failed", request_id=request_id, error=failed[0].error)
-        raise internal_error(request_id, failed[0].error)
+        retry_after_s = server_state(request).settings.retry_after_s
+        raise request_failed_error(request_id, failed[0].error, failed[0].retryable, retry_after_s)
     return True
 
 

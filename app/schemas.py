@@ -22,7 +22,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 INT64_MAX = 2**63 - 1
 """Integers are bounded so that a huge one (JSON allows any) is a 400 naming its field."""
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
-MAX_TOP_LOGPROBS = 20
+NumLogprobs = lenient_int(ge=0, le=INT64_MAX)
+"""How many logprobs per token; the server's most (--max-logprobs) is checked later, by
+actors/frontend/generation_defaults.py, so that one place decides."""
 
 _MODEL_CONFIG = ConfigDict(extra="allow", strict=True)
 
@@ -115,7 +117,7 @@ class SamplingFields(BaseModel):
     vllm_xargs: dict[str, XArgValue | list[XArgValue]] | None = None
     """Per-request arguments for custom logits processors (--logits-processors), handed to
     them as `sampling_params.extra_args`."""
-    prompt_logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    prompt_logprobs: NumLogprobs | None = None
     """vLLM's: the prompt tokens' logprobs with the top k at each position."""
     # Known fields tandem does not implement yet: refused when set to a non-default value.
     use_beam_search: Any = None
@@ -138,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
     logprobs: LenientBool | None = False
-    top_logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    top_logprobs: NumLogprobs | None = None
     echo: LenientBool | None = False
     add_generation_prompt: LenientBool | None = True
     continue_final_message: LenientBool | None = False
@@ -170,7 +172,7 @@ TokenIds = list[NonNegativeInt]
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: PositiveInt | None = 16
-    logprobs: lenient_int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
+    logprobs: NumLogprobs | None = None
     echo: LenientBool | None = False
     add_special_tokens: LenientBool | None = True
     # known, not implemented

@@ -170,11 +170,14 @@ def _add_admission_args(p: Any) -> None:
         default=_env("engine_stall_timeout", 10.0, float),
         help="seconds the engine core may stay silent before it is reported "
         "stalled: /health answers 503 'stalled' and new requests get 503 + "
-        "Retry-After, until it answers again. The core sends a heartbeat "
-        "every 0.5 s from its event loop while its steps run on their own "
-        "threads, so however long a step takes (a long prefill on a CPU) it "
-        "does not count; an idle server is never stalled. At least 1, or 0 "
-        "to disable (default 10). Env: TANDEM_ENGINE_STALL_TIMEOUT",
+        "Retry-After, until it answers again. Silent for twice this, every "
+        "request in flight ends with an error saying the engine stopped "
+        "responding (503 + Retry-After, or an error event in a stream) and is "
+        "aborted in the core, which frees what it held if it resumes. The core "
+        "sends a heartbeat every 0.5 s from its event loop while its steps run "
+        "on their own threads, so however long a step takes (a long prefill on "
+        "a CPU) it does not count; an idle server is never stalled. At least 1, "
+        "or 0 to disable (default 10). Env: TANDEM_ENGINE_STALL_TIMEOUT",
     )
     adm.add_argument(
         "--clamp-max-tokens",

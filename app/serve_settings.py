@@ -32,8 +32,9 @@ class ServeSettings:
     """This many failed engine steps in a row mark the engine dead: /health 503."""
     engine_stall_timeout_s: float = 10.0
     """An engine-core process silent this long (no heartbeat from its event loop) is
-    reported stalled: /health 503 'stalled', new requests 503, until it answers again.
-    0: never (app/engine_watchdog.py)."""
+    reported stalled: /health 503 'stalled', new requests 503, until it answers again;
+    silent twice this long, the requests in flight are failed (503). 0: never
+    (app/engine_watchdog.py)."""
     keep_alive_timeout_s: float = 65.0
     """An idle connection (no request yet, or between requests) is closed after this; a
     request's headers must arrive within it."""

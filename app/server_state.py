@@ -22,6 +22,7 @@ from actors.protocol.messages import (
     EngineReady,
     FailAll,
     GrammarCheckerStart,
+    ResumeAdmission,
     SchedulerStats,
 )
 from actors.protocol.model_source import ModelLoadError
@@ -35,9 +36,8 @@ from app.engine_connection import (
 from app.engine_watchdog import EngineWatchdog
 from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock
-from app.prompt_bounds import chars_per_token
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
-from app.tokenizer_loader import load_generation_config, load_tokenizer
+from app.tokenizer_loader import load_generation_config, load_warm_tokenizer
 from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import Tracing, setup_tracing
@@ -139,7 +139,7 @@ class ServerState:
         connection.spawn()
         try:
             self.tokenizer = await anyio.to_thread.run_sync(
-                _load_warm_tokenizer, config.model, config.tokenizer
+                load_warm_tokenizer, config.model, config.tokenizer
             )
             self.generation_config = load_generation_config(config.model)
         except Exception:
@@ -211,6 +211,7 @@ class ServerState:
             lambda: client.last_heard_at,
             self._on_engine_stalled,
             self._on_engine_resumed,
+            self._on_engine_unresponsive,
         )
 
     def _on_engine_stalled(self, silent_s: float) -> None:
@@ -224,11 +225,31 @@ class ServerState:
             stall_timeout_s=self.settings.engine_stall_timeout_s,
         )
 
+    def _on_engine_unresponsive(self, silent_s: float) -> None:
+        """Silent for twice the stall bound: the requests in flight end now (503) rather than
+        wait on a core that may never come back; aborted in the core too, so that one that
+        resumes frees their KV. New requests get 503 until it answers."""
+        if self.phase == "dead":
+            return
+        log.error(
+            "engine_unresponsive",
+            silent_s=round(silent_s, 3),
+            stall_timeout_s=self.settings.engine_stall_timeout_s,
+        )
+        if self.admission is not None:
+            message = (
+                f"The engine stopped responding: it has sent nothing for {silent_s:.0f} s; "
+                "retry shortly"
+            )
+            self.admission.tell(FailAll(message, retryable=True))
+
     def _on_engine_resumed(self) -> None:
         if self.phase == "dead":
             return
         if self.phase == "stalled":
             self.phase = "serving"
+        if self.admission is not None:
+            self.admission.tell(ResumeAdmission())
         log.warning("engine_resumed")
 
     def _check_tokenizer_fits(self, info: EngineReady) -> None:
@@ -320,12 +341,12 @@ class ServerState:
         admission = self.admission
         if admission is not None:
             admission.tell(BeginDrain())
-            finished = await _wait_idle_or(admission, force, timeout_s)
+            finished = await admission.wait_idle_or(force, timeout_s)
             if not finished:
                 stats = await admission.stats()
                 log.warning("drain_timeout_aborting", num_requests=stats.num_unfinished)
                 admission.tell(AbortAll())
-                await _wait_idle_or(admission, anyio.Event(), flush_timeout_s)
+                await admission.wait_idle_or(anyio.Event(), flush_timeout_s)
         self.stop_serving.set()
 
     # ---- queries ------------------------------------------------------------------------
@@ -371,48 +392,8 @@ class ServerState:
         )
 
 
-def _load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Any:
-    """The front end's tokenizer, with its chat template compiled, its encoder and decoder
-    run once and its characters-per-token bound computed, so the first request pays for
-    none of them (reading the vocabulary for the bound is one call that holds the GIL,
-    tens of milliseconds for a large vocabulary)."""
-    tokenizer = load_tokenizer(model, tokenizer_source)
-    if tokenizer is not None:
-        chars_per_token(tokenizer)
-        text = "warm up"
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True
-            )
-        except Exception:  # noqa: BLE001 - a template that cannot render is the request's 400
-            pass
-        tokenizer.decode(tokenizer.encode(text))
-    return tokenizer
-
-
 def _single(exc: Exception) -> Exception:
     """The one error inside task-group wrappers, so that it is reported as itself."""
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-async def _wait_idle_or(admission: AdmissionActor, force: anyio.Event, timeout_s: float) -> bool:
-    """True once no admitted request is left; False on timeout or when `force` is set."""
-    idle = False
-    with anyio.move_on_after(timeout_s):
-        async with anyio.create_task_group() as tg:
-
-            async def wait_idle() -> None:
-                nonlocal idle
-                await admission.wait_idle()
-                idle = True
-                tg.cancel_scope.cancel()
-
-            async def wait_force() -> None:
-                await force.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(wait_idle)
-            tg.start_soon(wait_force)
-    return idle

@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 from actors.frontend.admitted_group import AdmittedGroup
 from actors.frontend.output_stream import StreamDelta
 from app import prompt_logprobs
-from app.errors import internal_error
+from app.errors import request_failed_error
 from app.keep_alive import KeepAliveClock
 from app.request_telemetry import RequestTelemetry
 from app.responses import (
@@ -300,6 +300,7 @@ class EventStreamResponse(Response):
         self._started = [False] * len(group.streams)
         self._failure: str | None = None
         """Why a choice failed, in the engine's words (the stream's error event says it)."""
+        self._failure_retryable = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         telemetry = self.telemetry
@@ -350,7 +351,8 @@ class EventStreamResponse(Response):
                 self.telemetry.failed(exc)
             failed = True
         if failed:
-            error = internal_error(self.request_id, self._failure)
+            # The headers are gone: the event's body alone says whether a retry may succeed.
+            error = request_failed_error(self.request_id, self._failure, self._failure_retryable)
             await send_bytes(sse_event(error.body()) + DONE_EVENT)
             return
         tail = sse_event(self.formatter.chunk(None)) if self.options.include_usage else b""
@@ -364,7 +366,7 @@ class EventStreamResponse(Response):
             _count(choice, delta)
             if delta.finish_reason == "error":
                 log.error("request_failed", request_id=self.request_id, error=delta.error)
-                self._failure = delta.error
+                self._failure, self._failure_retryable = delta.error, delta.retryable
                 if out:
                     await send_bytes(bytes(out))
                 return True

@@ -17,6 +17,7 @@ from typing import Any
 
 from actors.protocol.model_source import ModelLoadError, is_dummy, resolve_model_path
 from app.harmony.model import HarmonyFormat, is_gpt_oss
+from app.prompt_bounds import chars_per_token
 from app.tokenizer import Tokenizer
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -73,6 +74,25 @@ def load_generation_config(model: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
     return value
+
+
+def load_warm_tokenizer(model: str, tokenizer_source: str | None) -> Tokenizer | None:
+    """The front end's tokenizer, with its chat template compiled, its encoder and decoder
+    run once and its characters-per-token bound computed, so the first request pays for
+    none of them (reading the vocabulary for the bound is one call that holds the GIL,
+    tens of milliseconds for a large vocabulary)."""
+    tokenizer = load_tokenizer(model, tokenizer_source)
+    if tokenizer is not None:
+        chars_per_token(tokenizer)
+        text = "warm up"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+        except Exception:  # noqa: BLE001 - a template that cannot render is the request's 400
+            pass
+        tokenizer.decode(tokenizer.encode(text))
+    return tokenizer
 
 
 def _load(source: str, generation_config: dict[str, Any]) -> Tokenizer | None:

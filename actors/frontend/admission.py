@@ -34,6 +34,7 @@ from actors.protocol.messages import (
     FailAll,
     Finished,
     GetAdmissionStats,
+    ResumeAdmission,
     Started,
     ToAdmission,
     WaitIdle,
@@ -55,7 +56,6 @@ class AdmissionLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
-    max_top_logprobs: int = 20
     max_logit_bias_entries: int = 300
     retry_after_s: int = 1
     """Retry-After (seconds) on 429 and on 503 while draining."""
@@ -123,6 +123,8 @@ class _State:
     num_refused_total: int = 0
     draining: bool = False
     failed_message: str | None = None
+    unresponsive_message: str | None = None
+    """Set while the engine core is silent after a retryable FailAll."""
     idle_waiters: list[anyio.Event] = field(default_factory=list)
 
 
@@ -159,6 +161,26 @@ class AdmissionActor(Actor[ToAdmission]):
         self.tell(WaitIdle(idle))
         await idle.wait()
 
+    async def wait_idle_or(self, force: anyio.Event, timeout_s: float) -> bool:
+        """True once no admitted request is left; False on timeout or when `force` is set."""
+        idle = False
+        with anyio.move_on_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+
+                async def wait_idle() -> None:
+                    nonlocal idle
+                    await self.wait_idle()
+                    idle = True
+                    tg.cancel_scope.cancel()
+
+                async def wait_force() -> None:
+                    await force.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(wait_idle)
+                tg.start_soon(wait_force)
+        return idle
+
     def fail_streams(self, message: str) -> None:
         """End every admitted stream with an error once the engine (and this actor's task
         with it) has died; nothing else is left to deliver their outputs."""
@@ -186,8 +208,12 @@ class AdmissionActor(Actor[ToAdmission]):
                 self._engine.abort(list(self._state.entries))
             case FailAll():
                 admitted = list(self._state.entries)
-                self._fail_all(message.message)
-                self._engine.abort(admitted)  # their streams have ended: free their KV now
+                self._fail_all(message.message, message.retryable)
+                # Their streams have ended: free their KV now, or, from a core that stopped
+                # answering, once it reads the abort (its late outputs for them are dropped).
+                self._engine.abort(admitted)
+            case ResumeAdmission():
+                self._state.unresponsive_message = None
             case _:
                 assert_never(message)
         return None
@@ -213,6 +239,8 @@ class AdmissionActor(Actor[ToAdmission]):
                 "The server is shutting down; retry on another replica",
                 self.limits.retry_after_s,
             )
+        if state.unresponsive_message is not None:
+            raise AdmissionRefused(503, state.unresponsive_message, self.limits.retry_after_s)
         self._check_capacity(message.requests)
         streams = []
         for request in message.requests:
@@ -301,10 +329,13 @@ class AdmissionActor(Actor[ToAdmission]):
         if to_abort:
             self._engine.abort(to_abort)
 
-    def _fail_all(self, message: str) -> None:
-        self._state.failed_message = message
+    def _fail_all(self, message: str, retryable: bool = False) -> None:
+        if retryable:
+            self._state.unresponsive_message = message
+        else:
+            self._state.failed_message = message
         for entry in self._state.entries.values():
-            entry.stream.push(finish_reason="error", error=message)
+            entry.stream.push(finish_reason="error", error=message, retryable=retryable)
 
     def _stats(self) -> AdmissionStats:
         state = self._state
@@ -335,11 +366,6 @@ def check_request_limits(params: SamplingParams, limits: AdmissionLimits) -> Non
             "stop",
             f"stop strings must be at most "
             f"{limits.max_stop_string_chars} characters, got {longest}",
-        )
-    if params.logprobs is not None and params.logprobs > limits.max_top_logprobs:
-        raise RequestLimitError(
-            "top_logprobs",
-            f"at most {limits.max_top_logprobs} top logprobs are allowed, got {params.logprobs}",
         )
     if len(params.logit_bias) > limits.max_logit_bias_entries:
         raise RequestLimitError(

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from actors.protocol.config import DEFAULT_MAX_LOGPROBS
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 _MODEL_DEFAULT_FIELDS = {
     "temperature": "temperature",
@@ -50,8 +51,31 @@ class RequestDefaults:
     max_tokens: int | None = None
     """When neither the request nor the model sets one; None runs up to the context length
     (chat), the completions API uses 16."""
-    max_logprobs: int = MAX_TOP_LOGPROBS
-    """Most top logprobs a request may ask for."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """The server's --max-logprobs: the most logprobs per token a request may ask for, in
+    logprobs / top_logprobs and in prompt_logprobs; -1: up to the vocabulary size."""
+
+    @property
+    def logprobs_limit(self) -> int:
+        return logprobs_limit(self.max_logprobs, self.vocab_size)
+
+
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """The most logprobs per token a request may ask for under --max-logprobs. Never above
+    the vocabulary: the engine core takes the top k of a row of logits and trusts the front
+    end to have bounded k."""
+    if max_logprobs < 0:
+        return vocab_size
+    return min(max_logprobs, vocab_size)
+
+
+def check_logprobs_within(params: SamplingParams, limit: int) -> None:
+    """SamplingParams built by a caller rather than by `resolve_sampling_params` (the offline
+    LLM) held to the same limit."""
+    if params.logprobs is not None:
+        check_num_logprobs(params.logprobs, "logprobs", limit)
+    if params.prompt_logprobs is not None:
+        check_num_logprobs(params.prompt_logprobs, "prompt_logprobs", limit)
 
 
 def model_sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,6 +123,8 @@ def resolve_sampling_params(
     fields["stop_token_ids"] = _stop_token_ids(request_fields.get("stop_token_ids"), defaults)
     fields["logit_bias"] = _logit_bias(request_fields.get("logit_bias"), defaults)
     fields["logprobs"] = _num_logprobs(request_fields, defaults)
+    if fields.get("prompt_logprobs") is not None:
+        check_num_logprobs(fields["prompt_logprobs"], "prompt_logprobs", defaults.logprobs_limit)
     xargs = request_fields.get("vllm_xargs")
     if xargs is not None:
         fields["extra_args"] = dict(xargs)
@@ -213,20 +239,23 @@ def _num_logprobs(request_fields: Mapping[str, Any], defaults: RequestDefaults) 
             if top_logprobs:
                 raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
             return None
-        return _check_num_logprobs(
-            0 if top_logprobs is None else top_logprobs, "top_logprobs", defaults
+        return check_num_logprobs(
+            0 if top_logprobs is None else top_logprobs, "top_logprobs", defaults.logprobs_limit
         )
     if not isinstance(logprobs, int):
         raise SamplingParamsError(
             "logprobs", f"logprobs must be a boolean or an integer, got {_shown(logprobs)}"
         )
-    return _check_num_logprobs(logprobs, "logprobs", defaults)
+    return check_num_logprobs(logprobs, "logprobs", defaults.logprobs_limit)
 
 
-def _check_num_logprobs(value: int, param: str, defaults: RequestDefaults) -> int:
-    if not 0 <= value <= defaults.max_logprobs:
+def check_num_logprobs(value: int, param: str, limit: int) -> int:
+    """`value` if it is a number of logprobs within `limit` (RequestDefaults.logprobs_limit),
+    else SamplingParamsError naming `param` and the limit."""
+    if not 0 <= value <= limit:
         raise SamplingParamsError(
-            param, f"{param} must be in [0, {defaults.max_logprobs}], got {value}"
+            param,
+            f"{param} must be in [0, {limit}] (the server's --max-logprobs), got {value}",
         )
     return value
 

@@ -78,6 +78,9 @@ class StreamDelta:
     """Once, on the first delta read after the prompt's prefill ended (the one with the
     first output token, or the final one), for a request that asked for them: one entry
     per prompt token, None for the first (nothing precedes it)."""
+    retryable: bool = False
+    """With an error: it came from the server's state (its engine core stopped answering),
+    not from the request, so the same request may succeed later (HTTP 503, not 500)."""
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,7 @@ class RequestStream:
         self._finish_reason: str | None = None
         self._stop_reason: str | int | None = None
         self._error: str | None = None
+        self._retryable = False
         self._final_read = False
         self._cancelled = False
         self._poked = False
@@ -142,6 +146,7 @@ class RequestStream:
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
         error: str | None = None,
+        retryable: bool = False,
         now: float | None = None,
     ) -> None:
         """Append one step's outcome; with `finish_reason` it is the request's last push.
@@ -165,6 +170,7 @@ class RequestStream:
             self._logprobs.extend(logprobs)
         if finish_reason is not None:
             self._finish_reason, self._stop_reason, self._error = finish_reason, stop_reason, error
+            self._retryable = retryable
             self.finish_time = now
             self._signal_done()
             if self._on_finished is not None:
@@ -261,6 +267,7 @@ class RequestStream:
             finish_reason=self._finish_reason,
             stop_reason=self._stop_reason,
             error=self._error,
+            retryable=self._retryable,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self._num_output_tokens,

@@ -10,6 +10,8 @@ from actors.protocol.speculative_config import SpeculativeConfig
 
 RunnerChoice = Literal["auto", "v1", "v2"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+DEFAULT_MAX_LOGPROBS = 20
+"""vLLM's default --max-logprobs."""
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,10 @@ class EngineConfig:
     """Most requests in one step (also the runner's row count)."""
     max_num_batched_tokens: int = 2048
     """Most tokens in one step; longer prompts are prefilled in chunks."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Most logprobs a request may ask for per token, in `logprobs` / `top_logprobs` and in
+    `prompt_logprobs` (vLLM's --max-logprobs); -1: up to the vocabulary size. Checked by the
+    front end (actors/frontend/generation_defaults.py), which the engine core trusts."""
     enable_prefix_caching: bool = True
     runner: RunnerChoice = "auto"
     """Model runner; auto applies the startup selection rules."""
@@ -74,6 +80,12 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
+        if (
+            isinstance(self.max_logprobs, bool)
+            or not isinstance(self.max_logprobs, int)
+            or self.max_logprobs < -1
+        ):
+            raise ConfigError(f"max_logprobs must be -1 or >= 0, got {self.max_logprobs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.runner not in ("auto", "v1", "v2"):

@@ -453,9 +453,16 @@ class AbortAll(msgspec.Struct, frozen=True):
 
 
 class FailAll(msgspec.Struct, frozen=True):
-    """The engine died: end every admitted stream with an error, refuse new requests."""
+    """End every admitted stream with an error and refuse new requests: for good when the
+    engine died; until ResumeAdmission when its core stopped answering (`retryable`)."""
 
     message: str
+    retryable: bool = False
+    """The core may come back: the streams' errors say a retry may succeed (HTTP 503)."""
+
+
+class ResumeAdmission(msgspec.Struct, frozen=True):
+    """The engine core answers again after a retryable FailAll: admit requests again."""
 
 
 class WaitIdle(msgspec.Struct, frozen=True):
@@ -475,6 +482,7 @@ ToAdmission = (
     | BeginDrain
     | AbortAll
     | FailAll
+    | ResumeAdmission
     | WaitIdle
     | GetAdmissionStats
 )

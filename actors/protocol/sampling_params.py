@@ -8,7 +8,6 @@ from typing import Any
 
 from actors.protocol.structured_output import StructuredOutputSpec
 
-MAX_TOP_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -93,15 +92,18 @@ class SamplingParams:
             "min_tokens",
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
+        # Only the sign here: the most a request may ask for is the server's setting
+        # (--max-logprobs), checked by the front end, and these parameters also travel to
+        # the engine core, whose decoder runs this check and must accept what was admitted.
         _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            self.logprobs is None or self.logprobs >= 0,
             "logprobs",
-            f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+            f"logprobs must be >= 0, got {self.logprobs}",
         )
         _check(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
             "prompt_logprobs",
-            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+            f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
         )
         _check(
             self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX,

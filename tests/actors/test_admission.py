@@ -18,7 +18,13 @@ from actors.frontend.admission import (
     child_sampling_params,
 )
 from actors.frontend.output_stream import RequestStream
-from actors.protocol.messages import AbortAll, BeginDrain, EngineRequest, FailAll
+from actors.protocol.messages import (
+    AbortAll,
+    BeginDrain,
+    EngineRequest,
+    FailAll,
+    ResumeAdmission,
+)
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -150,17 +156,6 @@ def test_per_request_limits_name_the_field(params: SamplingParams, param: str) -
     assert err.value.param == param
 
 
-def test_top_logprobs_limit() -> None:
-    with pytest.raises(RequestLimitError) as err:
-        check_request_limits(
-            SamplingParams(logprobs=5), AdmissionLimits(max_num_running=1, max_top_logprobs=4)
-        )
-    assert err.value.param == "top_logprobs"
-    check_request_limits(
-        SamplingParams(logprobs=4), AdmissionLimits(max_num_running=1, max_top_logprobs=4)
-    )
-
-
 async def test_drain_refuses_with_503_and_wait_idle_follows_releases() -> None:
     async with running_actor() as (actor, engine):
         group = await actor.admit(_requests(2), SamplingParams(n=2))
@@ -207,6 +202,28 @@ async def test_abort_all_and_fail_all_end_every_stream() -> None:
         with pytest.raises(AdmissionRefused) as refused:
             await actor.admit(_requests(1), SamplingParams())
         assert refused.value.status == 503
+
+
+async def test_a_retryable_fail_ends_every_stream_and_refuses_only_until_resumed() -> None:
+    """The core stopped answering: the streams end with a retryable error and are aborted
+    in the core (whose KV they hold), new requests get 503 until the core answers again."""
+    async with running_actor() as (actor, engine):
+        group = await actor.admit(_requests(2), SamplingParams(n=2))
+        actor.tell(FailAll("the engine stopped responding", retryable=True))
+        for index in range(2):
+            delta = await group.get(index)
+            assert delta is not None and delta.finish_reason == "error" and delta.retryable
+            assert delta.error == "the engine stopped responding"
+        assert sorted(engine.aborted) == sorted(group.request_ids)
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(_requests(1), SamplingParams())
+        assert refused.value.status == 503 and refused.value.retry_after_s == 3
+        assert "stopped responding" in refused.value.message
+        actor.tell(ResumeAdmission())
+        again = await actor.admit(_requests(1), SamplingParams())
+        engine.streams[again.request_ids[0]].push((1,), "t", finish_reason="stop")
+        delta = await again.get(0)
+        assert delta is not None and delta.finish_reason == "stop" and not delta.retryable
 
 
 def test_child_sampling_params_offset_seeds() -> None:

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from actors.core.engine_startup import reuse_engine
 from actors.inprocess_engine import InProcessEngine
+from actors.protocol.config import DEFAULT_MAX_LOGPROBS
 from actors.protocol.messages import EngineRequest
-from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from actors.protocol.sampling_params import SamplingParams
 from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 
@@ -112,7 +113,7 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         stop=draw(stop_strings),
         stop_token_ids=tuple(draw(st.lists(token_ids, max_size=3))),
         ignore_eos=draw(st.booleans()),
-        logprobs=draw(st.one_of(st.none(), st.integers(0, MAX_TOP_LOGPROBS))),
+        logprobs=draw(st.one_of(st.none(), st.integers(0, DEFAULT_MAX_LOGPROBS))),
         include_stop_str_in_output=draw(st.booleans()),
         skip_special_tokens=draw(st.booleans()),
     )

@@ -202,8 +202,26 @@ def test_every_bad_value_names_its_param(fields, param):
 def test_server_max_logprobs_is_enforced():
     small = RequestDefaults(vocab_size=1000, max_logprobs=5)
     assert resolve_sampling_params({"logprobs": True, "top_logprobs": 5}, {}, small).logprobs == 5
-    with pytest.raises(SamplingParamsError, match=r"\[0, 5\]"):
-        resolve_sampling_params({"logprobs": True, "top_logprobs": 6}, {}, small)
+    assert resolve_sampling_params({"prompt_logprobs": 5}, {}, small).prompt_logprobs == 5
+    for fields, param in [
+        ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"prompt_logprobs": 6}, "prompt_logprobs"),
+    ]:
+        with pytest.raises(SamplingParamsError, match=r"\[0, 5\]") as info:
+            resolve_sampling_params(fields, {}, small)
+        assert info.value.param == param
+
+
+def test_max_logprobs_minus_one_lifts_the_cap_to_the_vocabulary():
+    """vLLM's -1; a limit above the vocabulary is the vocabulary too: the core takes the
+    top k of a row of vocab_size logits and trusts the front end's bound."""
+    for max_logprobs in (-1, 5000):
+        unbounded = RequestDefaults(vocab_size=1000, max_logprobs=max_logprobs)
+        params = resolve_sampling_params({"logprobs": 1000, "prompt_logprobs": 1000}, {}, unbounded)
+        assert params.logprobs == params.prompt_logprobs == 1000
+        with pytest.raises(SamplingParamsError, match=r"\[0, 1000\]"):
+            resolve_sampling_params({"prompt_logprobs": 1001}, {}, unbounded)
 
 
 def test_model_sampling_defaults_renames_and_validates():

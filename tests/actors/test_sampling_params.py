@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize(
@@ -18,8 +18,8 @@ from actors.protocol.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, Sa
         ("n", 0),
         ("max_tokens", 0),
         ("min_tokens", -1),
-        ("logprobs", MAX_TOP_LOGPROBS + 1),
         ("logprobs", -1),
+        ("prompt_logprobs", -1),
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3.0),
         ("repetition_penalty", 0.0),

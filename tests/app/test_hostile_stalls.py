@@ -1,9 +1,11 @@
 """Stopped processes (SIGSTOP) under a real `tandem serve`: an engine core stopped and
-resumed finishes the requests in flight, unchanged, while /health says 'stalled'; an API
-server stopped under the supervisor is found silent, killed and restarted, its client's
-connection ends instead of hanging, and the core frees what it held. Throughout, /health
-on a new connection answers within a second, and afterwards the server's resident memory
-is back near its baseline.
+resumed within twice the stall bound finishes the requests in flight, unchanged, while
+/health says 'stalled'; one that stays stopped longer has them end with a clear 503-style
+error, and once resumed it frees what they held and serves again; an API server stopped
+under the supervisor is found silent, killed and restarted, its client's connection ends
+instead of hanging, and the core frees what it held. Throughout, /health on a new
+connection answers within a second, and afterwards the server's resident memory is back
+near its baseline.
 
 The issue's stall lasts 30 s; these last a few times the (shortened) stall bound, which
 exercises the same paths in a fraction of the CI time."""
@@ -29,7 +31,8 @@ from tests.app._serve_process import ServeProcess, alive
 pytestmark = pytest.mark.slow
 
 STALL_TIMEOUT_S = 2.0
-STOPPED_S = 3 * STALL_TIMEOUT_S
+STOPPED_S = 1.5 * STALL_TIMEOUT_S
+"""Past the stall bound, short of the bound at which requests in flight are failed (2x)."""
 GREEDY_CHAT = {
     "messages": [{"role": "user", "content": "Count to one hundred."}],
     "max_tokens": 40,
@@ -118,9 +121,9 @@ def _assert_engine_idle(url: str) -> None:
 def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
     tmp_path: Path,
 ) -> None:
-    """Stopped for three stall bounds mid-stream: /health says 'stalled' meanwhile (and
-    answers within a second), the streamed and the plain request both complete once the
-    core runs again, each with the text it gives without a stall."""
+    """Stopped for one and a half stall bounds mid-stream: /health says 'stalled'
+    meanwhile (and answers within a second), the streamed and the plain request both
+    complete once the core runs again, each with the text it gives without a stall."""
     server = ServeProcess(tmp_path / "serve.log", "--engine-stall-timeout", str(STALL_TIMEOUT_S))
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
@@ -159,6 +162,111 @@ def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
     finally:
         os.kill(server.engine_pid(), signal.SIGCONT)
         assert server.stop() == 0
+
+
+def _streamed_error(client: httpx.Client, body: dict[str, Any], on_first: Any) -> dict[str, Any]:
+    """The `error` of the event that ends a streamed chat; `on_first()` runs after its first
+    content chunk. Fails if the stream ends without one."""
+    import json
+
+    error = None
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+            elif chunk["choices"][0]["delta"].get("content") and on_first is not None:
+                on_first()
+                on_first = None
+    assert error is not None, "the stream ended without an error"
+    return dict(error)
+
+
+def _assert_stopped_responding(error: dict[str, Any]) -> None:
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError", error
+    assert "engine stopped responding" in error["message"], error
+
+
+def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(tmp_path: Path) -> None:
+    """Stopped mid-stream and not resumed: once silent for twice the stall bound, the
+    streamed request ends with an error event and the plain one with a 503 + Retry-After,
+    both saying that the engine stopped responding; new requests get 503; /health says
+    'stalled' and answers within a second throughout. Resumed, the core frees what the
+    failed requests held (their late outputs dropped, no error logged) and a fresh request
+    is served: one asking for more logprobs than vLLM's default 20 (--max-logprobs 30), so
+    that such a request is shown to cross to the core's process too."""
+    stall_timeout_s = 1.0
+    fail_by_s = 2 * stall_timeout_s + 2.0  # the fail bound, the watchdog's tick, slack
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        "--engine-stall-timeout",
+        str(stall_timeout_s),
+        "--max-logprobs",
+        "30",
+    )
+    engine_pid = server.engine_pid()
+    is_stopped = False
+    try:
+        long_chat = {**GREEDY_CHAT, "max_tokens": 400}
+        stopped_at: list[float] = []
+        answers: dict[str, Any] = {}
+
+        def stop_engine() -> None:
+            nonlocal is_stopped
+            os.kill(engine_pid, signal.SIGSTOP)
+            is_stopped = True
+            stopped_at.append(time.monotonic())
+
+        def plain_request() -> None:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                answers["plain"] = client.post("/v1/chat/completions", json=long_chat)
+            answers["plain_after_s"] = time.monotonic() - stopped_at[0]
+
+        with probed(server) as probe:
+            plain = threading.Thread(target=plain_request)
+            plain.start()
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                wait_until(
+                    lambda: metric(client, "vllm:num_requests_running") >= 1,
+                    10.0,
+                    "the plain request did not start",
+                )
+                error = _streamed_error(client, long_chat, on_first=stop_engine)
+                streamed_after_s = time.monotonic() - stopped_at[0]
+                plain.join(timeout=60)
+                refused = client.post("/v1/chat/completions", json=GREEDY_CHAT)
+            num_lines_stopped = len(server.lines())
+            os.kill(engine_pid, signal.SIGCONT)
+            is_stopped = False
+            wait_until(lambda: probe.answers[-1] == (200, "ok"), 5.0, "/health stayed 503")
+        assert stall_timeout_s < streamed_after_s < fail_by_s
+        _assert_stopped_responding(error)
+        plain_answer = answers["plain"]
+        assert plain_answer.status_code == 503 and plain_answer.headers["Retry-After"] == "1"
+        _assert_stopped_responding(plain_answer.json()["error"])
+        assert answers["plain_after_s"] < fail_by_s
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert (503, "stalled") in probe.answers
+        assert set(probe.answers) <= {(200, "ok"), (503, "stalled")}
+        _assert_engine_idle(server.url)  # the core read the aborts: KV back to 0
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            fresh = client.post(
+                "/v1/chat/completions",
+                json={**GREEDY_CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 25},
+            )
+        assert fresh.status_code == 200, fresh.text
+        content = fresh.json()["choices"][0]["logprobs"]["content"]
+        assert [len(token["top_logprobs"]) for token in content] == [25] * 4
+        after_resume = server.lines()[num_lines_stopped:]
+        assert [line for line in after_resume if line["level"] == "error"] == []
+    finally:
+        if is_stopped:
+            os.kill(engine_pid, signal.SIGCONT)
+        exit_code = server.stop()
+    assert exit_code == 0
 
 
 def _api_server_pids(server: ServeProcess) -> dict[int, int]:

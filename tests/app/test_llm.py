@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
 
@@ -161,3 +161,22 @@ def test_n_parallel_samples_differ_and_are_reproducible(llm: LLM) -> None:
     assert len(first.outputs) == 3
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert len({o.token_ids for o in first.outputs}) > 1
+
+
+def test_max_logprobs_bounds_offline_requests(llm: LLM) -> None:
+    """The offline API holds SamplingParams to its max_logprobs (20 by default, as vLLM's
+    LLM); a raised limit returns that many per token, prompt and output."""
+    prompt = llm.apply_chat_template("Hi")
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(SamplingParamsError) as refused:
+            llm.generate([prompt], SamplingParams(max_tokens=1, **{field: 21}))
+        assert refused.value.param == field and "20" in str(refused.value)
+    wide = LLM(
+        "default", reuse=llm, runner="v2", max_num_seqs=32, max_model_len=1024, max_logprobs=25
+    )
+    [out] = wide.generate([prompt], SamplingParams(max_tokens=2, logprobs=25, prompt_logprobs=25))
+    assert [len(entry.top_logprobs) for entry in out.outputs[0].logprobs] == [25, 25]
+    assert out.prompt_logprobs is not None
+    assert all(len(entry.top_logprobs) == 25 for entry in out.prompt_logprobs[1:])
+    with pytest.raises(SamplingParamsError):
+        wide.generate([prompt], SamplingParams(max_tokens=1, logprobs=26))

@@ -24,8 +24,8 @@ from app.prompt_bounds import (
     truncation_start,
 )
 from app.prompts import encode_prompt
-from app.server_state import _load_warm_tokenizer
 from app.tokenizer import Tokenizer as AppTokenizer
+from app.tokenizer_loader import load_warm_tokenizer
 from gpu.weights.gguf_file import GGUFFile
 from tests._embedded_model import embedded_gguf_path, needs_embedded_model
 
@@ -159,7 +159,7 @@ def test_byte_fallback_covers_every_character() -> None:
 def test_the_served_tokenizer_has_its_bound_before_the_first_request() -> None:
     # Reading the vocabulary is one call that holds the GIL (tens of milliseconds for a
     # large vocabulary): a request's worker thread must not be the one to pay it.
-    tokenizer = _load_warm_tokenizer("default", None)
+    tokenizer = load_warm_tokenizer("default", None)
     assert tokenizer in prompt_bounds._bounds
     assert prompt_bounds._bounds[tokenizer] == chars_per_token(tokenizer)
 
