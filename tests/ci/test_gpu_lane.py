@@ -307,3 +307,17 @@ def test_every_gpu_marked_test_is_where_the_lane_runs() -> None:
         if GPU_MARKS.search(path.read_text(encoding="utf-8")):
             outside.append(relative)
     assert outside == []
+
+
+def test_every_runtime_dependency_reaches_the_gpu_machine() -> None:
+    """A dependency neither in the GPU image nor carried as a wheel fails every test that
+    imports it there (as openai-harmony once did)."""
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    names = {
+        re.split(r"[<>=;!~ \[]", requirement, maxsplit=1)[0].strip().lower()
+        for requirement in project["dependencies"]
+    }
+    reach = {*lane.IMAGE_PACKAGES, *lane.WHEELS}
+    assert sorted(names - reach) == []
