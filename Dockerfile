@@ -16,7 +16,9 @@
 # Configuration is by TANDEM_* environment variables (every `tandem serve` flag has one)
 # or by arguments after the image name: `docker run ... tandem:0.1.0 serve --max-n 4`.
 # Change the port with TANDEM_PORT, not --port: the HEALTHCHECK reads TANDEM_PORT.
-# `docker stop` waits 10 s by default; give the drain its time: `docker stop -t 45`.
+# `docker stop` waits 10 s, which the default drain fits (5 s for requests in flight, then at
+# most 4 s to end them and close); a longer TANDEM_SHUTDOWN_TIMEOUT needs `docker stop -t`
+# of at least it plus 5.
 
 ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}

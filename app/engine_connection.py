@@ -70,6 +70,9 @@ class EngineCallbacks:
     on_scheduler_stats: Callable[[SchedulerStats], None] | None = None
     on_dead: Callable[[str], None] | None = None
     """The core declared itself dead, or its process died."""
+    on_predecessor_aborted: Callable[[int], None] | None = None
+    """The core aborted this many requests that an earlier process of this front end
+    (same index, killed or crashed) left running."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +231,7 @@ class EngineConnection:
             on_ready=self._on_ready,
             on_dead=callbacks.on_dead,
             on_startup_failed=self._on_startup_failed,
+            on_predecessor_aborted=callbacks.on_predecessor_aborted,
         )
         return self.client
 

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from app.content_parts import check_text_only
 from app.errors import bad_request, validation_error
 from app.schemas import ChatMessage
 
@@ -260,15 +261,18 @@ def _too_many(key: str, cap: int) -> Exception:
 
 
 def validate(model: type[ModelT], data: dict[str, Any]) -> ModelT:
-    """`model.model_validate(data)` as a 400 on failure. Unknown fields keep their names
-    (they are logged) but not their values: they are ignored, so nothing of them is held
-    for the request's life. A long `messages` list is validated in slices first; the model
-    is then validated with its first message and takes the whole list as it is (checking
-    each validated message again is one call over all of them)."""
+    """`model.model_validate(data)` as a 400 on failure; a content part that is not text is
+    refused first, by its own message (app/content_parts.py). Unknown fields keep their
+    names (they are logged) but not their values: they are ignored, so nothing of them is
+    held for the request's life. A long `messages` list is validated in slices first; the
+    model is then validated with its first message and takes the whole list as it is
+    (checking each validated message again is one call over all of them)."""
     known = model.model_fields
     if any(key not in known for key in data):
         data = {key: value if key in known else None for key, value in data.items()}
     messages = data.get("messages")
+    if "messages" in known and isinstance(messages, list):
+        check_text_only(messages)
     validated: list[ChatMessage] | None = None
     if "messages" in known and isinstance(messages, list) and len(messages) > VALIDATION_SLICE:
         validated = _validated_messages(messages)

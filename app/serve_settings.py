@@ -23,7 +23,8 @@ class ServeSettings:
     max_queued_prompt_tokens: int | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
     keep_alive_interval_s: float = 10.0
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 5.0
+    """On SIGTERM, how long in-flight requests may finish (app/server.py drain_bound_s)."""
     clamp_max_tokens: bool = False
     max_n: int = 16
     retry_after_s: int = 1

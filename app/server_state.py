@@ -38,6 +38,7 @@ from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
 from app.tokenizer_loader import load_generation_config, load_warm_tokenizer
+from app.tool_calls.request import log_tool_call_parser
 from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import Tracing, setup_tracing
@@ -146,6 +147,7 @@ class ServerState:
             await connection.shutdown()  # the core it spawned, and its ipc folder
             raise
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        log_tool_call_parser(self.settings.tool_call_parser, self.tokenizer)
         async with anyio.create_task_group() as tg:
             with anyio.CancelScope() as start_scope:
                 self._start_scope = start_scope
@@ -187,6 +189,7 @@ class ServerState:
             step_observers=(self.metrics.observe_step, EngineStatsLog().observe_step),
             on_scheduler_stats=self.metrics.observe_engine_totals,
             on_dead=self._on_engine_dead,
+            on_predecessor_aborted=self.metrics.record_predecessor_aborts,
         )
         options = ProcessOptions(
             max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
@@ -296,11 +299,8 @@ class ServerState:
             self.phase = "serving"
 
     def _on_engine_failure(self, exc: Exception) -> None:
-        if (
-            isinstance(exc, EngineStartError)
-            and exc.is_user_error
-            or isinstance(exc, ModelLoadError)
-        ):
+        user_error = isinstance(exc, EngineStartError) and exc.is_user_error
+        if user_error or isinstance(exc, ModelLoadError):
             log.error("model_load_failed", error=str(exc))
             self.failure_message = str(exc)
             self.exit_code = 2

@@ -2,8 +2,9 @@
 
 Gateways, autoscalers and dashboards hard-code vLLM's names (`vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, ...), so tandem exports the same ones with the label
-`model_name`, plus its own under `tandem:`. Each server owns an `EngineMetrics` with a
-private CollectorRegistry, never prometheus-client's global one.
+`model_name` (and the older names vLLM still exports: telemetry/legacy_names.py), plus its
+own under `tandem:`. Each server owns an `EngineMetrics` with a private CollectorRegistry,
+never prometheus-client's global one.
 
 Calls come per step or per finished request, never per token:
 
@@ -12,8 +13,8 @@ Calls come per step or per finished request, never per token:
 - `set_engine_load(stats)`: the core's load and KV usage, at scrape time;
 - `observe_engine_totals(stats)`: the core's cumulative counts, after each step;
 - `observe_request_finished(record)`: once per finished engine request (RequestRecord);
-- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`:
-  rare events.
+- `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`,
+  `record_predecessor_aborts(num)`: rare events.
 - `set_unsent(num)`: at scrape time, from the admission actor.
 
 Token counters move when a request finishes, so their sums equal the responses' usage:
@@ -32,135 +33,18 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from telemetry import exposition
 from telemetry.histogram import BatchHistogram
+from telemetry.legacy_names import with_legacy_names
+from telemetry.metric_buckets import (
+    CPU_TIME_BUCKETS_S,
+    GPU_IDLE_BUCKETS_S,
+    PER_TOKEN_BUCKETS_S,
+    REQUEST_LATENCY_BUCKETS_S,
+    STEP_DURATION_BUCKETS_S,
+    TTFT_BUCKETS_S,
+)
 from telemetry.records import FINISH_REASONS, RequestRecord
 from telemetry.request_shape_metrics import RequestShapeMetrics
 from telemetry.spec_decode_metrics import SpecDecodeMetrics
-
-# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
-TTFT_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-PER_TOKEN_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-REQUEST_LATENCY_BUCKETS_S = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-# tandem's own: a decode step is milliseconds, and the overlap's idle gaps microseconds.
-STEP_DURATION_BUCKETS_S = (
-    0.0005,
-    0.001,
-    0.002,
-    0.003,
-    0.004,
-    0.006,
-    0.008,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-)
-GPU_IDLE_BUCKETS_S = (
-    0.0,
-    1e-5,
-    2.5e-5,
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.5,
-    1.0,
-)
-"""The 0 bucket counts steps that started the moment the previous one ended."""
-CPU_TIME_BUCKETS_S = (
-    1e-5,
-    2.5e-5,
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-)
 
 IDLE_FRACTION_WINDOW_STEPS = 256
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -444,6 +328,14 @@ class EngineMetrics:
     def record_disconnect(self) -> None:
         self._disconnects.inc()
 
+    def record_predecessor_aborts(self, num_requests: int) -> None:
+        """Requests that a killed process of this front end left in the engine core, which
+        aborted them when this process took its place. They count as aborted here: the
+        process that admitted them never saw them end."""
+        self._request_success.labels(model_name=self.model_name, finished_reason="abort").inc(
+            num_requests
+        )
+
     def set_unsent(self, num_requests: int) -> None:
         """Admitted requests done in the engine whose output is still being sent (a client
         that reads slowly or not at all); they hold no engine capacity."""
@@ -454,7 +346,8 @@ class EngineMetrics:
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics: Prometheus text format 0.0.4, or
         OpenMetrics when `accept_header` asks for it; names keep their colons either way."""
-        return exposition.render(_exposition_registry(self.registry), accept_header)
+        registry = with_legacy_names(_exposition_registry(self.registry))
+        return exposition.render(registry, accept_header)
 
 
 def _exposition_registry(own: CollectorRegistry) -> CollectorRegistry:

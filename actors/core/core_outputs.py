@@ -13,6 +13,7 @@ from actors.protocol.messages import (
     AdmittedRequest,
     EngineCoreOutputs,
     LogprobsArrays,
+    PredecessorAborted,
     PromptLogprobs,
     RequestFinish,
     SchedulerStats,
@@ -75,6 +76,11 @@ class CoreOutputs:
         """Requests that ended outside a step (refused on arrival, aborted at shutdown)."""
         for client, client_finishes in _group(finishes).items():
             self._send(client, EngineCoreOutputs(step_id=-1, finished=tuple(client_finishes)))
+
+    def predecessor_aborted(self, client: int, num_requests: int) -> None:
+        """The requests a front end's previous process left behind were aborted: their
+        finishes mean nothing to the new process (it never had them), their number does."""
+        self._send(client, PredecessorAborted(num_requests))
 
 
 def _columns(

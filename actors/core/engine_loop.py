@@ -137,13 +137,7 @@ class EngineLoop(Actor[ToEngineLoop]):
             case GrammarCompiled():
                 self._grammar_compiled(message)
             case AbortClient():
-                self.scheduler.abort_requests(
-                    [
-                        r.request_id
-                        for r in self.scheduler.unfinished_requests()
-                        if r.client_index == message.client_index
-                    ]
-                )
+                self._abort_client(message.client_index)
             case GetSchedulerStats():
                 self.scheduler.free_finished_blocks()  # finishes since the last step count
                 self.scheduler.kv_usage = self.scheduler.kv.stats()
@@ -156,6 +150,22 @@ class EngineLoop(Actor[ToEngineLoop]):
             case _:
                 assert_never(message)
         return None
+
+    def _abort_client(self, client_index: int) -> None:
+        orphans = [
+            r.request_id
+            for r in self.scheduler.unfinished_requests()
+            if r.client_index == client_index
+        ]
+        if not orphans:
+            return
+        self.scheduler.abort_requests(orphans)
+        log.warning(
+            "front_end_restarted_requests_aborted",
+            client_index=client_index,
+            num_requests=len(orphans),
+        )
+        self._outputs.predecessor_aborted(client_index, len(orphans))
 
     def _add_request(self, request: EngineRequest) -> None:
         try:

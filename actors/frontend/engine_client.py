@@ -31,6 +31,7 @@ from actors.protocol.messages import (
     EngineStartupFailed,
     FailRequests,
     GrammarVocab,
+    PredecessorAborted,
     RegisterRequest,
     SchedulerStats,
     StepStats,
@@ -53,7 +54,9 @@ class EngineUnavailable(RuntimeError):
 class EngineClient:
     """`on_ready`, `on_dead` and `on_startup_failed` are called on the event loop when the
     core says so. `on_request_finished` receives every finished request's record and
-    `step_observers` every step's stats (sent to front end 0 only)."""
+    `step_observers` every step's stats (sent to front end 0 only). `on_predecessor_aborted`
+    receives how many requests a previous process of this front end left in the core (which
+    aborted them when this one connected)."""
 
     def __init__(
         self,
@@ -67,6 +70,7 @@ class EngineClient:
         on_ready: Callable[[EngineReady], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
         on_startup_failed: Callable[[EngineStartupFailed], None] | None = None,
+        on_predecessor_aborted: Callable[[int], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.client_index = client_index
@@ -85,6 +89,7 @@ class EngineClient:
             on_dead,
             on_startup_failed,
         )
+        self._on_predecessor_aborted = on_predecessor_aborted
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self.is_running = False
@@ -195,6 +200,10 @@ class EngineClient:
             elif isinstance(message, EngineStartupFailed):
                 if self._on_startup_failed is not None:
                     self._on_startup_failed(message)
+            elif isinstance(message, PredecessorAborted):
+                log.warning("predecessor_requests_aborted", num_requests=message.num_requests)
+                if self._on_predecessor_aborted is not None:
+                    self._on_predecessor_aborted(message.num_requests)
 
     def _resolve(self, result: UtilityResult) -> None:
         pending = self._calls.get(result.call_id)

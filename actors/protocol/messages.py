@@ -137,6 +137,14 @@ class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
     reason: str
 
 
+class PredecessorAborted(msgspec.Struct, frozen=True, tag="predecessor_aborted"):
+    """Sent to a front end that said hello under an index seen before: the requests its
+    previous process (killed, crashed) left running, which the core has just aborted.
+    The new process counts them, since nobody else saw them end."""
+
+    num_requests: int
+
+
 class SchedulerStats(msgspec.Struct, frozen=True):
     num_running: int
     num_waiting: int
@@ -267,7 +275,13 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab | Shutdown
 ToFrontEnd = (
-    EngineCoreOutputs | EngineReady | EngineStartupFailed | EngineDead | UtilityResult | Heartbeat
+    EngineCoreOutputs
+    | EngineReady
+    | EngineStartupFailed
+    | EngineDead
+    | PredecessorAborted
+    | UtilityResult
+    | Heartbeat
 )
 
 
@@ -380,7 +394,8 @@ class GrammarCompiled(msgspec.Struct, frozen=True):
 
 
 class AbortClient(msgspec.Struct, frozen=True):
-    """Abort every request of one front end (it restarted: nobody reads them any more)."""
+    """Abort every request of one front end (it restarted: nobody reads them any more) and
+    tell its new process how many there were (PredecessorAborted)."""
 
     client_index: int
 

@@ -238,13 +238,15 @@ PARSER_CHOICES = ("auto", "hermes", "llama3_json", "none")
 
 
 def parser_for_template(template: str | None) -> str:
-    """The tool-call format a chat template teaches its model ("none" when it shows none):
-    `<tool_call>` tags are Hermes/Qwen; `<|python_tag|>` or an ipython role with
-    "parameters" is Llama 3's JSON."""
+    """The tool-call format a chat template teaches its model ("none" when it shows none,
+    or one that no parser here reads): `<tool_call>` tags around JSON are Hermes/Qwen;
+    `<|python_tag|>` or an ipython role with "parameters" is Llama 3's JSON."""
     if not template:
         return "none"
     if "<tool_call>" in template:
-        return "hermes"
+        # Qwen3-Coder's calls share the tag but are XML (<function=NAME><parameter=...>):
+        # read as JSON they would come back as content.
+        return "none" if "<function=" in template else "hermes"
     if "<|python_tag|>" in template or ("ipython" in template and "parameters" in template):
         return "llama3_json"
     return "none"

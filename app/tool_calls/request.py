@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from actors.protocol.structured_output import StructuredOutputSpec
 from app.bounded_text import spec_size_problem
 from app.errors import bad_request
@@ -28,6 +30,8 @@ from app.tool_calls.parsers import (
     parser_for_template,
 )
 from app.tool_calls.schema import named_tool_schema, required_tools_schema
+
+log = structlog.get_logger("tandem.server")
 
 MAX_LISTED_NAMES = 20
 """An error that lists the request's tools names this many at most."""
@@ -77,9 +81,10 @@ def tool_plan(tools: Any, tool_choice: Any, parser_name: str) -> ToolPlan:
     if mode == "auto":
         factory = PARSERS.get(parser_name)
         if factory is None:
+            choice = "tool_choice 'auto'" if tool_choice else "tools without tool_choice (auto)"
             raise bad_request(
-                "tool_choice 'auto' needs a tool-call parser, and this model's chat template "
-                "shows no tool-call format; start the server with --tool-call-parser hermes or "
+                f"{choice} needs a tool-call parser, and this model's chat template shows no "
+                "tool-call format; start the server with --tool-call-parser hermes or "
                 "llama3_json, or use tool_choice 'required' or a named function",
                 "tool_choice",
             )
@@ -129,6 +134,25 @@ def _listed(names: list[str]) -> str:
 def resolve_parser(setting: str, chat_template: str | None) -> str:
     """--tool-call-parser, with 'auto' read from the chat template."""
     return parser_for_template(chat_template) if setting == "auto" else setting
+
+
+def log_tool_call_parser(setting: str, tokenizer: Any) -> None:
+    """Say at startup how tool calls are read out of the model's text under tool_choice
+    'auto', and where that choice came from."""
+    if tokenizer is None:
+        return  # token ids in and out: no chat
+    if getattr(tokenizer, "harmony", None) is not None:
+        log.info("tool_call_parser", parser="harmony", source="gpt-oss chat format")
+        return
+    parser = resolve_parser(setting, getattr(tokenizer, "chat_template", None))
+    source = "chat template" if setting == "auto" else "--tool-call-parser"
+    refusal = {}
+    if parser == "none" and setting == "auto":
+        refusal["note"] = (
+            "the chat template shows no tool-call format that a parser here reads: "
+            "tool_choice 'auto' gets a 400 unless --tool-call-parser is set"
+        )
+    log.info("tool_call_parser", parser=parser, source=source, **refusal)
 
 
 def check_tools(tools: Any) -> tuple[dict[str, Any], ...]:

@@ -1,11 +1,12 @@
 """The engine core on the embedded model: the same tokens over ZMQ as in process, a warm-up
-through the real step loop that leaves nothing behind, and utility calls answered over
-the protocol."""
+through the real step loop that leaves nothing behind, utility calls answered over the
+protocol, and a front end that comes back told how many requests its predecessor left."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -15,9 +16,21 @@ from actors.core.engine_startup import reuse_engine
 from actors.frontend.engine_client import EngineClient
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.launch_secret import new_secret
-from actors.protocol.messages import EngineRequest
+from actors.protocol.messages import (
+    ClientHello,
+    EngineCoreOutputs,
+    EngineRequest,
+    PredecessorAborted,
+    UtilityCall,
+    UtilityResult,
+)
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.transport import ZmqClientEndpoint, ZmqCoreEndpoint, ipc_address
+from actors.protocol.transport import (
+    InProcessChannel,
+    ZmqClientEndpoint,
+    ZmqCoreEndpoint,
+    ipc_address,
+)
 from app.tokenizer_loader import load_tokenizer
 from tests.app._server_fixtures import ENGINE, shared_model
 
@@ -99,3 +112,56 @@ def test_warm_up_runs_every_wave_through_the_step_loop_and_leaves_nothing() -> N
             engine.stop()
 
     anyio.run(run)
+
+
+def test_a_front_end_back_under_its_index_hears_how_many_requests_were_aborted() -> None:
+    """A killed API server's successor says hello under the same index: the core aborts
+    what the dead process left running and tells the successor how many, once."""
+    loaded = reuse_engine(shared_model(), CONFIG)
+    long_running = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def run() -> None:
+        channel = InProcessChannel(num_clients=2, roundtrip=True)
+        core = EngineCore(loaded.worker, loaded.runner, channel.core, CONFIG)
+        front_end = channel.clients[1]
+        async with anyio.create_task_group() as tg:
+            await tg.start(core.run)
+            front_end.send(ClientHello(1))
+            orphans = {f"orphan-{i}" for i in range(3)}
+            for request_id in sorted(orphans):
+                front_end.send(
+                    EngineRequest(
+                        request_id, (1, 2, 3), long_running, time.monotonic(), client_index=1
+                    )
+                )
+            running: set[str] = set()
+            with anyio.fail_after(60):
+                while running != orphans:  # each one has produced a token
+                    message = await front_end.receive()
+                    if isinstance(message, EngineCoreOutputs):
+                        running.update(message.request_ids)
+                front_end.send(ClientHello(1))  # the successor
+                told = [m for m in await _messages_until_stats(front_end) if _is_told(m)]
+            assert told == [PredecessorAborted(num_requests=3)]
+            stats = (await _messages_until_stats(front_end))[-1].stats
+            assert (stats.num_running, stats.num_waiting) == (0, 0)
+            front_end.send(ClientHello(1))  # nothing left behind: nothing to tell
+            assert not any(_is_told(m) for m in await _messages_until_stats(front_end))
+            core.stop()
+
+    anyio.run(run)
+
+
+def _is_told(message: object) -> bool:
+    return isinstance(message, PredecessorAborted)
+
+
+async def _messages_until_stats(front_end: Any) -> list[Any]:
+    """What the core sends front end 1 up to the answer to a stats call made now (the core
+    handles a front end's messages in order, so earlier ones have been acted on)."""
+    front_end.send(UtilityCall(0, "stats", client_index=1))
+    received = []
+    with anyio.fail_after(30):
+        while not received or not isinstance(received[-1], UtilityResult):
+            received.append(await front_end.receive())
+    return received

@@ -20,9 +20,8 @@ from packaging.requirements import Requirement
 from starlette.testclient import TestClient
 
 from actors.protocol.config import EngineConfig
-from app import server as server_module
 from app.cli import build_parser
-from app.server import create_app
+from app.server import create_app, drain_bound_s
 from app.server_state import ServerState, ServeSettings
 from tests.app._deploy_files import (
     COMPOSE_DIR,
@@ -52,12 +51,15 @@ from tests.app._deploy_files import (
 # Labels Prometheus adds to every scraped series (target labels, Kubernetes discovery).
 SCRAPE_LABELS = frozenset({"instance", "job", "namespace", "pod"})
 MIN_STARTUP_BUDGET_S = 60
+DOCKER_STOP_GRACE_S = 10.0
+"""What `docker stop` and `podman stop` wait after SIGTERM before SIGKILL, unless told."""
+ENGINE_STOP_MARGIN_S = 1.0
+"""Left after the drain for the engine core to stop (well under a second)."""
 
 
 def _drain_s(env: Mapping[str, str | None]) -> float:
-    """How long the server may take after SIGTERM before it exits: the shutdown timeout,
-    then the flush of aborted streams."""
-    return float(serve_args(env).shutdown_timeout) + server_module._FLUSH_AFTER_ABORT_S
+    """How long the server may take after SIGTERM before it exits, configured by `env`."""
+    return drain_bound_s(float(serve_args(env).shutdown_timeout))
 
 
 def _check_env(env: Mapping[str, str | None], where: str) -> None:
@@ -113,6 +115,11 @@ def test_dockerfile_runs_serve_under_an_init_as_non_root() -> None:
     assert user.split(":")[0] not in ("0", "root")
     [(_, stopsignal)] = dockerfile_instructions("STOPSIGNAL") or [("", "SIGTERM")]
     assert stopsignal == "SIGTERM"
+
+
+def test_the_image_drains_within_a_plain_docker_stop() -> None:
+    """`docker stop` without -t: the drain the image configures ends before the SIGKILL."""
+    assert _drain_s(dockerfile_env()) + ENGINE_STOP_MARGIN_S <= DOCKER_STOP_GRACE_S
 
 
 def test_dockerfile_installs_the_project_torch_and_the_embedded_model() -> None:
@@ -172,7 +179,8 @@ def test_deployment_probes_ports_and_env_match_the_server() -> None:
     assert startup["failureThreshold"] * startup["periodSeconds"] >= MIN_STARTUP_BUDGET_S
     assert liveness["failureThreshold"] >= 3
     # A drain answers 503: liveness must not kill the pod before the drain can end.
-    assert (liveness["failureThreshold"] - 1) * liveness["periodSeconds"] >= _drain_s(env)
+    drain_s = _drain_s({**dockerfile_env(), **env})
+    assert (liveness["failureThreshold"] - 1) * liveness["periodSeconds"] >= drain_s
 
 
 def test_grace_period_covers_prestop_and_drain() -> None:
@@ -186,7 +194,8 @@ def test_grace_period_covers_prestop_and_drain() -> None:
         assert command[0] == "sleep"
         sleep_s = float(command[1])
     assert sleep_s > 0, "preStop must give load balancers time to drop the endpoint"
-    assert pod["terminationGracePeriodSeconds"] >= sleep_s + _drain_s(container_env(container))
+    drain_s = _drain_s({**dockerfile_env(), **container_env(container)})
+    assert pod["terminationGracePeriodSeconds"] >= sleep_s + drain_s + ENGINE_STOP_MARGIN_S
 
 
 def test_deployment_requests_one_gpu_runs_non_root_and_reads_the_key_from_a_secret() -> None:
@@ -258,7 +267,8 @@ def test_compose_tandem_services_match_the_server() -> None:
         _check_env(env, f"compose service {name}")
         port = serve_args({**dockerfile_env(), **env}).port
         assert {int(str(p).rsplit(":", 1)[1]) for p in service["ports"]} == {port}
-        assert duration_s(service["stop_grace_period"]) >= _drain_s(env)
+        drain_s = _drain_s({**dockerfile_env(), **env})
+        assert duration_s(service["stop_grace_period"]) >= drain_s + ENGINE_STOP_MARGIN_S
         build = service["build"]
         assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (
             ROOT / "Dockerfile"

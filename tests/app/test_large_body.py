@@ -140,6 +140,23 @@ def test_messages_validated_in_slices_name_the_bad_message() -> None:
     assert whole.max_tokens == 3 and whole.model_fields_set == {"messages", "max_tokens"}
 
 
+def test_a_part_that_is_not_text_is_named_in_a_long_conversation_too() -> None:
+    text_parts = {"role": "user", "content": [{"type": "text", "text": "a"}]}
+    messages: list[Any] = [text_parts] * (2 * VALIDATION_SLICE)
+    bad = VALIDATION_SLICE + 3
+    messages[bad] = {
+        "role": "user",
+        "content": [{"type": "text", "text": "what is this?"}, {"type": "video_url"}],
+    }
+    with pytest.raises(APIError) as refused:
+        validate(ChatCompletionRequest, {"messages": messages})
+    assert (refused.value.status, refused.value.param) == (400, f"messages.{bad}.content.1")
+    assert str(refused.value) == (
+        f"messages.{bad}.content.1: video_url content is not supported: this model takes text only"
+    )
+    assert len(validate(ChatCompletionRequest, {"messages": messages[:bad]}).messages) == bad
+
+
 def test_only_what_the_body_alone_holds_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
     released: list[Any] = []
     monkeypatch.setattr(

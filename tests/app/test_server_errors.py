@@ -78,6 +78,35 @@ CASES = [
             ]
         ),
         400,
+        "messages.0.content.0",
+        message_has="image_url content is not supported: this model takes text only",
+    ),
+    Case(
+        "audio content part after text",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Transcribe:"},
+                        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                    ],
+                },
+            ]
+        ),
+        400,
+        "messages.1.content.1",
+        message_has="messages.1.content.1: input_audio content is not supported",
+    ),
+    Case(
+        "file content part to tokenize",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+        400,
+        "messages.0.content.0",
+        message_has="file content is not supported: this model takes text only",
     ),
     Case("negative temperature", CHAT, chat(temperature=-1), 400, "temperature"),
     Case("temperature wrong type", CHAT, chat(temperature="hot"), 400, "temperature"),
@@ -165,6 +194,14 @@ CASES = [
         400,
         "tool_choice",
         message_has="--tool-call-parser",
+    ),
+    Case(
+        "tools without tool_choice mean auto, which needs a parser",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tool_choice",
+        message_has="tools without tool_choice (auto) needs a tool-call parser",
     ),
     Case(
         "tool_choice names an unknown function",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 from actors.frontend.output_stream import StreamDelta
 from app.responses import ChoiceState, ResponseMeta, chat_response
 from app.sse import ChatChunkFormatter
+from app.tool_calls import request as tool_request
 from app.tool_calls.output import ToolCallOutput
 from app.tool_calls.parsers import (
     HermesParser,
@@ -25,7 +27,7 @@ from app.tool_calls.parsers import (
     ToolCallParser,
     parser_for_template,
 )
-from app.tool_calls.request import tool_plan
+from app.tool_calls.request import resolve_parser, tool_plan
 from app.tool_calls.schema import required_tools_schema
 
 HERMES = (
@@ -91,17 +93,80 @@ def test_any_split_gives_the_same_content_and_calls(make, text, content, calls, 
     assert [[c.name, c.arguments] for c in parser.calls] == list(calls.values())
 
 
-def test_parser_default_comes_from_the_chat_template() -> None:
-    assert (
-        parser_for_template("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}")
-        == "hermes"
+# The parts of real chat templates that show a tool-call format (paraphrased).
+QWEN_TOOLS = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}"
+    "{{ tool | tojson }}{% endfor %}</tools>\nFor each function call, return a json object "
+    "with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>'
+    "{%- endif %}"
+)
+LLAMA_3_2_JSON = (
+    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of '
+    "argument name and its value}.' }}{%- if message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA_3_1_BUILTIN = "{{- '<|python_tag|>' + tool_call.name + '.call(' }}"
+QWEN3_CODER_XML = (
+    "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{%- for name, value in args %}"
+    "{{- '<parameter=' + name + '>\\n' + value + '\\n</parameter>\\n' }}{%- endfor %}"
+)
+MISTRAL_TOOLS = "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{{ '[TOOL_CALLS]' }}"
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        (QWEN_TOOLS, "hermes"),
+        (LLAMA_3_2_JSON, "llama3_json"),
+        (LLAMA_3_1_BUILTIN, "llama3_json"),
+        (QWEN3_CODER_XML, "none"),  # <tool_call> around XML: no parser here reads it
+        (MISTRAL_TOOLS, "none"),
+        ("{% if tools %}<tool_call>{{ tools }}</tool_call>{% endif %}", "hermes"),
+        ("<|start_header_id|>ipython<|end_header_id|> parameters", "llama3_json"),
+        ("<|start_header_id|>ipython<|end_header_id|>{{ message.content }}", "none"),
+        ("{{ '<|im_start|>' + message['content'] }}", "none"),
+        (None, "none"),
+    ],
+)
+def test_parser_default_comes_from_the_chat_template(template: str | None, parser: str) -> None:
+    assert parser_for_template(template) == parser
+    assert resolve_parser("auto", template) == parser
+    assert resolve_parser("hermes", template) == "hermes"  # the flag wins
+
+
+class _RecordedLog:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, str]]] = []
+
+    def info(self, event: str, **fields: str) -> None:
+        self.lines.append((event, fields))
+
+
+@pytest.mark.parametrize(
+    ("setting", "template", "expected"),
+    [
+        ("auto", QWEN_TOOLS, {"parser": "hermes", "source": "chat template"}),
+        ("llama3_json", QWEN_TOOLS, {"parser": "llama3_json", "source": "--tool-call-parser"}),
+        ("auto", MISTRAL_TOOLS, {"parser": "none", "source": "chat template"}),
+    ],
+)
+def test_the_parser_in_use_and_its_source_are_logged_at_startup(
+    setting: str, template: str, expected: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorded = _RecordedLog()
+    monkeypatch.setattr(tool_request, "log", recorded)
+    tool_request.log_tool_call_parser(
+        setting, SimpleNamespace(chat_template=template, harmony=None)
     )
-    assert (
-        parser_for_template("<|start_header_id|>ipython<|end_header_id|> parameters")
-        == "llama3_json"
-    )
-    assert parser_for_template("{{ '<|im_start|>' + message['content'] }}") == "none"
-    assert parser_for_template(None) == "none"
+    [(event, fields)] = recorded.lines
+    assert event == "tool_call_parser"
+    assert expected.items() <= fields.items()
+    if expected["parser"] == "none":
+        assert "400" in fields["note"] and "--tool-call-parser" in fields["note"]
+    tool_request.log_tool_call_parser(setting, None)  # token ids only: no chat, no line
+    assert len(recorded.lines) == 1
 
 
 def test_required_schema_lists_every_tool() -> None:

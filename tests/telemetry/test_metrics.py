@@ -102,6 +102,7 @@ def test_every_name_is_exported_with_its_type_and_model_label() -> None:
         "vllm:num_requests_running": "gauge",
         "vllm:num_requests_waiting": "gauge",
         "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:gpu_cache_usage_perc": "gauge",
         "vllm:prefix_cache_queries": "counter",
         "vllm:prefix_cache_hits": "counter",
         "vllm:num_preemptions": "counter",
@@ -110,6 +111,7 @@ def test_every_name_is_exported_with_its_type_and_model_label() -> None:
         "vllm:request_success": "counter",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:time_per_output_token_seconds": "histogram",
         "vllm:request_time_per_output_token_seconds": "histogram",
         "vllm:e2e_request_latency_seconds": "histogram",
         "vllm:request_queue_time_seconds": "histogram",
@@ -193,6 +195,42 @@ def test_counters_and_histograms_match_a_known_set_of_requests() -> None:
     assert value(families, tpot, f"{tpot}_sum") == pytest.approx(
         (0.4 - 0.03) / 4 + (1.2 - 0.015) / 15 + (0.09 - 0.05) / 1
     )
+
+
+def test_old_vllm_names_carry_the_same_series_as_the_new_ones() -> None:
+    """vllm:gpu_cache_usage_perc and vllm:time_per_output_token_seconds, which vLLM still
+    exports and older dashboards query, are the KV-usage gauge and the inter-token
+    histogram under their earlier names: same samples, same buckets."""
+    metrics = EngineMetrics(MODEL)
+    metrics.set_engine_load(engine_stats(2, 1, 0.37))
+    for finished in KNOWN_REQUESTS:
+        metrics.observe_request_finished(finished)
+    families = scrape(metrics)
+
+    def samples(family: str) -> dict[tuple[str, str], float]:
+        return {
+            (s.name.removeprefix(family), s.labels.get("le", "")): s.value
+            for s in families[family].samples
+        }
+
+    assert value(families, "vllm:gpu_cache_usage_perc") == 0.37
+    assert samples("vllm:gpu_cache_usage_perc") == samples("vllm:kv_cache_usage_perc")
+    old_itl = samples("vllm:time_per_output_token_seconds")
+    assert old_itl == samples("vllm:inter_token_latency_seconds")
+    assert old_itl[("_count", "")] == 4 + 15 + 1 and old_itl[("_bucket", "0.025")] == 17
+    for old in ("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds"):
+        assert "DEPRECATED" in families[old].documentation
+
+
+def test_requests_a_predecessor_left_count_as_aborted() -> None:
+    metrics = EngineMetrics(MODEL)
+    metrics.record_predecessor_aborts(3)
+    metrics.observe_request_finished(KNOWN_REQUESTS[0])
+    families = scrape(metrics)
+    success = "vllm:request_success"
+    assert value(families, success, f"{success}_total", finished_reason="abort") == 3
+    assert value(families, success, f"{success}_total", finished_reason="stop") == 1
+    assert value(families, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
 
 
 def test_gauges_go_back_to_zero_and_prefix_counters_follow_the_totals() -> None:
