@@ -31,9 +31,9 @@ MAX_N = 2
 MAX_PROMPTS = 3
 # Generated requests per operation and generation mode.
 EXAMPLES = {
-    ("POST", "/v1/chat/completions"): 90,
-    ("POST", "/v1/completions"): 90,
-    ("POST", "/tokenize"): 45,
+    ("POST", "/v1/chat/completions"): 60,
+    ("POST", "/v1/completions"): 60,
+    ("POST", "/tokenize"): 30,
     ("POST", "/detokenize"): 30,
     ("GET", "/v1/models/{model_id}"): 15,
     ("GET", "/v1/models"): 5,
@@ -41,7 +41,7 @@ EXAMPLES = {
     ("GET", "/version"): 5,
     ("GET", "/metrics"): 5,
 }
-MIN_TOTAL_REQUESTS = 500
+MIN_TOTAL_REQUESTS = 350
 EXCLUDED_CHECKS = [positive_data_acceptance]
 """A schema cannot say everything a request must satisfy (a prompt that fits the context,
 min_tokens <= max_tokens, a conversation the chat template accepts), so a schema-valid
