@@ -16,6 +16,7 @@ import msgspec
 from actors.protocol import event_loop
 from actors.protocol.launch_secret import read_secret
 from actors.protocol.parent_death import die_with_parent
+from app.connection_balance import ConnectionLoads
 from app.engine_connection import EngineAttachment
 from app.heartbeat_pipe import send_heartbeats
 from app.serve_settings import ServeSettings
@@ -41,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         args.engine_address, args.engine_pid, args.client_index, read_secret()
     )
     sock = socket.socket(fileno=args.fd)
-    server = TandemServer(settings, ServerState(settings, attach=attach), sock=sock)
+    loads = None
+    if args.connection_loads is not None:
+        loads = ConnectionLoads(args.connection_loads, args.client_index)
+    server = TandemServer(
+        settings, ServerState(settings, attach=attach), sock=sock, connection_loads=loads
+    )
     exit_code: int = event_loop.run(_serve, server, args.heartbeat_fd)
     if server.state.failure_message is not None:
         print(f"tandem: error: {server.state.failure_message}", file=sys.stderr)
@@ -71,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", required=True, help="the ServeSettings as JSON")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--heartbeat-fd", type=int, help="the supervisor's heartbeat pipe")
+    parser.add_argument(
+        "--connection-loads", help="the API servers' shared connection counts (a file)"
+    )
     return parser
 
 

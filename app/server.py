@@ -33,6 +33,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from app import http_protocol
+from app.connection_balance import ConnectionLoads, serve_balanced
 from app.routes_admin import admin_routes
 from app.routes_openai import exception_handlers, openai_routes
 from app.serve_settings import ServeSettings
@@ -136,10 +137,14 @@ class TandemServer:
         settings: ServeSettings,
         state: ServerState | None = None,
         sock: socket.socket | None = None,
+        connection_loads: ConnectionLoads | None = None,
     ) -> None:
         """`sock`: a listening socket to serve on (an API server of several shares its
-        parent's); otherwise the server binds settings.host:settings.port."""
+        parent's); otherwise the server binds settings.host:settings.port.
+        `connection_loads`: the API servers' shared connection counts, with which this one
+        takes its share of the connections on the shared `sock` (app/connection_balance.py)."""
         self.settings = settings
+        self._connection_loads = connection_loads
         self.state = state or ServerState(settings)
         self._socket = (
             sock if sock is not None else bind_listening_socket(settings.host, settings.port)
@@ -159,7 +164,7 @@ class TandemServer:
         signals = self._signals = _Signals(anyio.Event(), anyio.Event())
         self.state.bind_loop()
         app = create_app(self.state)
-        config = hypercorn_config(self.settings, self._socket.detach())
+        config = hypercorn_config(self.settings, self._socket.fileno())
         log.info("server_listening", url=self.url, model=self.settings.engine.model)
         async with anyio.create_task_group() as tg:
             if handle_signals and threading.current_thread() is threading.main_thread():
@@ -176,7 +181,12 @@ class TandemServer:
         # A task of its own: Hypercorn's asyncio.TaskGroup (Python 3.11) leaves its task
         # marked as cancelling after a shutdown, which would then leak a CancelledError out
         # of any cancel scope that task later uses.
-        await hypercorn_serve(app, config, shutdown_trigger=self.state.stop_serving.wait)
+        stop = self.state.stop_serving.wait
+        if self._connection_loads is not None:
+            await serve_balanced(app, config, self._socket, self._connection_loads, stop)
+        else:
+            self._socket.detach()  # Hypercorn owns the descriptor (config.bind)
+            await hypercorn_serve(app, config, shutdown_trigger=stop)
         done.cancel()
 
     def run_coroutine(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:

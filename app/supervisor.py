@@ -1,7 +1,9 @@
 """`tandem serve --api-server-count N`: one engine-core process and N API-server processes
 sharing one listening socket, watched by this (torch-free) parent.
 
-    supervisor --binds--> the socket, inherited by every API server
+    supervisor --binds--> the socket, inherited by every API server, which take their
+      |                   shares of its connections by their counts of open ones
+      |                   (app/connection_balance.py, in a file of the ipc folder)
       |-- engine core   (python -m actors.core.engine_core_proc)
       |-- api server 0  (python -m app.api_server_proc)  records each step's timings
       |-- ...
@@ -43,6 +45,7 @@ import structlog
 
 from actors.protocol.launch_secret import new_secret, start_with_secret
 from actors.protocol.transport import ipc_address, send_shutdown
+from app.connection_balance import ConnectionLoads
 from app.engine_process import start_engine_process, stop_process
 from app.heartbeat_pipe import HeartbeatReader
 from app.serve_settings import ServeSettings
@@ -64,6 +67,8 @@ class Supervisor:
         self._workdir = tempfile.mkdtemp(prefix="tandem-")
         self._metrics_dir = os.path.join(self._workdir, "metrics")
         os.mkdir(self._metrics_dir)
+        self._loads_path = os.path.join(self._workdir, "connection_loads")
+        ConnectionLoads.create(self._loads_path, settings.api_server_count)
         self._address = ipc_address(self._workdir)
         self._secret = new_secret()
         self._engine: subprocess.Popen[bytes] | None = None
@@ -194,6 +199,8 @@ class Supervisor:
             msgspec.json.encode(self.settings).decode(),
             "--parent-pid",
             str(os.getpid()),
+            "--connection-loads",
+            self._loads_path,
         ]
         env = {
             **os.environ,

@@ -53,7 +53,9 @@ def abort_count(metrics_text: str) -> float:
 
 def answering_api_servers(url: str, max_connections: int = 40) -> set[int]:
     """The API servers that accept new connections, found with up to `max_connections`
-    kept open at once (an API server holding connections takes fewer new ones)."""
+    kept open at once: each API server takes its share by counts of open connections
+    (app/connection_balance.py), so one holding connections of earlier tests leaves new
+    ones to the others until the counts even out."""
     clients: list[httpx.Client] = []
     answered: set[int] = set()
     try:
