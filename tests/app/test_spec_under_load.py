@@ -88,7 +88,7 @@ DETERMINISTIC: list[tuple[str, dict[str, Any]]] = [
     ),
 ]
 LOAD = SoakConfig(
-    num_requests=80,
+    num_requests=48,
     concurrency=16,
     seed=3,
     mix=SoakMix(max_tokens=16, max_n=4, disconnect_within_s=4.0),
