@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.tokenizer import byte_decoder
+from app.byte_level import byte_decoder
 
 MAX_CANONICAL_DECOMPOSITION_CHARS = 4
 """The longest canonical decomposition (NFD) of one Unicode character, in characters."""

@@ -3,7 +3,6 @@ needs, built from GGUF metadata or a Hugging Face directory."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
+from app.byte_level import byte_decoder
 from app.chat_template import CHATML_TEMPLATE, ChatTemplateError, RenderLimit, render_chat_template
 from app.gguf_tokenizer import build_gguf_tokenizer
 
@@ -230,19 +230,6 @@ def _chat_template(path: str, config: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     return template if isinstance(template, str) and template else None
-
-
-@functools.cache
-def byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    mapping = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            mapping[chr(256 + extra)] = b
-            extra += 1
-    return mapping
 
 
 def _byte_level_token_bytes(token: str) -> bytes:

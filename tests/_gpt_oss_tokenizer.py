@@ -24,8 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from app.byte_level import byte_decoder
 from app.harmony.vocab import O200K_SHA256, VOCAB_FILE_NAME
-from app.tokenizer import byte_decoder
 
 FIXTURE_DIR = Path(__file__).resolve().parent / "data" / "gpt_oss"
 GPT_OSS_CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}

@@ -158,3 +158,71 @@ def test_the_front_end_does_not_import_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _file_circles() -> list[list[str]]:
+    """Import circles between the product's files (lazy and TYPE_CHECKING imports count: a
+    reader follows them too), as strongly connected components of more than one file."""
+    modules = {
+        _module_name(path): path
+        for package in PACKAGES
+        if package != "benchmarks"
+        for path in _modules(package)
+    }
+    edges = {
+        name: {m for m in _project_imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str, graph: dict[str, set[str]], out: list[str]) -> None:
+        stack = [(name, iter(sorted(graph[name])))]
+        seen.add(name)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                out.append(node)
+            elif child not in seen:
+                seen.add(child)
+                stack.append((child, iter(sorted(graph[child]))))
+
+    for name in sorted(edges):
+        if name not in seen:
+            visit(name, edges, order)
+    reverse: dict[str, set[str]] = {name: set() for name in edges}
+    for name, targets in edges.items():
+        for target in targets:
+            reverse[target].add(name)
+    seen.clear()
+    circles = []
+    for name in reversed(order):
+        if name not in seen:
+            component: list[str] = []
+            visit(name, reverse, component)
+            if len(component) > 1:
+                circles.append(sorted(component))
+    return circles
+
+
+def test_no_file_imports_itself_through_others() -> None:
+    assert _file_circles() == []
+
+
+def test_the_circle_finder_finds_a_circle(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _project_imports
+
+    def with_a_circle(path: Path) -> set[str]:
+        extra = {"kernels.rms_norm"} if path.name == "silu_mul.py" else set()
+        extra |= {"kernels.silu_mul"} if path.name == "rms_norm.py" else set()
+        return real(path) | extra
+
+    monkeypatch.setattr(sys.modules[__name__], "_project_imports", with_a_circle)
+    assert ["kernels.rms_norm", "kernels.silu_mul"] in _file_circles()

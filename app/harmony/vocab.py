@@ -18,7 +18,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 
-from app.tokenizer import byte_decoder
+from app.byte_level import byte_decoder
 
 ENCODINGS_BASE_ENV = "TIKTOKEN_ENCODINGS_BASE"
 VOCAB_FILE_NAME = "o200k_base.tiktoken"
