@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any
 
-from actors.protocol.config import EngineConfig
+from actors.protocol.config import QUANTIZATION_CHOICES, EngineConfig
 from actors.protocol.logits_processors import parse_logits_processor_specs
 from actors.protocol.speculative_config import parse_speculative_config
 
@@ -46,6 +46,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="compute dtype; auto = float32 on CPU, bfloat16 on GPU",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        choices=list(QUANTIZATION_CHOICES),
+        default=_env("quantization", _DEFAULTS.quantization),
+        help="weight quantization. auto (default): what the checkpoint's "
+        "quantization_config says: FP8 checkpoints (quant_method fp8 with 128x128 "
+        "blocks or per tensor; compressed-tensors float-quantized, per tensor or per "
+        "channel) run their attention and dense MLP projections as FP8 GEMMs on CUDA "
+        "GPUs of compute capability >= 8.9 and are dequantized to --dtype on CPU; "
+        "other quantization methods are refused. fp8: quantize an unquantized model's "
+        "projections (dummy weights included) per output channel at load, with "
+        "activations quantized per token (CUDA >= 8.9 only). none: dequantize an FP8 "
+        "checkpoint to --dtype (needed on older GPUs). The LM head, embeddings, norms "
+        "and MoE experts stay in --dtype (gpt-oss's MXFP4 experts stay MXFP4). "
+        "Env: TANDEM_QUANTIZATION",
+    )
+    g.add_argument(
         "--device", default=_env("device", _DEFAULTS.device), help="auto, cpu, cuda or cuda:N"
     )
     g.add_argument(
@@ -59,6 +76,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env("block_size", _DEFAULTS.block_size)),
         help="tokens per KV cache block",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default=_env("kv_cache_dtype", _DEFAULTS.kv_cache_dtype),
+        help="KV cache element type: auto = the model dtype; fp8 (= fp8_e4m3) stores "
+        "float8 e4m3 with one key and one value scale per layer (1.0, or the checkpoint's "
+        "k_scale/v_scale): one byte per element, so the same memory holds twice the KV "
+        "tokens of a bf16 cache. Needs a GPU of compute capability 8.9+ (Ada, Hopper) or "
+        "the CPU. "
+        "Env: TANDEM_KV_CACHE_DTYPE",
     )
     g.add_argument(
         "--num-kv-blocks",
@@ -195,9 +223,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "device": args.device,
         "max_model_len": None if args.max_model_len is None else int(args.max_model_len),
         "block_size": args.block_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_kv_blocks": None if args.num_kv_blocks is None else int(args.num_kv_blocks),
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,

@@ -134,6 +134,8 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
         runner={"type": ["string", "null"]},
         runner_reason={"type": ["string", "null"]},
         runner_rule={"type": ["string", "null"]},
+        weights={"type": ["string", "null"]},
+        kv_cache_dtype={"type": ["string", "null"]},
     ),
 }
 _ERROR_DESCRIPTIONS = {

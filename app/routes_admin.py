@@ -1,5 +1,5 @@
 """Operational routes: /health, /version, /metrics, /tokenize, /detokenize, /tokenizer_info,
-/openapi.json."""
+/reset_prefix_cache, /openapi.json."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def admin_routes() -> list[Route]:
         Route("/tokenize", api_endpoint(_tokenize), methods=["POST"]),
         Route("/detokenize", api_endpoint(_detokenize), methods=["POST"]),
         Route("/tokenizer_info", api_endpoint(_tokenizer_info), methods=["GET"]),
+        Route("/reset_prefix_cache", api_endpoint(_reset_prefix_cache), methods=["POST"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
 
@@ -66,6 +67,8 @@ async def version(request: Request) -> Response:
             "runner": info.runner if info else None,
             "runner_reason": info.runner_reason if info else None,
             "runner_rule": info.runner_rule if info else None,
+            "weights": info.weights if info else None,
+            "kv_cache_dtype": info.kv_cache_dtype if info else None,
             "api_server": state.client_index,
             "api_server_count": state.settings.api_server_count,
         }
@@ -184,6 +187,23 @@ async def _tokenizer_info(request: Request, request_id: str) -> Response:
     if state.tokenizer is None:
         raise APIError(404, "This model is served without a tokenizer")
     return _json(tokenizer_info(state.tokenizer, state.max_model_len))
+
+
+async def _reset_prefix_cache(request: Request, request_id: str) -> Response:
+    """vLLM's admin route: drop the cached KV blocks no request holds (blocks in use stay
+    cached). Behind the API key, as it changes what later requests cost."""
+    state = await _ready(request)
+    try:
+        reset = await state.reset_prefix_cache()
+    except EngineUnavailable:
+        raise APIError(503, "The engine did not reset its prefix cache; retry shortly") from None
+    return _json(
+        {
+            "status": "ok",
+            "num_dropped_blocks": reset.num_dropped_blocks,
+            "num_kept_blocks": reset.num_kept_blocks,
+        }
+    )
 
 
 async def _ready(request: Request) -> ServerState:

@@ -22,6 +22,7 @@ from actors.protocol.messages import (
     EngineReady,
     FailAll,
     GrammarCheckerStart,
+    PrefixCacheReset,
     ResumeAdmission,
     SchedulerStats,
 )
@@ -166,6 +167,8 @@ class ServerState:
                 runner=info.runner,
                 reason=info.runner_reason,
                 max_model_len=info.max_model_len,
+                weights=info.weights,
+                kv_cache_dtype=info.kv_cache_dtype,
                 engine_pid=info.pid,
                 startup_s=round(time.perf_counter() - started, 3),
             )
@@ -275,7 +278,7 @@ class ServerState:
                 "num_gpu_blocks": info.num_kv_blocks,
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "gpu_memory_utilization": config.gpu_memory_utilization,
-                "cache_dtype": "auto",
+                "cache_dtype": config.kv_cache_dtype,
             },
         )
         limits = AdmissionLimits(
@@ -374,6 +377,16 @@ class ServerState:
         result = await self.engine.call("check_kv_invariants")
         if result.error is not None:
             raise AssertionError(result.error)
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Drop the core's cached KV blocks that no request holds (POST /reset_prefix_cache)."""
+        if self.engine is None:
+            raise EngineUnavailable("the engine is not running")
+        result = await self.engine.call("reset_prefix_cache")
+        if result.prefix_cache_reset is None:
+            raise EngineUnavailable(result.error or "the engine core did not reset its cache")
+        reset: PrefixCacheReset = result.prefix_cache_reset
+        return reset
 
     async def engine_snapshot(self) -> EngineSnapshot:
         admission = self.admission

@@ -197,9 +197,11 @@ def hf_model_sharing_weights(model: DecoderModel, attn_implementation: str | Non
     """A transformers CausalLM (eval mode) whose parameters are views of `model`'s, except
     gpt-oss's experts (see the module docstring). attn_implementation: transformers'
     name; None picks sdpa, or eager for models with attention sinks. Raises ValueError
-    when the model's own weights do not fit in the device's free memory."""
+    when the model's own weights do not fit in the device's free memory, or are FP8."""
     import transformers
 
+    if model.precision.runs_fp8:
+        raise ValueError("tandem's projections are FP8 (--quantization): nothing to share")
     config = model.config
     dtype = model.embed_tokens.dtype
     device = model.embed_tokens.device

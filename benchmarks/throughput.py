@@ -5,6 +5,8 @@ then through transformers on the same weights (`generate` on static batches, and
     python -m benchmarks.throughput --workload W1          # the H200's headline (W1-W3)
     python -m benchmarks.throughput --workload W2 --arms v2,v1,hf_static --hf-batch-size 128
     python -m benchmarks.throughput --workload CPU         # the embedded model on the CPU
+    python -m benchmarks.throughput --workload W3 --quantization fp8   # FP8 projections
+    python -m benchmarks.throughput --workload W3 --kv-cache-dtype fp8  # an FP8 KV cache
 
 Every request is submitted at t=0, as in vLLM's `bench throughput`; a run's wall time goes
 from the first submission to the last finish. Each request's first-token and finish times
@@ -77,8 +79,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--output-len", type=int, help="override the workload's output length")
     p.add_argument(
         "--arms",
-        default=",".join(TANDEM_ARMS + HF_ARMS),
-        help="comma-separated, v2 first: any of %(default)s",
+        help=f"comma-separated, v2 first: any of {','.join(TANDEM_ARMS + HF_ARMS)} (the "
+        "default; without the transformers arms under --quantization fp8)",
     )
     p.add_argument(
         "--repeats",
@@ -106,12 +108,35 @@ def parse_args(argv: list[str] | None) -> Any:
         help="tandem's share (CUDA); the rest is left to the transformers arms",
     )
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    p.add_argument(
+        "--quantization",
+        choices=["auto", "fp8", "none"],
+        default="auto",
+        help="tandem's --quantization: fp8 quantizes the (dummy) weights' projections per "
+        "output channel at load (CUDA >= 8.9). The transformers arms share tandem's "
+        "weights, so they run only unquantized ones; the floor figures assume 2-byte "
+        "weights whatever this is",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="tandem's --kv-cache-dtype: fp8 stores the paged KV cache in e4m3 (half of "
+        "bf16's bytes per token)",
+    )
     args = p.parse_args(argv)
+    if args.arms is None:
+        default = TANDEM_ARMS if args.quantization == "fp8" else TANDEM_ARMS + HF_ARMS
+        args.arms = ",".join(default)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "v2" or not set(arms) <= {*TANDEM_ARMS, *HF_ARMS}:
         p.error(
             f"--arms must start with v2 and name only {','.join(TANDEM_ARMS + HF_ARMS)}; "
             f"got {args.arms!r}"
+        )
+    if args.quantization == "fp8" and set(arms) & set(HF_ARMS):
+        p.error(
+            "--quantization fp8: the transformers arms cannot share FP8 weights; pass --arms v2,v1"
         )
     args.arms = arms
     return args
@@ -137,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         or (1024 if workload.device == "cuda" else workload.num_prompts),
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enforce_eager": args.enforce_eager,
+        "quantization": args.quantization,
     }
+    if args.kv_cache_dtype != "auto":  # engines older than the option run the default
+        engine_options["kv_cache_dtype"] = args.kv_cache_dtype
     if workload.device == "cuda":
         engine_options["gpu_memory_utilization"] = args.gpu_memory_utilization
     run = recording.Run(
@@ -388,6 +416,7 @@ def _startup_figures(llm: Any, ready_s: float, triton_cache_was_empty: bool) -> 
         "ready_s": ready_s,
         "process_age_at_ready_s": _process_age_s(),
         "runner": llm.runner,
+        "weights": getattr(worker, "weights_precision", None),
         "weights_load_s": getattr(worker, "load_time_s", None),
         "graph_capture_s": graphs.capture_time_s if graphs is not None else None,
         "num_graphs": graphs.num_captured if graphs is not None else 0,

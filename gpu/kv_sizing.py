@@ -13,7 +13,9 @@ On CUDA, before the KV cache exists:
 5. runner state: what runners allocate later: the penalty tables (allocated once a request
    uses penalties) and a V1 runner's row tables.
 
-KV bytes = gpu_memory_utilization * total - (1..5). Every term is logged.
+KV bytes = gpu_memory_utilization * total - (1..5). Every term is logged. The blocks are
+that budget over `kv_bytes_per_block`, which counts the KV cache's own element size: 1 byte
+for --kv-cache-dtype fp8, so an fp8 cache gets twice the blocks of a bf16 one.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ class StepShape:
     block_size: int
 
 
+def kv_bytes_per_block(
+    model: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
+) -> int:
+    """Bytes of one KV block over every layer (K and V), for a rank holding num_kv_heads
+    of the model's KV heads, in the cache's dtype (1 byte an element for float8)."""
+    element_size = torch.empty((), dtype=kv_dtype).element_size()
+    return model.kv_bytes_per_token // model.num_kv_heads * num_kv_heads * element_size * block_size
+
+
 def runner_state_bytes(model: ModelConfig, shape: StepShape) -> int:
     """Device bytes runners allocate after startup: the penalty tables (prompt mask and
     output counts per row and token) and a V1 runner's sampling rows."""
@@ -77,11 +88,12 @@ def profile_kv_budget(
     model: DecoderModel,
     step_state: V2StepState,
     shape: StepShape,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     gpu_memory_utilization: float,
     graph_sizes: GraphSizes | None,
 ) -> MemoryReport:
-    """Measure every term and return the KV budget (see the module doc)."""
+    """Measure every term and return the KV budget (see the module doc). The dummy
+    step runs on a one-block cache of kv_dtype, so it measures the kernels serving uses."""
     config = model.config
     buffers = step_state.buffers
     torch.cuda.synchronize()
@@ -93,7 +105,7 @@ def profile_kv_budget(
         shape.block_size,
         config.num_kv_heads,
         config.head_dim,
-        dtype,
+        kv_dtype,
         buffers.device,
     )
     baseline = torch.cuda.memory_allocated()

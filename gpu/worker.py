@@ -16,11 +16,16 @@ import torch
 from actors.protocol.config import EngineConfig
 from actors.protocol.model_source import resolve_model_path
 from gpu.attention.base import AttentionBackend, allocate_kv_cache
+from gpu.attention.kv_cache_dtype import (
+    kv_cache_dtype_name,
+    kv_cache_dtype_refusal,
+    resolve_kv_cache_dtype,
+)
 from gpu.cuda_graphs import StepGraphs, capture_sizes, mixed_capture_sizes
 from gpu.distributed.group import TPGroup, min_over_ranks
 from gpu.distributed.tp_model import load_tp_model
 from gpu.input_buffers import InputBuffers
-from gpu.kv_sizing import MemoryReport, StepShape, profile_kv_budget
+from gpu.kv_sizing import MemoryReport, StepShape, kv_bytes_per_block, profile_kv_budget
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.platform import Platform
@@ -74,19 +79,35 @@ class ModelWorker:
             else torch.device(_resolve_device(config.device, platform))
         )
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        check_kv_cache_dtype(config.kv_cache_dtype, platform)
         started = time.perf_counter()
         self.attn_backend = _make_attention_backend(self.device, platform)
         if tp_group is None:
-            files = load_model_files(config.model, dtype=self.dtype, device=self.device)
-            self.model = DecoderModel(files.config, self.attn_backend, self.dtype, self.device)
+            files = load_model_files(
+                config.model, self.dtype, self.device, quantization=config.quantization
+            )
+            self.model = DecoderModel(
+                files.config,
+                self.attn_backend,
+                self.dtype,
+                self.device,
+                precision=files.precision,
+            )
             # consume: each tensor is freed once copied, so loading peaks near one copy
             self.model.load_weights(files.weights, consume=True)
             self.model_source = files.source
             del files
         else:
-            self.model = load_tp_model(config.model, self.dtype, tp_group, self.attn_backend)
+            self.model = load_tp_model(
+                config.model, self.dtype, tp_group, self.attn_backend, config.quantization
+            )
             self.model_source = resolve_model_path(config.model)
         self.model_config: ModelConfig = self.model.config
+        self.weights_precision = self.model.precision.describe(self.model_config)
+        """What runs in what precision, one line (reported in /version)."""
+        for note in self.model.precision.notes:
+            log.warning("fp8_weights_dequantized", reason=note)
         self.max_model_len = _resolve_max_model_len(config, self.model_config, self.model_source)
         self.load_time_s = time.perf_counter() - started
         self.buffers = InputBuffers(
@@ -110,7 +131,7 @@ class ModelWorker:
             config.block_size,
             self.model.num_kv_heads,
             self.model_config.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
         )
         log.info(
@@ -120,6 +141,8 @@ class ModelWorker:
             dtype=str(self.dtype).removeprefix("torch."),
             load_time_s=round(self.load_time_s, 3),
             max_model_len=self.max_model_len,
+            weights=self.weights_precision,
+            kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype),
             kv_blocks=self.kv_spec.num_blocks,
             kv_tokens=self.kv_spec.num_tokens,
             kv_bytes=self.kv_spec.num_bytes,
@@ -153,15 +176,9 @@ class ModelWorker:
         )
 
     def _size_kv_cache(self, graph_sizes: GraphSizes | None) -> KVCacheSpec:
-        mc = self.model_config
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
         # A rank holds its shard of the KV heads (self.model.num_kv_heads).
-        bytes_per_block = (
-            mc.kv_bytes_per_token
-            // mc.num_kv_heads
-            * self.model.num_kv_heads
-            * element_size
-            * self.config.block_size
+        bytes_per_block = kv_bytes_per_block(
+            self.model_config, self.model.num_kv_heads, self.config.block_size, self.kv_cache_dtype
         )
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
@@ -170,7 +187,7 @@ class ModelWorker:
                 self.model,
                 self.step_state,
                 self._step_shape(),
-                self.dtype,
+                self.kv_cache_dtype,
                 self.config.gpu_memory_utilization,
                 graph_sizes,
             )
@@ -233,6 +250,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def check_kv_cache_dtype(choice: str, platform: Platform) -> None:
+    """Refuse --kv-cache-dtype fp8 on a GPU whose Triton cannot read float8 e4m3, before
+    any weight is read (on CPU the torch path serves it)."""
+    reason = kv_cache_dtype_refusal(
+        choice, platform.device_type, platform.compute_capability, platform.device_name
+    )
+    if reason is not None:
+        raise WorkerConfigError(reason)
 
 
 def _resolve_device(name: str, platform: Platform) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._kv_fp8 import check_kv_scales, is_fp8_kv
+
 
 def check_args(
     query: torch.Tensor,
@@ -13,8 +15,11 @@ def check_args(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """The query, the paged caches and the index tensors (see paged_attention_ref)."""
+    """The query, the paged caches (the query's dtype, or float8_e4m3fn with its two
+    scales) and the index tensors (see paged_attention_ref)."""
     head_dim = query.shape[-1]
     if query.dim() != 3 or query.stride(2) != 1:
         raise ValueError(
@@ -36,10 +41,17 @@ def check_args(
             f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {key_cache.shape[2]}"
         )
     dtypes = (query.dtype, key_cache.dtype, value_cache.dtype)
-    if len(set(dtypes)) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    cache_dtype = query.dtype if not is_fp8_kv(key_cache.dtype) else key_cache.dtype
+    if (
+        key_cache.dtype != cache_dtype
+        or value_cache.dtype != cache_dtype
+        or query.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    ):
         raise ValueError(
-            f"query/key_cache/value_cache must share one of float16/bfloat16/float32, got {dtypes}"
+            "query/key_cache/value_cache must share one of float16/bfloat16/float32 (or both "
+            f"caches be float8_e4m3fn), got {dtypes}"
         )
+    check_kv_scales(key_cache.dtype, query.device, k_scale, v_scale)
     check_index_args(query.device, block_table, seq_lens, query_start_loc)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.device != query.device:

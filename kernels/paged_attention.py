@@ -9,13 +9,18 @@ query position p sees only keys k with p - W < k <= p, and no KV slot (nor block
 entry) below the window of a chunk's first query is read. With sinks, head h's learned
 logit sinks[h] (not scaled) joins the softmax denominator only (gpt-oss):
 out = sum_k exp(s_k) v_k / (sum_k exp(s_k) + exp(sinks[h])).
+A float8_e4m3fn cache (kernels/_kv_fp8.py) holds key / k_scale and value / v_scale: the
+attention is that of the keys cache * k_scale and the values cache * v_scale.
 
 The Triton kernel packs the query heads of one kv head, for BLOCK_Q tokens of one
 request, into the M dimension of a tile, so a decode program reads each K/V block once
 for the whole head group; online softmax with float32 accumulation. Decode-only batches
 with few (request, kv head) pairs split the context over more programs and merge the
 partial results in a second kernel, which adds the sink (so it counts once). A window
-skips every KV tile below the first query row's window start.
+skips every KV tile below the first query row's window start. From a float8 cache the
+kernel converts K and V tiles to the query's dtype (exact: e4m3 fits bf16/fp16/fp32),
+folds k_scale into the softmax scale and multiplies v_scale into the unnormalised output
+(both are linear), so the inner loop does no extra multiply.
 """
 
 import functools
@@ -23,85 +28,20 @@ import math
 
 import torch
 
+from kernels._kv_fp8 import is_fp8_kv
 from kernels._paged_attention_checks import check_args, check_window_and_sinks
 from kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
+    from kernels._paged_attention_tiles import add_sink, attend_tiles, find_request
+
     _LOG2_E = tl.constexpr(math.log2(math.e))  # sinks are natural-log logits; the kernel uses exp2
-
-    @triton.jit
-    def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
-        # Request r owns q blocks [query_start_loc[r] // BLOCK_Q + r, ...): strictly
-        # increasing in r.
-        left: tl.int32 = 0
-        right = num_reqs
-        while left < right:
-            mid = (left + right) // 2
-            mid_first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-            if mid_first_block <= q_block:
-                left = mid + 1
-            else:
-                right = mid
-        return left - 1
-
-    @triton.jit
-    def _attend_tiles(
-        q, query_pos, row_valid, key_head_ptr, value_head_ptr, block_table_row,
-        tile_start, tile_end, kv_start, kv_len, sliding_window, scale_log2,
-        stride_cache_block, stride_cache_slot,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-    ):  # fmt: skip
-        """Online softmax of q [BLOCK_M, HEAD_DIM_PADDED] over KV tiles [tile_start, tile_end):
-        returns the row max (log2 units), row sum and unnormalised output, all float32.
-        Only keys in [kv_start, kv_len) are loaded (kv_start is used with HAS_WINDOW)."""
-        offs_d = tl.arange(0, HEAD_DIM_PADDED)
-        dim_valid = offs_d < HEAD_DIM
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-        for tile in range(tile_start, tile_end):
-            offs_n = tile * TILE_N + tl.arange(0, TILE_N)
-            key_valid = offs_n < kv_len
-            if HAS_WINDOW:
-                key_valid = key_valid & (offs_n >= kv_start)
-            block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=key_valid, other=0).to(
-                tl.int64
-            )
-            slot_offs = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
-            kv_offs = slot_offs[:, None] + offs_d[None, :]
-            kv_mask = key_valid[:, None] & dim_valid[None, :]
-            k = tl.load(key_head_ptr + kv_offs, mask=kv_mask, other=0.0)
-            v = tl.load(value_head_ptr + kv_offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = (
-                row_valid[:, None] & key_valid[None, :] & (offs_n[None, :] <= query_pos[:, None])
-            )
-            if HAS_WINDOW:
-                visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _add_sink(m_i, l_i, acc, sink_log2):
-        """Adds one logit per row (log2 units), with no value, to an online-softmax state."""
-        m_new = tl.maximum(m_i, sink_log2)
-        alpha = tl.math.exp2(m_i - m_new)
-        return m_new, l_i * alpha + tl.math.exp2(sink_log2 - m_new), acc * alpha[:, None]
 
     @triton.jit
     def _paged_attention_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
         query_ptr, key_cache_ptr, value_cache_ptr,
-        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+        block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
         scale_log2, num_reqs, num_heads, num_splits, sliding_window,
         stride_query_token, stride_query_head, stride_out_token, stride_out_head,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_block_table_req,
@@ -109,7 +49,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr,
         SPLIT_KV: tl.constexpr, ONE_Q_BLOCK_PER_REQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
     ):  # fmt: skip
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -118,7 +58,7 @@ if HAS_TRITON:
             query_start = tl.load(query_start_loc_ptr + req)
             q_block_in_req = 0
         else:
-            req = _find_request(query_start_loc_ptr, tl.program_id(0), num_reqs, BLOCK_Q)
+            req = find_request(query_start_loc_ptr, tl.program_id(0), num_reqs, BLOCK_Q)
             query_start = tl.load(query_start_loc_ptr + req)
             q_block_in_req = tl.program_id(0) - (query_start // BLOCK_Q + req)
         query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
@@ -155,17 +95,21 @@ if HAS_TRITON:
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
         block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table_req
-        m_i, l_i, acc = _attend_tiles(
+        if KV_FP8:  # scores of the stored keys times k_scale: the keys' true scores
+            scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        m_i, l_i, acc = attend_tiles(
             q, query_pos, row_valid, key_cache_ptr + kv_head * stride_cache_head,
             value_cache_ptr + kv_head * stride_cache_head, block_table_row, tile_start, tile_end,
             kv_start, kv_len, sliding_window, scale_log2, stride_cache_block, stride_cache_slot,
             HEAD_DIM, HEAD_DIM_PADDED, BLOCK_SIZE, BLOCK_M, TILE_N, DOT_PRECISION, HAS_WINDOW,
         )  # fmt: skip
+        if KV_FP8:  # acc is linear in V; the splits' partial sums too, so the merge is unchanged
+            acc = acc * tl.load(v_scale_ptr)
 
         if not SPLIT_KV:
             if HAS_SINKS:
                 sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
-                m_i, l_i, acc = _add_sink(m_i, l_i, acc, sink * _LOG2_E)
+                m_i, l_i, acc = add_sink(m_i, l_i, acc, sink * _LOG2_E)
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             out_offs = (
                 token[:, None] * stride_out_token
@@ -227,10 +171,14 @@ def paged_attention_ref(
     *,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+    k_scale: torch.Tensor | None = None,  # [] float32, float8 caches only
+    v_scale: torch.Tensor | None = None,  # [] float32, float8 caches only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
     """Plain torch paged attention, one request at a time, in float32 (syncs on a GPU).
     Like the kernel, it reads no key below the chunk's first window."""
-    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    check_args(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, k_scale, v_scale
+    )
     check_window_and_sinks(query, sliding_window, sinks)
     out = torch.zeros_like(query)
     block_size = key_cache.shape[1]
@@ -250,6 +198,9 @@ def paged_attention_ref(
         )
         keys = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
         values = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group_size, dim=1)
+        if is_fp8_kv(key_cache.dtype):
+            assert k_scale is not None and v_scale is not None  # check_args made sure
+            keys, values = keys * k_scale, values * v_scale
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale
         scores.masked_fill_(positions[None, :] > query_pos[:, None], float("-inf"))
         if sliding_window is not None:
@@ -290,14 +241,19 @@ def paged_attention_triton(
     query_tile: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+    k_scale: torch.Tensor | None = None,  # [] float32 on the device, float8 caches only
+    v_scale: torch.Tensor | None = None,  # [] float32 on the device, float8 caches only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are undefined
     """Triton launcher. max_query_len must bound every request's query length; the
     next keyword arguments are tuning knobs (None = heuristic). Splitting the context
     (num_kv_splits > 1) is only allowed when max_query_len <= 1. query_tile sets the rows of
     a program's query tile (query heads of a kv head x tokens; default 16 for decodes, 64
     otherwise): a mixed batch of mostly decodes reads its KV best with decode-sized tiles.
-    sliding_window and sinks are as in the module docstring (None = off)."""
-    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    sliding_window and sinks are as in the module docstring (None = off); a float8 cache
+    needs k_scale and v_scale."""
+    check_args(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, k_scale, v_scale
+    )
     check_window_and_sinks(query, sliding_window, sinks)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, num_reqs = key_cache.shape[2], seq_lens.shape[0]
@@ -335,9 +291,13 @@ def paged_attention_triton(
     grid = (num_q_blocks, num_kv_heads, num_kv_splits)
     window = 0 if sliding_window is None else min(sliding_window, _MAX_WINDOW)
     sinks_arg = out if sinks is None else sinks  # placeholder pointer without HAS_SINKS
+    kv_fp8 = is_fp8_kv(key_cache.dtype)
+    k_scale_arg = k_scale if kv_fp8 else out  # placeholder pointers without KV_FP8
+    v_scale_arg = v_scale if kv_fp8 else out
     _paged_attention_kernel[grid](
         out, partial_acc, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, sinks_arg,
+        k_scale_arg, v_scale_arg,
         scale * math.log2(math.e), num_reqs, num_heads, num_kv_splits, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
@@ -345,7 +305,7 @@ def paged_attention_triton(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, KV_FP8=kv_fp8,
         num_warps=num_warps or 4, num_stages=num_stages or (3 if block_m <= 16 else 2),
     )  # fmt: skip
     if num_kv_splits > 1:
@@ -372,19 +332,22 @@ def paged_attention(
     query_tile: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+    k_scale: torch.Tensor | None = None,  # [] float32, float8 caches only
+    v_scale: torch.Tensor | None = None,  # [] float32, float8 caches only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention: the Triton kernel on CUDA tensors, the torch reference otherwise.
     sliding_window=W: query position p sees keys p - W < k <= p (None: all k <= p).
-    sinks: head h's logit joins its softmax denominator (None: no sink)."""
+    sinks: head h's logit joins its softmax denominator (None: no sink). A float8 cache
+    holds keys / k_scale and values / v_scale."""
     if HAS_TRITON and query.is_cuda:
         return paged_attention_triton(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, query_tile=query_tile,
-            sliding_window=sliding_window, sinks=sinks,
+            sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return paged_attention_ref(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-        sliding_window=sliding_window, sinks=sinks,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

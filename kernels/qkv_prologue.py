@@ -7,6 +7,8 @@ of head_dim). For token t at position pos = positions[t]:
   sin_cache[pos] (float32 tables of head_dim // 2 columns) cast to the model dtype;
 - k (normed and rotated) and v are written into the paged KV cache at slot_mapping[t]
   (kv_cache[0] keys, kv_cache[1] values; a negative slot is padding and writes nothing);
+  a float8_e4m3fn cache gets k / k_scale and v / v_scale, quantized as kernels/kv_write.py
+  does (the model-dtype k is what is quantized, so both paths store the same bytes);
 - q comes back as a contiguous [num_tokens, num_heads, head_dim] tensor.
 Every multiply and add of the norm and the rotary is rounded to the model dtype where the
 eager torch ops round, so the kernel and the reference agree to float32 rounding. One
@@ -17,11 +19,13 @@ halves and concatenations, the KV write).
 import torch
 
 from kernels._checks import check_dtype_and_rank, check_triton_device, need_triton
+from kernels._kv_fp8 import check_kv_scales, is_fp8_kv
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.kv_write import kv_write_ref
 from kernels.rms_norm import add_rms_norm_ref
 
 if HAS_TRITON:
+    from kernels._kv_fp8 import quantize_e4m3
 
     @triton.jit
     def _round(x, DTYPE: tl.constexpr):
@@ -51,10 +55,11 @@ if HAS_TRITON:
     @triton.jit
     def _qkv_prologue_kernel(
         qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, kv_cache_ptr,
-        slot_mapping_ptr, query_ptr,
+        slot_mapping_ptr, query_ptr, k_scale_ptr, v_scale_ptr,
         qkv_stride, table_stride, kv_stride, query_stride, eps, num_heads, num_kv_heads, head_dim,
         HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
         HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         position = tl.load(positions_ptr + token)
@@ -91,15 +96,21 @@ if HAS_TRITON:
             k1, k2 = _norm_and_rotate(
                 k1, k2, cos, sin, k_norm_ptr, eps, head_dim, HAS_NORM, DTYPE, HALF, HALF_P2
             )
-            slot_ptr = kv_cache_ptr + slot * (num_kv_heads * head_dim)
-            key_ptr = slot_ptr + kv_heads[:, None] * head_dim + cols[None, :]
-            tl.store(key_ptr, k1.to(DTYPE), mask=k_mask)
-            tl.store(key_ptr + HALF, k2.to(DTYPE), mask=k_mask)
             dims = tl.arange(0, HEAD_DIM_P2)
             v_mask = kv_valid[:, None] & (dims < head_dim)[None, :]
             v_offs = kv_heads[:, None] * head_dim + dims[None, :]
             value = tl.load(row_ptr + (num_heads + num_kv_heads) * head_dim + v_offs, mask=v_mask)
-            tl.store(slot_ptr + kv_stride + v_offs, value, mask=v_mask)
+            if KV_FP8:  # k1, k2 hold model-dtype values already (rounded by _norm_and_rotate)
+                k_scale = tl.load(k_scale_ptr)
+                k1 = quantize_e4m3(k1, k_scale)
+                k2 = quantize_e4m3(k2, k_scale)
+                value = quantize_e4m3(value, tl.load(v_scale_ptr))
+            cache_dtype = kv_cache_ptr.dtype.element_ty
+            slot_ptr = kv_cache_ptr + slot * (num_kv_heads * head_dim)
+            key_ptr = slot_ptr + kv_heads[:, None] * head_dim + cols[None, :]
+            tl.store(key_ptr, k1.to(cache_dtype), mask=k_mask)
+            tl.store(key_ptr + HALF, k2.to(cache_dtype), mask=k_mask)
+            tl.store(slot_ptr + kv_stride + v_offs, value.to(cache_dtype), mask=v_mask)
 
 
 def _check_args(
@@ -114,6 +125,8 @@ def _check_args(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"qkv must be float32, bfloat16 or float16, got {qkv.dtype}")
@@ -151,11 +164,13 @@ def _check_args(
         num_kv_heads,
         head_dim,
     )
-    if kv_cache.dim() != 5 or tuple(kv_cache.shape) != expected or kv_cache.dtype != qkv.dtype:
+    cache_dtype_ok = kv_cache.dtype == qkv.dtype or is_fp8_kv(kv_cache.dtype)
+    if kv_cache.dim() != 5 or tuple(kv_cache.shape) != expected or not cache_dtype_ok:
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] "
-            f"of {qkv.dtype}, got {tuple(kv_cache.shape)} {kv_cache.dtype}"
+            f"of {qkv.dtype} (or float8_e4m3fn), got {tuple(kv_cache.shape)} {kv_cache.dtype}"
         )
+    check_kv_scales(kv_cache.dtype, kv_cache.device, k_scale, v_scale)
 
 
 def apply_rotary_ref(
@@ -182,6 +197,8 @@ def qkv_prologue_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds k / k_scale
+    v_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds v / v_scale
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Torch reference of `qkv_prologue` (the model's unfused ops)."""
     _check_args(
@@ -196,6 +213,8 @@ def qkv_prologue_ref(
         num_heads,
         num_kv_heads,
         head_dim,
+        k_scale,
+        v_scale,
     )
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -209,7 +228,7 @@ def qkv_prologue_ref(
     cos = cos_cache.index_select(0, positions).to(qkv.dtype).unsqueeze(1)
     sin = sin_cache.index_select(0, positions).to(qkv.dtype).unsqueeze(1)
     query = apply_rotary_ref(query, cos, sin)
-    kv_write_ref(apply_rotary_ref(key, cos, sin), value, kv_cache, slot_mapping)
+    kv_write_ref(apply_rotary_ref(key, cos, sin), value, kv_cache, slot_mapping, k_scale, v_scale)
     return query
 
 
@@ -226,6 +245,8 @@ def qkv_prologue_triton(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds k / k_scale
+    v_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds v / v_scale
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton launcher of `qkv_prologue`: one program per token, all heads at once."""
     need_triton("qkv_prologue_triton")
@@ -241,6 +262,8 @@ def qkv_prologue_triton(
         num_heads,
         num_kv_heads,
         head_dim,
+        k_scale,
+        v_scale,
     )
     check_triton_device("qkv_prologue_triton", qkv.device)
     if qkv.stride(1) != 1 or not kv_cache.is_contiguous():
@@ -250,6 +273,7 @@ def qkv_prologue_triton(
     if num_tokens == 0:
         return query
     has_norm = q_norm_weight is not None
+    kv_fp8 = is_fp8_kv(kv_cache.dtype)  # without it the scale pointers are placeholders
     dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
         qkv.dtype
     ]
@@ -257,12 +281,13 @@ def qkv_prologue_triton(
         qkv, positions, cos_cache, sin_cache,
         q_norm_weight if has_norm else cos_cache, k_norm_weight if has_norm else cos_cache,
         kv_cache, slot_mapping, query,
+        k_scale if kv_fp8 else cos_cache, v_scale if kv_fp8 else cos_cache,
         qkv.stride(0), cos_cache.stride(0), kv_cache.stride(0), query.stride(0), eps,
         num_heads, num_kv_heads, head_dim,
         HAS_NORM=has_norm, DTYPE=dtype, HALF=head_dim // 2,
         HALF_P2=triton.next_power_of_2(head_dim // 2), HEADS_P2=triton.next_power_of_2(num_heads),
         KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim), KV_FP8=kv_fp8,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return query
@@ -281,6 +306,8 @@ def qkv_prologue(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds k / k_scale
+    v_scale: torch.Tensor | None = None,  # [] float32: a float8 cache holds v / v_scale
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Norm q/k, rotate them, write k/v to the KV cache, return q (see the module doc):
     the Triton kernel on CUDA, the torch reference otherwise."""
@@ -302,4 +329,6 @@ def qkv_prologue(
         num_heads,
         num_kv_heads,
         head_dim,
+        k_scale,
+        v_scale,
     )

@@ -122,6 +122,18 @@ class BlockPool:
         self._cached_block_ids[block_hash] = block_id
         return True
 
+    def drop_evictable(self) -> int:
+        """Forget the cached KV of every block no request holds (they become free); returns
+        how many. Blocks in use keep their hashes: their holders still read them, and
+        unpublishing them would only stop other requests from sharing them."""
+        num_dropped = len(self._evictable_block_ids)
+        for block_id in self._evictable_block_ids:
+            del self._cached_block_ids[self._block_hashes[block_id]]  # type: ignore[arg-type]
+            self._block_hashes[block_id] = None
+            self._free_block_ids.append(block_id)
+        self._evictable_block_ids.clear()
+        return num_dropped
+
     def check_invariants(self) -> None:
         """Raise AssertionError describing the first broken internal invariant."""
         free = set(self._free_block_ids)

@@ -42,6 +42,8 @@ from actors.protocol.messages import (
     EngineRequest,
     GetSchedulerStats,
     GrammarVocab,
+    PrefixCacheReset,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     ToFrontEnd,
@@ -49,6 +51,7 @@ from actors.protocol.messages import (
     UtilityResult,
 )
 from actors.protocol.transport import CoreEndpoint, TransportClosed
+from gpu.attention.kv_cache_dtype import kv_cache_dtype_name
 from gpu.distributed.tp_engine import TPRunnerV2
 from gpu.runner import Runner
 from gpu.runner_selection import RunnerChoice
@@ -192,6 +195,8 @@ class EngineCore:
             device=str(worker.device),
             startup_s=round(time.perf_counter() - self._started_at, 3),
             pid=os.getpid(),
+            weights=getattr(worker, "weights_precision", ""),
+            kv_cache_dtype=kv_cache_dtype_name(worker.kv_cache_dtype),
         )
         log_startup(
             log,
@@ -215,6 +220,10 @@ class EngineCore:
                 result = UtilityResult(call.call_id, stats=stats)
             elif call.method == "check_kv_invariants":
                 await self.engine_loop.ask(CheckKVInvariants())
+            elif call.method == "reset_prefix_cache":
+                reset = await self.engine_loop.ask(ResetPrefixCache())
+                assert isinstance(reset, PrefixCacheReset)
+                result = UtilityResult(call.call_id, prefix_cache_reset=reset)
             else:
                 result = UtilityResult(call.call_id, error=f"unknown method {call.method!r}")
         except (AssertionError, ActorStopped) as exc:

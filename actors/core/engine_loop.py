@@ -42,7 +42,9 @@ from actors.protocol.messages import (
     GetSchedulerStats,
     GrammarCompiled,
     GrammarVocab,
+    PrefixCacheReset,
     RequestFinish,
+    ResetPrefixCache,
     SchedulerOutput,
     SchedulerStats,
     StepOutput,
@@ -144,12 +146,22 @@ class EngineLoop(Actor[ToEngineLoop]):
                 return self.stats()
             case CheckKVInvariants():
                 self.scheduler.kv.check_invariants()
+            case ResetPrefixCache():
+                return self._reset_prefix_cache()
             case Drain():
                 self._drain_events.append(message.drained)
                 self._abort_all()
             case _:
                 assert_never(message)
         return None
+
+    def _reset_prefix_cache(self) -> PrefixCacheReset:
+        scheduler = self.scheduler
+        scheduler.free_finished_blocks()  # a finished request's blocks are not in use
+        num_dropped_blocks = scheduler.kv.reset_prefix_cache()
+        scheduler.kv_usage = scheduler.kv.stats()
+        log.info("prefix_cache_reset", num_dropped_blocks=num_dropped_blocks)
+        return PrefixCacheReset(num_dropped_blocks, scheduler.kv_usage.num_cached_blocks)
 
     def _abort_client(self, client_index: int) -> None:
         orphans = [

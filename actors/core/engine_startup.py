@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.logits_processors import load_logits_processor_classes
@@ -13,11 +14,12 @@ from gpu.cpu_threads import apply_cpu_threads, engine_thread_plan, log_cpu_threa
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
+from gpu.models.precision import WeightPrecision, resolve_precision
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
 from gpu.runner_v1.compiled_model import check_compilable
 from gpu.weights.shard_loader import read_model_config
-from gpu.worker import ModelWorker
+from gpu.worker import ModelWorker, check_kv_cache_dtype, resolve_dtype
 
 log = structlog.get_logger("tandem.startup")
 
@@ -56,13 +58,32 @@ def check_before_load(config: EngineConfig, platform: Platform) -> None:
     """Refuse what cannot be served before spending the model load on it: processors that
     do not import, a forced runner that cannot run them (the
     forced path of the selection does not depend on the architecture), a --compile-level
-    for a model whose parts the compiled pieces leave out."""
+    for a model whose parts (FP8 projections among them) the compiled pieces leave out,
+    --kv-cache-dtype fp8 on a GPU below compute capability 8.9.
+    (A precision the device cannot run is refused by the loader before it reads weights.)"""
     load_logits_processor_classes(config.logits_processors)
+    check_kv_cache_dtype(config.kv_cache_dtype, platform)
     if config.compile_level > 0:
-        check_compilable(read_model_config(config.model), config.compile_level)
+        runs_fp8 = check_precision(config, platform).runs_fp8
+        check_compilable(read_model_config(config.model), config.compile_level, runs_fp8)
     forced = selection_input(config, architecture="")
     if forced.env_override is not None or forced.requested_runner != "auto":
         select_runner(forced, platform)
+
+
+def check_precision(config: EngineConfig, platform: Platform) -> WeightPrecision:
+    """What each projection will run in (gpu/models/precision.py), from the model's config
+    alone; raises UnsupportedModelError for FP8 the device cannot run."""
+    device = torch.device(platform.device)
+    return resolve_precision(
+        read_model_config(config.model),
+        config.quantization,
+        resolve_dtype(config.dtype, device),
+        platform.device_type,
+        platform.compute_capability,
+        platform.has_triton,
+        tp_size=config.tensor_parallel_size,
+    )
 
 
 def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> LoadedEngine:
@@ -95,13 +116,20 @@ def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
     validate_tensor_parallel(
         config.tensor_parallel_size, model, platform.device_type, config.device
     )
+    check_precision(config, platform)  # before the ranks start: FP8 block slices, devices
     select_runner(selection_input(config, model.architecture), platform)
 
 
 def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:
     """The same loaded model under other engine options (tests, benchmarks)."""
-    if config.model != loaded.config.model or config.block_size != loaded.config.block_size:
-        raise ValueError("a reused model must keep the same model and block size")
+    if (config.model, config.block_size, config.quantization) != (
+        loaded.config.model,
+        loaded.config.block_size,
+        loaded.config.quantization,
+    ):
+        raise ValueError("a reused model must keep the same model, block size and quantization")
+    if config.kv_cache_dtype != loaded.config.kv_cache_dtype:  # the worker owns the cache
+        raise ValueError("a reused model must keep its KV cache dtype")
     check_before_load(config, loaded.platform)
     runner = choose_runner(config, loaded.platform, loaded.worker.model_config)
     return LoadedEngine(

@@ -4,14 +4,27 @@ The scheduler owns its KVCacheManager and calls it directly, once per step
 (actors/core/kv_allocation.py), as vLLM's scheduler owns its KV cache manager: both live on
 the engine loop, so a message between them would buy nothing.
 
-Prefix caching: the full blocks of the tokens known when a request is admitted (its
-prompt, or prompt + outputs when it resumes after preemption) are hashed once, at
-admission. A block is published under its hash in the step whose scheduled tokens complete
-it, not when it is allocated (a chunked prefill may leave an allocated block partly
-written), so a request that hits it reads KV written in an earlier step or by a request
-earlier in the same step's batch. Blocks completed later by decoding are not published:
-that keeps the cache to admission-time hashes, and a resumed request hashes its outputs
-then.
+Prefix caching, as vLLM's KVCacheManager: every full block of a request's tokens is hashed,
+chained on the previous block's hash and salted by `cache_salt` (actors/core/prefix_hash.py),
+and published once its KV is computed, so a later request with the same tokens shares it,
+whether they were prompt or output (a chat's next turn sends the previous answer back).
+
+* Hashes: the tokens known at admission (the prompt, or prompt + outputs when a request
+  resumes after preemption) are hashed then; a block completed later by decoding is hashed
+  when its last token arrives (`cache_blocks`, from the scheduler's update).
+* Publishing: a block joins the cache in the step whose scheduled tokens complete its KV,
+  not when it is allocated (a chunked prefill may leave an allocated block partly written),
+  and only once every token in it is known. So a request that hits it reads KV written in
+  an earlier step, or by a row of the same step (each layer writes the whole batch's KV
+  before attending). Two events can complete a block, whichever comes second:
+  - its last position is scheduled (`allocate_step`) while its tokens are known: prefill,
+    or a decode whose token arrived before the step was built;
+  - its last token arrives (`cache_blocks`) while its position is scheduled already: in
+    the overlapped loop the step that computes a sampled token's KV is built before the
+    token is known, so the block is published one update later.
+  Speculative draft slots never enter a hash: only accepted tokens reach a request's
+  outputs, and a slot's KV counts only once its own token is known (the row's computed
+  count is an upper bound only past its last known token: actors/core/spec_scheduling.py).
 """
 
 from __future__ import annotations
@@ -29,16 +42,18 @@ from actors.core.kv_allocation import (
     WaitingAlloc,
     WaitingGrant,
 )
-from actors.core.prefix_hash import BlockHash, hash_full_blocks
+from actors.core.prefix_hash import BlockHash, chain_block_hashes, hash_full_blocks
 
 
 @dataclass(slots=True, eq=False)
 class _RequestBlocks:
     block_ids: list[int]
     block_hashes: list[BlockHash]
-    """Hashes of the full blocks of the tokens known at admission."""
+    """Hashes of the full blocks of the request's known tokens (empty without prefix
+    caching); decoding appends to them."""
     num_offered_blocks: int
     """Blocks [0, num_offered_blocks) were cache hits or have been offered to the cache."""
+    cache_salt: str | None = None
 
 
 class KVCacheManager:
@@ -93,6 +108,42 @@ class KVCacheManager:
             waiting=tuple(grants),
             usage=self.stats(),
         )
+
+    def cache_blocks(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        num_computed_tokens: int,
+    ) -> None:
+        """New output tokens of a running request have arrived: hash the blocks they fill,
+        and publish those whose KV is computed or scheduled in a step already built
+        (positions below `num_computed_tokens`). Called when the known tokens cross a block
+        boundary; the rest waits for the step that schedules the blocks' last positions.
+        Unknown ids are ignored (the request's blocks were freed)."""
+        state = self._requests.get(request_id)
+        if state is None or not self.enable_prefix_caching:
+            return
+        num_full_blocks = (len(prompt_token_ids) + len(output_token_ids)) // self.block_size
+        num_hashed_blocks = len(state.block_hashes)
+        if num_full_blocks > num_hashed_blocks:
+            tokens = _token_slice(
+                prompt_token_ids,
+                output_token_ids,
+                num_hashed_blocks * self.block_size,
+                num_full_blocks * self.block_size,
+            )
+            parent = state.block_hashes[-1] if state.block_hashes else None
+            state.block_hashes += chain_block_hashes(
+                parent, tokens, self.block_size, state.cache_salt
+            )
+        if state.num_offered_blocks < len(state.block_hashes):
+            self._publish_full_blocks(state, num_computed_tokens)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (as vLLM's reset_prefix_cache); returns
+        how many. Blocks in use stay cached. Hit and query counts are cumulative and stay."""
+        return self.pool.drop_evictable()
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Release the requests' blocks; unknown ids are ignored (nothing was allocated)."""
@@ -197,7 +248,10 @@ class KVCacheManager:
             return None
         self.pool.touch(hit_block_ids)
         state = _RequestBlocks(
-            hit_block_ids + self.pool.allocate(num_needed), hashes, len(hit_block_ids)
+            hit_block_ids + self.pool.allocate(num_needed),
+            hashes,
+            len(hit_block_ids),
+            entry.cache_salt,
         )
         self._requests[entry.request_id] = state
         self._publish_full_blocks(state, num_cached + num_new)
@@ -254,3 +308,16 @@ class KVCacheManager:
             request_id = request_ids[running.num_tokens.index(min(running.num_tokens))]
             raise ValueError(f"running request {request_id!r}: num_tokens must be >= 0")
         return running_ids
+
+
+def _token_slice(
+    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], start: int, stop: int
+) -> Sequence[int]:
+    """Tokens [start, stop) of prompt + outputs, without copying the whole sequence (this
+    runs while a long request decodes)."""
+    num_prompt_tokens = len(prompt_token_ids)
+    if stop <= num_prompt_tokens:
+        return prompt_token_ids[start:stop]
+    if start >= num_prompt_tokens:
+        return output_token_ids[start - num_prompt_tokens : stop - num_prompt_tokens]
+    return (*prompt_token_ids[start:], *output_token_ids[: stop - num_prompt_tokens])

@@ -46,10 +46,32 @@ def hash_full_blocks(
     start_block = len(hashes)
     if start_block == num_full_blocks:
         return hashes
-    packed = _pack_tokens(token_ids[start_block * block_size : num_full_blocks * block_size])
+    hashes += chain_block_hashes(
+        hashes[-1] if hashes else None,
+        token_ids[start_block * block_size : num_full_blocks * block_size],
+        block_size,
+        cache_salt,
+    )
+    return hashes
+
+
+def chain_block_hashes(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids`, which follow the block hashed as
+    `parent_hash` (None: they start the sequence): how blocks completed after admission (by
+    decoding) get the same hashes as the same tokens would as a prompt."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full_blocks = len(token_ids) // block_size
+    packed = _pack_tokens(token_ids[: num_full_blocks * block_size])
     salt = _salt_bytes(cache_salt)
     block_bytes = block_size * _TOKEN_BYTES
-    parent = hashes[-1] if hashes else None
+    hashes: list[BlockHash] = []
+    parent = parent_hash
     for offset in range(0, len(packed), block_bytes):
         parent = _hash_packed(parent, packed[offset : offset + block_bytes], salt)
         hashes.append(parent)

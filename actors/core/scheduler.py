@@ -44,6 +44,7 @@ from actors.core.step_batch import (
     append_runs,
     check_tokens_are_expected,
     grammar_rows,
+    offer_completed_blocks,
     start_rows,
 )
 from actors.protocol.messages import (
@@ -224,6 +225,8 @@ class Scheduler:
             )
         else:
             finished = append_one_each(requests, token_ids, result)
+        if self.kv.enable_prefix_caching:  # before the finishes: last blocks count too
+            offer_completed_blocks(self.kv, result)
         for request, finish in finished:
             self._finish(request, RequestStatus.from_finish_reason(finish.reason))
         result.finished.extend(finished)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from actors.core.grammar_state import GrammarState, PendingMask
 from actors.core.kv_allocation import RunningAllocs
+from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.request import Request, RequestStatus
 from actors.core.spec_scheduling import correct_after_step, start_speculating
 from actors.protocol.messages import RequestFinish, StepOutput
@@ -258,6 +259,26 @@ def token_finish(request: Request, token_id: int) -> RequestFinish | None:
     if request.grammar is not None:
         return GrammarState.advance(request, token_id)
     return None
+
+
+def offer_completed_blocks(kv: KVCacheManager, result: StepResult) -> None:
+    """Offer the blocks a step's tokens completed to the prefix cache: `kv` publishes those
+    whose KV is computed or in a step already built. Only rows whose known tokens crossed a
+    block boundary ask (adding n tokens to reach t crosses one exactly when
+    t % block_size < n). A row preempted while its step ran restarts from 0 computed
+    tokens: it offers nothing now, and hashes its outputs when it is admitted again."""
+    block_size = kv.block_size
+    running = RequestStatus.RUNNING
+    for request, num_new in zip(result.requests, result.num_tokens):
+        # Per row per step: the sum is Request.num_tokens without the property's call.
+        num_tokens = request.num_prompt_tokens + len(request.output_token_ids)
+        if num_tokens % block_size < num_new and request.status is running:
+            kv.cache_blocks(
+                request.request_id,
+                request.prompt_token_ids,
+                request.output_token_ids,
+                request.num_computed_tokens,
+            )
 
 
 def check_tokens_are_expected(out: StepOutput, sampling: dict[str, Request]) -> None:

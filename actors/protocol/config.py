@@ -10,6 +10,9 @@ from actors.protocol.speculative_config import SpeculativeConfig
 
 RunnerChoice = Literal["auto", "v1", "v2"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+QuantizationChoice = Literal["auto", "fp8", "none"]
+QUANTIZATION_CHOICES = ("auto", "fp8", "none")
+KVCacheDTypeChoice = Literal["auto", "fp8", "fp8_e4m3"]
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's default --max-logprobs."""
 
@@ -25,6 +28,11 @@ class EngineConfig:
     directory, or 'dummy:<preset>' for random weights of a preset architecture."""
     dtype: DTypeChoice = "auto"
     """Compute dtype; auto is float32 on CPU and bfloat16 on GPU."""
+    quantization: QuantizationChoice = "auto"
+    """Weight quantization (vLLM's --quantization): auto runs what the checkpoint holds
+    (FP8 checkpoints as FP8 GEMMs on CUDA >= 8.9, dequantized on CPU); fp8 quantizes an
+    unquantized checkpoint's projections per output channel at load; none dequantizes an
+    FP8 checkpoint to `dtype` (gpu/models/precision.py decides, per projection)."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu' or 'cuda[:N]'."""
     max_model_len: int | None = None
@@ -37,6 +45,10 @@ class EngineConfig:
     """Fraction of device memory tandem may use (weights, activations, graphs, KV)."""
     cpu_kv_cache_bytes: int = 1 << 30
     """KV pool size on CPU when num_kv_blocks is not set."""
+    kv_cache_dtype: KVCacheDTypeChoice = "auto"
+    """KV cache element type (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (=
+    fp8_e4m3) = float8_e4m3fn with a per-layer k_scale / v_scale (1.0 unless the checkpoint
+    has them), half of bf16's bytes per token (gpu/attention/kv_cache_dtype.py)."""
     max_num_seqs: int = 256
     """Most requests in one step (also the runner's row count)."""
     max_num_batched_tokens: int = 2048
@@ -105,9 +117,15 @@ class EngineConfig:
             or self.cpu_threads < 1
         ):
             raise ConfigError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ConfigError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ConfigError(
+                f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
             )
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -73,7 +73,8 @@ class UtilityCall(msgspec.Struct, frozen=True, tag="utility"):
 
     call_id: int
     method: str
-    """'stats' (SchedulerStats) or 'check_kv_invariants' (error set when broken)."""
+    """'stats' (SchedulerStats), 'check_kv_invariants' (error set when broken) or
+    'reset_prefix_cache' (PrefixCacheReset)."""
     client_index: int = 0
     """Where the answer goes."""
 
@@ -112,6 +113,12 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     device: str
     startup_s: float
     pid: int
+    weights: str = ""
+    """What runs in what precision (gpu/models/precision.py), e.g. "weights: fp8 (block
+    128x128, dynamic per-token-group activations) for 196 projections; bfloat16 for
+    lm_head, embeddings, norms"."""
+    kv_cache_dtype: str = ""
+    """The KV cache's element type (--kv-cache-dtype resolved): "fp8_e4m3", "bfloat16", ..."""
 
 
 class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed"):
@@ -158,10 +165,20 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     """Free runner rows (None when the runner does not keep rows)."""
 
 
+class PrefixCacheReset(msgspec.Struct, frozen=True):
+    """What resetting the prefix cache did: blocks no request held are dropped, blocks in
+    use stay cached (as vLLM, which drops only what is free)."""
+
+    num_dropped_blocks: int
+    num_kept_blocks: int
+    """Cached blocks still held by requests."""
+
+
 class UtilityResult(msgspec.Struct, frozen=True, tag="utility_result"):
     call_id: int
     stats: SchedulerStats | None = None
     error: str | None = None
+    prefix_cache_reset: PrefixCacheReset | None = None
 
 
 class LogprobsArrays(msgspec.Struct, frozen=True):
@@ -408,6 +425,11 @@ class CheckKVInvariants(msgspec.Struct, frozen=True):
     """Asked: answered with None, or fails with the AssertionError naming what is broken."""
 
 
+class ResetPrefixCache(msgspec.Struct, frozen=True):
+    """Asked: drop the prefix cache's blocks that no request holds; answered with
+    PrefixCacheReset."""
+
+
 class Drain(msgspec.Struct, frozen=True):
     """Abort everything queued or running; `drained` (an anyio.Event) is set once no step
     is in flight."""
@@ -423,6 +445,7 @@ ToEngineLoop = (
     | AbortClient
     | GetSchedulerStats
     | CheckKVInvariants
+    | ResetPrefixCache
     | Drain
 )
 

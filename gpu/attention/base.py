@@ -10,6 +10,10 @@ KV cache layout, one tensor per layer:
     kv_cache[1] = values, [num_blocks, block_size, num_kv_heads, head_dim]
 Token `i` of a request lives at slot `block_table[req, i // block_size] * block_size +
 i % block_size`; `slot_mapping[t]` is that slot for flat token `t` (-1 = padding, skipped).
+
+The cache is in the model dtype (--kv-cache-dtype auto) or float8_e4m3fn (fp8): then it
+holds keys / k_scale and values / v_scale, with the layer's float32 scalars k_scale and
+v_scale (kernels/_kv_fp8.py), which every write and read of the cache takes.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class AttentionBackend(Protocol):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend over a cache that already holds this step's keys and values.
 
@@ -67,8 +73,11 @@ class AttentionBackend(Protocol):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write key/value into kv_cache at metadata.slot_mapping, then attend (as `attend`)."""
+        """Write key/value into kv_cache at metadata.slot_mapping (quantized into a float8
+        cache), then attend (as `attend`)."""
         ...
 
 

@@ -4,7 +4,9 @@ the GPU backends.
 Decode requests (one query token) are batched into one gather + matmul; longer chunks
 run one `scaled_dot_product_attention` call per request (plain float32 matmuls with
 attention sinks, which SDPA lacks). A sliding window gathers only the blocks it covers.
-Loops are driven by the metadata's CPU arrays, so nothing waits on the device.
+Loops are driven by the metadata's CPU arrays, so nothing waits on the device. A float8
+cache (torch stores and converts float8_e4m3fn on CPU too) is gathered as float8, then
+converted to float32 and multiplied by its scale (kernels/_kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
+from kernels._kv_fp8 import check_kv_scales, is_fp8_kv
 from kernels.kv_write import kv_write_ref
 from kernels.paged_attention import sink_softmax
 
@@ -32,14 +35,18 @@ class TorchAttentionBackend:
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         num_actual = metadata.num_actual_tokens
         kv_write_ref(
-            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
-        )
+            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual],
+            k_scale, v_scale,
+        )  # fmt: skip
         return self.attend(
-            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks
-        )
+            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -50,17 +57,26 @@ class TorchAttentionBackend:
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are zero
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        check_kv_scales(kv_cache.dtype, kv_cache.device, k_scale, v_scale)
+        # (k_scale, v_scale) multiply the float32 keys and values read from a float8 cache
+        kv_scales = None
+        if is_fp8_kv(kv_cache.dtype):
+            assert k_scale is not None and v_scale is not None  # checked above
+            kv_scales = (k_scale, v_scale)
         out = torch.zeros_like(query)
         query_start_loc = metadata.query_start_loc_cpu[: metadata.num_reqs + 1]
         query_lens = np.diff(query_start_loc)
         decode_reqs = np.flatnonzero(query_lens == 1)
         if decode_reqs.size:
             _decode_attention(
-                query, kv_cache, metadata, decode_reqs, scale, out, sliding_window, sinks
-            )
+                query, kv_cache, metadata, decode_reqs, scale, out, sliding_window, sinks,
+                kv_scales,
+            )  # fmt: skip
         for req in np.flatnonzero(query_lens > 1).tolist():
             start, end = int(query_start_loc[req]), int(query_start_loc[req + 1])
             out[start:end] = _chunk_attention(
@@ -71,6 +87,7 @@ class TorchAttentionBackend:
                 scale,
                 sliding_window,
                 sinks,
+                kv_scales,
             )
         return out
 
@@ -84,6 +101,7 @@ def _decode_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [num_heads] float32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,  # float8 cache: ([], []) float32
 ) -> None:
     num_decodes = reqs_np.size
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -109,6 +127,8 @@ def _decode_attention(
     kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_decodes, -1, num_kv_heads, head_dim)
     kv = kv.transpose(2, 3).float().contiguous()  # [2, n, kv_heads, max_len, head_dim]
     keys, values = kv[0], kv[1]
+    if kv_scales is not None:
+        keys, values = keys * kv_scales[0], values * kv_scales[1]
     queries = (
         query.index_select(0, tokens).float().view(num_decodes, num_kv_heads, group_size, head_dim)
     )
@@ -132,6 +152,7 @@ def _chunk_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None,  # [num_heads] float32
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,  # float8 cache: ([], []) float32
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, head_dim = query.shape
     block_size = kv_cache.shape[2]
@@ -143,6 +164,8 @@ def _chunk_attention(
     kv = kv_cache.index_select(1, blocks).flatten(1, 2)
     kv = kv[:, kv_start - first_block * block_size : seq_len - first_block * block_size]
     keys, values = kv.transpose(1, 2).float()  # each [num_kv_heads, num_keys, head_dim]
+    if kv_scales is not None:
+        keys, values = keys * kv_scales[0], values * kv_scales[1]
     queries = query.transpose(0, 1).float()
     mask = None
     if context_len or sliding_window is not None:

@@ -3,7 +3,8 @@
 On CUDA tensors `paged_attention` is one launch for a mixed batch of prefill chunks and
 decodes (no host sync, so it can be captured in a CUDA graph); the model writes the step's
 keys and values beforehand, fused into its qkv prologue. `forward` writes them itself
-(`kv_write`). On other devices the same calls run the kernels' torch references.
+(`kv_write`). A float8 cache is quantized by the writes and dequantized inside the kernel
+(kernels/_kv_fp8.py). On other devices the same calls run the kernels' torch references.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ class TritonAttentionBackend:
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
-        kv_write(key, value, kv_cache, metadata.slot_mapping)
+        kv_write(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         return self.attend(
-            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks
-        )
+            query, kv_cache, metadata, scale, sliding_window=sliding_window, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
     def attend(
         self,
@@ -44,6 +48,8 @@ class TritonAttentionBackend:
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float32 logits, not scaled
+        k_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
+        v_scale: torch.Tensor | None = None,  # [] float32; needed by a float8 cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; padding rows are undefined
         num_reqs = metadata.num_reqs
         return paged_attention(
@@ -59,4 +65,6 @@ class TritonAttentionBackend:
             query_tile=metadata.query_tile,
             sliding_window=sliding_window,
             sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

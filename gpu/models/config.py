@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from gpu.models.quant_config import Fp8Checkpoint, UnsupportedQuantizationError, fp8_checkpoint
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 MOE_ARCHITECTURES = ("qwen3_moe", "gpt_oss")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -84,6 +86,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     mxfp4_experts: bool = False
     """Expert weights stored in MXFP4 (uint8 blocks and scales, as gpt-oss ships them)."""
+    fp8: Fp8Checkpoint | None = None
+    """How the checkpoint stores FP8 projections (gpu/models/quant_config.py); None when
+    it has none. What each projection then runs in is gpu/models/precision.py's call."""
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -200,6 +205,10 @@ class ModelConfig:
             if rope.get("rope_type", rope.get("type", "default")) == "default":
                 rope = None
         moe_fields = _hf_moe_fields(arch, hf) if arch in MOE_ARCHITECTURES else {}
+        try:
+            fp8 = fp8_checkpoint(hf)
+        except UnsupportedQuantizationError as exc:
+            raise UnsupportedModelError(str(exc)) from None
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -216,6 +225,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
+            fp8=fp8,
             name=hf.get("_name_or_path", ""),
             **moe_fields,
         )

@@ -1,9 +1,10 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP.
 
 Parameters are allocated uninitialised (`torch.empty`); `DecoderModel.load_weights` fills
-them. The math follows Hugging Face transformers so that float32 results match it; on CUDA
-the fused kernels of kernels/ (rms_norm, silu_mul) compute it, elsewhere their torch
-references.
+them. The MLP's projections are FP8 where gpu/models/precision.py says
+(gpu/models/fp8_linear.py). The math follows Hugging Face transformers so that float32
+results match it; on CUDA the fused kernels of kernels/ (rms_norm, silu_mul) compute it,
+elsewhere their torch references.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu.models.config import UnsupportedModelError
+from gpu.models.fp8_linear import linear, projection
+from gpu.models.precision import Fp8Scheme
 from kernels.qkv_prologue import apply_rotary_ref as apply_rotary
 from kernels.rms_norm import add_rms_norm
 from kernels.silu_mul import silu_mul
@@ -60,7 +62,8 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; either
+    projection may be FP8 (gpu/models/fp8_linear.py) when its scheme says so."""
 
     def __init__(
         self,
@@ -68,17 +71,19 @@ class SwiGLUMLP(nn.Module):
         intermediate_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        gate_up_scheme: Fp8Scheme | None = None,
+        down_scheme: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         # rows [0, intermediate) are gate_proj, rows [intermediate, 2 * intermediate) up_proj
-        self.gate_up_proj = empty_parameter(
-            2 * intermediate_size, hidden_size, dtype=dtype, device=device
+        self.gate_up_proj = projection(
+            2 * intermediate_size, hidden_size, dtype, device, gate_up_scheme
         )
-        self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.down_proj = projection(hidden_size, intermediate_size, dtype, device, down_scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        return F.linear(silu_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 def rope_inv_freq(

@@ -6,15 +6,19 @@ The per-architecture differences are `ModelConfig` flags: `attention_bias` (Qwen
 mixture-of-experts models the experts (gpu/models/moe.py replaces the MLP of MoE layers),
 per-layer sliding windows, attention sinks and the o_proj bias (gpt-oss). q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
-tensor names and concatenates them. Given a TP group (`tp`), the model holds one rank's
-shard and communicates as gpu/models/parallel_layers.py describes; without one (the
-default) it is the whole model and runs no collective. MoE models run unsharded only.
+tensor names and concatenates them. Any of the four projections of a layer may be FP8
+(gpu/models/fp8_linear.py; which ones, gpu/models/precision.py decides); the LM head and
+the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
+one rank's shard and communicates as gpu/models/parallel_layers.py describes; without one
+(the default) it is the whole model and runs no collective. MoE models run unsharded
+only.
 
 A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
 fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
 after the qkv projection (kernels/qkv_prologue.py), attention, SiLU-and-multiply fused
 (kernels/silu_mul.py) and four GEMMs. A decode step of a small model is bound by how many
-kernels it launches, not by their bytes, so the count is what sets batch-1 latency. Layers
+kernels it launches, not by their bytes, so the count is what sets batch-1 latency (an
+FP8 projection adds one launch: its activations' quantization). Layers
 pass the residual stream alongside their output, so that each add happens inside the next
 norm.
 """
@@ -29,7 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.attention.base import AttentionBackend, AttentionMetadata
+from gpu.attention.kv_cache_dtype import load_kv_scales
 from gpu.models.config import MOE_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from gpu.models.fp8_linear import linear, part_targets, projection
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 from gpu.models.moe import SparseMoE, ViewTarget, moe_weight_targets
 from gpu.models.parallel_layers import (
@@ -40,6 +46,15 @@ from gpu.models.parallel_layers import (
     vocab_parallel_embedding,
     vocab_shard,
 )
+from gpu.models.precision import (
+    DOWN_GROUP,
+    GATE_UP_GROUP,
+    O_GROUP,
+    QKV_GROUP,
+    Fp8Scheme,
+    WeightPrecision,
+)
+from kernels.fp8_quant import FP8_DTYPE
 from kernels.qkv_prologue import qkv_prologue
 
 # Buffers that some checkpoints carry but that are recomputed here.
@@ -63,8 +78,10 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
         layer_index: int = 0,
+        schemes: Mapping[str, Fp8Scheme] | None = None,
     ) -> None:
         super().__init__()
+        schemes = schemes or {}
         heads = head_shard(config, *_rank_and_size(tp))
         self.tp = tp
         self.rotary = rotary
@@ -78,11 +95,15 @@ class Attention(nn.Module):
         self.attn_backend = attn_backend
         # rows: [q_proj | k_proj | v_proj]
         qkv_rows = self.q_size + 2 * self.kv_size
-        self.qkv_proj = empty_parameter(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_proj = projection(
+            qkv_rows, config.hidden_size, dtype, device, schemes.get(QKV_GROUP)
+        )
         self.qkv_bias = (
             empty_parameter(qkv_rows, dtype=dtype, device=device) if config.attention_bias else None
         )
-        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_proj = projection(
+            config.hidden_size, self.q_size, dtype, device, schemes.get(O_GROUP)
+        )
         self.o_bias = (
             empty_parameter(config.hidden_size, dtype=dtype, device=device)
             if config.o_proj_bias
@@ -94,6 +115,12 @@ class Attention(nn.Module):
             if config.attention_sinks
             else None
         )
+        # A float8 KV cache holds k / k_scale and v / v_scale (1.0 unless the checkpoint
+        # has them); device scalars, so a CUDA graph reads what they hold at replay.
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device))
         self.sliding_window = config.layer_sliding_window(layer_index)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -109,19 +136,20 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
         query = qkv_prologue(
             qkv, positions, self.rotary.cos_cache, self.rotary.sin_cache,
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
             self.eps, kv_cache, attn_metadata.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale,
         )  # fmt: skip
         out = self.attn_backend.attend(
             query, kv_cache, attn_metadata, self.scale,
             sliding_window=self.sliding_window, sinks=self.sinks,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
-        out = F.linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
+        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -135,11 +163,15 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
         layer_index: int = 0,
+        schemes: Mapping[str, Fp8Scheme] | None = None,
     ) -> None:
         super().__init__()
+        schemes = schemes or {}
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(config, attn_backend, dtype, device, rotary, tp, layer_index)
+        self.self_attn = Attention(
+            config, attn_backend, dtype, device, rotary, tp, layer_index, schemes
+        )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )
@@ -148,7 +180,14 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(config, dtype, device)
         else:
             _, intermediate_size = intermediate_shard(config, *_rank_and_size(tp))
-            self.mlp = SwiGLUMLP(config.hidden_size, intermediate_size, dtype, device)
+            self.mlp = SwiGLUMLP(
+                config.hidden_size,
+                intermediate_size,
+                dtype,
+                device,
+                schemes.get(GATE_UP_GROUP),
+                schemes.get(DOWN_GROUP),
+            )
 
     def forward(
         self,
@@ -172,6 +211,8 @@ class DecoderModel(nn.Module):
     the rows the caller needs (usually each request's last token) into float32 logits.
     With `tp`, this rank holds one shard and `compute_logits_local` gives its vocabulary
     slice of the logits (`num_kv_heads` is then the KV heads of this rank's cache).
+    `precision` (gpu/models/precision.py) names the projections that are FP8; without it
+    every weight is in `dtype`.
     """
 
     def __init__(
@@ -181,6 +222,7 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tp: Collectives | None = None,
+        precision: WeightPrecision | None = None,
     ) -> None:
         super().__init__()
         if tp is not None and config.architecture in MOE_ARCHITECTURES:
@@ -188,6 +230,7 @@ class DecoderModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp = tp
+        self.precision = precision or WeightPrecision(dtype)
         self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
         self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
         vocab_rows = self.vocab_shard.num_rows
@@ -202,7 +245,16 @@ class DecoderModel(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attn_backend, dtype, device, self.rotary, tp, index)
+            DecoderLayer(
+                config,
+                attn_backend,
+                dtype,
+                device,
+                self.rotary,
+                tp,
+                index,
+                self.precision.layer_schemes(index),
+            )
             for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -271,7 +323,9 @@ class DecoderModel(nn.Module):
         reference, the device never holds much more than one copy of the weights.
         """
         optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        _check_weights(self._weight_targets(), weights, optional)
+        kv_scales = self._kv_scale_targets()  # optional; only an fp8 KV cache reads them
+        _check_weights(self._weight_targets(), weights, optional | kv_scales.keys())
+        weights = load_kv_scales(weights, kv_scales, consume)
         for targets in self._weight_target_groups():
             for name, target in targets.items():
                 target.copy_(weights[name])
@@ -279,6 +333,15 @@ class DecoderModel(nn.Module):
                     del weights[name]  # type: ignore[attr-defined]
         if consume:
             weights.clear()  # type: ignore[attr-defined]
+
+    def _kv_scale_targets(self) -> dict[str, torch.Tensor]:
+        """Loader names of the KV cache scales (gpu/attention/kv_cache_dtype.py) -> each
+        layer's [] float32 buffer."""
+        return {
+            f"model.layers.{index}.self_attn.{name}": getattr(layer.self_attn, name)
+            for index, layer in enumerate(self.layers)
+            for name in ("k_scale", "v_scale")
+        }
 
     def hf_weight_views(self) -> dict[str, torch.Tensor]:
         """Hugging Face tensor name -> a view of the parameter storage holding it (the tied
@@ -341,17 +404,29 @@ def _check_weights(
         for name in names
         if name in targets and weights[name].shape != targets[name].shape
     ]
+    # copy_ would cast silently (clamping into FP8's range): FP8 targets take FP8 only.
+    mis_typed = [
+        f"{name}: expected {FP8_DTYPE}, got {weights[name].dtype}"
+        for name in names
+        if name in targets
+        and (_target_dtype(targets[name]) == FP8_DTYPE) != (weights[name].dtype == FP8_DTYPE)
+    ]
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
         for label, items in (
             ("missing", missing),
             ("unexpected", unexpected),
             ("mis-shaped", mis_shaped),
+            ("mis-typed", mis_typed),
         )
         if items
     ]
     if problems:
         raise ValueError("cannot load weights into DecoderModel: " + "; ".join(problems))
+
+
+def _target_dtype(target: Target) -> torch.dtype:
+    return target.dtype if isinstance(target, torch.Tensor) else target.dest.dtype
 
 
 def _layer_weight_targets(
@@ -367,10 +442,12 @@ def _layer_weight_targets(
     targets: dict[str, Target] = {
         f"{prefix}input_layernorm.weight": layer.input_layernorm.weight.data,
         f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
-        f"{prefix}self_attn.o_proj.weight": attn.o_proj.data,
     }
+    qkv_parts = [(f"{prefix}self_attn.{p}", start, rows) for p, (start, rows) in qkv_splits.items()]
+    targets.update(part_targets(attn.qkv_proj, qkv_parts))
+    o_part = [(f"{prefix}self_attn.o_proj", 0, config.hidden_size)]
+    targets.update(part_targets(attn.o_proj, o_part))
     for proj, (start, rows) in qkv_splits.items():
-        targets[f"{prefix}self_attn.{proj}.weight"] = attn.qkv_proj.data.narrow(0, start, rows)
         if attn.qkv_bias is not None:
             targets[f"{prefix}self_attn.{proj}.bias"] = attn.qkv_bias.data.narrow(0, start, rows)
     if attn.q_norm is not None and attn.k_norm is not None:
@@ -383,11 +460,10 @@ def _layer_weight_targets(
     if isinstance(layer.mlp, SparseMoE):
         targets.update(moe_weight_targets(prefix, layer.mlp, config))
         return targets
-    intermediate = layer.mlp.intermediate_size
-    gate_up = layer.mlp.gate_up_proj.data
-    targets[f"{prefix}mlp.gate_proj.weight"] = gate_up.narrow(0, 0, intermediate)
-    targets[f"{prefix}mlp.up_proj.weight"] = gate_up.narrow(0, intermediate, intermediate)
-    targets[f"{prefix}mlp.down_proj.weight"] = layer.mlp.down_proj.data
+    width, hidden = layer.mlp.intermediate_size, config.hidden_size
+    gate_up = [(f"{prefix}mlp.gate_proj", 0, width), (f"{prefix}mlp.up_proj", width, width)]
+    targets.update(part_targets(layer.mlp.gate_up_proj, gate_up))
+    targets.update(part_targets(layer.mlp.down_proj, [(f"{prefix}mlp.down_proj", 0, hidden)]))
     return targets
 
 

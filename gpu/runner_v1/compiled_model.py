@@ -21,7 +21,8 @@ token), so a server compiles at startup (`warm_up`) and never during serving.
 
 Dense Llama/Qwen decoders only: a model with mixture-of-experts layers, attention sinks,
 sliding windows or an o_proj bias (Qwen3-MoE, gpt-oss) is refused at startup, since the
-traced pieces above do not hold those parts.
+traced pieces above do not hold those parts; so are FP8 projections (gpu/models/fp8_linear.py;
+on CPU an FP8 checkpoint is dequantized at load and compiles as any other).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
 from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.models.fp8_linear import Projection
+from gpu.models.layers import SwiGLUMLP
 from gpu.models.llama import DecoderLayer, DecoderModel
 from gpu.runner_v1.compiled_layers import (
     HeadShape,
@@ -56,7 +59,7 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
     model and level (kept on the model, so it lives exactly as long)."""
     if level not in COMPILE_MODES:
         raise ValueError(f"compile level must be one of {sorted(COMPILE_MODES)}, got {level}")
-    check_compilable(model.config, level)
+    check_compilable(model.config, level, model.precision.runs_fp8)
     per_model: dict[int, CompiledDecoder] = model.__dict__.setdefault(_ATTRIBUTE, {})
     if level not in per_model:
         per_model[level] = CompiledDecoder(model, level)
@@ -64,14 +67,16 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
     return per_model[level]
 
 
-def check_compilable(config: ModelConfig, level: int) -> None:
+def check_compilable(config: ModelConfig, level: int, runs_fp8: bool = False) -> None:
     """Raise UnsupportedModelError when the compiled pieces would leave out a part of
-    `config`'s model (see the module docstring)."""
-    untraced = _untraced_parts(config)
+    `config`'s model (see the module docstring), or when its projections run as FP8
+    GEMMs (gpu/models/precision.py), which the compiled pieces do not trace."""
+    untraced = _untraced_parts(config) + (["FP8 projections"] if runs_fp8 else [])
     if untraced:
         raise UnsupportedModelError(
             f"--compile-level {level} cannot compile {config.architecture} "
             f"({', '.join(untraced)}); serve it with --compile-level 0"
+            + (" (or --quantization none)" if runs_fp8 else "")
         )
 
 
@@ -90,7 +95,7 @@ def _pre_weights(layer: DecoderLayer) -> tuple[torch.Tensor | None, ...]:
     attn = layer.self_attn
     return (
         layer.input_layernorm.weight,
-        attn.qkv_proj,
+        _plain(attn.qkv_proj),
         attn.qkv_bias,
         None if attn.q_norm is None else attn.q_norm.weight,
         None if attn.k_norm is None else attn.k_norm.weight,
@@ -98,12 +103,20 @@ def _pre_weights(layer: DecoderLayer) -> tuple[torch.Tensor | None, ...]:
 
 
 def _post_weights(layer: DecoderLayer) -> tuple[torch.Tensor, ...]:
+    mlp = layer.mlp
+    assert isinstance(mlp, SwiGLUMLP)  # check_compilable refuses MoE layers
     return (
-        layer.self_attn.o_proj,
+        _plain(layer.self_attn.o_proj),
         layer.post_attention_layernorm.weight,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
+        _plain(mlp.gate_up_proj),
+        _plain(mlp.down_proj),
     )
+
+
+def _plain(weight: Projection) -> torch.Tensor:
+    """A projection's [N, K] weight; check_compilable refuses FP8 ones before tracing."""
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 class CompiledDecoder:
@@ -197,7 +210,9 @@ def _attend(
     attn_metadata: AttentionMetadata,
 ) -> torch.Tensor:
     attn = layer.self_attn
-    return attn.attn_backend.forward(q, k, v, kv_cache, attn_metadata, attn.scale)
+    return attn.attn_backend.forward(
+        q, k, v, kv_cache, attn_metadata, attn.scale, k_scale=attn.k_scale, v_scale=attn.v_scale
+    )
 
 
 def _mark_token_dim_dynamic(*tensors: torch.Tensor) -> None:

@@ -13,7 +13,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from gpu.attention.kv_cache_dtype import checkpoint_kv_scale, kv_scale_name
 from gpu.models.config import ModelConfig
+from gpu.models.precision import WeightPrecision
+from gpu.weights.fp8_weights import (
+    apply_precision,
+    device_precision,
+    fp8_expected_shapes,
+    fp8_scale_slices,
+    to_load_dtype,
+)
 from gpu.weights.layout import finish_weights, is_mxfp4_weight
 from gpu.weights.shard_layout import (
     WHOLE_TENSOR,
@@ -83,13 +92,19 @@ def load_hf_dir(
     device: str | torch.device = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
+    precision: WeightPrecision | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Load a Hugging Face directory's config, weights (in `dtype` on `device`, MXFP4
-    blocks and scales as uint8) and generation config (`{}` when the file is absent). With
-    tp_size > 1 only rank tp_rank's shard of each weight is read from the files
-    (gpu/weights/shard_layout.py)."""
+    blocks and scales as uint8, FP8 ones as `precision` says: gpu/weights/fp8_weights.py;
+    by default what --quantization auto gives on `device`) and generation config (`{}`
+    when the file is absent). With tp_size > 1 only rank tp_rank's shard of each weight is
+    read from the files (gpu/weights/shard_layout.py)."""
     config = load_hf_config(model_dir)
+    if precision is None:
+        precision = device_precision(config, "auto", dtype, device, tp_rank, tp_size)
     slices = weight_shard_slices(config, tp_rank, tp_size)
+    if config.fp8 is not None:
+        slices.update(fp8_scale_slices(config.fp8, slices))
     device_name = str(torch.device(device))
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
@@ -98,8 +113,13 @@ def load_hf_dir(
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 shard = _read_shard(f, name, slices.get(name, WHOLE_TENSOR))
+                kv_scale = kv_scale_name(name)
+                if kv_scale is not None:  # a float32 scalar, under the model's name for it
+                    weights[kv_scale] = checkpoint_kv_scale(name, shard).to(device_name)
+                    continue
                 weights[name] = _to_model_dtype(name, shard, device_name, dtype)
-    expected = expected_shard_shapes(config, tp_rank, tp_size)
+    apply_precision(weights, precision)
+    expected = fp8_expected_shapes(expected_shard_shapes(config, tp_rank, tp_size), precision)
     weights = finish_weights(config, weights, model_dir, expected)
     return config, weights, load_generation_config(model_dir)
 
@@ -107,12 +127,13 @@ def load_hf_dir(
 def _to_model_dtype(
     name: str, tensor: torch.Tensor, device: str, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Floating tensors in the model dtype; MXFP4 blocks and scales stay uint8."""
+    """Floating tensors in the model dtype; MXFP4 blocks and scales stay uint8, FP8
+    weights float8 and their scales float32."""
     if is_mxfp4_weight(name):
         if tensor.dtype != torch.uint8:
             raise ValueError(f"weight {name!r} is {tensor.dtype}, expected uint8 (MXFP4)")
         return tensor.to(device=device)
-    return tensor.to(device=device, dtype=dtype)
+    return to_load_dtype(tensor.to(device=device), name, dtype)
 
 
 def _read_shard(f: Any, name: str, shard: ShardSlice) -> torch.Tensor:

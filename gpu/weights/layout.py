@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu.attention.kv_cache_dtype import kv_scale_name
 from gpu.models.config import MXFP4_GROUP_SIZE, ModelConfig
 
 EMBED_NAME = "model.embed_tokens.weight"
@@ -116,6 +117,9 @@ def finish_weights(
     """Tie the head when the config says so, then check names and shapes (against
     `expected`, by default the whole model's `expected_weight_shapes`).
 
+    KV cache scales (`<layer>.self_attn.k_scale` / `v_scale`, gpu/attention/kv_cache_dtype.py)
+    are optional and kept when present.
+
     Raises ValueError naming the first missing, unexpected or misshapen weight."""
     if config.tie_word_embeddings and EMBED_NAME in weights:
         weights[LM_HEAD_NAME] = weights[EMBED_NAME]
@@ -124,7 +128,8 @@ def finish_weights(
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: missing weight {missing[0]!r}{more}")
-    unexpected = [name for name in weights if name not in expected]
+    kv_scales = {name: tensor for name, tensor in weights.items() if kv_scale_name(name) == name}
+    unexpected = [name for name in weights if name not in expected and name not in kv_scales]
     if unexpected:
         raise ValueError(f"{source}: unexpected weight {unexpected[0]!r} for {config.architecture}")
     for name, shape in expected.items():
@@ -133,4 +138,4 @@ def finish_weights(
                 f"{source}: weight {name!r} has shape {tuple(weights[name].shape)}, "
                 f"expected {shape}"
             )
-    return {name: weights[name] for name in expected}
+    return {name: weights[name] for name in expected} | kv_scales

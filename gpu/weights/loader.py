@@ -3,6 +3,8 @@ the generation defaults itself: app/tokenizer_loader.py).
 
 `model` is "default" (the embedded SmolLM2-135M-Instruct GGUF), a path to a `.gguf` file,
 a Hugging Face model directory, or "dummy:<preset>" (random weights, no tokenizer).
+`quantization` (--quantization) and the device decide which projections are FP8
+(gpu/models/precision.py); the weights come in that form (gpu/weights/fp8_weights.py).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from actors.protocol.model_source import (  # noqa: F401 - re-exported
     resolve_model_path,
 )
 from gpu.models.config import ModelConfig
+from gpu.models.precision import WeightPrecision
 from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights, preset_config
+from gpu.weights.fp8_weights import apply_precision, device_precision
 from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
-from gpu.weights.gguf_loader import load_gguf
-from gpu.weights.hf_loader import load_hf_dir
+from gpu.weights.gguf_loader import load_gguf, read_gguf_config
+from gpu.weights.hf_loader import load_hf_config, load_hf_dir
 
 _SUPPORTED_SOURCES = (
     "'default', a .gguf file (F32/F16/BF16/Q8_0/Q4_0/Q4_1; llama, qwen2, qwen3), "
@@ -39,38 +43,48 @@ class ModelFiles:
     embeddings are tied, `lm_head.weight` is the same tensor as `model.embed_tokens.weight`."""
     source: str
     """The resolved path, or "dummy:<preset>"."""
+    precision: WeightPrecision
+    """Which projections are FP8 (the weights are in that form already)."""
 
 
 def load_model_files(
-    model: str, dtype: torch.dtype, device: str | torch.device = "cpu"
+    model: str, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto"
 ) -> ModelFiles:
-    """Load everything needed to serve `model`. Raises ModelLoadError."""
+    """Load everything needed to serve `model`, its projections FP8 where `quantization`
+    (auto, fp8 or none) and the device say. Raises ModelLoadError, or UnsupportedModelError
+    for a precision the device cannot run."""
     source = resolve_model_path(model)
     if source.startswith(DUMMY_PREFIX):
-        return _load_dummy(source, dtype, device)
+        return _load_dummy(source, dtype, device, quantization)
     if not os.path.exists(source):
         raise ModelLoadError(f"model not found: {source}; expected {_SUPPORTED_SOURCES}")
     try:
         if os.path.isdir(source):
-            return _load_hf_dir(source, dtype, device)
-        return _load_gguf_file(source, dtype, device)
+            return _load_hf_dir(source, dtype, device, quantization)
+        return _load_gguf_file(source, dtype, device, quantization)
     except ModelLoadError:
         raise
     except Exception as exc:  # corrupt files surface as many types (safetensors, tokenizers, OS)
         raise ModelLoadError(_one_line(f"cannot load {source}: {_describe(exc, source)}")) from exc
 
 
-def _load_dummy(source: str, dtype: torch.dtype, device: str | torch.device) -> ModelFiles:
+def _load_dummy(
+    source: str, dtype: torch.dtype, device: str | torch.device, quantization: str
+) -> ModelFiles:
     preset = source[len(DUMMY_PREFIX) :]
     try:
         config = preset_config(preset)
     except ValueError as exc:
         raise ModelLoadError(f"cannot load {source}: {exc}") from None
+    precision = device_precision(config, quantization, dtype, device)
     weights = dummy_weights(config, dtype, device)
-    return ModelFiles(config, weights, source)
+    apply_precision(weights, precision)
+    return ModelFiles(config, weights, source, precision)
 
 
-def _load_gguf_file(path: str, dtype: torch.dtype, device: str | torch.device) -> ModelFiles:
+def _load_gguf_file(
+    path: str, dtype: torch.dtype, device: str | torch.device, quantization: str
+) -> ModelFiles:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -79,13 +93,18 @@ def _load_gguf_file(path: str, dtype: torch.dtype, device: str | torch.device) -
             f"expected {_SUPPORTED_SOURCES}"
         )
     gguf = GGUFFile(path)
+    precision = device_precision(read_gguf_config(gguf), quantization, dtype, device)
     config, weights = load_gguf(gguf, dtype, device)
-    return ModelFiles(config, weights, path)
+    apply_precision(weights, precision)
+    return ModelFiles(config, weights, path, precision)
 
 
-def _load_hf_dir(path: str, dtype: torch.dtype, device: str | torch.device) -> ModelFiles:
-    config, weights, _ = load_hf_dir(path, dtype, device)
-    return ModelFiles(config, weights, path)
+def _load_hf_dir(
+    path: str, dtype: torch.dtype, device: str | torch.device, quantization: str
+) -> ModelFiles:
+    precision = device_precision(load_hf_config(path), quantization, dtype, device)
+    config, weights, _ = load_hf_dir(path, dtype, device, precision=precision)
+    return ModelFiles(config, weights, path, precision)
 
 
 def _describe(exc: BaseException, source: str) -> str:

@@ -19,7 +19,9 @@ import torch
 from actors.protocol.model_source import DUMMY_PREFIX, ModelLoadError, resolve_model_path
 from gpu.models.config import ModelConfig
 from gpu.models.parallel_layers import check_tensor_parallel_size
+from gpu.models.precision import WeightPrecision
 from gpu.weights.dummy import dummy_weights, preset_config
+from gpu.weights.fp8_weights import apply_precision, device_precision
 from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
 from gpu.weights.gguf_loader import load_gguf, read_gguf_config
 from gpu.weights.hf_loader import load_hf_config, load_hf_dir
@@ -37,6 +39,8 @@ class WeightShard:
     tp_rank: int
     tp_size: int
     source: str
+    precision: WeightPrecision
+    """Which projections are FP8 (gpu/models/precision.py); the weights are in that form."""
 
 
 def read_model_config(model: str) -> ModelConfig:
@@ -47,22 +51,33 @@ def read_model_config(model: str) -> ModelConfig:
 
 
 def load_weight_shard(
-    model: str, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
+    model: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp_rank: int,
+    tp_size: int,
+    quantization: str = "auto",
 ) -> WeightShard:
-    """Rank `tp_rank` of `tp_size`'s weights. Raises ModelLoadError, or
-    UnsupportedModelError when the model does not split over tp_size ranks."""
+    """Rank `tp_rank` of `tp_size`'s weights, FP8 where `quantization` and the device say.
+    Raises ModelLoadError, or UnsupportedModelError when the model does not split over
+    tp_size ranks or its precision cannot run here."""
     source = resolve_model_path(model)
     config = _guarded(source, lambda: _read_config(source))
     check_tensor_parallel_size(config, tp_size)
+    precision = device_precision(config, quantization, dtype, device, tp_rank, tp_size)
     if source.startswith(DUMMY_PREFIX):
         weights = dummy_weights(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size)
     elif os.path.isdir(source):
-        weights = _guarded(source, lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size)[1])
+        weights = _guarded(
+            source, lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size, precision)[1]
+        )
+        return WeightShard(config, weights, tp_rank, tp_size, source, precision)
     else:
         weights = _guarded(
             source, lambda: load_gguf(GGUFFile(source), dtype, device, tp_rank, tp_size)[1]
         )
-    return WeightShard(config, weights, tp_rank, tp_size, source)
+    apply_precision(weights, precision)
+    return WeightShard(config, weights, tp_rank, tp_size, source, precision)
 
 
 def _read_config(source: str) -> ModelConfig:

@@ -26,6 +26,7 @@ from actors.protocol.messages import (
     Heartbeat,
     LogprobsArrays,
     PredecessorAborted,
+    PrefixCacheReset,
     PromptLogprobs,
     RequestFinish,
     SchedulerStats,
@@ -139,6 +140,7 @@ TO_FRONT_END = [
     PredecessorAborted(3),
     UtilityResult(7, stats=STATS),
     UtilityResult(8, error="broken"),
+    UtilityResult(9, prefix_cache_reset=PrefixCacheReset(5, 2)),
     Heartbeat(),
 ]
 

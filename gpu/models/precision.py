@@ -1,0 +1,321 @@
+"""What precision each projection runs in: the one place that decides it.
+
+Inputs: the checkpoint's FP8 format (`ModelConfig.fp8`, gpu/models/quant_config.py),
+--quantization (auto: what the checkpoint says; fp8: quantize a bf16 checkpoint per
+output channel at load; none: dequantize an FP8 checkpoint), and the device. Output: a
+`WeightPrecision` naming each fused projection (qkv, o, gate/up, down of each layer) that
+runs as an FP8 GEMM and with which scales; every other weight is in the model dtype. The
+loaders (gpu/weights/fp8_weights.py) shape the tensors and the model
+(gpu/models/fp8_linear.py) allocates its projections from this same record.
+
+FP8 GEMMs run on CUDA devices of compute capability >= 8.9 only. On CPU an FP8 checkpoint
+is dequantized at load (the correctness path); on an older GPU it is refused unless
+--quantization none asks for the dequantized model. The LM head, embeddings, norms, MoE
+routers and experts stay in the model dtype (experts of an FP8 checkpoint are dequantized
+at load; gpt-oss's MXFP4 experts stay MXFP4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.models.parallel_layers import head_shard, intermediate_shard
+from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""Ada / Hopper and later: the first GPUs with FP8 tensor cores."""
+QKV_GROUP, O_GROUP = "self_attn.qkv_proj", "self_attn.o_proj"
+GATE_UP_GROUP, DOWN_GROUP = "mlp.gate_up_proj", "mlp.down_proj"
+GROUP_PARTS = {
+    QKV_GROUP: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    O_GROUP: ("self_attn.o_proj",),
+    GATE_UP_GROUP: ("mlp.gate_proj", "mlp.up_proj"),
+    DOWN_GROUP: ("mlp.down_proj",),
+}
+"""Fused parameter (name within a layer) -> the checkpoint modules fused along its rows."""
+_GROUP_OF_PART = {part: group for group, parts in GROUP_PARTS.items() for part in parts}
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """How one FP8 projection multiplies."""
+
+    block: bool
+    """Weight scales per 128x128 block [ceil(N/128), ceil(K/128)] and activations scaled
+    per token per 128 columns; otherwise one weight scale per output channel [N] (per-tensor
+    scales are expanded at load: the product is the same) and one activation scale per
+    token."""
+    static_input_scale: bool = False
+    """A calibrated per-tensor activation scale ([1]; fused parts take the largest)."""
+    quantized_at_load: bool = False
+    """--quantization fp8: bf16 weights quantized per output channel when loaded."""
+
+    def describe(self) -> str:
+        if self.block:
+            return "block 128x128, dynamic per-token-group activations"
+        weights = "per-channel, quantized at load" if self.quantized_at_load else "per-channel"
+        inputs = "static per-tensor" if self.static_input_scale else "dynamic per-token"
+        return f"{weights}, {inputs} activations"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPrecision:
+    dtype: torch.dtype
+    """The model dtype: every weight not listed in `schemes`, and the activations."""
+    checkpoint: Fp8Checkpoint | None = None
+    schemes: Mapping[str, Fp8Scheme] = field(default_factory=dict)
+    """Fused projection ("model.layers.0.self_attn.qkv_proj") -> its FP8 scheme."""
+    notes: tuple[str, ...] = ()
+    """Why FP8 weights are dequantized where they are (logged at load)."""
+    num_projections: int = 0
+    """Checkpoint projections of the dense parts (q, k, v, o, gate, up, down per layer)."""
+
+    @property
+    def runs_fp8(self) -> bool:
+        return bool(self.schemes)
+
+    @property
+    def num_fp8_projections(self) -> int:
+        return sum(len(GROUP_PARTS[_local(g)]) for g in self.schemes)
+
+    def scheme(self, group: str) -> Fp8Scheme | None:
+        return self.schemes.get(group)
+
+    def layer_schemes(self, layer: int) -> dict[str, Fp8Scheme]:
+        """Group name within layer `layer` -> scheme, for the layer's FP8 projections."""
+        prefix = f"model.layers.{layer}."
+        return {g.removeprefix(prefix): s for g, s in self.schemes.items() if g.startswith(prefix)}
+
+    def describe(self, config: ModelConfig) -> str:
+        """One line: what runs in what precision."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        in_dtype = []
+        num_plain = self.num_projections - self.num_fp8_projections
+        if self.runs_fp8 and num_plain:
+            in_dtype.append(f"{num_plain} projections")
+        if config.is_moe and not config.mxfp4_experts:
+            in_dtype.append(
+                "experts (dequantized from fp8)" if self.fp8_experts(config) else "experts"
+            )
+        if config.is_moe:
+            in_dtype.append("routers")
+        in_dtype += ["lm_head", "embeddings", "norms"]
+        mxfp4 = "; mxfp4 for experts" if config.mxfp4_experts else ""
+        if not self.runs_fp8:
+            origin = " (fp8 checkpoint dequantized at load)" if self.checkpoint else ""
+            return f"weights: {dtype}{origin}{mxfp4}"
+        schemes = sorted({s.describe() for s in self.schemes.values()})
+        fp8 = f"fp8 ({'; '.join(schemes)}) for {self.num_fp8_projections} projections"
+        return f"weights: {fp8}; {dtype} for {', '.join(in_dtype)}{mxfp4}"
+
+    def fp8_experts(self, config: ModelConfig) -> bool:
+        """Whether the checkpoint's MoE experts are FP8 (they are dequantized at load)."""
+        if not config.is_moe or self.checkpoint is None:
+            return False
+        first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
+        expert = f"model.layers.{first_moe}.mlp.experts.0.gate_proj"
+        return self.checkpoint.is_quantized(expert)
+
+
+def group_of(module: str) -> str | None:
+    """The fused projection of a checkpoint module ("model.layers.3.self_attn.k_proj" ->
+    "model.layers.3.self_attn.qkv_proj"); None for a module that is not part of a dense
+    projection (experts, routers, the LM head)."""
+    parts = module.split(".", 3)
+    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        return None
+    group = _GROUP_OF_PART.get(parts[3])
+    return None if group is None else f"model.layers.{parts[2]}.{group}"
+
+
+def part_modules(group: str) -> list[str]:
+    """The checkpoint modules of a fused projection ("model.layers.3.self_attn.qkv_proj"),
+    in row order."""
+    _, _, layer, local = group.split(".", 3)
+    return [f"model.layers.{layer}.{part}" for part in GROUP_PARTS[local]]
+
+
+def resolve_precision(
+    config: ModelConfig,
+    requested: str,
+    dtype: torch.dtype,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    has_triton: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> WeightPrecision:
+    """Decide each projection's precision. Raises UnsupportedModelError for what cannot
+    run: FP8 GEMMs off CUDA or below compute capability 8.9 (an FP8 checkpoint is
+    dequantized on CPU, or anywhere with --quantization none), block-wise FP8 without
+    Triton, and block scales that a tensor-parallel rank's slice would cut."""
+    if requested not in ("auto", "fp8", "none"):
+        raise UnsupportedModelError(f"--quantization must be auto, fp8 or none, got {requested!r}")
+    checkpoint = config.fp8
+    geometry = _layer_geometry(config, tp_rank, tp_size)
+    if checkpoint is not None and checkpoint.strategy == "block":
+        _check_block_shards(config.name or config.architecture, geometry, tp_size)
+    base = WeightPrecision(dtype, checkpoint, num_projections=_count_projections(config))
+    if checkpoint is None and requested != "fp8":
+        return base
+    if requested == "none":
+        note = f"--quantization none: the fp8 checkpoint is dequantized to {_name(dtype)} at load"
+        return dataclasses.replace(base, notes=(note,))
+    if device_type != "cuda":
+        if checkpoint is None:
+            raise UnsupportedModelError(
+                "--quantization fp8 runs FP8 GEMMs, which need a CUDA GPU of compute "
+                "capability >= 8.9; on CPU serve the unquantized model (--quantization auto)"
+            )
+        note = f"CPU: fp8 weights are dequantized to {_name(dtype)} at load (no FP8 GEMMs)"
+        return dataclasses.replace(base, notes=(note,))
+    scheme = _fp8_scheme(checkpoint)
+    _check_fp8_device(config, scheme, dtype, capability, has_triton)
+    precision = _fp8_schemes(base, geometry, scheme)
+    if precision.fp8_experts(config):  # kernels/fused_moe.py takes bf16 or MXFP4 experts
+        note = f"MoE experts: fp8 in the checkpoint, dequantized to {_name(dtype)} at load"
+        return dataclasses.replace(precision, notes=(*precision.notes, note))
+    return precision
+
+
+def _fp8_scheme(checkpoint: Fp8Checkpoint | None) -> Fp8Scheme:
+    if checkpoint is None:  # --quantization fp8
+        return Fp8Scheme(block=False, quantized_at_load=True)
+    return Fp8Scheme(checkpoint.strategy == "block", checkpoint.static_input_scale)
+
+
+def _check_fp8_device(
+    config: ModelConfig,
+    scheme: Fp8Scheme,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    has_triton: bool,
+) -> None:
+    """Refuse FP8 GEMMs on a GPU below compute capability 8.9, and the block-scaled
+    (Triton) GEMM without Triton, in one line that names the way out."""
+    online = scheme.quantized_at_load
+    what = "--quantization fp8" if online else f"the fp8 checkpoint {config.name or ''}".rstrip()
+    fallback = "--quantization auto" if online else "--quantization none"
+    if capability is None or tuple(capability) < FP8_MIN_CAPABILITY:
+        raise UnsupportedModelError(
+            f"{what} needs FP8 GEMMs, which need compute capability >= 8.9 (this GPU: "
+            f"{_capability(capability)}); use {fallback} to run it in {_name(dtype)}"
+        )
+    if scheme.block and not has_triton:
+        raise UnsupportedModelError(
+            f"{what} is block-wise FP8, whose GEMM is a Triton kernel, and Triton is not "
+            f"usable here; use {fallback} to run it in {_name(dtype)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    module: str
+    """Checkpoint module within the layer ("self_attn.q_proj")."""
+    start: int
+    """First row (column-parallel) or input column (row-parallel) of this rank's slice."""
+    length: int
+    full: int
+    """Rows (or input columns) of the whole tensor."""
+
+
+def _layer_geometry(
+    config: ModelConfig, tp_rank: int, tp_size: int
+) -> list[dict[str, list[_Part]]]:
+    """Per layer: group -> its parts' slices on this rank (rows for q/k/v and gate/up,
+    input columns for o and down), for the layers' dense projections."""
+    heads = head_shard(config, tp_rank, tp_size)
+    hd = config.head_dim
+    q_full, kv_full = config.num_heads * hd, config.num_kv_heads * hd
+    q = (heads.head_start * hd, heads.num_heads * hd, q_full)
+    kv = (heads.kv_head_start * hd, heads.num_kv_heads * hd, kv_full)
+    qkv = [
+        _Part("self_attn.q_proj", *q),
+        _Part("self_attn.k_proj", *kv),
+        _Part("self_attn.v_proj", *kv),
+    ]
+    groups = {QKV_GROUP: qkv, O_GROUP: [_Part("self_attn.o_proj", *q)]}
+    mlp_start, mlp_width = intermediate_shard(config, tp_rank, tp_size)
+    mlp = (mlp_start, mlp_width, config.intermediate_size)
+    dense = {
+        GATE_UP_GROUP: [_Part("mlp.gate_proj", *mlp), _Part("mlp.up_proj", *mlp)],
+        DOWN_GROUP: [_Part("mlp.down_proj", *mlp)],
+    }
+    return [
+        groups if config.is_moe_layer(layer) else {**groups, **dense}
+        for layer in range(config.num_layers)
+    ]
+
+
+def _block_aligned(parts: list[_Part]) -> bool:
+    """Whether the parts' 128-blocks line up with their slices and, fused, with each
+    other: every slice starts on a block boundary and all but a last one that reaches the
+    tensor's end span whole blocks."""
+    for index, part in enumerate(parts):
+        reaches_end = index == len(parts) - 1 and part.start + part.length == part.full
+        if part.start % FP8_BLOCK_SIZE or (part.length % FP8_BLOCK_SIZE and not reaches_end):
+            return False
+    return True
+
+
+def _check_block_shards(name: str, geometry: list[dict[str, list[_Part]]], tp_size: int) -> None:
+    if tp_size == 1:
+        return
+    for group, parts in {g: p for groups in geometry for g, p in groups.items()}.items():
+        if any(not _block_aligned([part]) for part in parts):
+            raise UnsupportedModelError(
+                f"{name}: block-wise FP8 under tensor parallel size {tp_size} needs each "
+                f"rank's slice of {group} to be whole 128-blocks; use a smaller "
+                f"--tensor-parallel-size"
+            )
+
+
+def _fp8_schemes(
+    base: WeightPrecision, geometry: list[dict[str, list[_Part]]], scheme: Fp8Scheme
+) -> WeightPrecision:
+    """`scheme` for every fused projection that can run it; the others (parts the
+    checkpoint leaves unquantized, block-scaled parts that do not fuse on block
+    boundaries) stay in the model dtype, with a note saying why."""
+    schemes: dict[str, Fp8Scheme] = {}
+    dequantized: dict[str, list[int]] = {}  # reason -> layers
+    checkpoint = base.checkpoint
+    for layer, groups in enumerate(geometry):
+        for group, parts in groups.items():
+            modules = [f"model.layers.{layer}.{p.module}" for p in parts]
+            quantized = [checkpoint is None or checkpoint.is_quantized(m) for m in modules]
+            reason = None
+            if not all(quantized):
+                reason = f"{group}: partly unquantized in the checkpoint" if any(quantized) else ""
+            elif scheme.block and not _block_aligned(parts):
+                reason = f"{group}: fused parts are not whole 128-row blocks"
+            if reason is None:
+                schemes[f"model.layers.{layer}.{group}"] = scheme
+            elif reason:
+                dequantized.setdefault(reason, []).append(layer)
+    notes = tuple(
+        f"{reason} ({len(layers)} layers): runs dequantized to {_name(base.dtype)}"
+        for reason, layers in dequantized.items()
+    )
+    return dataclasses.replace(base, schemes=schemes, notes=notes)
+
+
+def _count_projections(config: ModelConfig) -> int:
+    num_dense = config.num_layers - config.num_moe_layers
+    return 4 * config.num_layers + 3 * num_dense
+
+
+def _local(group: str) -> str:
+    return group.split(".", 3)[3]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _capability(capability: tuple[int, int] | None) -> str:
+    return "none" if capability is None else f"{capability[0]}.{capability[1]}"

@@ -1,0 +1,261 @@
+"""FP8 (e4m3) GEMMs of activations [M, K] with weights stored [N, K] (nn.Linear's layout):
+out[m, n] = sum_k a[m, k] * w[n, k] in float32, then rounded to out_dtype.
+
+    fp8_gemm_rowwise:   a scale [M, 1] (per token) x w scale [N] (per channel)
+                        -> torch._scaled_mm (cuBLASLt / CUTLASS) on compute capability >= 8.9
+    fp8_gemm_blockwise: a scale [M, ceil(K / 128)] (1 x 128 groups) x w scale
+                        [ceil(N / 128), ceil(K / 128)] (128 x 128 blocks, Hugging Face's
+                        `weight_scale_inv`) -> a Triton kernel (DeepSeek-V3, Qwen3-FP8)
+
+On CPU, or on GPUs without fp8 tensor cores, the launchers run the torch references, which
+dequantize and multiply in float32 (CPU serving dequantizes at load and never calls these).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._checks import (
+    check_dtype_and_rank,
+    check_same_device,
+    check_triton_device,
+    need_triton,
+)
+from kernels._triton import HAS_TRITON, tl, triton
+from kernels.fp8_quant import FP8_DTYPE, dequantize_blockwise, supports_fp8
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _blockwise_kernel(
+        a_ptr, w_ptr, out_ptr, a_scale_ptr, w_scale_ptr, M, N, K,
+        a_stride, w_stride, out_stride, a_scale_stride_m, a_scale_stride_k,
+        w_scale_stride_n, w_scale_stride_k,
+        SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        # Programs walk GROUP_M row tiles per column tile, so weight tiles are reused from L2.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        programs_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // programs_per_group) * GROUP_M
+        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % programs_per_group) % rows_in_group
+        pid_n = (pid % programs_per_group) // rows_in_group
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_m = offs_m < M
+        in_n = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * a_stride + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * w_stride + offs_k[:, None]  # [BK, BN]
+        a_scale_ptrs = a_scale_ptr + offs_m * a_scale_stride_m
+        w_scale_ptrs = w_scale_ptr + (offs_n // SCALE_BLOCK_N) * w_scale_stride_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # BLOCK_K is the scale block, so each iteration's product has one scale pair per
+        # (row, column); scaling it in float32 also bounds the fp8 tensor cores' reduced
+        # accumulation precision to 128 products.
+        for k_block in range(0, tl.cdiv(K, BLOCK_K)):
+            in_k = offs_k < K - k_block * BLOCK_K
+            a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None] & in_n[None, :], other=0.0)
+            a_scale = tl.load(a_scale_ptrs + k_block * a_scale_stride_k, mask=in_m, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + k_block * w_scale_stride_k, mask=in_n, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def _check_operands(a_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.dtype) -> None:
+    check_dtype_and_rank("a_fp8", a_fp8, FP8_DTYPE, 2)
+    check_dtype_and_rank("w_fp8", w_fp8, FP8_DTYPE, 2)
+    if a_fp8.shape[1] != w_fp8.shape[1]:
+        raise ValueError(
+            f"a_fp8 {tuple(a_fp8.shape)} and w_fp8 {tuple(w_fp8.shape)} (stored [N, K]) "
+            "must share K"
+        )
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+
+
+def _check_scale(name: str, scale: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 tensor, got {getattr(scale, 'dtype', scale)}")
+    if tuple(scale.shape) not in shapes:
+        listing = " or ".join(str(list(shape)) for shape in shapes)
+        raise ValueError(f"{name} must be {listing}, got {list(scale.shape)}")
+
+
+def _check_rowwise(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> None:
+    _check_operands(a_fp8, w_fp8, out_dtype)
+    num_tokens, num_out = a_fp8.shape[0], w_fp8.shape[0]
+    _check_scale("a_scale", a_scale, ((num_tokens, 1),))
+    _check_scale("w_scale", w_scale, ((num_out,), (num_out, 1)))
+    tensors = {"a_fp8": a_fp8, "a_scale": a_scale, "w_fp8": w_fp8, "w_scale": w_scale}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise ValueError("bias must be a floating-point tensor or None")
+        if tuple(bias.shape) != (num_out,):
+            raise ValueError(f"bias must be [{num_out}], got {list(bias.shape)}")
+        tensors["bias"] = bias
+    check_same_device(**tensors)
+
+
+def fp8_gemm_rowwise_ref(
+    a_fp8: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, 1] float32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N] or [N, 1] float32
+    bias: torch.Tensor | None,  # [N] or None
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] out_dtype
+    """Torch reference of `fp8_gemm_rowwise`: dequantize, multiply and add in float32."""
+    _check_rowwise(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)
+    a = a_fp8.float() * a_scale
+    w = w_fp8.float() * w_scale.reshape(-1, 1)
+    out = a @ w.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_gemm_rowwise(
+    a_fp8: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, 1] float32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N] or [N, 1] float32
+    bias: torch.Tensor | None,  # [N] or None
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] out_dtype
+    """(a_fp8 * a_scale) @ (w_fp8 * w_scale).T + bias: torch._scaled_mm with row-wise
+    scales on CUDA with fp8 tensor cores when K and N are multiples of 16 (its requirement),
+    the torch reference otherwise. No host sync: capturable in a CUDA graph."""
+    _check_rowwise(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)
+    num_out, depth = w_fp8.shape
+    if not (supports_fp8(a_fp8.device) and depth % 16 == 0 and num_out % 16 == 0):
+        return fp8_gemm_rowwise_ref(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)
+    # _scaled_mm fuses only a bias of the output's 16-bit dtype; bf16 is the pairing that
+    # every backend (cuBLASLt >= 12.9 on 9.0, CUTLASS on 8.9) accepts, others are added after.
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype == torch.bfloat16 else None
+    out = torch._scaled_mm(
+        a_fp8.contiguous(),  # row-major A
+        w_fp8.contiguous().t(),  # [K, N] column-major B, as cuBLASLt's fp8 GEMM needs
+        scale_a=a_scale.contiguous(),
+        scale_b=w_scale.contiguous().view(1, num_out),
+        bias=fused_bias,
+        out_dtype=out_dtype,
+    )
+    if bias is not None and fused_bias is None:
+        out.add_(bias)
+    return out
+
+
+def _check_blockwise(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int],
+) -> None:
+    _check_operands(a_fp8, w_fp8, out_dtype)
+    block_n, block_k = block_size
+    if block_n <= 0 or block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(
+            f"block_size (block_n, block_k) needs block_n > 0 and block_k a power of two "
+            f">= 32 (one fp8 dot per scale block), got {block_size}"
+        )
+    (num_tokens, depth), num_out = a_fp8.shape, w_fp8.shape[0]
+    k_blocks = -(-depth // block_k)
+    _check_scale("a_scale", a_scale, ((num_tokens, k_blocks),))
+    _check_scale("w_scale", w_scale, ((-(-num_out // block_n), k_blocks),))
+    check_same_device(a_fp8=a_fp8, a_scale=a_scale, w_fp8=w_fp8, w_scale=w_scale)
+
+
+def fp8_gemm_blockwise_ref(
+    a_fp8: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int] = (128, 128),  # (block_n, block_k)
+) -> torch.Tensor:  # [M, N] out_dtype
+    """Torch reference of `fp8_gemm_blockwise`: dequantize both, multiply in float32."""
+    _check_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
+    a = dequantize_blockwise(a_fp8, a_scale, (1, block_size[1]), torch.float32)
+    w = dequantize_blockwise(w_fp8, w_scale, block_size, torch.float32)
+    return (a @ w.T).to(out_dtype)
+
+
+def _blockwise_config(num_tokens: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by M, fixed rather than autotuned:
+    autotuning would benchmark inside CUDA graph capture. Decode (few rows) takes narrow
+    column tiles so that enough programs stream the weight; prefill takes 128 x 128."""
+    if num_tokens <= 16:
+        return 16, 64, 4, 4
+    if num_tokens <= 32:
+        return 32, 64, 4, 4
+    if num_tokens <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_gemm_blockwise_triton(
+    a_fp8: torch.Tensor,  # [M, K] e4m3, rows contiguous
+    a_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32
+    w_fp8: torch.Tensor,  # [N, K] e4m3, rows contiguous
+    w_scale: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int] = (128, 128),  # (block_n, block_k)
+) -> torch.Tensor:  # [M, N] out_dtype
+    """Triton launcher of `fp8_gemm_blockwise`: one program per output tile."""
+    need_triton("fp8_gemm_blockwise_triton")
+    _check_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
+    check_triton_device("fp8_gemm_blockwise_triton", a_fp8.device)
+    if a_fp8.stride(1) != 1 or w_fp8.stride(1) != 1:
+        raise ValueError("a_fp8 and w_fp8 rows must be contiguous")
+    (num_tokens, depth), num_out = a_fp8.shape, w_fp8.shape[0]
+    out = torch.empty((num_tokens, num_out), dtype=out_dtype, device=a_fp8.device)
+    if num_tokens == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _blockwise_config(num_tokens)
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(num_out, block_n),)
+    _blockwise_kernel[grid](
+        a_fp8, w_fp8, out, a_scale, w_scale, num_tokens, num_out, depth,
+        a_fp8.stride(0), w_fp8.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1),
+        w_scale.stride(0), w_scale.stride(1),
+        SCALE_BLOCK_N=block_size[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_size[1],
+        GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm_blockwise(
+    a_fp8: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int] = (128, 128),  # (block_n, block_k)
+) -> torch.Tensor:  # [M, N] out_dtype
+    """Block-scaled fp8 GEMM (1 x block_k activation groups, block_n x block_k weight
+    blocks): the Triton kernel on CUDA with fp8 tensor cores, the torch reference
+    otherwise. No host sync: capturable in a CUDA graph."""
+    _check_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
+    if HAS_TRITON and supports_fp8(a_fp8.device):
+        return fp8_gemm_blockwise_triton(
+            a_fp8.contiguous(), a_scale, w_fp8.contiguous(), w_scale, out_dtype, block_size
+        )
+    return fp8_gemm_blockwise_ref(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
