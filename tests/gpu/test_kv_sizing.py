@@ -4,6 +4,8 @@ largest batch runs without running out of memory."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
     from actors.protocol.sampling_params import SamplingParams
     from app.llm import LLM
 
+    gc.collect()  # earlier tests' engines, held by reference cycles
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated()  # earlier tests' live tensors, if any
