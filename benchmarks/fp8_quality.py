@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated; bf16 comes first")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--device", default="cuda", help="cpu runs the arms' dequantized weights")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
@@ -59,29 +59,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args: Any, arms: list[str]) -> dict[str, Any]:
     details: dict[str, Any] = {"arms": {}}
-    reference: dict[str, Any] | None = None
+    reference: dict[str, Any] = {}
     for arm in arms:
-        llm = _load(args, ARMS[arm])
-        try:
-            if reference is None:
-                prompts = random_prompts(
-                    args.num_prompts, args.input_len, llm.worker.model_config.vocab_size
-                )
-                reference = {"prompts": prompts}
-            greedy = _greedy(llm, reference["prompts"], args.output_len)
-            reference.setdefault("greedy", greedy)
-            sequences = [p + g for p, g in zip(reference["prompts"], reference["greedy"])]
-            scored = _teacher_forced(llm, sequences, args.input_len)
-            reference.setdefault("scored", scored)
-            details["arms"][arm] = {
-                "weights": getattr(llm.worker, "weights_precision", None),
-                **compare_scores(reference["scored"], scored),
-                **compare_greedy(reference["greedy"], greedy),
-            }
-            print(arm, details["arms"][arm], flush=True)
-        finally:
-            _unload(llm)
+        details["arms"][arm] = _measure_arm(args, arm, reference)
+        _free_gpu_memory()  # the arm's engine is gone once _measure_arm returns
+        print(arm, details["arms"][arm], flush=True)
     return details
+
+
+def _measure_arm(args: Any, arm: str, reference: dict[str, Any]) -> dict[str, Any]:
+    """One arm against `reference` (filled by the first arm: prompts, greedy, scored)."""
+    llm = _load(args, ARMS[arm])
+    try:
+        if not reference:
+            vocab_size = llm.worker.model_config.vocab_size
+            reference["prompts"] = random_prompts(args.num_prompts, args.input_len, vocab_size)
+        greedy = _greedy(llm, reference["prompts"], args.output_len)
+        reference.setdefault("greedy", greedy)
+        sequences = [p + g for p, g in zip(reference["prompts"], reference["greedy"])]
+        scored = _teacher_forced(llm, sequences, args.input_len)
+        reference.setdefault("scored", scored)
+        return {
+            "weights": getattr(llm.worker, "weights_precision", None),
+            "kv_cache_dtype": str(llm.config.kv_cache_dtype),
+            **compare_scores(reference["scored"], scored),
+            **compare_greedy(reference["greedy"], greedy),
+        }
+    finally:
+        llm.close()
 
 
 def _load(args: Any, options: dict[str, Any]) -> Any:
@@ -100,11 +105,9 @@ def _load(args: Any, options: dict[str, Any]) -> Any:
     )
 
 
-def _unload(llm: Any) -> None:
+def _free_gpu_memory() -> None:
     import torch
 
-    llm.close()
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
