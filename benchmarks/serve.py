@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -328,14 +328,20 @@ def _split(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _in_processes(config: ServeConfig, model: str, shares: list[_Share]) -> list[_ClientOutcome]:
-    """One process per share; they warm up, wait for each other, then run together."""
+def _in_processes(
+    config: ServeConfig, model: str, shares: list[_Share], client: Any = None
+) -> list[_ClientOutcome]:
+    """One process per share; they warm up, wait for each other, then run together.
+    `client`: the coroutine function each process runs (default `_client`; another
+    benchmark's, e.g. benchmarks.multi_turn, with its own config and shares)."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(shares))
     queue = context.Queue()
     processes = [
         context.Process(
-            target=_client_process, args=(config, model, share, barrier, queue), daemon=True
+            target=_client_process,
+            args=(config, model, share, barrier, queue, client or _client),
+            daemon=True,
         )
         for share in shares
     ]
@@ -358,10 +364,10 @@ def _in_processes(config: ServeConfig, model: str, shares: list[_Share]) -> list
 
 
 def _client_process(
-    config: ServeConfig, model: str, share: _Share, barrier: Any, queue: Any
+    config: ServeConfig, model: str, share: _Share, barrier: Any, queue: Any, client: Any = None
 ) -> None:
     try:
-        queue.put(anyio.run(_client, config, model, share, barrier))
+        queue.put(anyio.run(client or _client, config, model, share, barrier))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         barrier.abort()
         queue.put(f"client {share.index}: {type(exc).__name__}: {exc}")
@@ -462,9 +468,13 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
 
 
 async def stream_request(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> RequestResult:
-    """POST one streamed request and time its SSE events; never raises for a bad answer."""
+    """POST one streamed request and time its SSE events; never raises for a bad answer.
+    `on_event` also sees every decoded event (benchmarks.multi_turn keeps the text)."""
     timeline = StreamTimeline(sent_s=time.perf_counter())
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -477,7 +487,10 @@ async def stream_request(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                timeline.on_event(time.perf_counter(), orjson.loads(data))
+                at_s, event = time.perf_counter(), orjson.loads(data)
+                timeline.on_event(at_s, event)
+                if on_event is not None:
+                    on_event(event)
     except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
         return RequestResult(success=False, error=f"{type(exc).__name__}: {exc}")
     return timeline.result()

@@ -1,0 +1,348 @@
+"""`python -m benchmarks.multi_turn`: the conversations it builds, a whole run against a fake
+server (httpx's MockTransport: no server starts), the per-turn figures on hand-built
+records, the comparison of two results, and the command line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from app.tokenizer_loader import load_tokenizer
+from benchmarks import multi_turn
+from benchmarks.multi_turn import (
+    Conversation,
+    TurnRecord,
+    build_conversations,
+    chat_turn,
+    compare,
+    counter_deltas,
+    headline,
+    overall,
+    parse_args,
+    per_turn,
+    ratio,
+    turn_messages,
+)
+
+
+def _settings(*flags: str) -> multi_turn.Settings:
+    settings: multi_turn.Settings = parse_args(list(flags)).settings
+    return settings
+
+
+def test_each_turn_carries_the_earlier_turns_and_their_answers() -> None:
+    chat = Conversation(3, "be brief", ("u1", "u2", "u3"))
+    assert turn_messages(chat, []) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "u1"},
+    ]
+    assert turn_messages(chat, ["a1", "a2"]) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "u3"},
+    ]
+    # --system-len 0: no system message at all.
+    assert turn_messages(Conversation(0, "", ("u1",)), []) == [{"role": "user", "content": "u1"}]
+
+
+def test_conversations_share_the_system_prompt_and_are_sized_in_tokens() -> None:
+    settings = _settings("--conversations", "3", "--turns", "2", "--system-len", "40")
+    settings = replace(settings, user_len=7)
+    tokenizer = load_tokenizer("default")
+    assert tokenizer is not None
+    chats = build_conversations(settings, 1.0, tokenizer)
+    assert [c.index for c in chats] == [0, 1, 2] and {c.system for c in chats} == {chats[0].system}
+    assert len(tokenizer.encode(chats[0].system)) == 40
+    users = [u for c in chats for u in c.users]
+    assert [len(c.users) for c in chats] == [2, 2, 2] and len(set(users)) == 6
+    assert [len(tokenizer.encode(u)) for u in users] == [7] * 6
+    assert build_conversations(settings, 1.0, tokenizer) == chats  # seeded
+    seeded = replace(settings, seed=1)
+    assert build_conversations(seeded, 1.0, tokenizer)[0].users != chats[0].users
+    # Without a tokenizer: words sized by the server's tokens per word.
+    words = build_conversations(settings, 2.0, None)
+    assert len(words[0].system.split()) == 20 and len(words[0].users[0].split()) == 4
+    none = build_conversations(replace(settings, system_len=0), 1.0, tokenizer)
+    assert none[0].system == ""
+
+
+# ---- a fake server ------------------------------------------------------------------------
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+class FakeServer:
+    """/v1/models, /version, /tokenize (2 tokens a word) and streamed chat completions: the
+    answer names the conversation's first user words and the turn; usage counts a token per
+    word, all but the last user message as cached."""
+
+    def __init__(self, fail_turn: int | None = None) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.fail_turn = fail_turn
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake"}]})
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0"})
+        body = json.loads(request.content)
+        if path == "/tokenize":
+            return httpx.Response(200, json={"count": 2 * len(body["prompt"].split())})
+        self.bodies.append(body)
+        messages = body["messages"]
+        turn = sum(1 for m in messages if m["role"] == "user")
+        if turn == self.fail_turn:
+            return httpx.Response(503, text="busy")
+        words = [len(m["content"].split()) for m in messages]
+        first = next(m for m in messages if m["role"] == "user")["content"].split()[0]
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        usage = {
+            "prompt_tokens": sum(words),
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": sum(words[:-1])},
+        }
+        return httpx.Response(
+            200,
+            content=_sse(
+                role,
+                {"choices": [{"index": 0, "delta": {"content": f"{first} said"}}]},
+                {"choices": [{"index": 0, "delta": {"content": f" turn {turn}"}}]},
+                {"choices": [], "usage": usage},
+            ),
+        )
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    server = FakeServer()
+    client = functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(server))
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    counts = iter([{"vllm:prefix_cache_hits_total": 5.0}, {"vllm:prefix_cache_hits_total": 9.0}])
+    monkeypatch.setattr(multi_turn, "read_counters", lambda url, key=None: next(counts))
+    return server
+
+
+async def test_a_turn_sends_its_history_and_returns_the_answer_text(fake: FakeServer) -> None:
+    chat = Conversation(5, "sys", ("alpha beta", "gamma"))
+    base = {**multi_turn.STREAM, "model": "fake", "max_tokens": 3, "temperature": 0.0}
+    async with httpx.AsyncClient(base_url="http://fake") as client:
+        record, answer = await chat_turn(client, base, chat, [])
+        assert answer == "alpha said turn 1"
+        assert record == TurnRecord(5, 1, True, record.ttft_s, 3, 1, 3, "")
+        record, answer = await chat_turn(client, base, chat, [answer])
+    assert (record.turn, record.prompt_tokens, record.cached_tokens) == (2, 8, 7)
+    body = fake.bodies[-1]
+    assert body["messages"][2] == {"role": "assistant", "content": "alpha said turn 1"}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 3
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_a_whole_run_against_the_fake_server(fake: FakeServer) -> None:
+    flags = "--conversations 4 --turns 3 --system-len 10 --user-len 4 --answer-len 5"
+    settings = _settings(*flags.split(), "--concurrency", "2")
+    details = multi_turn.run(settings)
+    assert details["model"] == "fake" and details["sized_by"] == "2.000 tokens/word"
+    assert len(fake.bodies) == 12
+    # The fake counts one token a word: system 5 words, users 2, answers "<word> said turn k".
+    turns = details["turns"]
+    assert [t["requests"] for t in turns] == [4, 4, 4]
+    assert [t["prompt_tokens_mean"] for t in turns] == [7, 7 + 4 + 2, 13 + 4 + 2]
+    assert [t["cached_tokens_mean"] for t in turns] == [5, 11, 17]
+    assert [t["computed_prefill_tokens_mean"] for t in turns] == [2, 2, 2]
+    assert [t["prior_context_tokens_mean"] for t in turns] == [None, 12, 18]
+    o = details["overall"]
+    assert (o["requests"], o["failed"], o["output_tokens"], o["answer_len_mismatches"]) == (
+        12,
+        0,
+        60,
+        0,
+    )
+    assert o["prefill_tokens_computed"] == 24 and o["hit_rate"] == pytest.approx(132 / 156)
+    assert details["server_counters"]["vllm:prefix_cache_hits_total"] == 4.0
+    assert all(isinstance(line, str) for line in multi_turn.describe(details))
+
+
+def test_a_failed_turn_ends_its_conversation(fake: FakeServer) -> None:
+    fake.fail_turn = 2
+    settings = _settings("--conversations", "2", "--turns", "3", "--system-len", "4")
+    details = multi_turn.run(replace(settings, user_len=2, answer_len=2))
+    assert [(t["requests"], t["failed"]) for t in details["turns"]] == [(2, 0), (0, 2), (0, 0)]
+    assert details["overall"]["errors"] == ["HTTP 503: busy"]
+    assert details["turns"][2]["ttft_p50_ms"] is None
+    assert any(line.startswith("first error") for line in multi_turn.describe(details))
+
+
+# ---- figures ------------------------------------------------------------------------------
+
+
+def _record(chat: int, turn: int, ttft_ms: float, prompt: int, cached: int) -> TurnRecord:
+    return TurnRecord(chat, turn, True, ttft_ms / 1e3, prompt, cached, 10)
+
+
+RECORDS = [
+    _record(0, 1, 100, 50, 0),
+    _record(1, 1, 200, 50, 40),
+    _record(2, 1, 300, 60, 40),
+    _record(0, 2, 20, 100, 48),
+    _record(1, 2, 40, 110, 96),
+    TurnRecord(2, 2, False, error="boom"),
+]
+
+
+def test_per_turn_figures_are_hand_checked() -> None:
+    one, two = per_turn(RECORDS, 2)
+    assert (one["turn"], one["requests"], one["failed"]) == (1, 3, 0)
+    # numpy's linear interpolation: p50 of 100/200/300 is 200, p90 280.
+    assert one["ttft_p50_ms"] == pytest.approx(200) and one["ttft_p90_ms"] == pytest.approx(280)
+    assert one["prompt_tokens_mean"] == pytest.approx(160 / 3)
+    assert one["cached_tokens_mean"] == pytest.approx(80 / 3)
+    assert one["computed_prefill_tokens_mean"] == pytest.approx(80 / 3)
+    assert one["prior_context_tokens_mean"] is None
+    assert (two["requests"], two["failed"]) == (2, 1)
+    assert two["ttft_p50_ms"] == pytest.approx(30) and two["ttft_p90_ms"] == pytest.approx(38)
+    assert two["computed_prefill_tokens_mean"] == pytest.approx((52 + 14) / 2)
+    assert two["prior_context_tokens_mean"] == pytest.approx(60)  # 50 + 10 for both
+
+
+def test_overall_figures_are_hand_checked() -> None:
+    o = overall(RECORDS, 2.0, answer_len=10)
+    assert (o["requests"], o["failed"], o["errors"]) == (5, 1, ["boom"])
+    assert o["output_tokens"] == 50 and o["output_tok_s"] == pytest.approx(25)
+    assert (o["prompt_tokens"], o["cached_tokens"], o["prefill_tokens_computed"]) == (370, 224, 146)
+    assert o["hit_rate"] == pytest.approx(224 / 370) and o["answer_len_mismatches"] == 0
+    assert o["turns_2_on"]["requests"] == 2 and o["turns_2_on"]["ttft_p50_ms"] == pytest.approx(30)
+    assert overall([], 0.0, 10)["hit_rate"] is None
+
+
+def test_counter_deltas_and_headline() -> None:
+    before = {"vllm:prefix_cache_queries_total": 100.0, "vllm:prefix_cache_hits_total": 10.0}
+    after = {
+        "vllm:prefix_cache_queries_total": 300.0,
+        "vllm:prefix_cache_hits_total": 160.0,
+        "vllm:num_preemptions_total": 2.0,
+    }
+    deltas = counter_deltas(before, after)
+    assert deltas["vllm:prefix_cache_queries_total"] == 200.0
+    assert deltas["vllm:num_preemptions_total"] == 2.0
+    assert deltas["server_hit_rate"] == pytest.approx(0.75)
+    assert counter_deltas({}, {})["server_hit_rate"] is None
+    details = {"turns": per_turn(RECORDS, 2), "overall": overall(RECORDS, 2.0, 10)}
+    figures = headline(details)
+    assert figures["turn1_ttft_p50_ms"] == pytest.approx(200)
+    assert figures["turns_2_on_ttft_p50_ms"] == pytest.approx(30)
+    assert figures["turns_2_on_computed_prefill_mean"] == pytest.approx(33)
+    assert (figures["prefill_tokens_computed"], figures["failed"]) == (146, 1)
+
+
+def test_read_counters_sums_labels_and_keeps_preemptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} 3.0\n'
+        'vllm:prefix_cache_hits_created{model_name="m"} 1.7e9\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        'vllm:num_preemptions_total{model_name="m"} 1.0\n'
+        "# TYPE tandem:rejected_requests counter\n"
+        'tandem:rejected_requests_total{model_name="m",reason="a"} 4.0\n'
+        "# TYPE tandem:preempted_rows counter\n"
+        'tandem:preempted_rows_total{model_name="m",why="a"} 2.0\n'
+        'tandem:preempted_rows_total{model_name="m",why="b"} 5.0\n'
+    )
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(200, text=text))
+    assert multi_turn.read_counters("http://x") == {
+        "vllm:prefix_cache_hits_total": 3.0,
+        "vllm:num_preemptions_total": 1.0,
+        "tandem:preempted_rows_total": 7.0,
+    }
+
+
+# ---- comparing two results ----------------------------------------------------------------
+
+
+def _details(ttft: list[Any], computed: list[Any]) -> dict[str, Any]:
+    keys = multi_turn.RATIO_KEYS
+    turns = [
+        {"turn": i + 1, keys[0]: t, keys[1]: c} for i, (t, c) in enumerate(zip(ttft, computed))
+    ]
+    later = {keys[0]: sum(ttft[1:]) / 2, keys[1]: sum(computed[1:]) / 2}
+    return {"turns": turns, "overall": {"turns_2_on": later}}
+
+
+def test_compare_prints_new_over_base_per_turn() -> None:
+    base = {"current": {"details": _details([100, 400, 600], [1000, 1200, 1400])}}
+    new = {"details": _details([100, 100, 200], [1000, 200, 200])}  # an --output record
+    lines = compare(base, new)
+    assert lines[1] == "   1  100.0 -> 100.0 (1.000)   1,000.0 -> 1,000.0 (1.000)"
+    assert "(0.250)" in lines[2] and "(0.167)" in lines[2]
+    assert lines[4].startswith("2-on") and "(0.300)" in lines[4] and "(0.154)" in lines[4]
+    assert lines[-1].endswith("halved: True")
+    slower = {"details": _details([100, 300, 300], [1000, 200, 200])}
+    assert compare(base, slower)[-1].endswith("halved: False")  # TTFT 0.6 of before
+    assert math.isnan(ratio({"k": 0}, {"k": 1}, "k")) and math.isnan(ratio({}, {"k": 1}, "k"))
+    empty = {"details": {"turns": [], "overall": {"turns_2_on": {"ttft_p50_ms": None}}}}
+    assert compare(base, empty)[-1].endswith("halved: False")
+
+
+def test_compare_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = [tmp_path / "base.json", tmp_path / "new.json"]
+    for path, ttft in zip(paths, ([10, 40], [10, 10])):
+        path.write_text(json.dumps({"current": {"details": _details(ttft + [40], [5, 8, 8])}}))
+    assert multi_turn.main(["--compare", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "(0.250)" in out and "halved: False" in out  # prefill unchanged
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+
+def test_defaults_are_the_issue_workload() -> None:
+    s = _settings()
+    assert (s.conversations, s.turns, s.system_len, s.user_len, s.answer_len) == (
+        128,
+        8,
+        1000,
+        200,
+        300,
+    )
+    assert (s.concurrency, s.clients, s.temperature, s.tokenizer) == (64, 1, 0.0, None)
+    assert s.target.base_url == "http://127.0.0.1:8000" and s.target.model is None
+    s = _settings("--base-url", "http://h:1/v1/", "--model", "m", "--api-key", "k")
+    assert (s.target.base_url, s.target.model, s.target.api_key) == ("http://h:1", "m", "k")
+    assert s.target.ready_timeout_s == 60.0
+    assert _settings("--server", "--device cpu").target.ready_timeout_s == 600.0  # it starts
+    assert parse_args(["--compare", "a.json", "b.json"]).compare == [Path("a.json"), Path("b.json")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--turns", "0"], "--turns"),
+        (["--conversations", "0"], "--conversations"),
+        (["--system-len", "-1"], "--system-len"),
+        (["--answer-len", "0"], "--answer-len"),
+        (["--concurrency", "0"], "--concurrency"),
+        (["--clients", "3", "--concurrency", "2"], "--clients"),
+        (["--base-url", "127.0.0.1:8000"], "--base-url"),
+        (["--server", "--device cpu", "--compare", "a", "b"], "not allowed with"),
+        (["--base-url", "http://h:1", "--server", "--device cpu"], "not allowed with"),
+    ],
+)
+def test_bad_flags_name_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
