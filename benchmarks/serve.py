@@ -146,6 +146,12 @@ def parse_args(argv: list[str] | None) -> Any:
         help='response_format of every request, e.g. \'{"type": "json_object"}\' '
         "(or @FILE holding it)",
     )
+    p.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        help='fields merged into every request body last, e.g. \'{"logit_bias": {"2": -100}}\' '
+        "(or @FILE holding them)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     args = p.parse_args(argv)
     try:
@@ -188,6 +194,7 @@ def config_from_args(args: Any) -> ServeConfig:
         token_id_range=_token_range(args.token_id_range),
         tokenizer=args.tokenizer,
         response_format=_json_object(args.response_format),
+        extra_body=_json_object(getattr(args, "extra_body", None), "--extra-body"),
     )
     return ServeConfig(
         base_url=base_url,
@@ -645,7 +652,7 @@ def _token_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def _json_object(text: str | None) -> dict[str, Any] | None:
+def _json_object(text: str | None, flag: str = "--response-format") -> dict[str, Any] | None:
     if text is None:
         return None
     if text.startswith("@"):
@@ -653,9 +660,9 @@ def _json_object(text: str | None) -> dict[str, Any] | None:
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"--response-format is not JSON: {exc}") from None
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError("--response-format must be a JSON object")
+        raise ValueError(f"{flag} must be a JSON object")
     return value
 
 

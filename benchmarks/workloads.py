@@ -162,6 +162,9 @@ class ServeWorkload:
     """A tokenizer.json or Hugging Face directory that sizes chat prompts in tokens."""
     response_format: dict[str, Any] | None = None
     """Sent as every request's response_format (structured outputs)."""
+    extra_body: dict[str, Any] | None = None
+    """Fields merged into every request body last (e.g. what another server needs instead
+    of ignore_eos: max_tokens, a logit_bias that bans the end-of-sequence token)."""
 
 
 def token_id_prompts(
@@ -218,6 +221,8 @@ def request_body(workload: ServeWorkload, prompt: Any, model: str) -> dict[str, 
         body["ignore_eos"] = True
     if workload.response_format is not None:
         body["response_format"] = workload.response_format
+    if workload.extra_body is not None:
+        body.update(workload.extra_body)
     return body
 
 
