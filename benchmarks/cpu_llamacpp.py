@@ -25,7 +25,6 @@ TTFT/TPOT medians, and tandem's tok/s as a ratio of llama.cpp's.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 import statistics
@@ -38,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks import recording, serve
+from benchmarks.storm import busy_processes
 from benchmarks.workloads import ServeWorkload
 
 SERVERS = ("tandem", "llama.cpp")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     runs: list[dict[str, Any]] = []
     for num_hogs in hogs:
-        with _hogs(num_hogs):
+        with busy_processes(num_hogs):
             for round_index in range(args.rounds):
                 for server in server_order(round_index):
                     config = serve.ServeConfig(
@@ -194,26 +194,6 @@ def llama_command(python: str, gguf: str, port: int, num_threads: int) -> list[s
         "--port", str(port), "--n_threads", str(num_threads), "--n_ctx", "8192",
         "--interrupt_requests", "False", "--verbose", "False",
     ]  # fmt: skip
-
-
-@contextmanager
-def _hogs(count: int) -> Iterator[None]:
-    """`count` processes spinning on the CPU until the block ends."""
-    context = multiprocessing.get_context("spawn")
-    spinners = [context.Process(target=_spin, daemon=True) for _ in range(count)]
-    for spinner in spinners:
-        spinner.start()
-    try:
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.terminate()
-            spinner.join()
-
-
-def _spin() -> None:
-    while True:
-        pass
 
 
 def _answers(url: str) -> bool:
