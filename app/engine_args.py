@@ -50,16 +50,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         choices=list(QUANTIZATION_CHOICES),
         default=_env("quantization", _DEFAULTS.quantization),
-        help="weight quantization. auto (default): what the checkpoint's "
-        "quantization_config says: FP8 checkpoints (quant_method fp8 with 128x128 "
-        "blocks or per tensor; compressed-tensors float-quantized, per tensor or per "
-        "channel) run their attention and dense MLP projections as FP8 GEMMs on CUDA "
-        "GPUs of compute capability >= 8.9 and are dequantized to --dtype on CPU; "
-        "other quantization methods are refused. fp8: quantize an unquantized model's "
-        "projections (dummy weights included) per output channel at load, with "
-        "activations quantized per token (CUDA >= 8.9 only). none: dequantize an FP8 "
-        "checkpoint to --dtype (needed on older GPUs). The LM head, embeddings, norms "
-        "and MoE experts stay in --dtype (gpt-oss's MXFP4 experts stay MXFP4). "
+        help="weight quantization. auto (default): what the checkpoint holds: FP8 "
+        "checkpoints (quant_method fp8 with 128x128 blocks or per tensor; "
+        "compressed-tensors float-quantized, per tensor or per channel) run their "
+        "attention and dense MLP projections as FP8 GEMMs on CUDA GPUs of compute "
+        "capability >= 8.9 and are dequantized to --dtype on CPU; a GGUF's Q4_0 / Q4_1 "
+        "projections (the embedded model's) stay packed int4 on one CPU device (bf16 "
+        "activations) and are dequantized elsewhere; other quantization methods are "
+        "refused. fp8: quantize an unquantized model's projections (dummy weights "
+        "included) per output channel at load, with activations quantized per token "
+        "(CUDA >= 8.9 only). int4: every projection packed int4 on the CPU, in groups of "
+        "32 columns (Q4 blocks kept, the rest quantized at load; one CPU device only). "
+        "none: dequantize every projection to --dtype (what FP8 checkpoints need on "
+        "older GPUs). The LM head, embeddings, norms and MoE experts "
+        "stay in --dtype (gpt-oss's MXFP4 experts stay MXFP4). "
         "Env: TANDEM_QUANTIZATION",
     )
     g.add_argument(

@@ -197,11 +197,16 @@ def hf_model_sharing_weights(model: DecoderModel, attn_implementation: str | Non
     """A transformers CausalLM (eval mode) whose parameters are views of `model`'s, except
     gpt-oss's experts (see the module docstring). attn_implementation: transformers'
     name; None picks sdpa, or eager for models with attention sinks. Raises ValueError
-    when the model's own weights do not fit in the device's free memory, or are FP8."""
+    when the model's own weights do not fit in the device's free memory, or are FP8 or
+    packed int4."""
     import transformers
 
-    if model.precision.runs_fp8:
-        raise ValueError("tandem's projections are FP8 (--quantization): nothing to share")
+    if model.precision.runs_fp8 or model.precision.runs_int4:
+        kind = "FP8" if model.precision.runs_fp8 else "packed int4"
+        raise ValueError(
+            f"tandem's projections are {kind} (--quantization): nothing to share; "
+            "--quantization none runs them unquantized"
+        )
     config = model.config
     dtype = model.embed_tokens.dtype
     device = model.embed_tokens.device

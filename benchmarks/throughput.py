@@ -5,6 +5,7 @@ then through transformers on the same weights (`generate` on static batches, and
     python -m benchmarks.throughput --workload W1          # the H200's headline (W1-W3)
     python -m benchmarks.throughput --workload W2 --arms v2,v1,hf_static --hf-batch-size 128
     python -m benchmarks.throughput --workload CPU         # the embedded model on the CPU
+    python -m benchmarks.throughput --workload CPU --quantization none  # ... in float32
     python -m benchmarks.throughput --workload W3 --quantization fp8   # FP8 projections
     python -m benchmarks.throughput --workload W3 --kv-cache-dtype fp8  # an FP8 KV cache
 
@@ -80,7 +81,8 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument(
         "--arms",
         help=f"comma-separated, v2 first: any of {','.join(TANDEM_ARMS + HF_ARMS)} (the "
-        "default; without the transformers arms under --quantization fp8)",
+        "default; without the transformers arms when tandem's projections are FP8 or "
+        "packed int4)",
     )
     p.add_argument(
         "--repeats",
@@ -110,12 +112,13 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     p.add_argument(
         "--quantization",
-        choices=["auto", "fp8", "none"],
+        choices=["auto", "fp8", "int4", "none"],
         default="auto",
         help="tandem's --quantization: fp8 quantizes the (dummy) weights' projections per "
-        "output channel at load (CUDA >= 8.9). The transformers arms share tandem's "
-        "weights, so they run only unquantized ones; the floor figures assume 2-byte "
-        "weights whatever this is",
+        "output channel at load (CUDA >= 8.9); auto keeps the CPU workload's Q4_1 "
+        "projections packed int4, none runs them in float32. The transformers arms share "
+        "tandem's weights, so they run only unquantized ones; the floor figures assume "
+        "2-byte weights whatever this is",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -125,6 +128,7 @@ def parse_args(argv: list[str] | None) -> Any:
         "bf16's bytes per token)",
     )
     args = p.parse_args(argv)
+    args.default_arms = args.arms is None
     if args.arms is None:
         default = TANDEM_ARMS if args.quantization == "fp8" else TANDEM_ARMS + HF_ARMS
         args.arms = ",".join(default)
@@ -203,6 +207,9 @@ def run_arms(
     started = time.perf_counter()
     v2 = LLM(workload.model, runner="v2", **engine_options)
     details["startup"] = _startup_figures(v2, time.perf_counter() - started, triton_cache_was_empty)
+    if getattr(args, "default_arms", False) and v2.worker.model.precision.schemes:
+        args.arms = [arm for arm in args.arms if arm not in HF_ARMS]  # nothing to share
+        details["arms"] = args.arms
     llms = {"v2": v2}
     if "v1" in args.arms:
         llms["v1"] = LLM(workload.model, reuse=v2, runner="v1", **engine_options)

@@ -18,7 +18,7 @@ from gpu.models.precision import WeightPrecision, resolve_precision
 from gpu.platform import Platform, probe_platform
 from gpu.runner_selection import RunnerChoice, RunnerSelectionInput, parse_runner_env, select_runner
 from gpu.runner_v1.compiled_model import check_compilable
-from gpu.weights.shard_loader import read_model_config
+from gpu.weights.shard_loader import read_int4_checkpoint, read_model_config
 from gpu.worker import ModelWorker, check_kv_cache_dtype, resolve_dtype
 
 log = structlog.get_logger("tandem.startup")
@@ -58,22 +58,29 @@ def check_before_load(config: EngineConfig, platform: Platform) -> None:
     """Refuse what cannot be served before spending the model load on it: processors that
     do not import, a forced runner that cannot run them (the
     forced path of the selection does not depend on the architecture), a --compile-level
-    for a model whose parts (FP8 projections among them) the compiled pieces leave out,
+    for a model whose parts (FP8 or packed int4 projections among them) the compiled
+    pieces leave out,
     --kv-cache-dtype fp8 on a GPU below compute capability 8.9.
     (A precision the device cannot run is refused by the loader before it reads weights.)"""
     load_logits_processor_classes(config.logits_processors)
     check_kv_cache_dtype(config.kv_cache_dtype, platform)
-    if config.compile_level > 0:
-        runs_fp8 = check_precision(config, platform).runs_fp8
-        check_compilable(read_model_config(config.model), config.compile_level, runs_fp8)
     forced = selection_input(config, architecture="")
     if forced.env_override is not None or forced.requested_runner != "auto":
         select_runner(forced, platform)
+    if config.compile_level > 0:
+        precision = check_precision(config, platform)
+        check_compilable(
+            read_model_config(config.model),
+            config.compile_level,
+            precision.runs_fp8,
+            precision.runs_int4,
+        )
 
 
 def check_precision(config: EngineConfig, platform: Platform) -> WeightPrecision:
     """What each projection will run in (gpu/models/precision.py), from the model's config
-    alone; raises UnsupportedModelError for FP8 the device cannot run."""
+    (and a GGUF's tensor types) alone; raises UnsupportedModelError for FP8 or int4 the
+    device cannot run."""
     device = torch.device(platform.device)
     return resolve_precision(
         read_model_config(config.model),
@@ -83,6 +90,7 @@ def check_precision(config: EngineConfig, platform: Platform) -> WeightPrecision
         platform.compute_capability,
         platform.has_triton,
         tp_size=config.tensor_parallel_size,
+        int4_checkpoint=read_int4_checkpoint(config.model),
     )
 
 

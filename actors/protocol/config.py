@@ -10,8 +10,8 @@ from actors.protocol.speculative_config import SpeculativeConfig
 
 RunnerChoice = Literal["auto", "v1", "v2"]
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
-QuantizationChoice = Literal["auto", "fp8", "none"]
-QUANTIZATION_CHOICES = ("auto", "fp8", "none")
+QuantizationChoice = Literal["auto", "fp8", "int4", "none"]
+QUANTIZATION_CHOICES = ("auto", "fp8", "int4", "none")
 KVCacheDTypeChoice = Literal["auto", "fp8", "fp8_e4m3"]
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's default --max-logprobs."""
@@ -30,9 +30,11 @@ class EngineConfig:
     """Compute dtype; auto is float32 on CPU and bfloat16 on GPU."""
     quantization: QuantizationChoice = "auto"
     """Weight quantization (vLLM's --quantization): auto runs what the checkpoint holds
-    (FP8 checkpoints as FP8 GEMMs on CUDA >= 8.9, dequantized on CPU); fp8 quantizes an
-    unquantized checkpoint's projections per output channel at load; none dequantizes an
-    FP8 checkpoint to `dtype` (gpu/models/precision.py decides, per projection)."""
+    (FP8 checkpoints as FP8 GEMMs on CUDA >= 8.9, dequantized on CPU; a GGUF's Q4_0 / Q4_1
+    projections packed as int4 on one CPU device, dequantized elsewhere); fp8 quantizes an
+    unquantized checkpoint's projections per output channel at load; int4 runs every
+    projection as packed int4 on the CPU; none dequantizes everything to `dtype`
+    (gpu/models/precision.py decides, per projection)."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu' or 'cuda[:N]'."""
     max_model_len: int | None = None
@@ -118,7 +120,9 @@ class EngineConfig:
         ):
             raise ConfigError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
-            raise ConfigError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
+            raise ConfigError(
+                f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.models.precision import Fp8Scheme
+from gpu.models.int4_linear import Int4Weight
+from gpu.models.precision import Fp8Scheme, ProjectionScheme
 from gpu.models.quant_config import FP8_BLOCK_SIZE
 from kernels.fp8_gemm import fp8_gemm_blockwise, fp8_gemm_rowwise
 from kernels.fp8_gemv import fp8_gemv
@@ -101,7 +102,8 @@ class Fp8Weight(nn.Module):
         return targets
 
 
-Projection = nn.Parameter | Fp8Weight
+Projection = nn.Parameter | Fp8Weight | Int4Weight
+"""Int4Weight: packed int4 on the CPU (gpu/models/int4_linear.py)."""
 
 
 def projection(
@@ -109,11 +111,14 @@ def projection(
     in_features: int,
     dtype: torch.dtype,
     device: torch.device | str,
-    scheme: Fp8Scheme | None = None,
+    scheme: ProjectionScheme | None = None,
 ) -> Projection:
-    """An uninitialised projection: FP8 under `scheme`, else a [N, K] parameter in `dtype`."""
-    if scheme is not None:
+    """An uninitialised projection: FP8 or int4 under `scheme`, else a [N, K] parameter
+    in `dtype`."""
+    if isinstance(scheme, Fp8Scheme):
         return Fp8Weight(out_features, in_features, scheme, device)
+    if scheme is not None:
+        return Int4Weight(out_features, in_features, scheme, device)
     return _parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
 
 
@@ -122,7 +127,7 @@ def linear(
     weight: Projection,
     bias: torch.Tensor | None = None,  # [out_features] or None
 ) -> torch.Tensor:  # [num_tokens, out_features] in x's dtype
-    if isinstance(weight, Fp8Weight):
+    if isinstance(weight, Fp8Weight | Int4Weight):
         return weight(x, bias)
     return F.linear(x, weight, bias)
 
@@ -132,7 +137,7 @@ def part_targets(weight: Projection, parts: list[tuple[str, int, int]]) -> dict[
     rows) in row order."""
     targets: dict[str, torch.Tensor] = {}
     for module, start, rows in parts:
-        if isinstance(weight, Fp8Weight):
+        if isinstance(weight, Fp8Weight | Int4Weight):
             targets.update(weight.part_targets(module, start, rows))
         else:
             targets[f"{module}.weight"] = weight.data.narrow(0, start, rows)

@@ -18,7 +18,7 @@ from torch import nn
 
 from gpu.models.config import UnsupportedModelError
 from gpu.models.fp8_linear import linear, projection
-from gpu.models.precision import Fp8Scheme
+from gpu.models.precision import ProjectionScheme
 from kernels.qkv_prologue import apply_rotary_ref as apply_rotary
 from kernels.rms_norm import add_rms_norm
 from kernels.silu_mul import silu_mul
@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
 
 class SwiGLUMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; either
-    projection may be FP8 (gpu/models/fp8_linear.py) when its scheme says so."""
+    projection may be FP8 or int4 (gpu/models/fp8_linear.py) when its scheme says so."""
 
     def __init__(
         self,
@@ -71,8 +71,8 @@ class SwiGLUMLP(nn.Module):
         intermediate_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        gate_up_scheme: Fp8Scheme | None = None,
-        down_scheme: Fp8Scheme | None = None,
+        gate_up_scheme: ProjectionScheme | None = None,
+        down_scheme: ProjectionScheme | None = None,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size

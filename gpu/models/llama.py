@@ -7,7 +7,8 @@ mixture-of-experts models the experts (gpu/models/moe.py replaces the MLP of MoE
 per-layer sliding windows, attention sinks and the o_proj bias (gpt-oss). q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
 tensor names and concatenates them. Any of the four projections of a layer may be FP8
-(gpu/models/fp8_linear.py; which ones, gpu/models/precision.py decides); the LM head and
+(gpu/models/fp8_linear.py) or, on the CPU, packed int4 (gpu/models/int4_linear.py; which
+ones, gpu/models/precision.py decides); the LM head and
 the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
 one rank's shard and communicates as gpu/models/parallel_layers.py describes; without one
 (the default) it is the whole model and runs no collective. MoE models run unsharded
@@ -36,6 +37,7 @@ from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.attention.kv_cache_dtype import load_kv_scales
 from gpu.models.config import MOE_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from gpu.models.fp8_linear import linear, part_targets, projection
+from gpu.models.int4_linear import pack_int4_weights
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 from gpu.models.moe import SparseMoE, ViewTarget, moe_weight_targets
 from gpu.models.parallel_layers import (
@@ -51,12 +53,14 @@ from gpu.models.precision import (
     GATE_UP_GROUP,
     O_GROUP,
     QKV_GROUP,
-    Fp8Scheme,
+    ProjectionScheme,
     WeightPrecision,
 )
 from kernels.fp8_quant import FP8_DTYPE
 from kernels.qkv_prologue import qkv_prologue
 
+_EXACT_DTYPES = {FP8_DTYPE, torch.uint8}
+"""Target dtypes a weight must arrive in: FP8 weights, int4 codes, MXFP4 blocks."""
 # Buffers that some checkpoints carry but that are recomputed here.
 _IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 Target = torch.Tensor | ViewTarget
@@ -78,7 +82,7 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
         layer_index: int = 0,
-        schemes: Mapping[str, Fp8Scheme] | None = None,
+        schemes: Mapping[str, ProjectionScheme] | None = None,
     ) -> None:
         super().__init__()
         schemes = schemes or {}
@@ -163,7 +167,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: Collectives | None = None,
         layer_index: int = 0,
-        schemes: Mapping[str, Fp8Scheme] | None = None,
+        schemes: Mapping[str, ProjectionScheme] | None = None,
     ) -> None:
         super().__init__()
         schemes = schemes or {}
@@ -333,6 +337,7 @@ class DecoderModel(nn.Module):
                     del weights[name]  # type: ignore[attr-defined]
         if consume:
             weights.clear()  # type: ignore[attr-defined]
+        pack_int4_weights(self)
 
     def _kv_scale_targets(self) -> dict[str, torch.Tensor]:
         """Loader names of the KV cache scales (gpu/attention/kv_cache_dtype.py) -> each
@@ -404,12 +409,14 @@ def _check_weights(
         for name in names
         if name in targets and weights[name].shape != targets[name].shape
     ]
-    # copy_ would cast silently (clamping into FP8's range): FP8 targets take FP8 only.
+    # copy_ would cast silently (clamping into FP8's range, truncating into int4 codes):
+    # FP8 and uint8 targets take their own dtype only, and only they take it.
     mis_typed = [
-        f"{name}: expected {FP8_DTYPE}, got {weights[name].dtype}"
+        f"{name}: expected {_target_dtype(targets[name])}, got {weights[name].dtype}"
         for name in names
         if name in targets
-        and (_target_dtype(targets[name]) == FP8_DTYPE) != (weights[name].dtype == FP8_DTYPE)
+        and _EXACT_DTYPES & {_target_dtype(targets[name]), weights[name].dtype}
+        and _target_dtype(targets[name]) != weights[name].dtype
     ]
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"

@@ -1,18 +1,21 @@
 """What precision each projection runs in: the one place that decides it.
 
-Inputs: the checkpoint's FP8 format (`ModelConfig.fp8`, gpu/models/quant_config.py),
---quantization (auto: what the checkpoint says; fp8: quantize a bf16 checkpoint per
-output channel at load; none: dequantize an FP8 checkpoint), and the device. Output: a
-`WeightPrecision` naming each fused projection (qkv, o, gate/up, down of each layer) that
-runs as an FP8 GEMM and with which scales; every other weight is in the model dtype. The
-loaders (gpu/weights/fp8_weights.py) shape the tensors and the model
-(gpu/models/fp8_linear.py) allocates its projections from this same record.
+Inputs: the checkpoint's FP8 format (`ModelConfig.fp8`, gpu/models/quant_config.py), a GGUF
+file's 4-bit projections (`Int4Checkpoint`), --quantization (auto: what the checkpoint
+holds; fp8: quantize a bf16 checkpoint per output channel at load; int4: packed int4 on
+the CPU; none: dequantize everything), and the device. Output: a `WeightPrecision` naming
+each fused projection (qkv, o, gate/up, down of each layer) that runs as an FP8 GEMM or as
+a packed int4 GEMM, and how; every other weight is in the model dtype. The loaders
+(gpu/weights/fp8_weights.py, int4_weights.py) shape the tensors and the model
+(gpu/models/fp8_linear.py, int4_linear.py) allocates its projections from this record.
 
 FP8 GEMMs run on CUDA devices of compute capability >= 8.9 only. On CPU an FP8 checkpoint
 is dequantized at load (the correctness path); on an older GPU it is refused unless
---quantization none asks for the dequantized model. The LM head, embeddings, norms, MoE
-routers and experts stay in the model dtype (experts of an FP8 checkpoint are dequantized
-at load; gpt-oss's MXFP4 experts stay MXFP4).
+--quantization none asks for the dequantized model. On one CPU device (no tensor
+parallelism), auto keeps a GGUF's Q4_0 / Q4_1 projections packed as int4 (4 bits a weight
+read per decode step instead of float32's 32); int4 also quantizes every other projection
+at load. The LM head, embeddings, norms, MoE routers and experts stay in the model dtype
+(experts of an FP8 checkpoint are dequantized at load; gpt-oss's MXFP4 experts stay MXFP4).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import torch
 
 from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.models.parallel_layers import head_shard, intermediate_shard
-from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint
+from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint, Int4Checkpoint
 
+QUANTIZATIONS = ("auto", "fp8", "int4", "none")
+"""--quantization's values (actors/protocol/config.py lists the same)."""
 FP8_MIN_CAPABILITY = (8, 9)
 """Ada / Hopper and later: the first GPUs with FP8 tensor cores."""
 QKV_GROUP, O_GROUP = "self_attn.qkv_proj", "self_attn.o_proj"
@@ -64,30 +69,62 @@ class Fp8Scheme:
 
 
 @dataclass(frozen=True, slots=True)
+class Int4Scheme:
+    """A packed int4 projection on the CPU (gpu/models/int4_linear.py): 4-bit codes in
+    groups of 32 input columns with a bf16 scale and zero each, times bf16 activations."""
+
+    block_types: str = ""
+    """The GGUF blocks the codes come from ("Q4_1"); "" when quantized at load."""
+
+    def describe(self) -> str:
+        codes = f"from {self.block_types} blocks" if self.block_types else "quantized at load"
+        return f"32-column groups {codes}, bf16 scales and activations"
+
+
+ProjectionScheme = Fp8Scheme | Int4Scheme
+
+
+@dataclass(frozen=True, slots=True)
 class WeightPrecision:
     dtype: torch.dtype
     """The model dtype: every weight not listed in `schemes`, and the activations."""
     checkpoint: Fp8Checkpoint | None = None
-    schemes: Mapping[str, Fp8Scheme] = field(default_factory=dict)
-    """Fused projection ("model.layers.0.self_attn.qkv_proj") -> its FP8 scheme."""
+    schemes: Mapping[str, ProjectionScheme] = field(default_factory=dict)
+    """Fused projection ("model.layers.0.self_attn.qkv_proj") -> its FP8 or int4 scheme."""
     notes: tuple[str, ...] = ()
     """Why FP8 weights are dequantized where they are (logged at load)."""
     num_projections: int = 0
     """Checkpoint projections of the dense parts (q, k, v, o, gate, up, down per layer)."""
 
     @property
+    def fp8_schemes(self) -> dict[str, Fp8Scheme]:
+        return {g: s for g, s in self.schemes.items() if isinstance(s, Fp8Scheme)}
+
+    @property
+    def int4_schemes(self) -> dict[str, Int4Scheme]:
+        return {g: s for g, s in self.schemes.items() if isinstance(s, Int4Scheme)}
+
+    @property
     def runs_fp8(self) -> bool:
-        return bool(self.schemes)
+        return bool(self.fp8_schemes)
+
+    @property
+    def runs_int4(self) -> bool:
+        return bool(self.int4_schemes)
 
     @property
     def num_fp8_projections(self) -> int:
-        return sum(len(GROUP_PARTS[_local(g)]) for g in self.schemes)
+        return sum(len(GROUP_PARTS[_local(g)]) for g in self.fp8_schemes)
 
-    def scheme(self, group: str) -> Fp8Scheme | None:
+    @property
+    def num_int4_projections(self) -> int:
+        return sum(len(GROUP_PARTS[_local(g)]) for g in self.int4_schemes)
+
+    def scheme(self, group: str) -> ProjectionScheme | None:
         return self.schemes.get(group)
 
-    def layer_schemes(self, layer: int) -> dict[str, Fp8Scheme]:
-        """Group name within layer `layer` -> scheme, for the layer's FP8 projections."""
+    def layer_schemes(self, layer: int) -> dict[str, ProjectionScheme]:
+        """Group name within layer `layer` -> scheme, for its FP8 and int4 projections."""
         prefix = f"model.layers.{layer}."
         return {g.removeprefix(prefix): s for g, s in self.schemes.items() if g.startswith(prefix)}
 
@@ -95,8 +132,8 @@ class WeightPrecision:
         """One line: what runs in what precision."""
         dtype = str(self.dtype).removeprefix("torch.")
         in_dtype = []
-        num_plain = self.num_projections - self.num_fp8_projections
-        if self.runs_fp8 and num_plain:
+        num_plain = self.num_projections - self.num_fp8_projections - self.num_int4_projections
+        if self.schemes and num_plain:
             in_dtype.append(f"{num_plain} projections")
         if config.is_moe and not config.mxfp4_experts:
             in_dtype.append(
@@ -106,12 +143,18 @@ class WeightPrecision:
             in_dtype.append("routers")
         in_dtype += ["lm_head", "embeddings", "norms"]
         mxfp4 = "; mxfp4 for experts" if config.mxfp4_experts else ""
-        if not self.runs_fp8:
+        if not self.schemes:
             origin = " (fp8 checkpoint dequantized at load)" if self.checkpoint else ""
             return f"weights: {dtype}{origin}{mxfp4}"
-        schemes = sorted({s.describe() for s in self.schemes.values()})
-        fp8 = f"fp8 ({'; '.join(schemes)}) for {self.num_fp8_projections} projections"
-        return f"weights: {fp8}; {dtype} for {', '.join(in_dtype)}{mxfp4}"
+        packed = []
+        for kind, schemes, num in (
+            ("fp8", self.fp8_schemes, self.num_fp8_projections),
+            ("int4", self.int4_schemes, self.num_int4_projections),
+        ):
+            if schemes:
+                described = "; ".join(sorted({s.describe() for s in schemes.values()}))
+                packed.append(f"{kind} ({described}) for {num} projections")
+        return f"weights: {'; '.join(packed)}; {dtype} for {', '.join(in_dtype)}{mxfp4}"
 
     def fp8_experts(self, config: ModelConfig) -> bool:
         """Whether the checkpoint's MoE experts are FP8 (they are dequantized at load)."""
@@ -149,18 +192,25 @@ def resolve_precision(
     has_triton: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
+    int4_checkpoint: Int4Checkpoint | None = None,
 ) -> WeightPrecision:
     """Decide each projection's precision. Raises UnsupportedModelError for what cannot
     run: FP8 GEMMs off CUDA or below compute capability 8.9 (an FP8 checkpoint is
     dequantized on CPU, or anywhere with --quantization none), block-wise FP8 without
-    Triton, and block scales that a tensor-parallel rank's slice would cut."""
-    if requested not in ("auto", "fp8", "none"):
-        raise UnsupportedModelError(f"--quantization must be auto, fp8 or none, got {requested!r}")
+    Triton, block scales that a tensor-parallel rank's slice would cut, and int4 off a
+    single CPU device. `int4_checkpoint`: a GGUF file's Q4_0 / Q4_1 projections."""
+    if requested not in QUANTIZATIONS:
+        raise UnsupportedModelError(
+            f"--quantization must be auto, fp8, int4 or none, got {requested!r}"
+        )
     checkpoint = config.fp8
     geometry = _layer_geometry(config, tp_rank, tp_size)
     if checkpoint is not None and checkpoint.strategy == "block":
         _check_block_shards(config.name or config.architecture, geometry, tp_size)
     base = WeightPrecision(dtype, checkpoint, num_projections=_count_projections(config))
+    on_one_cpu = device_type == "cpu" and tp_size == 1
+    if requested == "int4" or (requested == "auto" and int4_checkpoint and on_one_cpu):
+        return _int4_schemes(base, geometry, on_one_cpu, requested, int4_checkpoint)
     if checkpoint is None and requested != "fp8":
         return base
     if requested == "none":
@@ -302,6 +352,31 @@ def _fp8_schemes(
         for reason, layers in dequantized.items()
     )
     return dataclasses.replace(base, schemes=schemes, notes=notes)
+
+
+def _int4_schemes(
+    base: WeightPrecision,
+    geometry: list[dict[str, list[_Part]]],
+    on_one_cpu: bool,
+    requested: str,
+    gguf: Int4Checkpoint | None,
+) -> WeightPrecision:
+    """Int4 for every fused projection whose parts the GGUF stores in Q4 blocks; under
+    --quantization int4 for the others too (quantized at load; FP8 ones dequantized first)."""
+    if not on_one_cpu:
+        raise UnsupportedModelError(
+            "--quantization int4 runs torch's CPU int4 GEMM, on one CPU device only "
+            "(--device cpu, --tensor-parallel-size 1); use --quantization auto"
+        )
+    schemes: dict[str, ProjectionScheme] = {}
+    for layer, groups in enumerate(geometry):
+        for group, parts in groups.items():
+            modules = [f"model.layers.{layer}.{p.module}" for p in parts]
+            if gguf is not None and all(gguf.is_quantized(m) for m in modules):
+                schemes[f"model.layers.{layer}.{group}"] = Int4Scheme("+".join(gguf.block_types))
+            elif requested == "int4":
+                schemes[f"model.layers.{layer}.{group}"] = Int4Scheme()
+    return dataclasses.replace(base, schemes=schemes)
 
 
 def _count_projections(config: ModelConfig) -> int:

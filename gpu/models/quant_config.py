@@ -14,7 +14,9 @@ line, never loaded wrongly):
   `input_scale` ([1]) when `input_activations.dynamic` is false, and an `ignore` list
   whose entries are module names or "re:<regex>" patterns.
 
-gpt-oss's MXFP4 experts are not FP8: config.py reads them (`mxfp4_experts`).
+gpt-oss's MXFP4 experts are not FP8: config.py reads them (`mxfp4_experts`). A GGUF
+file's 4-bit projections (Q4_0, Q4_1) are described by `Int4Checkpoint`, which the GGUF
+loader reads from the file's tensor types.
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ class Fp8Checkpoint:
         in FP8, by its ignore list. The precision plan relies on it for the projections;
         the loader then checks each tensor's dtype against the plan."""
         return not any(_matches(entry, module) for entry in self.ignore)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Checkpoint:
+    """The projections a GGUF file stores as 4-bit codes in blocks of 32 columns (Q4_0,
+    Q4_1): gpu/models/precision.py may keep them packed (kernels/packed_cpu.py)."""
+
+    modules: frozenset[str]
+    """Checkpoint modules ("model.layers.0.self_attn.q_proj") stored in Q4_0 or Q4_1."""
+    block_types: tuple[str, ...]
+    """The GGUF types among them, sorted ("Q4_1",)."""
+
+    def is_quantized(self, module: str) -> bool:
+        return module in self.modules
 
 
 def fp8_checkpoint(hf: dict[str, Any]) -> Fp8Checkpoint | None:

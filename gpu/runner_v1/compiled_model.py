@@ -22,7 +22,8 @@ token), so a server compiles at startup (`warm_up`) and never during serving.
 Dense Llama/Qwen decoders only: a model with mixture-of-experts layers, attention sinks,
 sliding windows or an o_proj bias (Qwen3-MoE, gpt-oss) is refused at startup, since the
 traced pieces above do not hold those parts; so are FP8 projections (gpu/models/fp8_linear.py;
-on CPU an FP8 checkpoint is dequantized at load and compiles as any other).
+on CPU an FP8 checkpoint is dequantized at load and compiles as any other) and packed int4
+ones (gpu/models/int4_linear.py: --quantization none compiles a GGUF's float32 model).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
     model and level (kept on the model, so it lives exactly as long)."""
     if level not in COMPILE_MODES:
         raise ValueError(f"compile level must be one of {sorted(COMPILE_MODES)}, got {level}")
-    check_compilable(model.config, level, model.precision.runs_fp8)
+    check_compilable(model.config, level, model.precision.runs_fp8, model.precision.runs_int4)
     per_model: dict[int, CompiledDecoder] = model.__dict__.setdefault(_ATTRIBUTE, {})
     if level not in per_model:
         per_model[level] = CompiledDecoder(model, level)
@@ -67,16 +68,19 @@ def compiled_decoder(model: DecoderModel, level: int) -> CompiledDecoder:
     return per_model[level]
 
 
-def check_compilable(config: ModelConfig, level: int, runs_fp8: bool = False) -> None:
+def check_compilable(
+    config: ModelConfig, level: int, runs_fp8: bool = False, runs_int4: bool = False
+) -> None:
     """Raise UnsupportedModelError when the compiled pieces would leave out a part of
-    `config`'s model (see the module docstring), or when its projections run as FP8
-    GEMMs (gpu/models/precision.py), which the compiled pieces do not trace."""
-    untraced = _untraced_parts(config) + (["FP8 projections"] if runs_fp8 else [])
+    `config`'s model (see the module docstring), or when its projections run as FP8 or
+    packed int4 GEMMs (gpu/models/precision.py), which the compiled pieces do not trace."""
+    quantized = ["FP8 projections"] * runs_fp8 + ["int4 projections"] * runs_int4
+    untraced = _untraced_parts(config) + quantized
     if untraced:
         raise UnsupportedModelError(
             f"--compile-level {level} cannot compile {config.architecture} "
             f"({', '.join(untraced)}); serve it with --compile-level 0"
-            + (" (or --quantization none)" if runs_fp8 else "")
+            + (" (or --quantization none)" if quantized else "")
         )
 
 
@@ -114,7 +118,7 @@ def _post_weights(layer: DecoderLayer) -> tuple[torch.Tensor, ...]:
 
 
 def _plain(weight: Projection) -> torch.Tensor:
-    """A projection's [N, K] weight; check_compilable refuses FP8 ones before tracing."""
+    """A projection's [N, K] weight; check_compilable refuses FP8 and int4 ones first."""
     assert isinstance(weight, torch.Tensor)
     return weight
 

@@ -11,6 +11,7 @@ in the model dtype (`to_load_dtype`); `apply_precision` then, per checkpoint mod
   dequantized to the model dtype, its scales dropped;
 - --quantization fp8: each projection weight quantized per output channel.
 `fp8_expected_shapes` adds the scale tensors to the names and shapes the loaders check.
+Int4 projections (CPU) are then brought into their form by gpu/weights/int4_weights.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from gpu.models.precision import (
     part_modules,
     resolve_precision,
 )
-from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint
+from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint, Int4Checkpoint
+from gpu.weights.int4_weights import apply_int4_precision
 from gpu.weights.shard_layout import WHOLE_TENSOR, ShardSlice
 from kernels._triton import HAS_TRITON
 from kernels.fp8_quant import (
@@ -47,12 +49,21 @@ def device_precision(
     device: str | torch.device,
     tp_rank: int = 0,
     tp_size: int = 1,
+    int4_checkpoint: Int4Checkpoint | None = None,
 ) -> WeightPrecision:
     """`resolve_precision` for `device`, its compute capability probed."""
     device = torch.device(device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return resolve_precision(
-        config, requested, dtype, device.type, capability, HAS_TRITON, tp_rank, tp_size
+        config,
+        requested,
+        dtype,
+        device.type,
+        capability,
+        HAS_TRITON,
+        tp_rank,
+        tp_size,
+        int4_checkpoint,
     )
 
 
@@ -94,8 +105,8 @@ def fp8_scale_slices(
 
 def apply_precision(weights: dict[str, torch.Tensor], precision: WeightPrecision) -> None:
     """Bring `weights` (read with `to_load_dtype`) into the form `precision` says, in
-    place (see the module docstring). Raises ValueError naming a tensor that does not
-    match the checkpoint's quantization_config."""
+    place (see the module docstring), int4 projections last. Raises ValueError naming a
+    tensor that does not match the checkpoint's quantization_config."""
     for name in [n for n, t in weights.items() if t.dtype == FP8_DTYPE]:
         module = name.removesuffix(".weight")
         checkpoint = precision.checkpoint
@@ -104,12 +115,12 @@ def apply_precision(weights: dict[str, torch.Tensor], precision: WeightPrecision
                 f"float8 tensor {name!r} in a checkpoint without an fp8 quantization_config"
             )
         group = group_of(module)
-        scheme = None if group is None else precision.scheme(group)
+        scheme = None if group is None else precision.fp8_schemes.get(group)
         if scheme is None:
             weights[name] = _dequantized(weights, module, checkpoint, precision.dtype)
         else:
             _keep_fp8(weights, module, checkpoint, scheme)
-    for group, scheme in precision.schemes.items():
+    for group, scheme in precision.fp8_schemes.items():
         modules = part_modules(group)
         if scheme.quantized_at_load:
             for module in modules:
@@ -122,6 +133,7 @@ def apply_precision(weights: dict[str, torch.Tensor], precision: WeightPrecision
                 )
         if scheme.static_input_scale:
             _share_input_scale(weights, modules)
+    apply_int4_precision(weights, precision)
 
 
 def fp8_expected_shapes(
@@ -130,7 +142,7 @@ def fp8_expected_shapes(
     """`expected` (name -> shape of this rank's weights) plus the scales of the FP8
     projections."""
     shapes = dict(expected)
-    for group, scheme in precision.schemes.items():
+    for group, scheme in precision.fp8_schemes.items():
         for module in part_modules(group):
             rows, cols = expected[module + ".weight"]
             if scheme.block:

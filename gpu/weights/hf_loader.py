@@ -23,6 +23,7 @@ from gpu.weights.fp8_weights import (
     fp8_scale_slices,
     to_load_dtype,
 )
+from gpu.weights.int4_weights import int4_expected_shapes
 from gpu.weights.layout import finish_weights, is_mxfp4_weight
 from gpu.weights.shard_layout import (
     WHOLE_TENSOR,
@@ -120,6 +121,7 @@ def load_hf_dir(
                 weights[name] = _to_model_dtype(name, shard, device_name, dtype)
     apply_precision(weights, precision)
     expected = fp8_expected_shapes(expected_shard_shapes(config, tp_rank, tp_size), precision)
+    expected = int4_expected_shapes(expected, precision)
     weights = finish_weights(config, weights, model_dir, expected)
     return config, weights, load_generation_config(model_dir)
 

@@ -3,8 +3,9 @@ the generation defaults itself: app/tokenizer_loader.py).
 
 `model` is "default" (the embedded SmolLM2-135M-Instruct GGUF), a path to a `.gguf` file,
 a Hugging Face model directory, or "dummy:<preset>" (random weights, no tokenizer).
-`quantization` (--quantization) and the device decide which projections are FP8
-(gpu/models/precision.py); the weights come in that form (gpu/weights/fp8_weights.py).
+`quantization` (--quantization) and the device decide which projections are FP8 or int4
+(gpu/models/precision.py); the weights come in that form (gpu/weights/fp8_weights.py,
+gpu/weights/int4_weights.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights, preset_config
 from gpu.weights.fp8_weights import apply_precision, device_precision
 from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
-from gpu.weights.gguf_loader import load_gguf, read_gguf_config
+from gpu.weights.gguf_loader import gguf_int4_checkpoint, load_gguf, read_gguf_config
 from gpu.weights.hf_loader import load_hf_config, load_hf_dir
 
 _SUPPORTED_SOURCES = (
@@ -44,15 +45,15 @@ class ModelFiles:
     source: str
     """The resolved path, or "dummy:<preset>"."""
     precision: WeightPrecision
-    """Which projections are FP8 (the weights are in that form already)."""
+    """Which projections are FP8 or int4 (the weights are in that form already)."""
 
 
 def load_model_files(
     model: str, dtype: torch.dtype, device: str | torch.device = "cpu", quantization: str = "auto"
 ) -> ModelFiles:
-    """Load everything needed to serve `model`, its projections FP8 where `quantization`
-    (auto, fp8 or none) and the device say. Raises ModelLoadError, or UnsupportedModelError
-    for a precision the device cannot run."""
+    """Load everything needed to serve `model`, its projections FP8 or int4 where
+    `quantization` (auto, fp8, int4 or none) and the device say. Raises ModelLoadError, or
+    UnsupportedModelError for a precision the device cannot run."""
     source = resolve_model_path(model)
     if source.startswith(DUMMY_PREFIX):
         return _load_dummy(source, dtype, device, quantization)
@@ -93,9 +94,11 @@ def _load_gguf_file(
             f"expected {_SUPPORTED_SOURCES}"
         )
     gguf = GGUFFile(path)
-    precision = device_precision(read_gguf_config(gguf), quantization, dtype, device)
-    config, weights = load_gguf(gguf, dtype, device)
-    apply_precision(weights, precision)
+    int4 = gguf_int4_checkpoint(gguf)
+    precision = device_precision(
+        read_gguf_config(gguf), quantization, dtype, device, int4_checkpoint=int4
+    )
+    config, weights = load_gguf(gguf, dtype, device, precision=precision)
     return ModelFiles(config, weights, path, precision)
 
 

@@ -20,10 +20,11 @@ from actors.protocol.model_source import DUMMY_PREFIX, ModelLoadError, resolve_m
 from gpu.models.config import ModelConfig
 from gpu.models.parallel_layers import check_tensor_parallel_size
 from gpu.models.precision import WeightPrecision
+from gpu.models.quant_config import Int4Checkpoint
 from gpu.weights.dummy import dummy_weights, preset_config
 from gpu.weights.fp8_weights import apply_precision, device_precision
 from gpu.weights.gguf_file import GGUF_MAGIC, GGUFFile
-from gpu.weights.gguf_loader import load_gguf, read_gguf_config
+from gpu.weights.gguf_loader import gguf_int4_checkpoint, load_gguf, read_gguf_config
 from gpu.weights.hf_loader import load_hf_config, load_hf_dir
 
 T = TypeVar("T")
@@ -48,6 +49,18 @@ def read_model_config(model: str) -> ModelConfig:
     before any worker starts). Raises ModelLoadError."""
     source = resolve_model_path(model)
     return _guarded(source, lambda: _read_config(source))
+
+
+def read_int4_checkpoint(model: str) -> Int4Checkpoint | None:
+    """The Q4_0 / Q4_1 projections of `model` when it is a GGUF file (None for any other
+    source), from its tensor table alone. Raises ModelLoadError."""
+    source = resolve_model_path(model)
+    if source.startswith(DUMMY_PREFIX) or not os.path.isfile(source):
+        return None
+    with open(source, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            return None
+    return _guarded(source, lambda: gguf_int4_checkpoint(GGUFFile(source)))
 
 
 def load_weight_shard(

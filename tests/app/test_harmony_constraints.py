@@ -72,14 +72,17 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 @functools.cache
-def _ll_tokenizer(tokenizer_json: str) -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=VOCAB_SIZE, eos_token=list(EOS_TOKEN_IDS))
+def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """Once per tokenizer: serialising gpt-oss's tokenizer takes about half a second."""
+    return llguidance.LLTokenizer(
+        tokenizer.raw.to_str(), n_vocab=VOCAB_SIZE, eos_token=list(EOS_TOKEN_IDS)
+    )
 
 
 def _walk(tokenizer: Tokenizer, grammar: str, text: str) -> str | None:
     """None when the grammar takes the whole text and ends with it, else what stopped it."""
     spec = StructuredOutputSpec("grammar", grammar)
-    matcher = GrammarMatcher(compile_matcher(_ll_tokenizer(tokenizer.raw.to_str()), spec))
+    matcher = GrammarMatcher(compile_matcher(_ll_tokenizer(tokenizer), spec))
     for token_id in tokenizer.encode(text):
         if not matcher.accept_token(token_id):
             return f"refused {tokenizer.decode([token_id])!r}"

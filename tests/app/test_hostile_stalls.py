@@ -127,9 +127,8 @@ def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
     server = ServeProcess(tmp_path / "serve.log", "--engine-stall-timeout", str(STALL_TIMEOUT_S))
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
+            # The plain request during the stall is checked against this text too.
             expected = _stream_text(client, GREEDY_CHAT)
-            plain = client.post("/v1/chat/completions", json=GREEDY_CHAT).json()
-            assert plain["choices"][0]["message"]["content"] == expected
         engine_pid = server.engine_pid()
         stopped_at: list[float] = []
 

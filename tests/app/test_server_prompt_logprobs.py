@@ -2,10 +2,12 @@
 local-completions sends and reads it (loglikelihood), vLLM's prompt_logprobs field on chat
 and completions, against transformers' log_softmax on the same weights; and lm-eval itself
 running a multiple-choice task from a local dataset file through local-completions, with
-the server's remote tokenizer endpoints."""
+the server's remote tokenizer endpoints. The server runs the float32 model (--quantization
+none), which is what transformers computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
@@ -15,8 +17,9 @@ import httpx
 import pytest
 import torch
 
+from tests._embedded_model import embedded_gguf_path
 from tests._hf_reference import hf_reference_model
-from tests.app._server_fixtures import RunningServer, openai_client
+from tests.app._server_fixtures import ENGINE, RunningServer, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +45,15 @@ metric_list:
 """
 
 
+FLOAT32_ENGINE = dataclasses.replace(ENGINE, quantization="none", num_kv_blocks=256)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    running = RunningServer()
+    from actors.core.engine_startup import load_engine
+
+    embedded_gguf_path()
+    running = RunningServer(load_engine(FLOAT32_ENGINE), engine=FLOAT32_ENGINE)
     yield running
     running.stop()
 

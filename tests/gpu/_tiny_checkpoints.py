@@ -143,7 +143,8 @@ def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 
 def write_tiny_gguf(model: Any, path: str, tensor_type: str = "F32") -> None:
     """Export a tiny transformers model the way llama.cpp's converter would (F32 or F16
-    matrices; norms and biases stay F32)."""
+    matrices; Q4_0 or Q4_1 layer projections, with F32 embeddings and head, quantized by
+    gguf's reference code; norms and biases stay F32)."""
     import gguf
 
     config = model.config
@@ -176,6 +177,11 @@ def write_tiny_gguf(model: Any, path: str, tensor_type: str = "F32") -> None:
             array = llama_cpp_permute(array, config.num_key_value_heads)
         if tensor_type == "F16" and array.ndim == 2:
             array = array.astype(np.float16)
+        if tensor_type in ("Q4_0", "Q4_1") and array.ndim == 2 and name.startswith("model.layers."):
+            q4 = gguf.GGMLQuantizationType[tensor_type]
+            quantized = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), q4)
+            writer.add_tensor(_gguf_name(name), quantized, raw_dtype=q4)
+            continue
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
     _write(writer)
 

@@ -130,10 +130,12 @@ def check_triton_backend_with_interpreted_kernels() -> None:
     from kernels import kv_write, paged_attention
 
     assert_interpreted(kv_write._kv_write_kernel, paged_attention._paged_attention_kernel)
-    triton_backend.kv_write = kv_write.kv_write_triton
-    triton_backend.paged_attention = paged_attention.paged_attention_triton
-    for sliding_window, with_sinks in ((5, True), (16, False), (None, True)):
-        _run_steps(triton_backend.TritonAttentionBackend(), 8, 2, 4, sliding_window, with_sinks)
+    # The child runs other checks after this one: the patches end with it.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_backend, "kv_write", kv_write.kv_write_triton)
+        patch.setattr(triton_backend, "paged_attention", paged_attention.paged_attention_triton)
+        for sliding_window, with_sinks in ((5, True), (16, False), (None, True)):
+            _run_steps(triton_backend.TritonAttentionBackend(), 8, 2, 4, sliding_window, with_sinks)
 
 
 @needs_triton

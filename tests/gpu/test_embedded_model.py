@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct in float32 against transformers on the same GGUF.
+"""The embedded SmolLM2-135M-Instruct in float32 (--quantization none: its Q4_1
+projections dequantized, not packed) against transformers on the same GGUF.
 
 Prompt logits go through tandem's flat varlen batch and paged KV cache (several requests
 at once); greedy continuations come from the whole engine (batched, V2 runner) and are
@@ -35,7 +36,7 @@ NEAR_TIE_MARGIN = 1e-3
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default", runner="v2", max_model_len=512, max_num_seqs=16)
+    return LLM("default", runner="v2", quantization="none", max_model_len=512, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,13 @@ from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from tests._embedded_model import needs_embedded_model
 from tests._hf_reference import hf_reference_model
 
-OPTIONS = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "max_model_len": 256}
+# quantization none: the float32 model, which transformers' reference computes too
+OPTIONS = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 8,
+    "max_model_len": 256,
+    "quantization": "none",
+}
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome, and of Spain"
 
 

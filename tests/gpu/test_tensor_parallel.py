@@ -36,6 +36,14 @@ from tests.gpu._tp_workers import (
 RUN_TIMEOUT_S = 180.0
 
 
+@pytest.fixture(autouse=True)
+def _ranks_wait_passively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spawned ranks inherit the environment: OpenMP threads that spin while they wait
+    take the cores the other ranks need, which on a machine of two cores slows every
+    collective several times over."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _run_ranks(tmp_path, target: Any, world_size: int, *args: Any) -> list[Any]:
     init_method = file_rendezvous(str(tmp_path))
     with start_workers(target, world_size, (world_size, init_method, *args)) as workers:

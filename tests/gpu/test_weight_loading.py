@@ -130,7 +130,7 @@ def test_gguf_export_of_tiny_model_round_trips(tiny_models, tmp_path, arch, tens
 @needs_embedded_model
 def test_embedded_gguf_equals_transformers_float32():
     start = time.perf_counter()
-    files = load_model_files("default", torch.float32)
+    files = load_model_files("default", torch.float32, quantization="none")
     load_s = time.perf_counter() - start
     print(f"\nload_model_files('default', float32) incl. tokenizer: {load_s:.2f} s")
     reference_model = hf_reference_model()

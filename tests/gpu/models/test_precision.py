@@ -169,8 +169,9 @@ def test_the_quantization_flag_reaches_the_engine_config(monkeypatch) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).quantization == "none"
-    with pytest.raises(ConfigError, match="quantization must be auto, fp8 or none"):
-        EngineConfig(quantization="int4")  # type: ignore[arg-type]
+    assert engine_config_from_args(parser.parse_args(["-q", "int4"])).quantization == "int4"
+    with pytest.raises(ConfigError, match="quantization must be auto, fp8, int4 or none"):
+        EngineConfig(quantization="awq")  # type: ignore[arg-type]
 
 
 def test_quantization_fp8_on_cpu_refuses_to_start() -> None:
