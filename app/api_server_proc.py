@@ -1,7 +1,8 @@
 """One API-server process of `tandem serve --api-server-count N`
 (`python -m app.api_server_proc`, started by the supervisor): Hypercorn on the listening
-socket it inherits, in front of the engine core the supervisor started (whose socket
-asks for the launch secret the supervisor writes to this process's stdin). No torch."""
+socket it inherits, in front of the engine core the supervisor started, or every core of
+--data-parallel-size (whose sockets ask for the launch secret the supervisor writes to
+this process's stdin). No torch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from actors.frontend.prefix_affinity import PrefixAffinity
 from actors.protocol import event_loop
 from actors.protocol.launch_secret import read_secret
 from actors.protocol.parent_death import die_with_parent
@@ -38,16 +40,20 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level,
         process_name=f"api_server_{args.client_index}",
     )
-    attach = EngineAttachment(
-        args.engine_address, args.engine_pid, args.client_index, read_secret()
-    )
+    if len(args.engine_address) != len(args.engine_pid):
+        raise SystemExit("give one --engine-pid per --engine-address")
+    secret = read_secret()
+    attach = [
+        EngineAttachment(address, pid, args.client_index, secret)
+        for address, pid in zip(args.engine_address, args.engine_pid)
+    ]
     sock = socket.socket(fileno=args.fd)
     loads = None
     if args.connection_loads is not None:
         loads = ConnectionLoads(args.connection_loads, args.client_index)
-    server = TandemServer(
-        settings, ServerState(settings, attach=attach), sock=sock, connection_loads=loads
-    )
+    affinity = None if args.prefix_affinity is None else PrefixAffinity.open(args.prefix_affinity)
+    state = ServerState(settings, attach=attach, affinity=affinity)
+    server = TandemServer(settings, state, sock=sock, connection_loads=loads)
     exit_code: int = event_loop.run(_serve, server, args.heartbeat_fd)
     if server.state.failure_message is not None:
         print(f"tandem: error: {server.state.failure_message}", file=sys.stderr)
@@ -72,8 +78,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
     parser.add_argument("--client-index", type=int, required=True)
-    parser.add_argument("--engine-address", required=True)
-    parser.add_argument("--engine-pid", type=int, required=True)
+    parser.add_argument(
+        "--engine-address", action="append", required=True, help="an engine core's socket"
+    )
+    parser.add_argument(
+        "--engine-pid", action="append", type=int, required=True, help="that core's pid"
+    )
+    parser.add_argument(
+        "--prefix-affinity", help="the API servers' shared prefix-affinity table (a file)"
+    )
     parser.add_argument("--settings", required=True, help="the ServeSettings as JSON")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--heartbeat-fd", type=int, help="the supervisor's heartbeat pipe")

@@ -30,6 +30,7 @@ from actors.frontend.engine_client import EngineClient
 from actors.protocol.config import EngineConfig
 from actors.protocol.launch_secret import new_secret
 from actors.protocol.messages import (
+    CoreLoad,
     EngineReady,
     EngineStartupFailed,
     SchedulerStats,
@@ -73,6 +74,8 @@ class EngineCallbacks:
     on_predecessor_aborted: Callable[[int], None] | None = None
     """The core aborted this many requests that an earlier process of this front end
     (same index, killed or crashed) left running."""
+    on_load: Callable[[CoreLoad], None] | None = None
+    """The core's load, with each step's outputs and heartbeat (a core process only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +235,7 @@ class EngineConnection:
             on_dead=callbacks.on_dead,
             on_startup_failed=self._on_startup_failed,
             on_predecessor_aborted=callbacks.on_predecessor_aborted,
+            on_load=callbacks.on_load,
         )
         return self.client
 

@@ -56,11 +56,20 @@ def start_engine_process(
         "--parent-pid",
         str(os.getpid()),
     ]
+    name = engine_process_name(config)
     process = start_with_secret(
-        command, secret, close_fds=True, env={**os.environ, "TANDEM_PROCESS_NAME": "engine_core"}
+        command, secret, close_fds=True, env={**os.environ, "TANDEM_PROCESS_NAME": name}
     )
-    log.info("engine_process_started", pid=process.pid)
+    log.info("engine_process_started", pid=process.pid, process_name=name)
     return process
+
+
+def engine_process_name(config: EngineConfig) -> str:
+    """What the core's log lines and spans call its process: engine_core, or engine_core_<i>
+    for core i of --data-parallel-size N."""
+    if config.data_parallel_size == 1:
+        return "engine_core"
+    return f"engine_core_{config.data_parallel_rank}"
 
 
 async def wait_process_exit(pid: int) -> None:

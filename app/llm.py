@@ -24,7 +24,7 @@ from actors.frontend.admission import child_sampling_params
 from actors.frontend.generation_defaults import check_logprobs_within, logprobs_limit
 from actors.frontend.output_stream import RequestStream
 from actors.inprocess_engine import InProcessEngine
-from actors.protocol.config import EngineConfig
+from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.messages import EngineRequest, StepStats
 from actors.protocol.sampling_params import SamplingParams
 from app.harmony.render import render_prompt
@@ -63,6 +63,8 @@ class LLM:
         """`reuse` shares another LLM's loaded model (same weights, KV memory and device)
         under different engine options: runner, scheduling limits, a smaller KV pool."""
         self.config = EngineConfig(model=model, **engine_options)
+        if self.config.data_parallel_size != 1:
+            raise ConfigError("data_parallel_size is `tandem serve`'s: the LLM runs one core")
         if reuse is None:
             self.loaded: LoadedEngine = load_engine(self.config)
         else:

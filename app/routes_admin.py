@@ -71,6 +71,7 @@ async def version(request: Request) -> Response:
             "kv_cache_dtype": info.kv_cache_dtype if info else None,
             "api_server": state.client_index,
             "api_server_count": state.settings.api_server_count,
+            "data_parallel_size": state.num_cores,
         }
     )
 
@@ -82,8 +83,9 @@ async def metrics(request: Request) -> Response:
     state = server_state(request)
     if state.phase == "serving":
         try:
-            state.metrics.set_engine_load(await state.engine_stats())
-        except EngineUnavailable:  # the core is stopping: keep the last values
+            for core, stats in enumerate(await state.cores.stats_by_core()):
+                state.metrics.set_engine_load(stats, engine_index=core)
+        except EngineUnavailable:  # a core is stopping: keep the last values
             pass
     admission = state.admission
     if admission is not None:

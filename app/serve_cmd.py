@@ -237,9 +237,26 @@ def _add_process_args(p: Any) -> None:
         type=int,
         default=_env("api_server_count", 1, int),
         help="front-end processes (HTTP, tokenization, detokenization, SSE) sharing "
-        "the listening socket in front of the one engine-core process; more "
+        "the listening socket in front of the engine-core process(es); more "
         "of them keep up with more streams. /metrics from any of them covers "
         "the whole server (default 1). Env: TANDEM_API_SERVER_COUNT",
+    )
+    proc.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=_env("data_parallel_size", 1, int),
+        help="engine cores, each a whole copy of the model on a device of its own (core i "
+        "on cuda:i, choose the GPUs with CUDA_VISIBLE_DEVICES; all on the CPU with "
+        "--device cpu), behind every API server. Each request goes to the core whose load "
+        "(running plus waiting requests) is least once each core is credited one request "
+        "per 64 tokens of the prompt it was sent before beyond what every core was (a "
+        "conversation's earlier turns, which its prefix cache holds), at most 2 + a quarter "
+        "of the least loaded core's requests. The limits of --max-num-seqs and "
+        '--num-kv-blocks are per core. /metrics labels each core\'s series engine="i"; a '
+        "core that dies marks the server dead. Not with --tensor-parallel-size above 1 "
+        "yet (default 1). "
+        "Env: TANDEM_DATA_PARALLEL_SIZE",
     )
     proc.add_argument(
         "--api-server-stall-timeout",
@@ -262,7 +279,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     from app.serve_settings import ServeSettings
 
     return ServeSettings(
-        engine=engine_config_from_args(args),
+        engine=engine_config_from_args(args).replace(data_parallel_size=args.data_parallel_size),
         host=args.host,
         port=args.port,
         served_model_names=tuple(args.served_model_name or ()),
@@ -293,11 +310,12 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from actors.protocol import event_loop
     from app.cli_errors import UserFacingError, flag_errors
+    from app.serve_checks import check_serve_args
     from app.server import ServerStartError, TandemServer
     from telemetry.logging import configure_logging
     from telemetry.tracing import TracingConfigError
 
-    _check_args(args)
+    check_serve_args(args)
     bound_frontend_threads()
     # Before anything logs: structlog fixes a logger's level when it is first used.
     configure_logging(
@@ -339,43 +357,3 @@ def _supervise(settings: Any) -> int:
     except ServerStartError as exc:
         raise UserFacingError(str(exc)) from None
     return supervisor.run()
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    from app.cli_errors import UserFacingError
-    from app.engine_watchdog import MIN_STALL_TIMEOUT_S
-    from app.heartbeat_pipe import MIN_API_SERVER_STALL_TIMEOUT_S
-
-    checks = [
-        (0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
-        (args.max_queued_requests >= 0, "--max-queued-requests must be >= 0"),
-        (
-            args.max_queued_prompt_tokens is None or args.max_queued_prompt_tokens >= 1,
-            "--max-queued-prompt-tokens must be at least 1",
-        ),
-        (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be >= 1024"),
-        (args.keep_alive_interval >= 0, "--keep-alive-interval must be >= 0"),
-        (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
-        (args.keep_alive_timeout > 0, "--keep-alive-timeout must be > 0"),
-        (args.request_body_timeout > 0, "--request-body-timeout must be > 0"),
-        (args.send_timeout >= 0, "--send-timeout must be >= 0"),
-        (
-            args.max_consecutive_failed_steps >= 1,
-            "--max-consecutive-failed-steps must be at least 1",
-        ),
-        (
-            args.engine_stall_timeout == 0 or args.engine_stall_timeout >= MIN_STALL_TIMEOUT_S,
-            f"--engine-stall-timeout must be 0 or at least {MIN_STALL_TIMEOUT_S:g}",
-        ),
-        (args.max_n >= 1, "--max-n must be at least 1"),
-        (args.grammar_compile_timeout > 0, "--grammar-compile-timeout must be > 0"),
-        (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]"),
-        (
-            args.api_server_stall_timeout == 0
-            or args.api_server_stall_timeout >= MIN_API_SERVER_STALL_TIMEOUT_S,
-            f"--api-server-stall-timeout must be 0 or at least {MIN_API_SERVER_STALL_TIMEOUT_S:g}",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserFacingError(message)

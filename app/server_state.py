@@ -8,6 +8,7 @@ in-process core on a preloaded model, imported only then).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,6 +17,8 @@ import structlog
 
 from actors.frontend.admission import AdmissionActor, AdmissionLimits
 from actors.frontend.engine_client import EngineUnavailable
+from actors.frontend.engine_group import EngineGroup
+from actors.frontend.prefix_affinity import PrefixAffinity
 from actors.protocol.messages import (
     AbortAll,
     BeginDrain,
@@ -27,20 +30,14 @@ from actors.protocol.messages import (
     SchedulerStats,
 )
 from actors.protocol.model_source import ModelLoadError
-from app.engine_connection import (
-    EngineAttachment,
-    EngineCallbacks,
-    EngineConnection,
-    EngineStartError,
-    ProcessOptions,
-)
+from app.engine_connection import EngineAttachment, EngineStartError, ProcessOptions
+from app.engine_cores import EngineCores, core_callbacks
 from app.engine_watchdog import EngineWatchdog
 from app.grammar_checker import GrammarChecker
 from app.keep_alive import KeepAliveClock
 from app.serve_settings import EMBEDDED_MODEL_NAME, ServeSettings, default_model_names
 from app.tokenizer_loader import load_generation_config, load_warm_tokenizer
 from app.tool_calls.request import log_tool_call_parser
-from telemetry.logging import EngineStatsLog
 from telemetry.metrics import EngineMetrics
 from telemetry.tracing import Tracing, setup_tracing
 
@@ -80,23 +77,26 @@ class ServerState:
         preloaded: Any = None,
         *,
         tracing: Tracing | None = None,
-        attach: EngineAttachment | None = None,
+        attach: Sequence[EngineAttachment] = (),
         metrics: EngineMetrics | None = None,
+        affinity: PrefixAffinity | None = None,
     ) -> None:
         """`preloaded`: an actors.core.engine_startup.LoadedEngine to serve on this event loop
         instead of starting the engine core's process (same model and block size; tests
-        and benchmarks start servers in a second). `attach`: a core process someone else
-        started (--api-server-count > 1). `tracing` defaults to what the OTEL_* variables
-        configure (raises telemetry.tracing.TracingConfigError when they ask for the
-        impossible)."""
+        and benchmarks start servers in a second). `attach`: the core processes someone
+        else started (--api-server-count > 1), one per core. `affinity`: the prefix table
+        the API servers share (--data-parallel-size > 1). `tracing` defaults to what the
+        OTEL_* variables configure (raises telemetry.tracing.TracingConfigError when they
+        ask for the impossible)."""
         self.settings = settings
         self._preloaded = preloaded
-        self._attach = attach
-        self.client_index = attach.client_index if attach is not None else 0
+        self._attach, self._affinity = tuple(attach), affinity
+        self.client_index = attach[0].client_index if attach else 0
+        self.num_cores = settings.engine.data_parallel_size
         self.phase: Phase = "loading"
         self.model_names = settings.model_names()
         self.tracing = tracing if tracing is not None else setup_tracing("tandem")
-        self.metrics = metrics if metrics is not None else EngineMetrics(self.model_names[0])
+        self.metrics = metrics or EngineMetrics(self.model_names[0], num_engines=self.num_cores)
         self.keep_alive = KeepAliveClock(settings.keep_alive_interval_s)
         """Keep-alive comments for every open stream (its task runs in the lifespan)."""
         self.created = int(time.time())
@@ -104,9 +104,9 @@ class ServerState:
         self.failure_message: str | None = None
         """Why the model could not be served, when the user's configuration is at fault."""
         self.engine_info: EngineReady | None = None
-        self.engine: Any = None
-        """The actors.frontend.engine_client.EngineClient once the core is ready."""
-        self.connection: EngineConnection | None = None
+        self.engine: EngineGroup | None = None
+        """The engine cores' clients, once every core is ready."""
+        self.connection: EngineCores | None = None
         self.admission: AdmissionActor | None = None
         self.grammar_checker: GrammarChecker
         """Checks new structured-output specs (set once the engine is ready)."""
@@ -170,6 +170,7 @@ class ServerState:
                 weights=info.weights,
                 kv_cache_dtype=info.kv_cache_dtype,
                 engine_pid=info.pid,
+                **({"engine_pids": connection.engine_pids} if self.num_cores > 1 else {}),
                 startup_s=round(time.perf_counter() - started, 3),
             )
             assert self.admission is not None
@@ -186,28 +187,24 @@ class ServerState:
             self.admission.close()
             await connection.shutdown()
 
-    def _make_connection(self) -> EngineConnection:
-        callbacks = EngineCallbacks(
-            on_request_finished=self.metrics.observe_request_finished,
-            step_observers=(self.metrics.observe_step, EngineStatsLog().observe_step),
-            on_scheduler_stats=self.metrics.observe_engine_totals,
-            on_dead=self._on_engine_dead,
-            on_predecessor_aborted=self.metrics.record_predecessor_aborts,
-        )
+    def _make_connection(self) -> EngineCores:
+        settings = self.settings
         options = ProcessOptions(
-            max_consecutive_failed_steps=self.settings.max_consecutive_failed_steps,
-            log_format=self.settings.log_format,
-            log_level=self.settings.log_level,
+            max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
+            log_format=settings.log_format,
+            log_level=settings.log_level,
         )
-        return EngineConnection(
-            self.settings.engine,
-            callbacks,
+        return EngineCores(
+            settings.engine,
+            core_callbacks(self.metrics, self.num_cores, self._on_engine_dead),
             preloaded=self._preloaded,
             attach=self._attach,
             process_options=options,
+            affinity=self._affinity,
+            client_index=self.client_index,
         )
 
-    def _make_watchdog(self, connection: EngineConnection) -> EngineWatchdog | None:
+    def _make_watchdog(self, connection: EngineCores) -> EngineWatchdog | None:
         timeout_s = self.settings.engine_stall_timeout_s
         client = connection.client
         if connection.inprocess_core is not None or timeout_s <= 0 or client is None:
@@ -266,7 +263,8 @@ class ServerState:
                 f"(--tokenizer)"
             )
 
-    def _serve_with(self, info: EngineReady, connection: EngineConnection) -> None:
+    def _serve_with(self, info: EngineReady, connection: EngineCores) -> None:
+        assert connection.client is not None
         self.engine_info, self.engine = info, connection.client
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.metrics.set_runner(info.runner, info.runner_reason, info.runner_rule)
@@ -282,13 +280,13 @@ class ServerState:
             },
         )
         limits = AdmissionLimits(
-            max_num_running=config.max_num_seqs,
+            max_num_running=config.max_num_seqs * self.num_cores,
             max_queued_requests=self.settings.max_queued_requests,
             max_queued_prompt_tokens=self.settings.max_queued_prompt_tokens,
             max_n=self.settings.max_n,
             retry_after_s=self.settings.retry_after_s,
         )
-        self.admission = AdmissionActor(connection.client, limits)
+        self.admission = AdmissionActor(self.engine, limits)
         tokenizer = self.tokenizer
         self.grammar_checker = GrammarChecker(
             lambda: GrammarCheckerStart(
@@ -360,33 +358,22 @@ class ServerState:
             return self.model_names[0]
         return None
 
-    async def engine_stats(self) -> SchedulerStats:
-        """The core's load and KV usage, asked over the protocol."""
+    @property
+    def cores(self) -> EngineGroup:
+        """The engine cores' clients; raises EngineUnavailable until they are ready."""
         if self.engine is None:
             raise EngineUnavailable("the engine is not running")
-        result = await self.engine.call("stats")
-        if result.stats is None:
-            raise EngineUnavailable(result.error or "the engine core sent no stats")
-        stats: SchedulerStats = result.stats
-        return stats
+        return self.engine
+
+    async def engine_stats(self) -> SchedulerStats:
+        """The cores' load and KV usage, asked over the protocol (summed over the cores)."""
+        return await self.cores.stats()
 
     async def check_kv_invariants(self) -> None:
-        """Raises AssertionError naming the first broken invariant of the core's KV cache."""
-        if self.engine is None:
-            raise EngineUnavailable("the engine is not running")
-        result = await self.engine.call("check_kv_invariants")
-        if result.error is not None:
-            raise AssertionError(result.error)
+        await self.cores.check_kv_invariants()  # AssertionError naming what is broken
 
     async def reset_prefix_cache(self) -> PrefixCacheReset:
-        """Drop the core's cached KV blocks that no request holds (POST /reset_prefix_cache)."""
-        if self.engine is None:
-            raise EngineUnavailable("the engine is not running")
-        result = await self.engine.call("reset_prefix_cache")
-        if result.prefix_cache_reset is None:
-            raise EngineUnavailable(result.error or "the engine core did not reset its cache")
-        reset: PrefixCacheReset = result.prefix_cache_reset
-        return reset
+        return await self.cores.reset_prefix_cache()  # POST /reset_prefix_cache
 
     async def engine_snapshot(self) -> EngineSnapshot:
         admission = self.admission
@@ -401,7 +388,7 @@ class ServerState:
             num_free_kv_blocks=stats.num_free_kv_blocks,
             num_total_kv_blocks=stats.num_total_kv_blocks,
             num_free_rows=stats.num_free_rows,
-            num_rows=self.settings.engine.max_num_seqs,
+            num_rows=self.settings.engine.max_num_seqs * self.num_cores,
         )
 
 

@@ -1,10 +1,13 @@
-"""`tandem serve --api-server-count N`: one engine-core process and N API-server processes
-sharing one listening socket, watched by this (torch-free) parent.
+"""`tandem serve --api-server-count N`: one engine-core process (or one per core of
+`--data-parallel-size`) and N API-server processes sharing one listening socket, watched by
+this (torch-free) parent.
 
     supervisor --binds--> the socket, inherited by every API server, which take their
       |                   shares of its connections by their counts of open ones
       |                   (app/connection_balance.py, in a file of the ipc folder)
-      |-- engine core   (python -m actors.core.engine_core_proc)
+      |-- engine core   (python -m actors.core.engine_core_proc; engine core i of
+      |                  --data-parallel-size at engine-i.sock, each API server connected
+      |                  to every one, and sharing one prefix-affinity table file)
       |-- api server 0  (python -m app.api_server_proc)  records each step's timings
       |-- ...
       '-- api server N-1
@@ -21,7 +24,7 @@ sharing one listening socket, watched by this (torch-free) parent.
   seconds, it is logged (api_server_unresponsive), SIGKILLed and restarted like one that
   died (its connections are reset; while it is silent, the others accept every new
   connection). While draining it is killed and not restarted, and the exit code is 1.
-- The engine core dying is seen by every API server at once (/health 503 'dead').
+- An engine core dying is seen by every API server at once (/health 503 'dead').
 - Every child dies with the supervisor (PR_SET_PDEATHSIG): no orphans.
 - The engine core serves only peers that present this launch's secret, which every child
   gets on its stdin (actors/protocol/launch_secret.py); the supervisor presents it too, to send
@@ -43,6 +46,7 @@ from collections import deque
 import msgspec
 import structlog
 
+from actors.frontend.prefix_affinity import PrefixAffinity
 from actors.protocol.launch_secret import new_secret, start_with_secret
 from actors.protocol.transport import ipc_address, send_shutdown
 from app.connection_balance import ConnectionLoads
@@ -69,9 +73,13 @@ class Supervisor:
         os.mkdir(self._metrics_dir)
         self._loads_path = os.path.join(self._workdir, "connection_loads")
         ConnectionLoads.create(self._loads_path, settings.api_server_count)
-        self._address = ipc_address(self._workdir)
+        num_cores = settings.engine.data_parallel_size
+        self._affinity_path = os.path.join(self._workdir, "prefix_affinity")
+        if num_cores > 1:
+            PrefixAffinity.create(self._affinity_path)
+        self._addresses = [ipc_address(self._workdir, core) for core in range(num_cores)]
         self._secret = new_secret()
-        self._engine: subprocess.Popen[bytes] | None = None
+        self._engines: list[subprocess.Popen[bytes]] = []
         self._api_servers: dict[int, subprocess.Popen[bytes]] = {}
         self._heartbeats: dict[int, HeartbeatReader] = {}
         self._killed_silent: set[int] = set()  # pids killed for their silence
@@ -85,14 +93,18 @@ class Supervisor:
             signal.signal(signum, lambda signum, frame: self._signals.append(signum))
         settings = self.settings
         try:
-            engine = self._engine = start_engine_process(
-                settings.engine,
-                self._address,
-                self._secret,
-                max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
-                log_format=settings.log_format,
-                log_level=settings.log_level,
-            )
+            config, num_cores = settings.engine, len(self._addresses)
+            for core, address in enumerate(self._addresses):
+                self._engines.append(
+                    start_engine_process(
+                        config.replace(data_parallel_rank=core) if num_cores > 1 else config,
+                        address,
+                        self._secret,
+                        max_consecutive_failed_steps=settings.max_consecutive_failed_steps,
+                        log_format=settings.log_format,
+                        log_level=settings.log_level,
+                    )
+                )
             for index in range(settings.api_server_count):
                 self._api_servers[index] = self._start_api_server(index)
             host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -101,7 +113,8 @@ class Supervisor:
                 url=f"http://{host}:{self.port}",
                 model=settings.engine.model,
                 api_servers=settings.api_server_count,
-                engine_pid=engine.pid,
+                engine_pid=self._engines[0].pid,
+                **({"engine_pids": [e.pid for e in self._engines]} if num_cores > 1 else {}),
             )
             self._supervise()
         finally:
@@ -182,7 +195,13 @@ class Supervisor:
         self._api_servers[index] = self._start_api_server(index)
 
     def _start_api_server(self, index: int) -> subprocess.Popen[bytes]:
-        assert self._engine is not None
+        cores = [
+            arg
+            for address, engine in zip(self._addresses, self._engines)
+            for arg in ("--engine-address", address, "--engine-pid", str(engine.pid))
+        ]
+        if len(self._engines) > 1:
+            cores += ["--prefix-affinity", self._affinity_path]
         command = [
             sys.executable,
             "-m",
@@ -191,10 +210,7 @@ class Supervisor:
             str(self.sock.fileno()),
             "--client-index",
             str(index),
-            "--engine-address",
-            self._address,
-            "--engine-pid",
-            str(self._engine.pid),
+            *cores,
             "--settings",
             msgspec.json.encode(self.settings).decode(),
             "--parent-pid",
@@ -233,12 +249,14 @@ class Supervisor:
         )
 
     def _stop_engine(self) -> None:
-        if self._engine is None:  # it never started
-            return
-        if self._engine.poll() is None:
-            send_shutdown(self._address, self._secret)
-            stop_process(self._engine, timeout_s=30.0)
-        if self._engine.returncode not in (0, None) and self.exit_code == 0:
+        """Ask every core still running to shut down, then wait for them all (a core that
+        never started is not waited for)."""
+        running = [(a, e) for a, e in zip(self._addresses, self._engines) if e.poll() is None]
+        for address, _ in running:
+            send_shutdown(address, self._secret)
+        for _, engine in running:
+            stop_process(engine, timeout_s=30.0)
+        if any(e.returncode not in (0, None) for e in self._engines) and self.exit_code == 0:
             self.exit_code = 1
 
 

@@ -8,8 +8,9 @@ completion took 29 s instead of 2 s on a shared 2-core host). So:
 - usable CPUs: the process's CPU affinity, capped by its cgroup CPU quota (v2 `cpu.max`,
   v1 `cpu.cfs_quota_us / cpu.cfs_period_us`) rounded down; never `os.cpu_count()`.
 - intra-op threads: 1 on 1-2 usable CPUs; above that, all of them, less one for the API
-  servers when they run beside the engine core; split between tensor-parallel ranks; at
-  most MAX_CUDA_HOST_THREADS on CUDA, where the engine's host work is small.
+  servers when they run beside the engine core; split between tensor-parallel ranks and
+  the engine cores of `--data-parallel-size`; at most MAX_CUDA_HOST_THREADS on CUDA, where
+  the engine's host work is small.
 - inter-op threads: 1 (the engine runs no inter-op parallel work).
 - `--cpu-threads N` (EngineConfig.cpu_threads), else OMP_NUM_THREADS, overrides the count.
 - OMP_WAIT_POLICY=PASSIVE, unless set already, so that idle OpenMP threads sleep instead of
@@ -83,7 +84,7 @@ def engine_thread_plan(
         device_type,
         usable_cpus=usable_cpus(),
         frontends_share_host=frontends_share_host,
-        num_ranks=config.tensor_parallel_size,
+        num_ranks=config.tensor_parallel_size * config.data_parallel_size,
         override=override,
         override_source=source,
     )

@@ -17,6 +17,9 @@ Calls come per step or per finished request, never per token:
   `record_predecessor_aborts(num)`: rare events.
 - `set_unsent(num)`: at scrape time, from the admission actor.
 
+What one engine core reports takes its `engine_index` (`--data-parallel-size N` runs N):
+those series carry vLLM's `engine` label (telemetry/core_metrics.py).
+
 Token counters move when a request finishes, so their sums equal the responses' usage:
 `vllm:prompt_tokens_total` counts the prompts of requests that produced a first token
 (their prefill completed, as in vLLM), `vllm:generation_tokens_total` every output token.
@@ -26,12 +29,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from telemetry import exposition
+from telemetry.core_metrics import (
+    IDLE_FRACTION_WINDOW_STEPS,
+    CoreFamilies,
+    CoreSeries,
+    EngineStatsLike,
+)
 from telemetry.histogram import BatchHistogram
 from telemetry.legacy_names import with_legacy_names
 from telemetry.metric_buckets import (
@@ -42,53 +51,28 @@ from telemetry.metric_buckets import (
     STEP_DURATION_BUCKETS_S,
     TTFT_BUCKETS_S,
 )
-from telemetry.records import FINISH_REASONS, RequestRecord
+from telemetry.records import RequestRecord
 from telemetry.request_shape_metrics import RequestShapeMetrics
 from telemetry.spec_decode_metrics import SpecDecodeMetrics
 
-IDLE_FRACTION_WINDOW_STEPS = 256
+__all__ = ["IDLE_FRACTION_WINDOW_STEPS", "EngineMetrics", "EngineStatsLike"]
+
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class EngineStatsLike(Protocol):
-    """What the engine gauges and totals read from actors.protocol.messages.SchedulerStats."""
-
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_usage_perc(self) -> float: ...
-    @property
-    def prefix_cache_queries_tokens(self) -> int: ...
-    @property
-    def prefix_cache_hits_tokens(self) -> int: ...
-    @property
-    def num_preemptions_total(self) -> int: ...
-
-
-class _CumulativeCounter:
-    """A prometheus Counter fed with a monotonic total kept elsewhere (increments by the
-    difference). A total that goes down means its source restarted from zero."""
-
-    def __init__(self, counter: Any) -> None:
-        self._counter = counter
-        self._last_total = 0
-
-    def update(self, total: int) -> None:
-        delta = total - self._last_total if total >= self._last_total else total
-        if delta:
-            self._counter.inc(delta)
-        self._last_total = total
-
-
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, num_engines: int = 1
+    ) -> None:
+        """`num_engines`: the engine cores whose series exist from the start (at 0)."""
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
-        self._make_scheduler_metrics()
+        self._core_families = CoreFamilies(self.registry)
+        self._cores: dict[int, CoreSeries] = {}
+        for engine_index in range(num_engines):
+            self._core(engine_index)
         self._make_request_metrics()
         self._make_step_metrics()
         self._make_server_metrics()
@@ -124,48 +108,14 @@ class EngineMetrics:
             registry=self.registry,
         )
 
-    def _make_scheduler_metrics(self) -> None:
-        self._num_running = self._gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches."
-        )
-        self._num_waiting = self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        )
-        self._kv_usage = self._gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self._prefix_queries = _CumulativeCounter(
-            self._counter(
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-            )
-        )
-        self._prefix_hits = _CumulativeCounter(
-            self._counter(
-                "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-            )
-        )
-        self._preemptions = _CumulativeCounter(
-            self._counter(
-                "vllm:num_preemptions", "Cumulative number of preemptions from the engine."
-            )
-        )
+    def _core(self, engine_index: int) -> CoreSeries:
+        series = self._cores.get(engine_index)
+        if series is None:
+            series = CoreSeries(self._core_families, self.model_name, engine_index)
+            self._cores[engine_index] = series
+        return series
 
     def _make_request_metrics(self) -> None:
-        self._prompt_tokens = self._counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed."
-        )
-        self._generation_tokens = self._counter(
-            "vllm:generation_tokens", "Number of generation tokens processed."
-        )
-        self._request_success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        for reason in FINISH_REASONS:  # present at 0 from the start, as in vLLM
-            self._request_success.labels(model_name=self.model_name, finished_reason=reason)
         self._ttft = self._histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -216,14 +166,6 @@ class EngineMetrics:
             "CPU time from receiving a step to its last device launch.",
             CPU_TIME_BUCKETS_S,
         )
-        self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
-        self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
-        self._num_steps = 0
-        self._idle_fraction_gauge = self._gauge(
-            "tandem:gpu_idle_fraction",
-            f"Share of device time spent idle between steps over "
-            f"the last {IDLE_FRACTION_WINDOW_STEPS} steps.",
-        )
 
     def _make_server_metrics(self) -> None:
         self._runner_info = Gauge(
@@ -249,7 +191,7 @@ class EngineMetrics:
 
     # ---- per step -----------------------------------------------------------------------
 
-    def observe_step(self, stats: Any) -> None:
+    def observe_step(self, stats: Any, engine_index: int = 0) -> None:
         """One finished engine step (actors.protocol.messages.StepStats). Steps that ran no tokens
         (a failed step) carry no timings and are skipped."""
         if stats.num_tokens <= 0:
@@ -261,39 +203,21 @@ class EngineMetrics:
         self._gpu_idle.observe(stats.gpu_idle_s)
         self._schedule_cpu.observe(stats.schedule_time_s)
         self._prepare_cpu.observe(stats.prepare_time_s)
-        slot = self._num_steps % IDLE_FRACTION_WINDOW_STEPS
-        self._recent_idle_s[slot] = stats.gpu_idle_s
-        self._recent_step_s[slot] = stats.step_time_s
-        self._num_steps += 1
-        self._idle_fraction_gauge.set(self._idle_fraction())
+        self._core(engine_index).observe_step_times(stats.step_time_s, stats.gpu_idle_s)
 
-    def set_engine_load(self, stats: EngineStatsLike) -> None:
+    def set_engine_load(self, stats: EngineStatsLike, engine_index: int = 0) -> None:
         """The engine core's current load and KV usage (read at scrape time)."""
-        self._num_running.set(stats.num_running)
-        self._num_waiting.set(stats.num_waiting)
-        self._kv_usage.set(stats.kv_usage_perc)
+        self._core(engine_index).set_load(stats)
 
-    def observe_engine_totals(self, stats: EngineStatsLike) -> None:
+    def observe_engine_totals(self, stats: EngineStatsLike, engine_index: int = 0) -> None:
         """The core's cumulative prefix-cache query and hit tokens and preemptions (after
         every step, by one front end only): the counters advance by the change."""
-        self._prefix_queries.update(stats.prefix_cache_queries_tokens)
-        self._prefix_hits.update(stats.prefix_cache_hits_tokens)
-        self._preemptions.update(stats.num_preemptions_total)
-
-    def _idle_fraction(self) -> float:
-        idle_s = sum(self._recent_idle_s)
-        busy_s = idle_s + sum(self._recent_step_s)
-        return idle_s / busy_s if busy_s > 0 else 0.0
+        self._core(engine_index).observe_totals(stats)
 
     # ---- per finished request -----------------------------------------------------------
 
-    def observe_request_finished(self, record: RequestRecord) -> None:
-        self._request_success.labels(
-            model_name=self.model_name, finished_reason=record.finish_reason
-        ).inc()
-        if record.first_token_time is not None:
-            self._prompt_tokens.inc(record.num_prompt_tokens)
-        self._generation_tokens.inc(record.num_output_tokens)
+    def observe_request_finished(self, record: RequestRecord, engine_index: int = 0) -> None:
+        self._core(engine_index).count_finished(record)
         self.request_shape.observe_finished(record.num_prompt_tokens, record.num_output_tokens)
         self._phase["e2e"].observe(record.e2e_latency_s)
         optional = (
@@ -328,13 +252,11 @@ class EngineMetrics:
     def record_disconnect(self) -> None:
         self._disconnects.inc()
 
-    def record_predecessor_aborts(self, num_requests: int) -> None:
+    def record_predecessor_aborts(self, num_requests: int, engine_index: int = 0) -> None:
         """Requests that a killed process of this front end left in the engine core, which
         aborted them when this process took its place. They count as aborted here: the
         process that admitted them never saw them end."""
-        self._request_success.labels(model_name=self.model_name, finished_reason="abort").inc(
-            num_requests
-        )
+        self._core(engine_index).count_aborted(num_requests)
 
     def set_unsent(self, num_requests: int) -> None:
         """Admitted requests done in the engine whose output is still being sent (a client

@@ -1,6 +1,7 @@
 """The engine core's outgoing side: one EngineCoreOutputs per step for each front end that
 owns a request in it (front end 0 always, since it records the step's timings), built
-from the step's arrays without per-token copies when one front end owns everything."""
+from the step's arrays without per-token copies when one front end owns everything. Each
+carries the core's load after the step, which front ends balancing several cores read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from actors.core.step_batch import StepResult
 from actors.protocol.messages import (
     AdmittedRequest,
+    CoreLoad,
     EngineCoreOutputs,
     LogprobsArrays,
     PredecessorAborted,
@@ -37,10 +39,11 @@ class CoreOutputs:
         admitted: Sequence[tuple[int, AdmittedRequest]] = (),
         scheduler_stats: SchedulerStats | None = None,
         prompt_clients: Sequence[int | None] = (),
+        load: Callable[[int], CoreLoad] | None = None,
     ) -> None:
         """Send one step's tokens, finishes, first admissions and prompt logprobs to their
         front ends (`prompt_clients`: the front end of each request in
-        out.prompt_logprobs, None for one that is gone)."""
+        out.prompt_logprobs, None for one that is gone), with the core's `load(client)`."""
         rows_by_client: dict[int, list[int]] = {}
         for index, request in enumerate(result.requests):
             rows_by_client.setdefault(request.client_index, []).append(index)
@@ -69,6 +72,7 @@ class CoreOutputs:
                     admitted=tuple(admissions.get(client, ())),
                     step_stats=out.stats if client == STATS_CLIENT else None,
                     scheduler_stats=scheduler_stats if client == STATS_CLIENT else None,
+                    load=None if load is None else load(client),
                 ),
             )
 

@@ -35,6 +35,7 @@ from actors.protocol.messages import (
     AbortRequests,
     CheckKVInvariants,
     ClientHello,
+    CoreLoad,
     Drain,
     EngineCoreOutputs,
     EngineDead,
@@ -148,6 +149,11 @@ class EngineCore:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def load(self, client_index: int) -> CoreLoad:
+        """The core's load now, as told to front end `client_index` (for the heartbeat: read
+        on the core's event loop, between the engine loop's turns)."""
+        return self.engine_loop.load(client_index)
 
     @property
     def dead_reason(self) -> str | None:

@@ -15,9 +15,11 @@ blocked (app/engine_watchdog.py).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
+from typing import Any
 
 import anyio
 import msgspec
@@ -51,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     from telemetry.logging import configure_logging
 
-    configure_logging(
-        json=args.log_format == "json", level=args.log_level, process_name="engine_core"
+    configure_logging(  # engine_core, or engine_core_<i> of --data-parallel-size N
+        json=args.log_format == "json",
+        level=args.log_level,
+        process_name=os.environ.get("TANDEM_PROCESS_NAME") or "engine_core",
     )
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
     return event_loop.run(
@@ -65,10 +69,13 @@ async def _serve(
 ) -> int:
     started = time.perf_counter()
     endpoint = ZmqCoreEndpoint(address, secret)
+    built: list[Any] = []  # the EngineCore, once built: the heartbeats carry its load
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_send_heartbeats, endpoint)
-            exit_code = await _load_and_run(config, endpoint, started, max_consecutive_failed_steps)
+            tg.start_soon(_send_heartbeats, endpoint, built)
+            exit_code = await _load_and_run(
+                config, endpoint, started, max_consecutive_failed_steps, built
+            )
             tg.cancel_scope.cancel()
         return exit_code
     finally:
@@ -80,6 +87,7 @@ async def _load_and_run(
     endpoint: ZmqCoreEndpoint,
     started: float,
     max_consecutive_failed_steps: int,
+    built: list[Any],
 ) -> int:
     clients: set[int] = set()
     shutdown = anyio.Event()
@@ -107,19 +115,20 @@ async def _load_and_run(
             started_at=started,
             known_clients=clients,
         )
+        built.append(core)
         await core.run(warm_up=loaded.worker.device.type == "cuda")
     finally:
         loaded.worker.close()  # tensor-parallel workers stop with the core
     return 1 if core.dead_reason is not None else 0
 
 
-async def _send_heartbeats(endpoint: ZmqCoreEndpoint) -> None:
+async def _send_heartbeats(endpoint: ZmqCoreEndpoint, built: list[Any]) -> None:
     """From this event loop, not a thread of its own: a loop that stops turning must fall
-    silent (steps run on the GPU actor's threads, so a long one does not delay this)."""
-    heartbeat = Heartbeat()
+    silent (steps run on the GPU actor's threads, so a long one does not delay this).
+    Once the core is built each heartbeat carries its load."""
     while True:
         for client_index in endpoint.client_indices:
-            endpoint.send(client_index, heartbeat)
+            endpoint.send(client_index, Heartbeat(built[0].load(client_index) if built else None))
         await anyio.sleep(HEARTBEAT_INTERVAL_S)
 
 

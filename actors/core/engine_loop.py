@@ -37,6 +37,7 @@ from actors.protocol.messages import (
     AbortRequests,
     AdmittedRequest,
     CheckKVInvariants,
+    CoreLoad,
     Drain,
     EngineRequest,
     GetSchedulerStats,
@@ -74,6 +75,8 @@ class EngineLoop(Actor[ToEngineLoop]):
         self._admitted_by_step: dict[int, list[tuple[int, AdmittedRequest]]] = {}
         self._drain_events: list[anyio.Event] = []
         self._wake = anyio.Event()
+        self._num_received: dict[int, int] = {}
+        """Requests taken in per front end (CoreLoad.num_received)."""
 
     def _notify(self) -> None:
         self._wake.set()
@@ -116,7 +119,12 @@ class EngineLoop(Actor[ToEngineLoop]):
         result = self.scheduler.update_from_step(out)
         self._fill_ready_masks(result)
         self._outputs.step(
-            out, result, self._admitted_by_step.pop(out.step_id, ()), self.stats(), prompt_clients
+            out,
+            result,
+            self._admitted_by_step.pop(out.step_id, ()),
+            self.stats(),
+            prompt_clients,
+            self.load,
         )
 
     def _release_drains(self, in_flight: InFlight) -> None:
@@ -164,6 +172,7 @@ class EngineLoop(Actor[ToEngineLoop]):
         return PrefixCacheReset(num_dropped_blocks, scheduler.kv_usage.num_cached_blocks)
 
     def _abort_client(self, client_index: int) -> None:
+        self._num_received[client_index] = 0  # a new process: it counts its sends from 0
         orphans = [
             r.request_id
             for r in self.scheduler.unfinished_requests()
@@ -180,6 +189,8 @@ class EngineLoop(Actor[ToEngineLoop]):
         self._outputs.predecessor_aborted(client_index, len(orphans))
 
     def _add_request(self, request: EngineRequest) -> None:
+        client = request.client_index
+        self._num_received[client] = self._num_received.get(client, 0) + 1
         try:
             compiling = self.scheduler.add_request(request)
         except ValueError as exc:  # refused here: the request's stream must still end
@@ -254,6 +265,15 @@ class EngineLoop(Actor[ToEngineLoop]):
             )
         if admitted:
             self._admitted_by_step[sched.step_id] = admitted
+
+    def load(self, client_index: int) -> CoreLoad:
+        """The core's load now, as told to one front end (read on the core's event loop)."""
+        scheduler = self.scheduler
+        return CoreLoad(
+            scheduler.num_running,
+            scheduler.num_waiting,
+            self._num_received.get(client_index, 0),
+        )
 
     def stats(self) -> SchedulerStats:
         """The core's load now and the KV usage after the latest step's allocation."""

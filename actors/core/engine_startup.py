@@ -11,6 +11,7 @@ import torch
 from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.logits_processors import load_logits_processor_classes
 from gpu.cpu_threads import apply_cpu_threads, engine_thread_plan, log_cpu_threads
+from gpu.distributed.dp_placement import place_data_parallel_rank
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
@@ -99,6 +100,7 @@ def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> 
 
     `frontends_share_host`: API-server processes run beside this one (the server's engine
     core), which leaves them a CPU when torch's threads are chosen."""
+    config = place_data_parallel_rank(config)  # core i of --data-parallel-size N: cuda:i
     platform = probe_platform(config.device)
     threads = engine_thread_plan(config, platform.device_type, frontends_share_host)
     apply_cpu_threads(threads)

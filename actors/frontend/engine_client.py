@@ -24,6 +24,7 @@ from actors.frontend.sampler import OutputProcessor, SamplerActor
 from actors.protocol.messages import (
     AbortRequests,
     ClientHello,
+    CoreLoad,
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
@@ -31,6 +32,7 @@ from actors.protocol.messages import (
     EngineStartupFailed,
     FailRequests,
     GrammarVocab,
+    Heartbeat,
     PredecessorAborted,
     RegisterRequest,
     SchedulerStats,
@@ -56,7 +58,8 @@ class EngineClient:
     core says so. `on_request_finished` receives every finished request's record and
     `step_observers` every step's stats (sent to front end 0 only). `on_predecessor_aborted`
     receives how many requests a previous process of this front end left in the core (which
-    aborted them when this one connected)."""
+    aborted them when this one connected). `on_load` receives the core's load with each
+    step's outputs and heartbeat (a balancer over several cores reads it)."""
 
     def __init__(
         self,
@@ -71,6 +74,7 @@ class EngineClient:
         on_dead: Callable[[str], None] | None = None,
         on_startup_failed: Callable[[EngineStartupFailed], None] | None = None,
         on_predecessor_aborted: Callable[[int], None] | None = None,
+        on_load: Callable[[CoreLoad], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.client_index = client_index
@@ -90,6 +94,7 @@ class EngineClient:
             on_startup_failed,
         )
         self._on_predecessor_aborted = on_predecessor_aborted
+        self._on_load = on_load
         self._call_ids = itertools.count()
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self.is_running = False
@@ -186,7 +191,12 @@ class EngineClient:
             self.last_heard_at = time.monotonic()
             self.heard.set()
             if isinstance(message, EngineCoreOutputs):
+                if message.load is not None and self._on_load is not None:
+                    self._on_load(message.load)
                 self.sampler_actor.tell(message)
+            elif isinstance(message, Heartbeat):
+                if message.load is not None and self._on_load is not None:
+                    self._on_load(message.load)
             elif isinstance(message, UtilityResult):
                 self._resolve(message)
             elif isinstance(message, EngineReady):

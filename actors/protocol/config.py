@@ -86,6 +86,12 @@ class EngineConfig:
     cpu_threads: int | None = None
     """torch intra-op threads of the engine (of each tensor-parallel rank); None chooses
     them from the CPUs the engine may use (gpu/cpu_threads.py)."""
+    data_parallel_size: int = 1
+    """Engine cores `tandem serve` runs, each a whole copy of the model behind the same API
+    servers (--data-parallel-size); they share the host's CPU threads."""
+    data_parallel_rank: int = 0
+    """Which of those cores this is (set by the launcher for each): on CUDA core i runs on
+    cuda:i (gpu/distributed/dp_placement.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -119,6 +125,15 @@ class EngineConfig:
             or self.cpu_threads < 1
         ):
             raise ConfigError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ConfigError(
+                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
+            )
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                f"got {self.data_parallel_rank!r}"
+            )
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ConfigError(
                 f"quantization must be auto, fp8, int4 or none, got {self.quantization!r}"

@@ -131,11 +131,26 @@ HEARTBEAT_INTERVAL_S = 0.5
 """How often a core process sends Heartbeat; a front end's stall bound must be longer."""
 
 
+class CoreLoad(msgspec.Struct, frozen=True, array_like=True):
+    """How busy one engine core is, told to one front end: what a front end balancing
+    requests over the cores of `--data-parallel-size N` reads (actors/frontend/dp_balancer.py)."""
+
+    num_running: int
+    num_waiting: int
+    num_received: int = 0
+    """Requests of this front end the core has taken in (since the front end's process said
+    hello): those it sent beyond these are still on their way, in neither count above."""
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     """The engine core's event loop still turns: sent to every front end every
     HEARTBEAT_INTERVAL_S by a task on that loop (steps run on the GPU actor's threads, so
     a long step does not delay it). A core that is stopped (SIGSTOP) or whose loop is
     blocked falls silent, and the front end reports it stalled."""
+
+    load: CoreLoad | None = None
+    """The core's load now (None while it loads the model): a front end with no request
+    in the core hears no steps, and learns of the other front ends' requests here."""
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
@@ -288,6 +303,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     several front ends counts each step once)."""
     scheduler_stats: SchedulerStats | None = None
     """The core's load and KV usage after the step was scheduled (front end 0 only)."""
+    load: CoreLoad | None = None
+    """The core's load after the step (every front end the step's outputs go to)."""
 
 
 ToEngineCore = EngineRequest | AbortRequests | ClientHello | UtilityCall | GrammarVocab | Shutdown

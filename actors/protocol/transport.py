@@ -136,8 +136,10 @@ class _InProcessClient:
 # ---- ZMQ ---------------------------------------------------------------------------------
 
 
-def ipc_address(directory: str) -> str:
-    return f"ipc://{os.path.join(directory, 'engine.sock')}"
+def ipc_address(directory: str, core: int = 0) -> str:
+    """The socket of engine core `core` (of --data-parallel-size N) in `directory`."""
+    name = "engine.sock" if core == 0 else f"engine-{core}.sock"
+    return f"ipc://{os.path.join(directory, name)}"
 
 
 def peer_identity(client_index: int | None) -> bytes:
