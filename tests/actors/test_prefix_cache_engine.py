@@ -7,23 +7,28 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import anyio
 import pytest
 
-from actors.core.engine_startup import reuse_engine
+from actors.core.engine_startup import load_engine, reuse_engine
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.speculative_config import SpeculativeConfig
 from app.tokenizer_loader import load_tokenizer
-from tests.app._server_fixtures import ENGINE, shared_model
+from tests._embedded_model import embedded_gguf_path
+from tests.app._server_fixtures import ENGINE
 
 pytestmark = pytest.mark.slow
 
-# A small token budget: turn 2's uncached tail runs in chunks.
-CONFIG = ENGINE.replace(max_num_seqs=4, max_num_batched_tokens=48)
+# A small token budget: turn 2's uncached tail runs in chunks. Float32 weights: their
+# products do not depend on how many rows a step has (the packed int4 model's do, and a
+# speculative step verifies several rows at once), so turn 1's answer is the same with
+# and without speculation.
+CONFIG = ENGINE.replace(max_num_seqs=4, max_num_batched_tokens=48, quantization="none")
 NGRAM = SpeculativeConfig(
     "ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4
 )
@@ -79,7 +84,7 @@ async def _generate(
 def _two_turns(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(turn 2's prompt, turn 2's answer, turn 2's cached tokens), one engine serving both
     turns, one after the other."""
-    loaded = reuse_engine(shared_model(), config)
+    loaded = reuse_engine(_float32_model(), config)
     prompt_1, follow_up, _ = _turn_tokens()
 
     async def run() -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -93,6 +98,13 @@ def _two_turns(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...], 
         return prompt_2, answer_2, num_cached
 
     return anyio.run(run)
+
+
+@functools.cache
+def _float32_model() -> Any:
+    """The embedded model in float32 (CONFIG), loaded once for this file."""
+    embedded_gguf_path()  # skips where the embedded model is not installed
+    return load_engine(CONFIG)
 
 
 @functools.cache

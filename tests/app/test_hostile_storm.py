@@ -15,17 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from benchmarks.storm import busy_processes
 from tests.app._hostile import MAX_HEALTH_S, HealthProbe, metric, wait_until
 from tests.app._serve_process import ServeProcess
 
@@ -39,21 +36,6 @@ STORM_CHAT = {
     "max_tokens": 4,
     "stream": True,
 }
-
-
-@contextmanager
-def busy_cpus() -> Iterator[None]:
-    """One spinning process per CPU this process may use."""
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(len(os.sched_getaffinity(0)))
-    ]
-    try:
-        yield
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
 
 
 async def _client(http: httpx.AsyncClient, hang_up_after_first: bool) -> str:
@@ -88,7 +70,10 @@ def test_a_storm_of_streams_on_busy_cpus_times_nothing_out(tmp_path: Path) -> No
         tmp_path / "serve.log", "--max-num-seqs", str(NUM_CLIENTS), "--num-kv-blocks", "256"
     )
     try:
-        with busy_cpus(), HealthProbe(server.url, interval_s=0.05) as probe:
+        with (
+            busy_processes(len(os.sched_getaffinity(0))),
+            HealthProbe(server.url, interval_s=0.05) as probe,
+        ):
             probe.wait_for_probes(1)
             outcomes = asyncio.run(_storm(server.url))
             started = time.monotonic()
