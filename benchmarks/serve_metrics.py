@@ -48,6 +48,12 @@ class StreamTimeline:
     cached_prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str = ""
+    by_text: bool = False
+    """Time the first token at the first chunk that carries text (not a role-only delta),
+    and without a usage chunk count one token per text chunk: for servers that send no
+    usage when streaming (llama-cpp-python's), measured the same way on both sides."""
+    first_text_s: float | None = None
+    num_text_chunks: int = 0
 
     def on_event(self, at_s: float, event: dict[str, Any]) -> None:
         if "error" in event:
@@ -62,6 +68,9 @@ class StreamTimeline:
                 self.itl_s.append(at_s - self.last_choice_s)  # type: ignore[operator]
             self.last_choice_s = at_s
             self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
+            if _chunk_text(choices[0]):
+                self.num_text_chunks += 1
+                self.first_text_s = self.first_text_s if self.first_text_s is not None else at_s
         usage = event.get("usage")
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens")
@@ -74,18 +83,29 @@ class StreamTimeline:
             return RequestResult(success=False, error=self.error)
         if self.first_choice_s is None or self.last_choice_s is None:
             return RequestResult(success=False, error="the stream carried no choices")
-        if self.output_tokens is None:
+        output_tokens, first_token_s = self.output_tokens, self.first_choice_s
+        if self.by_text:
+            output_tokens = output_tokens if output_tokens is not None else self.num_text_chunks
+            first_token_s = self.first_text_s if self.first_text_s is not None else first_token_s
+        if output_tokens is None:
             return RequestResult(success=False, error="the stream ended without a usage chunk")
         return RequestResult(
             success=True,
             prompt_tokens=self.prompt_tokens or 0,
-            output_tokens=self.output_tokens,
+            output_tokens=output_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
-            ttft_s=self.first_choice_s - self.sent_s,
+            ttft_s=first_token_s - self.sent_s,
             itl_s=tuple(self.itl_s),
             e2el_s=self.last_choice_s - self.sent_s,
             finish_reason=self.finish_reason,
         )
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or delta.get("reasoning_content") or "")
+    return str(choice.get("text") or "")
 
 
 def tpot_s(result: RequestResult) -> float | None:

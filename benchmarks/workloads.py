@@ -165,6 +165,9 @@ class ServeWorkload:
     extra_body: dict[str, Any] | None = None
     """Fields merged into every request body last (e.g. what another server needs instead
     of ignore_eos: max_tokens, a logit_bias that bans the end-of-sequence token)."""
+    time_by_text: bool = False
+    """TTFT at the first chunk with text, tokens counted by chunk where no usage comes
+    (benchmarks.serve_metrics.StreamTimeline.by_text)."""
 
 
 def token_id_prompts(

@@ -63,3 +63,19 @@ def test_the_summary_takes_each_servers_median_and_the_ratio() -> None:
     figures = headline(rows)
     assert figures["c1_ratio"] == quiet["tandem_over_llama_cpp"]
     assert figures["c1_hogs2_tandem_tok_s"] == 30.0 and "c1_hogs2_ratio" not in figures
+
+
+def test_a_stream_without_usage_is_timed_and_counted_by_its_text_chunks() -> None:
+    from benchmarks.serve_metrics import StreamTimeline
+
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    text = {"choices": [{"index": 0, "delta": {"content": "Paris"}}]}
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    events = [(1.0, role), (2.0, text), (2.5, text), (2.6, end)]
+    plain, by_text = StreamTimeline(sent_s=0.0), StreamTimeline(sent_s=0.0, by_text=True)
+    for at_s, event in events:
+        plain.on_event(at_s, event)
+        by_text.on_event(at_s, event)
+    assert not plain.result().success  # no usage chunk: the usual stream is refused
+    result = by_text.result()
+    assert result.success and result.output_tokens == 2 and result.ttft_s == 2.0
