@@ -17,9 +17,15 @@ from benchmarks.soak_server import InProcessServer
 from tests._embedded_model import embedded_gguf_path
 
 MAX_MODEL_LEN = 2048
+# Float32 weights, as transformers computes them: their products do not depend on how many
+# rows a step has, so tests that compare outputs across batches, speculation or the prefix
+# cache compare like with like (the packed int4 default's tokens can part at a near-tie;
+# its own tests are tests/gpu/test_int4_projections.py, and `tandem serve` subprocess tests
+# run it).
 ENGINE = EngineConfig(
     model="default",
     device="cpu",
+    quantization="none",
     max_model_len=MAX_MODEL_LEN,
     max_num_seqs=64,
     max_num_batched_tokens=2048,

@@ -65,10 +65,7 @@ def test_rule5_selects_v1_and_says_why(http: httpx.Client) -> None:
     version = http.get("/version").json()
     assert version["runner"] == "v1" and version["runner_rule"] == "unsupported_features"
     assert f"custom logits processors ({SAMPLE})" in version["runner_reason"]
-    assert version["weights"] == (  # what runs in what precision: the packed CPU default
-        "weights: int4 (32-column groups from Q4_1 blocks, bf16 scales and activations) for "
-        "210 projections; float32 for lm_head, embeddings, norms"
-    )
+    assert version["weights"] == "weights: float32"  # what runs in what precision
 
 
 def test_the_fallback_logs_one_warning(server: RunningServer) -> None:
