@@ -49,6 +49,9 @@ from benchmarks.serve_metrics import distribution_ms
 from benchmarks.workloads import ServeWorkload, text_prompts
 
 COUNTERS = ("vllm:prefix_cache_", "vllm:prompt_tokens_")
+PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+"""The server's own latency histograms (seconds), whose means over the run split the
+client's TTFT into waiting, prefill and the rest (the front end and the client itself)."""
 """/metrics counters read before and after the run, with every one about preemption."""
 COUNTS = tuple("conversations turns system_len user_len answer_len concurrency clients".split())
 WORKLOAD = (*COUNTS, "temperature", "seed", "tokenizer")
@@ -279,13 +282,21 @@ def read_counters(base_url: str, api_key: str | None = None) -> dict[str, float]
             ours = s.name.startswith(COUNTERS) or "preempt" in s.name
             if ours and s.name.startswith(("vllm:", "tandem:")) and s.name.endswith("_total"):
                 found[s.name] += s.value
+            if s.name.removeprefix("vllm:").removesuffix("_seconds_sum") in PHASES:
+                found[s.name] += s.value
+            if s.name.removeprefix("vllm:").removesuffix("_seconds_count") in PHASES:
+                found[s.name] += s.value
     return dict(found)
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     deltas: dict[str, Any] = {k: v - before.get(k, 0.0) for k, v in sorted(after.items())}
     q, h = (deltas.get(f"vllm:prefix_cache_{k}_total") for k in ("queries", "hits"))
-    return deltas | {"server_hit_rate": h / q if q and h is not None else None}
+    means_ms = {}
+    for phase in PHASES:
+        total_s, count = (deltas.pop(f"vllm:{phase}_seconds_{k}", 0.0) for k in ("sum", "count"))
+        means_ms[f"server_{phase}_mean_ms"] = 1000 * total_s / count if count else None
+    return deltas | {"server_hit_rate": h / q if q and h is not None else None} | means_ms
 
 
 def headline(details: dict[str, Any]) -> dict[str, Any]:

@@ -240,6 +240,16 @@ def test_counter_deltas_and_headline() -> None:
     assert deltas["vllm:num_preemptions_total"] == 2.0
     assert deltas["server_hit_rate"] == pytest.approx(0.75)
     assert counter_deltas({}, {})["server_hit_rate"] is None
+    assert counter_deltas({}, {})["server_time_to_first_token_mean_ms"] is None
+    ttft = {
+        "vllm:time_to_first_token_seconds_sum": 1.5,
+        "vllm:time_to_first_token_seconds_count": 3,
+    }
+    queue = {"vllm:request_queue_time_seconds_sum": 0.2, "vllm:request_queue_time_seconds_count": 2}
+    phases = counter_deltas({}, ttft | queue)
+    assert phases["server_time_to_first_token_mean_ms"] == pytest.approx(500)
+    assert phases["server_request_queue_time_mean_ms"] == pytest.approx(100)
+    assert "vllm:time_to_first_token_seconds_sum" not in phases
     details = {"turns": per_turn(RECORDS, 2), "overall": overall(RECORDS, 2.0, 10)}
     figures = headline(details)
     assert figures["turn1_ttft_p50_ms"] == pytest.approx(200)
