@@ -132,6 +132,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="disable reuse of cached prompt blocks across requests",
     )
     g.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        default=_bool_env("enable_prompt_embeds", False),
+        help="accept prompts given as embedding rows: 'prompt_embeds' on /v1/completions, "
+        "base64 of a safetensors file holding one [num_tokens, hidden_size] float32/"
+        "bfloat16/float16 tensor (or {data, dtype, shape} raw), as vLLM's flag. Pickled "
+        "tensors (torch.save) are refused. Env: TANDEM_ENABLE_PROMPT_EMBEDS",
+    )
+    g.add_argument(
         "--runner",
         choices=["auto", "v1", "v2"],
         default=_env("runner", _DEFAULTS.runner),
@@ -244,6 +253,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,
         "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
+        "enable_prompt_embeds": args.enable_prompt_embeds,
         "compile_level": args.compile_level,
         "logits_processors": parse_logits_processor_specs(args.logits_processors or ""),
         "speculative_config": (

@@ -13,7 +13,7 @@ The same actors as `tandem serve` run underneath, on a private event loop per ca
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +25,19 @@ from actors.frontend.generation_defaults import check_logprobs_within, logprobs_
 from actors.frontend.output_stream import RequestStream
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.config import ConfigError, EngineConfig
-from actors.protocol.messages import EngineRequest, StepStats
+from actors.protocol.messages import EngineRequest, PromptEmbeds, StepStats
+from actors.protocol.prompt_embeds import check_embeds
 from actors.protocol.sampling_params import SamplingParams
 from app.harmony.render import render_prompt
+from app.prompt_embeds import placeholder_token_ids
 from app.tokenizer import Tokenizer
 from app.tokenizer_loader import load_tokenizer
+from gpu.prompt_embeds import embeds_from_tensor
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or {"prompt_embeds": tensor [num_tokens, hidden_size]} (vLLM's
+EmbedsPrompt; needs enable_prompt_embeds=True)."""
+_ReadyPrompt = str | Sequence[int] | PromptEmbeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +135,9 @@ class LLM:
         *,
         on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text, or a list of token ids) and return outputs in input order."""
-        prompt_list = _as_prompt_list(prompts)
+        """Run every prompt (text, a list of token ids, or {"prompt_embeds": tensor}) and
+        return outputs in input order."""
+        prompt_list = [self._ready(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -143,13 +150,30 @@ class LLM:
         if self.tokenizer is None:
             _check_token_id_only(prompt_list, params_list)
         limit = logprobs_limit(self.config.max_logprobs, self.worker.model_config.vocab_size)
-        for params in params_list:
+        for prompt, params in zip(prompt_list, params_list):
             check_logprobs_within(params, limit)
+            if isinstance(prompt, PromptEmbeds) and params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs are not computed for prompt embeddings")
         return anyio.run(self._generate, prompt_list, params_list, on_finished)
+
+    def _ready(self, prompt: Prompt) -> _ReadyPrompt:
+        """`prompt` as the engine takes it: an EmbedsPrompt decoded and checked."""
+        if not isinstance(prompt, Mapping):
+            return prompt
+        if set(prompt) != {"prompt_embeds"}:
+            raise ValueError(
+                "a prompt given as a dict takes exactly the key 'prompt_embeds', "
+                f"got {sorted(prompt)}"
+            )
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompt embeddings need LLM(..., enable_prompt_embeds=True)")
+        embeds = embeds_from_tensor(prompt["prompt_embeds"])
+        check_embeds(embeds, self.worker.model_config.hidden_size, self.worker.max_model_len - 1)
+        return embeds
 
     async def _generate(
         self,
-        prompts: list[Prompt],
+        prompts: list[_ReadyPrompt],
         params: list[SamplingParams],
         on_finished: Callable[[RequestOutput], None] | None,
     ) -> list[RequestOutput]:
@@ -173,14 +197,17 @@ class LLM:
         self,
         engine: InProcessEngine,
         index: int,
-        prompt: Prompt,
+        prompt: _ReadyPrompt,
         params: SamplingParams,
         results: list[RequestOutput | None],
         on_finished: Callable[[RequestOutput], None] | None,
     ) -> None:
+        embeds = prompt if isinstance(prompt, PromptEmbeds) else None
         if isinstance(prompt, str):
             assert self.tokenizer is not None  # generate() refuses text without one
             token_ids = tuple(self.tokenizer.encode(prompt))
+        elif embeds is not None:
+            token_ids = placeholder_token_ids(embeds)
         else:
             token_ids = tuple(prompt)
         request_id = f"offline-{self._next_id}"
@@ -194,13 +221,14 @@ class LLM:
                     sampling_params=child_sampling_params(params, sample),
                     arrival_time=time.monotonic(),
                     eos_token_ids=self.eos_token_ids,
+                    prompt_embeds=embeds,
                 )
                 tg.start_soon(_collect, engine.add_request(request), sample, collected)
         collected.sort(key=lambda c: c.output.index)
         result = RequestOutput(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=() if embeds is not None else token_ids,
             outputs=tuple(c.output for c in collected),
             num_cached_tokens=max(c.num_cached_tokens for c in collected),
             runner=self.runner,
@@ -246,14 +274,14 @@ def _harmony_prompt_ids(tokenizer: Tokenizer | None, prompt: str) -> list[int] |
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
     return list(prompts)  # type: ignore[arg-type]
 
 
-def _check_token_id_only(prompts: list[Prompt], params: list[SamplingParams]) -> None:
+def _check_token_id_only(prompts: list[_ReadyPrompt], params: list[SamplingParams]) -> None:
     """A model without a tokenizer (dummy weights) takes token ids and returns token ids."""
     if any(isinstance(p, str) for p in prompts):
         raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")

@@ -11,12 +11,13 @@ from typing import Any
 from actors.frontend.admission import child_sampling_params
 from actors.frontend.generation_defaults import RequestDefaults, resolve_sampling_params
 from actors.protocol.logits_processors import validate_request_params
-from actors.protocol.messages import EngineRequest
+from actors.protocol.messages import EngineRequest, PromptEmbeds
 from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from app.chat_template import ChatTemplateError, RenderedTooLong, RenderLimit, normalize_messages
 from app.errors import bad_request, context_length_error, text_too_long_error
 from app.large_body import release_gradually
 from app.prompt_bounds import chars_per_token, text_cannot_fit, truncation_start
+from app.prompt_embeds import placeholder_token_ids, request_embeds
 from app.request_limits import num_tokens_kept
 from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from app.server_state import ServerState
@@ -25,7 +26,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"chat_template", "template", "messages", "add_generation_prompt", "self"}
 )
-_PROMPT_FIELDS = frozenset({"messages", "prompt"})
+_PROMPT_FIELDS = frozenset({"messages", "prompt", "prompt_embeds"})
 """Left out, with unknown fields, when the sampling fields are read (they may be large)."""
 
 
@@ -34,6 +35,8 @@ class Prompt:
     token_ids: tuple[int, ...]
     text: str | None
     """The prompt text when the client sent text (echo needs it)."""
+    embeds: PromptEmbeds | None = None
+    """A prompt given as embedding rows; token_ids are then placeholders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +208,14 @@ def encode_checked(
 
 
 def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
-    """The prompts, tokenized, truncated and checked against the context."""
+    """The prompts, tokenized, truncated and checked against the context: those given as
+    embeddings first (as vLLM orders them), then those of `prompt`."""
+    embedded = [Prompt(placeholder_token_ids(e), None, e) for e in request_embeds(state, req)]
     raw = req.prompt
+    if raw is None:
+        if not embedded:
+            raise bad_request("prompt is required (or prompt_embeds)", "prompt")
+        return embedded
     if isinstance(raw, str):
         items: list[Any] = [raw]
     elif raw and all(isinstance(t, int) for t in raw):
@@ -238,7 +247,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Promp
         if not prompt.token_ids:
             raise bad_request(f"prompt {i} is empty", "prompt")
         prompts.append(truncate_and_check(prompt, req.truncate_prompt_tokens, max_model_len))
-    return prompts
+    return embedded + prompts
 
 
 def truncate_and_check(prompt: Prompt, truncate_to: int | None, max_model_len: int) -> Prompt:
@@ -314,6 +323,7 @@ def engine_requests(
                     eos_token_ids=state.eos_token_ids,
                     priority=req.priority or 0,
                     cache_salt=req.cache_salt,
+                    prompt_embeds=prompt.embeds,
                 )
             )
     return out

@@ -38,11 +38,15 @@ def check_generation_size(
     if n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {n}", "n")
     prompts = _prompts(data.get("prompt")) if completions else []
-    num_sequences = max(len(prompts), 1) * max(n, 1)
+    if completions:
+        num_prompts = len(prompts) + _num_embeds_prompts(data.get("prompt_embeds"))
+    else:
+        num_prompts = 0
+    num_sequences = max(num_prompts, 1) * max(n, 1)
     capacity = limits.max_num_running + limits.max_queued_requests
     if num_sequences > capacity:
         raise bad_request(
-            f"this request needs {num_sequences} sequences ({len(prompts)} "
+            f"this request needs {num_sequences} sequences ({num_prompts} "
             f"prompts x n = {n}); the server holds at most {capacity} at once",
             "n",
         )
@@ -91,6 +95,12 @@ def _prompts(prompt: Any) -> list[Any]:
     if not isinstance(prompt, list) or _is_token_list(prompt):
         return [prompt]
     return prompt
+
+
+def _num_embeds_prompts(prompt_embeds: Any) -> int:
+    if prompt_embeds is None:
+        return 0
+    return len(prompt_embeds) if isinstance(prompt_embeds, list) else 1
 
 
 def _is_token_list(prompt: list[Any]) -> bool:

@@ -332,7 +332,11 @@ async def _completions(request: Request, request_id: str, call: RequestTelemetry
         return _stream(group, formatter, req, state, request_id, call)
     if not await _collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
-    prompt_ids = [p.token_ids for p in prompts] if req.return_token_ids else None
+    prompt_ids = (
+        [() if p.embeds is not None else p.token_ids for p in prompts]
+        if req.return_token_ids
+        else None
+    )
     body = completion_response(
         meta, choices, prompt_lens, echo_texts=echo_texts, prompt_token_ids=prompt_ids
     )
@@ -413,6 +417,7 @@ def _array_caps(state: ServerState) -> dict[str, int]:
     limits = state.admission.limits
     return {
         "prompt": limits.max_num_running + limits.max_queued_requests,
+        "prompt_embeds": limits.max_num_running + limits.max_queued_requests,
         "stop": limits.max_stop_strings,
         "logit_bias": limits.max_logit_bias_entries,
         "vllm_xargs": MAX_VLLM_XARGS,

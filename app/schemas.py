@@ -169,8 +169,27 @@ class ChatCompletionRequest(SamplingFields):
 TokenIds = list[NonNegativeInt]
 
 
+class RawPromptEmbeds(BaseModel):
+    """One prompt's embedding rows as raw bytes (app/prompt_embeds.py)."""
+
+    model_config = _MODEL_CONFIG
+
+    data: str
+    """base64 of the little-endian, row-major values."""
+    dtype: Literal["float32", "bfloat16", "float16"]
+    shape: list[NonNegativeInt]
+    """[num_tokens, hidden_size]."""
+
+
+PromptEmbedsItem = str | RawPromptEmbeds
+"""base64 of a safetensors file holding one tensor, or the raw form."""
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: str | list[str] | TokenIds | list[TokenIds] | None = None
+    """Required unless prompt_embeds is given."""
+    prompt_embeds: PromptEmbedsItem | list[PromptEmbedsItem] | None = None
+    """With --enable-prompt-embeds: prompts as embedding rows (app/prompt_embeds.py)."""
     max_tokens: PositiveInt | None = 16
     logprobs: NumLogprobs | None = None
     echo: LenientBool | None = False

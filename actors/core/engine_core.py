@@ -203,6 +203,7 @@ class EngineCore:
             pid=os.getpid(),
             weights=getattr(worker, "weights_precision", ""),
             kv_cache_dtype=kv_cache_dtype_name(worker.kv_cache_dtype),
+            hidden_size=worker.model_config.hidden_size,
         )
         log_startup(
             log,
@@ -310,6 +311,9 @@ def _make_scheduler(
         block_size=config.block_size,
         max_steps_in_flight=max_steps_in_flight,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        prompt_embeds_hidden_size=(
+            worker.model_config.hidden_size if config.enable_prompt_embeds else None
+        ),
     )
     grammars = GrammarState(
         worker.model_config.vocab_size,

@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.protocol.messages import EngineRequest
+from actors.protocol.messages import EngineRequest, PromptEmbeds
+from actors.protocol.prompt_embeds import ITEM_BYTES
 from actors.protocol.sampling_params import SamplingParams
 
 
@@ -99,6 +100,8 @@ class Request:
     """The step id from which it may run draft slots again."""
     spec_accepting: bool = False
     """Whether its latest reported speculative step emitted a draft."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt's embedding rows; its prompt_token_ids are then placeholders."""
 
     @classmethod
     def from_engine_request(
@@ -114,6 +117,10 @@ class Request:
                 f"{max_model_len}"
             )
         params = request.sampling_params
+        cache_salt = request.cache_salt
+        if request.prompt_embeds is not None:
+            _check_embeds_request(request)
+            cache_salt = embeds_cache_salt(request.prompt_embeds, cache_salt)
         max_total_tokens = (
             max_model_len
             if params.max_tokens is None
@@ -127,13 +134,14 @@ class Request:
             max_model_len=max_model_len,
             priority=request.priority,
             eos_token_ids=request.eos_token_ids,
-            cache_salt=request.cache_salt,
+            cache_salt=cache_salt,
             client_index=request.client_index,
             num_prompt_tokens=num_prompt_tokens,
             max_total_tokens=max_total_tokens,
             min_tokens=params.min_tokens,
             stop_tokens=_stop_tokens(params, request.eos_token_ids),
             queued_time=queued_time,
+            prompt_embeds=request.prompt_embeds,
         )
 
     @property
@@ -156,6 +164,32 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def embeds_cache_salt(embeds: PromptEmbeds, cache_salt: str | None) -> str:
+    """The prefix-cache salt of a prompt given as embeddings: its blocks' token ids are
+    placeholders, so the rows' digest joins every block's hash. Only a request with the
+    same rows (and salt) shares those blocks; no token prompt can, unless its client sends
+    this very string, which needs the rows' digest (the rows themselves, in effect)."""
+    salt = "" if cache_salt is None else " " + cache_salt
+    return f"\x00prompt-embeds {embeds.digest.hex()}{salt}"
+
+
+def _check_embeds_request(request: EngineRequest) -> None:
+    embeds = request.prompt_embeds
+    assert embeds is not None
+    if embeds.num_tokens != len(request.prompt_token_ids):
+        raise ValueError(
+            f"request {request.request_id!r}: {embeds.num_tokens} embedding rows for "
+            f"{len(request.prompt_token_ids)} prompt positions"
+        )
+    if len(embeds.data) != embeds.num_tokens * embeds.hidden_size * ITEM_BYTES.get(embeds.dtype, 0):
+        raise ValueError(f"request {request.request_id!r}: malformed prompt embeddings")
+    if request.sampling_params.prompt_logprobs is not None:
+        raise ValueError(
+            f"request {request.request_id!r}: prompt logprobs are not computed for "
+            "prompt embeddings"
+        )
 
 
 def _stop_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> dict[int, int | None]:

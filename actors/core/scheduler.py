@@ -115,6 +115,14 @@ class Scheduler:
         ValueError for a request the engine cannot take."""
         if engine_request.request_id in self._requests:
             raise ValueError(f"request id {engine_request.request_id!r} is already in the engine")
+        embeds = engine_request.prompt_embeds
+        if embeds is not None and embeds.hidden_size != self.config.prompt_embeds_hidden_size:
+            raise ValueError(
+                "this engine does not take prompt embeddings (--enable-prompt-embeds)"
+                if self.config.prompt_embeds_hidden_size is None
+                else f"prompt embeddings of width {embeds.hidden_size}; the model's hidden "
+                f"size is {self.config.prompt_embeds_hidden_size}"
+            )
         request = Request.from_engine_request(
             engine_request, self.config.max_model_len, queued_time=time.monotonic()
         )
@@ -418,6 +426,7 @@ class Scheduler:
             num_computed_tokens=grant.num_cached_tokens,
             sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids,
+            prompt_embeds=request.prompt_embeds,
         )
         batch.add(request, grant.num_new_tokens)
         return new_request

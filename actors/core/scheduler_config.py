@@ -19,6 +19,9 @@ class SchedulerConfig:
     """Steps scheduled before the oldest one's results arrive (2 overlaps CPU and GPU)."""
     num_speculative_tokens: int = 0
     """Draft slots per decoding row (ngram speculative decoding); 0: no speculation."""
+    prompt_embeds_hidden_size: int | None = None
+    """Width of the rows a request's prompt embeddings must have; None: requests with
+    prompt embeddings are refused (--enable-prompt-embeds is off)."""
 
     def __post_init__(self) -> None:
         for name in (

@@ -52,6 +52,7 @@ def speculates(request: Request) -> bool:
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and params.structured_output is None
+        and request.prompt_embeds is None  # drafts would match its placeholder tokens
     )
 
 

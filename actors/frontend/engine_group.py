@@ -61,7 +61,9 @@ class EngineGroup:
     def add_request(self, request: EngineRequest) -> RequestStream:
         if self.balancer is None:
             return self.clients[0].add_request(request)
-        core = self.balancer.choose(request.prompt_token_ids, request.cache_salt)
+        # Placeholder ids of a prompt of embeddings share no prefix worth following.
+        prefix = () if request.prompt_embeds is not None else request.prompt_token_ids
+        core = self.balancer.choose(prefix, request.cache_salt)
         stream = self.clients[core].add_request(request)
         self._owners[request.request_id] = (core, stream)
         if len(self._owners) >= self._sweep_at:

@@ -100,7 +100,10 @@ class OutputProcessor:
             NullDetokenizer()
             if self._tokenizer is None
             else IncrementalDetokenizer(
-                self._tokenizer, request.prompt_token_ids, params.skip_special_tokens
+                self._tokenizer,
+                # A prompt of embeddings has placeholder ids: its text starts afresh.
+                () if request.prompt_embeds is not None else request.prompt_token_ids,
+                params.skip_special_tokens,
             )
         )
         self._requests[request.request_id] = _RequestState(

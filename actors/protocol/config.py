@@ -92,6 +92,9 @@ class EngineConfig:
     data_parallel_rank: int = 0
     """Which of those cores this is (set by the launcher for each): on CUDA core i runs on
     cuda:i (gpu/distributed/dp_placement.py)."""
+    enable_prompt_embeds: bool = False
+    """Take prompts given as embedding rows (vLLM's --enable-prompt-embeds): the
+    completions API's `prompt_embeds`, `{"prompt_embeds": tensor}` prompts of LLM.generate."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -133,6 +136,11 @@ class EngineConfig:
             raise ConfigError(
                 f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
                 f"got {self.data_parallel_rank!r}"
+            )
+        if self.enable_prompt_embeds and self.compile_level != 0:
+            raise ConfigError(
+                "enable_prompt_embeds does not work with compile_level > 0 (the compiled "
+                "model reads token ids only)"
             )
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ConfigError(

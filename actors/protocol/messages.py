@@ -28,6 +28,22 @@ from actors.protocol.structured_output import StructuredOutputSpec
 # ==== front end -> engine core =========================================================
 
 
+class PromptEmbeds(msgspec.Struct, frozen=True):
+    """A prompt given as one embedding row per position instead of token ids (decoded and
+    checked by actors/protocol/prompt_embeds.py). The request's prompt_token_ids are then
+    placeholders (0, one per row): the prefill runs these rows where it would look token
+    ids up in the embedding table; tokens generated after them are ordinary."""
+
+    data: bytes
+    """[num_tokens, hidden_size] little-endian, row-major."""
+    dtype: str
+    """'float32', 'bfloat16' or 'float16' (the engine converts to the model's dtype)."""
+    num_tokens: int
+    hidden_size: int
+    digest: bytes
+    """blake2b of dtype, shape and data: the prefix cache keys these rows' blocks by it."""
+
+
 class EngineRequest(msgspec.Struct, frozen=True, tag="request"):
     """One sequence to generate (a request with n samples is n of these)."""
 
@@ -45,6 +61,9 @@ class EngineRequest(msgspec.Struct, frozen=True, tag="request"):
     """The front end that owns the request: its outputs go there."""
     trace_context: dict[str, str] | None = None
     """W3C trace context (traceparent, tracestate) of the request's span."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt as embedding rows (--enable-prompt-embeds); prompt_token_ids are then
+    placeholders."""
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):
@@ -119,6 +138,8 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     lm_head, embeddings, norms"."""
     kv_cache_dtype: str = ""
     """The KV cache's element type (--kv-cache-dtype resolved): "fp8_e4m3", "bfloat16", ..."""
+    hidden_size: int = 0
+    """Width of the model's embeddings (the columns a request's prompt_embeds must have)."""
 
 
 class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed"):
@@ -335,6 +356,8 @@ class NewRequestData(msgspec.Struct, frozen=True):
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     """Suppressed until min_tokens outputs exist (unless ignore_eos)."""
+    prompt_embeds: PromptEmbeds | None = None
+    """Rows the prefill runs in place of the prompt's (placeholder) token ids."""
 
 
 class CachedRequestData(msgspec.Struct, frozen=True):

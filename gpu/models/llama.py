@@ -56,6 +56,7 @@ from gpu.models.precision import (
     ProjectionScheme,
     WeightPrecision,
 )
+from gpu.prompt_embeds import EmbedsOverlay
 from kernels.fp8_quant import FP8_DTYPE
 from kernels.qkv_prologue import qkv_prologue
 
@@ -276,7 +277,10 @@ class DecoderModel(nn.Module):
             torch.Tensor
         ],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
+        embeds: EmbedsOverlay | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """`embeds`: rows that replace the looked-up embeddings at some positions (prompt
+        embeddings, gpu/prompt_embeds.py)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         if self.tp is None:
@@ -285,6 +289,8 @@ class DecoderModel(nn.Module):
             hidden = vocab_parallel_embedding(
                 input_ids, self.embed_tokens, self.vocab_shard, self.tp
             )
+        if embeds is not None:
+            hidden.index_copy_(0, embeds.token_index, embeds.rows)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)

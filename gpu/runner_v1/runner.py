@@ -30,6 +30,7 @@ from actors.protocol.messages import (
     StepStats,
 )
 from gpu.attention.base import AttentionMetadata
+from gpu.prompt_embeds import EmbedsOverlay, embeds_tensor, step_overlay
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import ReadyStep
 from gpu.runner_v1.compiled_model import compiled_decoder
@@ -52,6 +53,8 @@ class _CachedRequest:
     block_ids: list[int]
     num_logprobs: int
     num_computed_tokens: int = 0
+    embeds: torch.Tensor | None = None
+    """[prompt_len, hidden_size]: the prompt's rows when it was given as embeddings."""
 
 
 class _StepInputs(NamedTuple):
@@ -63,6 +66,7 @@ class _StepInputs(NamedTuple):
     rows_gpu: torch.Tensor  # [num_reqs] int32
     sample_positions: torch.Tensor  # [num_reqs] int64: where each sampled token goes
     num_output_tokens: torch.Tensor  # [num_reqs] int32
+    embeds: EmbedsOverlay | None
 
 
 class ModelRunnerV1:
@@ -118,9 +122,7 @@ class ModelRunnerV1:
         reqs = [self.requests[r] for r in sched.scheduled_request_ids]
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self.build_inputs(reqs, num_scheduled)
-        hidden = self.forward(
-            inputs.input_ids, inputs.positions, self.worker.kv_caches, inputs.attn_metadata
-        )
+        hidden = self.run_model(inputs)
         logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         rows = plan_prompt_rows(
@@ -165,6 +167,19 @@ class ModelRunnerV1:
             prepare_time_s=time.perf_counter() - started,
         )
         return _step_output(sched, is_real_np, sampled_np, out, stats, prompt)
+
+    def run_model(self, inputs: _StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if inputs.embeds is None:  # the compiled model reads token ids only
+            return self.forward(
+                inputs.input_ids, inputs.positions, self.worker.kv_caches, inputs.attn_metadata
+            )
+        return self.worker.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.worker.kv_caches,
+            inputs.attn_metadata,
+            embeds=inputs.embeds,
+        )
 
     def _sample(
         self,
@@ -224,11 +239,16 @@ class ModelRunnerV1:
                 block_ids=list(new.block_ids),
                 num_logprobs=-1 if params.logprobs is None else params.logprobs,
                 num_computed_tokens=new.num_computed_tokens,
+                embeds=(
+                    None
+                    if new.prompt_embeds is None
+                    else embeds_tensor(new.prompt_embeds, self.worker.dtype)
+                ),
             )
             self.sampling_state.add_request(
                 row,
                 params,
-                new.token_ids[: new.prompt_len],
+                () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len],
                 new.token_ids[new.prompt_len :],
                 new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id),
@@ -289,6 +309,7 @@ class ModelRunnerV1:
             rows_gpu=torch.from_numpy(rows).to(dev),
             sample_positions=torch.from_numpy(seq_lens.astype(np.int64)).to(dev),
             num_output_tokens=torch.from_numpy(num_output).to(dev),
+            embeds=step_overlay([r.embeds for r in reqs], starts, num_scheduled, dev),
         )
 
     @staticmethod

@@ -23,6 +23,7 @@ import torch
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import SchedulerOutput, StepStats
 from gpu.input_buffers import InputBuffers
+from gpu.prompt_embeds import EmbedsOverlay, RequestEmbeds
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import LaunchedStep
 from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
@@ -89,6 +90,11 @@ class ModelRunnerV2:
         self._prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
+        self.embeds = (
+            RequestEmbeds(worker.dtype, self.device) if config.enable_prompt_embeds else None
+        )
+        self._step_embeds: EmbedsOverlay | None = None
+        """The prompt-embedding rows of the step being launched (read by forward_hidden)."""
         spec = config.speculative_config
         self.spec_graphs = (
             None
@@ -122,7 +128,16 @@ class ModelRunnerV2:
             sched = self.drafts.trim_slots(sched, self.states)
             if any(sched.num_draft_slots):
                 check_speculative_step(sched, self._prompt_requests)
-        plan = plan_step(sched, self.states.row_of, self._graph_sizes)
+        self._step_embeds = (
+            None
+            if self.embeds is None
+            else self.embeds.overlay(
+                sched.scheduled_request_ids, sched.num_computed_tokens, sched.num_scheduled_tokens
+            )
+        )
+        # The graphs read token ids only: a step with prompt-embedding rows runs eagerly.
+        sizes = self._graph_sizes if self._step_embeds is None else None
+        plan = plan_step(sched, self.states.row_of, sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
         if self.drafts is not None and any(sched.num_draft_slots):
             return launch_spec_step(self, sched, plan, started, start_event)
@@ -236,7 +251,11 @@ class ModelRunnerV2:
             return self.step_state.hidden
         batch = build_input_batch(plan, self.states, self.buffers, self.block_size)
         return self.worker.model(
-            batch.input_ids_gpu, batch.positions_gpu, self.worker.kv_caches, batch.attn_metadata
+            batch.input_ids_gpu,
+            batch.positions_gpu,
+            self.worker.kv_caches,
+            batch.attn_metadata,
+            embeds=self._step_embeds,
         )
 
     def _local_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +320,8 @@ class ModelRunnerV2:
         for request_id in sorted(sched.finished_request_ids):
             row = self.states.remove(request_id)
             self._prompt_requests.pop(request_id, None)
+            if self.embeds is not None:
+                self.embeds.remove(request_id)
             if row is not None:
                 self.sampling_state.remove_request(row)
                 self.num_logprobs_np[row] = -1
@@ -311,10 +332,12 @@ class ModelRunnerV2:
                 self._prompt_requests[new.request_id] = PromptRequest(
                     params.prompt_logprobs, new.token_ids[: new.prompt_len]
                 )
+            if self.embeds is not None:
+                self.embeds.add(new.request_id, new.prompt_embeds)
             self.sampling_state.add_request(
                 row,
                 params,
-                new.token_ids[: new.prompt_len],
+                () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len],
                 new.token_ids[new.prompt_len :],
                 new.eos_token_ids,
                 unseeded_request_seed(self._default_seed, new.request_id),

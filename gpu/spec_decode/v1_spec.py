@@ -43,6 +43,8 @@ class SpecStepRunner(Protocol):
 
     def build_inputs(self, reqs: list[Any], num_scheduled: np.ndarray) -> Any: ...
 
+    def run_model(self, inputs: Any) -> torch.Tensor: ...
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Drafts:
@@ -80,9 +82,7 @@ def execute_spec_step(runner: SpecStepRunner, sched: SchedulerOutput, started: f
         for i, (r, n) in enumerate(zip(reqs, drafts.num_used))
     ]
     inputs = runner.build_inputs(with_drafts, num_run)
-    hidden = runner.forward(
-        inputs.input_ids, inputs.positions, runner.worker.kv_caches, inputs.attn_metadata
-    )
+    hidden = runner.run_model(inputs)
     counts = drafts.num_used + 1
     cu = np.zeros(len(reqs) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
