@@ -99,6 +99,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fix the number of KV cache blocks instead of sizing from memory",
     )
     g.add_argument(
+        "--kv-offload-cpu-gb",
+        type=float,
+        default=float(_env("kv_offload_cpu_gb", 0)),
+        help="host-memory tier of the prefix cache, in GiB (0: off): KV blocks evicted from "
+        "the device pool are copied to pinned host memory (pageable, with a warning, "
+        "where pinning is unavailable) and copied back on a later prefix hit instead of "
+        "being recomputed. Env: TANDEM_KV_OFFLOAD_CPU_GB",
+    )
+    g.add_argument(
+        "--kv-offload-disk-path",
+        default=_env("kv_offload_disk_path", None),
+        help="directory of a disk tier behind the host tier (needs --kv-offload-cpu-gb): "
+        "blocks evicted from host memory are written there in the background, checked "
+        "by a checksum when read back (a bad file is a miss). Files left there by an "
+        "earlier run are deleted at start. Env: TANDEM_KV_OFFLOAD_DISK_PATH",
+    )
+    g.add_argument(
+        "--kv-offload-disk-gb",
+        type=float,
+        default=float(_env("kv_offload_disk_gb", 16)),
+        help="most GiB the disk tier keeps per engine core; least recently used blocks "
+        "are deleted first. Env: TANDEM_KV_OFFLOAD_DISK_GB",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=float(_env("gpu_memory_utilization", _DEFAULTS.gpu_memory_utilization)),
@@ -243,6 +267,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "kv_cache_dtype": args.kv_cache_dtype,
         "num_kv_blocks": None if args.num_kv_blocks is None else int(args.num_kv_blocks),
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_offload_cpu_bytes": _gib_to_bytes(args.kv_offload_cpu_gb),
+        "kv_offload_disk_path": args.kv_offload_disk_path or None,
+        "kv_offload_disk_bytes": _gib_to_bytes(args.kv_offload_disk_gb),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_logprobs": args.max_logprobs,
@@ -264,3 +291,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     }
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def _gib_to_bytes(num_gib: float) -> int:
+    """GiB (a flag's float) -> bytes; a negative size stays negative, for the config's
+    one-line refusal."""
+    return int(num_gib * (1 << 30))

@@ -69,6 +69,7 @@ async def version(request: Request) -> Response:
             "runner_rule": info.runner_rule if info else None,
             "weights": info.weights if info else None,
             "kv_cache_dtype": info.kv_cache_dtype if info else None,
+            "kv_offload_tiers": (info.kv_offload or None) if info else None,
             "api_server": state.client_index,
             "api_server_count": state.settings.api_server_count,
             "data_parallel_size": state.num_cores,
@@ -204,6 +205,7 @@ async def _reset_prefix_cache(request: Request, request_id: str) -> Response:
             "status": "ok",
             "num_dropped_blocks": reset.num_dropped_blocks,
             "num_kept_blocks": reset.num_kept_blocks,
+            "num_dropped_offloaded_blocks": reset.num_dropped_offloaded_blocks,
         }
     )
 

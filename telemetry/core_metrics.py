@@ -6,7 +6,9 @@ with `sum without (engine)`).
   and its cumulative prefix-cache and preemption counts, as the core reports them;
 - the requests it finished and their tokens (vllm:request_success, vllm:prompt_tokens,
   vllm:generation_tokens);
-- the share of its device time spent idle over its latest steps (tandem:gpu_idle_fraction).
+- the share of its device time spent idle over its latest steps (tandem:gpu_idle_fraction);
+- its prefix cache's offload tiers, labelled tier="cpu" or "disk" (tandem:kv_offload_*:
+  tokens looked up and found, bytes saved and loaded, blocks held and their capacity).
 
 The latency histograms and the step-time histograms stay one series for the whole server.
 """
@@ -97,6 +99,37 @@ class CoreFamilies:
         self.request_success = counter(
             "vllm:request_success", "Count of successfully processed requests.", "finished_reason"
         )
+        tier = ("tier",)
+        self.tier_queries = counter(
+            "tandem:kv_offload_queries",
+            "Prefix cache tokens looked up in an offload tier (missed by the tiers before it).",
+            *tier,
+        )
+        self.tier_hits = counter(
+            "tandem:kv_offload_hits",
+            "Prefix cache tokens found in an offload tier (copied back, not computed).",
+            *tier,
+        )
+        self.tier_bytes = counter(
+            "tandem:kv_offload_bytes",
+            "Bytes copied into (direction=save) or out of (direction=load) an offload tier.",
+            *tier,
+            "direction",
+        )
+        self.tier_blocks = Gauge(
+            "tandem:kv_offload_blocks",
+            "KV blocks an offload tier holds.",
+            [*labels, "tier"],
+            registry=registry,
+            multiprocess_mode="livemostrecent",
+        )
+        self.tier_capacity = Gauge(
+            "tandem:kv_offload_capacity_blocks",
+            "KV blocks an offload tier can hold.",
+            [*labels, "tier"],
+            registry=registry,
+            multiprocess_mode="livemostrecent",
+        )
         self.idle_fraction = gauge(
             "tandem:gpu_idle_fraction",
             f"Share of device time spent idle between steps over "
@@ -124,6 +157,7 @@ class CoreSeries:
         self._idle_fraction = families.idle_fraction.labels(**labels)
         for reason in FINISH_REASONS:  # present at 0 from the start, as in vLLM
             self._success(reason)
+        self._tiers: dict[str, _TierSeries] = {}
         self._recent_idle_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._recent_step_s = [0.0] * IDLE_FRACTION_WINDOW_STEPS
         self._num_steps = 0
@@ -142,6 +176,12 @@ class CoreSeries:
         self._prefix_queries.update(stats.prefix_cache_queries_tokens)
         self._prefix_hits.update(stats.prefix_cache_hits_tokens)
         self._preemptions.update(stats.num_preemptions_total)
+        for tier in getattr(stats, "kv_tiers", ()):
+            series = self._tiers.get(tier.tier)
+            if series is None:
+                labels = {"model_name": self._model_name, "engine": self._engine}
+                series = self._tiers[tier.tier] = _TierSeries(self._families, labels, tier.tier)
+            series.observe(tier)
 
     def observe_step_times(self, step_time_s: float, gpu_idle_s: float) -> None:
         slot = self._num_steps % IDLE_FRACTION_WINDOW_STEPS
@@ -160,3 +200,24 @@ class CoreSeries:
 
     def count_aborted(self, num_requests: int) -> None:
         self._success("abort").inc(num_requests)
+
+
+class _TierSeries:
+    """One offload tier's series (actors.protocol.messages.KVTierStats)."""
+
+    def __init__(self, families: CoreFamilies, labels: dict[str, str], tier: str) -> None:
+        labels = {**labels, "tier": tier}
+        self._queries = _CumulativeCounter(families.tier_queries.labels(**labels))
+        self._hits = _CumulativeCounter(families.tier_hits.labels(**labels))
+        self._saved = _CumulativeCounter(families.tier_bytes.labels(**labels, direction="save"))
+        self._loaded = _CumulativeCounter(families.tier_bytes.labels(**labels, direction="load"))
+        self._blocks = families.tier_blocks.labels(**labels)
+        self._capacity = families.tier_capacity.labels(**labels)
+
+    def observe(self, tier: Any) -> None:
+        self._queries.update(tier.queries_tokens)
+        self._hits.update(tier.hits_tokens)
+        self._saved.update(tier.saved_bytes)
+        self._loaded.update(tier.loaded_bytes)
+        self._blocks.set(tier.num_blocks)
+        self._capacity.set(tier.num_capacity_blocks)

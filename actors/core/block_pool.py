@@ -26,6 +26,9 @@ class BlockPool:
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached_block_ids: dict[BlockHash, int] = {}
+        self.evicted: list[tuple[int, BlockHash]] | None = None
+        """When a list: (block id, hash) of each cached block allocation evicts, appended
+        for the offload tiers (actors/core/kv_offload.py), which take them."""
 
     # ---- counts ---------------------------------------------------------------------
 
@@ -75,8 +78,12 @@ class BlockPool:
                 block_id = self._free_block_ids.popleft()
             else:
                 block_id, _ = self._evictable_block_ids.popitem(last=False)
-                del self._cached_block_ids[self._block_hashes[block_id]]  # type: ignore[arg-type]
+                block_hash = self._block_hashes[block_id]
+                assert block_hash is not None
+                del self._cached_block_ids[block_hash]
                 self._block_hashes[block_id] = None
+                if self.evicted is not None:
+                    self.evicted.append((block_id, block_hash))
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids

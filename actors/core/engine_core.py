@@ -24,6 +24,8 @@ from actors.core.engine_loop import EngineLoop
 from actors.core.gpu_actor import GPUActor
 from actors.core.grammar_state import GrammarState
 from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_offload import KVOffload
+from actors.core.kv_offload_setup import make_offload_tiers
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
 from actors.core.step_health import DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS, StepFailureMonitor
@@ -93,8 +95,13 @@ class EngineCore:
         )
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
         self.gpu_actor = GPUActor(self._make_runner(worker, runner, config))
+        self.offload_tiers = make_offload_tiers(worker, config)
         self.scheduler = _make_scheduler(
-            worker, config, self.num_kv_blocks, self.gpu_actor.max_steps_in_flight
+            worker,
+            config,
+            self.num_kv_blocks,
+            self.gpu_actor.max_steps_in_flight,
+            None if self.offload_tiers is None else self.offload_tiers.offload,
         )
         self.engine_loop = EngineLoop(
             self.scheduler, self.gpu_actor, CoreOutputs(self._send), self.step_health
@@ -204,6 +211,7 @@ class EngineCore:
             weights=getattr(worker, "weights_precision", ""),
             kv_cache_dtype=kv_cache_dtype_name(worker.kv_cache_dtype),
             hidden_size=worker.model_config.hidden_size,
+            kv_offload="" if self.offload_tiers is None else self.offload_tiers.description,
         )
         log_startup(
             log,
@@ -296,12 +304,17 @@ def _start(tg: anyio.abc.TaskGroup, run: Callable[[], Awaitable[None]]) -> anyio
 
 
 def _make_scheduler(
-    worker: ModelWorker, config: EngineConfig, num_kv_blocks: int, max_steps_in_flight: int
+    worker: ModelWorker,
+    config: EngineConfig,
+    num_kv_blocks: int,
+    max_steps_in_flight: int,
+    offload: KVOffload | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(
         num_blocks=num_kv_blocks,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
+        offload=offload,
     )
     spec = config.speculative_config
     scheduler_config = SchedulerConfig(

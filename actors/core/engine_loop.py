@@ -167,9 +167,16 @@ class EngineLoop(Actor[ToEngineLoop]):
         scheduler = self.scheduler
         scheduler.free_finished_blocks()  # a finished request's blocks are not in use
         num_dropped_blocks = scheduler.kv.reset_prefix_cache()
+        num_dropped_offloaded = scheduler.kv.reset_offload_tiers()
         scheduler.kv_usage = scheduler.kv.stats()
-        log.info("prefix_cache_reset", num_dropped_blocks=num_dropped_blocks)
-        return PrefixCacheReset(num_dropped_blocks, scheduler.kv_usage.num_cached_blocks)
+        log.info(
+            "prefix_cache_reset",
+            num_dropped_blocks=num_dropped_blocks,
+            num_dropped_offloaded_blocks=num_dropped_offloaded,
+        )
+        return PrefixCacheReset(
+            num_dropped_blocks, scheduler.kv_usage.num_cached_blocks, num_dropped_offloaded
+        )
 
     def _abort_client(self, client_index: int) -> None:
         self._num_received[client_index] = 0  # a new process: it counts its sends from 0
@@ -289,4 +296,5 @@ class EngineLoop(Actor[ToEngineLoop]):
             prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
             num_free_rows=self._gpu.runner.num_free_rows,
+            kv_tiers=kv.kv_tiers,
         )

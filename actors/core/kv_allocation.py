@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.protocol.messages import KVTierStats
+
 
 @dataclass(frozen=True, slots=True)
 class RunningAllocs:
@@ -91,3 +93,5 @@ class KVUsage:
     """Tokens looked up in the prefix cache by admitted requests, cumulative."""
     prefix_cache_hits_tokens: int
     """Of those, tokens found in the cache, cumulative."""
+    kv_tiers: tuple[KVTierStats, ...] = ()
+    """The offload tiers behind the device pool (host memory, disk), when on."""

@@ -42,7 +42,9 @@ from actors.core.kv_allocation import (
     WaitingAlloc,
     WaitingGrant,
 )
+from actors.core.kv_offload import KVOffload, Lookup
 from actors.core.prefix_hash import BlockHash, chain_block_hashes, hash_full_blocks
+from actors.protocol.messages import KVTransfer
 
 
 @dataclass(slots=True, eq=False)
@@ -58,13 +60,21 @@ class _RequestBlocks:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
     ) -> None:
+        """`offload`: the host-memory (and disk) tiers behind the pool, when on."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.offload = offload if enable_prefix_caching else None
+        if self.offload is not None:
+            self.pool.evicted = []
         self._requests: dict[str, _RequestBlocks] = {}
         # Hashes of waiting requests that were offered but not admitted, so a request stuck
         # at the head of the queue is not re-hashed every step.
@@ -91,7 +101,12 @@ class KVCacheManager:
             usage_perc=pool.num_used_blocks / pool.num_blocks,
             prefix_cache_queries_tokens=self._num_query_tokens,
             prefix_cache_hits_tokens=self._num_hit_tokens,
+            kv_tiers=() if self.offload is None else self.offload.stats(),
         )
+
+    def take_transfer(self) -> KVTransfer | None:
+        """The offload copies decided since the last call, for the step being built."""
+        return None if self.offload is None else self.offload.take_transfer()
 
     # ---- commands -------------------------------------------------------------------
 
@@ -145,6 +160,10 @@ class KVCacheManager:
         how many. Blocks in use stay cached. Hit and query counts are cumulative and stay."""
         return self.pool.drop_evictable()
 
+    def reset_offload_tiers(self) -> int:
+        """Drop every block of the host-memory and disk tiers; returns how many."""
+        return 0 if self.offload is None else self.offload.reset()
+
     def free(self, request_ids: Iterable[str]) -> None:
         """Release the requests' blocks; unknown ids are ignored (nothing was allocated)."""
         for request_id in request_ids:
@@ -158,6 +177,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError describing the first broken invariant."""
         self.pool.check_invariants()
+        if self.offload is not None:
+            self.offload.check_invariants()
         holders: Counter[int] = Counter()
         for request_id, state in self._requests.items():
             if len(set(state.block_ids)) != len(state.block_ids):
@@ -190,7 +211,7 @@ class KVCacheManager:
             if num_missing > 0:
                 if num_missing > self.pool.num_allocatable_blocks:
                     break
-                new_blocks = tuple(self.pool.allocate(num_missing))
+                new_blocks = tuple(self._allocate_blocks(num_missing))
                 state.block_ids.extend(new_blocks)
             if state.num_offered_blocks < len(state.block_hashes):
                 self._publish_full_blocks(state, num_tokens)
@@ -240,25 +261,59 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
-        num_cached = len(hit_block_ids) * self.block_size
+        lookup = self._find_offloaded(hashes[len(hit_block_ids) : max_hit_blocks])
+        num_loaded = len(lookup.host_slots)
+        num_cached = (len(hit_block_ids) + num_loaded) * self.block_size
         num_new = min(num_tokens - num_cached, entry.max_num_new_tokens, token_budget)
         num_needed = -(-(num_cached + num_new) // self.block_size) - len(hit_block_ids)
         num_revived = sum(1 for block_id in hit_block_ids if self.pool.is_evictable(block_id))
         if num_needed > self.pool.num_allocatable_blocks - num_revived:
             return None
         self.pool.touch(hit_block_ids)
+        new_block_ids = self._allocate_blocks(num_needed)
+        self._load_offloaded(lookup, hashes[len(hit_block_ids) :], new_block_ids[:num_loaded])
         state = _RequestBlocks(
-            hit_block_ids + self.pool.allocate(num_needed),
+            hit_block_ids + new_block_ids,
             hashes,
-            len(hit_block_ids),
+            len(hit_block_ids) + num_loaded,
             entry.cache_salt,
         )
         self._requests[entry.request_id] = state
         self._publish_full_blocks(state, num_cached + num_new)
         if self.enable_prefix_caching:
             self._num_query_tokens += num_tokens
-            self._num_hit_tokens += num_cached
+            self._num_hit_tokens += len(hit_block_ids) * self.block_size  # the device pool's
         return WaitingGrant(entry.request_id, tuple(state.block_ids), num_cached, num_new)
+
+    def _allocate_blocks(self, num_blocks: int) -> list[int]:
+        block_ids = self.pool.allocate(num_blocks)
+        evicted = self.pool.evicted
+        if evicted and self.offload is not None:
+            self.offload.save_evicted(evicted)
+            evicted.clear()
+        return block_ids
+
+    def _find_offloaded(self, hashes: Sequence[BlockHash]) -> Lookup:
+        """The blocks after the device pool's hits that the offload tiers hold, in order up
+        to the first they miss."""
+        lookup = Lookup()
+        if self.offload is not None:
+            for block_hash in hashes:
+                if not self.offload.find(block_hash, lookup):
+                    break
+        return lookup
+
+    def _load_offloaded(
+        self, lookup: Lookup, hashes: Sequence[BlockHash], block_ids: Sequence[int]
+    ) -> None:
+        """Copy the tiers' hits into the request's new blocks and publish them now: the
+        worker runs the loads before the step's forward, so any reader sees the KV."""
+        if self.offload is None:
+            return
+        for slot, block_hash, block_id in zip(lookup.host_slots, hashes, block_ids, strict=False):
+            self.offload.load(slot, block_id)
+            self.pool.register(block_id, block_hash)
+        self.offload.commit(lookup)
 
     def _publish_full_blocks(self, state: _RequestBlocks, num_tokens: int) -> None:
         end = min(len(state.block_hashes), num_tokens // self.block_size)

@@ -406,6 +406,7 @@ class Scheduler:
             grammar_bitmask=grammar_bitmask,
             grammar_mask_deferred=mask_deferred,
             num_draft_slots=tuple(batch.num_draft_slots) if draft_slots else (),
+            kv_transfer=self.kv.take_transfer(),
         )
 
     def _admit(self, request: Request, grant: WaitingGrant, batch: StepBatch) -> NewRequestData:

@@ -18,7 +18,12 @@ import anyio
 from actors.frontend.dp_balancer import DataParallelBalancer
 from actors.frontend.engine_client import EngineClient, EngineUnavailable
 from actors.frontend.output_stream import RequestStream
-from actors.protocol.messages import EngineRequest, PrefixCacheReset, SchedulerStats
+from actors.protocol.messages import (
+    EngineRequest,
+    KVTierStats,
+    PrefixCacheReset,
+    SchedulerStats,
+)
 
 _MIN_SWEEP_REQUESTS = 1024
 """The owner table is swept of finished requests once it is twice as large as after the
@@ -145,7 +150,9 @@ class EngineGroup:
 
         await _each(ask, self.num_cores)
         return PrefixCacheReset(
-            sum(r.num_dropped_blocks for r in resets), sum(r.num_kept_blocks for r in resets)
+            sum(r.num_dropped_blocks for r in resets),
+            sum(r.num_kept_blocks for r in resets),
+            sum(r.num_dropped_offloaded_blocks for r in resets),
         )
 
     def close(self) -> None:
@@ -182,4 +189,28 @@ def sum_stats(per_core: Sequence[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries_tokens=sum(s.prefix_cache_queries_tokens for s in per_core),
         prefix_cache_hits_tokens=sum(s.prefix_cache_hits_tokens for s in per_core),
         num_free_rows=None if None in rows else sum(r for r in rows if r is not None),
+        kv_tiers=_sum_tiers([s.kv_tiers for s in per_core]),
     )
+
+
+def _sum_tiers(per_core: Sequence[tuple[KVTierStats, ...]]) -> tuple[KVTierStats, ...]:
+    """Each offload tier's counts over the cores (every core has the same tiers)."""
+    if len(per_core) == 1:
+        return per_core[0]
+    return tuple(
+        KVTierStats(
+            tiers[0].tier,
+            *(sum(getattr(t, name) for t in tiers) for name in _TIER_COUNTS),
+        )
+        for tiers in zip(*per_core, strict=False)
+    )
+
+
+_TIER_COUNTS = (
+    "queries_tokens",
+    "hits_tokens",
+    "saved_bytes",
+    "loaded_bytes",
+    "num_blocks",
+    "num_capacity_blocks",
+)

@@ -60,6 +60,15 @@ class EngineConfig:
     `prompt_logprobs` (vLLM's --max-logprobs); -1: up to the vocabulary size. Checked by the
     front end (actors/frontend/generation_defaults.py), which the engine core trusts."""
     enable_prefix_caching: bool = True
+    kv_offload_cpu_bytes: int = 0
+    """Host-memory tier of the prefix cache (--kv-offload-cpu-gb): blocks evicted from the
+    device pool are copied to this much (pinned where possible) host memory and copied
+    back on a later prefix hit; 0 turns it off."""
+    kv_offload_disk_path: str | None = None
+    """Disk tier behind the host tier (--kv-offload-disk-path): blocks evicted from host
+    memory are written under this directory; None turns it off."""
+    kv_offload_disk_bytes: int = 16 << 30
+    """Most bytes the disk tier keeps (--kv-offload-disk-gb); least recently used first out."""
     runner: RunnerChoice = "auto"
     """Model runner; auto applies the startup selection rules."""
     enforce_eager: bool = False
@@ -150,6 +159,7 @@ class EngineConfig:
             raise ConfigError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        _check_kv_offload(self)
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ConfigError(
                 f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
@@ -157,3 +167,16 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _check_kv_offload(config: EngineConfig) -> None:
+    if config.kv_offload_cpu_bytes < 0:
+        raise ConfigError(f"kv_offload_cpu_bytes must be >= 0, got {config.kv_offload_cpu_bytes}")
+    if config.kv_offload_disk_bytes < 0:
+        raise ConfigError(f"kv_offload_disk_bytes must be >= 0, got {config.kv_offload_disk_bytes}")
+    if config.kv_offload_disk_path is not None and config.kv_offload_cpu_bytes == 0:
+        raise ConfigError("the KV disk tier (--kv-offload-disk-path) needs --kv-offload-cpu-gb > 0")
+    if config.kv_offload_cpu_bytes and not config.enable_prefix_caching:
+        raise ConfigError("--kv-offload-cpu-gb needs prefix caching (drop --no-prefix-caching)")
+    if config.kv_offload_cpu_bytes and config.tensor_parallel_size > 1:
+        raise ConfigError("--kv-offload-cpu-gb does not run with --tensor-parallel-size > 1 yet")

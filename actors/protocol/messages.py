@@ -140,6 +140,8 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     """The KV cache's element type (--kv-cache-dtype resolved): "fp8_e4m3", "bfloat16", ..."""
     hidden_size: int = 0
     """Width of the model's embeddings (the columns a request's prompt_embeds must have)."""
+    kv_offload: str = ""
+    """The prefix cache's offload tiers, one line ("" when off)."""
 
 
 class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed"):
@@ -199,6 +201,26 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefix_cache_hits_tokens: int
     num_free_rows: int | None
     """Free runner rows (None when the runner does not keep rows)."""
+    kv_tiers: tuple[KVTierStats, ...] = ()
+    """The prefix cache's offload tiers (host memory, disk), when on."""
+
+
+class KVTierStats(msgspec.Struct, frozen=True):
+    """One offload tier of the prefix cache; the counts are cumulative."""
+
+    tier: str
+    """'cpu' (host memory) or 'disk'."""
+    queries_tokens: int
+    """Tokens of admitted requests looked up in this tier (missed by the tiers before it)."""
+    hits_tokens: int
+    """Of those, tokens found here (their KV copied back instead of computed)."""
+    saved_bytes: int
+    """Bytes written into this tier."""
+    loaded_bytes: int
+    """Bytes read back out of it."""
+    num_blocks: int
+    """Blocks it holds now."""
+    num_capacity_blocks: int
 
 
 class PrefixCacheReset(msgspec.Struct, frozen=True):
@@ -208,6 +230,8 @@ class PrefixCacheReset(msgspec.Struct, frozen=True):
     num_dropped_blocks: int
     num_kept_blocks: int
     """Cached blocks still held by requests."""
+    num_dropped_offloaded_blocks: int = 0
+    """Blocks dropped from the host-memory and disk tiers (all of them)."""
 
 
 class UtilityResult(msgspec.Struct, frozen=True, tag="utility_result"):
@@ -375,6 +399,35 @@ class GrammarBitmask(msgspec.Struct, frozen=True):
     bitmask: np.ndarray  # [num_masked, ceil(vocab_size / 32)] int32, bit set = allowed
 
 
+class KVTransfer(msgspec.Struct, frozen=True):
+    """KV block copies between the device pool and the prefix cache's offload tiers,
+    decided by the KV cache manager and run by the worker before the step's forward, in
+    field order (gpu/kv_offload.py): spills, saves, fills, loads. Each rank of a tensor-
+    parallel group copies its own shard of the same blocks."""
+
+    spill_host_slots: tuple[int, ...] = ()
+    """Host slots whose block goes to the disk tier (before a save reuses the slot)."""
+    spill_hashes: tuple[bytes, ...] = ()
+    save_gpu_block_ids: tuple[int, ...] = ()
+    """Device blocks evicted this step, copied into `save_host_slots` before reuse."""
+    save_host_slots: tuple[int, ...] = ()
+    fill_host_slots: tuple[int, ...] = ()
+    """Host slots given a block read back from the disk tier (`fill_data`, checked)."""
+    fill_data: tuple[bytes, ...] = ()
+    load_host_slots: tuple[int, ...] = ()
+    """Host slots copied into the device blocks `load_gpu_block_ids` (prefix hits)."""
+    load_gpu_block_ids: tuple[int, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.spill_host_slots
+            or self.save_host_slots
+            or self.fill_host_slots
+            or self.load_host_slots
+        )
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True):
     step_id: int
     new_requests: tuple[NewRequestData, ...]
@@ -402,6 +455,8 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     """Speculative decoding: per scheduled request, how many of its scheduled tokens are
     draft slots after its last token (0 for prefill chunks and non-speculating rows); the
     runner fills them with the row's drafts. Empty when no request speculates."""
+    kv_transfer: KVTransfer | None = None
+    """Offload-tier copies to run before this step's forward (None: none)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

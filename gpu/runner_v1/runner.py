@@ -30,6 +30,7 @@ from actors.protocol.messages import (
     StepStats,
 )
 from gpu.attention.base import AttentionMetadata
+from gpu.kv_offload import run_kv_transfer
 from gpu.prompt_embeds import EmbedsOverlay, embeds_tensor, step_overlay
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import ReadyStep
@@ -116,6 +117,7 @@ class ModelRunnerV1:
     def _run_step(self, sched: SchedulerOutput) -> StepOutput:
         started = time.perf_counter()
         self._update_states(sched)
+        run_kv_transfer(self.worker, sched.kv_transfer)
         if self.proposer is not None and any(sched.num_draft_slots):
             check_speculative_step(sched, self._prompt_requests)
             return execute_spec_step(self, sched, started)

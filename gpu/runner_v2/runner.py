@@ -23,6 +23,7 @@ import torch
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import SchedulerOutput, StepStats
 from gpu.input_buffers import InputBuffers
+from gpu.kv_offload import run_kv_transfer
 from gpu.prompt_embeds import EmbedsOverlay, RequestEmbeds
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import LaunchedStep
@@ -124,6 +125,7 @@ class ModelRunnerV2:
         self.step_state.check_owner(self)
         start_event = self._record_event()
         self._sync_states(sched)
+        run_kv_transfer(self.worker, sched.kv_transfer)
         if self.drafts is not None:
             sched = self.drafts.trim_slots(sched, self.states)
             if any(sched.num_draft_slots):

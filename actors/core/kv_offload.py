@@ -1,0 +1,304 @@
+"""The prefix cache's offload tiers, as the engine core sees them: which block hashes sit in
+host memory (and on disk), and which copies the worker must run before the next step.
+
+A block evicted from the device pool (BlockPool's LRU) is saved to a host slot; a prefix
+hit in host memory is loaded into a fresh device block, which is published under its hash
+at once, since the worker runs the step's loads before its forward. With a disk tier, a
+host slot that must make room is spilled to a file first; a disk hit is read here, its
+checksum checked (a bad or missing file is a miss), and filled into a host slot, then
+loaded as a host hit.
+
+Slot reuse within one step is what could go wrong: the worker runs all spills, then all
+saves, then fills, then loads. So a slot touched by the step's copies is pinned until the
+step takes them (`take_transfer`): it is neither evicted nor handed out again before then.
+Only published blocks are ever evicted, so only full, correct KV is saved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from actors.core.prefix_hash import BlockHash
+from actors.protocol.messages import KVTierStats, KVTransfer
+
+log = structlog.get_logger("tandem.kv_offload")
+
+
+class DiskBlocks(Protocol):
+    """The disk tier's files (gpu/kv_disk_store.py): written in the background."""
+
+    def read(self, block_hash: BlockHash) -> bytes | None:
+        """The block's bytes, or None when missing, short or corrupt (logged)."""
+        ...
+
+    def delete(self, block_hash: BlockHash) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class TierIndex:
+    """Hash -> slot with least-recently-used order, a fixed number of slots, and pins.
+
+    A pinned slot (touched by copies not yet taken by a step) is never evicted nor freed;
+    `release_pins` unpins them all."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recent first
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self._free_after_release: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._slots
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The block's slot, made most recently used and pinned; None when absent."""
+        slot = self._slots.get(block_hash)
+        if slot is not None:
+            self._slots.move_to_end(block_hash)
+            self._pinned.add(slot)
+        return slot
+
+    def insert(self, block_hash: BlockHash) -> tuple[int, BlockHash | None] | None:
+        """A pinned slot for a new block and the hash it evicted (None: it was free); None
+        when every slot is pinned. The hash must be absent."""
+        if block_hash in self._slots:
+            raise ValueError("block hash is already in the tier")
+        evicted: BlockHash | None = None
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = next((h for h, s in self._slots.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            evicted = victim
+            slot = self._slots.pop(victim)
+        self._slots[block_hash] = slot
+        self._pinned.add(slot)
+        return slot, evicted
+
+    def remove(self, block_hash: BlockHash) -> None:
+        slot = self._slots.pop(block_hash, None)
+        if slot is not None:
+            self._release(slot)
+
+    def clear(self) -> int:
+        """Forget every block; returns how many."""
+        num_dropped = len(self._slots)
+        for slot in self._slots.values():
+            self._release(slot)
+        self._slots.clear()
+        return num_dropped
+
+    def release_pins(self) -> None:
+        self._pinned.clear()
+        self._free_slots += self._free_after_release
+        self._free_after_release.clear()
+
+    def _release(self, slot: int) -> None:
+        # A pinned slot may still be read by copies not yet run: free it after them.
+        (self._free_after_release if slot in self._pinned else self._free_slots).append(slot)
+
+    def check_invariants(self) -> None:
+        slots = list(self._slots.values())
+        every = slots + self._free_slots + self._free_after_release
+        if sorted(every) != list(range(self.num_slots)):
+            raise AssertionError(f"tier slots are lost or doubled: {sorted(every)}")
+
+
+@dataclass(slots=True)
+class _TierCounts:
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+    saved_bytes: int = 0
+    loaded_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _PendingTransfer:
+    spill_host_slots: list[int] = field(default_factory=list)
+    spill_hashes: list[bytes] = field(default_factory=list)
+    save_gpu_block_ids: list[int] = field(default_factory=list)
+    save_host_slots: list[int] = field(default_factory=list)
+    fill_host_slots: list[int] = field(default_factory=list)
+    fill_data: list[bytes] = field(default_factory=list)
+    load_host_slots: list[int] = field(default_factory=list)
+    load_gpu_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Lookup:
+    """One admission's walk through the tiers; its counts are committed only if the
+    request is admitted."""
+
+    host_slots: list[int] = field(default_factory=list)
+    num_host_queries: int = 0
+    num_host_hits: int = 0
+    num_disk_queries: int = 0
+    num_disk_hits: int = 0
+
+
+class KVOffload:
+    """The host tier (and the disk tier behind it) of one KV cache manager."""
+
+    def __init__(
+        self,
+        num_host_slots: int,
+        block_size: int,
+        bytes_per_block: int,
+        disk: DiskBlocks | None = None,
+        num_disk_blocks: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.host = TierIndex(num_host_slots)
+        self.disk = disk
+        self._disk_index: OrderedDict[BlockHash, None] = OrderedDict()  # least recent first
+        self.num_disk_blocks = num_disk_blocks if disk is not None else 0
+        self._host_counts = _TierCounts()
+        self._disk_counts = _TierCounts()
+        self._pending = _PendingTransfer()
+
+    # ---- the KV cache manager's calls ----------------------------------------------
+
+    def save_evicted(self, evicted: Iterable[tuple[int, BlockHash]]) -> None:
+        """Device blocks whose cached KV the pool just evicted: keep a host copy of each."""
+        for block_id, block_hash in evicted:
+            if block_hash in self.host:
+                continue  # the host copy is the same KV
+            placed = self.host.insert(block_hash)
+            if placed is None:
+                continue  # every slot serves this step's copies: the block is dropped
+            slot, spilled = placed
+            if spilled is not None:
+                self._spill(slot, spilled)
+            self._pending.save_gpu_block_ids.append(block_id)
+            self._pending.save_host_slots.append(slot)
+            self._host_counts.saved_bytes += self.bytes_per_block
+
+    def find(self, block_hash: BlockHash, lookup: Lookup) -> bool:
+        """Whether the tiers hold the block (missed by the device pool); a disk hit is moved
+        into a host slot. The slot is pinned and appended to `lookup.host_slots`."""
+        lookup.num_host_queries += 1
+        slot = self.host.lookup(block_hash)
+        if slot is not None:
+            lookup.num_host_hits += 1
+        elif self.disk is not None:
+            lookup.num_disk_queries += 1
+            slot = self._from_disk(block_hash)
+            lookup.num_disk_hits += slot is not None
+        if slot is None:
+            return False
+        lookup.host_slots.append(slot)
+        return True
+
+    def load(self, host_slot: int, gpu_block_id: int) -> None:
+        """Copy a host slot (from `find`) into a device block before the next step."""
+        self._pending.load_host_slots.append(host_slot)
+        self._pending.load_gpu_block_ids.append(gpu_block_id)
+        self._host_counts.loaded_bytes += self.bytes_per_block
+
+    def commit(self, lookup: Lookup) -> None:
+        """Count an admitted request's lookups."""
+        tokens = self.block_size
+        self._host_counts.queries_tokens += lookup.num_host_queries * tokens
+        self._host_counts.hits_tokens += lookup.num_host_hits * tokens
+        self._disk_counts.queries_tokens += lookup.num_disk_queries * tokens
+        self._disk_counts.hits_tokens += lookup.num_disk_hits * tokens
+
+    def take_transfer(self) -> KVTransfer | None:
+        """The copies decided since the last call, for the step being built; unpins."""
+        pending, self._pending = self._pending, _PendingTransfer()
+        self.host.release_pins()
+        transfer = KVTransfer(
+            spill_host_slots=tuple(pending.spill_host_slots),
+            spill_hashes=tuple(pending.spill_hashes),
+            save_gpu_block_ids=tuple(pending.save_gpu_block_ids),
+            save_host_slots=tuple(pending.save_host_slots),
+            fill_host_slots=tuple(pending.fill_host_slots),
+            fill_data=tuple(pending.fill_data),
+            load_host_slots=tuple(pending.load_host_slots),
+            load_gpu_block_ids=tuple(pending.load_gpu_block_ids),
+        )
+        return None if transfer.is_empty else transfer
+
+    def reset(self) -> int:
+        """Forget every offloaded block (POST /reset_prefix_cache); returns how many. Copies
+        already decided still run: they read or fill slots no index entry points at."""
+        num_dropped = self.host.clear() + len(self._disk_index)
+        self._disk_index.clear()
+        if self.disk is not None:
+            self.disk.clear()
+        return num_dropped
+
+    def stats(self) -> tuple[KVTierStats, ...]:
+        tiers = [self._tier_stats("cpu", self._host_counts, len(self.host), self.host.num_slots)]
+        if self.disk is not None:
+            tiers.append(
+                self._tier_stats(
+                    "disk", self._disk_counts, len(self._disk_index), self.num_disk_blocks
+                )
+            )
+        return tuple(tiers)
+
+    def check_invariants(self) -> None:
+        self.host.check_invariants()
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _spill(self, host_slot: int, block_hash: BlockHash) -> None:
+        if self.disk is None or self.num_disk_blocks <= 0:
+            return
+        self._disk_index.pop(block_hash, None)
+        self._disk_index[block_hash] = None
+        while len(self._disk_index) > self.num_disk_blocks:
+            oldest, _ = self._disk_index.popitem(last=False)
+            self.disk.delete(oldest)
+        self._pending.spill_host_slots.append(host_slot)
+        self._pending.spill_hashes.append(block_hash)
+        self._disk_counts.saved_bytes += self.bytes_per_block
+
+    def _from_disk(self, block_hash: BlockHash) -> int | None:
+        if self.disk is None or block_hash not in self._disk_index:
+            return None
+        data = self.disk.read(block_hash)
+        if data is None or len(data) != self.bytes_per_block:
+            self._disk_index.pop(block_hash, None)
+            if data is not None:
+                log.warning("kv_disk_block_wrong_size", num_bytes=len(data))
+            return None
+        placed = self.host.insert(block_hash)
+        if placed is None:
+            return None
+        slot, spilled = placed
+        if spilled is not None:
+            self._spill(slot, spilled)
+        self._disk_index.move_to_end(block_hash)
+        self._pending.fill_host_slots.append(slot)
+        self._pending.fill_data.append(data)
+        self._disk_counts.loaded_bytes += self.bytes_per_block
+        return slot
+
+    def _tier_stats(
+        self, tier: str, counts: _TierCounts, num_blocks: int, num_capacity_blocks: int
+    ) -> KVTierStats:
+        return KVTierStats(
+            tier,
+            counts.queries_tokens,
+            counts.hits_tokens,
+            counts.saved_bytes,
+            counts.loaded_bytes,
+            num_blocks,
+            num_capacity_blocks,
+        )

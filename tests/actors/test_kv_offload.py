@@ -1,0 +1,224 @@
+"""The offload tiers' bookkeeping in the engine core (actors/core/kv_offload.py): the tier
+index's LRU and pins, the copies the KV cache manager orders when the device pool evicts a
+cached block and when a later prompt hits it in host memory or on disk, salt isolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.core.kv_allocation import AllocateStep, RunningAllocs, WaitingAlloc, WaitingGrant
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_offload import KVOffload, TierIndex
+from actors.core.prefix_hash import hash_full_blocks
+from actors.protocol.messages import KVTransfer
+
+BLOCK_SIZE = 4
+BYTES_PER_BLOCK = 64
+
+
+class FakeDisk:
+    """The disk tier's files in a dict; `corrupt` hashes read back as None (a bad file)."""
+
+    def __init__(self) -> None:
+        self.files: dict[bytes, bytes] = {}
+        self.corrupt: set[bytes] = set()
+        self.deleted: list[bytes] = []
+
+    def write(self, block_hash: bytes, data: bytes) -> None:
+        self.files[block_hash] = data
+
+    def read(self, block_hash: bytes) -> bytes | None:
+        if block_hash in self.corrupt:
+            return None
+        return self.files.get(block_hash)
+
+    def delete(self, block_hash: bytes) -> None:
+        self.deleted.append(block_hash)
+        self.files.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self.files.clear()
+
+
+def _manager(
+    num_blocks: int = 4, num_host_slots: int = 8, disk: FakeDisk | None = None, num_disk: int = 0
+) -> KVCacheManager:
+    offload = KVOffload(num_host_slots, BLOCK_SIZE, BYTES_PER_BLOCK, disk, num_disk)
+    return KVCacheManager(num_blocks, BLOCK_SIZE, offload=offload)
+
+
+def _admit(
+    manager: KVCacheManager, request_id: str, tokens: range | list[int], salt: str | None = None
+) -> tuple[WaitingGrant, KVTransfer | None]:
+    """Admit one request, free it at once, and return its grant and the step's copies."""
+    token_ids = tuple(tokens)
+    entry = WaitingAlloc(request_id, token_ids, len(token_ids), 10_000, salt)
+    allocation = manager.allocate_step(AllocateStep((), RunningAllocs(), (entry,), 10_000))
+    (grant,) = allocation.waiting
+    manager.free([request_id])
+    manager.check_invariants()
+    return grant, manager.take_transfer()
+
+
+# ---- the tier index -------------------------------------------------------------------
+
+
+def test_tier_index_evicts_least_recently_used_unpinned_slot() -> None:
+    index = TierIndex(2)
+    slot_a, evicted = index.insert(b"a")  # type: ignore[misc]
+    assert evicted is None
+    slot_b, _ = index.insert(b"b")  # type: ignore[misc]
+    index.release_pins()
+    assert index.lookup(b"a") == slot_a  # a is now the most recent (and pinned)
+    index.release_pins()
+    assert index.insert(b"c") == (slot_b, b"b")
+    assert b"b" not in index and index.lookup(b"c") == slot_b
+    index.check_invariants()
+
+
+def test_pinned_slots_are_never_evicted_within_a_step() -> None:
+    index = TierIndex(2)
+    index.insert(b"a")
+    index.insert(b"b")
+    assert index.insert(b"c") is None  # both slots serve copies not yet taken
+    index.release_pins()
+    assert index.insert(b"c") is not None
+
+
+def test_clearing_keeps_pinned_slots_until_their_copies_are_taken() -> None:
+    index = TierIndex(2)
+    slot_a, _ = index.insert(b"a")  # type: ignore[misc]
+    assert index.clear() == 1 and len(index) == 0
+    slot_b, _ = index.insert(b"b")  # type: ignore[misc]
+    assert slot_b != slot_a  # slot a may still be read by this step's copies
+    index.release_pins()
+    index.check_invariants()
+
+
+# ---- the manager's copies -------------------------------------------------------------
+
+
+def test_evicted_blocks_are_saved_and_a_later_prefix_hit_is_loaded() -> None:
+    manager = _manager(num_blocks=4)
+    prompt = range(13)  # three full blocks and one token
+    first, transfer = _admit(manager, "a", prompt)
+    assert transfer is None  # nothing evicted yet
+    _, transfer = _admit(manager, "b", range(100, 113))  # needs all 4 blocks: evicts a's
+    assert transfer is not None
+    assert sorted(transfer.save_gpu_block_ids) == sorted(first.block_ids[:3])
+    assert transfer.load_host_slots == ()
+    saved = dict(zip(transfer.save_gpu_block_ids, transfer.save_host_slots, strict=True))
+
+    again, transfer = _admit(manager, "c", prompt)
+    assert again.num_cached_tokens == 12 and again.num_new_tokens == 1
+    assert transfer is not None
+    # a's three blocks come back from the slots they were saved to, into c's first blocks
+    assert transfer.load_gpu_block_ids == again.block_ids[:3]
+    assert transfer.load_host_slots == tuple(saved[b] for b in first.block_ids[:3])
+    # b's blocks were evicted by c's allocation and saved, before the loads reuse them
+    assert len(transfer.save_gpu_block_ids) == 3
+    tiers = manager.stats().kv_tiers
+    assert tiers[0].tier == "cpu" and tiers[0].hits_tokens == 12
+    assert tiers[0].loaded_bytes == 3 * BYTES_PER_BLOCK
+    assert tiers[0].saved_bytes == 6 * BYTES_PER_BLOCK
+    # the device pool's own counter is the device's hits only
+    assert manager.stats().prefix_cache_hits_tokens == 0
+
+
+def test_loaded_blocks_are_published_for_the_next_request() -> None:
+    manager = _manager(num_blocks=4)
+    prompt = range(13)
+    _admit(manager, "a", prompt)
+    _admit(manager, "b", range(100, 113))
+    loaded, _ = _admit(manager, "c", prompt)
+    again, transfer = _admit(manager, "d", prompt)
+    assert again.block_ids[:3] == loaded.block_ids[:3]  # a device hit now
+    assert transfer is None or transfer.load_host_slots == ()
+
+
+def test_a_different_cache_salt_never_hits_another_salts_offloaded_blocks() -> None:
+    manager = _manager(num_blocks=4)
+    prompt = range(13)
+    _admit(manager, "a", prompt, salt="alice")
+    _admit(manager, "b", range(100, 113))
+    other, _ = _admit(manager, "c", prompt, salt="bob")
+    assert other.num_cached_tokens == 0
+    same, _ = _admit(manager, "d", prompt, salt="alice")
+    assert same.num_cached_tokens == 12
+
+
+def test_slots_a_step_loads_from_are_not_reused_by_its_saves() -> None:
+    manager = _manager(num_blocks=4, num_host_slots=3)
+    prompt = range(13)
+    _admit(manager, "a", prompt)
+    _, transfer = _admit(manager, "b", range(100, 113))  # a's 3 blocks fill the 3 slots
+    assert transfer is not None and len(transfer.save_host_slots) == 3
+    _, transfer = _admit(manager, "c", prompt)  # loads all 3 slots, evicts b's 3 blocks
+    assert transfer is not None
+    assert len(transfer.load_host_slots) == 3
+    assert not set(transfer.save_host_slots) & set(transfer.load_host_slots)
+    assert transfer.save_host_slots == ()  # every slot is pinned by a load: b is dropped
+
+
+def test_reset_drops_every_offloaded_block() -> None:
+    manager = _manager(num_blocks=4)
+    _admit(manager, "a", range(13))
+    _admit(manager, "b", range(100, 113))
+    assert manager.reset_offload_tiers() == 3
+    grant, _ = _admit(manager, "c", range(13))
+    assert grant.num_cached_tokens == 0
+
+
+# ---- the disk tier --------------------------------------------------------------------
+
+
+def test_host_evictions_spill_to_disk_and_a_disk_hit_comes_back_through_a_host_slot() -> None:
+    disk = FakeDisk()
+    manager = _manager(num_blocks=4, num_host_slots=3, disk=disk, num_disk=16)
+    prompt = range(13)
+    hashes = hash_full_blocks(tuple(prompt), BLOCK_SIZE)[:3]
+    _admit(manager, "a", prompt)
+    _admit(manager, "b", range(100, 113))  # a -> host
+    _, transfer = _admit(manager, "c", range(200, 213))  # b -> host, a -> disk
+    assert transfer is not None
+    assert sorted(transfer.spill_hashes) == sorted(hashes)
+    for block_hash in hashes:  # the worker writes what the slots hold
+        disk.write(block_hash, bytes(BYTES_PER_BLOCK))
+    grant, transfer = _admit(manager, "d", prompt)
+    assert grant.num_cached_tokens == 12
+    assert transfer is not None and len(transfer.fill_host_slots) == 3
+    assert transfer.load_host_slots == transfer.fill_host_slots
+    disk_stats = manager.stats().kv_tiers[1]
+    assert disk_stats.tier == "disk" and disk_stats.hits_tokens == 12
+
+
+def test_a_corrupt_or_missing_disk_block_is_a_miss() -> None:
+    disk = FakeDisk()
+    manager = _manager(num_blocks=4, num_host_slots=3, disk=disk, num_disk=16)
+    prompt = range(13)
+    hashes = hash_full_blocks(tuple(prompt), BLOCK_SIZE)[:3]
+    _admit(manager, "a", prompt)
+    _admit(manager, "b", range(100, 113))
+    _admit(manager, "c", range(200, 213))
+    disk.write(hashes[0], bytes(BYTES_PER_BLOCK))
+    disk.write(hashes[1], bytes(BYTES_PER_BLOCK - 1))  # short: a miss from here on
+    disk.corrupt.add(hashes[2])
+    grant, _ = _admit(manager, "d", prompt)
+    assert grant.num_cached_tokens == 4  # the first block only
+
+
+def test_the_disk_bound_deletes_least_recently_used_blocks() -> None:
+    disk = FakeDisk()
+    manager = _manager(num_blocks=4, num_host_slots=3, disk=disk, num_disk=2)
+    _admit(manager, "a", range(13))
+    _admit(manager, "b", range(100, 113))
+    _, transfer = _admit(manager, "c", range(200, 213))
+    assert transfer is not None and len(transfer.spill_hashes) == 3
+    assert manager.stats().kv_tiers[1].num_blocks == 2
+    assert disk.deleted == [transfer.spill_hashes[0]]  # the least recently spilled
+
+
+@pytest.mark.parametrize("num_host_slots", [0, -1])
+def test_a_tier_needs_at_least_one_slot(num_host_slots: int) -> None:
+    with pytest.raises(ValueError):
+        TierIndex(num_host_slots)
