@@ -10,6 +10,9 @@ prefix up to the end of turn k's answer).
     python -m benchmarks.multi_turn --not-a-result --server "--device cpu --dtype float32 \\
         --max-num-seqs 16" --conversations 4 --turns 3 --system-len 200 --user-len 30 \\
         --answer-len 16 --concurrency 2
+    # the host tier's target: the device pool too small to keep conversations between
+    # turns (--num-kv-blocks), with --kv-offload-cpu-gb 16 against without; the tiers' hits
+    # are tandem:kv_offload_hits_total in the server counters
     # with decoded-block reuse (NEW) against without (BASE): a run on each tree, then
     python -m benchmarks.multi_turn --compare BASE.json NEW.json
 
@@ -48,7 +51,7 @@ from benchmarks import recording, serve
 from benchmarks.serve_metrics import distribution_ms
 from benchmarks.workloads import ServeWorkload, text_prompts
 
-COUNTERS = ("vllm:prefix_cache_", "vllm:prompt_tokens_")
+COUNTERS = ("vllm:prefix_cache_", "vllm:prompt_tokens_", "tandem:kv_offload_hits")
 PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
 """The server's own latency histograms (seconds), whose means over the run split the
 client's TTFT into waiting, prefill and the rest (the front end and the client itself)."""
