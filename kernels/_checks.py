@@ -45,6 +45,15 @@ def check_tensor(
                 )
 
 
+def check_scale(name: str, scale: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
+    """Checks that a quantization scale is a float32 tensor of one of `shapes`."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 tensor, got {getattr(scale, 'dtype', scale)}")
+    if tuple(scale.shape) not in shapes:
+        listing = " or ".join(str(list(shape)) for shape in shapes)
+        raise ValueError(f"{name} must be {listing}, got {list(scale.shape)}")
+
+
 def check_dtype_and_rank(
     name: str, tensor: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...], ndim: int
 ) -> None:

@@ -18,6 +18,7 @@ import torch
 from kernels._checks import (
     check_dtype_and_rank,
     check_same_device,
+    check_scale,
     check_triton_device,
     need_triton,
 )
@@ -83,14 +84,6 @@ def _check_operands(a_fp8: torch.Tensor, w_fp8: torch.Tensor, out_dtype: torch.d
         raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
 
 
-def _check_scale(name: str, scale: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise ValueError(f"{name} must be a float32 tensor, got {getattr(scale, 'dtype', scale)}")
-    if tuple(scale.shape) not in shapes:
-        listing = " or ".join(str(list(shape)) for shape in shapes)
-        raise ValueError(f"{name} must be {listing}, got {list(scale.shape)}")
-
-
 def _check_rowwise(
     a_fp8: torch.Tensor,
     a_scale: torch.Tensor,
@@ -101,8 +94,8 @@ def _check_rowwise(
 ) -> None:
     _check_operands(a_fp8, w_fp8, out_dtype)
     num_tokens, num_out = a_fp8.shape[0], w_fp8.shape[0]
-    _check_scale("a_scale", a_scale, ((num_tokens, 1),))
-    _check_scale("w_scale", w_scale, ((num_out,), (num_out, 1)))
+    check_scale("a_scale", a_scale, ((num_tokens, 1),))
+    check_scale("w_scale", w_scale, ((num_out,), (num_out, 1)))
     tensors = {"a_fp8": a_fp8, "a_scale": a_scale, "w_fp8": w_fp8, "w_scale": w_scale}
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
@@ -179,8 +172,8 @@ def _check_blockwise(
         )
     (num_tokens, depth), num_out = a_fp8.shape, w_fp8.shape[0]
     k_blocks = -(-depth // block_k)
-    _check_scale("a_scale", a_scale, ((num_tokens, k_blocks),))
-    _check_scale("w_scale", w_scale, ((-(-num_out // block_n), k_blocks),))
+    check_scale("a_scale", a_scale, ((num_tokens, k_blocks),))
+    check_scale("w_scale", w_scale, ((-(-num_out // block_n), k_blocks),))
     check_same_device(a_fp8=a_fp8, a_scale=a_scale, w_fp8=w_fp8, w_scale=w_scale)
 
 

@@ -32,6 +32,7 @@ import torch
 from kernels._checks import (
     check_dtype_and_rank,
     check_same_device,
+    check_scale,
     check_triton_device,
     need_triton,
 )
@@ -171,11 +172,11 @@ def _check_args(
     if (w_scale is None) == (block_scale is None):
         raise ValueError("pass exactly one of w_scale [N] and block_scale [N/128, K/128]")
     if w_scale is not None:
-        _check_scale("w_scale", w_scale, ((num_out,), (num_out, 1)))
+        check_scale("w_scale", w_scale, ((num_out,), (num_out, 1)))
         tensors["w_scale"] = w_scale
     if block_scale is not None:
         blocks = (-(-num_out // SCALE_BLOCK), -(-depth // SCALE_BLOCK))
-        _check_scale("block_scale", block_scale, (blocks,))
+        check_scale("block_scale", block_scale, (blocks,))
         tensors["block_scale"] = block_scale
     if bias is not None:
         check_dtype_and_rank("bias", bias, _ACTIVATION_DTYPES, 1)
@@ -183,14 +184,6 @@ def _check_args(
             raise ValueError(f"bias must be [{num_out}], got {list(bias.shape)}")
         tensors["bias"] = bias
     check_same_device(**tensors)
-
-
-def _check_scale(name: str, scale: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> None:
-    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
-        raise ValueError(f"{name} must be a float32 tensor, got {getattr(scale, 'dtype', scale)}")
-    if tuple(scale.shape) not in shapes:
-        listing = " or ".join(str(list(shape)) for shape in shapes)
-        raise ValueError(f"{name} must be {listing}, got {list(scale.shape)}")
 
 
 def fp8_gemv_ref(
