@@ -212,6 +212,8 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[Promp
     embeddings first (as vLLM orders them), then those of `prompt`."""
     embedded = [Prompt(placeholder_token_ids(e), None, e) for e in request_embeds(state, req)]
     raw = req.prompt
+    if embedded and raw in ("", []):  # clients that must send a prompt send an empty one
+        raw = None
     if raw is None:
         if not embedded:
             raise bad_request("prompt is required (or prompt_embeds)", "prompt")

@@ -118,6 +118,7 @@ COMPLETION_FIELDS: dict[str, Any] = {
     "add_special_tokens": False,
     "suffix": "end",
     "best_of": 2,
+    "prompt_embeds": "AAAA",  # refused the same either way: the server does not enable them
 }
 SPLIT = {
     "stream_options",
