@@ -222,3 +222,12 @@ def test_an_oversized_payload_is_refused_before_it_is_decoded(
         )
     assert "AAAA" not in message
     server.check_kv_invariants()
+
+
+def test_embedded_prompts_count_toward_the_sequences_a_request_may_ask_for(
+    server: RunningServer, http: httpx.Client
+) -> None:
+    capacity = server.state.admission.limits  # type: ignore[union-attr]
+    num_items = capacity.max_num_running + capacity.max_queued_requests + 1
+    body = {**GREEDY, "prompt_embeds": ["AAAA"] * num_items}
+    _refused(http.post(CMPL, json=body), f"{num_items} prompts", param="n")

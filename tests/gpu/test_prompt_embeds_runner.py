@@ -20,6 +20,7 @@ from app.tokenizer_loader import load_tokenizer
 from gpu.prompt_embeds import embeds_from_tensor
 from tests._embedded_model import needs_embedded_model
 from tests.app._server_fixtures import shared_model
+from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -135,3 +136,25 @@ def test_the_offline_api_refuses_what_it_cannot_run() -> None:
         off.generate([_embeds(off, SHORT_IDS)], GREEDY)
     with pytest.raises(ConfigError, match="compile_level"):
         EngineConfig(enable_prompt_embeds=True, compile_level=1)
+
+
+def test_tensor_parallel_ranks_run_the_rows_too(tmp_path, monkeypatch) -> None:
+    # Every rank runs the step's scheduler output, rows included (tiny llama, TP 2 on CPU).
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    save_sharded(tiny_hf_model("llama"), str(tmp_path))
+    options = dict(
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        block_size=8,
+        num_kv_blocks=48,
+        max_num_batched_tokens=24,
+        enable_prompt_embeds=True,
+    )
+    prompts = [list(range(40, 70)), [7, 8, 9]]
+    single = LLM(str(tmp_path), **options)  # type: ignore[arg-type]
+    expected = _tokens(single.generate(prompts, GREEDY))
+    rows = [_embeds(single, p) for p in prompts]
+    with LLM(str(tmp_path), tensor_parallel_size=2, **options) as sharded:  # type: ignore[arg-type]
+        assert _tokens(sharded.generate([rows[0], prompts[1]], GREEDY)) == expected
+        assert _tokens(sharded.generate(rows, GREEDY)) == expected
