@@ -1,6 +1,7 @@
 """Prompt embeddings as bytes (actors/protocol/prompt_embeds.py): safetensors files and raw
 buffers decode to the same rows; pickles, malformed headers, wrong shapes, dtypes and
-non-finite values are refused before anything is allocated for them."""
+non-finite values are refused before anything is allocated for them; the engine core takes
+rows only where they are enabled, of the model's width, one per prompt position."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import torch
 from safetensors.numpy import save as save_numpy
 from safetensors.torch import save as save_torch
 
+from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.scheduler import Scheduler
+from actors.core.scheduler_config import SchedulerConfig
 from actors.protocol.codec import Codec
 from actors.protocol.messages import EngineRequest
 from actors.protocol.prompt_embeds import (
@@ -168,3 +172,37 @@ def test_shapes_the_model_cannot_run_are_refused() -> None:
         embeds_from_tensor(_rows())  # a numpy array is not the offline API's tensor
     with pytest.raises(PromptEmbedsError, match="not one of"):
         embeds_from_tensor(torch.zeros(2, HIDDEN, dtype=torch.int64))
+
+
+def _scheduler(hidden_size: int | None) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=16,
+        prompt_embeds_hidden_size=hidden_size,
+    )
+    return Scheduler(config, KVCacheManager(num_blocks=16, block_size=16))
+
+
+def test_the_engine_core_takes_rows_only_where_enabled_and_of_the_models_width() -> None:
+    embeds = from_raw(_rows().tobytes(), "float32", (3, HIDDEN))
+    request = EngineRequest("r", (0, 0, 0), SamplingParams(), 0.0, prompt_embeds=embeds)
+    with pytest.raises(ValueError, match="--enable-prompt-embeds"):
+        _scheduler(None).add_request(request)
+    with pytest.raises(ValueError, match="hidden size is 16"):
+        _scheduler(16).add_request(request)
+    with pytest.raises(ValueError, match="3 embedding rows for 2 prompt positions"):
+        _scheduler(HIDDEN).add_request(
+            EngineRequest("r", (0, 0), SamplingParams(), 0.0, prompt_embeds=embeds)
+        )
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        _scheduler(HIDDEN).add_request(
+            EngineRequest(
+                "r", (0, 0, 0), SamplingParams(prompt_logprobs=1), 0.0, prompt_embeds=embeds
+            )
+        )
+    scheduler = _scheduler(HIDDEN)
+    scheduler.add_request(request)
+    new = scheduler.schedule().new_requests[0]
+    assert new.prompt_embeds == embeds and new.token_ids == (0, 0, 0)
