@@ -28,7 +28,6 @@ TTFT/TPOT medians, and tandem's tok/s as a ratio of llama.cpp's.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks import recording, serve
+from benchmarks.serve_config import ServeConfig
+from benchmarks.server_args import add_timeout_option, positive_ints
+from benchmarks.server_process import ServerUnavailableError, answers, free_port, tandem_server
 from benchmarks.storm import busy_processes
 from benchmarks.workloads import ServeWorkload
 
@@ -59,7 +61,7 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hog", default="0", help="comma-separated busy processes beside (e.g. 0,2)")
     p.add_argument("--eos-token-ids", default="0,2", help="token ids the logit_bias bans")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    add_timeout_option(p, default_s=1800.0)
     return p.parse_args(argv)
 
 
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gguf = args.model or _embedded_gguf()
     hogs = tuple(_ints(args.hog)) or (0,)
-    concurrencies = serve._positive_ints(args.concurrency, "--concurrency")
+    concurrencies = positive_ints(args.concurrency, "--concurrency")
     workload = ServeWorkload(
         endpoint="chat", num_prompts=args.num_prompts, input_len=args.input_len,
         output_len=args.output_len, ignore_eos=False, temperature=0.0, seed=0,
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         with busy_processes(num_hogs):
             for round_index in range(args.rounds):
                 for server in server_order(round_index):
-                    config = serve.ServeConfig(
+                    config = ServeConfig(
                         base_url="", workload=workload, concurrencies=concurrencies,
                         num_warmups=args.warmup, timeout_s=args.timeout,
                         ready_timeout_s=LLAMA_READY_TIMEOUT_S,
@@ -165,22 +167,22 @@ def _run_server(server: str, gguf: str, args: Any, config: Any) -> list[dict[str
 
 @contextmanager
 def _tandem_server(gguf: str, args: Any) -> Iterator[str]:
-    with serve._server(f"--model {gguf} {args.server_args}") as base_url:
+    with tandem_server(f"--model {gguf} {args.server_args}") as base_url:
         assert base_url is not None
         yield base_url
 
 
 @contextmanager
 def _llama_server(gguf: str, args: Any) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     command = llama_command(args.llama_python, gguf, port, len(os.sched_getaffinity(0)))
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + LLAMA_READY_TIMEOUT_S
-        while not _answers(base_url + "/v1/models"):
+        while not answers(base_url + "/v1/models"):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise serve.ServerUnavailableError(f"llama.cpp's server did not start: {command}")
+                raise ServerUnavailableError(f"llama.cpp's server did not start: {command}")
             time.sleep(0.5)
         yield base_url
     finally:
@@ -197,21 +199,6 @@ def llama_command(python: str, gguf: str, port: int, num_threads: int) -> list[s
         "--port", str(port), "--n_threads", str(num_threads), "--n_ctx", "8192",
         "--interrupt_requests", "False", "--verbose", "False",
     ]  # fmt: skip
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _embedded_gguf() -> str:

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import anyio
 import httpx
 
-from benchmarks.serve import sse_lines
 from benchmarks.soak_workload import PlannedRequest
+from benchmarks.stream_client import sse_lines
 
 Outcome = Literal["completed", "client_aborted", "rejected", "refused", "failed"]
 REQUEST_TIMEOUT_S = 300.0

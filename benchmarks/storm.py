@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks import recording, serve
+from benchmarks import recording
+from benchmarks.server_process import tandem_server
 
 PROMPT = "Tell me a short story about a lighthouse."
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "hang_up": "every second client after its first chunk",
     }
     run = recording.Run("storm", args, "storm", workload, argv)
-    with serve._server(args.server_args) as base_url:
+    with tandem_server(args.server_args) as base_url:
         assert base_url is not None
         with busy_processes(num_hogs), _HealthPoll(base_url) as health:
             outcomes = asyncio.run(_storm(base_url, args))

@@ -17,24 +17,31 @@ import pytest
 
 from app.tokenizer_loader import load_tokenizer
 from benchmarks import multi_turn
-from benchmarks.multi_turn import (
+from benchmarks.multi_turn import parse_args
+from benchmarks.multi_turn_chat import (
+    STREAM,
     Conversation,
+    Settings,
     TurnRecord,
     build_conversations,
     chat_turn,
+    turn_messages,
+)
+from benchmarks.multi_turn_figures import (
+    RATIO_KEYS,
     compare,
     counter_deltas,
+    describe,
     headline,
     overall,
-    parse_args,
     per_turn,
     ratio,
-    turn_messages,
+    read_counters,
 )
 
 
-def _settings(*flags: str) -> multi_turn.Settings:
-    settings: multi_turn.Settings = parse_args(list(flags)).settings
+def _settings(*flags: str) -> Settings:
+    settings: Settings = parse_args(list(flags)).settings
     return settings
 
 
@@ -132,13 +139,14 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
     client = functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(server))
     monkeypatch.setattr(httpx, "AsyncClient", client)
     counts = iter([{"vllm:prefix_cache_hits_total": 5.0}, {"vllm:prefix_cache_hits_total": 9.0}])
+    # multi_turn.run calls read_counters by the name it imported into benchmarks.multi_turn.
     monkeypatch.setattr(multi_turn, "read_counters", lambda url, key=None: next(counts))
     return server
 
 
 async def test_a_turn_sends_its_history_and_returns_the_answer_text(fake: FakeServer) -> None:
     chat = Conversation(5, "sys", ("alpha beta", "gamma"))
-    base = {**multi_turn.STREAM, "model": "fake", "max_tokens": 3, "temperature": 0.0}
+    base = {**STREAM, "model": "fake", "max_tokens": 3, "temperature": 0.0}
     async with httpx.AsyncClient(base_url="http://fake") as client:
         record, answer = await chat_turn(client, base, chat, [])
         assert answer == "alpha said turn 1"
@@ -173,7 +181,7 @@ def test_a_whole_run_against_the_fake_server(fake: FakeServer) -> None:
     )
     assert o["prefill_tokens_computed"] == 24 and o["hit_rate"] == pytest.approx(132 / 156)
     assert details["server_counters"]["vllm:prefix_cache_hits_total"] == 4.0
-    assert all(isinstance(line, str) for line in multi_turn.describe(details))
+    assert all(isinstance(line, str) for line in describe(details))
 
 
 def test_a_failed_turn_ends_its_conversation(fake: FakeServer) -> None:
@@ -183,7 +191,7 @@ def test_a_failed_turn_ends_its_conversation(fake: FakeServer) -> None:
     assert [(t["requests"], t["failed"]) for t in details["turns"]] == [(2, 0), (0, 2), (0, 0)]
     assert details["overall"]["errors"] == ["HTTP 503: busy"]
     assert details["turns"][2]["ttft_p50_ms"] is None
-    assert any(line.startswith("first error") for line in multi_turn.describe(details))
+    assert any(line.startswith("first error") for line in describe(details))
 
 
 # ---- figures ------------------------------------------------------------------------------
@@ -272,7 +280,7 @@ def test_read_counters_sums_labels_and_keeps_preemptions(monkeypatch: pytest.Mon
         'tandem:preempted_rows_total{model_name="m",why="b"} 5.0\n'
     )
     monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(200, text=text))
-    assert multi_turn.read_counters("http://x") == {
+    assert read_counters("http://x") == {
         "vllm:prefix_cache_hits_total": 3.0,
         "vllm:num_preemptions_total": 1.0,
         "tandem:preempted_rows_total": 7.0,
@@ -283,7 +291,7 @@ def test_read_counters_sums_labels_and_keeps_preemptions(monkeypatch: pytest.Mon
 
 
 def _details(ttft: list[Any], computed: list[Any]) -> dict[str, Any]:
-    keys = multi_turn.RATIO_KEYS
+    keys = RATIO_KEYS
     turns = [
         {"turn": i + 1, keys[0]: t, keys[1]: c} for i, (t, c) in enumerate(zip(ttft, computed))
     ]

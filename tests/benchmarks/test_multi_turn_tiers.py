@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from benchmarks import multi_turn
+from benchmarks.multi_turn_figures import read_counters
 
 
 def test_read_counters_keeps_the_tiers_hits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -18,4 +18,4 @@ def test_read_counters_keeps_the_tiers_hits(monkeypatch: pytest.MonkeyPatch) -> 
         'tandem:kv_offload_bytes_total{model_name="m",engine="0",tier="cpu",direction="save"} 9.0\n'
     )
     monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(200, text=text))
-    assert multi_turn.read_counters("http://x") == {"tandem:kv_offload_hits_total": 48.0}
+    assert read_counters("http://x") == {"tandem:kv_offload_hits_total": 48.0}

@@ -16,8 +16,10 @@ import httpx
 import pytest
 
 from app.tokenizer_loader import load_tokenizer
-from benchmarks.serve import arrival_offsets_s, main, parse_args, sse_lines
+from benchmarks.serve import main, parse_args
+from benchmarks.serve_clients import arrival_offsets_s
 from benchmarks.serve_metrics import RequestResult, StreamTimeline, summarize, tpot_s
+from benchmarks.stream_client import sse_lines
 from benchmarks.workloads import (
     ServeWorkload,
     request_body,

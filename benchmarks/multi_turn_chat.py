@@ -1,0 +1,139 @@
+"""The conversations of benchmarks.multi_turn and how one client holds them: the run's
+settings, the seeded texts (sized in tokens by a tokenizer, or by the server's tokens per
+word), each turn's messages and streamed request, and one client's share of conversations
+run turn after turn."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from benchmarks.serve_clients import Share
+from benchmarks.serve_config import ServeConfig
+from benchmarks.stream_client import auth_headers, stream_request
+from benchmarks.workloads import text_prompts
+
+STREAM = {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+"""Every request's (with the model, max_tokens and temperature)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    target: ServeConfig  # base_url, model, api key, timeouts (its workload is unused)
+    conversations: int
+    turns: int
+    system_len: int
+    user_len: int
+    answer_len: int
+    concurrency: int
+    clients: int
+    temperature: float
+    seed: int
+    tokenizer: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    conversation: int
+    turn: int  # from 1
+    success: bool
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    index: int
+    system: str
+    users: tuple[str, ...]
+
+
+def build_conversations(settings: Settings, tokens_per_word: float, tokenizer: Any) -> list[Any]:
+    """Seeded texts: one system prompt shared by all, `turns` user turns per conversation."""
+    n, turns = settings.conversations, settings.turns
+
+    def texts(count: int, length: int, seed: int) -> list[str]:
+        if length == 0 or tokenizer is not None:
+            return text_prompts(count, length, seed, tokenizer) if length else [""] * count
+        return text_prompts(count, max(1, round(length / tokens_per_word)), seed)
+
+    (system,) = texts(1, settings.system_len, settings.seed)
+    users = texts(n * turns, settings.user_len, settings.seed + 1)
+    return [Conversation(c, system, tuple(users[c * turns : (c + 1) * turns])) for c in range(n)]
+
+
+def turn_messages(conversation: Conversation, answers: list[str]) -> list[dict[str, str]]:
+    """The messages of the turn after `answers`: the system prompt, each earlier user turn
+    followed by its answer, then the next user turn."""
+    messages = [{"role": "system", "content": conversation.system}] if conversation.system else []
+    for user, answer in zip(conversation.users, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return [*messages, {"role": "user", "content": conversation.users[len(answers)]}]
+
+
+async def tokens_per_word(settings: Settings, model: str) -> float:
+    """The server's tokens per word of this benchmark's text (1.0 if /tokenize fails)."""
+    body = {"prompt": text_prompts(1, 400, 0)[0], "add_special_tokens": False, "model": model}
+    headers = auth_headers(settings.target.api_key)
+    try:
+        async with httpx.AsyncClient(base_url=settings.target.base_url, headers=headers) as client:
+            response = await client.post("/tokenize", json=body, timeout=60)
+        return float(response.json()["count"]) / 400 if response.status_code == 200 else 1.0
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 1.0
+
+
+async def chat_turn(
+    client: httpx.AsyncClient, base: dict[str, Any], chat: Conversation, answers: list[str]
+) -> tuple[TurnRecord, str]:
+    """Send the turn after `answers` (`base`: the rest of the body); its record and text."""
+    body = {**base, "messages": turn_messages(chat, answers)}
+    pieces: list[str] = []
+
+    def keep_text(event: dict[str, Any]) -> None:
+        pieces.extend((c.get("delta") or {}).get("content") or "" for c in event.get("choices", ()))
+
+    r = await stream_request(client, "/v1/chat/completions", body, keep_text)
+    tokens = (r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens)
+    record = TurnRecord(chat.index, len(answers) + 1, r.success, r.ttft_s, *tokens, r.error)
+    return record, "".join(pieces)
+
+
+async def run_share(
+    settings: Settings, model: str, share: Share, barrier: Any
+) -> tuple[list[TurnRecord], float, float]:
+    """One client's conversations (`share.prompts`): their records, start and end."""
+    limiter, records = anyio.Semaphore(share.concurrency), []
+    base = {**STREAM, "model": model, "max_tokens": settings.answer_len}
+    base["temperature"] = settings.temperature
+    async with httpx.AsyncClient(
+        base_url=settings.target.base_url,
+        limits=httpx.Limits(max_connections=share.concurrency + 8),
+        timeout=httpx.Timeout(settings.target.timeout_s, connect=30.0),
+        headers=auth_headers(settings.target.api_key),
+    ) as client:
+
+        async def converse(chat: Conversation) -> None:
+            async with limiter:
+                answers: list[str] = []
+                while len(answers) < settings.turns:
+                    record, answer = await chat_turn(client, base, chat, answers)
+                    records.append(record)
+                    if not record.success:
+                        return  # no answer to build the next turn on
+                    answers.append(answer)
+
+        if barrier is not None:
+            await anyio.to_thread.run_sync(barrier.wait)
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for chat in share.prompts:
+                tg.start_soon(converse, chat)
+    return records, started, time.monotonic()
