@@ -12,14 +12,10 @@ from pathlib import Path
 import pytest
 
 from actors.protocol.messages import StepStats
-from benchmarks.throughput import (
-    EngineRun,
-    RequestTiming,
-    abba_order,
-    gpu_idle_figures,
-    latency_figures,
-    main,
-)
+from benchmarks.throughput import main
+from benchmarks.throughput_arms import abba_order
+from benchmarks.throughput_engine import EngineRun, RequestTiming
+from benchmarks.throughput_figures import gpu_idle_figures, latency_figures
 from benchmarks.workloads import (
     WORKLOADS,
     Workload,
@@ -183,7 +179,7 @@ def test_a_transformers_model_that_cannot_be_built_is_reported_per_arm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import benchmarks.hf_arms
-    from benchmarks.throughput import _run_hf_arms
+    from benchmarks.throughput_arms import _run_hf_arms
 
     def no_room(model: object) -> None:
         raise ValueError("needs 38.2 GB beside tandem, 24.0 GB free")
