@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 import anyio
 import pytest
 
-from actors.core.engine_startup import load_engine, reuse_engine
+from actors.core.engine_startup import reuse_engine
 from actors.inprocess_engine import InProcessEngine
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.speculative_config import SpeculativeConfig
 from app.tokenizer_loader import load_tokenizer
-from tests._embedded_model import embedded_gguf_path
-from tests.app._server_fixtures import ENGINE
+from tests.app._server_fixtures import ENGINE, shared_model
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +82,7 @@ async def _generate(
 def _two_turns(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(turn 2's prompt, turn 2's answer, turn 2's cached tokens), one engine serving both
     turns, one after the other."""
-    loaded = reuse_engine(_float32_model(), config)
+    loaded = reuse_engine(shared_model(), config)  # the session's float32 model
     prompt_1, follow_up, _ = _turn_tokens()
 
     async def run() -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -98,13 +96,6 @@ def _two_turns(config: EngineConfig) -> tuple[tuple[int, ...], tuple[int, ...], 
         return prompt_2, answer_2, num_cached
 
     return anyio.run(run)
-
-
-@functools.cache
-def _float32_model() -> Any:
-    """The embedded model in float32 (CONFIG), loaded once for this file."""
-    embedded_gguf_path()  # skips where the embedded model is not installed
-    return load_engine(CONFIG)
 
 
 @functools.cache

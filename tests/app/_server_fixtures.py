@@ -22,23 +22,33 @@ MAX_MODEL_LEN = 2048
 # cache compare like with like (the packed int4 default's tokens can part at a near-tie;
 # its own tests are tests/gpu/test_int4_projections.py, and `tandem serve` subprocess tests
 # run it).
-ENGINE = EngineConfig(
-    model="default",
+_ENGINE_OPTIONS: dict[str, Any] = dict(
     device="cpu",
     quantization="none",
     max_model_len=MAX_MODEL_LEN,
     max_num_seqs=64,
     max_num_batched_tokens=2048,
 )
+ENGINE = EngineConfig(model="default", **_ENGINE_OPTIONS)
 
 
 @functools.cache
-def shared_model() -> Any:
-    """The embedded model, loaded once; skips the calling test where it is not installed."""
-    from actors.core.engine_startup import load_engine
+def shared_llm() -> Any:
+    """The embedded model (ENGINE) as an offline LLM, loaded once per session; skips the
+    calling test where it is not installed. `LLM("default", reuse=shared_llm(), ...)` runs
+    it under other engine options (float32 too) without loading it again."""
+    from app.llm import LLM
 
     embedded_gguf_path()
-    return load_engine(ENGINE)
+    llm = LLM(ENGINE.model, **_ENGINE_OPTIONS)
+    assert llm.config == ENGINE
+    return llm
+
+
+def shared_model() -> Any:
+    """The embedded model's LoadedEngine, loaded once (shared_llm's); skips the calling
+    test where it is not installed."""
+    return shared_llm().loaded
 
 
 class RunningServer(InProcessServer):

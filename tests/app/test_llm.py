@@ -7,6 +7,7 @@ import pytest
 from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
+from tests.app._server_fixtures import shared_llm
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -77,15 +78,23 @@ def llm_float32() -> LLM:
     (chunked prefill, recompute after a preemption) sums its attention in another order;
     float32 keeps the greedy tokens, the packed int4 default's bf16 activations can turn
     the difference into another token at a near-tie (prompt 3, token 17, after a
-    preemption)."""
+    preemption). The session's float32 model, not another load of it."""
     return LLM(
         "default",
+        reuse=shared_llm(),
         runner="v2",
         quantization="none",
         max_num_seqs=32,
         max_num_batched_tokens=2048,
         max_model_len=1024,
     )
+
+
+@pytest.fixture(scope="module")
+def float32_greedy_6(llm_float32: LLM) -> list[tuple[int, ...]]:
+    """The float32 model's greedy tokens for six mixed prompts in one batch: the reference
+    of the chunked-prefill and the preemption test (computed once for both)."""
+    return _tokens(llm_float32.generate(_prompts(llm_float32, 6), GREEDY_32))
 
 
 def test_capital_of_france(llm: LLM) -> None:
@@ -130,7 +139,9 @@ def test_batch_invariance(llm: LLM, params: SamplingParams) -> None:
     assert alone == batched[:4]
 
 
-def test_chunked_prefill_gives_same_tokens(llm_float32: LLM) -> None:
+def test_chunked_prefill_gives_same_tokens(
+    llm_float32: LLM, float32_greedy_6: list[tuple[int, ...]]
+) -> None:
     chunked = LLM(
         "default",
         reuse=llm_float32,
@@ -140,13 +151,12 @@ def test_chunked_prefill_gives_same_tokens(llm_float32: LLM) -> None:
         max_num_batched_tokens=24,
         max_model_len=1024,
     )
-    prompts = _prompts(llm_float32, 6)
-    assert _tokens(chunked.generate(prompts, GREEDY_32)) == _tokens(
-        llm_float32.generate(prompts, GREEDY_32)
-    )
+    assert _tokens(chunked.generate(_prompts(llm_float32, 6), GREEDY_32)) == float32_greedy_6
 
 
-def test_preemption_gives_same_tokens(llm_float32: LLM) -> None:
+def test_preemption_gives_same_tokens(
+    llm_float32: LLM, float32_greedy_6: list[tuple[int, ...]]
+) -> None:
     # 12 blocks of 16 tokens cannot hold 6 prompts of ~40 tokens plus 32 outputs each.
     tiny_pool = LLM(
         "default",
@@ -158,10 +168,7 @@ def test_preemption_gives_same_tokens(llm_float32: LLM) -> None:
         max_model_len=160,
         num_kv_blocks=12,
     )
-    prompts = _prompts(llm_float32, 6)
-    assert _tokens(tiny_pool.generate(prompts, GREEDY_32)) == _tokens(
-        llm_float32.generate(prompts, GREEDY_32)
-    )
+    assert _tokens(tiny_pool.generate(_prompts(llm_float32, 6), GREEDY_32)) == float32_greedy_6
     assert tiny_pool.last_num_preemptions > 0
 
 

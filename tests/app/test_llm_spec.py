@@ -18,7 +18,7 @@ from actors.protocol.messages import EngineRequest, StepStats
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.speculative_config import SpeculativeConfig
 from app.llm import LLM, RequestOutput
-from tests._embedded_model import embedded_gguf_path
+from tests.app._server_fixtures import shared_llm
 from tests.gpu._tiny_checkpoints import tiny_hf_model, write_tiny_gguf
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,8 @@ def _accepted(stats: tuple[StepStats, ...]) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def plain() -> LLM:
-    embedded_gguf_path()  # skips the tests on it where the embedded model is not installed
-    return LLM("default", runner="v2", **OPTIONS)
+    """The session's float32 model (shared_llm skips where it is not installed)."""
+    return LLM("default", reuse=shared_llm(), runner="v2", **OPTIONS)
 
 
 def _prompts(llm: LLM) -> list[str]:

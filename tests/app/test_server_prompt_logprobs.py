@@ -17,7 +17,6 @@ import httpx
 import pytest
 import torch
 
-from tests._embedded_model import embedded_gguf_path
 from tests._hf_reference import hf_reference_model
 from tests.app._server_fixtures import ENGINE, RunningServer, openai_client
 
@@ -50,10 +49,7 @@ FLOAT32_ENGINE = dataclasses.replace(ENGINE, quantization="none", num_kv_blocks=
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    from actors.core.engine_startup import load_engine
-
-    embedded_gguf_path()
-    running = RunningServer(load_engine(FLOAT32_ENGINE), engine=FLOAT32_ENGINE)
+    running = RunningServer(engine=FLOAT32_ENGINE)  # on the session's float32 model
     yield running
     running.stop()
 
