@@ -14,6 +14,7 @@ from starlette.routing import Route
 from actors.frontend.engine_client import EngineUnavailable
 from actors.protocol.mailbox import ActorStopped
 from app.chat_template import ChatTemplateError
+from app.endpoints import api_endpoint
 from app.errors import APIError, bad_request, context_length_error, model_not_found
 from app.http_input import (
     check_api_key,
@@ -25,7 +26,6 @@ from app.http_input import (
 from app.large_body import release_gradually
 from app.openapi import openapi_document
 from app.prompts import encode_checked, require_tokenizer, template_kwargs
-from app.routes_openai import api_endpoint
 from app.schemas import REQUEST_TEMPLATE_REFUSED, DetokenizeRequest, TokenizeRequest
 from app.server_state import ServerState
 from app.tokenizer_export import tokenizer_info

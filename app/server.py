@@ -34,8 +34,9 @@ from starlette.middleware import Middleware
 
 from app import http_protocol
 from app.connection_balance import ConnectionLoads, serve_balanced
+from app.endpoints import exception_handlers
 from app.routes_admin import admin_routes
-from app.routes_openai import exception_handlers, openai_routes
+from app.routes_openai import openai_routes
 from app.serve_settings import ServeSettings
 from app.server_state import ServerState
 from app.unread_body import CloseIfBodyUnread

@@ -23,9 +23,10 @@ from actors.frontend.output_stream import LogprobEntry, RequestStream, StreamDel
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import GrammarCheckerStart
 from actors.protocol.structured_output import StructuredOutputSpec
+from app.endpoints import exception_handlers
 from app.harmony.render import render_prompt
 from app.harmony.vocab import ENCODINGS_BASE_ENV
-from app.routes_openai import exception_handlers, openai_routes
+from app.routes_openai import openai_routes
 from app.serve_settings import ServeSettings
 from app.server_state import ServerState
 from app.tokenizer_loader import load_tokenizer

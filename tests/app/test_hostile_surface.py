@@ -15,7 +15,7 @@ import httpx
 import pytest
 import structlog
 
-import app.routes_openai
+import app.endpoints
 from tests.app._hostile import connect, hostile, metric, wait_until
 from tests.app._server_fixtures import RunningServer
 
@@ -172,7 +172,7 @@ def test_a_client_that_hangs_up_mid_body_is_counted_as_a_disconnect(
     server: RunningServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     capture = structlog.testing.LogCapture()
-    monkeypatch.setattr(app.routes_openai, "log", structlog.wrap_logger(None, processors=[capture]))
+    monkeypatch.setattr(app.endpoints, "log", structlog.wrap_logger(None, processors=[capture]))
     before = metric(http, "tandem:client_disconnects_total")
     body = json.dumps({"messages": MESSAGES, "max_tokens": 4}).encode()
     with hostile(server.url):

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-import app.routes_openai
+import app.routes_chat
+import app.routes_completions
 from actors.frontend.admission import AdmissionRefused
 from app.http_input import LARGE_BODY_BYTES
 from app.schemas import ChatCompletionRequest, CompletionRequest
@@ -165,7 +166,7 @@ class Recorder:
         self._admission = server.state.admission
 
     def install(self, patch: pytest.MonkeyPatch) -> None:
-        parse_model, tool_plan = app.routes_openai.parse_model, app.routes_openai.tool_plan
+        parse_model, tool_plan = app.routes_chat.parse_model, app.routes_chat.tool_plan
 
         def recording_parse(model: Any, data: dict[str, Any]) -> Any:
             req = parse_model(model, data)
@@ -188,8 +189,9 @@ class Recorder:
             )
             raise AdmissionRefused(503, "recorded", retry_after_s=1)
 
-        patch.setattr(app.routes_openai, "parse_model", recording_parse)
-        patch.setattr(app.routes_openai, "tool_plan", recording_plan)
+        patch.setattr(app.routes_chat, "parse_model", recording_parse)
+        patch.setattr(app.routes_completions, "parse_model", recording_parse)
+        patch.setattr(app.routes_chat, "tool_plan", recording_plan)
         patch.setattr(self._admission, "admit", recording_admit)
 
     def send(self, http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ import pytest
 from actors.frontend.output_stream import RequestStream
 from app.keep_alive import KeepAliveClock
 from app.responses import ChoiceState, ResponseMeta
-from app.sse import ChatChunkFormatter, EventStreamResponse, StreamOptions, sse_event
+from app.sse import EventStreamResponse, StreamOptions, sse_event
+from app.sse_chat_chunks import ChatChunkFormatter
 from tests.app._server_fixtures import ENGINE, RunningServer
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from actors.frontend.output_stream import StreamDelta
 from app.responses import ChoiceState, ResponseMeta, chat_response
-from app.sse import ChatChunkFormatter
+from app.sse_chat_chunks import ChatChunkFormatter
 from app.tool_calls import request as tool_request
 from app.tool_calls.output import ToolCallOutput
 from app.tool_calls.parsers import (
