@@ -1,12 +1,13 @@
 """Attention over the paged KV cache in plain torch: the CPU path and the reference for
 the GPU backends.
 
-Decode requests (one query token) are batched into one gather and one
-`scaled_dot_product_attention` call; longer chunks run one call per request (plain float32
-matmuls with attention sinks, which SDPA lacks). A sliding window gathers only the blocks it covers.
-Loops are driven by the metadata's CPU arrays, so nothing waits on the device. A float8
-cache (torch stores and converts float8_e4m3fn on CPU too) is gathered as float8, then
-converted to float32 and multiplied by its scale (kernels/_kv_fp8.py).
+Decode requests (one query token) are batched into one gather and one pair of batched
+matmuls per kv head; longer chunks run one `scaled_dot_product_attention` call per request
+(plain float32 matmuls with attention sinks, which SDPA lacks). A sliding window gathers
+only the blocks it covers. Loops are driven by the metadata's CPU arrays, so nothing waits
+on the device. A float8 cache (torch stores and converts float8_e4m3fn on CPU too) is
+gathered as float8, then converted to float32 and multiplied by its scale
+(kernels/_kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -125,30 +126,29 @@ def _decode_attention(
     )  # [n, num_blocks]
     # index_select of K and V at once is much faster on CPU than advanced indexing
     kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_decodes, -1, num_kv_heads, head_dim)
-    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [n, kv_heads, max_len, head_dim]
-    keys, values = keys.float(), values.float()  # views when the cache is float32
-    if kv_scales is not None:
-        keys, values = keys * kv_scales[0], values * kv_scales[1]
+    queries = (
+        query.index_select(0, tokens).float().view(num_decodes, num_kv_heads, group_size, head_dim)
+    )
     key_pos_np = first_blocks_np[:, None] * block_size + np.arange(num_blocks * block_size)
     hidden_np = key_pos_np >= seq_lens_np[:, None]  # [n, max_len]
     if sliding_window is not None:
         hidden_np |= key_pos_np < (seq_lens_np - sliding_window)[:, None]
-    hidden = torch.from_numpy(hidden_np).to(device)
-    queries = query.index_select(0, tokens).float()  # [n, num_heads, head_dim]
-    if sinks is None:
-        # SDPA reads the gathered keys in place (strided): no transposed copy of the
-        # context per layer, which cost 5x the attention itself at 150 rows on one core
-        rows = F.scaled_dot_product_attention(
-            queries[:, :, None], keys, values, attn_mask=~hidden[:, None, None, :],
-            scale=scale, enable_gqa=True,
-        )  # fmt: skip  # [n, num_heads, 1, head_dim]
-    else:
-        grouped = queries.view(num_decodes, num_kv_heads, group_size, head_dim)
-        scores = torch.matmul(grouped, keys.transpose(2, 3)) * scale  # [n, kv, group, len]
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        sink_rows = sinks.view(num_kv_heads, group_size, 1)
-        rows = torch.matmul(sink_softmax(scores, sink_rows), values)  # [n, kv, group, dim]
-    out.index_copy_(0, tokens, rows.reshape(num_decodes, -1, head_dim).to(out.dtype))
+    hidden = torch.from_numpy(hidden_np).to(device)[:, None, :]  # [n, 1, max_len]
+    sink_rows = None if sinks is None else sinks.view(num_kv_heads, group_size, 1)
+    rows = torch.empty_like(queries)  # [n, kv_heads, group, head_dim] float32
+    # One kv head at a time, the gathered keys are read in place (strided) by bmm: a
+    # transposed copy of the whole context per layer cost more than the attention itself.
+    # Each row's products and sums do not depend on the batch around it (SDPA's flash
+    # kernel on the CPU does: its key blocks follow the batch's longest context).
+    for head in range(num_kv_heads):
+        keys, values = kv[0, :, :, head].float(), kv[1, :, :, head].float()  # [n, len, dim]
+        if kv_scales is not None:
+            keys, values = keys * kv_scales[0], values * kv_scales[1]
+        scores = torch.bmm(queries[:, head], keys.transpose(1, 2)) * scale  # [n, group, len]
+        scores.masked_fill_(hidden, float("-inf"))
+        head_sinks = None if sink_rows is None else sink_rows[head]
+        rows[:, head] = torch.bmm(sink_softmax(scores, head_sinks), values)
+    out.index_copy_(0, tokens, rows.view(num_decodes, -1, head_dim).to(out.dtype))
 
 
 def _chunk_attention(
