@@ -75,6 +75,11 @@ async def completions(request: Request, request_id: str, call: RequestTelemetry)
         engine_requests(uuid.uuid4().hex, prompts, params, state, req, call.arrival_time),
         params,
     )
+    prompt_ids = (
+        [() if p.embeds is not None else p.token_ids for p in prompts]
+        if req.return_token_ids
+        else None
+    )
     if req.stream:
         formatter = CompletionChunkFormatter(
             meta,
@@ -83,15 +88,11 @@ async def completions(request: Request, request_id: str, call: RequestTelemetry)
             continuous_usage(req),
             echo_texts=echo_texts,
             echo_first_tokens=echo_first_tokens,
+            prompt_token_ids=prompt_ids,
         )
         return stream_response(group, formatter, req, state, request_id, call)
     if not await collect(request, group, choices, request_id, call, prompt_lens):
         return Response(status_code=CLIENT_CLOSED_STATUS)
-    prompt_ids = (
-        [() if p.embeds is not None else p.token_ids for p in prompts]
-        if req.return_token_ids
-        else None
-    )
     body = completion_response(
         meta, choices, prompt_lens, echo_texts=echo_texts, prompt_token_ids=prompt_ids
     )

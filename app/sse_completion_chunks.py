@@ -1,6 +1,7 @@
 """The text completion chunks of a streamed choice. A choice's first chunk also carries the
-echoed prompt (with its logprobs) and vLLM's `prompt_logprobs`; a step's tokens get a chunk
-even before they decode to text. Separate from chat because echo and text offsets are
+echoed prompt (with its logprobs), vLLM's `prompt_logprobs` and, with `return_token_ids`,
+`prompt_token_ids`; then every chunk carries its own `token_ids`. A step's tokens get a
+chunk even before they decode to text. Separate from chat because echo and text offsets are
 completions' own."""
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ class CompletionChunkFormatter(ChunkFormatter):
         *,
         echo_texts: Sequence[str] | None = None,
         echo_first_tokens: Sequence[str] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """`echo_texts[i]`: prompt i's text, sent before its choices' first output (echo);
-        `echo_first_tokens[i]`: prompt i's first token when echo comes with logprobs."""
+        `echo_first_tokens[i]`: prompt i's first token when echo comes with logprobs;
+        `prompt_token_ids[i]`: prompt i's ids (return_token_ids), None to send no ids."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.echo_texts = echo_texts
         self.echo_first_tokens = echo_first_tokens
+        self.prompt_token_ids = prompt_token_ids
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
         prefix = self.echo_texts[choice.prompt_index] if first and self.echo_texts else ""
@@ -51,6 +55,11 @@ class CompletionChunkFormatter(ChunkFormatter):
         }
         if delta.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs.vllm_prompt_logprobs(delta.prompt_logprobs)
+        if self.prompt_token_ids is not None:
+            # the exact ids, so a client can send the conversation back as tokens
+            if first:
+                body["prompt_token_ids"] = list(self.prompt_token_ids[choice.prompt_index])
+            body["token_ids"] = list(delta.token_ids)
         return [self.chunk(body)]
 
     def _logprobs(

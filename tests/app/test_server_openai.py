@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -160,6 +161,27 @@ def test_n2_non_stream_and_stream(client: openai.OpenAI, model: str) -> None:
     assert finishes == {0: 1, 1: 1}
     # Seeded: the stream reproduces the non-stream samples choice by choice.
     assert texts == {0: out.choices[0].message.content, 1: out.choices[1].message.content}
+
+
+def test_streamed_completion_carries_its_token_ids(client: openai.OpenAI, model: str) -> None:
+    """With return_token_ids, each chunk carries its own ids and a choice's first chunk the
+    prompt's: a client can send the exact conversation back as tokens."""
+    kwargs: dict[str, Any] = {"model": model, "prompt": "Once upon a time", "max_tokens": 10}
+    kwargs |= {"temperature": 0, "n": 2, "extra_body": {"return_token_ids": True}}
+    whole = client.completions.create(**kwargs)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    prompts: dict[int, list[list[int]]] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_extra["token_ids"]
+            if "prompt_token_ids" in choice.model_extra:
+                prompts[choice.index].append(choice.model_extra["prompt_token_ids"])
+    for choice in whole.choices:
+        assert streamed[choice.index] == choice.model_extra["token_ids"]
+        assert len(streamed[choice.index]) == 10
+        assert prompts[choice.index] == [choice.model_extra["prompt_token_ids"]]
+    plain = client.completions.create(stream=True, **{**kwargs, "extra_body": {}})
+    assert all("token_ids" not in (c.model_extra or {}) for ch in plain for c in ch.choices)
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI, model: str) -> None:
