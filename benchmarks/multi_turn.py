@@ -13,6 +13,10 @@ prefix up to the end of turn k's answer).
     # the host tier's target: the device pool too small to keep conversations between
     # turns (--num-kv-blocks), with --kv-offload-cpu-gb 16 against without; the tiers' hits
     # are tandem:kv_offload_hits_total in the server counters
+    # random weights whose answers do not survive detokenizing and tokenizing again (the 8B
+    # dummies): the turns as token ids, each answer's exact ids sent back
+    python -m benchmarks.multi_turn --result multi_turn_qwen3_8b --server "--model \
+        dummy:qwen3-8b --tokenizer .tok/qwen3" --tokenizer .tok/qwen3 --token-ids
     # with decoded-block reuse (NEW) against without (BASE): a run on each tree, then
     python -m benchmarks.multi_turn --compare BASE.json NEW.json
 
@@ -27,7 +31,10 @@ tokenizer.json or directory): the robust way, for results. Else one POST /tokeni
 server's tokens per word (or 1 if it fails) and sizes are near. Each answer's text is
 tokenized again next turn; where that does not give the generated ids back (likely with
 dummy weights' random tokens) the hit ends: `prior_context_tokens_mean` (previous turn's
-prompt + answer) is what a full hit would be.
+prompt + answer) is what a full hit would be. `--token-ids` sends each turn to
+/v1/completions as one token-id prompt (system, then user turns and answers, no chat
+template), the answers' ids taken from the stream (`return_token_ids`): hits then reach the
+end of the last answer whatever its text.
 
 Per turn: requests, TTFT p50/p90, prompt, cached, computed (prompt - cached) tokens; overall:
 output tok/s, prefill tokens computed, hit rate, the server's counters' deltas (/metrics).
@@ -71,7 +78,7 @@ from benchmarks.server_process import SERVER_READY_TIMEOUT_S, model_and_version,
 from benchmarks.workloads import ServeWorkload
 
 COUNTS = tuple("conversations turns system_len user_len answer_len concurrency clients".split())
-WORKLOAD = (*COUNTS, "temperature", "seed", "tokenizer")
+WORKLOAD = (*COUNTS, "temperature", "seed", "tokenizer", "token_ids")
 
 
 def parse_args(argv: list[str] | None) -> Any:
@@ -84,6 +91,12 @@ def parse_args(argv: list[str] | None) -> Any:
     compare_help = "print per-turn ratios NEW/BASE of two result (or --output) files; runs nothing"
     target.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "NEW"), help=compare_help)
     p.add_argument("--tokenizer", help="the server's tokenizer, to size texts exactly in tokens")
+    token_ids_help = (
+        "send turns to /v1/completions as token ids, each answer's exact ids (return_token_ids) "
+        "carried into the next turn, without a chat template: reuse measured whatever the "
+        "answers' text would tokenize to (needs --tokenizer)"
+    )
+    p.add_argument("--token-ids", action="store_true", help=token_ids_help)
     add_identity_options(p)
     p.add_argument("--conversations", type=int, default=128)
     p.add_argument("--turns", type=int, default=8, help="user turns per conversation")
@@ -109,6 +122,8 @@ def settings_from_args(args: Any) -> Settings:
     for name in COUNTS:
         least = 0 if name == "system_len" else 1
         require_at_least(f"--{name.replace('_', '-')}", getattr(args, name), least)
+    if args.token_ids and not args.tokenizer:
+        raise ValueError("--token-ids needs --tokenizer")
     if args.clients > min(args.concurrency, args.conversations):
         raise ValueError("--clients is more than --concurrency or --conversations")
     base_url = checked_base_url(args.base_url)

@@ -6,7 +6,7 @@ run turn after turn."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -34,6 +34,8 @@ class Settings:
     temperature: float
     seed: int
     tokenizer: str | None
+    token_ids: bool = False
+    """Turns go to /v1/completions as token ids, each answer's exact ids sent back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +55,13 @@ class Conversation:
     index: int
     system: str
     users: tuple[str, ...]
+    system_ids: tuple[int, ...] = ()  # the texts as token ids (Settings.token_ids)
+    user_ids: tuple[tuple[int, ...], ...] = ()
 
 
 def build_conversations(settings: Settings, tokens_per_word: float, tokenizer: Any) -> list[Any]:
-    """Seeded texts: one system prompt shared by all, `turns` user turns per conversation."""
+    """Seeded texts: one system prompt shared by all, `turns` user turns per conversation;
+    with `settings.token_ids` also their ids (the tokenizer is needed then)."""
     n, turns = settings.conversations, settings.turns
 
     def texts(count: int, length: int, seed: int) -> list[str]:
@@ -66,7 +71,14 @@ def build_conversations(settings: Settings, tokens_per_word: float, tokenizer: A
 
     (system,) = texts(1, settings.system_len, settings.seed)
     users = texts(n * turns, settings.user_len, settings.seed + 1)
-    return [Conversation(c, system, tuple(users[c * turns : (c + 1) * turns])) for c in range(n)]
+    chats = [Conversation(c, system, tuple(users[c * turns : (c + 1) * turns])) for c in range(n)]
+    if not settings.token_ids:
+        return chats
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text)) if text else ()
+
+    return [replace(c, system_ids=ids(c.system), user_ids=tuple(map(ids, c.users))) for c in chats]
 
 
 def turn_messages(conversation: Conversation, answers: list[str]) -> list[dict[str, str]]:
@@ -106,6 +118,29 @@ async def chat_turn(
     return record, "".join(pieces)
 
 
+async def token_turn(
+    client: httpx.AsyncClient,
+    base: dict[str, Any],
+    chat: Conversation,
+    answers: list[tuple[int, ...]],
+) -> tuple[TurnRecord, tuple[int, ...]]:
+    """The turn after `answers` as one token-id prompt: the system prompt, each earlier
+    user turn followed by its answer's exact ids, then the next user turn; no template."""
+    prompt = list(chat.system_ids)
+    for user, answer in zip(chat.user_ids, answers, strict=False):
+        prompt += [*user, *answer]
+    body = {**base, "prompt": [*prompt, *chat.user_ids[len(answers)]], "return_token_ids": True}
+    answer_ids: list[int] = []
+
+    def keep_ids(event: dict[str, Any]) -> None:
+        answer_ids.extend(i for c in event.get("choices", ()) for i in c.get("token_ids") or ())
+
+    r = await stream_request(client, "/v1/completions", body, keep_ids)
+    tokens = (r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens)
+    record = TurnRecord(chat.index, len(answers) + 1, r.success, r.ttft_s, *tokens, r.error)
+    return record, tuple(answer_ids)
+
+
 async def run_share(
     settings: Settings, model: str, share: Share, barrier: Any
 ) -> tuple[list[TurnRecord], float, float]:
@@ -119,12 +154,13 @@ async def run_share(
         timeout=httpx.Timeout(settings.target.timeout_s, connect=30.0),
         headers=auth_headers(settings.target.api_key),
     ) as client:
+        send_turn: Any = token_turn if settings.token_ids else chat_turn
 
         async def converse(chat: Conversation) -> None:
             async with limiter:
-                answers: list[str] = []
+                answers: list[Any] = []  # texts, or id tuples with token_ids
                 while len(answers) < settings.turns:
-                    record, answer = await chat_turn(client, base, chat, answers)
+                    record, answer = await send_turn(client, base, chat, answers)
                     records.append(record)
                     if not record.success:
                         return  # no answer to build the next turn on
