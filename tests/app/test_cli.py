@@ -1,27 +1,88 @@
-"""`tandem` as a user runs it: a subprocess, its stdout, stderr and exit code."""
+"""`tandem` as a user runs it: a subprocess, its stdout, stderr and exit code. The module's
+runs start together, two at a time (tests/_command_batch.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests._embedded_model import embedded_gguf_path, needs_embedded_model
+from tests._command_batch import Command, CommandBatch, cli
+from tests._embedded_model import embedded_gguf_path, installed_gguf_path, needs_embedded_model
 
 
-def _tandem(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+def _commands(tmp: Path) -> dict[str, Command]:
+    """Each test's command(s), under its name; the files they read are written to `tmp`."""
+    prompts_file = tmp / "prompts.txt"
+    prompts_file.write_text("What is 2+2?\n")
+    corrupt = tmp / "corrupt.gguf"
+    if installed_gguf_path() is not None:  # else the test skips
+        corrupt.write_bytes(Path(embedded_gguf_path()).read_bytes()[:4096])
+    junk = tmp / "junk.gguf"
+    junk.write_bytes(b"definitely not a model" * 100)
+    paris = ("--prompt", "What is the capital of France?")
+    hi = ("generate", "--prompt", "hi")
+    runs = {
+        "test_help_lists_subcommands_and_options:top": ("--help",),
+        "test_help_lists_subcommands_and_options:generate": ("generate", "--help"),
+        "test_generate_answers_paris_and_json_has_fields": (
+            "generate",
+            *paris,
+            "--prompts-file",
+            str(prompts_file),
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+            "--json",
+        ),
+        "test_generate_plain_text": ("generate", *paris, "--max-tokens", "16"),
+        "test_missing_model_file": (*hi, "--model", str(tmp / "nope.gguf")),
+        "test_corrupt_gguf": (*hi, "--model", str(corrupt)),
+        "test_not_a_gguf": (*hi, "--model", str(junk)),
+        "test_bad_sampling_parameter": (*hi, "--temperature", "-1"),
+        "test_unknown_dummy_preset": (*hi, "--model", "dummy:gpt-17"),
+        "test_no_prompts": ("generate",),
+        # The other refusals (heads, devices) are tested in-process: tests/gpu/test_tp_config.py.
+        "test_tensor_parallelism_on_v1_is_refused_on_one_line": (
+            *hi,
+            "--device",
+            "cpu",
+            "--runner",
+            "v1",
+            "--model",
+            "dummy:qwen3-0.6b",
+            "-tp",
+            "2",
+        ),
+    }
+    return {name: cli(*args) for name, args in runs.items()}
 
 
-def test_help_lists_subcommands_and_options() -> None:
-    top = _tandem("--help")
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
+    with CommandBatch.of_selected(request, _commands(tmp)) as batch:
+        yield batch
+
+
+@pytest.fixture
+def result(runs: CommandBatch, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """The run of the requesting test's command."""
+    return runs.result(request.node.name)
+
+
+def test_help_lists_subcommands_and_options(runs: CommandBatch) -> None:
+    top = runs.result("test_help_lists_subcommands_and_options:top")
     assert top.returncode == 0 and "generate" in top.stdout
-    sub = _tandem("generate", "--help")
+    sub = runs.result("test_help_lists_subcommands_and_options:generate")
     for option in (
         "--prompt",
         "--prompts-file",
@@ -38,21 +99,9 @@ def test_help_lists_subcommands_and_options() -> None:
 
 @pytest.mark.slow
 @needs_embedded_model
-def test_generate_answers_paris_and_json_has_fields(tmp_path: Path) -> None:
-    prompts_file = tmp_path / "prompts.txt"
-    prompts_file.write_text("What is 2+2?\n")
-    result = _tandem(
-        "generate",
-        "--prompt",
-        "What is the capital of France?",
-        "--prompts-file",
-        str(prompts_file),
-        "--max-tokens",
-        "16",
-        "--temperature",
-        "0",
-        "--json",
-    )
+def test_generate_answers_paris_and_json_has_fields(
+    result: subprocess.CompletedProcess[str],
+) -> None:
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["What is the capital of France?", "What is 2+2?"]
@@ -65,8 +114,7 @@ def test_generate_answers_paris_and_json_has_fields(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_embedded_model
-def test_generate_plain_text() -> None:
-    result = _tandem("generate", "--prompt", "What is the capital of France?", "--max-tokens", "16")
+def test_generate_plain_text(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
@@ -80,59 +128,32 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments:
         assert fragment in lines[0]
 
 
-def test_missing_model_file(tmp_path: Path) -> None:
-    missing = tmp_path / "nope.gguf"
-    _assert_one_line_error(
-        _tandem("generate", "--prompt", "hi", "--model", str(missing)), str(missing)
-    )
+def test_missing_model_file(result: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    _assert_one_line_error(result, str(tmp / "nope.gguf"))
 
 
-def test_corrupt_gguf(tmp_path: Path) -> None:
-    corrupt = tmp_path / "corrupt.gguf"
-    corrupt.write_bytes(Path(embedded_gguf_path()).read_bytes()[:4096])
-    _assert_one_line_error(
-        _tandem("generate", "--prompt", "hi", "--model", str(corrupt)), str(corrupt)
-    )
+def test_corrupt_gguf(result: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    embedded_gguf_path()  # skips where the embedded model is not installed
+    _assert_one_line_error(result, str(tmp / "corrupt.gguf"))
 
 
-def test_not_a_gguf(tmp_path: Path) -> None:
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"definitely not a model" * 100)
-    _assert_one_line_error(_tandem("generate", "--prompt", "hi", "--model", str(junk)), str(junk))
+def test_not_a_gguf(result: subprocess.CompletedProcess[str], tmp: Path) -> None:
+    _assert_one_line_error(result, str(tmp / "junk.gguf"))
 
 
-def test_bad_sampling_parameter() -> None:
-    _assert_one_line_error(
-        _tandem("generate", "--prompt", "hi", "--temperature", "-1"), "temperature"
-    )
+def test_bad_sampling_parameter(result: subprocess.CompletedProcess[str]) -> None:
+    _assert_one_line_error(result, "temperature")
 
 
-def test_unknown_dummy_preset() -> None:
-    _assert_one_line_error(
-        _tandem("generate", "--prompt", "hi", "--model", "dummy:gpt-17"), "gpt-17"
-    )
+def test_unknown_dummy_preset(result: subprocess.CompletedProcess[str]) -> None:
+    _assert_one_line_error(result, "gpt-17")
 
 
-def test_no_prompts() -> None:
-    _assert_one_line_error(_tandem("generate"), "no prompts")
+def test_no_prompts(result: subprocess.CompletedProcess[str]) -> None:
+    _assert_one_line_error(result, "no prompts")
 
 
-def test_tensor_parallelism_on_v1_is_refused_on_one_line() -> None:
-    # The other refusals (heads, devices) are tested in-process: tests/gpu/test_tp_config.py.
-    _assert_one_line_error(
-        _tandem(
-            "generate",
-            "--prompt",
-            "hi",
-            "--device",
-            "cpu",
-            "--runner",
-            "v1",
-            "--model",
-            "dummy:qwen3-0.6b",
-            "-tp",
-            "2",
-        ),
-        "--tensor-parallel-size 2",
-        "V1 runner",
-    )
+def test_tensor_parallelism_on_v1_is_refused_on_one_line(
+    result: subprocess.CompletedProcess[str],
+) -> None:
+    _assert_one_line_error(result, "--tensor-parallel-size 2", "V1 runner")

@@ -5,29 +5,103 @@ what cannot be served, before any model is loaded."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests._command_batch import Command, CommandBatch, cli
 from tests._embedded_model import needs_embedded_model
 
 SAMPLE = "tests.gpu._sample_logits_processor:ForceOrBanTokens"
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+BAD_SERVE_FLAGS = {
+    "processor-form": (
+        ("--logits-processors", "missing_colon"),
+        ("must have the form module:Class",),
+    ),
+    "spec-json": (("--speculative-config", '{"method": "ngram"'), ("not valid JSON",)),
+    "spec-value": (
+        ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'),
+        ("num_speculative_tokens must be an integer >= 1",),
+    ),
+}
+"""Case id: (serve's extra flags, what its error line says)."""
+REFUSED_BEFORE_LOADING = {
+    "forced-v2-processors": (
+        ("--runner", "v2", "--logits-processors", SAMPLE),
+        {},
+        ("forces the V2 runner", "does not support custom logits processors", SAMPLE),
+    ),
+    "forced-v2-compile-env": (
+        ("-O1",),
+        {"TANDEM_USE_V2_MODEL_RUNNER": "1"},
+        ("TANDEM_USE_V2_MODEL_RUNNER forces the V2 runner", "stock torch.compile"),
+    ),
+    "forced-v2-compile-flag": (
+        ("--runner", "v2", "--compile-level", "2"),
+        {},
+        ("--runner v2 forces the V2 runner", "stock torch.compile"),
+    ),
+    "processor-import": (
+        ("--logits-processors", "no_such_module:Proc"),
+        {},
+        ("cannot import module 'no_such_module'",),
+    ),
+}
+"""Case id: (generate's extra flags, environment, what its error line says)."""
+SPECULATING = {"v2": ((), "v2"), "v1-with-processors": (("--logits-processors", SAMPLE), "v1")}
+"""Case id: (generate's extra flags, the runner they choose)."""
 
 
-def _tandem(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+def _commands(tmp: Path) -> dict[str, Command]:
+    """Each test's command, under its name, the longest first (`tmp`: the TMPDIR of the
+    serve that refuses)."""
+    paris = ("generate", "--prompt", "What is the capital of France?", "--max-tokens", "8")
+    paris += ("--temperature", "0", "--json")
+    commands = {
+        "test_generate_runs_a_logits_processor_on_v1": cli(*paris, "--logits-processors", SAMPLE)
+    }
+    for case, (extra, _) in SPECULATING.items():
+        commands[f"test_generate_speculates_on_the_runner_the_other_flags_choose[{case}]"] = cli(
+            *paris, "--speculative-config", NGRAM, *extra
+        )
+    commands["test_serve_stops_when_its_engine_refuses"] = cli(
+        *("serve", "--port", "0", "--device", "cpu", "--log-format", "console"),
+        *("--runner", "v2", "--logits-processors", SAMPLE),
+        env={"TMPDIR": str(tmp)},
+        timeout_s=120,
     )
+    for case, (args, env, _) in REFUSED_BEFORE_LOADING.items():
+        commands[f"test_the_engine_refuses_before_loading_the_model[{case}]"] = cli(
+            "generate", "--prompt", "hi", "--device", "cpu", *args, env=env, timeout_s=120
+        )
+    for case, (args, _) in BAD_SERVE_FLAGS.items():
+        commands[f"test_serve_refuses_bad_flags_in_one_line[{case}]"] = cli(
+            "serve", "--port", "0", "--device", "cpu", *args, timeout_s=120
+        )
+    commands["test_serve_help_documents_the_flags_and_what_is_not_implemented"] = cli(
+        "serve", "--help", timeout_s=120
+    )
+    return commands
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runner_features")
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
+    with CommandBatch.of_selected(request, _commands(tmp)) as batch:
+        yield batch
+
+
+@pytest.fixture
+def result(runs: CommandBatch, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """The run of the requesting test's command."""
+    return runs.result(request.node.name)
 
 
 def _last_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -38,8 +112,10 @@ def _last_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return last
 
 
-def test_serve_help_documents_the_flags_and_what_is_not_implemented() -> None:
-    text = " ".join(_tandem("serve", "--help").stdout.split())
+def test_serve_help_documents_the_flags_and_what_is_not_implemented(
+    result: subprocess.CompletedProcess[str],
+) -> None:
+    text = " ".join(result.stdout.split())
     for fragment in (
         "-O {0,1,2}, --compile-level {0,1,2}",
         "--logits-processors",
@@ -51,107 +127,40 @@ def test_serve_help_documents_the_flags_and_what_is_not_implemented() -> None:
         assert fragment in text
 
 
-@pytest.mark.parametrize(
-    ("args", "fragments"),
-    [
-        (("--logits-processors", "missing_colon"), ("must have the form module:Class",)),
-        (("--speculative-config", '{"method": "ngram"'), ("not valid JSON",)),
-        (
-            ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'),
-            ("num_speculative_tokens must be an integer >= 1",),
-        ),
-    ],
-    ids=["processor-form", "spec-json", "spec-value"],
-)
+@pytest.mark.parametrize("case", list(BAD_SERVE_FLAGS))
 def test_serve_refuses_bad_flags_in_one_line(
-    args: tuple[str, ...], fragments: tuple[str, ...]
+    case: str, result: subprocess.CompletedProcess[str]
 ) -> None:
-    line = _last_error_line(_tandem("serve", "--port", "0", "--device", "cpu", *args))
-    for fragment in fragments:
+    line = _last_error_line(result)
+    for fragment in BAD_SERVE_FLAGS[case][1]:
         assert fragment in line
 
 
-@pytest.mark.parametrize(
-    ("args", "env", "fragments"),
-    [
-        (
-            ("--runner", "v2", "--logits-processors", SAMPLE),
-            {},
-            ("forces the V2 runner", "does not support custom logits processors", SAMPLE),
-        ),
-        (
-            ("-O1",),
-            {"TANDEM_USE_V2_MODEL_RUNNER": "1"},
-            ("TANDEM_USE_V2_MODEL_RUNNER forces the V2 runner", "stock torch.compile"),
-        ),
-        (
-            ("--runner", "v2", "--compile-level", "2"),
-            {},
-            ("--runner v2 forces the V2 runner", "stock torch.compile"),
-        ),
-        (
-            ("--logits-processors", "no_such_module:Proc"),
-            {},
-            ("cannot import module 'no_such_module'",),
-        ),
-    ],
-    ids=[
-        "forced-v2-processors",
-        "forced-v2-compile-env",
-        "forced-v2-compile-flag",
-        "processor-import",
-    ],
-)
+@pytest.mark.parametrize("case", list(REFUSED_BEFORE_LOADING))
 def test_the_engine_refuses_before_loading_the_model(
-    args: tuple[str, ...], env: dict[str, str], fragments: tuple[str, ...]
+    case: str, result: subprocess.CompletedProcess[str]
 ) -> None:
-    result = _tandem("generate", "--prompt", "hi", "--device", "cpu", *args, env=env)
     line = _last_error_line(result)
-    for fragment in fragments:
+    for fragment in REFUSED_BEFORE_LOADING[case][2]:
         assert fragment in line
     assert "model_loaded" not in result.stderr
 
 
 @needs_embedded_model  # `serve` resolves the model before its engine refuses
-def test_serve_stops_when_its_engine_refuses(tmp_path: Path) -> None:
-    result = _tandem(
-        "serve",
-        "--port",
-        "0",
-        "--device",
-        "cpu",
-        "--log-format",
-        "console",
-        "--runner",
-        "v2",
-        "--logits-processors",
-        SAMPLE,
-        env={"TMPDIR": str(tmp_path)},
-    )
+def test_serve_stops_when_its_engine_refuses(
+    result: subprocess.CompletedProcess[str], tmp: Path
+) -> None:
     assert result.returncode != 0
     assert "does not support custom logits processors" in result.stderr
     assert "model_loaded" not in result.stderr
-    assert not list(tmp_path.glob("tandem-*")), "the engine's ipc folder was left behind"
+    assert not list(tmp.glob("tandem-*")), "the engine's ipc folder was left behind"
 
 
 @pytest.mark.slow
 @needs_embedded_model
-def test_generate_runs_a_logits_processor_on_v1() -> None:
+def test_generate_runs_a_logits_processor_on_v1(result: subprocess.CompletedProcess[str]) -> None:
     # ForceOrBanTokens only acts on requests with vllm_xargs; `generate` sends none, so the
     # answer is the plain one, on the runner rule 5 chose.
-    result = _tandem(
-        "generate",
-        "--prompt",
-        "What is the capital of France?",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--json",
-        "--logits-processors",
-        SAMPLE,
-        timeout=300,
-    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.splitlines()[0])
     assert record["runner"] == "v1" and "custom logits processors" in record["runner_reason"]
@@ -160,28 +169,10 @@ def test_generate_runs_a_logits_processor_on_v1() -> None:
 
 @pytest.mark.slow
 @needs_embedded_model
-@pytest.mark.parametrize(
-    ("extra", "runner"),
-    [((), "v2"), (("--logits-processors", SAMPLE), "v1")],
-    ids=["v2", "v1-with-processors"],
-)
+@pytest.mark.parametrize("case", list(SPECULATING))
 def test_generate_speculates_on_the_runner_the_other_flags_choose(
-    extra: tuple[str, ...], runner: str
+    case: str, result: subprocess.CompletedProcess[str]
 ) -> None:
-    result = _tandem(
-        "generate",
-        "--prompt",
-        "What is the capital of France?",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--json",
-        "--speculative-config",
-        NGRAM,
-        *extra,
-        timeout=300,
-    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.splitlines()[0])
-    assert record["runner"] == runner and "Paris" in record["text"]
+    assert record["runner"] == SPECULATING[case][1] and "Paris" in record["text"]

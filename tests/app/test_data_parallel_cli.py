@@ -4,30 +4,62 @@ refuses leaving nothing behind."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from actors.protocol.config import ConfigError, EngineConfig
 from gpu.distributed.dp_placement import place_data_parallel_rank
+from tests._command_batch import Command, CommandBatch, cli
 from tests._embedded_model import needs_embedded_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = "tests.gpu._sample_logits_processor:ForceOrBanTokens"
+NOT_YET = {
+    "dp-0": (("-dp", "0"), "--data-parallel-size must be in [1, 64]"),
+    "dp-65": (("-dp", "65"), "--data-parallel-size must be in [1, 64]"),
+    "with-tp": (
+        ("-dp", "2", "-tp", "2"),
+        "with --tensor-parallel-size above 1 is not supported yet",
+    ),
+    "one-gpu": (("-dp", "2", "--device", "cuda:1"), "--device cuda:1 names one GPU"),
+}
+"""Case id: (serve's flags, what its error line says)."""
 
 
-def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--port", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
+def _serve(*args: str, env: dict[str, str] | None = None) -> Command:
+    return cli("serve", "--port", "0", *args, env=env or {}, timeout_s=120, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp_cli")
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
+    """The module's `tandem serve` runs, two at a time (tests/_command_batch.py)."""
+    commands = {
+        "test_a_core_that_refuses_to_start_stops_the_others_and_leaves_nothing": _serve(
+            *("--device", "cpu", "--log-format", "console", "-dp", "2", "--runner", "v2"),
+            *("--logits-processors", SAMPLE),
+            env={"TMPDIR": str(tmp)},
+        ),
+        "test_help_says_what_the_flag_does": cli("serve", "--help", timeout_s=60, cwd=ROOT),
+    }
+    for case, (args, _) in NOT_YET.items():
+        name = f"test_combinations_that_do_not_work_yet_are_refused_on_one_line[{case}]"
+        commands[name] = _serve(*args)
+    with CommandBatch.of_selected(request, commands) as batch:
+        yield batch
+
+
+@pytest.fixture
+def result(runs: CommandBatch, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
+    """The run of the requesting test's command."""
+    return runs.result(request.node.name)
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
@@ -38,14 +70,7 @@ def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     return last
 
 
-def test_help_says_what_the_flag_does() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+def test_help_says_what_the_flag_does(result: subprocess.CompletedProcess[str]) -> None:
     text = " ".join(result.stdout.split())
     for fragment in (
         "--data-parallel-size DATA_PARALLEL_SIZE, -dp DATA_PARALLEL_SIZE",
@@ -58,19 +83,11 @@ def test_help_says_what_the_flag_does() -> None:
         assert fragment in text, fragment
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (("-dp", "0"), "--data-parallel-size must be in [1, 64]"),
-        (("-dp", "65"), "--data-parallel-size must be in [1, 64]"),
-        (("-dp", "2", "-tp", "2"), "with --tensor-parallel-size above 1 is not supported yet"),
-        (("-dp", "2", "--device", "cuda:1"), "--device cuda:1 names one GPU"),
-    ],
-)
+@pytest.mark.parametrize("case", list(NOT_YET))
 def test_combinations_that_do_not_work_yet_are_refused_on_one_line(
-    args: tuple[str, ...], fragment: str
+    case: str, result: subprocess.CompletedProcess[str]
 ) -> None:
-    assert fragment in _one_line_error(_serve(*args))
+    assert NOT_YET[case][1] in _one_line_error(result)
 
 
 def test_core_i_runs_on_cuda_i_and_every_core_on_the_cpu() -> None:
@@ -92,22 +109,9 @@ def test_core_i_runs_on_cuda_i_and_every_core_on_the_cpu() -> None:
 @pytest.mark.slow
 @needs_embedded_model
 def test_a_core_that_refuses_to_start_stops_the_others_and_leaves_nothing(
-    tmp_path: Path,
+    result: subprocess.CompletedProcess[str], tmp: Path
 ) -> None:
     """Both cores refuse these flags before loading the model; the server says why on one
     line, exits 2, and neither a core nor an ipc folder is left."""
-    result = _serve(
-        "--device",
-        "cpu",
-        "--log-format",
-        "console",
-        "-dp",
-        "2",
-        "--runner",
-        "v2",
-        "--logits-processors",
-        SAMPLE,
-        env={"TMPDIR": str(tmp_path)},
-    )
     assert "does not support custom logits processors" in _one_line_error(result)
-    assert not list(tmp_path.glob("tandem-*"))
+    assert not list(tmp.glob("tandem-*"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from gpu.cpu_threads import (
     thread_override,
     usable_cpus,
 )
+from tests._command_batch import Command, CommandBatch
 from tests._embedded_model import needs_embedded_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,26 +167,40 @@ print(json.dumps({
 """
 
 
+ENGINE_THREAD_CASES = {
+    "None-False": (None, False),
+    "None-True": (None, True),
+    "initial+1-True": ("initial+1", True),
+}
+"""Case id: (cpu_threads, frontends_share_host)."""
+
+
+@pytest.fixture(scope="module")
+def engine_thread_runs(request: pytest.FixtureRequest) -> Iterator[CommandBatch]:
+    """Each case in a fresh process, so that no earlier engine in this one set the counts
+    already (the processes run two at a time: tests/_command_batch.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    commands = {
+        f"test_an_engine_loaded_on_cpu_runs_the_plans_threads[{case}]": Command(
+            (sys.executable, "-c", _ENGINE_THREADS, json.dumps(cpu_threads), json.dumps(frontends)),
+            env=env,
+            timeout_s=120,
+            cwd=ROOT,
+        )
+        for case, (cpu_threads, frontends) in ENGINE_THREAD_CASES.items()
+    }
+    with CommandBatch.of_selected(request, commands) as batch:
+        yield batch
+
+
 @pytest.mark.slow
 @needs_embedded_model
-@pytest.mark.parametrize(
-    ("cpu_threads", "frontends"), [(None, False), (None, True), ("initial+1", True)]
-)
+@pytest.mark.parametrize("case", list(ENGINE_THREAD_CASES))
 def test_an_engine_loaded_on_cpu_runs_the_plans_threads(
-    cpu_threads: str | None, frontends: bool
+    case: str, engine_thread_runs: CommandBatch, request: pytest.FixtureRequest
 ) -> None:
-    """In a fresh process, so that no earlier engine in this one set the counts already.
-    Threads started after the load (the GPU actor's) see the same count."""
-    result = subprocess.run(
-        [sys.executable, "-c", _ENGINE_THREADS, json.dumps(cpu_threads), json.dumps(frontends)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-        },
-    )
+    """Threads started after the load (the GPU actor's) see the same count."""
+    result = engine_thread_runs.result(request.node.name)
     assert result.returncode == 0, result.stderr[-2000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen["main_thread"] == seen["expected"]
