@@ -18,8 +18,7 @@ from tests.kernels._dense_attention import dense_attention
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_BLOCKS = 48
@@ -138,9 +137,9 @@ def check_triton_backend_with_interpreted_kernels() -> None:
             _run_steps(triton_backend.TritonAttentionBackend(), 8, 2, 4, sliding_window, with_sinks)
 
 
-@needs_triton
-def test_triton_backend_with_window_and_sinks_in_the_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_triton_backend_with_interpreted_kernels")
+test_triton_backend_with_window_and_sinks_in_the_interpreter = interpreted_test(
+    __file__, "check_triton_backend_with_interpreted_kernels"
+)
 
 
 @cuda_test

@@ -15,8 +15,7 @@ from gpu.attention.triton_backend import TritonAttentionBackend
 from tests.gpu._paged_kv_batch import PagedKVBook
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_BLOCKS = 40
@@ -136,9 +135,9 @@ def check_triton_backend_with_interpreted_kernels() -> None:
             _run_steps(triton_backend.TritonAttentionBackend(), num_heads, num_kv_heads, block_size)
 
 
-@needs_triton
-def test_triton_backend_with_its_kernels_in_the_interpreter_matches_dense_attention() -> None:
-    run_in_triton_interpreter(__file__, "check_triton_backend_with_interpreted_kernels")
+test_triton_backend_with_its_kernels_in_the_interpreter_matches_dense_attention = interpreted_test(
+    __file__, "check_triton_backend_with_interpreted_kernels"
+)
 
 
 def test_padding_rows_of_torch_backend_are_zero() -> None:

@@ -1,10 +1,17 @@
-"""Run kernel checks under Triton's CPU interpreter in a child Python process, plus the
-markers and test factory that the kernel test files share.
+"""Run kernel checks under Triton's CPU interpreter in child Python processes, plus the
+markers and test factories that the kernel test files share.
 
 Triton picks interpreted or compiled mode when a function is decorated with
 `@triton.jit`, which for its own library functions (`tl.zeros`, `tl.sum`, ...) happens
 when triton is first imported. Inside a pytest session other modules have usually
 imported triton already, so `TRITON_INTERPRET=1` is set in a child process instead.
+
+An interpreted check is one core running Python for seconds while pytest waits. Two
+children serve the session's checks (starting one per check cost more than most checks),
+and while a test waits for its check, the check of the next interpreted test that the
+session runs already starts in the other child: tests made by `interpreted_test` or
+`triton_vs_reference_tests` say which check they run, and tests/conftest.py hands their
+order to `plan_interpreted_checks` once the session has collected them.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import select
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -26,6 +35,10 @@ import torch
 from kernels._triton import HAS_TRITON
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+NUM_CHILDREN = 2
+"""The CI machine's cores."""
+LOOKAHEAD = 1
+"""Planned checks started ahead of the test that asks for them, at most."""
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
@@ -45,29 +58,126 @@ def run_in_triton_interpreter(
     """Call `function_name(**kwargs)` from `test_file` in a child process with
     TRITON_INTERPRET=1; returns what it printed. `kwargs` must be Python literals.
 
-    One child serves every check of the session (starting one per check cost more than
-    most checks): each check runs its file afresh (`runpy.run_path`) with torch's global
-    RNG reset to a fresh process's state, and a child whose check failed, crashed or
-    timed out is replaced before the next check."""
-    global _child
-    child, _child = _child, None  # back only once this check has passed
-    if child is None or child.proc.poll() is not None:
-        child = _Child()
-    request = {"file": str(Path(test_file).resolve()), "function": function_name}
-    request["kwargs"] = repr(kwargs or {})
-    stderr_start = os.fstat(child.stderr.fileno()).st_size
-    try:
-        reply = child.call(request, timeout_s)
-    except BaseException:
-        child.stop()
-        raise
+    Each check runs its file afresh (`runpy.run_path`) with torch's global RNG reset to a
+    fresh process's state, and a child whose check failed, crashed or timed out is
+    replaced before its next check."""
+    check = _Check(str(Path(test_file).resolve()), function_name, repr(kwargs or {}))
+    reply, stderr = _checks.result(check, timeout_s)
     if reply is None or not reply["ok"]:
-        stderr = child.stop(stderr_from=stderr_start)
         what = "failed" if reply else "crashed or timed out"
         printed, error = (reply["stdout"], reply["error"]) if reply else ("", "")
         raise AssertionError(f"interpreted check {what}:\n{printed}\n{stderr}\n{error}")
-    _child = child
     return str(reply["stdout"])
+
+
+def interpreted_test(
+    test_file: str,
+    function_name: str,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    printed: str | None = None,
+) -> Callable[[], None]:
+    """A test that runs `function_name(**kwargs)` from `test_file` in the interpreter and,
+    with `printed`, checks that it printed that. Assign it to a `test_*` name."""
+
+    @needs_triton
+    def in_interpreter() -> None:
+        stdout = run_in_triton_interpreter(test_file, function_name, kwargs=kwargs)
+        if printed is not None:
+            assert printed in stdout, stdout
+
+    setattr(in_interpreter, PLANNED_CHECK, (test_file, function_name, kwargs))
+    return in_interpreter
+
+
+PLANNED_CHECK = "interpreted_check"
+"""The attribute of a test function that names its check: (file, function, kwargs)."""
+PLANNED_TIMEOUT_S = 300.0
+"""run_in_triton_interpreter's default."""
+
+
+def plan_interpreted_checks(test_functions: Sequence[object]) -> None:
+    """The session's test functions in the order they run; those carrying PLANNED_CHECK
+    become the plan that checks are started ahead from."""
+    planned = [getattr(test, PLANNED_CHECK, None) for test in test_functions]
+    _checks.plan = [
+        _Check(str(Path(file).resolve()), function, repr(kwargs or {}))
+        for file, function, kwargs in filter(None, planned)
+    ]
+
+
+class _Check(NamedTuple):
+    file: str
+    """Resolved."""
+    function: str
+    kwargs: str
+    """Their repr."""
+
+
+_Outcome = tuple[dict[str, Any] | None, str]
+"""A check's reply (None if its child crashed or timed out) and, when it did not pass,
+what its child wrote to stderr meanwhile."""
+
+
+class _Checks:
+    """Checks run by NUM_CHILDREN threads, each with a child of its own; a check asked for
+    takes the run started ahead for it, if any, and starts the planned ones after it."""
+
+    def __init__(self) -> None:
+        self.plan: list[_Check] = []
+        self._next_planned = 0
+        self._started: dict[_Check, list[Future[_Outcome]]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(NUM_CHILDREN, thread_name_prefix="triton-interpreter")
+        self._local = threading.local()
+        self.children: list[_Child] = []
+
+    def result(self, check: _Check, timeout_s: float) -> _Outcome:
+        with self._lock:
+            started = self._started.get(check)
+            if started:
+                future = started.pop(0)
+            else:
+                future = self._pool.submit(self._run, check, timeout_s)
+            self._skip_plan_to(check)
+            self._start_ahead(Path(check.file).parent)
+        return future.result()
+
+    def _skip_plan_to(self, check: _Check) -> None:
+        """Past `check` in the plan (the session may leave it: a test skipped or failed)."""
+        ahead = self.plan[self._next_planned :]
+        if check in ahead:
+            self._next_planned += ahead.index(check) + 1
+
+    def _start_ahead(self, folder: Path) -> None:
+        """Up to LOOKAHEAD planned checks at once, of tests in `folder` (the other folders'
+        tests may measure time, with no check running beside them)."""
+        running = sum(not f.done() for futures in self._started.values() for f in futures)
+        while running < LOOKAHEAD and self._next_planned < len(self.plan):
+            check = self.plan[self._next_planned]
+            if Path(check.file).parent != folder:
+                break
+            self._next_planned += 1
+            future = self._pool.submit(self._run, check, PLANNED_TIMEOUT_S)
+            self._started.setdefault(check, []).append(future)
+            running += 1
+
+    def _run(self, check: _Check, timeout_s: float) -> _Outcome:
+        """In a pool thread: the check in this thread's child (replaced after a failure)."""
+        child: _Child | None = getattr(self._local, "child", None)
+        if child is None or child.proc.poll() is not None:
+            child = self._local.child = _Child()
+            with self._lock:
+                self.children.append(child)
+        stderr_start = os.fstat(child.stderr.fileno()).st_size
+        try:
+            reply = child.call(check._asdict(), timeout_s)
+        except BaseException:
+            child.stop()
+            raise
+        if reply is not None and reply["ok"]:
+            return reply, ""
+        return reply, child.stop(stderr_from=stderr_start)
 
 
 # What the child runs: requests as JSON lines on stdin, one reply line each on the stdout it
@@ -138,13 +248,14 @@ class _Child:
         return written.decode(errors="replace")
 
 
-_child: _Child | None = None
+_checks = _Checks()
 
 
 @atexit.register
-def _stop_the_child_at_exit() -> None:
-    if _child is not None:
-        _child.stop()
+def _stop_the_children_at_exit() -> None:
+    for child in _checks.children:
+        if child.proc.poll() is None:  # the others were stopped when their check failed
+            child.stop()
 
 
 def assert_interpreted(*kernels: object) -> None:
@@ -162,11 +273,9 @@ def triton_vs_reference_tests(
     the torch reference on one case and asserts they agree: once in the interpreter on
     the `interpreted` case, once on a GPU on the `on_cuda` case. Assign them to
     `test_*` names in the test module."""
-    test_file, function_name = compare.__code__.co_filename, compare.__name__
-
-    @needs_triton
-    def in_interpreter() -> None:
-        run_in_triton_interpreter(test_file, function_name, kwargs=interpreted)
+    in_interpreter = interpreted_test(
+        compare.__code__.co_filename, compare.__name__, kwargs=interpreted
+    )
 
     @cuda_test
     def on_gpu() -> None:

@@ -28,8 +28,7 @@ from kernels.fp8_quant import (
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 
@@ -186,11 +185,9 @@ _INTERPRETER_CASES = [
 ]
 
 
-@needs_triton
-def test_blockwise_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(
-        __file__, "compare_blockwise", kwargs={"cases": _INTERPRETER_CASES, "device": "cpu"}
-    )
+test_blockwise_triton_matches_reference_in_interpreter = interpreted_test(
+    __file__, "compare_blockwise", kwargs={"cases": _INTERPRETER_CASES, "device": "cpu"}
+)
 
 
 _MODEL_SHAPES = [(2048, 1024), (576, 2048), (1024, 2048)]  # (N, K): MLP-like, MLA-like

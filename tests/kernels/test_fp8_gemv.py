@@ -24,8 +24,8 @@ from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_weight_per_channel
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
+    interpreted_test,
     needs_triton,
-    run_in_triton_interpreter,
 )
 
 
@@ -219,11 +219,9 @@ def _interpreter_cases() -> list[tuple[int, int, int, str, bool, bool, tuple | N
     return cases
 
 
-@needs_triton
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(
-        __file__, "compare", kwargs={"cases": _interpreter_cases(), "device": "cpu"}
-    )
+test_triton_matches_reference_in_interpreter = interpreted_test(
+    __file__, "compare", kwargs={"cases": _interpreter_cases(), "device": "cpu"}
+)
 
 
 # Llama-3.1-8B: q/k/v fused, o, gate/up halves, down, k or v alone; plus partial blocks.

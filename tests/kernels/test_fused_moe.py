@@ -21,8 +21,7 @@ from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4, quantize_mxfp4
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 SILU = MoEActivation("silu")
@@ -167,12 +166,14 @@ def compare_grouping(device: str, cases: list[tuple[int, int, int, int]]) -> Non
             assert torch.equal(ours.block_expert_ids[:blocks], ref.block_expert_ids[:blocks])
 
 
-@needs_triton
-def test_triton_grouping_matches_reference_in_interpreter() -> None:
-    cases = [(1, 8, 2, 16), (17, 8, 4, 16), (40, 4, 2, 16), (300, 16, 4, 32)]
-    run_in_triton_interpreter(
-        __file__, "compare_grouping", kwargs={"device": "cpu", "cases": cases}
-    )
+test_triton_grouping_matches_reference_in_interpreter = interpreted_test(
+    __file__,
+    "compare_grouping",
+    kwargs={
+        "device": "cpu",
+        "cases": [(1, 8, 2, 16), (17, 8, 4, 16), (40, 4, 2, 16), (300, 16, 4, 32)],
+    },
+)
 
 
 def _assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -253,11 +254,9 @@ def _interpreter_cases() -> list[dict]:
     return cases
 
 
-@needs_triton
-def test_triton_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(
-        __file__, "compare_fused", kwargs={"device": "cpu", "cases": _interpreter_cases()}
-    )
+test_triton_matches_reference_in_interpreter = interpreted_test(
+    __file__, "compare_fused", kwargs={"device": "cpu", "cases": _interpreter_cases()}
+)
 
 
 def check_blocks_past_the_padded_count_exit(device: str) -> None:
@@ -280,11 +279,9 @@ def check_blocks_past_the_padded_count_exit(device: str) -> None:
     torch.testing.assert_close(out.view(3, 2, 64).sum(1), expected, rtol=1e-4, atol=1e-4)
 
 
-@needs_triton
-def test_blocks_past_the_padded_count_exit_in_interpreter() -> None:
-    run_in_triton_interpreter(
-        __file__, "check_blocks_past_the_padded_count_exit", kwargs={"device": "cpu"}
-    )
+test_blocks_past_the_padded_count_exit_in_interpreter = interpreted_test(
+    __file__, "check_blocks_past_the_padded_count_exit", kwargs={"device": "cpu"}
+)
 
 
 def test_tile_config_grows_block_m_with_rows_per_expert() -> None:

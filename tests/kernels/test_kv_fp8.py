@@ -22,8 +22,7 @@ from kernels.qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 from tests.kernels.test_paged_attention import Case, _inputs, _random_case
 from tests.kernels.test_paged_attention_window import _sinks
@@ -253,9 +252,9 @@ def check_interpreted_fp8_kernels() -> None:
     _compare_attention("cpu", INTERPRETER_CASES)
 
 
-@needs_triton
-def test_fp8_kernels_match_references_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_interpreted_fp8_kernels")
+test_fp8_kernels_match_references_in_interpreter = interpreted_test(
+    __file__, "check_interpreted_fp8_kernels"
+)
 
 
 @fp8_cuda_test

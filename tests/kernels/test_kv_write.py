@@ -9,8 +9,7 @@ from kernels.kv_write import kv_write, kv_write_ref, kv_write_triton
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_KV_HEADS, HEAD_DIM = 2, 8
@@ -95,9 +94,9 @@ def check_interpreted_kernel_matches_reference() -> None:
             assert torch.equal(kv_cache, expected), (dtype, slot_dtype)
 
 
-@needs_triton
-def test_triton_kernel_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_interpreted_kernel_matches_reference")
+test_triton_kernel_matches_reference_in_interpreter = interpreted_test(
+    __file__, "check_interpreted_kernel_matches_reference"
+)
 
 
 @cuda_test

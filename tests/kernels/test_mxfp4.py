@@ -11,8 +11,7 @@ from kernels.mxfp4 import E2M1_VALUES, MXFP4Tensor, dequantize_mxfp4, quantize_m
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 
@@ -129,9 +128,9 @@ def compare_dequant_tile(device: str) -> None:
         torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
-@needs_triton
-def test_triton_dequant_tile_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "compare_dequant_tile", kwargs={"device": "cpu"})
+test_triton_dequant_tile_matches_reference_in_interpreter = interpreted_test(
+    __file__, "compare_dequant_tile", kwargs={"device": "cpu"}
+)
 
 
 @cuda_test

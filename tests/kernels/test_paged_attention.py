@@ -15,8 +15,8 @@ from kernels.paged_attention import (
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
+    interpreted_test,
     needs_triton,
-    run_in_triton_interpreter,
 )
 
 
@@ -159,9 +159,9 @@ def check_interpreted_kernel_matches_reference() -> None:
         )
 
 
-@needs_triton
-def test_triton_kernel_matches_reference_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_interpreted_kernel_matches_reference")
+test_triton_kernel_matches_reference_in_interpreter = interpreted_test(
+    __file__, "check_interpreted_kernel_matches_reference"
+)
 
 
 @needs_triton

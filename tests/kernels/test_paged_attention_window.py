@@ -21,8 +21,7 @@ from tests.kernels._dense_attention import dense_attention
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 from tests.kernels.test_paged_attention import Case, _inputs, _random_case
 
@@ -261,11 +260,11 @@ def check_interpreted_kernel() -> None:
     check_interpreted_window_over_everything_equals_no_window()
 
 
-@needs_triton
-def test_triton_kernel_with_window_and_sinks_in_interpreter() -> None:
-    """Matches the reference, reads no KV below the window, and a window over everything
-    is bit-identical to none."""
-    run_in_triton_interpreter(__file__, "check_interpreted_kernel")
+# Matches the reference, reads no KV below the window, and a window over everything is
+# bit-identical to none.
+test_triton_kernel_with_window_and_sinks_in_interpreter = interpreted_test(
+    __file__, "check_interpreted_kernel"
+)
 
 
 GPT_OSS_HEADS = dict(num_heads=64, num_kv_heads=8, head_dim=64)

@@ -13,8 +13,7 @@ from kernels.prepare_inputs import prepare_inputs
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_INTERPRETED_CASES = 5
@@ -205,10 +204,11 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     _assert_same_state(state, want)
 
 
-@needs_triton
-def test_triton_matches_reference_under_interpreter() -> None:
-    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
-    assert f"interpreted post_update matched in {NUM_INTERPRETED_CASES} cases" in stdout
+test_triton_matches_reference_under_interpreter = interpreted_test(
+    __file__,
+    "_interpreted_main",
+    printed=f"interpreted post_update matched in {NUM_INTERPRETED_CASES} cases",
+)
 
 
 def _interpreted_main() -> None:

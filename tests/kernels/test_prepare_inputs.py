@@ -16,8 +16,7 @@ from kernels.prepare_inputs import (
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_INTERPRETED_CASES = 6
@@ -222,10 +221,11 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     assert [t.tolist() for t in outputs] == _loop_oracle(case, case.num_tokens + 5, 9)
 
 
-@needs_triton
-def test_triton_matches_reference_under_interpreter() -> None:
-    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
-    assert f"interpreted prepare_inputs matched in {NUM_INTERPRETED_CASES} cases" in stdout
+test_triton_matches_reference_under_interpreter = interpreted_test(
+    __file__,
+    "_interpreted_main",
+    printed=f"interpreted prepare_inputs matched in {NUM_INTERPRETED_CASES} cases",
+)
 
 
 def _interpreted_main() -> None:

@@ -10,8 +10,7 @@ import torch
 
 from kernels.sampling_thresholds import sampling_thresholds_ref
 from tests.kernels._triton_interpreter import (
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
     triton_vs_reference_tests,
 )
 from tests.kernels.test_sampling_thresholds import _assert_thresholds_match
@@ -214,14 +213,12 @@ def check_a_missed_top_p_guess_falls_back_to_the_histogram(
 )
 
 
-@needs_triton
-def test_stress_rows_in_interpreter() -> None:
-    # 1100 tokens over 256-token chunks: a partial last chunk, k = vocab - 1 past the capacity.
-    run_in_triton_interpreter(
-        __file__,
-        "check_stress_rows_match_reference_and_are_batch_invariant",
-        kwargs={"vocab": 1100, "chunk": 256},
-    )
+# 1100 tokens over 256-token chunks: a partial last chunk, k = vocab - 1 past the capacity.
+test_stress_rows_in_interpreter = interpreted_test(
+    __file__,
+    "check_stress_rows_match_reference_and_are_batch_invariant",
+    kwargs={"vocab": 1100, "chunk": 256},
+)
 
 
 (

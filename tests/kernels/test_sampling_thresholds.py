@@ -21,8 +21,7 @@ from kernels.temperature import apply_temperature_ref
 from kernels.top_k_top_p import apply_top_k_top_p_ref
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
     triton_vs_reference_tests,
 )
 
@@ -306,6 +305,6 @@ def check_interpreted_sampling_matches_the_sort_based_path() -> None:
     assert torch.equal(actual, expected)
 
 
-@needs_triton
-def test_triton_sampling_matches_the_sort_based_path_in_interpreter() -> None:
-    run_in_triton_interpreter(__file__, "check_interpreted_sampling_matches_the_sort_based_path")
+test_triton_sampling_matches_the_sort_based_path_in_interpreter = interpreted_test(
+    __file__, "check_interpreted_sampling_matches_the_sort_based_path"
+)

@@ -19,8 +19,7 @@ from kernels.slot_mapping import (
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_INTERPRETED_CASES = 5
@@ -223,10 +222,11 @@ def test_reference_matches_loop_oracle_on_random_batches(seed: int) -> None:
     assert (table.tolist(), slots.tolist()) == _loop_oracle(case, 8, case.num_tokens + 4)
 
 
-@needs_triton
-def test_triton_matches_reference_under_interpreter() -> None:
-    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
-    assert f"interpreted slot_mapping matched in {NUM_INTERPRETED_CASES} cases" in stdout
+test_triton_matches_reference_under_interpreter = interpreted_test(
+    __file__,
+    "_interpreted_main",
+    printed=f"interpreted slot_mapping matched in {NUM_INTERPRETED_CASES} cases",
+)
 
 
 def _interpreted_main() -> None:

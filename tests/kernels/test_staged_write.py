@@ -11,8 +11,7 @@ from kernels.staged_write import StagedWrites, staged_write_ref, staged_write_tr
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
-    needs_triton,
-    run_in_triton_interpreter,
+    interpreted_test,
 )
 
 NUM_INTERPRETED_CASES = 4
@@ -148,10 +147,11 @@ def _loop_oracle(
     return out
 
 
-@needs_triton
-def test_triton_matches_reference_under_interpreter() -> None:
-    stdout = run_in_triton_interpreter(__file__, "_interpreted_main")
-    assert f"interpreted staged_write matched in {NUM_INTERPRETED_CASES} cases" in stdout
+test_triton_matches_reference_under_interpreter = interpreted_test(
+    __file__,
+    "_interpreted_main",
+    printed=f"interpreted staged_write matched in {NUM_INTERPRETED_CASES} cases",
+)
 
 
 def _interpreted_main() -> None:
