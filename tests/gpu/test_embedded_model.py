@@ -17,6 +17,7 @@ from app.llm import LLM
 from gpu.attention.base import allocate_kv_cache
 from tests._embedded_model import needs_embedded_model
 from tests._hf_reference import hf_reference_model
+from tests.app._server_fixtures import shared_llm
 from tests.gpu._paged_kv_batch import PagedKVBook
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
@@ -36,7 +37,15 @@ NEAR_TIE_MARGIN = 1e-3
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default", runner="v2", quantization="none", max_model_len=512, max_num_seqs=16)
+    """On the session's float32 model (tests/app/_server_fixtures.py), not another load."""
+    return LLM(
+        "default",
+        reuse=shared_llm(),
+        runner="v2",
+        quantization="none",
+        max_model_len=512,
+        max_num_seqs=16,
+    )
 
 
 @pytest.fixture(scope="module")

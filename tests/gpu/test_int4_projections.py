@@ -36,6 +36,7 @@ from gpu.models.quant_config import Int4Checkpoint
 from gpu.weights.loader import ModelFiles, load_model_files
 from kernels.packed_cpu import dequantize_int4_groups, quantize_int4_groups
 from tests._embedded_model import needs_embedded_model
+from tests.app._server_fixtures import shared_llm
 from tests.gpu._paged_kv_batch import PagedKVBook
 from tests.gpu._tiny_checkpoints import tiny_hf_model, write_tiny_gguf
 
@@ -276,7 +277,8 @@ def packed_llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def float32_llm() -> LLM:
-    return LLM("default", runner="v2", quantization="none", **EMBEDDED)
+    """On the session's float32 model (tests/app/_server_fixtures.py), not another load."""
+    return LLM("default", reuse=shared_llm(), runner="v2", quantization="none", **EMBEDDED)
 
 
 @pytest.mark.slow

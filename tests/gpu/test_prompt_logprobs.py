@@ -13,6 +13,7 @@ from app.llm import LLM
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from tests._embedded_model import needs_embedded_model
 from tests._hf_reference import hf_reference_model
+from tests.app._server_fixtures import shared_llm
 
 # quantization none: the float32 model, which transformers' reference computes too
 OPTIONS = {
@@ -40,7 +41,7 @@ def test_rows_cover_each_chunk_up_to_the_last_prompt_token() -> None:
 @pytest.mark.slow
 @needs_embedded_model
 def test_both_runners_match_transformers_under_chunked_prefill() -> None:
-    llm = LLM("default", runner="v2", **OPTIONS)
+    llm = LLM("default", reuse=shared_llm(), runner="v2", **OPTIONS)  # the session's float32
     v1 = LLM("default", reuse=llm, runner="v1", **OPTIONS)
     token_ids = tuple(llm.tokenizer.encode(PROMPT))
     assert len(token_ids) > 2 * OPTIONS["max_num_batched_tokens"]
