@@ -45,6 +45,18 @@ def shared_llm() -> Any:
     return llm
 
 
+@functools.cache
+def shared_packed_llm() -> Any:
+    """The embedded model as `LLM("default")` loads it (on the CPU: its packed int4
+    projections), loaded once per session; skips the calling test where it is not
+    installed. `LLM("default", reuse=shared_packed_llm(), ...)` runs it under other
+    engine options."""
+    from app.llm import LLM
+
+    embedded_gguf_path()
+    return LLM("default")
+
+
 def shared_model() -> Any:
     """The embedded model's LoadedEngine, loaded once (shared_llm's); skips the calling
     test where it is not installed."""

@@ -7,7 +7,7 @@ import pytest
 from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
-from tests.app._server_fixtures import shared_llm
+from tests.app._server_fixtures import shared_llm, shared_packed_llm
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -60,8 +60,14 @@ def _prompts(llm: LLM, count: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    """The packed default, the session's load of it."""
     return LLM(
-        "default", runner="v2", max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=1024
+        "default",
+        reuse=shared_packed_llm(),
+        runner="v2",
+        max_num_seqs=32,
+        max_num_batched_tokens=2048,
+        max_model_len=1024,
     )
 
 

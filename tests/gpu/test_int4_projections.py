@@ -36,7 +36,7 @@ from gpu.models.quant_config import Int4Checkpoint
 from gpu.weights.loader import ModelFiles, load_model_files
 from kernels.packed_cpu import dequantize_int4_groups, quantize_int4_groups
 from tests._embedded_model import needs_embedded_model
-from tests.app._server_fixtures import shared_llm
+from tests.app._server_fixtures import shared_llm, shared_packed_llm
 from tests.gpu._paged_kv_batch import PagedKVBook
 from tests.gpu._tiny_checkpoints import tiny_hf_model, write_tiny_gguf
 
@@ -272,7 +272,8 @@ EMBEDDED = dict(max_model_len=512, max_num_seqs=8, num_kv_blocks=64)
 
 @pytest.fixture(scope="module")
 def packed_llm() -> LLM:
-    return LLM("default", runner="v2", **EMBEDDED)
+    """The session's load of the packed default (tests/app/_server_fixtures.py)."""
+    return LLM("default", reuse=shared_packed_llm(), runner="v2", **EMBEDDED)
 
 
 @pytest.fixture(scope="module")
