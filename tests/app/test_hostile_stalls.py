@@ -118,13 +118,32 @@ def _assert_engine_idle(url: str) -> None:
         assert metric(http, "vllm:kv_cache_usage_perc") == 0.0
 
 
+@pytest.fixture(scope="module")
+def one_api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """`tandem serve` with one API server, the stall bound STALL_TIMEOUT_S and
+    --max-logprobs 30; the engine-core tests share it (each leaves its core running and
+    idle), and it must exit 0 after them."""
+    server = ServeProcess(
+        tmp_path_factory.mktemp("stalls") / "serve.log",
+        "--engine-stall-timeout",
+        str(STALL_TIMEOUT_S),
+        "--max-logprobs",
+        "30",
+    )
+    try:
+        yield server
+    finally:
+        exit_code = server.stop()
+    assert exit_code == 0
+
+
 def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
-    tmp_path: Path,
+    one_api_server: ServeProcess,
 ) -> None:
     """Stopped for one and a half stall bounds mid-stream: /health says 'stalled'
     meanwhile (and answers within a second), the streamed and the plain request both
     complete once the core runs again, each with the text it gives without a stall."""
-    server = ServeProcess(tmp_path / "serve.log", "--engine-stall-timeout", str(STALL_TIMEOUT_S))
+    server = one_api_server
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             # The plain request during the stall is checked against this text too.
@@ -160,7 +179,6 @@ def test_a_stopped_and_resumed_engine_core_finishes_the_requests_in_flight(
         _assert_engine_idle(server.url)
     finally:
         os.kill(server.engine_pid(), signal.SIGCONT)
-        assert server.stop() == 0
 
 
 def _streamed_error(client: httpx.Client, body: dict[str, Any], on_first: Any) -> dict[str, Any]:
@@ -189,7 +207,9 @@ def _assert_stopped_responding(error: dict[str, Any]) -> None:
     assert "engine stopped responding" in error["message"], error
 
 
-def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(tmp_path: Path) -> None:
+def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(
+    one_api_server: ServeProcess,
+) -> None:
     """Stopped mid-stream and not resumed: once silent for twice the stall bound, the
     streamed request ends with an error event and the plain one with a 503 + Retry-After,
     both saying that the engine stopped responding; new requests get 503; /health says
@@ -197,15 +217,8 @@ def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(tmp_path
     failed requests held (their late outputs dropped, no error logged) and a fresh request
     is served: one asking for more logprobs than vLLM's default 20 (--max-logprobs 30), so
     that such a request is shown to cross to the core's process too."""
-    stall_timeout_s = 1.0
-    fail_by_s = 2 * stall_timeout_s + 2.0  # the fail bound, the watchdog's tick, slack
-    server = ServeProcess(
-        tmp_path / "serve.log",
-        "--engine-stall-timeout",
-        str(stall_timeout_s),
-        "--max-logprobs",
-        "30",
-    )
+    fail_by_s = 2 * STALL_TIMEOUT_S + 2.0  # the fail bound, the watchdog's tick, slack
+    server = one_api_server
     engine_pid = server.engine_pid()
     is_stopped = False
     try:
@@ -241,7 +254,7 @@ def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(tmp_path
             os.kill(engine_pid, signal.SIGCONT)
             is_stopped = False
             wait_until(lambda: probe.answers[-1] == (200, "ok"), 5.0, "/health stayed 503")
-        assert stall_timeout_s < streamed_after_s < fail_by_s
+        assert STALL_TIMEOUT_S < streamed_after_s < fail_by_s
         _assert_stopped_responding(error)
         plain_answer = answers["plain"]
         assert plain_answer.status_code == 503 and plain_answer.headers["Retry-After"] == "1"
@@ -264,8 +277,6 @@ def test_an_engine_core_that_stays_stopped_fails_the_requests_in_flight(tmp_path
     finally:
         if is_stopped:
             os.kill(engine_pid, signal.SIGCONT)
-        exit_code = server.stop()
-    assert exit_code == 0
 
 
 def _api_server_pids(server: ServeProcess) -> dict[int, int]:
