@@ -1,20 +1,17 @@
 """Connections spread over the API servers of `tandem serve --api-server-count N`
-(app/connection_balance.py): a burst of long-lived connections lands evenly, and the
-shared connection counts tell a busier API server when to give way and to whom not."""
+(app/connection_balance.py): the shared connection counts tell a busier API server when to
+give way and to whom not. (That a burst of long-lived connections lands evenly is tested on
+a real server in tests/app/test_server_processes.py.)"""
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
 from pathlib import Path
 from unittest import mock
-from urllib.parse import urlsplit
 
 import pytest
 
 from app.connection_balance import SLACK, STALE_AFTER_S, ConnectionLoads
-from tests.app._serve_process import ServeProcess
 
 
 def _tables(tmp_path: Path, count: int) -> list[ConnectionLoads]:
@@ -59,31 +56,3 @@ def test_a_restarted_api_server_starts_from_no_connections(tmp_path: Path) -> No
     assert successor.open_connections(0) == 0
     with pytest.raises(ValueError):
         ConnectionLoads(str(tmp_path / "connection_loads"), 2)
-
-
-@pytest.mark.slow
-def test_a_burst_of_connections_is_spread_over_the_api_servers(tmp_path: Path) -> None:
-    """24 connections opened at once, as a load balancer or a benchmark opens its pool, then
-    held open: each of two API servers takes at least a third. (Before, each process
-    accepted whatever waited when it woke, and one took 19 to 24 of the 24.)"""
-    server = ServeProcess(tmp_path / "serve.log", "--api-server-count", "2")
-    try:
-        address = urlsplit(server.url)
-        connections = [
-            http.client.HTTPConnection(str(address.hostname), address.port, timeout=30)
-            for _ in range(24)
-        ]
-        try:
-            for connection in connections:
-                connection.connect()
-            held_by = {0: 0, 1: 0}
-            for connection in connections:  # the server says which API server answered
-                connection.request("GET", "/version")
-                held_by[json.loads(connection.getresponse().read())["api_server"]] += 1
-        finally:
-            for connection in connections:
-                connection.close()
-    finally:
-        exit_code = server.stop()
-    assert min(held_by.values()) >= 8, held_by
-    assert exit_code == 0

@@ -7,6 +7,8 @@ engine's socket, the core keeps serving; several API servers answer on one port 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -185,6 +188,33 @@ def two_api_servers(
     assert not server.descendants()
     assert health(server.url) is None  # the port is closed
     assert not _ipc_folders(tmp)
+
+
+def test_a_burst_of_connections_is_spread_over_the_api_servers(
+    two_api_servers: tuple[ServeProcess, Path],
+) -> None:
+    """24 connections opened at once, as a load balancer or a benchmark opens its pool, then
+    held open: each of two API servers takes at least a third. (Before, each process
+    accepted whatever waited when it woke, and one took 19 to 24 of the 24.) The first
+    test on the module's server: only the closed connections of its start's /health
+    probes came before."""
+    server, _ = two_api_servers
+    address = urlsplit(server.url)
+    connections = [
+        http.client.HTTPConnection(str(address.hostname), address.port, timeout=30)
+        for _ in range(24)
+    ]
+    try:
+        for connection in connections:
+            connection.connect()
+        held_by = {0: 0, 1: 0}
+        for connection in connections:  # the server says which API server answered
+            connection.request("GET", "/version")
+            held_by[json.loads(connection.getresponse().read())["api_server"]] += 1
+    finally:
+        for connection in connections:
+            connection.close()
+    assert min(held_by.values()) >= 8, held_by
 
 
 def _completion_by_each_api_server(url: str) -> set[int]:
