@@ -7,8 +7,8 @@ the long form check what it records."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from app.server_state import ServeSettings
 from benchmarks.soak import SoakConfig, run_soak
 from benchmarks.soak_server import InProcessServer
 from benchmarks.soak_workload import SoakMix
+from tests._command_batch import Command, CommandBatch
 from tests.app._server_fixtures import ENGINE, shared_model
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,33 @@ MAX_RSS_GROWTH_MIB = 128.0
 in steps of up to 64 MiB per thread. A leak of one KV block or one response per request
 would exceed it only over a far longer run, which is what the long form is for; this
 bound catches a per-request leak of roughly 1 MiB."""
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("soak")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def long_form(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
+    """A few requests through the long form, in a process of its own (it sets up logging
+    for itself), started with the module so that it runs beside the CI soak: that one
+    keeps one core busy (its server and clients share this process), the long form mostly
+    the other. Neither checks a time; the CI soak's counts hold with room to spare if its
+    server is slower (one run: 119 completions where it asks for 80, 24 hang-ups where it
+    asks for 10), and its resident-memory bound is this process's (the long form's output
+    read here is 2.5 kB)."""
+    command = Command(
+        (sys.executable, "-m", "benchmarks.soak", "--requests", "12", "--concurrency", "4")
+        + ("--max-tokens", "4", "--disconnect-within", "2", "--not-a-result")
+        + ("--output", str(tmp / "soak.json")),
+        timeout_s=300,
+        cwd=ROOT,
+    )
+    with CommandBatch.of_selected(
+        request, {"test_the_long_form_records_its_verdict": command}
+    ) as batch:
+        yield batch
 
 
 def test_soak_loses_nothing_and_leaks_nothing() -> None:
@@ -77,34 +105,10 @@ def test_soak_loses_nothing_and_leaks_nothing() -> None:
     assert exit_code == 0
 
 
-def test_the_long_form_records_its_verdict(tmp_path: Path) -> None:
-    # A process of its own: the long form sets up logging for itself.
-    out = tmp_path / "soak.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.soak",
-            "--requests",
-            "12",
-            "--concurrency",
-            "4",
-            "--max-tokens",
-            "4",
-            "--disconnect-within",
-            "2",
-            "--not-a-result",
-            "--output",
-            str(out),
-        ],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_long_form_records_its_verdict(long_form: CommandBatch, tmp: Path) -> None:
+    result = long_form.result("test_the_long_form_records_its_verdict")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    record = json.loads(out.read_text())
+    record = json.loads((tmp / "soak.json").read_text())
     assert record["workload"]["num_requests"] == 12 and record["workload"]["torch_threads"] == 1
     assert record["figures"]["passed"] is True and record["figures"]["num_5xx"] == 0
     assert sum(v for k, v in record["figures"].items() if k.startswith("outcomes_")) == 12
