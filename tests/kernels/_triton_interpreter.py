@@ -8,10 +8,12 @@ imported triton already, so `TRITON_INTERPRET=1` is set in a child process inste
 
 An interpreted check is one core running Python for seconds while pytest waits. Two
 children serve the session's checks (starting one per check cost more than most checks),
-and while a test waits for its check, the check of the next interpreted test that the
-session runs already starts in the other child: tests made by `interpreted_test` or
-`triton_vs_reference_tests` say which check they run, and tests/conftest.py hands their
-order to `plan_interpreted_checks` once the session has collected them.
+and when a test asks for its check, the checks of the next interpreted tests that the
+session runs in the same folder are queued behind it (LOOKAHEAD of them), so that both
+children keep working while pytest waits or runs the tests in between: tests made by
+`interpreted_test` or `triton_vs_reference_tests` say which check they run, and
+tests/conftest.py hands their order to `plan_interpreted_checks` once the session has
+collected them.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from kernels._triton import HAS_TRITON
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_CHILDREN = 2
 """The CI machine's cores."""
-LOOKAHEAD = 1
-"""Planned checks started ahead of the test that asks for them, at most."""
+LOOKAHEAD = 8
+"""Planned checks started ahead of the tests that ask for them, at most (queued behind the
+running ones: both children stay busy while pytest runs the tests in between)."""
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
@@ -96,6 +99,12 @@ PLANNED_TIMEOUT_S = 300.0
 """run_in_triton_interpreter's default."""
 
 
+def cancel_planned_checks() -> None:
+    """Drops the planned checks not started yet (at the session's end: a run stopped
+    early, by -x or a keyboard interrupt, waits for no more than the running ones)."""
+    _checks.cancel_queued()
+
+
 def plan_interpreted_checks(test_functions: Sequence[object]) -> None:
     """The session's test functions in the order they run; those carrying PLANNED_CHECK
     become the plan that checks are started ahead from."""
@@ -137,14 +146,21 @@ class _Checks:
             started = self._started.get(check)
             if started:
                 future = started.pop(0)
-            else:
+            else:  # not started ahead: the session left the plan, or has none
                 future = self._pool.submit(self._run, check, timeout_s)
-            self._skip_plan_to(check)
+                self._skip_plan_to(check)
             self._start_ahead(Path(check.file).parent)
         return future.result()
 
+    def cancel_queued(self) -> None:
+        with self._lock:
+            self._next_planned = len(self.plan)
+            for futures in self._started.values():
+                for future in futures:
+                    future.cancel()  # False for a running check, which ends on its own
+
     def _skip_plan_to(self, check: _Check) -> None:
-        """Past `check` in the plan (the session may leave it: a test skipped or failed)."""
+        """Past `check` in the plan, if it is still ahead there."""
         ahead = self.plan[self._next_planned :]
         if check in ahead:
             self._next_planned += ahead.index(check) + 1
