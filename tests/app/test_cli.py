@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,23 +59,6 @@ def _commands(tmp: Path) -> dict[str, Command]:
         ),
     }
     return {name: cli(*args) for name, args in runs.items()}
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cli")
-
-
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
-    with CommandBatch.of_selected(request, _commands(tmp)) as batch:
-        yield batch
-
-
-@pytest.fixture
-def result(runs: CommandBatch, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
-    """The run of the requesting test's command."""
-    return runs.result(request.node.name)
 
 
 def test_help_lists_subcommands_and_options(runs: CommandBatch) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests._command_batch import Command, CommandBatch, cli
+from tests._command_batch import Command, cli
 from tests._embedded_model import needs_embedded_model
 
 SAMPLE = "tests.gpu._sample_logits_processor:ForceOrBanTokens"
@@ -85,23 +84,6 @@ def _commands(tmp: Path) -> dict[str, Command]:
         "serve", "--help", timeout_s=120
     )
     return commands
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runner_features")
-
-
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp: Path) -> Iterator[CommandBatch]:
-    with CommandBatch.of_selected(request, _commands(tmp)) as batch:
-        yield batch
-
-
-@pytest.fixture
-def result(runs: CommandBatch, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
-    """The run of the requesting test's command."""
-    return runs.result(request.node.name)
 
 
 def _last_error_line(result: subprocess.CompletedProcess[str]) -> str:
