@@ -199,6 +199,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "each; needs the V2 runner and attention heads divisible by it)",
     )
     g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=int(_env("pipeline_parallel_size", _DEFAULTS.pipeline_parallel_size)),
+        help="split the model's layers into this many consecutive stages, each on its own "
+        "--tensor-parallel-size GPUs of this host (one worker process per GPU; the V2 "
+        "runner, run eagerly). One batch is in flight at a time. Not with structured "
+        "outputs, speculative decoding or the KV offload tiers yet. "
+        "Env: TANDEM_PIPELINE_PARALLEL_SIZE",
+    )
+    g.add_argument(
         "--cpu-threads",
         type=int,
         default=_env("cpu_threads", None),
@@ -279,6 +290,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
         "enable_prompt_embeds": args.enable_prompt_embeds,
         "compile_level": args.compile_level,

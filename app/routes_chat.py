@@ -54,11 +54,11 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
     prompt = truncate_and_check(chat.prompt, req.truncate_prompt_tokens, state.max_model_len)
     harmony = harmony_format(state.tokenizer)
     params = sampling_params(state, req, [len(prompt.token_ids)])
-    tp_size = state.settings.engine.tensor_parallel_size
+    num_ranks = state.settings.engine.num_ranks
     if harmony is None:
-        params = await constrain_params(params, req, state.grammar_checker, tools, tp_size)
+        params = await constrain_params(params, req, state.grammar_checker, tools, num_ranks)
     else:
-        params = await harmony_params(harmony, params, req, tools, state.grammar_checker, tp_size)
+        params = await harmony_params(harmony, params, req, tools, state.grammar_checker, num_ranks)
     prompt_logprobs.check_num_entries(params, [len(prompt.token_ids)], 1, "prompt_logprobs")
     new_tool_output = tools.output_factory()
     new_harmony_output = None if harmony is None else harmony_output_factory(harmony, req, tools)

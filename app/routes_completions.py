@@ -48,7 +48,7 @@ async def completions(request: Request, request_id: str, call: RequestTelemetry)
         ),
         req,
         state.grammar_checker,
-        tensor_parallel_size=state.settings.engine.tensor_parallel_size,
+        num_ranks=state.settings.engine.num_ranks,
     )
     prompt_logprobs.check_num_entries(
         params, prompt_lens, params.n, "prompt_logprobs" if req.prompt_logprobs else "logprobs"

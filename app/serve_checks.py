@@ -38,8 +38,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]"),
         (1 <= args.data_parallel_size <= 64, "--data-parallel-size must be in [1, 64]"),
         (
-            args.data_parallel_size == 1 or args.tensor_parallel_size == 1,
-            "--data-parallel-size above 1 with --tensor-parallel-size above 1 is not "
+            args.data_parallel_size == 1
+            or args.tensor_parallel_size == args.pipeline_parallel_size == 1,
+            "--data-parallel-size above 1 with --tensor-parallel-size or "
+            "--pipeline-parallel-size above 1 is not "
             "supported yet (each core would need its own GPUs for its ranks)",
         ),
         (

@@ -254,8 +254,8 @@ def _add_process_args(p: Any) -> None:
         "conversation's earlier turns, which its prefix cache holds), at most 2 + a quarter "
         "of the least loaded core's requests. The limits of --max-num-seqs and "
         '--num-kv-blocks are per core. /metrics labels each core\'s series engine="i"; a '
-        "core that dies marks the server dead. Not with --tensor-parallel-size above 1 "
-        "yet (default 1). "
+        "core that dies marks the server dead. Not with --tensor-parallel-size or "
+        "--pipeline-parallel-size above 1 yet (default 1). "
         "Env: TANDEM_DATA_PARALLEL_SIZE",
     )
     proc.add_argument(

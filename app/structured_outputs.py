@@ -61,7 +61,7 @@ async def constrain_params(
     request: object,
     checker: GrammarChecker,
     tools: ToolPlan = NO_TOOLS,
-    tensor_parallel_size: int = 1,
+    num_ranks: int = 1,
 ) -> SamplingParams:
     """`params` with the request's checked output constraint (from its fields, or from a
     required / named tool choice) and the decoding its tool-call parser needs. `checker`
@@ -78,9 +78,10 @@ async def constrain_params(
         found = (tools.structured_output, "tool_choice")
     changes: dict[str, Any] = {}
     if found is not None:
-        if tensor_parallel_size > 1:
+        if num_ranks > 1:
             raise bad_request(
-                f"{found[1]}: structured outputs are not available with --tensor-parallel-size > 1",
+                f"{found[1]}: structured outputs are not available with "
+                "--tensor-parallel-size or --pipeline-parallel-size > 1",
                 found[1],
             )
         await check_structured_output(checker, *found)

@@ -84,7 +84,7 @@ def engine_thread_plan(
         device_type,
         usable_cpus=usable_cpus(),
         frontends_share_host=frontends_share_host,
-        num_ranks=config.tensor_parallel_size * config.data_parallel_size,
+        num_ranks=config.num_ranks * config.data_parallel_size,
         override=override,
         override_source=source,
     )

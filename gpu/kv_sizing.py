@@ -68,12 +68,19 @@ class StepShape:
 
 
 def kv_bytes_per_block(
-    model: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype
+    model: ModelConfig,
+    num_kv_heads: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    num_layers: int | None = None,
 ) -> int:
     """Bytes of one KV block over every layer (K and V), for a rank holding num_kv_heads
-    of the model's KV heads, in the cache's dtype (1 byte an element for float8)."""
+    of the model's KV heads, in the cache's dtype (1 byte an element for float8); over
+    `num_layers` layers (a pipeline stage's) instead of the model's when given."""
     element_size = torch.empty((), dtype=kv_dtype).element_size()
-    return model.kv_bytes_per_token // model.num_kv_heads * num_kv_heads * element_size * block_size
+    num_layers = model.num_layers if num_layers is None else num_layers
+    per_layer_token = 2 * num_kv_heads * model.head_dim * element_size
+    return num_layers * per_layer_token * block_size
 
 
 def runner_state_bytes(model: ModelConfig, shape: StepShape) -> int:

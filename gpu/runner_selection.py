@@ -18,7 +18,8 @@ Every fallback to V1 logs one warning naming the rule. If the env var and --runn
 ask for a runner and disagree, selection fails: both are explicit requests and quietly
 preferring one could run the runner the operator did not mean. A fallback to V1 while
 V2-only features are requested fails too, rather than silently dropping the feature;
-tensor parallelism (tensor_parallel_size > 1) is one of them, since V1 runs on one device.
+tensor parallelism (tensor_parallel_size > 1) and pipeline parallelism with tandem's own
+launcher are among them, since V1 runs on one device.
 """
 
 from __future__ import annotations
@@ -84,13 +85,20 @@ class RunnerSelectionInput:
 
     @property
     def all_v2_only_features(self) -> tuple[str, ...]:
-        """v2_only_features plus those implied by other fields (tensor parallelism)."""
+        """v2_only_features plus those implied by other fields (tensor parallelism, and
+        pipeline parallelism with tandem's own launcher)."""
+        features = self.v2_only_features
         if self.tensor_parallel_size > 1:
-            return (
-                *self.v2_only_features,
+            features += (
                 f"tensor parallelism (--tensor-parallel-size {self.tensor_parallel_size})",
             )
-        return self.v2_only_features
+        if self.pipeline_parallel_size > 1 and self.distributed_executor_backend != (
+            "external_launcher"
+        ):
+            features += (
+                f"pipeline parallelism (--pipeline-parallel-size {self.pipeline_parallel_size})",
+            )
+        return features
 
 
 @dataclass(frozen=True, slots=True)

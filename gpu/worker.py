@@ -62,8 +62,9 @@ class WorkerConfigError(ValueError):
 class ModelWorker:
     """Loads the model once; runners borrow it (and its KV cache) for their whole life.
 
-    With `tp_group` it is one tensor-parallel rank: it loads its shard of the weights, and
-    the KV cache takes as many blocks as the rank with the least memory can hold."""
+    With `tp_group` it is one rank of a TP x PP engine: it loads its shard of its stage's
+    weights, and the KV cache (its stage's layers) takes as many blocks as the rank with
+    the least memory can hold."""
 
     def __init__(
         self, config: EngineConfig, platform: Platform, tp_group: TPGroup | None = None
@@ -126,7 +127,7 @@ class ModelWorker:
         self.memory_report: MemoryReport | None = None
         self.kv_spec = self._size_kv_cache(graph_sizes)
         self.kv_caches = allocate_kv_cache(
-            self.model_config.num_layers,
+            len(self.model.layers),
             self.kv_spec.num_blocks,
             config.block_size,
             self.model.num_kv_heads,
@@ -160,6 +161,8 @@ class ModelWorker:
         # from the device buffers at replay (the torch backend reads host copies).
         if self.device.type != "cuda" or self.config.enforce_eager or not self.platform.has_triton:
             return None
+        if self.tp_group is not None and self.tp_group.pp_size > 1:
+            return None  # pipeline stages run eagerly (their sends are not captured)
         config = self.config
         return GraphSizes(
             capture_sizes(config.max_num_seqs, config.max_num_batched_tokens),
@@ -178,7 +181,11 @@ class ModelWorker:
     def _size_kv_cache(self, graph_sizes: GraphSizes | None) -> KVCacheSpec:
         # A rank holds its shard of the KV heads (self.model.num_kv_heads).
         bytes_per_block = kv_bytes_per_block(
-            self.model_config, self.model.num_kv_heads, self.config.block_size, self.kv_cache_dtype
+            self.model_config,
+            self.model.num_kv_heads,
+            self.config.block_size,
+            self.kv_cache_dtype,
+            num_layers=len(self.model.layers),  # a pipeline stage's layers
         )
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
@@ -194,7 +201,7 @@ class ModelWorker:
             num_blocks = self.memory_report.kv_budget_bytes // bytes_per_block
         else:
             num_blocks = self.config.cpu_kv_cache_bytes // bytes_per_block
-        if self.tp_group is not None:  # every rank holds the same blocks
+        if self.tp_group is not None:  # every rank (and stage) holds the same blocks
             num_blocks = min_over_ranks(num_blocks, self.tp_group)
         # One maximal request must fit, or every long prompt would be preempted forever.
         if num_blocks < self.max_blocks_per_req:

@@ -41,6 +41,7 @@ def selection_input(config: EngineConfig, architecture: str) -> RunnerSelectionI
         env_override=parse_runner_env(os.environ.get(RUNNER_ENV)),
         requested_runner=config.runner,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
         compilation_mode="stock_torch_compile" if config.compile_level > 0 else "none",
         custom_logits_processors=config.logits_processors,
         speculative_method=(
@@ -105,7 +106,7 @@ def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> 
     threads = engine_thread_plan(config, platform.device_type, frontends_share_host)
     apply_cpu_threads(threads)
     check_before_load(config, platform)
-    if config.tensor_parallel_size == 1:
+    if config.num_ranks == 1:
         worker = ModelWorker(config, platform)
     else:
         check_tensor_parallel(config, platform)
@@ -120,11 +121,16 @@ def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> 
 
 
 def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
-    """Validate --tensor-parallel-size > 1 (runner, model, devices) without loading
-    weights: V1 runs on one device, so a selection that lands on V1 is refused here."""
+    """Validate --tensor-parallel-size or --pipeline-parallel-size > 1 (runner, model,
+    devices) without loading weights: V1 runs on one device, so a selection that lands on
+    V1 is refused here."""
     model = read_model_config(config.model)
     validate_tensor_parallel(
-        config.tensor_parallel_size, model, platform.device_type, config.device
+        config.tensor_parallel_size,
+        model,
+        platform.device_type,
+        config.device,
+        pp_size=config.pipeline_parallel_size,
     )
     check_precision(config, platform)  # before the ranks start: FP8 block slices, devices
     select_runner(selection_input(config, model.architecture), platform)

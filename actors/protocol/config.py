@@ -78,7 +78,10 @@ class EngineConfig:
     tokenizer: str | None = None
     """Tokenizer source when it differs from the model."""
     tensor_parallel_size: int = 1
-    """Devices (one worker process each) that one model is split over."""
+    """Devices (one worker process each) that each pipeline stage's layers are split over."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (--pipeline-parallel-size): the layers split into this many
+    consecutive groups, each on its own tensor_parallel_size devices."""
     compile_level: int = 0
     """torch.compile of the V1 runner's model (gpu/runner_v1/compiled_model.py): 0 eager,
     1 inductor's default mode, 2 max-autotune-no-cudagraphs. Above 0 it selects V1."""
@@ -126,6 +129,15 @@ class EngineConfig:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ConfigError(
+                "pipeline_parallel_size must be an integer >= 1, "
+                f"got {self.pipeline_parallel_size!r}"
+            )
+        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
+            raise ConfigError(
+                "speculative decoding does not run with --pipeline-parallel-size > 1 yet"
+            )
         if self.compile_level not in (0, 1, 2):
             raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")
         if isinstance(self.logits_processors, str):
@@ -168,6 +180,11 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def num_ranks(self) -> int:
+        """Worker ranks of one engine core: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
 
 def _check_kv_offload(config: EngineConfig) -> None:
     if config.kv_offload_cpu_bytes < 0:
@@ -178,5 +195,8 @@ def _check_kv_offload(config: EngineConfig) -> None:
         raise ConfigError("the KV disk tier (--kv-offload-disk-path) needs --kv-offload-cpu-gb > 0")
     if config.kv_offload_cpu_bytes and not config.enable_prefix_caching:
         raise ConfigError("--kv-offload-cpu-gb needs prefix caching (drop --no-prefix-caching)")
-    if config.kv_offload_cpu_bytes and config.tensor_parallel_size > 1:
-        raise ConfigError("--kv-offload-cpu-gb does not run with --tensor-parallel-size > 1 yet")
+    if config.kv_offload_cpu_bytes and config.num_ranks > 1:
+        raise ConfigError(
+            "--kv-offload-cpu-gb does not run with --tensor-parallel-size or "
+            "--pipeline-parallel-size > 1 yet"
+        )

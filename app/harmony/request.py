@@ -79,7 +79,7 @@ async def harmony_params(
     req: ChatCompletionRequest,
     tools: ToolPlan,
     checker: GrammarChecker,
-    tensor_parallel_size: int = 1,
+    num_ranks: int = 1,
 ) -> SamplingParams:
     """`params` that end the turn at harmony's stop tokens, with the grammar of a forced
     tool choice or a JSON answer (checked by `checker` as the engine will compile it)."""
@@ -88,10 +88,10 @@ async def harmony_params(
     constraint = await _constraint(req, tools, checker)
     if constraint is None:
         return params
-    if tensor_parallel_size > 1:
+    if num_ranks > 1:
         raise bad_request(
             f"{constraint[1]}: structured outputs are not available with "
-            "--tensor-parallel-size > 1",
+            "--tensor-parallel-size or --pipeline-parallel-size > 1",
             constraint[1],
         )
     return params.replace(structured_output=constraint[0])

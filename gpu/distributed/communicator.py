@@ -16,17 +16,19 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class Communicator:
-    """all_reduce / all_gather / all_to_all of one TP group (NCCL on CUDA, gloo on CPU)."""
+    """all_reduce / all_gather / all_to_all of one TP group (NCCL on CUDA, gloo on CPU):
+    the ranks of this rank's pipeline stage."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
-        self.rank = group.rank
-        self.world_size = group.world_size
+        self.rank = group.tp_rank
+        self.world_size = group.tp_size
         self.device = group.device
+        self._process_group = group.tp_process_group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns `tensor`."""
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self._process_group)
         return tensor
 
     def all_gather(
@@ -39,7 +41,7 @@ class Communicator:
             dtype=tensor.dtype,
             device=tensor.device,
         )
-        _all_gather_single(gathered, tensor)
+        _all_gather_single(gathered, tensor, group=self._process_group)
         return gathered
 
     def all_to_all(
@@ -52,5 +54,5 @@ class Communicator:
             )
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
-        dist.all_to_all_single(received, tensor)
+        dist.all_to_all_single(received, tensor, group=self._process_group)
         return received

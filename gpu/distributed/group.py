@@ -1,10 +1,12 @@
-"""Process-group setup for one tensor-parallel (TP) group: one process per rank.
+"""Process-group setup for one engine's ranks (TP x PP): one process per rank.
 
-Each rank calls `init_tp_group` with the same rendezvous address and world size. The
-device collectives run on the default group (NCCL on CUDA, gloo on CPU); a second gloo
-group carries host-side messages (the step broadcast), so that those never interleave
-with device collectives issued from another thread. `TPGroup.close` tears everything
-down and may be called more than once.
+Each rank calls `init_tp_group` with the same rendezvous address, world size and pipeline
+size. The device collectives run on the default group (NCCL on CUDA, gloo on CPU): the
+tensor-parallel ones on their stage's subgroup when there are several stages, the
+pipeline's sends and the sampled-token broadcast on the whole group. A second gloo group
+carries host-side messages (the step broadcast), so that those never interleave with
+device collectives issued from another thread. `TPGroup.close` tears everything down and
+may be called more than once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gpu.distributed.env import apply_worker_env
+from gpu.distributed.layout import ParallelLayout
 
 DEFAULT_TIMEOUT_S = 120.0
 """How long a collective may wait for a peer before it fails (a dead or hung rank)."""
@@ -39,10 +42,18 @@ class TPGroupSpec:
     device: str
     """This rank's device: 'cpu' or 'cuda:N'."""
     timeout_s: float = DEFAULT_TIMEOUT_S
+    pp_size: int = 1
+    """Pipeline stages; world_size / pp_size ranks form each stage's tensor-parallel group
+    (gpu/distributed/layout.py)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise TPGroupError(f"world_size must be at least 1, got {self.world_size}")
+        if self.pp_size < 1 or self.world_size % self.pp_size:
+            raise TPGroupError(
+                f"pp_size must be at least 1 and divide world_size {self.world_size}, "
+                f"got {self.pp_size}"
+            )
         if not 0 <= self.rank < self.world_size:
             raise TPGroupError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if not self.init_method.startswith(("tcp://", "file://")):
@@ -54,13 +65,28 @@ class TPGroupSpec:
 
 
 class TPGroup:
-    """A formed TP group: this process's rank, its device and the two process groups."""
+    """A formed group: this process's rank, its device, its place in the TP x PP layout
+    and the process groups."""
 
     def __init__(
-        self, spec: TPGroupSpec, device: torch.device, backend: str, cpu_group: dist.ProcessGroup
+        self,
+        spec: TPGroupSpec,
+        device: torch.device,
+        backend: str,
+        cpu_group: dist.ProcessGroup,
+        tp_process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.rank = spec.rank
+        """The global rank (0 drives the engine)."""
         self.world_size = spec.world_size
+        self.layout = ParallelLayout(spec.world_size // spec.pp_size, spec.pp_size)
+        self.tp_rank = self.layout.tp_rank(spec.rank)
+        self.tp_size = self.layout.tp_size
+        self.pp_rank = self.layout.pp_rank(spec.rank)
+        self.pp_size = spec.pp_size
+        self.tp_process_group = tp_process_group
+        """This stage's device subgroup for the tensor-parallel collectives; None: the
+        default group (one stage)."""
         self.device = device
         self.backend = backend
         """'nccl' or 'gloo': the backend of the device collectives."""
@@ -101,7 +127,21 @@ def init_tp_group(spec: TPGroupSpec) -> TPGroup:
         device_id=device if device.type == "cuda" else None,
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    return TPGroup(spec, device, backend, cpu_group)
+    return TPGroup(spec, device, backend, cpu_group, _stage_subgroup(spec, timeout))
+
+
+def _stage_subgroup(spec: TPGroupSpec, timeout: timedelta) -> dist.ProcessGroup | None:
+    """This rank's stage's device group, when there are several stages of several ranks.
+    Every rank creates every stage's group, in the same order (new_group is collective)."""
+    layout = ParallelLayout(spec.world_size // spec.pp_size, spec.pp_size)
+    if spec.pp_size == 1 or layout.tp_size == 1:
+        return None
+    own = None
+    for pp_rank in range(spec.pp_size):
+        subgroup = dist.new_group(layout.stage_ranks(pp_rank), timeout=timeout)
+        if pp_rank == layout.pp_rank(spec.rank):
+            own = subgroup
+    return own
 
 
 def file_rendezvous(directory: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""One engine over N devices: rank 0's worker and runner, and the other ranks' loop.
+"""One engine over N devices (TP x PP ranks): rank 0's worker and runner, and the other
+ranks' loop.
 
 `load_tp_worker` (engine startup) spawns ranks 1..N-1, joins the group as rank 0 in the
 calling process and loads rank 0's shard; every rank sizes the same KV cache (the least
@@ -71,12 +72,11 @@ def load_tp_worker(
     drives them. Raises RankFailedError (with the failing rank's error) when a rank fails
     to start or load. A collective fails (and with it the engine) after `timeout_s` while
     the ranks start, after `step_timeout_s` (default: the same) once they serve."""
-    tp_size = config.tensor_parallel_size
     init_method = tcp_rendezvous()
     # The other ranks run as many torch threads as rank 0 (chosen at engine startup).
     rank_config = config.replace(cpu_threads=torch.get_num_threads())
     workers = start_workers(
-        worker_rank_main, tp_size, (rank_config, init_method, timeout_s), first_rank=1
+        worker_rank_main, config.num_ranks, (rank_config, init_method, timeout_s), first_rank=1
     )
     try:
         worker = _while_ranks_live(
@@ -90,7 +90,8 @@ def load_tp_worker(
         worker.tp_leader.set_step_timeout(step_timeout_s)
     log.info(
         "tensor_parallel_ready",
-        tp_size=tp_size,
+        tp_size=config.tensor_parallel_size,
+        pp_size=config.pipeline_parallel_size,
         worker_pids=workers.pids,
         device=str(worker.device),
     )
@@ -100,15 +101,26 @@ def load_tp_worker(
 def _rank0_worker(
     config: EngineConfig, platform: Platform, init_method: str, timeout_s: float
 ) -> ModelWorker:
-    spec = TPGroupSpec(
-        0, config.tensor_parallel_size, init_method, rank_device(platform, 0), timeout_s
-    )
+    spec = _group_spec(config, 0, init_method, rank_device(platform, 0), timeout_s)
     group = init_tp_group(spec)
     try:
         return ModelWorker(config, platform, tp_group=group)
     except BaseException:
         group.close()
         raise
+
+
+def _group_spec(
+    config: EngineConfig, rank: int, init_method: str, device: str, timeout_s: float
+) -> TPGroupSpec:
+    return TPGroupSpec(
+        rank,
+        config.num_ranks,
+        init_method,
+        device,
+        timeout_s,
+        pp_size=config.pipeline_parallel_size,
+    )
 
 
 def _while_ranks_live(workers: WorkerGroup, load: Callable[[], T]) -> T:
@@ -184,9 +196,7 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
     # N ranks share the host's cores: each taking all of them would oversubscribe them,
     # and every collective would wait for a descheduled peer.
     apply_cpu_threads(engine_thread_plan(config, platform.device_type, True))
-    spec = TPGroupSpec(
-        rank, config.tensor_parallel_size, init_method, rank_device(platform, rank), timeout_s
-    )
+    spec = _group_spec(config, rank, init_method, rank_device(platform, rank), timeout_s)
     group = init_tp_group(spec)
     try:
         worker = ModelWorker(config, platform, tp_group=group)

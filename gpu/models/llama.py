@@ -12,7 +12,8 @@ ones, gpu/models/precision.py decides); the LM head and
 the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
 one rank's shard and communicates as gpu/models/parallel_layers.py describes; without one
 (the default) it is the whole model and runs no collective. MoE models run unsharded
-only.
+only. Given a pipeline stage (`pp`, gpu/distributed/pipeline.py), it holds that stage's
+layers only, and the embedding or the final norm and head where the stage has them.
 
 A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
 fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +38,10 @@ from torch import nn
 from gpu.attention.base import AttentionBackend, AttentionMetadata
 from gpu.attention.kv_cache_dtype import load_kv_scales
 from gpu.models.config import MOE_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from gpu.models.fp8_linear import linear, part_targets, projection
+from gpu.models.fp8_linear import linear, projection
 from gpu.models.int4_linear import pack_int4_weights
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
-from gpu.models.moe import SparseMoE, ViewTarget, moe_weight_targets
+from gpu.models.moe import SparseMoE
 from gpu.models.parallel_layers import (
     Collectives,
     gather_vocab_logits,
@@ -56,17 +58,13 @@ from gpu.models.precision import (
     ProjectionScheme,
     WeightPrecision,
 )
+from gpu.models.weight_targets import Target, check_weights, layer_weight_targets
 from gpu.prompt_embeds import EmbedsOverlay
-from kernels.fp8_quant import FP8_DTYPE
 from kernels.qkv_prologue import qkv_prologue
 
-_EXACT_DTYPES = {FP8_DTYPE, torch.uint8}
-"""Target dtypes a weight must arrive in: FP8 weights, int4 codes, MXFP4 blocks."""
-# Buffers that some checkpoints carry but that are recomputed here.
-_IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
-Target = torch.Tensor | ViewTarget
-"""Where a checkpoint tensor is copied: a view of a parameter, or (experts in another
-layout) a ViewTarget."""
+if TYPE_CHECKING:
+    from gpu.distributed.pipeline import PipelineStage
+
 _NO_TP_MESSAGE = (
     "{} is a mixture-of-experts model, which runs on one GPU only for now "
     "(no tensor or expert parallelism); use --tensor-parallel-size 1"
@@ -217,7 +215,8 @@ class DecoderModel(nn.Module):
     With `tp`, this rank holds one shard and `compute_logits_local` gives its vocabulary
     slice of the logits (`num_kv_heads` is then the KV heads of this rank's cache).
     `precision` (gpu/models/precision.py) names the projections that are FP8; without it
-    every weight is in `dtype`.
+    every weight is in `dtype`. With `pp`, `layers` are the stage's (`pp.layers` of the
+    whole model's) and `forward` exchanges activations with the neighbouring stages.
     """
 
     def __init__(
@@ -228,6 +227,7 @@ class DecoderModel(nn.Module):
         device: torch.device | str,
         tp: Collectives | None = None,
         precision: WeightPrecision | None = None,
+        pp: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         if tp is not None and config.architecture in MOE_ARCHITECTURES:
@@ -235,12 +235,18 @@ class DecoderModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp = tp
+        self.pp = pp
         self.precision = precision or WeightPrecision(dtype)
         self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
         self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
+        self.layer_indices = range(config.num_layers) if pp is None else pp.layers
+        """The whole model's indices of `layers` (a pipeline stage holds some)."""
+        self.has_embedding = pp is None or pp.is_first
+        self.has_head = pp is None or pp.is_last
         vocab_rows = self.vocab_shard.num_rows
+        # A stage without the embedding (head) holds an empty one: nothing to load.
         self.embed_tokens = empty_parameter(
-            vocab_rows, config.hidden_size, dtype=dtype, device=device
+            vocab_rows if self.has_embedding else 0, config.hidden_size, dtype=dtype, device=device
         )
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -260,13 +266,15 @@ class DecoderModel(nn.Module):
                 index,
                 self.precision.layer_schemes(index),
             )
-            for index in range(config.num_layers)
+            for index in self.layer_indices
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
             self.embed_tokens
-            if config.tie_word_embeddings
-            else empty_parameter(vocab_rows, config.hidden_size, dtype=dtype, device=device)
+            if config.tie_word_embeddings and self.has_embedding
+            else empty_parameter(
+                vocab_rows if self.has_head else 0, config.hidden_size, dtype=dtype, device=device
+            )
         )
 
     def forward(
@@ -283,6 +291,26 @@ class DecoderModel(nn.Module):
         embeddings, gpu/prompt_embeds.py)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        residual: torch.Tensor | None = None
+        if self.pp is not None and not self.pp.is_first:
+            hidden, residual = self.pp.recv(
+                input_ids.shape[0], self.config.hidden_size, self.dtype, input_ids.device
+            )
+        else:
+            hidden = self._embed(input_ids, embeds)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
+        assert residual is not None  # every stage runs at least one layer
+        if self.pp is not None and not self.pp.is_last:  # the next stage carries on
+            self.pp.send(hidden, residual)
+            return hidden
+        return self.norm.add_forward(hidden, residual)[0]
+
+    def _embed(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int32/int64
+        embeds: EmbedsOverlay | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
         if self.tp is None:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
@@ -291,10 +319,7 @@ class DecoderModel(nn.Module):
             )
         if embeds is not None:
             hidden.index_copy_(0, embeds.token_index, embeds.rows)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
-        return self.norm.add_forward(hidden, residual)[0]
+        return hidden
 
     def compute_logits(
         self,
@@ -334,7 +359,7 @@ class DecoderModel(nn.Module):
         """
         optional = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         kv_scales = self._kv_scale_targets()  # optional; only an fp8 KV cache reads them
-        _check_weights(self._weight_targets(), weights, optional | kv_scales.keys())
+        check_weights(self._weight_targets(), weights, optional | kv_scales.keys())
         weights = load_kv_scales(weights, kv_scales, consume)
         for targets in self._weight_target_groups():
             for name, target in targets.items():
@@ -350,9 +375,14 @@ class DecoderModel(nn.Module):
         layer's [] float32 buffer."""
         return {
             f"model.layers.{index}.self_attn.{name}": getattr(layer.self_attn, name)
-            for index, layer in enumerate(self.layers)
+            for index, layer in self._indexed_layers()
             for name in ("k_scale", "v_scale")
         }
+
+    def _indexed_layers(self) -> list[tuple[int, DecoderLayer]]:
+        """(the whole model's index, layer) for each layer this model holds."""
+        layers = cast("list[DecoderLayer]", list(self.layers))
+        return list(zip(self.layer_indices, layers, strict=True))
 
     def hf_weight_views(self) -> dict[str, torch.Tensor]:
         """Hugging Face tensor name -> a view of the parameter storage holding it (the tied
@@ -368,26 +398,32 @@ class DecoderModel(nn.Module):
     def _weight_targets(self) -> dict[str, Target]:
         """HF tensor name -> the (view of the) parameter it is copied into."""
         targets = self._model_weight_targets()
-        for index, layer in enumerate(self.layers):
-            targets.update(_layer_weight_targets(f"model.layers.{index}.", layer, self.config))
+        for index, layer in self._indexed_layers():
+            targets.update(layer_weight_targets(f"model.layers.{index}.", layer, self.config))
         return targets
 
     def _weight_target_groups(self) -> Iterator[dict[str, Target]]:
         """`_weight_targets` in parts, layer by layer; a layer's experts are allocated
         only when its part is asked for (gpu/models/moe.py)."""
         yield self._model_weight_targets()
-        for index, layer in enumerate(self.layers):
+        for index, layer in self._indexed_layers():
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.materialize()
-            yield _layer_weight_targets(f"model.layers.{index}.", layer, self.config)
+            yield layer_weight_targets(f"model.layers.{index}.", layer, self.config)
 
     def _model_weight_targets(self) -> dict[str, Target]:
-        targets: dict[str, Target] = {
-            "model.embed_tokens.weight": self.embed_tokens.data,
-            "model.norm.weight": self.norm.weight.data,
-        }
+        """The embedding, final norm and head, where this model (pipeline stage) has them;
+        a tied head without the embedding beside it loads the embedding's tensor."""
+        targets: dict[str, Target] = {}
+        if self.has_embedding:
+            targets["model.embed_tokens.weight"] = self.embed_tokens.data
+        if not self.has_head:
+            return targets
+        targets["model.norm.weight"] = self.norm.weight.data
         if not self.config.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
+        elif not self.has_embedding:
+            targets["model.embed_tokens.weight"] = self.lm_head.data
         return targets
 
 
@@ -402,82 +438,6 @@ def _mm_into_float32_works(device: torch.device) -> bool:
         return plain.dtype == torch.float32 and bool((out == 8.0).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-
-
-def _check_weights(
-    targets: Mapping[str, Target], weights: Mapping[str, torch.Tensor], optional: set[str]
-) -> None:
-    names = [n for n in weights if not n.endswith(_IGNORED_WEIGHT_SUFFIXES)]
-    missing = sorted(set(targets) - set(names))
-    unexpected = sorted(set(names) - set(targets) - optional)
-    mis_shaped = [
-        f"{name}: expected {tuple(targets[name].shape)}, got {tuple(weights[name].shape)}"
-        for name in names
-        if name in targets and weights[name].shape != targets[name].shape
-    ]
-    # copy_ would cast silently (clamping into FP8's range, truncating into int4 codes):
-    # FP8 and uint8 targets take their own dtype only, and only they take it.
-    mis_typed = [
-        f"{name}: expected {_target_dtype(targets[name])}, got {weights[name].dtype}"
-        for name in names
-        if name in targets
-        and _EXACT_DTYPES & {_target_dtype(targets[name]), weights[name].dtype}
-        and _target_dtype(targets[name]) != weights[name].dtype
-    ]
-    problems = [
-        f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
-        for label, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("mis-shaped", mis_shaped),
-            ("mis-typed", mis_typed),
-        )
-        if items
-    ]
-    if problems:
-        raise ValueError("cannot load weights into DecoderModel: " + "; ".join(problems))
-
-
-def _target_dtype(target: Target) -> torch.dtype:
-    return target.dtype if isinstance(target, torch.Tensor) else target.dest.dtype
-
-
-def _layer_weight_targets(
-    prefix: str, layer: DecoderLayer, config: ModelConfig
-) -> dict[str, Target]:
-    attn = layer.self_attn
-    q_rows, kv_rows = attn.q_size, attn.kv_size
-    qkv_splits = {
-        "q_proj": (0, q_rows),
-        "k_proj": (q_rows, kv_rows),
-        "v_proj": (q_rows + kv_rows, kv_rows),
-    }
-    targets: dict[str, Target] = {
-        f"{prefix}input_layernorm.weight": layer.input_layernorm.weight.data,
-        f"{prefix}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
-    }
-    qkv_parts = [(f"{prefix}self_attn.{p}", start, rows) for p, (start, rows) in qkv_splits.items()]
-    targets.update(part_targets(attn.qkv_proj, qkv_parts))
-    o_part = [(f"{prefix}self_attn.o_proj", 0, config.hidden_size)]
-    targets.update(part_targets(attn.o_proj, o_part))
-    for proj, (start, rows) in qkv_splits.items():
-        if attn.qkv_bias is not None:
-            targets[f"{prefix}self_attn.{proj}.bias"] = attn.qkv_bias.data.narrow(0, start, rows)
-    if attn.q_norm is not None and attn.k_norm is not None:
-        targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight.data
-        targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight.data
-    if attn.o_bias is not None:
-        targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_bias.data
-    if attn.sinks is not None:
-        targets[f"{prefix}self_attn.sinks"] = attn.sinks.data
-    if isinstance(layer.mlp, SparseMoE):
-        targets.update(moe_weight_targets(prefix, layer.mlp, config))
-        return targets
-    width, hidden = layer.mlp.intermediate_size, config.hidden_size
-    gate_up = [(f"{prefix}mlp.gate_proj", 0, width), (f"{prefix}mlp.up_proj", width, width)]
-    targets.update(part_targets(layer.mlp.gate_up_proj, gate_up))
-    targets.update(part_targets(layer.mlp.down_proj, [(f"{prefix}mlp.down_proj", 0, hidden)]))
-    return targets
 
 
 def _rank_and_size(tp: Collectives | None) -> tuple[int, int]:

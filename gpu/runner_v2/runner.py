@@ -22,6 +22,7 @@ import torch
 
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import SchedulerOutput, StepStats
+from gpu.distributed.pipeline import PipelineSampler
 from gpu.input_buffers import InputBuffers
 from gpu.kv_offload import run_kv_transfer
 from gpu.prompt_embeds import EmbedsOverlay, RequestEmbeds
@@ -84,6 +85,12 @@ class ModelRunnerV2:
         # the batch between them (gpu/sampling/batch_shard.py).
         self.sharded_sampler = (
             None if worker.model.tp is None else BatchShardedSampler(self.sampler, worker.model.tp)
+        )
+        # Pipeline parallel: the last stage samples and every stage takes its tokens.
+        self.pipeline_sampler = (
+            None
+            if worker.model.pp is None
+            else PipelineSampler(worker.model.pp, self.sharded_sampler or self.sampler, self.device)
         )
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
@@ -155,7 +162,7 @@ class ModelRunnerV2:
         prompt = (
             None
             if prompt_rows is None  # blocking copy: in such steps only
-            else prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows)
+            else self._prompt_logprobs(hidden, prompt_rows)
         )
         copy, event, stats, timing = self.finish_launch(
             StepCopy(
@@ -214,14 +221,15 @@ class ModelRunnerV2:
         num_reqs = plan.num_reqs
         ops = batch_ops(self.sampling_state, plan.idx_mapping_np)
         max_num_logprobs = int(self.num_logprobs_np[plan.idx_mapping_np].max())
-        if self.sharded_sampler is not None:  # structured outputs are refused under TP
-            logits, hidden = self._local_logits(plan)
+        sampler = self.pipeline_sampler or self.sharded_sampler
+        if sampler is not None:  # structured outputs are refused under TP and PP
+            hidden = self.forward_hidden(plan)[: plan.num_tokens]
             return self._sample_eagerly(
-                logits,
+                self._distributed_logits(hidden, plan),
                 plan,
                 ops,
                 None if max_num_logprobs < 0 else max_num_logprobs,
-                self.sharded_sampler,
+                sampler,
             ), hidden
         logits, hidden = self._logits(plan)
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
@@ -260,19 +268,27 @@ class ModelRunnerV2:
             embeds=self._step_embeds,
         )
 
-    def _local_logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tp_size * rows_per_rank, vocab shard] float32: this rank's slice of the logits,
-        rows in the batch-sharded sampler's owner-major order; and the step's hidden states
-        [num_tokens, hidden_size]. The forward graphs (their all-reduces captured) serve TP
-        steps; the head and sampling run eagerly."""
-        hidden = self.forward_hidden(plan)[: plan.num_tokens]
+    def _distributed_logits(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        plan: StepPlan,
+    ) -> torch.Tensor | None:
+        """The logits a TP or PP rank's sampler takes: under TP, this rank's vocabulary
+        slice [tp_size * rows_per_rank, vocab shard] float32 in the batch-sharded sampler's
+        owner-major order; [num_reqs, vocab_size] on the last stage of a pipeline without
+        TP; None on the other stages. The forward graphs (their all-reduces captured)
+        serve TP steps; the head and sampling run eagerly."""
+        if self.pipeline_sampler is not None and not self.pipeline_sampler.stage.is_last:
+            return None
         logits_indices = self.buffers.query_start_loc[1 : plan.num_reqs + 1].long() - 1
+        if self.sharded_sampler is None:
+            return self.worker.model.compute_logits(hidden[logits_indices])
         order = self.sharded_sampler.logits_row_order(plan.num_reqs)
-        return self.worker.model.compute_logits_local(hidden[logits_indices[order]]).float(), hidden
+        return self.worker.model.compute_logits_local(hidden[logits_indices[order]]).float()
 
     def _sample_eagerly(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,  # None on a pipeline stage without the head
         plan: StepPlan,
         ops: BatchOps,
         max_num_logprobs: int | None,
@@ -308,6 +324,23 @@ class ModelRunnerV2:
         if is_real is not None:
             self.sampling_state.record_sampled(rows, sampled.sampled_token_ids, is_real)
         return sampled
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        prompt_rows: Any,
+    ) -> Any:
+        """The step's prompt logprobs (gpu/prompt_logprobs.py); under PP the last stage
+        computes them and every rank returns its result."""
+        stage = self.worker.model.pp
+        if stage is None:
+            return prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows)
+        computed = (
+            prompt_logprobs(self.worker.model.compute_logits, hidden, prompt_rows)
+            if stage.is_last
+            else None
+        )
+        return stage.share_object(computed)
 
     def _record_event(self) -> torch.cuda.Event | None:
         """A timing event on the main stream; the completion thread reads it once the

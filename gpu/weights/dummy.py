@@ -14,6 +14,7 @@ deviation of about 0.018, near the other weights' 0.02.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -50,16 +51,20 @@ def dummy_weights(
     seed: int = 0,
     tp_rank: int = 0,
     tp_size: int = 1,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights with the right names and shapes: normal(0, 0.02) matrices and biases,
     RMSNorm weights of one, MXFP4 blocks and scales as the module docstring says. Same
     seed, device and dtype -> same weights. With tp_size > 1, only tensor-parallel rank
-    tp_rank's shard of each (gpu/weights/shard_layout.py)."""
+    tp_rank's shard of each (gpu/weights/shard_layout.py). With `keep`, only the names it
+    keeps (a pipeline stage's), each the same as in the whole model."""
     device = torch.device(device)
     generator = torch.Generator(device=device)
     slices = weight_shard_slices(config, tp_rank, tp_size)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected_weight_shapes(config).items():
+        if keep is not None and not keep(name):
+            continue
         if name == LM_HEAD_NAME and config.tie_word_embeddings:
             weights[name] = weights[EMBED_NAME]
         elif is_norm_weight(name):

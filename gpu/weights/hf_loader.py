@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,12 +95,14 @@ def load_hf_dir(
     tp_rank: int = 0,
     tp_size: int = 1,
     precision: WeightPrecision | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Load a Hugging Face directory's config, weights (in `dtype` on `device`, MXFP4
     blocks and scales as uint8, FP8 ones as `precision` says: gpu/weights/fp8_weights.py;
     by default what --quantization auto gives on `device`) and generation config (`{}`
     when the file is absent). With tp_size > 1 only rank tp_rank's shard of each weight is
-    read from the files (gpu/weights/shard_layout.py)."""
+    read from the files (gpu/weights/shard_layout.py); with `keep`, only the tensors it
+    keeps (a pipeline stage's: gpu/distributed/pipeline.py)."""
     config = load_hf_config(model_dir)
     if precision is None:
         precision = device_precision(config, "auto", dtype, device, tp_rank, tp_size)
@@ -111,7 +114,7 @@ def load_hf_dir(
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device=device_name) as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or (keep is not None and not keep(name)):
                     continue
                 shard = _read_shard(f, name, slices.get(name, WHOLE_TENSOR))
                 kv_scale = kv_scale_name(name)
@@ -122,6 +125,8 @@ def load_hf_dir(
     apply_precision(weights, precision)
     expected = fp8_expected_shapes(expected_shard_shapes(config, tp_rank, tp_size), precision)
     expected = int4_expected_shapes(expected, precision)
+    if keep is not None:
+        expected = {name: shape for name, shape in expected.items() if keep(name)}
     weights = finish_weights(config, weights, model_dir, expected)
     return config, weights, load_generation_config(model_dir)
 

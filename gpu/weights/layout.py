@@ -121,9 +121,9 @@ def finish_weights(
     are optional and kept when present.
 
     Raises ValueError naming the first missing, unexpected or misshapen weight."""
-    if config.tie_word_embeddings and EMBED_NAME in weights:
-        weights[LM_HEAD_NAME] = weights[EMBED_NAME]
     expected = expected_weight_shapes(config) if expected is None else expected
+    if config.tie_word_embeddings and EMBED_NAME in weights and LM_HEAD_NAME in expected:
+        weights[LM_HEAD_NAME] = weights[EMBED_NAME]
     missing = [name for name in expected if name not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

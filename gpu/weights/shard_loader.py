@@ -70,25 +70,30 @@ def load_weight_shard(
     tp_rank: int,
     tp_size: int,
     quantization: str = "auto",
+    keep: Callable[[str], bool] | None = None,
 ) -> WeightShard:
-    """Rank `tp_rank` of `tp_size`'s weights, FP8 where `quantization` and the device say.
-    Raises ModelLoadError, or UnsupportedModelError when the model does not split over
-    tp_size ranks or its precision cannot run here."""
+    """Rank `tp_rank` of `tp_size`'s weights, FP8 where `quantization` and the device say;
+    with `keep`, only the tensors it keeps (a pipeline stage's). Raises ModelLoadError, or
+    UnsupportedModelError when the model does not split over tp_size ranks or its
+    precision cannot run here."""
     source = resolve_model_path(model)
     config = _guarded(source, lambda: _read_config(source))
     check_tensor_parallel_size(config, tp_size)
     precision = device_precision(config, quantization, dtype, device, tp_rank, tp_size)
     if source.startswith(DUMMY_PREFIX):
-        weights = dummy_weights(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size)
+        weights = dummy_weights(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size, keep=keep)
     elif os.path.isdir(source):
         weights = _guarded(
-            source, lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size, precision)[1]
+            source,
+            lambda: load_hf_dir(source, dtype, device, tp_rank, tp_size, precision, keep)[1],
         )
         return WeightShard(config, weights, tp_rank, tp_size, source, precision)
-    else:
+    else:  # a GGUF file is read whole, then the stage keeps its part
         weights = _guarded(
             source, lambda: load_gguf(GGUFFile(source), dtype, device, tp_rank, tp_size)[1]
         )
+        if keep is not None:
+            weights = {name: tensor for name, tensor in weights.items() if keep(name)}
     apply_precision(weights, precision)
     return WeightShard(config, weights, tp_rank, tp_size, source, precision)
 

@@ -143,6 +143,6 @@ def test_invalid_specs_are_found_before_the_engine() -> None:
 
 def test_constraints_are_refused_under_tensor_parallelism_and_free_requests_are_not() -> None:
     with pytest.raises(APIError, match="tensor-parallel") as refused:
-        _constrain(_Request(guided_regex="[a-z]{3}"), tensor_parallel_size=2)
+        _constrain(_Request(guided_regex="[a-z]{3}"), num_ranks=2)
     assert refused.value.param == "guided_regex"
-    assert _constrain(_Request(), tensor_parallel_size=2).structured_output is None
+    assert _constrain(_Request(), num_ranks=2).structured_output is None

@@ -32,9 +32,10 @@ LLAMA3_ROPE = {
 }
 
 
-def tiny_hf_model(architecture: str, seed: int = 0) -> Any:
-    """A randomly initialised float32 transformers model: llama (llama3 rope scaling,
-    untied head), qwen2 (qkv bias, tied) or qwen3 (q/k norm, head_dim != hidden/heads, tied)."""
+def tiny_hf_model(architecture: str, seed: int = 0, num_layers: int = 2) -> Any:
+    """A randomly initialised float32 transformers model of `num_layers` layers: llama
+    (llama3 rope scaling, untied head), qwen2 (qkv bias, tied) or qwen3 (q/k norm,
+    head_dim != hidden/heads, tied)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -45,9 +46,10 @@ def tiny_hf_model(architecture: str, seed: int = 0) -> Any:
     )
 
     torch.manual_seed(seed)
+    sizes = {**TINY_SIZES, "num_hidden_layers": num_layers}
     if architecture == "llama":
         config = LlamaConfig(
-            **TINY_SIZES,
+            **sizes,
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             rope_parameters=dict(LLAMA3_ROPE),
@@ -56,7 +58,7 @@ def tiny_hf_model(architecture: str, seed: int = 0) -> Any:
         model = LlamaForCausalLM(config)
     elif architecture == "qwen2":
         config = Qwen2Config(
-            **TINY_SIZES,
+            **sizes,
             max_position_embeddings=256,
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
@@ -64,7 +66,7 @@ def tiny_hf_model(architecture: str, seed: int = 0) -> Any:
         model = Qwen2ForCausalLM(config)
     elif architecture == "qwen3":
         config = Qwen3Config(
-            **TINY_SIZES,
+            **sizes,
             head_dim=32,
             max_position_embeddings=256,
             tie_word_embeddings=True,

@@ -36,12 +36,7 @@ from tests.gpu._tp_workers import (
 RUN_TIMEOUT_S = 180.0
 
 
-@pytest.fixture(autouse=True)
-def _ranks_wait_passively(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spawned ranks inherit the environment: OpenMP threads that spin while they wait
-    take the cores the other ranks need, which on a machine of two cores slows every
-    collective several times over."""
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
 
 
 def _run_ranks(tmp_path, target: Any, world_size: int, *args: Any) -> list[Any]:

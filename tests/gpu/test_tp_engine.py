@@ -30,66 +30,18 @@ from gpu.distributed.tp_engine import TPRunnerV2, load_tp_worker
 from gpu.distributed.tp_leader import TPFailedError
 from gpu.platform import probe_platform
 from tests._embedded_model import needs_embedded_model
+from tests.gpu._parallel_engine import (
+    DEAD_WITHIN_S,
+    ENGINE_OPTIONS,
+    GREEDY,
+    HUNG_TIMEOUT_S,
+    PROMPTS,
+    alive,
+    outputs,
+)
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
-ENGINE_OPTIONS = dict(
-    device="cpu",
-    max_model_len=128,
-    num_kv_blocks=48,
-    block_size=8,
-    max_num_seqs=8,
-    max_num_batched_tokens=24,
-)
-"""A 24-token budget: the 30-token prompt is prefilled in chunks beside the others' decodes."""
-PROMPTS = [[1, 5, 17, 30, 2], list(range(40, 70)), [7, 8, 9], [100, 3, 100, 3], [64] * 6]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-SAMPLED = [
-    SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, logprobs=3),
-    SamplingParams(temperature=1.0, seed=4, top_p=0.8, max_tokens=10, ignore_eos=True),
-    SamplingParams(temperature=0.7, seed=5, top_k=5, max_tokens=10, ignore_eos=True, logprobs=0),
-    SamplingParams(
-        temperature=1.2,
-        seed=6,
-        repetition_penalty=1.3,
-        frequency_penalty=0.5,
-        max_tokens=10,
-        ignore_eos=True,
-    ),
-    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
-]
-DEAD_WITHIN_S = 20.0
-HUNG_TIMEOUT_S = 3.0
-
-
-@pytest.fixture(autouse=True)
-def _ranks_wait_passively(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spawned ranks inherit the environment: OpenMP threads that spin while they wait
-    take the cores the other ranks need, which on a machine of two cores slows every
-    collective several times over."""
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def _outputs(llm: LLM) -> list:
-    greedy = llm.generate(PROMPTS, GREEDY)
-    sampled = llm.generate(PROMPTS, SAMPLED)
-    return [o.outputs[0] for o in greedy + sampled]
-
-
-def _alive(pids: list[int | None]) -> list[int]:
-    return [
-        pid
-        for pid in pids
-        if pid is not None and os.path.exists(f"/proc/{pid}") and "zombie" not in _status(pid)
-    ]
-
-
-def _status(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return f.read().lower()
-    except OSError:
-        return "gone"
-
+pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
 
 NCCL = pytest.param(
     "cuda",
@@ -108,13 +60,13 @@ def test_tp2_engine_gives_the_tokens_and_logprobs_of_one_device(
     # On CUDA the TP 2 engine runs its forward in CUDA graphs with the all-reduces captured.
     save_sharded(tiny_hf_model(architecture), str(tmp_path))
     options = {**ENGINE_OPTIONS, "device": device, "dtype": "float32"}
-    single = _outputs(LLM(str(tmp_path), **options))
+    single = outputs(LLM(str(tmp_path), **options))
     with LLM(str(tmp_path), tensor_parallel_size=2, **options) as llm:
         assert llm.runner == "v2"
         pids = llm.worker.tp_leader.workers.pids
-        assert len(_alive(pids)) == 1
-        sharded = _outputs(llm)
-    assert _alive(pids) == []  # close() leaves no worker behind
+        assert len(alive(pids)) == 1
+        sharded = outputs(llm)
+    assert alive(pids) == []  # close() leaves no worker behind
     assert len({t for o in single for t in o.token_ids}) > 5, "a degenerate continuation"
     for one, tp in zip(single, sharded, strict=True):
         assert tp.token_ids == one.token_ids
@@ -174,7 +126,7 @@ def test_a_hung_rank_fails_the_engine_after_the_group_timeout(tmp_path) -> None:
     assert finish_reason == "error"
     assert HUNG_TIMEOUT_S <= dead_after_s < DEAD_WITHIN_S
     assert "rank 0 failed a step" in dead_reasons[0], dead_reasons
-    assert _alive(pids) == []
+    assert alive(pids) == []
 
 
 def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp_path) -> None:
@@ -217,6 +169,6 @@ def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp
     assert finish_reason == "error"
     assert "rank" in dead_reasons[0], dead_reasons
     assert elapsed_s < DEAD_WITHIN_S
-    assert _alive(pids) == []
+    assert alive(pids) == []
     with pytest.raises(TPFailedError, match="rank 1"):  # no new engine on a broken group
         TPRunnerV2(loaded.worker, loaded.config)
