@@ -210,6 +210,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "Env: TANDEM_PIPELINE_PARALLEL_SIZE",
     )
     g.add_argument(
+        "--enable-sequence-parallelism",
+        action="store_true",
+        default=_bool_env("enable_sequence_parallelism", False),
+        help="with --tensor-parallel-size above 1: shard the residual stream along tokens "
+        "between the ranks of a stage, a reduce-scatter and an all-gather in place of "
+        "each all-reduce, so each rank norms and adds its share of the tokens only; the "
+        "same tokens as without. Env: TANDEM_ENABLE_SEQUENCE_PARALLELISM",
+    )
+    g.add_argument(
         "--cpu-threads",
         type=int,
         default=_env("cpu_threads", None),
@@ -291,6 +300,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_sequence_parallelism": args.enable_sequence_parallelism,
         "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
         "enable_prompt_embeds": args.enable_prompt_embeds,
         "compile_level": args.compile_level,

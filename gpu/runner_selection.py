@@ -11,15 +11,16 @@ in order, first match wins:
    CPU tensors and needs neither;
 5. a feature V2 does not support yet -> V1 (ngram speculative decoding is not one: V2
    drafts on the device; it runs on V1, with a CPU proposer, only where another rule or
-   feature selects V1);
+   feature selects V1); and the two configurations vLLM 0.29 sends to its V1 runner,
+   sequence parallelism and pipeline parallelism under an external launcher (torchrun),
+   which V1 serves by default here too, while V2 serves them when forced;
 6. otherwise V2.
 
 Every fallback to V1 logs one warning naming the rule. If the env var and --runner both
 ask for a runner and disagree, selection fails: both are explicit requests and quietly
 preferring one could run the runner the operator did not mean. A fallback to V1 while
-V2-only features are requested fails too, rather than silently dropping the feature;
-tensor parallelism (tensor_parallel_size > 1) and pipeline parallelism with tandem's own
-launcher are among them, since V1 runs on one device.
+V2-only features are requested fails too, rather than silently dropping the feature.
+Tensor and pipeline parallelism run on either runner.
 """
 
 from __future__ import annotations
@@ -85,20 +86,8 @@ class RunnerSelectionInput:
 
     @property
     def all_v2_only_features(self) -> tuple[str, ...]:
-        """v2_only_features plus those implied by other fields (tensor parallelism, and
-        pipeline parallelism with tandem's own launcher)."""
-        features = self.v2_only_features
-        if self.tensor_parallel_size > 1:
-            features += (
-                f"tensor parallelism (--tensor-parallel-size {self.tensor_parallel_size})",
-            )
-        if self.pipeline_parallel_size > 1 and self.distributed_executor_backend != (
-            "external_launcher"
-        ):
-            features += (
-                f"pipeline parallelism (--pipeline-parallel-size {self.pipeline_parallel_size})",
-            )
-        return features
+        """The requested features only the V2 runner implements."""
+        return self.v2_only_features
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +153,7 @@ def _forced_choice(
             )
         return RunnerChoice("v1", f"forced by {source}", "override")
     blockers = _v2_platform_blockers(platform)
-    features = unsupported_v2_features(config)
+    features = unsupported_v2_features(config, forced=True)
     if features:
         blockers.append(f"the V2 runner does not support {', '.join(features)} yet")
     if blockers:
@@ -192,11 +181,14 @@ def _first_fallback(
         return 4, "pinned_memory", _pinned_memory_reason(platform)
     features = unsupported_v2_features(config)
     if features:
-        return (
-            5,
-            "unsupported_features",
-            f"the V2 runner does not support {', '.join(features)} yet",
-        )
+        missing = unsupported_v2_features(config, forced=True)
+        preferred = [f for f in features if f not in missing]
+        reasons = [f"the V2 runner does not support {', '.join(missing)} yet"] if missing else []
+        if preferred:
+            reasons.append(
+                f"{', '.join(preferred)} select V1 (as in vLLM 0.29; --runner v2 runs them on V2)"
+            )
+        return 5, "unsupported_features", "; ".join(reasons)
     return None
 
 
@@ -219,16 +211,18 @@ def _pinned_memory_reason(platform: Platform) -> str:
     return f"{missing} is unavailable{where}, and the V2 runner needs it on a GPU"
 
 
-def unsupported_v2_features(config: RunnerSelectionInput) -> list[str]:
-    """Requested features the V2 runner does not support yet (rule 5), as readable names."""
+def unsupported_v2_features(config: RunnerSelectionInput, forced: bool = False) -> list[str]:
+    """Requested features that send the selection to V1 (rule 5), as readable names;
+    `forced`: only those V2 cannot run even when asked for."""
     features = []
     if config.compilation_mode == "stock_torch_compile":
         features.append("stock torch.compile")
-    if config.sequence_parallel:
+    if config.sequence_parallel and not forced:
         features.append("sequence parallelism")
     if (
         config.pipeline_parallel_size > 1
         and config.distributed_executor_backend == "external_launcher"
+        and not forced
     ):
         features.append("pipeline parallelism with external_launcher")
     if config.custom_logits_processors:

@@ -55,7 +55,7 @@ from actors.protocol.messages import (
 )
 from actors.protocol.transport import CoreEndpoint, TransportClosed
 from gpu.attention.kv_cache_dtype import kv_cache_dtype_name
-from gpu.distributed.tp_engine import TPRunnerV2
+from gpu.distributed.tp_engine import ParallelRunner
 from gpu.runner import Runner
 from gpu.runner_selection import RunnerChoice
 from gpu.runner_v1.runner import ModelRunnerV1
@@ -114,16 +114,16 @@ class EngineCore:
     def _make_runner(
         self, worker: ModelWorker, choice: RunnerChoice, config: EngineConfig
     ) -> Runner:
-        if choice.runner == "v1":
-            return ModelRunnerV1(worker, config)
         tp_leader = getattr(worker, "tp_leader", None)
         if tp_leader is None:
+            if choice.runner == "v1":
+                return ModelRunnerV1(worker, config)
             return ModelRunnerV2(worker, config)
         loop = asyncio.get_running_loop()  # a failed rank kills the engine at once, even idle
         tp_leader.on_failure(
             lambda reason: loop.call_soon_threadsafe(self.step_health.declare_dead, reason)
         )
-        return TPRunnerV2(worker, config)
+        return ParallelRunner(worker, config, choice.runner)
 
     # ---- the loop ---------------------------------------------------------------------
 

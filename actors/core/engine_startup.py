@@ -42,6 +42,8 @@ def selection_input(config: EngineConfig, architecture: str) -> RunnerSelectionI
         requested_runner=config.runner,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        sequence_parallel=config.enable_sequence_parallelism,
+        distributed_executor_backend=config.distributed_executor_backend,
         compilation_mode="stock_torch_compile" if config.compile_level > 0 else "none",
         custom_logits_processors=config.logits_processors,
         speculative_method=(
@@ -133,7 +135,28 @@ def check_tensor_parallel(config: EngineConfig, platform: Platform) -> None:
         pp_size=config.pipeline_parallel_size,
     )
     check_precision(config, platform)  # before the ranks start: FP8 block slices, devices
-    select_runner(selection_input(config, model.architecture), platform)
+    choice = select_runner(selection_input(config, model.architecture), platform)
+    if choice.runner == "v1":
+        check_v1_ranks(config)
+
+
+def check_v1_ranks(config: EngineConfig) -> None:
+    """Refuse what the V1 runner does not do over several ranks: its compiled layers hold
+    no collectives, and its logits processors and CPU drafter were never run per rank."""
+    refused = [
+        name
+        for name, asked in (
+            ("--compile-level", config.compile_level > 0),
+            ("--logits-processors", bool(config.logits_processors)),
+            ("--speculative-config", config.speculative_config is not None),
+        )
+        if asked
+    ]
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)} with the V1 runner over several ranks "
+            "(--tensor-parallel-size or --pipeline-parallel-size > 1) is not supported yet"
+        )
 
 
 def reuse_engine(loaded: LoadedEngine, config: EngineConfig) -> LoadedEngine:

@@ -82,6 +82,13 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (--pipeline-parallel-size): the layers split into this many
     consecutive groups, each on its own tensor_parallel_size devices."""
+    enable_sequence_parallelism: bool = False
+    """Under tensor parallelism, shard the residual stream along tokens between the ranks
+    of a stage: reduce-scatter and all-gather around the norms instead of all-reduces
+    (--enable-sequence-parallelism)."""
+    distributed_executor_backend: str = "mp"
+    """Who starts the ranks of a multi-rank engine: 'mp' (the engine spawns them) or
+    'external_launcher' (torchrun starts every rank, each running the same program)."""
     compile_level: int = 0
     """torch.compile of the V1 runner's model (gpu/runner_v1/compiled_model.py): 0 eager,
     1 inductor's default mode, 2 max-autotune-no-cudagraphs. Above 0 it selects V1."""
@@ -137,6 +144,18 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
             raise ConfigError(
                 "speculative decoding does not run with --pipeline-parallel-size > 1 yet"
+            )
+        if self.enable_sequence_parallelism and self.tensor_parallel_size == 1:
+            raise ConfigError("enable_sequence_parallelism needs tensor_parallel_size > 1")
+        if self.enable_sequence_parallelism and self.compile_level != 0:
+            raise ConfigError(
+                "enable_sequence_parallelism does not work with compile_level > 0 (the "
+                "compiled layers all-reduce)"
+            )
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            raise ConfigError(
+                "distributed_executor_backend must be mp or external_launcher, "
+                f"got {self.distributed_executor_backend!r}"
             )
         if self.compile_level not in (0, 1, 2):
             raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")

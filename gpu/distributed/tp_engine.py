@@ -3,11 +3,13 @@ ranks' loop.
 
 `load_tp_worker` (engine startup) spawns ranks 1..N-1, joins the group as rank 0 in the
 calling process and loads rank 0's shard; every rank sizes the same KV cache (the least
-any rank can hold) and captures its own CUDA graphs. `TPRunnerV2` is the runner the
+any rank can hold) and captures its own CUDA graphs. `ParallelRunner` is the runner the
 engine core drives: it hands each step to the other ranks (gpu/distributed/tp_leader.py),
-then runs it on rank 0. Every rank runs the same V2 runner on the same scheduler output:
-the same request rows, the same input preparation on its own device, the same
-collectives, and batch-sharded sampling, after which every rank holds the step's tokens.
+then runs it on rank 0. Every rank runs the same runner (V2, or the V1 fallback) on the
+same scheduler output: the same request rows, the same input preparation on its own
+device, the same collectives, after which every rank holds the step's tokens (V2 samples
+the batch sharded over a stage's ranks, V1 samples the gathered logits on each; under
+pipeline parallelism the last stage samples and shares them: gpu/distributed/pipeline.py).
 Rank 0's runner alone reports them to the scheduler.
 
 A failed step on any rank fails the group (the ranks would no longer agree on the rows
@@ -43,7 +45,8 @@ from gpu.distributed.launch import RankFailedError, WorkerGroup, start_workers
 from gpu.distributed.step_broadcast import StepBroadcaster
 from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TIMEOUT, TPFailedError, TPLeader
 from gpu.platform import Platform, probe_platform
-from gpu.runner import LaunchedStep
+from gpu.runner import LaunchedStep, Runner
+from gpu.runner_v1.runner import ModelRunnerV1
 from gpu.runner_v2.runner import ModelRunnerV2
 from gpu.worker import ModelWorker
 
@@ -152,21 +155,29 @@ def _while_ranks_live(workers: WorkerGroup, load: Callable[[], T]) -> T:
     return outcome["value"]
 
 
-class TPRunnerV2:
-    """The V2 runner of a tensor-parallel engine, on rank 0 (see the module doc)."""
+RUNNERS: dict[str, type[ModelRunnerV1] | type[ModelRunnerV2]] = {
+    "v1": ModelRunnerV1,
+    "v2": ModelRunnerV2,
+}
 
-    name = "v2"
-    max_steps_in_flight = 2
 
-    def __init__(self, worker: ModelWorker, config: EngineConfig | None = None) -> None:
+class ParallelRunner:
+    """The runner of a multi-rank engine, on rank 0 (see the module doc): `runner` ('v2' or
+    'v1') names the runner every rank runs."""
+
+    def __init__(
+        self, worker: ModelWorker, config: EngineConfig | None = None, runner: str = "v2"
+    ) -> None:
         self.leader: TPLeader = worker.tp_leader
-        self.inner = ModelRunnerV2(worker, config)
+        self.inner: Runner = RUNNERS[runner](worker, config)
+        self.name = self.inner.name
+        self.max_steps_in_flight = self.inner.max_steps_in_flight
+        eager = getattr(self.inner, "graphs", None) is None
         try:
-            self.leader.open_runner(config or worker.config, eager=self.inner.graphs is None)
+            self.leader.open_runner(runner, config or worker.config, eager=eager)
         except BaseException:
             self.inner.close()
             raise
-        self.states = self.inner.states
         self.deferred_masks = self.inner.deferred_masks
 
     @property
@@ -208,7 +219,7 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
 def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
     """Repeat rank 0's runner: OPEN builds one, STEP runs a step, CLOSE closes it."""
     decoder = msgspec.msgpack.Decoder(SchedulerOutput, ext_hook=ext_hook, dec_hook=dec_hook)
-    runner: ModelRunnerV2 | None = None
+    runner: Any = None
     pending: collections.deque[Any] = collections.deque()
     while (message := broadcaster.recv()) is not None:
         kind, body = message[:1], memoryview(message)[1:]
@@ -217,9 +228,9 @@ def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
             if len(pending) > MAX_PENDING_STEPS:
                 pending.popleft().result()
         elif kind == OPEN:
-            config, eager = pickle.loads(body)
-            runner = ModelRunnerV2(worker, config.replace(enforce_eager=True) if eager else config)
-            if not eager and runner.graphs is None:  # the ranks would pad steps differently
+            name, config, eager = pickle.loads(body)
+            runner = RUNNERS[name](worker, config.replace(enforce_eager=True) if eager else config)
+            if not eager and getattr(runner, "graphs", None) is None:  # padding would differ
                 raise TPFailedError("rank 0 runs CUDA graphs but this rank has none")
         elif kind == TIMEOUT:
             set_collective_timeout(broadcaster.group, float(bytes(body).decode()))

@@ -4,7 +4,7 @@ Rank 0 lives in the engine-core process next to the scheduler; each other rank i
 spawned worker process (gpu/distributed/tp_engine.py) that loads its shard and then
 repeats what rank 0 tells it, over the step broadcast (gpu/distributed/step_broadcast.py):
 
-    OPEN  (runner config, eager)   build a V2 runner (an engine started on the model)
+    OPEN  (runner, config, eager)  build a runner, V2 or V1 (an engine started on the model)
     STEP  (SchedulerOutput)        run one step: the same rows, inputs and collectives
     CLOSE                          close the runner (the engine stopped)
     TIMEOUT (seconds)              collectives fail after this long from now on
@@ -84,14 +84,15 @@ class TPLeader:
         if callback is not None and self.failure is not None:
             callback(self.failure)
 
-    def open_runner(self, config: Any, eager: bool) -> None:
-        """Have every other rank build a V2 runner with `config` (eager: without graphs,
-        as rank 0's runner, so that every rank launches the same collectives)."""
+    def open_runner(self, runner: str, config: Any, eager: bool) -> None:
+        """Have every other rank build runner `runner` ('v2' or 'v1') with `config` (eager:
+        without graphs, as rank 0's runner, so that every rank launches the same
+        collectives)."""
         with self._send_lock:
             self._check_healthy()
             if self._runner_open:
                 raise TPFailedError("a tensor-parallel model serves one engine at a time")
-            self._broadcaster.send(OPEN + pickle.dumps((config, eager)))
+            self._broadcaster.send(OPEN + pickle.dumps((runner, config, eager)))
             self._runner_open = True
 
     def set_step_timeout(self, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -125,19 +125,22 @@ class ModelRunnerV1:
         num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
         inputs = self.build_inputs(reqs, num_scheduled)
         hidden = self.run_model(inputs)
-        logits = self.worker.model.compute_logits(hidden[inputs.logits_indices])
-        apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
+        # A pipeline stage without the head has no logits: the last stage's tokens arrive
+        # in _sample.
+        logits = (
+            self.worker.model.compute_logits(hidden[inputs.logits_indices])
+            if self.worker.model.has_head
+            else None
+        )
+        if logits is not None:
+            apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
         rows = plan_prompt_rows(
             sched.scheduled_request_ids,
             sched.num_computed_tokens,
             sched.num_scheduled_tokens,
             self._prompt_requests,
         )
-        prompt = (
-            None
-            if rows is None
-            else prompt_logprobs(self.worker.model.compute_logits, hidden, rows)
-        )
+        prompt = None if rows is None else self._prompt_logprobs(hidden, rows)
         max_num_logprobs = max(r.num_logprobs for r in reqs)
         out = self._sample(
             logits,
@@ -183,7 +186,42 @@ class ModelRunnerV1:
             embeds=inputs.embeds,
         )
 
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        rows: Any,
+    ) -> Any:
+        """The step's prompt logprobs; under pipeline parallelism the last stage computes
+        them and every rank returns its result."""
+        stage = self.worker.model.pp
+        computed = (
+            prompt_logprobs(self.worker.model.compute_logits, hidden, rows)
+            if self.worker.model.has_head
+            else None
+        )
+        return computed if stage is None else stage.share_object(computed)
+
     def _sample(
+        self,
+        logits: torch.Tensor | None,  # [num_reqs, vocab_size] float32; None without the head
+        request_ids: tuple[str, ...],  # the requests of the logit rows
+        inputs: _StepInputs,
+        max_num_logprobs: int | None,
+    ) -> SamplerOutput:
+        """The step's tokens: sampled here, or under pipeline parallelism by the last
+        stage and shared with every rank."""
+        stage = self.worker.model.pp
+        sampled = (
+            None
+            if logits is None
+            else self._sample_logits(logits, request_ids, inputs, max_num_logprobs)
+        )
+        if stage is None:
+            assert sampled is not None
+            return sampled
+        return stage.share_sampled(sampled, len(inputs.rows_np), max_num_logprobs, self.device)
+
+    def _sample_logits(
         self,
         logits: torch.Tensor,  # [num_reqs, vocab_size] float32, the model's
         request_ids: tuple[str, ...],  # the requests of the logit rows

@@ -46,7 +46,7 @@ def _commands(tmp: Path) -> dict[str, Command]:
         "test_unknown_dummy_preset": (*hi, "--model", "dummy:gpt-17"),
         "test_no_prompts": ("generate",),
         # The other refusals (heads, devices) are tested in-process: tests/gpu/test_tp_config.py.
-        "test_tensor_parallelism_on_v1_is_refused_on_one_line": (
+        "test_what_v1_does_not_run_over_ranks_is_refused_on_one_line": (
             *hi,
             "--device",
             "cpu",
@@ -56,6 +56,8 @@ def _commands(tmp: Path) -> dict[str, Command]:
             "dummy:qwen3-0.6b",
             "-tp",
             "2",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2}',
         ),
     }
     return {name: cli(*args) for name, args in runs.items()}
@@ -135,7 +137,7 @@ def test_no_prompts(result: subprocess.CompletedProcess[str]) -> None:
     _assert_one_line_error(result, "no prompts")
 
 
-def test_tensor_parallelism_on_v1_is_refused_on_one_line(
+def test_what_v1_does_not_run_over_ranks_is_refused_on_one_line(
     result: subprocess.CompletedProcess[str],
 ) -> None:
-    _assert_one_line_error(result, "--tensor-parallel-size 2", "V1 runner")
+    _assert_one_line_error(result, "--speculative-config", "V1 runner over several ranks")

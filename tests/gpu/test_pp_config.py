@@ -119,9 +119,13 @@ def test_speculative_decoding_and_the_offload_tiers_are_refused_with_pipelines()
 
 
 def test_startup_refuses_pipelines_the_runner_cannot_run_before_loading() -> None:
-    with pytest.raises(RunnerSelectionError, match="pipeline parallelism"):
+    with pytest.raises(RunnerSelectionError, match="stock torch.compile"):
         load_engine(
             EngineConfig(
-                model="dummy:qwen3-0.6b", device="cpu", runner="v1", pipeline_parallel_size=2
+                model="dummy:qwen3-0.6b",
+                device="cpu",
+                runner="v2",
+                pipeline_parallel_size=2,
+                compile_level=1,
             )
         )

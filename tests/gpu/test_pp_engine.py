@@ -8,6 +8,7 @@ ranks spawned, gloo.
   by each layer's index in the whole model), and prompt logprobs (computed by the last
   stage, reported by rank 0); over NCCL too where two GPUs exist;
 - each stage holds and caches only its own layers;
+- the V1 runner over TP 2, PP 2 and TP 2 x PP 2 ranks gives the tokens of one device too;
 - killing the last stage's process mid-generation fails the running requests and the
   engine within a bounded time, and leaves no worker process behind.
 """
@@ -24,9 +25,10 @@ import torch
 
 from actors.core.engine_startup import load_engine
 from actors.inprocess_engine import InProcessEngine
-from actors.protocol.config import EngineConfig
+from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
+from actors.protocol.speculative_config import parse_speculative_config
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
 from tests.gpu._parallel_engine import (
@@ -110,6 +112,37 @@ def test_tp_by_pp_and_uneven_stages_give_the_tokens_of_one_device(
         assert len(llm.worker.tp_leader.workers.pids) == tp_size * pp_size - 1
         staged = outputs(llm)
     _assert_same_outputs(single, staged)
+
+
+@pytest.mark.parametrize(("tp_size", "pp_size"), [(2, 1), (1, 2), (2, 2)])
+def test_the_v1_runner_over_ranks_gives_the_tokens_of_one_device(
+    tmp_path, tp_size, pp_size
+) -> None:
+    # V1 gathers the whole vocabulary's logits on each rank of the (last) stage and samples
+    # them there; the last stage shares its tokens with the earlier ones.
+    save_sharded(tiny_hf_model("qwen3"), str(tmp_path))
+    options = {**ENGINE_OPTIONS, "dtype": "float32", "runner": "v1"}
+    single = outputs(LLM(str(tmp_path), **options))
+    with LLM(
+        str(tmp_path), tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, **options
+    ) as llm:
+        assert llm.runner == "v1"
+        staged = outputs(llm)
+    _assert_same_outputs(single, staged)
+
+
+def test_v1_over_ranks_refuses_what_it_does_not_run_before_any_rank_starts() -> None:
+    spec = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(ConfigError, match="--speculative-config with the V1 runner over"):
+        load_engine(
+            EngineConfig(
+                model="dummy:qwen3-0.6b",
+                device="cpu",
+                runner="v1",
+                tensor_parallel_size=2,
+                speculative_config=spec,
+            )
+        )
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe_mixed"])

@@ -350,31 +350,29 @@ def test_tensor_parallelism_runs_on_v2_by_default(
 @pytest.mark.parametrize(
     "force", [{"requested_runner": "v1"}, {"env_override": False}], ids=["flag", "env"]
 )
-def test_v1_refuses_tensor_parallelism(force: dict) -> None:
-    with pytest.raises(
-        RunnerSelectionError,
-        match=r"V1 runner, which does not support: tensor parallelism "
-        r"\(--tensor-parallel-size 4\)",
-    ):
-        select_runner(_config(tensor_parallel_size=4, **force), HEALTHY_GPU)
-    assert select_runner(_config(tensor_parallel_size=1, **force), HEALTHY_GPU).runner == "v1"
+@pytest.mark.parametrize(
+    "sizes", [{"tensor_parallel_size": 4}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"]
+)
+def test_v1_runs_tensor_and_pipeline_parallelism_when_forced(force: dict, sizes: dict) -> None:
+    assert select_runner(_config(**sizes, **force), HEALTHY_GPU).runner == "v1"
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "feature"),
     [
-        {"sequence_parallel": True},
-        {"pipeline_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
+        ({"sequence_parallel": True, "tensor_parallel_size": 2}, "sequence parallelism"),
+        (
+            {"pipeline_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
+            "pipeline parallelism with external_launcher",
+        ),
     ],
 )
-def test_rules_that_select_v1_still_do_and_then_refuse_tensor_parallelism(
-    changes: dict, warnings_logged: _Warnings
+def test_the_rules_vllm_sends_to_v1_select_v1_and_forced_v2_runs_them(
+    changes: dict, feature: str, warnings_logged: _Warnings
 ) -> None:
-    assert select_runner(_config(**changes), HEALTHY_GPU).runner == "v1"
+    choice = select_runner(_config(**changes), HEALTHY_GPU)
+    assert (choice.runner, choice.rule) == ("v1", "unsupported_features")
+    assert f"{feature} select V1" in choice.reason
     assert len(warnings_logged.messages()) == 1
-    with pytest.raises(
-        RunnerSelectionError,
-        match=r"tensor parallelism .* need the V2 runner, "
-        r"but rule 5 \(unsupported_features\)",
-    ):
-        select_runner(_config(tensor_parallel_size=2, **changes), HEALTHY_GPU)
+    forced = select_runner(_config(requested_runner="v2", **changes), HEALTHY_GPU)
+    assert (forced.runner, forced.rule) == ("v2", "override")

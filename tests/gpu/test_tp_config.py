@@ -11,7 +11,6 @@ from actors.protocol.config import ConfigError, EngineConfig
 from app.engine_args import add_engine_args, engine_config_from_args
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.presets import PRESETS
-from gpu.runner_selection import RunnerSelectionError
 from tests._embedded_model import needs_embedded_model
 
 LLAMA_8B = PRESETS["llama-3.1-8b"]
@@ -72,9 +71,13 @@ def test_startup_refuses_a_size_that_does_not_divide_the_heads_before_loading() 
 
 
 def test_startup_refuses_tensor_parallelism_the_runner_cannot_run_before_loading() -> None:
-    with pytest.raises(RunnerSelectionError, match="tensor parallelism"):
+    with pytest.raises(ConfigError, match="--compile-level with the V1 runner over several"):
         load_engine(
             EngineConfig(
-                model="dummy:qwen3-0.6b", device="cpu", runner="v1", tensor_parallel_size=2
+                model="dummy:qwen3-0.6b",
+                device="cpu",
+                runner="v1",
+                tensor_parallel_size=2,
+                compile_level=1,
             )
         )

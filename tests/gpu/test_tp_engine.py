@@ -26,7 +26,7 @@ from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
-from gpu.distributed.tp_engine import TPRunnerV2, load_tp_worker
+from gpu.distributed.tp_engine import ParallelRunner, load_tp_worker
 from gpu.distributed.tp_leader import TPFailedError
 from gpu.platform import probe_platform
 from tests._embedded_model import needs_embedded_model
@@ -171,4 +171,4 @@ def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp
     assert elapsed_s < DEAD_WITHIN_S
     assert alive(pids) == []
     with pytest.raises(TPFailedError, match="rank 1"):  # no new engine on a broken group
-        TPRunnerV2(loaded.worker, loaded.config)
+        ParallelRunner(loaded.worker, loaded.config)
