@@ -101,7 +101,12 @@ class ModelWorker:
             del files
         else:
             self.model = load_tp_model(
-                config.model, self.dtype, tp_group, self.attn_backend, config.quantization
+                config.model,
+                self.dtype,
+                tp_group,
+                self.attn_backend,
+                config.quantization,
+                sequence_parallel=config.enable_sequence_parallelism,
             )
             self.model_source = resolve_model_path(config.model)
         self.model_config: ModelConfig = self.model.config

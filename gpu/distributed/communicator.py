@@ -13,11 +13,14 @@ from gpu.distributed.group import TPGroup
 
 # torch 2.13 renames all_gather_into_tensor; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Likewise reduce_scatter_tensor. gloo implements it too (torch 2.13 checked), so CPU groups
+# run the real reduce-scatter as NCCL does, not an all-reduce and a slice.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Communicator:
-    """all_reduce / all_gather / all_to_all of one TP group (NCCL on CUDA, gloo on CPU):
-    the ranks of this rank's pipeline stage."""
+    """all_reduce / all_gather / reduce_scatter / all_to_all of one TP group (NCCL on
+    CUDA, gloo on CPU): the ranks of this rank's pipeline stage."""
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
@@ -43,6 +46,23 @@ class Communicator:
         )
         _all_gather_single(gathered, tensor, group=self._process_group)
         return gathered
+
+    def reduce_scatter(
+        self,
+        tensor: torch.Tensor,  # [world_size * rows, ...]: this rank's addends, chunk d for rank d
+    ) -> torch.Tensor:  # [rows, ...]: chunk `rank` of the sum over ranks
+        if tensor.shape[0] % self.world_size:
+            raise ValueError(
+                f"reduce_scatter needs a multiple of {self.world_size} rows, got {tensor.shape[0]}"
+            )
+        tensor = tensor.contiguous()
+        reduced = torch.empty(
+            (tensor.shape[0] // self.world_size, *tensor.shape[1:]),
+            dtype=tensor.dtype,
+            device=tensor.device,
+        )
+        _reduce_scatter_single(reduced, tensor, group=self._process_group)
+        return reduced
 
     def all_to_all(
         self,

@@ -19,10 +19,13 @@ def load_tp_model(
     group: TPGroup,
     attn_backend: AttentionBackend,
     quantization: str = "auto",
+    sequence_parallel: bool = False,
 ) -> DecoderModel:
     """Rank group.rank's shard of `model` (a loader source: 'default', a file, a directory,
     'dummy:<preset>') on group.device, FP8 where `quantization` (--quantization) and the
-    device say. With one rank it is the whole model, with no collectives in its forward."""
+    device say, its residual stream sharded along tokens with `sequence_parallel`
+    (gpu/models/sequence_parallel.py). With one rank it is the whole model, with no
+    collectives in its forward."""
     stage = None if group.pp_size == 1 else PipelineStage(group, read_model_config(model))
     shard = load_weight_shard(
         model,
@@ -35,7 +38,14 @@ def load_tp_model(
     )
     tp = Communicator(group) if group.tp_size > 1 else None
     decoder = DecoderModel(
-        shard.config, attn_backend, dtype, group.device, tp, precision=shard.precision, pp=stage
+        shard.config,
+        attn_backend,
+        dtype,
+        group.device,
+        tp,
+        precision=shard.precision,
+        pp=stage,
+        sequence_parallel=sequence_parallel,
     )
     decoder.load_weights(shard.weights)
     return decoder

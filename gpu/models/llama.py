@@ -10,12 +10,13 @@ tensor names and concatenates them. Any of the four projections of a layer may b
 (gpu/models/fp8_linear.py) or, on the CPU, packed int4 (gpu/models/int4_linear.py; which
 ones, gpu/models/precision.py decides); the LM head and
 the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
-one rank's shard and communicates as gpu/models/parallel_layers.py describes; without one
-(the default) it is the whole model and runs no collective. MoE models run unsharded
-only. Given a pipeline stage (`pp`, gpu/distributed/pipeline.py), it holds that stage's
-layers only, and the embedding or the final norm and head where the stage has them.
+one rank's shard and communicates as gpu/models/parallel_layers.py describes (with
+`sequence_parallel`, as gpu/models/sequence_parallel.py does); without one (the default)
+it is the whole model and runs no collective. MoE models run unsharded only. Given a
+pipeline stage (`pp`, gpu/distributed/pipeline.py), it holds that stage's layers only,
+and the embedding or the final norm and head where the stage has them.
 
-A layer is nine launches on CUDA (plus its two all-reduces under TP): the residual add
+A layer is nine launches on CUDA (plus its collectives under TP): the residual add
 fused into each RMSNorm (kernels/rms_norm.py), the q/k norm, rotary and KV write fused
 after the qkv projection (kernels/qkv_prologue.py), attention, SiLU-and-multiply fused
 (kernels/silu_mul.py) and four GEMMs. A decode step of a small model is bound by how many
@@ -47,6 +48,7 @@ from gpu.models.parallel_layers import (
     gather_vocab_logits,
     head_shard,
     intermediate_shard,
+    overlay_rows,
     vocab_parallel_embedding,
     vocab_shard,
 )
@@ -58,6 +60,7 @@ from gpu.models.precision import (
     ProjectionScheme,
     WeightPrecision,
 )
+from gpu.models.sequence_parallel import TokenLayout, token_layout
 from gpu.models.weight_targets import Target, check_weights, layer_weight_targets
 from gpu.prompt_embeds import EmbedsOverlay
 from kernels.qkv_prologue import qkv_prologue
@@ -86,7 +89,6 @@ class Attention(nn.Module):
         super().__init__()
         schemes = schemes or {}
         heads = head_shard(config, *_rank_and_size(tp))
-        self.tp = tp
         self.rotary = rotary
         self.eps = config.rms_norm_eps
         self.num_heads = heads.num_heads
@@ -137,7 +139,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]: this rank's partial sum under TP
         num_tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
         query = qkv_prologue(
@@ -152,8 +154,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window, sinks=self.sinks,
             k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
-        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj, self.o_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -167,10 +168,11 @@ class DecoderLayer(nn.Module):
         tp: Collectives | None = None,
         layer_index: int = 0,
         schemes: Mapping[str, ProjectionScheme] | None = None,
+        layout: TokenLayout | None = None,
     ) -> None:
         super().__init__()
         schemes = schemes or {}
-        self.tp = tp
+        self.layout = layout or token_layout(tp, sequence_parallel=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = Attention(
             config, attn_backend, dtype, device, rotary, tp, layer_index, schemes
@@ -194,17 +196,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous layer's MLP output
-        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None in the first layer
+        hidden: torch.Tensor,  # [rows, hidden_size]: the previous MLP's output (rows: the
+        residual: torch.Tensor | None,  # layout's, e.g. a token shard); None in layer 0
         positions: torch.Tensor,  # [num_tokens] int64
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        num_tokens, layout = positions.shape[0], self.layout
         normed, residual = self.input_layernorm.add_forward(hidden, residual)
-        attn_out = self.self_attn(normed, positions, kv_cache, attn_metadata)
-        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
-        mlp_out = self.mlp(normed)
-        return (mlp_out if self.tp is None else self.tp.all_reduce(mlp_out)), residual
+        attn_out = self.self_attn(
+            layout.gather(normed, num_tokens), positions, kv_cache, attn_metadata
+        )
+        normed, residual = self.post_attention_layernorm.add_forward(
+            layout.reduce(attn_out), residual
+        )
+        return layout.reduce(self.mlp(layout.gather(normed, num_tokens))), residual
 
 
 class DecoderModel(nn.Module):
@@ -217,6 +223,8 @@ class DecoderModel(nn.Module):
     `precision` (gpu/models/precision.py) names the projections that are FP8; without it
     every weight is in `dtype`. With `pp`, `layers` are the stage's (`pp.layers` of the
     whole model's) and `forward` exchanges activations with the neighbouring stages.
+    `sequence_parallel` shards the residual stream along tokens over the TP ranks
+    (gpu/models/sequence_parallel.py); `forward` returns the same whole hidden states.
     """
 
     def __init__(
@@ -228,6 +236,7 @@ class DecoderModel(nn.Module):
         tp: Collectives | None = None,
         precision: WeightPrecision | None = None,
         pp: PipelineStage | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if tp is not None and config.architecture in MOE_ARCHITECTURES:
@@ -236,6 +245,7 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.pp = pp
+        self.layout = token_layout(tp, sequence_parallel)
         self.precision = precision or WeightPrecision(dtype)
         self.vocab_shard = vocab_shard(config.vocab_size, *_rank_and_size(tp))
         self.num_kv_heads = head_shard(config, *_rank_and_size(tp)).num_kv_heads
@@ -265,6 +275,7 @@ class DecoderModel(nn.Module):
                 tp,
                 index,
                 self.precision.layer_schemes(index),
+                self.layout,
             )
             for index in self.layer_indices
         )
@@ -291,35 +302,36 @@ class DecoderModel(nn.Module):
         embeddings, gpu/prompt_embeds.py)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        num_tokens, layout = input_ids.shape[0], self.layout
         residual: torch.Tensor | None = None
         if self.pp is not None and not self.pp.is_first:
             hidden, residual = self.pp.recv(
-                input_ids.shape[0], self.config.hidden_size, self.dtype, input_ids.device
+                num_tokens, self.config.hidden_size, self.dtype, input_ids.device
             )
+            hidden, residual = layout.shard(hidden), layout.shard(residual)
         else:
             hidden = self._embed(input_ids, embeds)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata)
         assert residual is not None  # every stage runs at least one layer
         if self.pp is not None and not self.pp.is_last:  # the next stage carries on
-            self.pp.send(hidden, residual)
+            hidden = layout.gather(hidden, num_tokens)
+            self.pp.send(hidden, layout.gather(residual, num_tokens))
             return hidden
-        return self.norm.add_forward(hidden, residual)[0]
+        return layout.gather(self.norm.add_forward(hidden, residual)[0], num_tokens)
 
     def _embed(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int32/int64
         embeds: EmbedsOverlay | None,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+    ) -> torch.Tensor:  # the layout's rows [rows, hidden_size]
         if self.tp is None:
             hidden = F.embedding(input_ids, self.embed_tokens)
         else:
-            hidden = vocab_parallel_embedding(
-                input_ids, self.embed_tokens, self.vocab_shard, self.tp
-            )
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens, self.vocab_shard)
         if embeds is not None:
-            hidden.index_copy_(0, embeds.token_index, embeds.rows)
-        return hidden
+            overlay_rows(hidden, embeds.token_index, embeds.rows, _rank_and_size(self.tp)[0])
+        return self.layout.reduce(hidden)
 
     def compute_logits(
         self,

@@ -13,6 +13,12 @@ How the weights split over `tp_size` ranks (rank r):
   zero padding). The embedding looks up the ids of its range, zeroes the others and
   all-reduces; the LM head yields [num_tokens, V_shard] logits per rank, which the
   sampler either all-gathers or exchanges all-to-all (gpu/sampling/batch_shard.py).
+
+Under sequence parallelism (gpu/models/sequence_parallel.py) the residual stream is
+sharded along tokens instead: the all-reduces become reduce-scatters, and an all-gather
+assembles each column-parallel projection's input. The token-shard helpers below pad a
+step's T tokens to a multiple of tp_size with zero rows; rank r holds rows
+[r * T_pad / tp_size, (r + 1) * T_pad / tp_size).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +119,27 @@ def vocab_parallel_embedding(
     input_ids: torch.Tensor,  # [num_tokens] int
     weight: torch.Tensor,  # [shard.num_rows, hidden_size]: this rank's vocabulary rows
     shard: VocabShard,
-    tp: Collectives,
-) -> torch.Tensor:  # [num_tokens, hidden_size], summed over ranks
+) -> torch.Tensor:  # [num_tokens, hidden_size]: this rank's part of the sum over ranks
+    """The embeddings of the ids in this rank's range, zero rows for the others: summing
+    over ranks (all-reduce, or reduce-scatter under sequence parallelism) gives them all."""
     local_ids = input_ids - shard.start
     is_outside = (local_ids < 0) | (local_ids >= shard.num_real_rows)
     hidden = F.embedding(local_ids.masked_fill(is_outside, 0), weight)
-    hidden.masked_fill_(is_outside.unsqueeze(-1), 0.0)
-    return tp.all_reduce(hidden)
+    return hidden.masked_fill_(is_outside.unsqueeze(-1), 0.0)
+
+
+def overlay_rows(
+    partial: torch.Tensor,  # [num_tokens, hidden_size]: this rank's part of a sum over ranks
+    token_index: torch.Tensor,  # [num_rows] int64
+    rows: torch.Tensor,  # [num_rows, hidden_size]
+    tp_rank: int,
+) -> None:
+    """Make the sum over ranks hold `rows` at `token_index`: rank 0 writes them, the
+    others zeros (x + 0 is exact, so the sum is the rows themselves)."""
+    if tp_rank == 0:
+        partial.index_copy_(0, token_index, rows)
+    else:
+        partial.index_fill_(0, token_index, 0.0)
 
 
 def stitch_vocab_shards(
@@ -144,3 +166,48 @@ def gather_vocab_logits(
     num_rows, shard_rows = local_logits.shape
     gathered = tp.all_gather(local_logits).view(tp.world_size, num_rows, shard_rows)
     return stitch_vocab_shards(gathered, vocab_size)
+
+
+# ---- token shards (sequence parallelism) ----------------------------------------------
+
+
+def padded_num_tokens(num_tokens: int, tp_size: int) -> int:
+    """num_tokens rounded up to a multiple of tp_size: it depends on the step's token
+    count only, so a CUDA graph captured for a count pads the same at every replay."""
+    return -(-num_tokens // tp_size) * tp_size
+
+
+def pad_tokens(
+    tensor: torch.Tensor,  # [num_tokens, ...]
+    num_padded: int,
+) -> torch.Tensor:  # [num_padded, ...]: zero rows appended (`tensor` itself when none)
+    num_pad = num_padded - tensor.shape[0]
+    if num_pad == 0:
+        return tensor
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 1) + (0, num_pad))
+
+
+def token_shard(
+    full: torch.Tensor,  # [num_tokens, ...], the same on every rank
+    tp: Collectives,
+) -> torch.Tensor:  # [T_pad / tp_size, ...]: this rank's rows, padding included
+    """This rank's token shard of a replicated tensor; no communication."""
+    rows = padded_num_tokens(full.shape[0], tp.world_size) // tp.world_size
+    padded = pad_tokens(full, rows * tp.world_size)
+    return padded.narrow(0, tp.rank * rows, rows)
+
+
+def reduce_scatter_tokens(
+    partial: torch.Tensor,  # [num_tokens, ...]: this rank's partial sums
+    tp: Collectives,
+) -> torch.Tensor:  # [T_pad / tp_size, ...]: this rank's token shard of the sum
+    num_padded = padded_num_tokens(partial.shape[0], tp.world_size)
+    return tp.reduce_scatter(pad_tokens(partial, num_padded))
+
+
+def all_gather_tokens(
+    shard: torch.Tensor,  # [T_pad / tp_size, ...]: this rank's token shard
+    tp: Collectives,
+    num_tokens: int,
+) -> torch.Tensor:  # [num_tokens, ...], the same on every rank (padding dropped)
+    return tp.all_gather(shard)[:num_tokens]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,10 +15,16 @@ from gpu.attention.base import allocate_kv_cache
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.distributed.communicator import Communicator
 from gpu.distributed.group import TPGroupSpec, init_tp_group
+from gpu.distributed.pipeline import PipelineStage
 from gpu.distributed.step_broadcast import StepBroadcaster
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
-from gpu.models.parallel_layers import vocab_shard
+from gpu.models.parallel_layers import (
+    all_gather_tokens,
+    reduce_scatter_tokens,
+    token_shard,
+    vocab_shard,
+)
 from gpu.sampling.batch_shard import AllGatherSampler, BatchShardedSampler, to_owner_major
 from gpu.sampling.sampler import Sampler, SamplerOutput
 from gpu.sampling.state import SamplingState
@@ -57,10 +64,18 @@ def run_greedy(
     num_steps: int,
     tp: Communicator | None = None,
     device: str = "cpu",
+    sequence_parallel: bool = False,
 ) -> GreedyRun:
     """Prefill `prompts` in one varlen batch, then decode greedily; with `tp`, tokens come
     from batch-sharded sampling of the local logits. Results come back on the CPU."""
-    model = DecoderModel(config, TorchAttentionBackend(), torch.float32, device, tp)
+    model = DecoderModel(
+        config,
+        TorchAttentionBackend(),
+        torch.float32,
+        device,
+        tp,
+        sequence_parallel=sequence_parallel,
+    )
     model.load_weights(weights)
     kv_caches = allocate_kv_cache(
         config.num_layers, 64, 8, model.num_kv_heads, config.head_dim, torch.float32, device
@@ -119,6 +134,71 @@ def dummy_model_rank(
             )
             for config, prompts, num_steps in cases
         ]
+
+
+def sequence_parallel_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    cases: list[tuple[ModelConfig, list[list[int]], int]],
+) -> list[tuple[GreedyRun, GreedyRun]]:
+    """(without, with sequence parallelism) per case, on the same weights and group."""
+    with init_tp_group(_spec(rank, world_size, init_method)) as group:
+        comm, runs = Communicator(group), []
+        for config, prompts, num_steps in cases:
+            weights = dummy_weights(
+                config, torch.float32, "cpu", seed=5, tp_rank=rank, tp_size=world_size
+            )
+            without, with_sp = (
+                run_greedy(config, weights, prompts, num_steps, comm, sequence_parallel=sp)
+                for sp in (False, True)
+            )
+            runs.append((without, with_sp))
+        return runs
+
+
+PipelineStep = tuple[list[tuple[str, list[int]]], int]
+"""((request, its new token ids) per request, padding tokens) of one step."""
+
+
+def pipeline_sequence_parallel_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    config: ModelConfig,
+    steps: list[PipelineStep],
+) -> list[list[torch.Tensor]] | None:
+    """Two pipeline stages of world_size / 2 TP ranks: on the last stage, the logits
+    [num_actual_tokens, vocab] of each step without and with sequence parallelism; None
+    on the first."""
+    spec = TPGroupSpec(rank, world_size, init_method, "cpu", GROUP_TIMEOUT_S, pp_size=2)
+    with init_tp_group(spec) as group:
+        stage, comm = PipelineStage(group, config), Communicator(group)
+        weights = dummy_weights(
+            config, torch.float32, "cpu", 5, group.tp_rank, group.tp_size, stage.holds_weight
+        )
+        runs = []
+        for sp in (False, True):
+            backend = TorchAttentionBackend()
+            model = DecoderModel(
+                config, backend, torch.float32, "cpu", comm, pp=stage, sequence_parallel=sp
+            )
+            model.load_weights(weights)
+            kv_caches = allocate_kv_cache(
+                len(model.layers), 64, 8, model.num_kv_heads, config.head_dim, torch.float32, "cpu"
+            )
+            book, logits = PagedKVBook(num_blocks=64, block_size=8, seed=1), []
+            with torch.inference_mode():
+                for new_ids, num_padding in steps:
+                    positions, metadata = book.step([(r, len(i)) for r, i in new_ids], num_padding)
+                    ids = [t for _, i in new_ids for t in i]
+                    hidden = model(
+                        torch.tensor(ids + [0] * num_padding), positions, kv_caches, metadata
+                    )
+                    if stage.is_last:
+                        logits.append(model.compute_logits(hidden[: len(ids)]))
+            runs.append(logits)
+        return runs if stage.is_last else None
 
 
 def model_file_rank(
@@ -234,6 +314,29 @@ def collectives_rank(
         results["object"] = broadcaster.recv_object()
         results["after_shutdown"] = broadcaster.recv()
         return results
+
+
+def token_collectives_rank(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
+    """The reduce-scatter and the token-shard helpers, on inputs the test rebuilds."""
+    with init_tp_group(_spec(rank, world_size, init_method)) as group:
+        comm = Communicator(group)
+        mine = torch.arange(4 * world_size, dtype=torch.float32).view(-1, 2) + 100 * rank
+        partial = torch.arange(3 * 2 * 5, dtype=torch.float32).view(3, 2, 5) * (rank + 1)
+        shard = reduce_scatter_tokens(partial, comm)
+        try:
+            comm.reduce_scatter(torch.ones(2 * world_size + 1, 2))
+            error = ""
+        except ValueError as exc:
+            error = str(exc)
+        return {
+            "reduce_scatter": comm.reduce_scatter(mine),
+            "reduce_scatter_bf16": comm.reduce_scatter(mine.bfloat16()),
+            "token_shard_of_sum": shard,
+            "gathered": all_gather_tokens(shard, comm, 3),
+            "one_token": all_gather_tokens(reduce_scatter_tokens(partial[:1], comm), comm, 1),
+            "token_shard": token_shard(torch.arange(12.0).view(3, 4), comm),
+            "uneven_error": error,
+        }
 
 
 def failing_rank(rank: int, world_size: int, init_method: str, mode: str, timeout_s: float) -> None:
