@@ -6,7 +6,7 @@
   greedy tokens of plain TP on dummy llama / qwen2 / qwen3 configs, with token counts that
   are not multiples of the TP size, one token among them;
 - across pipeline stages (TP 2 x PP 2) the last stage's logits are those without it;
-- the TP 2 engine gives the tokens and logprobs it gives without it.
+- the TP 2 engine (V1 or V2) gives the tokens and logprobs it gives without it.
 """
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ def test_pipeline_stages_carry_the_whole_stream_under_sequence_parallelism(tmp_p
 # ---- the engine -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])  # V1 is what "auto" picks for it
 def test_tp2_engine_with_sequence_parallelism_gives_the_tokens_and_logprobs_without(
-    tmp_path,
+    tmp_path, runner
 ) -> None:
     hf_model = tiny_hf_model("llama")
     save_sharded(hf_model, str(tmp_path))
@@ -165,7 +166,7 @@ def test_tp2_engine_with_sequence_parallelism_gives_the_tokens_and_logprobs_with
         **ENGINE_OPTIONS,
         "dtype": "float32",
         "tensor_parallel_size": 2,
-        "runner": "v2",
+        "runner": runner,
         "enable_prompt_embeds": True,
     }
     with LLM(str(tmp_path), **options) as llm:
@@ -174,7 +175,7 @@ def test_tp2_engine_with_sequence_parallelism_gives_the_tokens_and_logprobs_with
     table = hf_model.get_input_embeddings().weight.detach()
     embeds: list[Any] = [{"prompt_embeds": table[torch.tensor(PROMPTS[1])].clone()}, PROMPTS[2]]
     with LLM(str(tmp_path), enable_sequence_parallelism=True, **options) as llm:
-        assert isinstance(llm.worker.model.layout, TokenSharded)
+        assert llm.runner == runner and isinstance(llm.worker.model.layout, TokenSharded)
         sharded = outputs(llm)
         from_embeds = [o.outputs[0] for o in llm.generate(embeds, GREEDY)]
     assert [o.token_ids for o in from_embeds] == [o.token_ids for o in plain[1:3]]
