@@ -267,12 +267,17 @@ def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
         "by another flag or rule) on the CPU. "
         "Env: TANDEM_SPECULATIVE_CONFIG",
     )
-    parser.add_argument_group(
-        "parallelism",
-        description="Not implemented: sequence parallelism, and pipeline parallelism under "
-        "an external launcher (torchrun). No flag asks for them. Runner-selection "
-        "rule 5 lists both (they would select V1), but nothing can trigger that "
-        "today.",
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "external_launcher"),
+        default=_env("distributed_executor_backend", "mp"),
+        help="who starts the ranks of --tensor-parallel-size x --pipeline-parallel-size: "
+        "mp (default: the engine spawns them) or external_launcher (torchrun starts every "
+        "rank, each running this same `tandem generate` command; rank 0 prints). With "
+        "pipeline parallelism, external_launcher selects the V1 runner (runner-selection "
+        "rule 5, as in vLLM 0.29). `tandem serve` takes mp only. "
+        "Env: TANDEM_DISTRIBUTED_EXECUTOR_BACKEND",
     )
 
 
@@ -301,6 +306,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "enable_sequence_parallelism": args.enable_sequence_parallelism,
+        "distributed_executor_backend": args.distributed_executor_backend,
         "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
         "enable_prompt_embeds": args.enable_prompt_embeds,
         "compile_level": args.compile_level,

@@ -72,9 +72,14 @@ def run(args: argparse.Namespace) -> int:
 
         llm = LLM(**_config_kwargs(args))
         inputs = prompts if args.raw else [llm.chat_prompt(p) for p in prompts]
-        outputs = _generate_with_progress(llm, inputs, params, show=not args.no_progress)
+        outputs = _generate_with_progress(
+            llm, inputs, params, show=not args.no_progress and llm.rank == 0
+        )
+        llm.close()
     except user_errors() as exc:
         raise UserFacingError(str(exc)) from None
+    if llm.rank != 0:  # the ranks of an external launcher: rank 0 prints for all
+        return 0
     for prompt, out in zip(prompts, outputs):
         _print_output(args, prompt, out, llm.runner, llm.runner_reason)
     return 0

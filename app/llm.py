@@ -32,6 +32,7 @@ from app.harmony.render import render_prompt
 from app.prompt_embeds import placeholder_token_ids
 from app.tokenizer import Tokenizer
 from app.tokenizer_loader import load_tokenizer
+from gpu.distributed.external_launcher import follower_of
 from gpu.prompt_embeds import embeds_from_tensor
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -77,6 +78,9 @@ class LLM:
             self.loaded = reuse_engine(reuse.loaded, self.config)
         self.worker = self.loaded.worker
         self._owns_worker = reuse is None
+        self._follower = follower_of(self.worker)
+        """On a rank other than 0 under an external launcher (torchrun): it repeats rank
+        0's steps in `generate` and returns rank 0's outputs."""
         self.tokenizer: Tokenizer | None = (
             reuse.tokenizer
             if reuse is not None
@@ -92,14 +96,26 @@ class LLM:
     def close(self) -> None:
         """Stop the model's tensor-parallel worker processes (nothing to stop on one
         device); a tensor-parallel LLM cannot generate afterwards. Safe to call twice."""
-        if self._owns_worker:
-            self.worker.close()
+        if not self._owns_worker:
+            return
+        if self._follower is not None:
+            if not self._follower.shut_down:
+                self._follower.follow()  # until rank 0 shuts the ranks down
+            if self.worker.tp_group is not None:
+                self.worker.tp_group.close()
+        self.worker.close()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the engine's (0 unless torchrun started several)."""
+        group = self.worker.tp_group
+        return 0 if group is None else group.rank
 
     @property
     def runner(self) -> str:
@@ -154,7 +170,12 @@ class LLM:
             check_logprobs_within(params, limit)
             if isinstance(prompt, PromptEmbeds) and params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs are not computed for prompt embeddings")
-        return anyio.run(self._generate, prompt_list, params_list, on_finished)
+        if self._follower is not None:  # rank 0 runs the same call: take its outputs
+            return list(self._follower.follow() or ())
+        results = anyio.run(self._generate, prompt_list, params_list, on_finished)
+        if self.worker.tp_leader is not None and self.worker.tp_leader.workers is None:
+            self.worker.tp_leader.send_result(results)  # the launched ranks return these
+        return results
 
     def _ready(self, prompt: Prompt) -> _ReadyPrompt:
         """`prompt` as the engine takes it: an EmbedsPrompt decoded and checked."""

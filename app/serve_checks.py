@@ -38,6 +38,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
         (1 <= args.api_server_count <= 64, "--api-server-count must be in [1, 64]"),
         (1 <= args.data_parallel_size <= 64, "--data-parallel-size must be in [1, 64]"),
         (
+            args.distributed_executor_backend == "mp",
+            "--distributed-executor-backend external_launcher is for offline programs "
+            "started by torchrun (`tandem generate`, the Python LLM); `tandem serve` "
+            "starts its own ranks",
+        ),
+        (
             args.data_parallel_size == 1
             or args.tensor_parallel_size == args.pipeline_parallel_size == 1,
             "--data-parallel-size above 1 with --tensor-parallel-size or "

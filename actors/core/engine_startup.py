@@ -12,6 +12,7 @@ from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.logits_processors import load_logits_processor_classes
 from gpu.cpu_threads import apply_cpu_threads, engine_thread_plan, log_cpu_threads
 from gpu.distributed.dp_placement import place_data_parallel_rank
+from gpu.distributed.external_launcher import load_external_worker
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.distributed.tp_engine import load_tp_worker
 from gpu.models.config import ModelConfig
@@ -110,6 +111,9 @@ def load_engine(config: EngineConfig, *, frontends_share_host: bool = False) -> 
     check_before_load(config, platform)
     if config.num_ranks == 1:
         worker = ModelWorker(config, platform)
+    elif config.distributed_executor_backend == "external_launcher":
+        check_tensor_parallel(config, platform)
+        worker = load_external_worker(config, platform)
     else:
         check_tensor_parallel(config, platform)
         worker = load_tp_worker(config, platform)

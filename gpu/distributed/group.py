@@ -37,8 +37,9 @@ class TPGroupSpec:
     rank: int
     world_size: int
     init_method: str
-    """Rendezvous: 'tcp://host:port' (rank 0 listens there) or 'file:///path' (a file on a
-    filesystem every rank sees; it must not exist before the group forms)."""
+    """Rendezvous: 'tcp://host:port' (rank 0 listens there), 'file:///path' (a file on a
+    filesystem every rank sees; it must not exist before the group forms) or 'env://'
+    (MASTER_ADDR and MASTER_PORT, as torchrun sets them)."""
     device: str
     """This rank's device: 'cpu' or 'cuda:N'."""
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -56,9 +57,10 @@ class TPGroupSpec:
             )
         if not 0 <= self.rank < self.world_size:
             raise TPGroupError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if not self.init_method.startswith(("tcp://", "file://")):
+        if not self.init_method.startswith(("tcp://", "file://", "env://")):
             raise TPGroupError(
-                f"init_method must be tcp://host:port or file:///path, got {self.init_method!r}"
+                "init_method must be tcp://host:port, file:///path or env://, "
+                f"got {self.init_method!r}"
             )
         if self.timeout_s <= 0:
             raise TPGroupError(f"timeout_s must be positive, got {self.timeout_s}")

@@ -43,7 +43,15 @@ from gpu.distributed.group import (
 )
 from gpu.distributed.launch import RankFailedError, WorkerGroup, start_workers
 from gpu.distributed.step_broadcast import StepBroadcaster
-from gpu.distributed.tp_leader import CLOSE, OPEN, STEP, TIMEOUT, TPFailedError, TPLeader
+from gpu.distributed.tp_leader import (
+    CLOSE,
+    OPEN,
+    RESULT,
+    STEP,
+    TIMEOUT,
+    TPFailedError,
+    TPLeader,
+)
 from gpu.platform import Platform, probe_platform
 from gpu.runner import LaunchedStep, Runner
 from gpu.runner_v1.runner import ModelRunnerV1
@@ -217,28 +225,54 @@ def worker_rank_main(rank: int, config: EngineConfig, init_method: str, timeout_
 
 
 def follow_steps(worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
-    """Repeat rank 0's runner: OPEN builds one, STEP runs a step, CLOSE closes it."""
-    decoder = msgspec.msgpack.Decoder(SchedulerOutput, ext_hook=ext_hook, dec_hook=dec_hook)
-    runner: Any = None
-    pending: collections.deque[Any] = collections.deque()
-    while (message := broadcaster.recv()) is not None:
-        kind, body = message[:1], memoryview(message)[1:]
+    """Repeat rank 0's runner until rank 0 shuts the loop down."""
+    StepFollower(worker, broadcaster).follow()
+    log.info("tensor_parallel_rank_done", pid=os.getpid())
+
+
+class StepFollower:
+    """A rank other than 0 repeating rank 0's runner: OPEN builds one, STEP runs a step,
+    CLOSE closes it, TIMEOUT sets the collectives' timeout."""
+
+    def __init__(self, worker: ModelWorker, broadcaster: StepBroadcaster) -> None:
+        self.worker = worker
+        self.broadcaster = broadcaster
+        self._decoder = msgspec.msgpack.Decoder(
+            SchedulerOutput, ext_hook=ext_hook, dec_hook=dec_hook
+        )
+        self._runner: Any = None
+        self._pending: collections.deque[Any] = collections.deque()
+        self.shut_down = False
+        """Rank 0 has shut the loop down."""
+
+    def follow(self) -> Any:
+        """Run rank 0's messages until it sends a RESULT (returned: a generate call's
+        outputs) or shuts the loop down (returns None)."""
+        while (message := self.broadcaster.recv()) is not None:
+            kind, body = message[:1], memoryview(message)[1:]
+            if kind == RESULT:
+                return pickle.loads(body)
+            self._handle(kind, body)
+        self.shut_down = True
+        return None
+
+    def _handle(self, kind: bytes, body: memoryview) -> None:
         if kind == STEP:
-            pending.append(runner.execute(decoder.decode(body)))
-            if len(pending) > MAX_PENDING_STEPS:
-                pending.popleft().result()
+            self._pending.append(self._runner.execute(self._decoder.decode(body)))
+            if len(self._pending) > MAX_PENDING_STEPS:
+                self._pending.popleft().result()
         elif kind == OPEN:
             name, config, eager = pickle.loads(body)
-            runner = RUNNERS[name](worker, config.replace(enforce_eager=True) if eager else config)
-            if not eager and getattr(runner, "graphs", None) is None:  # padding would differ
+            config = config.replace(enforce_eager=True) if eager else config
+            self._runner = RUNNERS[name](self.worker, config)
+            if not eager and getattr(self._runner, "graphs", None) is None:  # padding differs
                 raise TPFailedError("rank 0 runs CUDA graphs but this rank has none")
         elif kind == TIMEOUT:
-            set_collective_timeout(broadcaster.group, float(bytes(body).decode()))
+            set_collective_timeout(self.broadcaster.group, float(bytes(body).decode()))
         elif kind == CLOSE:
-            while pending:
-                pending.popleft().result()
-            runner.close()
-            runner = None
+            while self._pending:
+                self._pending.popleft().result()
+            self._runner.close()
+            self._runner = None
         else:
             raise TPFailedError(f"unknown message from rank 0: {kind!r}")
-    log.info("tensor_parallel_rank_done", pid=os.getpid())

@@ -8,6 +8,8 @@ repeats what rank 0 tells it, over the step broadcast (gpu/distributed/step_broa
     STEP  (SchedulerOutput)        run one step: the same rows, inputs and collectives
     CLOSE                          close the runner (the engine stopped)
     TIMEOUT (seconds)              collectives fail after this long from now on
+    RESULT (outputs)               a generate call's outputs (ranks of an external launcher
+                                   return them from their own generate)
     shutdown                       leave the loop, tear the group down, exit
 
 A step is serialised once (msgpack) and reaches every rank in one broadcast. A monitor
@@ -37,7 +39,7 @@ from gpu.distributed.step_broadcast import StepBroadcaster
 
 log = structlog.get_logger("tandem.tp")
 
-OPEN, STEP, CLOSE, TIMEOUT = b"O", b"S", b"C", b"T"
+OPEN, STEP, CLOSE, TIMEOUT, RESULT = b"O", b"S", b"C", b"T", b"R"
 SHUTDOWN_TIMEOUT_S = 30.0
 FAILURE_DETAILS_TIMEOUT_S = 3.0
 """How long the failing rank has to report its error once its process is gone."""
@@ -51,8 +53,10 @@ class TPFailedError(RuntimeError):
 
 
 class TPLeader:
-    def __init__(self, workers: WorkerGroup, group: TPGroup) -> None:
+    def __init__(self, workers: WorkerGroup | None, group: TPGroup) -> None:
         self.workers = workers
+        """The spawned ranks' processes; None when an external launcher (torchrun) started
+        them: it watches them itself."""
         self.group = group
         self.failure: str | None = None
         """Why the group failed (set once); None while every rank runs."""
@@ -67,8 +71,9 @@ class TPLeader:
         self._on_failure: Callable[[str], None] | None = None
         self._runner_open = False
         self._closing = False
-        self._monitor = threading.Thread(target=self._watch, name="tandem-tp-monitor", daemon=True)
-        self._monitor.start()
+        if workers is not None:
+            monitor = threading.Thread(target=self._watch, name="tandem-tp-monitor", daemon=True)
+            monitor.start()
         # An engine left open at exit still shuts its ranks down in order (a killed
         # process's ranks exit on their own: launch.py's lifeline).
         atexit.register(self.close)
@@ -108,6 +113,12 @@ class TPLeader:
             self._encoder.encode_into(sched, self._step_buffer, 1)
             self._broadcaster.send(self._step_buffer)
 
+    def send_result(self, outputs: Any) -> None:
+        """Hand a generate call's outputs to every other rank (external launcher)."""
+        with self._send_lock:
+            self._check_healthy()
+            self._broadcaster.send(RESULT + pickle.dumps(outputs))
+
     def close_runner(self) -> None:
         with self._send_lock:
             if self._runner_open and self.failure is None and not self._closing:
@@ -122,7 +133,8 @@ class TPLeader:
                 return
             self.failure = reason
         log.error("tensor_parallel_failed", reason=reason)
-        self.workers.stop()
+        if self.workers is not None:
+            self.workers.stop()
         _abort_collectives()
         callback = self._on_failure
         if callback is not None:
@@ -144,10 +156,12 @@ class TPLeader:
             try:
                 with self._send_lock:
                     self._broadcaster.send_shutdown()
-                self.workers.wait(SHUTDOWN_TIMEOUT_S)
+                if self.workers is not None:
+                    self.workers.wait(SHUTDOWN_TIMEOUT_S)
             except (RuntimeError, OSError) as exc:  # a rank failed on the way out
                 log.warning("tensor_parallel_shutdown", error=str(exc))
-        self.workers.stop()
+        if self.workers is not None:
+            self.workers.stop()
         self.group.close()
 
     def _check_healthy(self) -> None:
@@ -159,7 +173,7 @@ class TPLeader:
     def step_failed(self, exc: BaseException) -> None:
         """Rank 0's step raised: the group has failed. When another rank has exited, that
         is the cause (rank 0's collective only lost its peer), and the failure names it."""
-        if wait(self._sentinels(), timeout=PEER_EXIT_WAIT_S):
+        if self.workers is not None and wait(self._sentinels(), timeout=PEER_EXIT_WAIT_S):
             self._fail_from_exit()
         else:
             self.fail(f"tensor-parallel rank 0 failed a step: {type(exc).__name__}: {exc}")
@@ -174,14 +188,15 @@ class TPLeader:
                 if self._closing or self.failure is not None:
                     return
             try:
-                self.workers.wait(FAILURE_DETAILS_TIMEOUT_S)
+                if self.workers is not None:
+                    self.workers.wait(FAILURE_DETAILS_TIMEOUT_S)
                 reason = "a tensor-parallel worker exited while the engine ran"
             except RankFailedError as exc:
                 reason = str(exc)
             self.fail(reason)
 
     def _sentinels(self) -> list[int]:
-        return [process.sentinel for process in self.workers.processes]
+        return [] if self.workers is None else [p.sentinel for p in self.workers.processes]
 
 
 def _abort_collectives() -> None:
