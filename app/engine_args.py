@@ -196,7 +196,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env("tensor_parallel_size", _DEFAULTS.tensor_parallel_size)),
         help="split the model over this many GPUs of this host (one worker process "
-        "each; needs the V2 runner and attention heads divisible by it)",
+        "each; attention heads and the MLP width divisible by it)",
     )
     g.add_argument(
         "--pipeline-parallel-size",
@@ -204,8 +204,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env("pipeline_parallel_size", _DEFAULTS.pipeline_parallel_size)),
         help="split the model's layers into this many consecutive stages, each on its own "
-        "--tensor-parallel-size GPUs of this host (one worker process per GPU; the V2 "
-        "runner, run eagerly). One batch is in flight at a time. Not with structured "
+        "--tensor-parallel-size GPUs of this host (one worker process per GPU; run "
+        "eagerly). One batch is in flight at a time. Not with structured "
         "outputs, speculative decoding or the KV offload tiers yet. "
         "Env: TANDEM_PIPELINE_PARALLEL_SIZE",
     )
