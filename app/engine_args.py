@@ -269,6 +269,15 @@ def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
     )
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument(
+        "--distributed-timeout-seconds",
+        type=float,
+        default=float(_env("distributed_timeout_seconds", _DEFAULTS.distributed_timeout_s)),
+        help="with several ranks: how long a collective waits for a rank before the engine "
+        "is declared dead (a hung or lost rank; a rank that exits is noticed at once with "
+        "tandem's own launcher). Loading may take longer. Env: "
+        "TANDEM_DISTRIBUTED_TIMEOUT_SECONDS",
+    )
+    parallel.add_argument(
         "--distributed-executor-backend",
         choices=("mp", "external_launcher"),
         default=_env("distributed_executor_backend", "mp"),
@@ -307,6 +316,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "enable_sequence_parallelism": args.enable_sequence_parallelism,
         "distributed_executor_backend": args.distributed_executor_backend,
+        "distributed_timeout_s": args.distributed_timeout_seconds,
         "cpu_threads": None if args.cpu_threads is None else int(args.cpu_threads),
         "enable_prompt_embeds": args.enable_prompt_embeds,
         "compile_level": args.compile_level,

@@ -86,6 +86,9 @@ class EngineConfig:
     """Under tensor parallelism, shard the residual stream along tokens between the ranks
     of a stage: reduce-scatter and all-gather around the norms instead of all-reduces
     (--enable-sequence-parallelism)."""
+    distributed_timeout_s: float = 120.0
+    """How long a collective of a multi-rank engine waits for a peer before the engine is
+    declared dead (--distributed-timeout-seconds): the bound on a hung rank."""
     distributed_executor_backend: str = "mp"
     """Who starts the ranks of a multi-rank engine: 'mp' (the engine spawns them) or
     'external_launcher' (torchrun starts every rank, each running the same program)."""
@@ -151,6 +154,10 @@ class EngineConfig:
             raise ConfigError(
                 "enable_sequence_parallelism does not work with compile_level > 0 (the "
                 "compiled layers all-reduce)"
+            )
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError(
+                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}"
             )
         if self.distributed_executor_backend not in ("mp", "external_launcher"):
             raise ConfigError(

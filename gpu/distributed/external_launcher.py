@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.protocol.config import ConfigError, EngineConfig
-from gpu.distributed.group import DEFAULT_TIMEOUT_S, TPGroupSpec, init_tp_group
+from gpu.distributed.group import (
+    DEFAULT_TIMEOUT_S,
+    TPGroupSpec,
+    init_tp_group,
+    set_collective_timeout,
+)
 from gpu.distributed.step_broadcast import StepBroadcaster
 from gpu.distributed.tp_engine import StepFollower
 from gpu.distributed.tp_leader import TPLeader
@@ -76,6 +81,8 @@ def load_external_worker(
     except BaseException:
         group.close()
         raise
+    # Every rank reads the same config: each sets the serving timeout itself.
+    set_collective_timeout(group, config.distributed_timeout_s)
     if env.rank == 0:
         worker.tp_leader = TPLeader(None, group)
     return worker

@@ -169,7 +169,7 @@ def min_over_ranks(value: int, group: TPGroup) -> int:
 
 
 def set_collective_timeout(group: TPGroup, timeout_s: float) -> None:
-    """From now on a collective of `group` (both process groups) fails after `timeout_s`
+    """From now on a collective of `group` (every process group) fails after `timeout_s`
     instead of the timeout it was formed with: a long one covers the startup, where ranks
     load and compile at different speeds, a shorter one the steps. Best effort: a torch
     without the setter keeps the formation timeout."""
@@ -177,6 +177,7 @@ def set_collective_timeout(group: TPGroup, timeout_s: float) -> None:
     if setter is None:
         return
     timeout = timedelta(seconds=timeout_s)
-    for process_group in (None, group.cpu_group):
+    subgroups = [] if group.tp_process_group is None else [group.tp_process_group]
+    for process_group in (None, group.cpu_group, *subgroups):
         setter(timeout, process_group)
     group.timeout_s = timeout_s

@@ -82,7 +82,8 @@ def load_tp_worker(
     """Rank 0's ModelWorker, with the other ranks started and loaded: worker.tp_leader
     drives them. Raises RankFailedError (with the failing rank's error) when a rank fails
     to start or load. A collective fails (and with it the engine) after `timeout_s` while
-    the ranks start, after `step_timeout_s` (default: the same) once they serve."""
+    the ranks start, after `step_timeout_s` (default: --distributed-timeout-seconds) once
+    they serve."""
     init_method = tcp_rendezvous()
     # The other ranks run as many torch threads as rank 0 (chosen at engine startup).
     rank_config = config.replace(cpu_threads=torch.get_num_threads())
@@ -97,8 +98,9 @@ def load_tp_worker(
         workers.stop()
         raise
     worker.tp_leader = TPLeader(workers, worker.tp_group)
-    if step_timeout_s is not None:
-        worker.tp_leader.set_step_timeout(step_timeout_s)
+    worker.tp_leader.set_step_timeout(
+        config.distributed_timeout_s if step_timeout_s is None else step_timeout_s
+    )
     log.info(
         "tensor_parallel_ready",
         tp_size=config.tensor_parallel_size,

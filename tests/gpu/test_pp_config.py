@@ -36,6 +36,10 @@ def test_the_flag_its_short_form_and_its_environment_variable(monkeypatch) -> No
     assert (config.pipeline_parallel_size, config.num_ranks) == (2, 4)
     monkeypatch.setenv("TANDEM_PIPELINE_PARALLEL_SIZE", "3")
     assert _parse().pipeline_parallel_size == 3
+    assert _parse().distributed_timeout_s == 120.0
+    assert _parse("--distributed-timeout-seconds", "7.5").distributed_timeout_s == 7.5
+    with pytest.raises(ConfigError, match="distributed_timeout_s must be positive"):
+        EngineConfig(distributed_timeout_s=0)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be an integer >= 1"):
         EngineConfig(pipeline_parallel_size=0)
 

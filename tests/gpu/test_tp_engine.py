@@ -95,9 +95,14 @@ def test_tp3_engine_on_the_embedded_model_gives_the_greedy_tokens_of_one_device(
 
 def test_a_hung_rank_fails_the_engine_after_the_group_timeout(tmp_path) -> None:
     save_sharded(tiny_hf_model("llama"), str(tmp_path))
-    config = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    config = EngineConfig(
+        model=str(tmp_path),
+        tensor_parallel_size=2,
+        distributed_timeout_s=HUNG_TIMEOUT_S,
+        **ENGINE_OPTIONS,
+    )
     platform = probe_platform("cpu")
-    worker = load_tp_worker(config, platform, step_timeout_s=HUNG_TIMEOUT_S)
+    worker = load_tp_worker(config, platform)  # --distributed-timeout-seconds
     runner = choose_runner(config, platform, worker.model_config)
     pids = worker.tp_leader.workers.pids
     dead_reasons: list[str] = []
