@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from actors.core.engine_startup import load_engine
+from actors.core.engine_startup import load_engine, selection_input
 from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.speculative_config import parse_speculative_config
 from app.engine_args import add_engine_args, engine_config_from_args
@@ -16,7 +16,8 @@ from gpu.distributed.layout import ParallelLayout, stage_layers
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.kv_sizing import kv_bytes_per_block
 from gpu.models.presets import PRESETS
-from gpu.runner_selection import RunnerSelectionError
+from gpu.platform import probe_platform
+from gpu.runner_selection import RunnerSelectionError, select_runner
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import EMBED_NAME, FINAL_NORM_NAME, LM_HEAD_NAME
 
@@ -133,3 +134,22 @@ def test_startup_refuses_pipelines_the_runner_cannot_run_before_loading() -> Non
                 compile_level=1,
             )
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "feature"),
+    [
+        (("-tp", "2", "--enable-sequence-parallelism"), "sequence parallelism"),
+        (
+            ("-pp", "2", "--distributed-executor-backend", "external_launcher"),
+            "pipeline parallelism with external_launcher",
+        ),
+    ],
+)
+def test_the_real_flags_fire_the_v1_rule_of_vllm(argv, feature) -> None:
+    config = _parse("--model", "dummy:qwen3-0.6b", "--device", "cpu", *argv)
+    choice = select_runner(selection_input(config, "qwen3"), probe_platform("cpu"))
+    assert (choice.runner, choice.rule) == ("v1", "unsupported_features")
+    assert feature in choice.reason
+    forced = selection_input(config.replace(runner="v2"), "qwen3")
+    assert select_runner(forced, probe_platform("cpu")).runner == "v2"
