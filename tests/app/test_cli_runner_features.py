@@ -80,7 +80,7 @@ def _commands(tmp: Path) -> dict[str, Command]:
         commands[f"test_serve_refuses_bad_flags_in_one_line[{case}]"] = cli(
             "serve", "--port", "0", "--device", "cpu", *args, timeout_s=120
         )
-    commands["test_serve_help_documents_the_flags_and_what_is_not_implemented"] = cli(
+    commands["test_serve_help_documents_the_runner_and_parallelism_flags"] = cli(
         "serve", "--help", timeout_s=120
     )
     return commands
@@ -94,7 +94,7 @@ def _last_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return last
 
 
-def test_serve_help_documents_the_flags_and_what_is_not_implemented(
+def test_serve_help_documents_the_runner_and_parallelism_flags(
     result: subprocess.CompletedProcess[str],
 ) -> None:
     text = " ".join(result.stdout.split())
@@ -103,8 +103,10 @@ def test_serve_help_documents_the_flags_and_what_is_not_implemented(
         "--logits-processors",
         "--speculative-config",
         "vllm_xargs",
-        "Not implemented: sequence parallelism, and pipeline parallelism under an "
-        "external launcher",
+        "--enable-sequence-parallelism",
+        "-pp PIPELINE_PARALLEL_SIZE, --pipeline-parallel-size PIPELINE_PARALLEL_SIZE",
+        "--distributed-executor-backend {mp,external_launcher}",
+        "--distributed-timeout-seconds",
     ):
         assert fragment in text
 
