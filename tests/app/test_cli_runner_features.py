@@ -104,7 +104,7 @@ def test_serve_help_documents_the_runner_and_parallelism_flags(
         "--speculative-config",
         "vllm_xargs",
         "--enable-sequence-parallelism",
-        "-pp PIPELINE_PARALLEL_SIZE, --pipeline-parallel-size PIPELINE_PARALLEL_SIZE",
+        "--pipeline-parallel-size PIPELINE_PARALLEL_SIZE, -pp PIPELINE_PARALLEL_SIZE",
         "--distributed-executor-backend {mp,external_launcher}",
         "--distributed-timeout-seconds",
     ):
