@@ -1,5 +1,6 @@
 """The disk tier's files: one file per KV block hash, written by a background thread so a
-step never waits for the disk, each checked by a checksum when read back.
+step never waits for the disk, each checked by a checksum when read back, by another
+background thread for the engine core (`read_async`), which never waits for a read.
 
 Every failure is a miss, never an error: a write that fails (a full disk, ENOSPC, or any
 OSError) leaves no file and a log line; a read of a missing, short or corrupt file returns
@@ -15,6 +16,7 @@ import hashlib
 import os
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -40,6 +42,8 @@ class DiskStore:
         self.num_write_errors = 0
         self._thread = threading.Thread(target=self._run, name="tandem-kv-disk", daemon=True)
         self._thread.start()
+        # Reads have a thread of their own: a read never waits behind queued writes.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tandem-kv-disk-read")
 
     # ---- the engine's calls (any thread) --------------------------------------------
 
@@ -69,6 +73,10 @@ class DiskStore:
             _unlink(path)
         return data
 
+    def read_async(self, block_hash: bytes) -> Future[bytes | None]:
+        """`read` on the reader thread; the future's result is never an exception."""
+        return self._reader.submit(self.read, block_hash)
+
     def delete(self, block_hash: bytes) -> None:
         self._jobs.put(("delete", block_hash))
 
@@ -86,6 +94,7 @@ class DiskStore:
 
     def close(self) -> None:
         self._jobs.put(_STOP)
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     # ---- the writer thread ----------------------------------------------------------
 

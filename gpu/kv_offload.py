@@ -8,9 +8,14 @@ then block; WSL2 without forced pinning).
 
 On CUDA the copies run on a side stream that first waits for the work already queued on
 the compute stream (so a save reads a block after every step that wrote it, and a load
-writes a block after every step that read its old contents); the compute stream waits for
-them before the step's forward. Spills and fills touch slots on the CPU, so they first wait
-for the side stream's earlier copies. On the CPU every copy is a plain tensor copy.
+writes a block after every step that read its old contents). The step's forward waits for
+the saves only, since the blocks they read are reused at once; the loads overlap it. No row
+of the step reads a block it loads (the engine core holds such a request for a step), so
+the compute stream waits for the loads before the next step's forward, whatever that step
+carries, and any later reader or writer of the blocks comes after them. A step whose
+transfer says `loads_read_now` (an idle engine ran the request at once) waits for its loads
+too. Spills and fills touch slots on the CPU, so they first wait for the side stream's
+earlier copies. On the CPU every copy is a plain tensor copy, done before `apply` returns.
 """
 
 from __future__ import annotations
@@ -55,33 +60,48 @@ class HostKVPool:
         self.slots_cpu, self.pinned = _host_slots((num_slots, *self.slot_shape), pin_memory)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
+        self._loads_done: torch.cuda.Event | None = None
+        """The previous step's loads, which the next step's forward waits for."""
 
     @property
     def bytes_per_slot(self) -> int:
         return self.slots_cpu[0].numel()
 
     @torch.inference_mode()
-    def apply(self, transfer: KVTransfer) -> None:
-        """Run a step's copies, ordered before anything queued after this call."""
+    def apply(self, transfer: KVTransfer | None) -> None:
+        """Start a step's copies (None: none), before its forward is queued: the forward
+        comes after the earlier step's loads and this step's saves (and this step's loads
+        with `loads_read_now`)."""
+        compute = None if self._stream is None else torch.cuda.current_stream(self.device)
+        if compute is not None and self._loads_done is not None:
+            compute.wait_event(self._loads_done)
+            self._loads_done = None
+        if transfer is None:
+            return
         if transfer.spill_host_slots or transfer.fill_host_slots:
             self._wait_for_copies()
             self._spill(transfer.spill_host_slots, transfer.spill_hashes)
-        if self._stream is None:
+        if self._stream is None or compute is None:
             self._save(transfer.save_gpu_block_ids, transfer.save_host_slots)
             self._fill(transfer.fill_host_slots, transfer.fill_data)
             self._load(transfer.load_host_slots, transfer.load_gpu_block_ids)
             return
-        compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)
         # The step's slots are distinct (the engine core pins them), so the CPU's fills
         # race with none of its saves; the earlier steps' copies are done (above).
         self._fill(transfer.fill_host_slots, transfer.fill_data)
+        saves_done, loads_done = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(self._stream):
             self._save(transfer.save_gpu_block_ids, transfer.save_host_slots)
+            saves_done.record(self._stream)
             self._load(transfer.load_host_slots, transfer.load_gpu_block_ids)
-            self._last_copy = torch.cuda.Event()
-            self._last_copy.record(self._stream)
-        compute.wait_stream(self._stream)
+            loads_done.record(self._stream)
+        self._last_copy = loads_done
+        compute.wait_event(saves_done)
+        if transfer.loads_read_now:
+            compute.wait_event(loads_done)
+        elif transfer.load_host_slots:
+            self._loads_done = loads_done
 
     def slot_bytes(self, host_slot: int) -> bytes:
         """A slot's bytes (for tests and spills); waits for copies into it."""
@@ -168,10 +188,12 @@ def attach_host_pool(
 
 
 def run_kv_transfer(worker: object, transfer: KVTransfer | None) -> None:
-    """Run a step's offload copies on the worker's host pool (runners call this first)."""
-    if transfer is None:
-        return
+    """Start a step's offload copies on the worker's host pool; runners call this for every
+    step before its forward, with or without copies (the previous step's loads are waited
+    for here)."""
     pool: HostKVPool | None = getattr(worker, "kv_offload", None)
     if pool is None:
+        if transfer is None:
+            return
         raise RuntimeError("the step carries KV offload copies but this worker has no host pool")
     pool.apply(transfer)

@@ -83,6 +83,7 @@ class EngineLoop(Actor[ToEngineLoop]):
 
     async def run(self) -> None:
         in_flight: InFlight = deque()
+        self._wake_on_disk_reads()
         try:
             async with self._recv:
                 while True:
@@ -98,6 +99,22 @@ class EngineLoop(Actor[ToEngineLoop]):
                     await self._wake.wait()
         finally:
             self._mask_filler.close()
+
+    def _wake_on_disk_reads(self) -> None:
+        """A waiting request whose blocks are read from disk may run once a read ends: the
+        disk store's reader thread wakes the loop (which never waits for a read)."""
+        offload = self.scheduler.kv.offload
+        if offload is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(self._notify)
+            except RuntimeError:  # the loop is closed: the engine has stopped
+                pass
+
+        offload.on_read_done = wake
 
     # ---- the recipe's steps ---------------------------------------------------------------
 

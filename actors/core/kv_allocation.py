@@ -3,6 +3,7 @@ running requests, admit waiting ones) and what it gets back (StepAllocation, KVU
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 from actors.protocol.messages import KVTierStats
@@ -46,7 +47,9 @@ class AllocateStep:
        (entries before it keep theirs);
     3. only if every running entry succeeded, admit `waiting` in order while
        `token_budget` (tokens left for waiting requests) lasts, stopping at the first entry
-       that does not fit.
+       that does not fit. An entry whose blocks are being loaded from the offload tiers, or
+       read from disk, gets no grant yet; the entries after it go on (its grant comes in a
+       later allocation: actors/core/kv_cache_manager.py).
     """
 
     free_request_ids: tuple[str, ...]
@@ -73,7 +76,7 @@ class StepAllocation:
     new_block_ids: tuple[tuple[int, ...], ...]
     """Per satisfied running entry, the blocks appended to its table by this call."""
     waiting: tuple[WaitingGrant, ...]
-    """Per admitted waiting entry, in order (a prefix of AllocateStep.waiting)."""
+    """Per admitted waiting entry, in AllocateStep.waiting's order."""
     usage: KVUsage | None = None
     """The cache's usage after this allocation (for the step's stats)."""
 
@@ -95,3 +98,57 @@ class KVUsage:
     """Of those, tokens found in the cache, cumulative."""
     kv_tiers: tuple[KVTierStats, ...] = ()
     """The offload tiers behind the device pool (host memory, disk), when on."""
+
+
+def validate_allocate_step(
+    msg: AllocateStep, holders: Mapping[str, object], held: Container[str]
+) -> None:
+    """Raise ValueError for a malformed allocation. `holders`: the requests holding blocks;
+    `held`: those among them that wait for their loads (listed as waiting, not running)."""
+    if msg.token_budget < 0:
+        raise ValueError(f"token_budget must be >= 0, got {msg.token_budget}")
+    freed = set(msg.free_request_ids)
+    running_ids = _validate_running(msg.running, freed, holders, held)
+    waiting_ids: set[str] = set()
+    for entry in msg.waiting:
+        request_id = entry.request_id
+        holds = request_id in holders and request_id not in freed and request_id not in held
+        if holds or request_id in running_ids or request_id in waiting_ids:
+            raise ValueError(
+                f"waiting request {request_id!r} already holds blocks or is listed twice"
+            )
+        if not entry.token_ids:
+            raise ValueError(f"waiting request {request_id!r} has no tokens")
+        if not 0 < entry.num_prompt_tokens <= len(entry.token_ids):
+            raise ValueError(
+                f"waiting request {request_id!r}: num_prompt_tokens "
+                f"{entry.num_prompt_tokens} not in [1, {len(entry.token_ids)}]"
+            )
+        if entry.max_num_new_tokens < 1:
+            raise ValueError(f"waiting request {request_id!r}: max_num_new_tokens must be >= 1")
+        waiting_ids.add(request_id)
+
+
+def _validate_running(
+    running: RunningAllocs, freed: set[str], holders: Mapping[str, object], held: Container[str]
+) -> set[str]:
+    """The running entries' ids; checked as whole columns, since a batch holds many."""
+    request_ids = running.request_ids
+    running_ids = set(request_ids)
+    if len(running.num_tokens) != len(request_ids):
+        raise ValueError(
+            f"{len(request_ids)} running requests but {len(running.num_tokens)} token counts"
+        )
+    if not running_ids <= holders.keys() or not running_ids.isdisjoint(freed):
+        request_id = next(r for r in request_ids if r not in holders or r in freed)
+        raise ValueError(f"running request {request_id!r} holds no blocks")
+    if any(request_id in held for request_id in request_ids):
+        request_id = next(r for r in request_ids if r in held)
+        raise ValueError(f"running request {request_id!r} waits for its loads")
+    if len(running_ids) != len(request_ids):
+        request_id = next(r for i, r in enumerate(request_ids) if r in request_ids[:i])
+        raise ValueError(f"running request {request_id!r} is listed twice")
+    if request_ids and min(running.num_tokens) < 0:
+        request_id = request_ids[running.num_tokens.index(min(running.num_tokens))]
+        raise ValueError(f"running request {request_id!r}: num_tokens must be >= 0")
+    return running_ids

@@ -25,6 +25,9 @@ whether they were prompt or output (a chat's next turn sends the previous answer
   Speculative draft slots never enter a hash: only accepted tokens reach a request's
   outputs, and a slot's KV counts only once its own token is known (the row's computed
   count is an upper bound only past its last known token: actors/core/spec_scheduling.py).
+
+Offload tiers (actors/core/kv_offload.py): a request whose prefix is loaded from host memory
+is held a step before it runs, so the loads overlap a forward (actors/core/kv_holds.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from actors.core.block_pool import BlockPool
 from actors.core.kv_allocation import (
@@ -41,9 +45,11 @@ from actors.core.kv_allocation import (
     StepAllocation,
     WaitingAlloc,
     WaitingGrant,
+    validate_allocate_step,
 )
+from actors.core.kv_holds import Holds
 from actors.core.kv_offload import KVOffload, Lookup
-from actors.core.prefix_hash import BlockHash, chain_block_hashes, hash_full_blocks
+from actors.core.prefix_hash import BlockHash, chain_block_hashes, hash_full_blocks, token_slice
 from actors.protocol.messages import KVTransfer
 
 
@@ -56,6 +62,13 @@ class _RequestBlocks:
     num_offered_blocks: int
     """Blocks [0, num_offered_blocks) were cache hits or have been offered to the cache."""
     cache_salt: str | None = None
+
+
+class _Wait(Enum):
+    NO_ROOM = "no_room"
+    """Too few blocks: the entry and the ones after it wait."""
+    READING = "reading"
+    """Its next blocks are being read from disk: the entries after it may go first."""
 
 
 class KVCacheManager:
@@ -79,6 +92,7 @@ class KVCacheManager:
         # Hashes of waiting requests that were offered but not admitted, so a request stuck
         # at the head of the queue is not re-hashed every step.
         self._waiting_hashes: dict[str, list[BlockHash]] = {}
+        self._held = Holds()
         self._num_query_tokens = 0
         self._num_hit_tokens = 0
 
@@ -111,12 +125,16 @@ class KVCacheManager:
     # ---- commands -------------------------------------------------------------------
 
     def allocate_step(self, msg: AllocateStep) -> StepAllocation:
-        self._validate(msg)
+        validate_allocate_step(msg, self._requests, self._held)
         self.free(msg.free_request_ids)
+        if self.offload is not None:
+            self.offload.poll_reads()
+        held = self._held.take()  # granted by this allocation or released
         new_block_ids = self._allocate_running(msg.running)
         grants: list[WaitingGrant] = []
         if len(new_block_ids) == len(msg.running):
-            grants = self._admit_waiting(msg.waiting, msg.token_budget)
+            grants = self._admit_waiting(msg.waiting, msg.token_budget, held, not msg.running)
+        self._release(held)
         return StepAllocation(
             num_running_ok=len(new_block_ids),
             new_block_ids=tuple(new_block_ids),
@@ -142,7 +160,7 @@ class KVCacheManager:
         num_full_blocks = (len(prompt_token_ids) + len(output_token_ids)) // self.block_size
         num_hashed_blocks = len(state.block_hashes)
         if num_full_blocks > num_hashed_blocks:
-            tokens = _token_slice(
+            tokens = token_slice(
                 prompt_token_ids,
                 output_token_ids,
                 num_hashed_blocks * self.block_size,
@@ -168,6 +186,7 @@ class KVCacheManager:
         """Release the requests' blocks; unknown ids are ignored (nothing was allocated)."""
         for request_id in request_ids:
             self._waiting_hashes.pop(request_id, None)
+            self._held.discard(request_id)
             state = self._requests.pop(request_id, None)
             if state is not None:
                 # Tail first: the LRU then evicts a prefix's last blocks before its first
@@ -179,6 +198,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         if self.offload is not None:
             self.offload.check_invariants()
+        self._held.check_invariants(self._requests.keys())
         holders: Counter[int] = Counter()
         for request_id, state in self._requests.items():
             if len(set(state.block_ids)) != len(state.block_ids):
@@ -219,22 +239,57 @@ class KVCacheManager:
         return new_block_ids
 
     def _admit_waiting(
-        self, entries: Sequence[WaitingAlloc], token_budget: int
+        self,
+        entries: Sequence[WaitingAlloc],
+        token_budget: int,
+        held: Holds,
+        idle: bool,
     ) -> list[WaitingGrant]:
+        """Grants in entry order; `held`: the holds of the previous allocation, each granted
+        here when its entry is reached (and popped); `idle`: no running row this step."""
         old_hashes, self._waiting_hashes = self._waiting_hashes, {}
         grants: list[WaitingGrant] = []
+        new_holds: list[WaitingAlloc] = []
         for position, entry in enumerate(entries):
             if token_budget <= 0:
                 self._keep_waiting_hashes(entries[position:], old_hashes)
                 break
-            hashes = self._hash_prompt(entry, old_hashes.get(entry.request_id, ()))
-            grant = self._admit(entry, hashes, token_budget)
-            if grant is None:
-                self._waiting_hashes[entry.request_id] = hashes
+            request_id = entry.request_id
+            if request_id in held:
+                admitted: WaitingGrant | _Wait | None = self._grant_held(
+                    entry, held.pop(request_id), token_budget
+                )
+            else:
+                hashes = self._hash_prompt(entry, old_hashes.get(request_id, ()))
+                admitted = self._admit(entry, hashes, token_budget)
+                if isinstance(admitted, _Wait):
+                    self._waiting_hashes[request_id] = hashes
+            if admitted is None:
+                new_holds.append(entry)
+            elif admitted is _Wait.NO_ROOM:
                 self._keep_waiting_hashes(entries[position + 1 :], old_hashes)
                 break
+            elif isinstance(admitted, WaitingGrant):
+                token_budget -= admitted.num_new_tokens
+                grants.append(admitted)
+        if idle and new_holds and not grants:
+            grants = self._run_holds_now(new_holds, token_budget)
+        return grants
+
+    def _run_holds_now(
+        self, entries: Sequence[WaitingAlloc], token_budget: int
+    ) -> list[WaitingGrant]:
+        """Grant this allocation's holds at once (nothing else runs in the step to overlap
+        their loads with); their forward waits for the loads."""
+        grants: list[WaitingGrant] = []
+        for entry in entries:
+            if token_budget <= 0:
+                break
+            grant = self._grant_held(entry, self._held.pop(entry.request_id), token_budget)
             token_budget -= grant.num_new_tokens
             grants.append(grant)
+        if self.offload is not None:
+            self.offload.read_now()
         return grants
 
     def _keep_waiting_hashes(
@@ -251,7 +306,8 @@ class KVCacheManager:
 
     def _admit(
         self, entry: WaitingAlloc, hashes: list[BlockHash], token_budget: int
-    ) -> WaitingGrant | None:
+    ) -> WaitingGrant | _Wait | None:
+        """The entry's grant; None when it is held (actors/core/kv_holds.py)."""
         num_tokens = len(entry.token_ids)
         # At least one token must be computed so the step produces logits to sample from.
         max_hit_blocks = (num_tokens - 1) // self.block_size if entry.reuse_cached_prefix else 0
@@ -261,14 +317,16 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
-        lookup = self._find_offloaded(hashes[len(hit_block_ids) : max_hit_blocks])
+        lookup = self._find_offloaded(entry.request_id, hashes[len(hit_block_ids) : max_hit_blocks])
+        if lookup is None:
+            return _Wait.READING
         num_loaded = len(lookup.host_slots)
         num_cached = (len(hit_block_ids) + num_loaded) * self.block_size
         num_new = min(num_tokens - num_cached, entry.max_num_new_tokens, token_budget)
         num_needed = -(-(num_cached + num_new) // self.block_size) - len(hit_block_ids)
         num_revived = sum(1 for block_id in hit_block_ids if self.pool.is_evictable(block_id))
         if num_needed > self.pool.num_allocatable_blocks - num_revived:
-            return None
+            return _Wait.NO_ROOM
         self.pool.touch(hit_block_ids)
         new_block_ids = self._allocate_blocks(num_needed)
         self._load_offloaded(lookup, hashes[len(hit_block_ids) :], new_block_ids[:num_loaded])
@@ -279,11 +337,36 @@ class KVCacheManager:
             entry.cache_salt,
         )
         self._requests[entry.request_id] = state
-        self._publish_full_blocks(state, num_cached + num_new)
         if self.enable_prefix_caching:
             self._num_query_tokens += num_tokens
             self._num_hit_tokens += len(hit_block_ids) * self.block_size  # the device pool's
-        return WaitingGrant(entry.request_id, tuple(state.block_ids), num_cached, num_new)
+        offload = self.offload
+        if num_loaded or (offload and any(offload.is_loading(b) for b in hit_block_ids)):
+            self._held.hold(entry.request_id, num_cached)
+            return None
+        return self._grant(entry.request_id, state, num_cached, num_new)
+
+    def _grant_held(self, entry: WaitingAlloc, num_cached: int, token_budget: int) -> WaitingGrant:
+        """A held request's grant, within the blocks it holds (at least one token)."""
+        state = self._requests[entry.request_id]
+        num_free_slots = len(state.block_ids) * self.block_size - num_cached
+        num_left = len(entry.token_ids) - num_cached
+        num_new = min(num_left, entry.max_num_new_tokens, token_budget, num_free_slots)
+        return self._grant(entry.request_id, state, num_cached, num_new)
+
+    def _grant(
+        self, request_id: str, state: _RequestBlocks, num_cached: int, num_new: int
+    ) -> WaitingGrant:
+        self._publish_full_blocks(state, num_cached + num_new)
+        return WaitingGrant(request_id, tuple(state.block_ids), num_cached, num_new)
+
+    def _release(self, held: Holds) -> None:
+        """Free holds no allocation granted; their blocks stay cached, their loads done by
+        any later step (its forward waits for them)."""
+        for request_id in held.request_ids():
+            state = self._requests.pop(request_id)
+            self._waiting_hashes[request_id] = state.block_hashes
+            self.pool.free(reversed(state.block_ids))
 
     def _allocate_blocks(self, num_blocks: int) -> list[int]:
         block_ids = self.pool.allocate(num_blocks)
@@ -293,21 +376,19 @@ class KVCacheManager:
             evicted.clear()
         return block_ids
 
-    def _find_offloaded(self, hashes: Sequence[BlockHash]) -> Lookup:
-        """The blocks after the device pool's hits that the offload tiers hold, in order up
-        to the first they miss."""
-        lookup = Lookup()
-        if self.offload is not None:
-            for block_hash in hashes:
-                if not self.offload.find(block_hash, lookup):
-                    break
-        return lookup
+    def _find_offloaded(self, request_id: str, hashes: Sequence[BlockHash]) -> Lookup | None:
+        """The blocks after the device pool's hits that host memory holds, in order up to
+        the first it misses; None while some are being read from disk."""
+        if self.offload is None:
+            return Lookup()
+        return self._held.lookup(self.offload, request_id, hashes)
 
     def _load_offloaded(
         self, lookup: Lookup, hashes: Sequence[BlockHash], block_ids: Sequence[int]
     ) -> None:
         """Copy the tiers' hits into the request's new blocks and publish them now: the
-        worker runs the loads before the step's forward, so any reader sees the KV."""
+        request is held, and so is any other that hits them before the step takes the
+        loads (`KVOffload.is_loading`), so every reader comes after the loads."""
         if self.offload is None:
             return
         for slot, block_hash, block_id in zip(lookup.host_slots, hashes, block_ids, strict=False):
@@ -320,59 +401,3 @@ class KVCacheManager:
         for index in range(state.num_offered_blocks, end):
             self.pool.register(state.block_ids[index], state.block_hashes[index])
         state.num_offered_blocks = max(state.num_offered_blocks, end)
-
-    def _validate(self, msg: AllocateStep) -> None:
-        if msg.token_budget < 0:
-            raise ValueError(f"token_budget must be >= 0, got {msg.token_budget}")
-        freed = set(msg.free_request_ids)
-        running_ids = self._validate_running(msg.running, freed)
-        waiting_ids: set[str] = set()
-        for entry in msg.waiting:
-            request_id = entry.request_id
-            held = request_id in self._requests and request_id not in freed
-            if held or request_id in running_ids or request_id in waiting_ids:
-                raise ValueError(
-                    f"waiting request {request_id!r} already holds blocks or is listed twice"
-                )
-            if not entry.token_ids:
-                raise ValueError(f"waiting request {request_id!r} has no tokens")
-            if not 0 < entry.num_prompt_tokens <= len(entry.token_ids):
-                raise ValueError(
-                    f"waiting request {request_id!r}: num_prompt_tokens "
-                    f"{entry.num_prompt_tokens} not in [1, {len(entry.token_ids)}]"
-                )
-            if entry.max_num_new_tokens < 1:
-                raise ValueError(f"waiting request {request_id!r}: max_num_new_tokens must be >= 1")
-            waiting_ids.add(request_id)
-
-    def _validate_running(self, running: RunningAllocs, freed: set[str]) -> set[str]:
-        """The running entries' ids; checked as whole columns, since a batch holds many."""
-        request_ids = running.request_ids
-        running_ids = set(request_ids)
-        if len(running.num_tokens) != len(request_ids):
-            raise ValueError(
-                f"{len(request_ids)} running requests but {len(running.num_tokens)} token counts"
-            )
-        if not running_ids <= self._requests.keys() or not running_ids.isdisjoint(freed):
-            request_id = next(r for r in request_ids if r not in self._requests or r in freed)
-            raise ValueError(f"running request {request_id!r} holds no blocks")
-        if len(running_ids) != len(request_ids):
-            request_id = next(r for i, r in enumerate(request_ids) if r in request_ids[:i])
-            raise ValueError(f"running request {request_id!r} is listed twice")
-        if request_ids and min(running.num_tokens) < 0:
-            request_id = request_ids[running.num_tokens.index(min(running.num_tokens))]
-            raise ValueError(f"running request {request_id!r}: num_tokens must be >= 0")
-        return running_ids
-
-
-def _token_slice(
-    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], start: int, stop: int
-) -> Sequence[int]:
-    """Tokens [start, stop) of prompt + outputs, without copying the whole sequence (this
-    runs while a long request decodes)."""
-    num_prompt_tokens = len(prompt_token_ids)
-    if stop <= num_prompt_tokens:
-        return prompt_token_ids[start:stop]
-    if start >= num_prompt_tokens:
-        return output_token_ids[start - num_prompt_tokens : stop - num_prompt_tokens]
-    return (*prompt_token_ids[start:], *output_token_ids[: stop - num_prompt_tokens])

@@ -1,12 +1,16 @@
 """The prefix cache's offload tiers, as the engine core sees them: which block hashes sit in
-host memory (and on disk), and which copies the worker must run before the next step.
+host memory (and on disk), and which copies the worker must run.
 
 A block evicted from the device pool (BlockPool's LRU) is saved to a host slot; a prefix
 hit in host memory is loaded into a fresh device block, which is published under its hash
-at once, since the worker runs the step's loads before its forward. With a disk tier, a
-host slot that must make room is spilled to a file first; a disk hit is read here, its
-checksum checked (a bad or missing file is a miss), and filled into a host slot, then
-loaded as a host hit.
+at once. The load overlaps the step that issues it: no row of that step may read the block
+(the KV cache manager holds such requests a step, actors/core/kv_holds.py), so this index
+reports which device blocks the step being built loads (`is_loading`). With a disk tier, a
+host slot that must make room is spilled to a file first; a disk hit is read by the disk
+store's reader thread (`lookup` starts the reads and answers None meanwhile: the request
+waits), and each block read back, its checksum checked, is filled into a host slot at the
+next allocation (`poll_reads`), from where it loads as a host hit. A bad or missing file is
+a miss. The engine core never waits for the disk.
 
 Slot reuse within one step is what could go wrong: the worker runs all spills, then all
 saves, then fills, then loads. So a slot touched by the step's copies is pinned until the
@@ -17,7 +21,8 @@ Only published blocks are ever evicted, so only full, correct KV is saved.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,10 +35,10 @@ log = structlog.get_logger("tandem.kv_offload")
 
 
 class DiskBlocks(Protocol):
-    """The disk tier's files (gpu/kv_disk_store.py): written in the background."""
+    """The disk tier's files (gpu/kv_disk_store.py): written and read in the background."""
 
-    def read(self, block_hash: BlockHash) -> bytes | None:
-        """The block's bytes, or None when missing, short or corrupt (logged)."""
+    def read_async(self, block_hash: BlockHash) -> Future[bytes | None]:
+        """The block's bytes, or None when missing, short or corrupt (logged), once read."""
         ...
 
     def delete(self, block_hash: BlockHash) -> None: ...
@@ -88,6 +93,10 @@ class TierIndex:
         self._pinned.add(slot)
         return slot, evicted
 
+    def touch(self, block_hash: BlockHash) -> None:
+        """Make the block most recently used, without pinning it."""
+        self._slots.move_to_end(block_hash)
+
     def remove(self, block_hash: BlockHash) -> None:
         slot = self._slots.pop(block_hash, None)
         if slot is not None:
@@ -135,6 +144,9 @@ class _PendingTransfer:
     fill_data: list[bytes] = field(default_factory=list)
     load_host_slots: list[int] = field(default_factory=list)
     load_gpu_block_ids: list[int] = field(default_factory=list)
+    loading: set[int] = field(default_factory=set)
+    """load_gpu_block_ids as a set."""
+    loads_read_now: bool = False
 
 
 @dataclass(slots=True)
@@ -169,6 +181,12 @@ class KVOffload:
         self._host_counts = _TierCounts()
         self._disk_counts = _TierCounts()
         self._pending = _PendingTransfer()
+        self._reads: dict[BlockHash, Future[bytes | None]] = {}
+        """Disk reads in flight, by hash (dropped by a reset: their bytes are not used)."""
+        self._from_disk: set[BlockHash] = set()
+        """Host blocks filled from disk whose first hit is still to count as a disk hit."""
+        self.on_read_done: Callable[[], None] | None = None
+        """Called on the reader thread when a disk read ends (the engine loop wakes up)."""
 
     # ---- the KV cache manager's calls ----------------------------------------------
 
@@ -177,36 +195,76 @@ class KVOffload:
         for block_id, block_hash in evicted:
             if block_hash in self.host:
                 continue  # the host copy is the same KV
-            placed = self.host.insert(block_hash)
-            if placed is None:
+            slot = self._insert_host(block_hash)
+            if slot is None:
                 continue  # every slot serves this step's copies: the block is dropped
-            slot, spilled = placed
-            if spilled is not None:
-                self._spill(slot, spilled)
             self._pending.save_gpu_block_ids.append(block_id)
             self._pending.save_host_slots.append(slot)
             self._host_counts.saved_bytes += self.bytes_per_block
 
-    def find(self, block_hash: BlockHash, lookup: Lookup) -> bool:
-        """Whether the tiers hold the block (missed by the device pool); a disk hit is moved
-        into a host slot. The slot is pinned and appended to `lookup.host_slots`."""
-        lookup.num_host_queries += 1
-        slot = self.host.lookup(block_hash)
-        if slot is not None:
-            lookup.num_host_hits += 1
-        elif self.disk is not None:
-            lookup.num_disk_queries += 1
-            slot = self._from_disk(block_hash)
-            lookup.num_disk_hits += slot is not None
-        if slot is None:
-            return False
-        lookup.host_slots.append(slot)
-        return True
+    def lookup(self, hashes: Sequence[BlockHash], start_reads: bool = True) -> Lookup | None:
+        """The leading blocks of `hashes` (missed by the device pool) that host memory
+        holds, their slots pinned; None while some of them are being read from disk (the
+        request asks again at a later step). With `start_reads`, reads of the disk's blocks
+        among them start here; a request that waited once asks without, so it waits at most
+        for the reads in flight, never again for blocks its wait let fall out of host memory."""
+        if self._wait_for_reads(hashes, start_reads):
+            return None
+        lookup = Lookup()
+        for block_hash in hashes:
+            lookup.num_host_queries += 1
+            slot = self.host.lookup(block_hash)
+            if slot is None:
+                lookup.num_disk_queries += self.disk is not None
+                break
+            if block_hash in self._from_disk:  # the disk's hit, through a host slot
+                self._from_disk.discard(block_hash)
+                lookup.num_disk_queries += 1
+                lookup.num_disk_hits += 1
+            else:
+                lookup.num_host_hits += 1
+            lookup.host_slots.append(slot)
+        return lookup
+
+    def poll_reads(self) -> None:
+        """Fill the disk reads that ended into host slots (copied there by the next step);
+        a failed read is a miss."""
+        for block_hash, read in list(self._reads.items()):
+            if not read.done():
+                continue
+            del self._reads[block_hash]
+            data = None if read.exception() is not None else read.result()
+            if data is None or len(data) != self.bytes_per_block:
+                self._disk_index.pop(block_hash, None)
+                if data is not None:
+                    log.warning("kv_disk_block_wrong_size", num_bytes=len(data))
+                continue
+            if block_hash in self.host:
+                continue
+            slot = self._insert_host(block_hash)
+            if slot is None:
+                continue  # every slot serves this step's copies: read again later
+            if block_hash in self._disk_index:
+                self._disk_index.move_to_end(block_hash)
+            self._from_disk.add(block_hash)
+            self._pending.fill_host_slots.append(slot)
+            self._pending.fill_data.append(data)
+            self._disk_counts.loaded_bytes += self.bytes_per_block
+
+    def is_loading(self, gpu_block_id: int) -> bool:
+        """Whether the step being built loads into the device block."""
+        return gpu_block_id in self._pending.loading
+
+    def read_now(self) -> None:
+        """A row of the step being built reads blocks it loads: its forward must wait."""
+        self._pending.loads_read_now = True
 
     def load(self, host_slot: int, gpu_block_id: int) -> None:
-        """Copy a host slot (from `find`) into a device block before the next step."""
+        """Copy a host slot (from `lookup`) into a device block, beside the step being
+        built (its rows must not read the block)."""
         self._pending.load_host_slots.append(host_slot)
         self._pending.load_gpu_block_ids.append(gpu_block_id)
+        self._pending.loading.add(gpu_block_id)
         self._host_counts.loaded_bytes += self.bytes_per_block
 
     def commit(self, lookup: Lookup) -> None:
@@ -230,14 +288,18 @@ class KVOffload:
             fill_data=tuple(pending.fill_data),
             load_host_slots=tuple(pending.load_host_slots),
             load_gpu_block_ids=tuple(pending.load_gpu_block_ids),
+            loads_read_now=pending.loads_read_now and bool(pending.load_host_slots),
         )
         return None if transfer.is_empty else transfer
 
     def reset(self) -> int:
         """Forget every offloaded block (POST /reset_prefix_cache); returns how many. Copies
-        already decided still run: they read or fill slots no index entry points at."""
+        already decided still run: they read or fill slots no index entry points at. Reads
+        in flight end unused."""
         num_dropped = self.host.clear() + len(self._disk_index)
         self._disk_index.clear()
+        self._reads.clear()
+        self._from_disk.clear()
         if self.disk is not None:
             self.disk.clear()
         return num_dropped
@@ -269,25 +331,42 @@ class KVOffload:
         self._pending.spill_hashes.append(block_hash)
         self._disk_counts.saved_bytes += self.bytes_per_block
 
-    def _from_disk(self, block_hash: BlockHash) -> int | None:
-        if self.disk is None or block_hash not in self._disk_index:
-            return None
-        data = self.disk.read(block_hash)
-        if data is None or len(data) != self.bytes_per_block:
-            self._disk_index.pop(block_hash, None)
-            if data is not None:
-                log.warning("kv_disk_block_wrong_size", num_bytes=len(data))
-            return None
+    def _wait_for_reads(self, hashes: Sequence[BlockHash], start_reads: bool) -> bool:
+        """Whether some of the leading blocks of `hashes` that the tiers hold are being read
+        (started here with `start_reads`, as many as host memory has slots)."""
+        if self.disk is None:
+            return False
+        reading = False
+        for block_hash in hashes[: self.host.num_slots]:
+            if block_hash in self.host:
+                self.host.touch(block_hash)  # fills evict other blocks first
+                continue
+            if block_hash not in self._reads:
+                if not start_reads or block_hash not in self._disk_index:
+                    break
+                try:
+                    read = self.disk.read_async(block_hash)
+                except RuntimeError:  # the store is closed: the engine is stopping
+                    break
+                self._reads[block_hash] = read
+                read.add_done_callback(self._read_done)
+            reading = True
+        return reading
+
+    def _read_done(self, _: Future[bytes | None]) -> None:
+        if self.on_read_done is not None:
+            self.on_read_done()
+
+    def _insert_host(self, block_hash: BlockHash) -> int | None:
+        """A pinned host slot for a new block, its previous block spilled; None when every
+        slot is pinned."""
         placed = self.host.insert(block_hash)
         if placed is None:
             return None
-        slot, spilled = placed
-        if spilled is not None:
-            self._spill(slot, spilled)
-        self._disk_index.move_to_end(block_hash)
-        self._pending.fill_host_slots.append(slot)
-        self._pending.fill_data.append(data)
-        self._disk_counts.loaded_bytes += self.bytes_per_block
+        slot, evicted = placed
+        if evicted is not None:
+            self._from_disk.discard(evicted)
+            self._spill(slot, evicted)
         return slot
 
     def _tier_stats(

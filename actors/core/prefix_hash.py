@@ -100,3 +100,16 @@ def _salt_bytes(cache_salt: str | None) -> bytes:
         return b"\x00"
     encoded = cache_salt.encode()
     return b"\x01" + len(encoded).to_bytes(4, "little") + encoded
+
+
+def token_slice(
+    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], start: int, stop: int
+) -> Sequence[int]:
+    """Tokens [start, stop) of prompt + outputs, without copying the whole sequence (this
+    runs while a long request decodes)."""
+    num_prompt_tokens = len(prompt_token_ids)
+    if stop <= num_prompt_tokens:
+        return prompt_token_ids[start:stop]
+    if start >= num_prompt_tokens:
+        return output_token_ids[start - num_prompt_tokens : stop - num_prompt_tokens]
+    return (*prompt_token_ids[start:], *output_token_ids[: stop - num_prompt_tokens])

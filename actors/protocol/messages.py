@@ -401,8 +401,11 @@ class GrammarBitmask(msgspec.Struct, frozen=True):
 
 class KVTransfer(msgspec.Struct, frozen=True):
     """KV block copies between the device pool and the prefix cache's offload tiers,
-    decided by the KV cache manager and run by the worker before the step's forward, in
-    field order (gpu/kv_offload.py): spills, saves, fills, loads. Each rank of a tensor-
+    decided by the KV cache manager and started by the worker when the step starts, in
+    field order (gpu/kv_offload.py): spills, saves, fills, loads. The step's forward waits
+    for the saves (their blocks are reused) but not for the loads: no row of the step reads
+    a loaded block (the request waits a step, actors/core/kv_holds.py) unless
+    `loads_read_now`; the next step's forward waits for them. Each rank of a tensor-
     parallel group copies its own shard of the same blocks."""
 
     spill_host_slots: tuple[int, ...] = ()
@@ -417,6 +420,9 @@ class KVTransfer(msgspec.Struct, frozen=True):
     load_host_slots: tuple[int, ...] = ()
     """Host slots copied into the device blocks `load_gpu_block_ids` (prefix hits)."""
     load_gpu_block_ids: tuple[int, ...] = ()
+    loads_read_now: bool = False
+    """A row of this step reads blocks these loads write (nothing else could run, so the
+    request was not held a step): the step's forward waits for the loads too."""
 
     @property
     def is_empty(self) -> bool:

@@ -1,8 +1,12 @@
 """The offload tiers' bookkeeping in the engine core (actors/core/kv_offload.py): the tier
 index's LRU and pins, the copies the KV cache manager orders when the device pool evicts a
-cached block and when a later prompt hits it in host memory or on disk, salt isolation."""
+cached block and when a later prompt hits it in host memory or on disk, salt isolation.
+Here nothing else runs, so a host hit is granted in the step that loads it (the holds of a
+busy engine: test_kv_offload_holds.py); a disk hit waits for its read first."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 
@@ -32,6 +36,11 @@ class FakeDisk:
             return None
         return self.files.get(block_hash)
 
+    def read_async(self, block_hash: bytes) -> Future[bytes | None]:
+        read: Future[bytes | None] = Future()
+        read.set_result(self.read(block_hash))
+        return read
+
     def delete(self, block_hash: bytes) -> None:
         self.deleted.append(block_hash)
         self.files.pop(block_hash, None)
@@ -50,10 +59,13 @@ def _manager(
 def _admit(
     manager: KVCacheManager, request_id: str, tokens: range | list[int], salt: str | None = None
 ) -> tuple[WaitingGrant, KVTransfer | None]:
-    """Admit one request, free it at once, and return its grant and the step's copies."""
+    """Admit one request (after a step that reads its disk blocks, if it has some), free it
+    at once, and return its grant and the step's copies."""
     token_ids = tuple(tokens)
     entry = WaitingAlloc(request_id, token_ids, len(token_ids), 10_000, salt)
     allocation = manager.allocate_step(AllocateStep((), RunningAllocs(), (entry,), 10_000))
+    if not allocation.waiting:  # its blocks are read from disk: they are in host memory now
+        allocation = manager.allocate_step(AllocateStep((), RunningAllocs(), (entry,), 10_000))
     (grant,) = allocation.waiting
     manager.free([request_id])
     manager.check_invariants()
@@ -111,7 +123,7 @@ def test_evicted_blocks_are_saved_and_a_later_prefix_hit_is_loaded() -> None:
 
     again, transfer = _admit(manager, "c", prompt)
     assert again.num_cached_tokens == 12 and again.num_new_tokens == 1
-    assert transfer is not None
+    assert transfer is not None and transfer.loads_read_now  # nothing else runs: no hold
     # a's three blocks come back from the slots they were saved to, into c's first blocks
     assert transfer.load_gpu_block_ids == again.block_ids[:3]
     assert transfer.load_host_slots == tuple(saved[b] for b in first.block_ids[:3])
@@ -158,6 +170,32 @@ def test_slots_a_step_loads_from_are_not_reused_by_its_saves() -> None:
     assert len(transfer.load_host_slots) == 3
     assert not set(transfer.save_host_slots) & set(transfer.load_host_slots)
     assert transfer.save_host_slots == ()  # every slot is pinned by a load: b is dropped
+
+
+def test_a_hold_the_next_allocation_does_not_grant_is_released_its_blocks_cached() -> None:
+    """A running row that cannot grow (a preemption follows) admits no waiting request:
+    the held one gives its blocks back at once, loaded and cached for its next try."""
+    manager = _manager(num_blocks=8)
+    prompt = range(13)
+    _admit(manager, "a", prompt)
+    _admit(manager, "flush", range(100, 131))  # all 8 blocks: a's go to host memory
+    running = WaitingAlloc("r", tuple(range(200, 205)), 5, 10_000)
+    manager.allocate_step(AllocateStep((), RunningAllocs(), (running,), 10_000))
+    waiting = (WaitingAlloc("d", tuple(prompt), 13, 10_000),)
+    held = manager.allocate_step(AllocateStep((), RunningAllocs(("r",), (6,)), waiting, 10_000))
+    assert held.waiting == () and manager.has_request("d")
+    transfer = manager.take_transfer()
+    assert transfer is not None and len(transfer.load_gpu_block_ids) == 3
+    assert not transfer.loads_read_now  # "r" runs beside the loads
+    loaded = transfer.load_gpu_block_ids
+    too_big = RunningAllocs(("r",), (8 * BLOCK_SIZE + 1,))
+    failed = manager.allocate_step(AllocateStep((), too_big, waiting, 10_000))
+    assert failed.num_running_ok == 0 and not manager.has_request("d")
+    manager.check_invariants()
+    manager.free(["r"])
+    again, transfer = _admit(manager, "d", prompt)
+    assert again.num_cached_tokens == 12 and again.block_ids[:3] == loaded
+    assert transfer is None or not transfer.load_host_slots  # device hits: no second load
 
 
 def test_reset_drops_every_offloaded_block() -> None:

@@ -2,13 +2,18 @@
 device pool holds 8 blocks, so a long unrelated prompt between two turns of a chat evicts
 turn 1's blocks. Without tiers turn 2 recomputes them; with the host tier (and with a disk
 tier behind a one-block host tier) it copies them back, and its greedy answer is the same
-token for token. Another cache_salt finds nothing of them."""
+token for token: alone (it runs in the step that loads it), beside a running request (it
+is held a step while the loads overlap that request's step), three copies at once (one
+load, shared, in a pool too small for all of them), and behind a slow disk read (the other
+request keeps stepping meanwhile). Another cache_salt finds nothing of them."""
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -19,6 +24,7 @@ from actors.protocol.config import EngineConfig
 from actors.protocol.messages import EngineRequest, KVTierStats
 from actors.protocol.sampling_params import SamplingParams
 from app.tokenizer_loader import load_tokenizer
+from gpu.kv_disk_store import DiskStore
 from tests.app._server_fixtures import ENGINE, shared_model
 
 pytestmark = pytest.mark.slow
@@ -27,6 +33,8 @@ NUM_KV_BLOCKS = 8
 CONFIG = ENGINE.replace(max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=NUM_KV_BLOCKS)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 FLUSH = SamplingParams(temperature=0.0, max_tokens=1)
+ALONGSIDE = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+"""A request that runs while turn 2 is admitted."""
 TEXT = "The committee met on Tuesday to review the budget and the new library wing."
 
 
@@ -72,31 +80,56 @@ async def _generate(
 
 
 def _turns(
-    config: EngineConfig, turn_2_salt: str | None = None, num_flushes: int = 1
+    config: EngineConfig,
+    turn_2_salt: str | None = None,
+    num_flushes: int = 1,
+    alongside: bool = False,
+    num_turn_2: int = 1,
+    step_observers: tuple[Any, ...] = (),
 ) -> tuple[tuple[int, ...], int, tuple[KVTierStats, ...]]:
     """(turn 2's answer, turn 2's cached tokens, the tiers' stats) of turn 1, flushes that
-    evict it from the device pool (a second one from a small host tier too), then turn 2."""
+    evict it from the device pool (a second one from a small host tier too), then turn 2
+    (`num_turn_2` copies, which must agree), with `alongside` while another request runs."""
     loaded = reuse_engine(shared_model(), config)
     prompt_1, follow_up, flush, _ = _prompts()
 
     async def run() -> tuple[tuple[int, ...], int, tuple[KVTierStats, ...]]:
-        engine = InProcessEngine(loaded.worker, loaded.runner, config)
+        engine = InProcessEngine(
+            loaded.worker, loaded.runner, config, step_observers=step_observers
+        )
         async with anyio.create_task_group() as tg:
             await tg.start(engine.run)
             answer_1, _ = await _generate(engine, "turn-1", prompt_1)
             for index in range(num_flushes):
                 flush_prompt = tuple(token + 2000 * index for token in flush)
                 await _generate(engine, f"flush-{index}", flush_prompt, FLUSH)
+            if alongside:
+                other = engine.add_request(
+                    EngineRequest("other", tuple(range(3000, 3010)), ALONGSIDE, time.monotonic())
+                )
+                assert await other.get() is not None  # running: it has a token
             prompt_2 = prompt_1 + answer_1 + follow_up
-            answer_2, num_cached = await _generate(
-                engine, "turn-2", prompt_2, cache_salt=turn_2_salt
-            )
+            turns_2 = []
+            async with anyio.create_task_group() as turns:
+
+                async def turn_2(index: int) -> None:
+                    turns_2.append(
+                        await _generate(engine, f"turn-2-{index}", prompt_2, cache_salt=turn_2_salt)
+                    )
+
+                for index in range(num_turn_2):
+                    turns.start_soon(turn_2, index)
+            if alongside:
+                with anyio.fail_after(300):
+                    await other.wait_finished()
+            assert len({answer for answer, _ in turns_2}) == 1, turns_2
             kv = engine.core.scheduler.kv
             engine.core.scheduler.free_finished_blocks()
             kv.check_invariants()
+            assert kv.stats().num_used_blocks == 0
             tiers = kv.stats().kv_tiers
             engine.stop()
-        return answer_2, num_cached, tiers
+        return turns_2[0][0], max(num_cached for _, num_cached in turns_2), tiers
 
     return anyio.run(run)
 
@@ -138,6 +171,53 @@ def test_disk_tier_behind_a_small_host_tier(tmp_path: Path) -> None:
     assert num_cached >= (len(prompt_1) // CONFIG.block_size) * CONFIG.block_size
     cpu, disk = tiers
     assert disk.tier == "disk" and disk.hits_tokens == num_cached and disk.saved_bytes > 0
+    assert answer == _without_tiers()[0]
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_host_hits_beside_a_running_request_give_the_same_answer(runner: str) -> None:
+    """Three copies of turn 2 while another request runs: held a step, one load shared;
+    the pool of 8 blocks cannot run them all at once (they wait or are preempted)."""
+    answer, num_cached, tiers = _turns(
+        CONFIG.replace(runner=runner, kv_offload_cpu_bytes=64 << 20), alongside=True, num_turn_2=3
+    )
+    assert num_cached >= (len(_prompts()[0]) // CONFIG.block_size) * CONFIG.block_size
+    assert tiers[0].hits_tokens >= num_cached
+    assert answer == _without_tiers()[0]
+
+
+def test_a_slow_disk_read_never_stops_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block read from disk takes 0.3 s on the reader thread; the running request's
+    steps go on meanwhile, and turn 2's answer is the same."""
+    read_windows: list[tuple[float, float]] = []
+    step_times: list[float] = []
+    plain_read = DiskStore.read
+
+    def slow_read(store: DiskStore, block_hash: bytes) -> bytes | None:
+        assert threading.current_thread() is not threading.main_thread()
+        started = time.monotonic()
+        time.sleep(0.3)
+        read_windows.append((started, time.monotonic()))
+        return plain_read(store, block_hash)
+
+    monkeypatch.setattr(DiskStore, "read", slow_read)
+    bytes_per_block = shared_model().worker.kv_spec.bytes_per_block
+    answer, num_cached, tiers = _turns(
+        CONFIG.replace(
+            runner="v2",
+            kv_offload_cpu_bytes=4 * bytes_per_block,
+            kv_offload_disk_path=str(tmp_path),
+            kv_offload_disk_bytes=64 << 20,
+        ),
+        num_flushes=2,
+        alongside=True,
+        step_observers=(lambda _: step_times.append(time.monotonic()),),
+    )
+    assert read_windows and num_cached > 0 and tiers[1].hits_tokens > 0
+    first_start, last_end = read_windows[0][0], read_windows[-1][1]
+    assert sum(first_start < t < last_end for t in step_times) >= 3
     assert answer == _without_tiers()[0]
 
 

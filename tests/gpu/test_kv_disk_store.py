@@ -30,6 +30,15 @@ def test_a_written_block_reads_back_before_and_after_its_file_exists(tmp_path: P
     store.close()
 
 
+def test_an_async_read_gives_the_bytes_later(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    store.write(b"h" * 16, BLOCK)
+    store.flush()
+    assert store.read_async(b"h" * 16).result(timeout=30) == BLOCK
+    assert store.read_async(b"x" * 16).result(timeout=30) is None
+    store.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_a_corrupt_file_is_a_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
     store = DiskStore(tmp_path)

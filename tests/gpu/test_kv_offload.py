@@ -1,6 +1,7 @@
 """The worker's host pool (gpu/kv_offload.py) on the CPU: a block saved to a host slot and
 loaded into another device block holds the same bytes, in every layer, K and V; spills go
-to the disk writer and fills come back; the same code runs on CUDA with a side stream."""
+to the disk writer and fills come back; the same code runs on CUDA with a side stream,
+where the step's forward waits for its saves and the next step's for its loads."""
 
 from __future__ import annotations
 
@@ -103,6 +104,21 @@ def test_a_worker_without_a_host_pool_refuses_copies() -> None:
         run_kv_transfer(Worker(), KVTransfer(save_gpu_block_ids=(0,), save_host_slots=(0,)))
 
 
+def test_every_step_passes_through_the_pool_with_or_without_copies() -> None:
+    class Worker:
+        pass
+
+    worker = Worker()
+    caches = _random_caches(torch.float32)
+    attach_host_pool(worker, caches, 2, pin_memory=False, disk=None)
+    expected = _block(caches, 1)
+    run_kv_transfer(worker, KVTransfer(save_gpu_block_ids=(1,), save_host_slots=(0,)))
+    run_kv_transfer(worker, KVTransfer(load_host_slots=(0,), load_gpu_block_ids=(4,)))
+    run_kv_transfer(worker, None)  # the next step: on the CPU the load is already done
+    for want, got in zip(expected, _block(caches, 4), strict=True):
+        assert torch.equal(want, got)
+
+
 def test_attach_reuses_a_pool_of_the_same_size() -> None:
     class Worker:
         pass
@@ -128,3 +144,23 @@ def test_round_trip_on_cuda_through_pinned_memory() -> None:
     torch.cuda.synchronize()
     for want, got in zip(expected, _block(caches, 5), strict=True):
         assert torch.equal(want, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("read_now", [False, True])
+def test_on_cuda_a_load_is_ordered_before_the_step_that_reads_it(read_now: bool) -> None:
+    """Without `loads_read_now` the compute stream waits for the loads at the next step's
+    start; with it, before this step's forward. Either way a reader queued then sees them."""
+    caches = _random_caches(torch.float32, "cuda")
+    pool = HostKVPool(caches, num_slots=4, pin_memory=True)
+    expected = _block(caches, 2)
+    pool.apply(KVTransfer(save_gpu_block_ids=(2,), save_host_slots=(1,)))
+    torch.cuda.synchronize()
+    pool.apply(KVTransfer(load_host_slots=(1,), load_gpu_block_ids=(5,), loads_read_now=read_now))
+    if not read_now:
+        pool.apply(None)  # the next step
+    got = _block(caches, 5)  # queued on the compute stream
+    torch.cuda.synchronize()
+    for want, actual in zip(expected, got, strict=True):
+        assert torch.equal(want, actual)
