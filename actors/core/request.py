@@ -100,6 +100,8 @@ class Request:
     """The step id from which it may run draft slots again."""
     spec_accepting: bool = False
     """Whether its latest reported speculative step emitted a draft."""
+    spec_accept_rates: list[float] = field(default_factory=list)
+    """Per draft position, the average of its drafts' acceptance (actors/core/spec_policy.py)."""
     prompt_embeds: PromptEmbeds | None = None
     """The prompt's embedding rows; its prompt_token_ids are then placeholders."""
 

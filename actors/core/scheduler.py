@@ -281,6 +281,9 @@ class Scheduler:
                 self._blocking_speculation.values(),
                 num_speculative_tokens,
                 self._next_step_id,
+                token_budget,
+                prefill_expected=bool(self._waiting)
+                and len(self._running) < self.config.max_num_seqs,
             )
             if num_speculative_tokens
             else None

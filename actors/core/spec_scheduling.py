@@ -31,8 +31,15 @@ see the drafts) and requests with a structured output (the grammar would have to
 over the drafts). They decode one token per step next to speculating rows. Whole steps
 run without draft slots when a request with a grammar runs (the speculative step applies
 no grammar mask) or one whose prompt logprobs are due could be in it (it scores no
-prompt), and when too few rows would speculate (`wanted_draft_slots`): the scheduler alone
-decides what a step runs, and the runners refuse a step that breaks these rules.
+prompt): the scheduler alone decides what a step runs, and the runners refuse a step that
+breaks these rules.
+
+How many slots a step runs (K, 0 for none) is the draft-length policy's choice
+(actors/core/spec_policy.py): each request's measured acceptance against what the wider
+forward costs at the step's batch size. A pure-decode step that speculates runs every row
+at K + 1 tokens on the device (rows with fewer slots padded, their padding writing no KV:
+gpu/spec_decode/uniform_graphs.py), so the padding needs no block here: the scheduler
+counts, reserves and corrects only a row's own slots.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import sys
 from collections.abc import Iterable
 
 from actors.core.request import Request, RequestStatus
+from actors.core.spec_policy import choose_draft_len, record_acceptance
 from actors.protocol.messages import StepOutput
 
 
@@ -58,15 +66,6 @@ def speculates(request: Request) -> bool:
 
 MAX_BACKOFF_STEPS = 64
 """Longest pause in a request's speculation after its drafts kept failing."""
-
-MIN_SPECULATING_SHARE = 0.5
-"""A step runs draft slots only when at least this share of its decoding rows would use
-them. A speculative step costs more than a plain one whatever number of its rows
-speculate (on the H200 with qwen3-0.6b bf16 and the tail graphed, 1.6 ms of device time
-against 1.5 at one row, 2.1 against 1.6 at 32; benchmarks/NOTES.md, "Speculative decoding
-on the H200"), a price that a few speculating rows among many cannot pay back. Rows held
-back this way keep their back-off state and speculate together at a later step."""
-
 
 PROBE_PENDING = sys.maxsize
 """spec_resume_step of a request whose unconfirmed speculative step has not reported."""
@@ -108,11 +107,14 @@ def wanted_draft_slots(
     blockers: Iterable[Request],
     num_speculative_tokens: int,
     step_id: int,
+    token_budget: int,
+    prefill_expected: bool = False,
 ) -> list[int] | None:
-    """The draft slots each of `running` would take in step `step_id` (`num_draft_slots`
-    before the token budget), or None when the step runs none: one of the unfinished
-    `blockers` (`blocks_speculation`) may sample under a grammar or score its prompt in
-    it, or too few of its decoding rows would speculate (MIN_SPECULATING_SHARE)."""
+    """The draft slots each of `running` takes in step `step_id` (`num_draft_slots` before
+    the token budget, cut to the policy's K), or None when the step runs none: one of the
+    unfinished `blockers` (`blocks_speculation`) may sample under a grammar or score its
+    prompt in it, or the policy finds speculation does not pay (actors/core/spec_policy.py).
+    prefill_expected: waiting requests may join the step (it is not pure decode)."""
     for request in blockers:
         if (
             request.grammar is not None
@@ -121,15 +123,33 @@ def wanted_draft_slots(
         ):
             return None  # a grammar row, or a prompt to score (now or once admitted)
     wanted = []
-    num_decoding = num_ready = 0
+    drafting = []
+    num_decoding = num_other_tokens = 0
     for request in running:
         num_slots = num_draft_slots(
             request, num_speculative_tokens, num_speculative_tokens + 1, step_id
         )
         wanted.append(num_slots)
-        num_decoding += request.num_tokens_with_placeholders - request.num_computed_tokens == 1
-        num_ready += num_slots > 0
-    return wanted if num_ready > 0 and num_ready >= MIN_SPECULATING_SHARE * num_decoding else None
+        num_pending = request.num_tokens_with_placeholders - request.num_computed_tokens
+        if num_pending == 1:
+            num_decoding += 1
+        else:
+            num_other_tokens += max(num_pending, 0)
+        if num_slots:
+            # Measured rates once a speculative step of the request accepted a draft; the
+            # probe prior before (a new request, or one probing again after a back-off).
+            drafting.append(
+                (num_slots, request.spec_accept_rates if request.spec_accepting else ())
+            )
+    num_other_tokens = min(num_other_tokens, token_budget)
+    draft_len = choose_draft_len(
+        drafting,
+        num_decoding,
+        num_other_tokens,
+        num_speculative_tokens,
+        uniform=num_other_tokens == 0 and not prefill_expected,
+    )
+    return [min(n, draft_len) for n in wanted] if draft_len else None
 
 
 def correct_after_step(
@@ -142,6 +162,7 @@ def correct_after_step(
     request runs without them for 1, 2, 4, ... MAX_BACKOFF_STEPS steps after each such run
     in a row. Tokens never depend on this, only the speed does."""
     if num_slots:
+        record_acceptance(request.spec_accept_rates, num_slots, num_emitted - 1)
         request.spec_accepting = num_emitted > 1
         if request.spec_accepting:
             request.spec_backoff_steps = 0

@@ -1,7 +1,12 @@
 """A fake V2 device for speculative scheduling: it keeps its own computed counts (the truth
 the scheduler only bounds), runs draft slots with random drafts, accepts a random prefix,
 and checks that every KV position a step attends to holds the token the history has
-there, so a wrong rollback of rejected slots shows up as stale KV."""
+there, so a wrong rollback of rejected slots shows up as stale KV.
+
+With max_model_len set it pads pure-decode speculative steps as the V2 runner does
+(gpu/spec_decode/uniform_graphs.py): every row runs K + 1 tokens, the padding writing to
+a scratch slot and never into a block, so the scheduler reserves nothing for it; a row
+whose padding would pass max_model_len keeps the step unpadded."""
 
 from __future__ import annotations
 
@@ -38,6 +43,12 @@ class SpecFakeRunner:
     finished: dict[str, str] = field(default_factory=dict)
     num_drafts: int = 0
     num_accepted: int = 0
+    max_model_len: int | None = None
+    """Pad pure-decode speculative steps (see the module doc); None: never."""
+    accept_probability: float | None = None
+    """Chance that each next draft is accepted; None: a uniformly random prefix."""
+    num_uniform_steps: int = 0
+    num_padding_tokens: int = 0
 
     def register(self, request_id: str, max_tokens: int) -> None:
         self.max_tokens[request_id] = max_tokens
@@ -61,6 +72,7 @@ class SpecFakeRunner:
         ):
             self.rows[request_id].block_ids.extend(block_ids)
         slots = out.num_draft_slots or (0,) * out.num_reqs
+        draft_len = self._uniform_draft_len(out, slots)
         emitted: list[tuple[str, list[int], int]] = []
         for request_id, num_new, num_computed, samples, num_slots in zip(
             out.scheduled_request_ids,
@@ -73,7 +85,10 @@ class SpecFakeRunner:
             assert num_computed >= row.num_computed_tokens, (
                 "the scheduler's bound is below the truth"
             )
+            start = row.num_computed_tokens
             tokens = self._run(request_id, row, num_new, num_slots)
+            if draft_len:
+                self._pad(start, num_slots, draft_len)
             if samples:
                 emitted.append((request_id, tokens, num_slots))
             else:
@@ -91,6 +106,27 @@ class SpecFakeRunner:
                 num_draft_tokens=np.asarray([s for _, _, s in emitted], np.int32),
             )
         )
+
+    def _uniform_draft_len(self, out: SchedulerOutput, slots: tuple[int, ...]) -> int:
+        """K when the V2 runner would pad `out` to K + 1 tokens per row, else 0."""
+        draft_len = max(slots, default=0)
+        if self.max_model_len is None or draft_len == 0 or not all(out.samples_token):
+            return 0
+        if any(n != 1 + s for n, s in zip(out.num_scheduled_tokens, slots)):
+            return 0
+        if max(out.num_computed_tokens) + draft_len + 1 > self.max_model_len:
+            return 0
+        self.num_uniform_steps += 1
+        return draft_len
+
+    def _pad(self, start: int, num_slots: int, draft_len: int) -> None:
+        """The padding tokens of a row that ran from `start` with num_slots of K slots:
+        positions start + 1 + num_slots .. start + K, every one below max_model_len (the
+        token history and the block table end there), writing to the scratch slot: no
+        block, no history, no computed token."""
+        assert self.max_model_len is not None
+        assert start + draft_len < self.max_model_len, "padding past max_model_len"
+        self.num_padding_tokens += draft_len - num_slots
 
     def _run(self, request_id: str, row: _DeviceRow, num_new: int, num_slots: int) -> list[int]:
         """Run one row's tokens (drafts in its slots); returns the tokens it emits."""
@@ -120,6 +156,10 @@ class SpecFakeRunner:
             row.num_computed_tokens = last
             return []
         num_accepted = self.rng.randint(0, num_slots)
+        if self.accept_probability is not None:
+            num_accepted = 0
+            while num_accepted < num_slots and self.rng.random() < self.accept_probability:
+                num_accepted += 1
         tokens = drafts[:num_accepted] + [self._token()]
         row.history.extend(tokens)
         row.num_computed_tokens = start + num_new - num_slots + num_accepted

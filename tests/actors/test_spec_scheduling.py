@@ -103,22 +103,59 @@ def test_penalty_rows_decode_one_token_beside_speculating_rows() -> None:
     assert scheduler.schedule().num_draft_slots == (2, 0)
 
 
-def test_a_step_speculates_only_when_half_its_decoding_rows_would() -> None:
-    # A speculative step costs more whatever number of its rows speculate: one row of
-    # three is not worth it, two of three are.
-    for num_plain, expected in ((1, ()), (2, (2, 2, 0))):
-        scheduler = _scheduler(k=2, max_steps_in_flight=1)
-        for i in range(num_plain):
-            scheduler.add_request(engine_request(f"plain{i}", range(8), max_tokens=10))
-        for i in range(3 - num_plain):
-            scheduler.add_request(
-                _request(f"penalised{i}", range(8), max_tokens=10, repetition_penalty=1.2)
-            )
-        first = scheduler.schedule()
-        scheduler.update_from_step(_emit(first, [[1]] * 3))
-        step = scheduler.schedule()
-        assert step.num_draft_slots == expected
-        assert step.num_scheduled_tokens == tuple(1 + k for k in expected or (0, 0, 0))
+def _decoding_batch(num_plain: int, num_penalised: int, k: int) -> Scheduler:
+    """A scheduler whose requests were all prefilled and sampled their first token."""
+    config = SchedulerConfig(
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        max_model_len=64,
+        block_size=4,
+        max_steps_in_flight=1,
+        num_speculative_tokens=k,
+    )
+    scheduler = Scheduler(config, KVCacheManager(1024, 4))
+    for i in range(num_plain):
+        scheduler.add_request(engine_request(f"plain{i}", range(8), max_tokens=40))
+    for i in range(num_penalised):
+        scheduler.add_request(
+            _request(f"penalised{i}", range(8), max_tokens=40, repetition_penalty=1.2)
+        )
+    first = scheduler.schedule()
+    scheduler.update_from_step(_emit(first, [[1]] * (num_plain + num_penalised)))
+    return scheduler
+
+
+def test_the_draft_length_shrinks_with_the_batch_and_few_drafting_rows_run_none() -> None:
+    # Alone, a request probes with every slot: the wider forward costs little. Among 48
+    # rows the padded tokens cost more, and 2 drafting rows of 48 cannot pay for them.
+    assert _decoding_batch(1, 0, k=4).schedule().num_draft_slots == (4,)
+    wide = _decoding_batch(48, 0, k=4).schedule()
+    assert wide.num_draft_slots == (3,) * 48
+    assert wide.num_scheduled_tokens == (4,) * 48
+    assert _decoding_batch(2, 46, k=4).schedule().num_draft_slots == ()
+    # Two of three rows drafting at batch 3: cheap enough.
+    assert _decoding_batch(2, 1, k=2).schedule().num_draft_slots == (2, 2, 0)
+
+
+def test_the_draft_length_follows_measured_acceptance() -> None:
+    # Every row gets exactly its first draft accepted, step after step: the policy learns
+    # that slots past the first emit nothing and runs one slot per row.
+    scheduler = _decoding_batch(48, 0, k=4)
+    lengths = []
+    for _ in range(12):
+        out = scheduler.schedule()
+        lengths.append(max(out.num_draft_slots, default=0))
+        runs = [[5, 6] if s else [5] for s in out.num_draft_slots or (0,) * out.num_reqs]
+        scheduler.update_from_step(_emit(out, runs))
+    assert lengths[0] == 3 and lengths[-1] == 1
+    # Nothing accepted at all: every row backs off and the steps run plain.
+    scheduler = _decoding_batch(48, 0, k=4)
+    lengths = []
+    for _ in range(6):
+        out = scheduler.schedule()
+        lengths.append(max(out.num_draft_slots, default=0))
+        scheduler.update_from_step(_emit(out, [[5]] * out.num_reqs))
+    assert lengths[0] == 3 and lengths[1:] == [0, 3, 0, 0, 3]
 
 
 def test_no_step_speculates_while_a_prompt_is_due_for_scoring() -> None:
@@ -196,6 +233,8 @@ def test_too_many_tokens_for_the_slots_fail_the_request() -> None:
     num_requests=st.integers(1, 10),
     abort_probability=st.sampled_from([0.0, 0.05]),
     eos_probability=st.sampled_from([0.0, 0.1]),
+    padded=st.booleans(),
+    accept_probability=st.sampled_from([None, 0.1, 0.9]),
 )
 def test_random_speculative_workloads_leak_nothing(
     seed: int,
@@ -206,8 +245,44 @@ def test_random_speculative_workloads_leak_nothing(
     num_requests: int,
     abort_probability: float,
     eos_probability: float,
+    padded: bool,
+    accept_probability: float | None,
 ) -> None:
-    rng = random.Random(seed)
+    """Random workloads under the draft-length policy (acceptance from rare to nearly
+    always, so K varies), pure-decode steps padded as the V2 runner pads them or not."""
+    _run_random_workload(
+        random.Random(seed),
+        k,
+        block_size,
+        extra_blocks,
+        max_steps_in_flight,
+        num_requests,
+        abort_probability,
+        eos_probability,
+        padded,
+        accept_probability,
+    )
+
+
+def test_padded_decode_steps_need_no_blocks_and_leak_nothing() -> None:
+    # Mostly decoding, half the drafts accepted: many pure-decode steps run padded, some
+    # rows with fewer slots than the step's K (back-offs, max_tokens near).
+    runner = _run_random_workload(random.Random(3), 3, 2, 2, 2, 10, 0.0, 0.0, True, 0.5)
+    assert runner.num_uniform_steps > 10 and runner.num_padding_tokens > 0
+
+
+def _run_random_workload(
+    rng: random.Random,
+    k: int,
+    block_size: int,
+    extra_blocks: int,
+    max_steps_in_flight: int,
+    num_requests: int,
+    abort_probability: float,
+    eos_probability: float,
+    padded: bool,
+    accept_probability: float | None,
+) -> SpecFakeRunner:
     max_model_len = 32
     config = SchedulerConfig(
         max_num_seqs=4,
@@ -222,7 +297,13 @@ def test_random_speculative_workloads_leak_nothing(
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=rng.random() < 0.5)
     scheduler = Scheduler(config, manager)
     runner = SpecFakeRunner(
-        block_size, manager, rng, eos_probability=eos_probability, vocab_size=rng.choice([3, 50])
+        block_size,
+        manager,
+        rng,
+        eos_probability=eos_probability,
+        vocab_size=rng.choice([3, 50]),
+        max_model_len=max_model_len if padded else None,
+        accept_probability=accept_probability,
     )
     for index in range(num_requests):
         prompt = [rng.randrange(5) for _ in range(rng.randint(1, max_model_len - 1))]
@@ -263,3 +344,4 @@ def test_random_speculative_workloads_leak_nothing(
         {rid: len(out) for rid, out in runner.outputs.items()},
         runner.max_tokens,
     )
+    return runner
