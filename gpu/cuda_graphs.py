@@ -194,12 +194,12 @@ class StepGraphs:
         if step_state.hidden is None or step_state.logits is None:
             raise ValueError("the step state has no graph outputs (built with_graph_outputs=False)")
         self.sizes = sizes
-        self._model = model
-        self._kv_caches = kv_caches
+        self.model = model
+        self.kv_caches = kv_caches
         self._state = step_state
-        self._buffers = buffers
-        self._block_size = block_size
-        self._max_model_len = max_model_len
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_model_len = max_model_len
         self._forward: dict[ForwardShape, Replayable] = {}
         self._head: dict[int, Replayable] = {}
         self._sample: dict[tuple[int, bool], Replayable] = {}
@@ -219,7 +219,7 @@ class StepGraphs:
         """Capture every graph, largest first, into `pool` (a fresh one by default);
         returns the seconds it took."""
         started = time.perf_counter()
-        is_cuda = self._buffers.device.type == "cuda"
+        is_cuda = self.buffers.device.type == "cuda"
         if pool is None and is_cuda:
             pool = torch.cuda.graph_pool_handle()
         for shape in sorted(self.forward_shapes(), key=lambda s: -s.num_tokens):
@@ -251,21 +251,21 @@ class StepGraphs:
         self._sample.clear()
 
     def capture_forward(self, shape: ForwardShape, pool: tuple[int, int] | None) -> None:
-        buffers = self._buffers
+        buffers = self.buffers
         self.zero_counts(decode_rows=shape.num_reqs if shape.is_decode else 0)
         metadata = (
-            decode_metadata(buffers, shape.num_reqs, self._max_model_len)
+            decode_metadata(buffers, shape.num_reqs, self.max_model_len)
             if shape.is_decode
-            else _mixed_metadata(buffers, shape, self._max_model_len)
+            else _mixed_metadata(buffers, shape, self.max_model_len)
         )
         num_tokens = shape.num_tokens
 
         def forward() -> None:
-            self._prepare(shape)
-            hidden = self._model(
+            self.prepare(shape)
+            hidden = self.model(
                 buffers.input_ids[:num_tokens],
                 buffers.positions[:num_tokens],
-                self._kv_caches,
+                self.kv_caches,
                 metadata,
             )
             self._state.hidden[:num_tokens].copy_(hidden)
@@ -273,12 +273,12 @@ class StepGraphs:
         self._forward[shape] = Replayable(forward, buffers.device, pool)
 
     def capture_head(self, num_rows: int, pool: tuple[int, int] | None) -> None:
-        buffers, state = self._buffers, self._state
+        buffers, state = self.buffers, self._state
         self.zero_counts(decode_rows=num_rows)  # last-token rows 0..num_rows-1
 
         def head() -> torch.Tensor:
             rows = buffers.query_start_loc[1 : num_rows + 1].long() - 1
-            return self._model.compute_logits(
+            return self.model.compute_logits(
                 state.hidden.index_select(0, rows), out=state.logits[:num_rows]
             )
 
@@ -287,7 +287,7 @@ class StepGraphs:
     def capture_sample(self, key: tuple[int, bool], pool: tuple[int, int] | None) -> None:
         """The sampling graph of key = (num_rows, whether it runs the threshold kernels)."""
         num_rows, filters = key
-        buffers, state = self._buffers, self._state
+        buffers, state = self.buffers, self._state
         rows_state = state.states
         self.zero_counts(decode_rows=num_rows)
         state.sampling_state.flush_to_device()
@@ -312,8 +312,10 @@ class StepGraphs:
 
         self._sample[key] = Replayable(sample, buffers.device, pool)
 
-    def _prepare(self, shape: ForwardShape) -> None:
-        buffers, rows_state = self._buffers, self._state.states
+    def prepare(self, shape: ForwardShape) -> None:
+        """Input prep of a step of `shape` on the buffers (the forward graphs', and the
+        uniform speculative steps': gpu/spec_decode/uniform_graphs.py)."""
+        buffers, rows_state = self.buffers, self._state.states
         num_reqs, num_tokens, counts = shape.num_reqs, shape.num_tokens, buffers.step_counts
         idx_mapping = buffers.idx_mapping[:num_reqs]
         query_start_loc = buffers.query_start_loc[: num_reqs + 1]
@@ -340,7 +342,7 @@ class StepGraphs:
             query_start_loc,
             buffers.positions[:num_tokens],
             buffers.block_table[:num_reqs],
-            self._block_size,
+            self.block_size,
             buffers.slot_mapping[:num_tokens],
             num_reqs=num_reqs,
             num_tokens=num_tokens,
@@ -351,7 +353,7 @@ class StepGraphs:
         """A capture step: no real request (nothing read from or written to the KV cache or
         the rows); query_start_loc one token per row for the first decode_rows rows (decode
         padding, valid last-token rows), no tokens after them."""
-        buffers = self._buffers
+        buffers = self.buffers
         buffers.step_counts.zero_()
         buffers.idx_mapping.zero_()
         starts = torch.arange(

@@ -31,7 +31,7 @@ from gpu.models.llama import DecoderModel
 from gpu.platform import Platform
 from gpu.runner_v2.step_plan import GraphSizes
 from gpu.runner_v2.step_state import V2StepState
-from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
+from gpu.spec_decode.spec_capture import spec_tail_graphs_for
 from gpu.weights.loader import load_model_files
 
 log = structlog.get_logger("tandem.worker")

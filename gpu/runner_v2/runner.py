@@ -37,7 +37,7 @@ from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
 from gpu.sampling.state import unseeded_request_seed
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from gpu.spec_decode.spec_graphs import spec_tail_graphs_for
+from gpu.spec_decode.spec_capture import spec_tail_graphs_for
 from gpu.spec_decode.spec_runner import check_speculative_step, launch_spec_step
 from gpu.worker import ModelWorker
 from kernels.post_update import post_update
@@ -146,10 +146,10 @@ class ModelRunnerV2:
         )
         # The graphs read token ids only: a step with prompt-embedding rows runs eagerly.
         sizes = self._graph_sizes if self._step_embeds is None else None
+        if self.drafts is not None and any(sched.num_draft_slots):
+            return launch_spec_step(self, sched, sizes, started, start_event)
         plan = plan_step(sched, self.states.row_of, sizes)
         self.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
-        if self.drafts is not None and any(sched.num_draft_slots):
-            return launch_spec_step(self, sched, plan, started, start_event)
         if self.drafts is not None:
             self.drafts.mark_stale()
         sampled, hidden = self._run(plan, sched)

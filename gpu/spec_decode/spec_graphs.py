@@ -27,33 +27,25 @@ a speculative step after plain ones proposes before its forward, and launched ea
 those dozen small launches cost the CPU more than the device.
 
 Per step the CPU uploads num_draft_slots [P] beside the runner's step metadata; nothing
-else. `spec_tail` is the one function both ways run: the graph captures it, and off
-CUDA it runs eagerly on the same buffers (which is how the tests check it).
+else. `spec_tail` (gpu/spec_decode/spec_tail.py) is the one function both ways run: the
+graph captures it, and off CUDA it runs eagerly on the same buffers (which is how the
+tests check it).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import structlog
 import torch
 
-from actors.protocol.config import EngineConfig
 from actors.protocol.speculative_config import SpeculativeConfig
 from gpu.cuda_graphs import Replayable, StepGraphs
-from gpu.input_buffers import InputBuffers
-from gpu.models.llama import DecoderModel
-from gpu.runner_v2.states import RequestStates
 from gpu.runner_v2.step_state import V2StepState
-from gpu.sampling.sampler import Sampler
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from kernels.rejection_sample import accept_draft_prefix
-from kernels.spec_post_update import spec_post_update
-
-log = structlog.get_logger("tandem.spec_graphs")
+from gpu.spec_decode.spec_tail import padded_rows, spec_tail
+from gpu.spec_decode.uniform_graphs import UniformSpecGraphs
 
 MAX_SPEC_GRAPH_LOGIT_ROWS = 512
 """Largest P * (K + 1) captured: the graph holds its [rows, vocab] float32 logits (about
@@ -65,82 +57,6 @@ def spec_graph_sizes(decode_sizes: Sequence[int], num_speculative_tokens: int) -
     """The padded request counts whose speculative tail is captured."""
     rows_per_req = num_speculative_tokens + 1
     return tuple(n for n in decode_sizes if n * rows_per_req <= MAX_SPEC_GRAPH_LOGIT_ROWS)
-
-
-def fixed_logits_indices(
-    query_start_loc: torch.Tensor,  # [P + 1] int32, padding entries at the token count
-    num_draft_slots: torch.Tensor,  # [P] int32, 0 for padding requests
-    num_speculative_tokens: int,
-) -> torch.Tensor:  # [P, K + 1] int64, token index of each logit row
-    """Token index of each fixed logit row (see the module doc). A padding request reads
-    the step's last token (index 0 in a step of none), a valid row of the hidden states."""
-    ends = query_start_loc[1:].long()[:, None]
-    slots = num_draft_slots.long()[:, None]
-    offsets = torch.arange(num_speculative_tokens + 1, device=ends.device)[None, :]
-    return (ends - 1 - slots + torch.minimum(offsets, slots)).clamp(min=0)
-
-
-def padded_rows(
-    buffers: InputBuffers, num_reqs_padded: int
-) -> torch.Tensor:  # [P] int32, padding requests naming the first row
-    """The step's request rows, padded to P with its first row (see the module doc)."""
-    is_real = torch.arange(num_reqs_padded, device=buffers.device) < buffers.step_counts[0]
-    batch_rows = buffers.idx_mapping[:num_reqs_padded]
-    return torch.where(is_real, batch_rows, batch_rows[0])
-
-
-def spec_tail(
-    model: torch.nn.Module,
-    hidden: torch.Tensor,  # [>= num_tokens, hidden_size], the step's final hidden states
-    buffers: InputBuffers,
-    num_draft_slots: torch.Tensor,  # [P] int32
-    states: RequestStates,
-    sampler: Sampler,
-    drafts: DeviceDrafts,
-    filters: bool,
-) -> torch.Tensor:  # [P, K + 3] int64: emitted tokens (-1 after), accepted, drafts verified
-    """The fixed-shape tail of a speculative step over P padded requests: sample every
-    logit row, accept each request's matching draft prefix, write the emitted tokens,
-    propose the next drafts. No host sync and no host-side decision: capturable."""
-    num_reqs_padded = num_draft_slots.shape[0]
-    num_spec = drafts.num_speculative_tokens
-    query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
-    rows = padded_rows(buffers, num_reqs_padded)
-    indices = fixed_logits_indices(query_start_loc, num_draft_slots, num_spec).view(-1)
-    logits = model.compute_logits(hidden.index_select(0, indices))
-    # contiguous(): for one request the reshape would be a stride-0 view.
-    logit_rows = rows[:, None].expand(num_reqs_padded, num_spec + 1).contiguous().view(-1)
-    # Logit row j of a request reads its token at position p and predicts position p + 1.
-    sampled = sampler.sample_graphable(logits, logit_rows, buffers.positions[indices] + 1, filters)
-    state_rows = rows.long()
-    slots = num_draft_slots[:, None]
-    draft_columns = torch.arange(num_spec, device=hidden.device)[None, :]
-    masked_drafts = torch.where(draft_columns < slots, drafts.draft_token_ids_gpu[state_rows], -1)
-    cu_num_logits = torch.arange(
-        0,
-        (num_reqs_padded + 1) * (num_spec + 1),
-        num_spec + 1,
-        dtype=torch.int32,
-        device=hidden.device,
-    )
-    output, num_accepted = accept_draft_prefix(cu_num_logits, masked_drafts, sampled)
-    num_draft_tokens = torch.minimum(drafts.num_drafts_gpu[state_rows], num_draft_slots)
-    spec_post_update(
-        rows,
-        query_start_loc,
-        num_draft_slots,
-        output,
-        num_accepted,
-        states.num_computed_gpu,
-        states.total_len_gpu,
-        states.token_ids_gpu,
-        states.last_sampled_gpu,
-        step_counts=buffers.step_counts,
-    )
-    drafts.propose(states, rows)
-    return torch.cat(
-        [output, num_accepted[:, None].long(), num_draft_tokens[:, None].long()], dim=1
-    )
 
 
 class SpecTailGraphs:
@@ -167,6 +83,8 @@ class SpecTailGraphs:
         self._tails: dict[tuple[int, bool], Replayable] = {}
         self._proposals: dict[int, Replayable] = {}
         self.capture_time_s = 0.0
+        self.uniform: UniformSpecGraphs | None = None
+        """The uniform steps' graphs over these draft tables (gpu/spec_decode/spec_capture.py)."""
 
     def holds(self, num_reqs_padded: int) -> bool:
         """Whether a step padded to num_reqs_padded requests has a captured tail."""
@@ -242,56 +160,3 @@ class SpecTailGraphs:
             )
 
         return tail
-
-
-_CAPTURED: weakref.WeakKeyDictionary[StepGraphs, dict[SpeculativeConfig, SpecTailGraphs]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def spec_tail_graphs_for(
-    step_graphs: StepGraphs, model: DecoderModel, step_state: V2StepState, config: EngineConfig
-) -> SpecTailGraphs | None:
-    """The tail graphs `config` runs with (`spec_tail_graphs`), or None where the tail runs
-    eagerly: no speculation, `spec_tail_graphs` off, or a tensor-parallel model (its
-    ranks sample the batch between them)."""
-    spec = config.speculative_config
-    if spec is None or not config.spec_tail_graphs or model.tp is not None:
-        return None
-    return spec_tail_graphs(step_graphs, model, step_state, spec)
-
-
-def spec_tail_graphs(
-    step_graphs: StepGraphs,
-    model: torch.nn.Module,
-    step_state: V2StepState,
-    config: SpeculativeConfig,
-) -> SpecTailGraphs:
-    """The speculative tail graphs of a loaded model's step graphs under `config`, captured
-    by the first runner that asks (a model loaded without speculation may serve an engine
-    with it) and kept as long as the step graphs: runners come and go, the capture stays."""
-    per_config = _CAPTURED.setdefault(step_graphs, {})
-    graphs = per_config.get(config)
-    if graphs is None:
-        graphs = SpecTailGraphs(model, step_state, config, step_graphs.sizes.decode)
-        free_before = _free_device_bytes(step_state.buffers.device)
-        graphs.capture(step_graphs)
-        log.info(
-            "spec_tail_graphs_captured",
-            num_graphs=3 * len(graphs.sizes),
-            sizes=",".join(map(str, graphs.sizes)),
-            capture_time_s=round(graphs.capture_time_s, 2),
-            memory_gib=round(
-                (free_before - _free_device_bytes(step_state.buffers.device)) / (1 << 30), 3
-            ),
-        )
-        per_config[config] = graphs
-    return graphs
-
-
-def _free_device_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]

@@ -11,6 +11,10 @@ step's padded request count (gpu/spec_decode/spec_graphs.py: K + 1 logit rows pe
 request, the unused ones never accepted) unless the step needs logit bias, min_tokens,
 penalties or logprobs, or no graph holds it; then it runs eagerly over the variable
 logit layout (1 + s rows for a request with s draft slots).
+
+A pure-decode speculative step runs none of this: `launch_uniform_step` replays it whole
+as one graph, every row padded to K + 1 tokens (gpu/spec_decode/uniform_graphs.py), unless
+it needs what the tail graphs lack (above) or no uniform graph holds it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from actors.protocol.messages import SchedulerOutput
 from gpu.input_buffers import InputBuffers
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows
 from gpu.runner_v2.states import RequestStates
-from gpu.runner_v2.step_plan import StepPlan
+from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
 from gpu.runner_v2.step_state import V2StepState
 from gpu.sampling.sampler import BatchOps, Sampler, batch_ops
 from gpu.sampling.state import SamplingState
@@ -32,6 +36,7 @@ from gpu.spec_decode.device_drafts import DeviceDrafts
 from gpu.spec_decode.spec_graphs import SpecTailGraphs
 from gpu.spec_decode.spec_output import SpecCopy, SpecPendingStep
 from gpu.spec_decode.spec_step import spec_layout, verify_and_update
+from gpu.spec_decode.uniform_graphs import UniformSpecGraphs
 from gpu.worker import ModelWorker
 
 
@@ -64,10 +69,18 @@ class SpecStepRunner(Protocol):
 def launch_spec_step(
     runner: SpecStepRunner,
     sched: SchedulerOutput,
-    plan: StepPlan,
+    sizes: GraphSizes | None,
     started: float,
     start_event: torch.cuda.Event | None,
 ) -> SpecPendingStep:
+    """Plan and launch a step with draft slots: whole as a uniform step where one runs it
+    (`launch_uniform_step`; `sizes` None: no graph may run it), else as a mixed step."""
+    if sizes is not None:
+        uniform = launch_uniform_step(runner, sched, started, start_event)
+        if uniform is not None:
+            return uniform
+    plan = plan_step(sched, runner.states.row_of, sizes)
+    runner.buffers.upload_step_meta(plan.idx_mapping_np, plan.query_start_loc_np, plan.num_tokens)
     drafts = runner.drafts
     assert drafts is not None
     ops = batch_ops(runner.sampling_state, plan.idx_mapping_np)
@@ -102,6 +115,94 @@ def launch_spec_step(
         timing,
         cu_num_logits_np=cu_num_logits_np,
         num_speculative_tokens=drafts.num_speculative_tokens,
+    )
+
+
+def uniform_shape(
+    sched: SchedulerOutput, graphs: UniformSpecGraphs, max_model_len: int
+) -> tuple[int, int] | None:
+    """(K, padded request count) of `sched` run as a uniform step, or None: some row does
+    not decode (a prefill chunk, a row that does not sample), a row would reach
+    max_model_len once padded to K + 1 tokens, or no graph holds the step."""
+    slots = sched.num_draft_slots
+    draft_len = max(slots, default=0)
+    if draft_len == 0 or not all(sched.samples_token):
+        return None
+    if any(n != 1 + s for n, s in zip(sched.num_scheduled_tokens, slots)):
+        return None
+    # The scheduler's computed counts bound the device's (they count slots in flight).
+    if max(sched.num_computed_tokens) + draft_len + 1 > max_model_len:
+        return None
+    num_reqs_padded = graphs.padded_size(sched.num_reqs, draft_len)
+    return None if num_reqs_padded is None else (draft_len, num_reqs_padded)
+
+
+def launch_uniform_step(
+    runner: SpecStepRunner,
+    sched: SchedulerOutput,
+    started: float,
+    start_event: torch.cuda.Event | None,
+) -> SpecPendingStep | None:
+    """Launch `sched` as a uniform step (one replay, gpu/spec_decode/uniform_graphs.py), or
+    return None and launch nothing where it cannot run as one."""
+    spec_graphs = runner.spec_graphs
+    uniform = None if spec_graphs is None else spec_graphs.uniform
+    shape = None if uniform is None else uniform_shape(sched, uniform, runner.worker.max_model_len)
+    if shape is None:
+        return None
+    assert spec_graphs is not None and uniform is not None
+    draft_len, num_reqs_padded = shape
+    num_reqs = sched.num_reqs
+    row_of = runner.states.row_of
+    idx_mapping_np = np.fromiter(
+        (row_of[r] for r in sched.scheduled_request_ids), dtype=np.int32, count=num_reqs
+    )
+    ops = batch_ops(runner.sampling_state, idx_mapping_np)
+    if ops.rewrites_logits or runner.num_logprobs_np[idx_mapping_np].max() >= 0:
+        return None
+    num_tokens = num_reqs * (draft_len + 1)
+    query_start_loc_np = np.full(num_reqs_padded + 1, num_tokens, dtype=np.int32)
+    query_start_loc_np[: num_reqs + 1] = np.arange(num_reqs + 1, dtype=np.int32) * (draft_len + 1)
+    runner.buffers.upload_step_meta(idx_mapping_np, query_start_loc_np, num_tokens)
+    slots_np = np.asarray(sched.num_draft_slots, dtype=np.int32)
+    spec_graphs.upload_slots(slots_np, num_reqs_padded)
+    runner.sampling_state.flush_to_device()
+    # The graph's output is overwritten by the next replay, possibly before this step's
+    # copy to the host has read it: the copy reads a clone.
+    packed = uniform.run(num_reqs_padded, draft_len, ops.filters)[:num_reqs].clone()
+    # Its rows' histories moved past the drafts it proposed first.
+    uniform.drafts.mark_stale()
+    num_scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int32)
+    plan = StepPlan(
+        num_reqs,
+        int(num_scheduled.sum()),
+        draft_len + 1,
+        idx_mapping_np,
+        query_start_loc_np,
+        np.asarray(sched.num_computed_tokens, dtype=np.int32) + num_scheduled,
+        None,
+        num_reqs_padded,
+        True,
+    )
+    to_copy = SpecCopy(
+        packed[:, : draft_len + 1],
+        packed[:, draft_len + 1],
+        packed[:, draft_len + 2],
+        None,
+        None,
+        None,
+    )
+    copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, started, start_event)
+    return SpecPendingStep(
+        sched.step_id,
+        sched.scheduled_request_ids,
+        np.asarray(sched.samples_token, dtype=bool),
+        copy,
+        event,
+        stats,
+        timing,
+        cu_num_logits_np=None,
+        num_speculative_tokens=uniform.drafts.num_speculative_tokens,
     )
 
 

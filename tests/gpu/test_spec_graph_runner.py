@@ -1,8 +1,10 @@
 """A V2 runner whose speculative steps replay the tail graphs (gpu/spec_decode/spec_graphs.py)
 emits, step by step, what a runner launching the tail eagerly emits, and ends in the same
 row state: greedy, seeded and filtered rows, slots without drafts, padded batches, and a
-logprobs request whose steps take the eager tail in between. On CPU the graphs' functions
-run eagerly on the same padded buffers; the gpu-marked test captures real graphs."""
+logprobs request whose steps take the eager tail in between. So does a runner whose
+pure-decode speculative steps replay whole as uniform steps
+(gpu/spec_decode/uniform_graphs.py). On CPU the graphs' functions run eagerly on the same
+padded buffers; the gpu-marked test captures real graphs."""
 
 from __future__ import annotations
 
@@ -47,7 +49,10 @@ PARAMS = {
 
 
 class _Engine:
-    def __init__(self, model: DecoderModel, device: torch.device, tail_graphs: bool) -> None:
+    def __init__(self, model: DecoderModel, device: torch.device, mode: str) -> None:
+        """mode: 'uniform' (every speculative graph), 'tails' (the tail graphs only) or
+        'eager' (no speculative graph)."""
+        tail_graphs = mode != "eager"
         self.kv_caches = allocate_kv_cache(
             TINY.num_layers,
             NUM_BLOCKS,
@@ -94,16 +99,21 @@ class _Engine:
         self.runner = ModelRunnerV2(worker, config)  # type: ignore[arg-type]
         assert (self.runner.spec_graphs is not None) == tail_graphs
         self.runner.drafts.trims_on_cpu = False  # slots without drafts, as on a GPU
-        self.replays = {"run": 0, "propose": 0}
+        self.replays = {"run": 0, "propose": 0, "uniform": 0}
         if tail_graphs:
-            for name in self.replays:
+            for name in ("run", "propose"):
                 self._count(self.runner.spec_graphs, name)
+            uniform = self.runner.spec_graphs.uniform
+            if mode == "tails":
+                self.runner.spec_graphs.uniform = None
+            else:
+                self._count(uniform, "run", "uniform")
 
-    def _count(self, graphs: object, name: str) -> None:
+    def _count(self, graphs: object, name: str, counter: str | None = None) -> None:
         replay = getattr(graphs, name)
 
         def counted(*args: object) -> torch.Tensor | None:
-            self.replays[name] += 1
+            self.replays[counter or name] += 1
             return replay(*args)
 
         setattr(graphs, name, counted)
@@ -201,20 +211,36 @@ def _check_tail_graphs_match_the_eager_tail(device: str) -> None:
     device_ = torch.device(device)
     model = DecoderModel(TINY, TritonAttentionBackend(), torch.float32, device_)
     model.load_weights(dummy_weights(TINY, torch.float32, device_, seed=5))
-    graphed, eager = _Engine(model, device_, True), _Engine(model, device_, False)
-    results = _run_script([graphed, eager], _prompts(np.random.default_rng(1)))
+    uniform = _Engine(model, device_, "uniform")
+    graphed, eager = _Engine(model, device_, "tails"), _Engine(model, device_, "eager")
+    results = _run_script([graphed, eager, uniform], _prompts(np.random.default_rng(1)))
     # Steps 3..7 hold the logprobs request and take the eager tail, step 10 is plain; the
     # 6 others replay a tail. Steps 1 and 11 follow plain steps: they replay a proposal.
-    assert graphed.replays == {"run": 6, "propose": 2}
+    assert graphed.replays == {"run": 6, "propose": 2, "uniform": 0}
+    # Those 6 are pure decode: each replays one uniform step instead (its drafts proposed
+    # inside). Step 3 follows uniform steps: its proposal is replayed.
+    assert uniform.replays == {"run": 0, "propose": 1, "uniform": 6}
     num_drafts = sum(sum(r[2]) for r in results)
     num_accepted = sum(sum(r[1]) - len(r[1]) for r in results[1:])
     assert num_drafts > 0 and num_accepted > 0  # both paths verified and accepted drafts
-    for name in ("token_ids_gpu", "num_computed_gpu", "total_len_gpu", "last_sampled_gpu"):
-        assert torch.equal(
-            getattr(graphed.runner.states, name), getattr(eager.runner.states, name)
-        ), name
-    for got, want in zip(graphed.kv_caches, eager.kv_caches):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for engine in (graphed, uniform):
+        for name in ("num_computed_gpu", "total_len_gpu", "last_sampled_gpu"):
+            assert torch.equal(
+                getattr(engine.runner.states, name), getattr(eager.runner.states, name)
+            ), name
+        _assert_same_histories(engine.runner.states, eager.runner.states)
+        for got, want in zip(engine.kv_caches, eager.kv_caches):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(graphed.runner.states.token_ids_gpu, eager.runner.states.token_ids_gpu)
+
+
+def _assert_same_histories(got: object, want: object) -> None:
+    """The token histories agree up to each row's length: past it a row holds what its
+    proposals last wrote there, which depends on when they ran (drafts are proposed before
+    a uniform step, after a tail)."""
+    for row in range(MAX_REQS):
+        length = int(want.total_len_gpu[row])
+        assert torch.equal(got.token_ids_gpu[row, :length], want.token_ids_gpu[row, :length]), row
 
 
 def test_tail_graphs_emit_what_the_eager_tail_emits() -> None:

@@ -19,13 +19,9 @@ from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler, batch_ops
 from gpu.sampling.state import SamplingState
 from gpu.spec_decode.device_drafts import DeviceDrafts
-from gpu.spec_decode.spec_graphs import (
-    MAX_SPEC_GRAPH_LOGIT_ROWS,
-    fixed_logits_indices,
-    spec_graph_sizes,
-    spec_tail,
-)
+from gpu.spec_decode.spec_graphs import MAX_SPEC_GRAPH_LOGIT_ROWS, spec_graph_sizes
 from gpu.spec_decode.spec_step import spec_layout, verify_and_update
+from gpu.spec_decode.spec_tail import fixed_logits_indices, spec_tail
 
 K = 3
 VOCAB = 40
