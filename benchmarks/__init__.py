@@ -6,6 +6,7 @@ shipped in the wheel, not imported by the product; run from a checkout.
     python -m benchmarks.soak                         the CPU server under a misbehaving mix
     python -m benchmarks.paged_attention              the decode attention kernel's bandwidth
     python -m benchmarks.sampler                      the device sampler, path by path
+    python -m benchmarks.spec_decode                  ngram speculation off and on, step profile
     python -m benchmarks.report                       the results, each against its history
     bash benchmarks/device_run.sh python3 -m benchmarks.NAME ...   the same on the GPU machine
 
