@@ -5,7 +5,7 @@ copied. q/k/v and gate/up are fused: each part is a row range of the fused weigh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -14,8 +14,15 @@ from gpu.models.fp8_linear import part_targets
 from gpu.models.moe import SparseMoE, ViewTarget, moe_weight_targets
 from kernels.fp8_quant import FP8_DTYPE
 
-if TYPE_CHECKING:
-    from gpu.models.llama import DecoderLayer
+
+class DecoderLayer(Protocol):
+    """What the targets read of a decoder layer (gpu/models/llama.py DecoderLayer)."""
+
+    input_layernorm: Any
+    post_attention_layernorm: Any
+    self_attn: Any
+    mlp: Any
+
 
 _EXACT_DTYPES = {FP8_DTYPE, torch.uint8}
 """Target dtypes a weight must arrive in: FP8 weights, int4 codes, MXFP4 blocks."""

@@ -22,7 +22,7 @@ NOT_YET = {
     "dp-65": (("-dp", "65"), "--data-parallel-size must be in [1, 64]"),
     "with-tp": (
         ("-dp", "2", "-tp", "2"),
-        "with --tensor-parallel-size above 1 is not supported yet",
+        "with --tensor-parallel-size or --pipeline-parallel-size above 1 is not supported yet",
     ),
     "one-gpu": (("-dp", "2", "--device", "cuda:1"), "--device cuda:1 names one GPU"),
 }
@@ -78,7 +78,7 @@ def test_help_says_what_the_flag_does(result: subprocess.CompletedProcess[str]) 
         "least loaded core",
         "are per core",
         'engine="i"',
-        "Not with --tensor-parallel-size above 1 yet",
+        "Not with --tensor-parallel-size or --pipeline-parallel-size above 1 yet",
     ):
         assert fragment in text, fragment
 

@@ -4,9 +4,19 @@ prompts and sampling cases compared against one device, and process checks."""
 from __future__ import annotations
 
 import os
+import signal
+import time
+from typing import Any
 
+import anyio
+
+from actors.core.engine_startup import LoadedEngine
+from actors.inprocess_engine import InProcessEngine
+from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
+from gpu.distributed.group import file_rendezvous
+from gpu.distributed.launch import start_workers
 
 ENGINE_OPTIONS = dict(
     device="cpu",
@@ -60,3 +70,47 @@ def status_of(pid: int) -> str:
             return f.read().lower()
     except OSError:
         return "gone"
+
+
+def run_ranks(
+    tmp_path: Any, target: Any, world_size: int, *args: Any, timeout_s: float = 180.0
+) -> list[Any]:
+    """`target(rank, world_size, init_method, *args)` on `world_size` spawned ranks; their
+    return values in rank order."""
+    init_method = file_rendezvous(str(tmp_path))
+    with start_workers(target, world_size, (world_size, init_method, *args)) as workers:
+        return workers.wait(timeout_s)
+
+
+def kill_rank_mid_generation(loaded: LoadedEngine, pid: int) -> tuple[str | None, float, str]:
+    """Start a long greedy request on `loaded`'s engine, kill `pid` (a spawned rank) once
+    the first token is out, and wait for the engine to be declared dead. Returns the
+    request's finish reason, the seconds from the kill to both, and the death reason."""
+    dead_reasons: list[str] = []
+
+    async def run() -> tuple[str | None, float]:
+        engine = InProcessEngine(
+            loaded.worker, loaded.runner, loaded.config, on_dead=dead_reasons.append
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            long_greedy = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+            stream = engine.add_request(
+                EngineRequest("long", tuple(PROMPTS[0]), long_greedy, time.monotonic())
+            )
+            first = await stream.get()
+            assert first is not None and first.token_ids
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with anyio.fail_after(DEAD_WITHIN_S):
+                final = await stream.wait_finished()
+                while not dead_reasons:
+                    await anyio.sleep(0.05)
+            engine.stop()
+        return (None if final is None else final.finish_reason), time.monotonic() - killed_at
+
+    try:
+        finish_reason, elapsed_s = anyio.run(run)
+    finally:
+        loaded.worker.close()
+    return finish_reason, elapsed_s, dead_reasons[0]

@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from app.llm import LLM
-from gpu.distributed.group import file_rendezvous
-from gpu.distributed.launch import start_workers
 from gpu.models.config import ModelConfig
 from gpu.models.parallel_layers import pad_tokens, padded_num_tokens, token_shard
 from gpu.models.presets import PRESETS
 from gpu.models.sequence_parallel import TokenSharded
-from tests.gpu._parallel_engine import ENGINE_OPTIONS, GREEDY, PROMPTS, outputs
+from tests.gpu._parallel_engine import ENGINE_OPTIONS, GREEDY, PROMPTS, outputs, run_ranks
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 from tests.gpu._tp_workers import (
     PipelineStep,
@@ -33,15 +31,7 @@ from tests.gpu._tp_workers import (
     token_collectives_rank,
 )
 
-RUN_TIMEOUT_S = 120.0
-
 pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
-
-
-def _run_ranks(tmp_path, target: Any, world_size: int, *args: Any) -> list[Any]:
-    init_method = file_rendezvous(str(tmp_path))
-    with start_workers(target, world_size, (world_size, init_method, *args)) as workers:
-        return workers.wait(RUN_TIMEOUT_S)
 
 
 # ---- the collectives and the token shards -------------------------------------------
@@ -59,7 +49,7 @@ def test_token_shards_pad_to_a_multiple_of_the_tp_size() -> None:
 
 
 def test_reduce_scatter_and_token_collectives_over_gloo(tmp_path) -> None:
-    ranks = _run_ranks(tmp_path, token_collectives_rank, 2)
+    ranks = run_ranks(tmp_path, token_collectives_rank, 2)
     mine = [torch.arange(8, dtype=torch.float32).view(4, 2) + 100 * r for r in (0, 1)]
     total = mine[0] + mine[1]
     # Three tokens pad to four: rank 0 holds tokens 0-1 of the sum, rank 1 token 2 and a zero.
@@ -126,13 +116,13 @@ def _assert_sequence_parallel_matches(ranks: list[Any], cases: list) -> None:
 
 def test_tp2_sequence_parallel_gives_the_logits_and_tokens_of_plain_tp(tmp_path) -> None:
     _assert_sequence_parallel_matches(
-        _run_ranks(tmp_path, sequence_parallel_rank, 2, TP2_CASES), TP2_CASES
+        run_ranks(tmp_path, sequence_parallel_rank, 2, TP2_CASES), TP2_CASES
     )
 
 
 def test_tp3_sequence_parallel_gives_the_logits_and_tokens_of_plain_tp(tmp_path) -> None:
     _assert_sequence_parallel_matches(
-        _run_ranks(tmp_path, sequence_parallel_rank, 3, TP3_CASES), TP3_CASES
+        run_ranks(tmp_path, sequence_parallel_rank, 3, TP3_CASES), TP3_CASES
     )
 
 
@@ -144,7 +134,7 @@ def test_pipeline_stages_carry_the_whole_stream_under_sequence_parallelism(tmp_p
         ([("a", [9]), ("b", [10])], 1),
         ([("a", [11])], 0),
     ]
-    ranks = _run_ranks(tmp_path, pipeline_sequence_parallel_rank, 4, config, steps)
+    ranks = run_ranks(tmp_path, pipeline_sequence_parallel_rank, 4, config, steps)
     assert ranks[0] is None and ranks[1] is None  # the first stage's ranks
     for plain, sharded in ranks[2:]:
         assert [t.shape[0] for t in sharded] == [5, 2, 1]

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from actors.protocol.sampling_params import SamplingParams
-from gpu.distributed.group import file_rendezvous
-from gpu.distributed.launch import start_workers
 from gpu.models.config import ModelConfig
 from gpu.models.presets import PRESETS
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.shard_loader import load_weight_shard
 from tests._embedded_model import needs_embedded_model
+from tests.gpu._parallel_engine import run_ranks
 from tests.gpu._tp_workers import (
     GreedyRun,
     SamplingCase,
@@ -33,22 +32,13 @@ from tests.gpu._tp_workers import (
     sampling_rank,
 )
 
-RUN_TIMEOUT_S = 180.0
-
-
 pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
-
-
-def _run_ranks(tmp_path, target: Any, world_size: int, *args: Any) -> list[Any]:
-    init_method = file_rendezvous(str(tmp_path))
-    with start_workers(target, world_size, (world_size, init_method, *args)) as workers:
-        return workers.wait(RUN_TIMEOUT_S)
 
 
 def test_collectives_and_the_step_broadcast(tmp_path) -> None:
     # Frames are 64 bytes here: the empty, inline and multi-frame payloads all occur.
     payloads = [b"step-1", b"", bytes(range(256)) * 3, b"x" * 48]
-    rank0, rank1 = _run_ranks(tmp_path, collectives_rank, 2, payloads)
+    rank0, rank1 = run_ranks(tmp_path, collectives_rank, 2, payloads)
     mine = [torch.arange(6, dtype=torch.float32).view(3, 2) + 100 * rank for rank in (0, 1)]
     for result in (rank0, rank1):
         assert torch.equal(result["all_reduce"], mine[0] + mine[1])
@@ -96,7 +86,7 @@ def _assert_same_run(tp: GreedyRun, single: GreedyRun) -> None:
 
 
 def test_tp2_dummy_models_match_one_device(tmp_path) -> None:
-    ranks = _run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES)
+    ranks = run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES)
     for index, (config, prompts, num_steps) in enumerate(DUMMY_CASES):
         single = run_greedy(
             config, dummy_weights(config, torch.float32, "cpu", seed=5), prompts, num_steps
@@ -114,7 +104,7 @@ def test_tp3_embedded_gguf_matches_one_device(tmp_path) -> None:
     prompts = [[1, 9690, 314, 253, 1167], [504, 3458, 282, 4649, 314], [28, 29, 30]]
     shard = load_weight_shard("default", torch.float32, "cpu", 0, 1)
     single = run_greedy(shard.config, shard.weights, prompts, 4)
-    for run in _run_ranks(tmp_path, model_file_rank, 3, "default", prompts, 4):
+    for run in run_ranks(tmp_path, model_file_rank, 3, "default", prompts, 4):
         _assert_same_run(run, single)
 
 
@@ -186,7 +176,7 @@ def _assert_same_output(got: Any, expected: Any) -> None:
 
 def _check_batch_sharded_sampling(tmp_path, device_kind: str) -> None:
     cases = list(SAMPLING_CASES.values())
-    ranks = _run_ranks(tmp_path, sampling_rank, 2, cases, device_kind)
+    ranks = run_ranks(tmp_path, sampling_rank, 2, cases, device_kind)
     reference_device = "cuda:0" if device_kind == "cuda" else "cpu"
     for index, (name, case) in enumerate(SAMPLING_CASES.items()):
         sampler, logits, args = case_inputs(case, reference_device)
@@ -223,7 +213,7 @@ def test_batch_sharded_sampling_over_nccl(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp2_dummy_models_over_nccl_match_one_device(tmp_path) -> None:
-    ranks = _run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES, "cuda")
+    ranks = run_ranks(tmp_path, dummy_model_rank, 2, DUMMY_CASES, "cuda")
     for index, (config, prompts, num_steps) in enumerate(DUMMY_CASES):
         single = run_greedy(
             config,

@@ -37,6 +37,7 @@ from tests.gpu._parallel_engine import (
     HUNG_TIMEOUT_S,
     PROMPTS,
     alive,
+    kill_rank_mid_generation,
     outputs,
 )
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
@@ -140,39 +141,9 @@ def test_a_killed_rank_fails_its_requests_and_the_engine_within_bounded_time(tmp
         EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_OPTIONS)
     )
     pids = loaded.worker.tp_leader.workers.pids
-    dead_reasons: list[str] = []
-
-    async def run() -> tuple[str | None, float]:
-        engine = InProcessEngine(
-            loaded.worker, loaded.runner, loaded.config, on_dead=dead_reasons.append
-        )
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            stream = engine.add_request(
-                EngineRequest(
-                    "long",
-                    tuple(PROMPTS[0]),
-                    SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
-                    time.monotonic(),
-                )
-            )
-            first = await stream.get()
-            assert first is not None and first.token_ids
-            os.kill(pids[0], signal.SIGKILL)
-            killed_at = time.monotonic()
-            with anyio.fail_after(DEAD_WITHIN_S):
-                final = await stream.wait_finished()
-                while not dead_reasons:
-                    await anyio.sleep(0.05)
-            engine.stop()
-        return (None if final is None else final.finish_reason), time.monotonic() - killed_at
-
-    try:
-        finish_reason, elapsed_s = anyio.run(run)
-    finally:
-        loaded.worker.close()
+    finish_reason, elapsed_s, dead_reason = kill_rank_mid_generation(loaded, pids[0])
     assert finish_reason == "error"
-    assert "rank" in dead_reasons[0], dead_reasons
+    assert "rank" in dead_reason, dead_reason
     assert elapsed_s < DEAD_WITHIN_S
     assert alive(pids) == []
     with pytest.raises(TPFailedError, match="rank 1"):  # no new engine on a broken group
