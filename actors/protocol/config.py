@@ -103,8 +103,10 @@ class EngineConfig:
     either runner (actors/core/spec_scheduling.py, gpu/spec_decode/)."""
     spec_tail_graphs: bool = True
     """With speculation on V2 and CUDA graphs: replay the speculative step's head,
-    sampling, acceptance and drafting as CUDA graphs (gpu/spec_decode/spec_graphs.py);
-    False launches them eagerly (the Python API's switch for measuring the difference)."""
+    sampling, acceptance and drafting as CUDA graphs (gpu/spec_decode/spec_graphs.py),
+    and pure-decode speculative steps whole as uniform graphs (gpu/spec_decode/
+    uniform_graphs.py); False launches them eagerly (the Python API's switch for
+    measuring the difference)."""
     cpu_threads: int | None = None
     """torch intra-op threads of the engine (of each tensor-parallel rank); None chooses
     them from the CPUs the engine may use (gpu/cpu_threads.py)."""
