@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 from gpu.attention.base import AttentionMetadata
 from gpu.models.config import ModelConfig, UnsupportedModelError
+from gpu.models.decoder_layer import DecoderLayer
 from gpu.models.fp8_linear import Projection
 from gpu.models.layers import SwiGLUMLP
-from gpu.models.llama import DecoderLayer, DecoderModel
+from gpu.models.llama import DecoderModel
 from gpu.runner_v1.compiled_layers import (
     HeadShape,
     finish_layer,

@@ -21,7 +21,8 @@ from gpu.attention.kv_cache_dtype import kv_cache_dtype_refusal, resolve_kv_cach
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.attention.triton_backend import TritonAttentionBackend
 from gpu.kv_sizing import kv_bytes_per_block
-from gpu.models.llama import DecoderLayer, DecoderModel
+from gpu.models.decoder_layer import DecoderLayer
+from gpu.models.llama import DecoderModel
 from gpu.models.presets import PRESETS
 from gpu.weights.loader import load_model_files
 from gpu.worker import ModelWorker, WorkerConfigError
