@@ -31,6 +31,15 @@ def _bool_env(name: str, default: bool) -> bool:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
+    _add_model_args(g)
+    _add_cache_args(g)
+    _add_scheduling_args(g)
+    _add_device_split_args(g)
+    _add_runner_feature_args(parser, g)
+
+
+def _add_model_args(g: Any) -> None:
+    """What to load and where: the model, its dtype and precision, the device, the context."""
     g.add_argument(
         "--model",
         default=_env("model", _DEFAULTS.model),
@@ -75,6 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=_env("max_model_len", None),
         help="context length in tokens (default: the model's)",
     )
+
+
+def _add_cache_args(g: Any) -> None:
+    """The KV cache: its blocks, dtype, size and the offload tiers behind it."""
     g.add_argument(
         "--block-size",
         type=int,
@@ -128,6 +141,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=float(_env("gpu_memory_utilization", _DEFAULTS.gpu_memory_utilization)),
         help="fraction of GPU memory for weights, activations, graphs and KV cache",
     )
+
+
+def _add_scheduling_args(g: Any) -> None:
+    """What a step may hold, and the runner that runs it."""
     g.add_argument(
         "--max-num-seqs",
         type=int,
@@ -190,6 +207,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "instead of the model's own (pairs any weights, dummy ones included, "
         "with a real tokenizer). Env: TANDEM_TOKENIZER",
     )
+
+
+def _add_device_split_args(g: Any) -> None:
+    """How the model is split over devices, and the engine's CPU threads."""
     g.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -227,7 +248,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "1-2 CPUs, otherwise all but one left to the API servers; at most 8 on CUDA. "
         "OMP_NUM_THREADS also sets it. Env: TANDEM_CPU_THREADS",
     )
-    _add_runner_feature_args(parser, g)
 
 
 def _add_runner_feature_args(parser: argparse.ArgumentParser, g: Any) -> None:
