@@ -3,30 +3,23 @@ on one line; `tandem serve` bounds the tokenizers' thread pools of its processes
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 
 import pytest
 
 from actors.protocol.config import ConfigError, EngineConfig
-from app.engine_args import add_engine_args, engine_config_from_args
 from app.serve_cmd import bound_frontend_threads
-
-
-def _parse(*argv: str) -> EngineConfig:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_config_from_args(parser.parse_args(list(argv)))
+from tests._engine_flags import config_from_flags
 
 
 def test_the_flag_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TANDEM_CPU_THREADS", raising=False)
-    assert _parse().cpu_threads is None
-    assert _parse("--cpu-threads", "3").cpu_threads == 3
+    assert config_from_flags().cpu_threads is None
+    assert config_from_flags("--cpu-threads", "3").cpu_threads == 3
     monkeypatch.setenv("TANDEM_CPU_THREADS", "5")
-    assert _parse().cpu_threads == 5
-    assert _parse("--cpu-threads", "2").cpu_threads == 2
+    assert config_from_flags().cpu_threads == 5
+    assert config_from_flags("--cpu-threads", "2").cpu_threads == 2
 
 
 @pytest.mark.parametrize("bad", [0, -2, True, 1.5, "4"])

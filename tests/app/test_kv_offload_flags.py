@@ -4,29 +4,21 @@ tests/gpu/test_kv_offload.py, tests/gpu/test_kv_disk_store.py)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from actors.protocol.config import ConfigError, EngineConfig
-from app.engine_args import add_engine_args, engine_config_from_args
-
-
-def _parse(*argv: str) -> EngineConfig:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_config_from_args(parser.parse_args(list(argv)))
+from actors.protocol.config import ConfigError
+from tests._engine_flags import config_from_flags
 
 
 def test_the_tiers_are_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("CPU_GB", "DISK_PATH", "DISK_GB"):
         monkeypatch.delenv(f"TANDEM_KV_OFFLOAD_{name}", raising=False)
-    config = _parse()
+    config = config_from_flags()
     assert config.kv_offload_cpu_bytes == 0 and config.kv_offload_disk_path is None
 
 
 def test_the_flags_in_bytes(tmp_path: object) -> None:
-    config = _parse(
+    config = config_from_flags(
         "--kv-offload-cpu-gb",
         "1.5",
         "--kv-offload-disk-path",
@@ -41,7 +33,7 @@ def test_the_flags_in_bytes(tmp_path: object) -> None:
 
 def test_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_KV_OFFLOAD_CPU_GB", "0.5")
-    assert _parse().kv_offload_cpu_bytes == 1 << 29
+    assert config_from_flags().kv_offload_cpu_bytes == 1 << 29
 
 
 @pytest.mark.parametrize(
@@ -56,5 +48,5 @@ def test_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_bad_combinations_are_refused_in_one_line(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as refused:
-        _parse(*argv)
+        config_from_flags(*argv)
     assert "\n" not in str(refused.value)

@@ -5,7 +5,6 @@ naming the field and the limit, and what is within it is served end to end. The 
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -14,11 +13,11 @@ import httpx
 import pytest
 
 from actors.protocol.codec import Codec
-from actors.protocol.config import ConfigError, EngineConfig
+from actors.protocol.config import ConfigError
 from actors.protocol.messages import EngineRequest
 from actors.protocol.sampling_params import SamplingParams
 from app.cli import build_parser
-from app.engine_args import add_engine_args, engine_config_from_args
+from tests._engine_flags import config_from_flags
 from tests.app._server_fixtures import ENGINE, RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -27,24 +26,18 @@ LIMIT = 5
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
-def _parse(*argv: str) -> EngineConfig:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_config_from_args(parser.parse_args(list(argv)))
-
-
 def test_the_flag_its_environment_variable_and_its_help(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("TANDEM_MAX_LOGPROBS", raising=False)
-    assert _parse().max_logprobs == 20
-    assert _parse("--max-logprobs", "5").max_logprobs == 5
-    assert _parse("--max-logprobs", "-1").max_logprobs == -1
+    assert config_from_flags().max_logprobs == 20
+    assert config_from_flags("--max-logprobs", "5").max_logprobs == 5
+    assert config_from_flags("--max-logprobs", "-1").max_logprobs == -1
     monkeypatch.setenv("TANDEM_MAX_LOGPROBS", "7")
-    assert _parse().max_logprobs == 7
-    assert _parse("--max-logprobs", "3").max_logprobs == 3
+    assert config_from_flags().max_logprobs == 7
+    assert config_from_flags("--max-logprobs", "3").max_logprobs == 3
     with pytest.raises(ConfigError, match="max_logprobs must be -1 or >= 0"):
-        _parse("--max-logprobs", "-2")
+        config_from_flags("--max-logprobs", "-2")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--max-logprobs" in capsys.readouterr().out

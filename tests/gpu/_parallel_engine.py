@@ -9,6 +9,8 @@ import time
 from typing import Any
 
 import anyio
+import pytest
+import torch
 
 from actors.core.engine_startup import LoadedEngine
 from actors.inprocess_engine import InProcessEngine
@@ -45,6 +47,16 @@ SAMPLED = [
 ]
 DEAD_WITHIN_S = 20.0
 HUNG_TIMEOUT_S = 3.0
+
+
+NCCL = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    ],
+)
+"""The device parameter of a test that also runs over NCCL where two GPUs exist."""
 
 
 def outputs(llm: LLM, vocab_size: int | None = None) -> list:

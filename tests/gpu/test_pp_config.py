@@ -3,15 +3,12 @@ loads."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
 from actors.core.engine_startup import load_engine, selection_input
 from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.speculative_config import parse_speculative_config
-from app.engine_args import add_engine_args, engine_config_from_args
 from gpu.distributed.layout import ParallelLayout, stage_layers
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.kv_sizing import kv_bytes_per_block
@@ -20,25 +17,20 @@ from gpu.platform import probe_platform
 from gpu.runner_selection import RunnerSelectionError, select_runner
 from gpu.weights.dummy import dummy_weights
 from gpu.weights.layout import EMBED_NAME, FINAL_NORM_NAME, LM_HEAD_NAME
+from tests._engine_flags import config_from_flags
 
 LLAMA_8B = PRESETS["llama-3.1-8b"]
 
 
-def _parse(*argv: str) -> EngineConfig:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_config_from_args(parser.parse_args(list(argv)))
-
-
 def test_the_flag_its_short_form_and_its_environment_variable(monkeypatch) -> None:
-    assert _parse().pipeline_parallel_size == 1
-    assert _parse("--pipeline-parallel-size", "4").pipeline_parallel_size == 4
-    config = _parse("-pp", "2", "-tp", "2")
+    assert config_from_flags().pipeline_parallel_size == 1
+    assert config_from_flags("--pipeline-parallel-size", "4").pipeline_parallel_size == 4
+    config = config_from_flags("-pp", "2", "-tp", "2")
     assert (config.pipeline_parallel_size, config.num_ranks) == (2, 4)
     monkeypatch.setenv("TANDEM_PIPELINE_PARALLEL_SIZE", "3")
-    assert _parse().pipeline_parallel_size == 3
-    assert _parse().distributed_timeout_s == 120.0
-    assert _parse("--distributed-timeout-seconds", "7.5").distributed_timeout_s == 7.5
+    assert config_from_flags().pipeline_parallel_size == 3
+    assert config_from_flags().distributed_timeout_s == 120.0
+    assert config_from_flags("--distributed-timeout-seconds", "7.5").distributed_timeout_s == 7.5
     with pytest.raises(ConfigError, match="distributed_timeout_s must be positive"):
         EngineConfig(distributed_timeout_s=0)
     with pytest.raises(ConfigError, match="pipeline_parallel_size must be an integer >= 1"):
@@ -147,7 +139,7 @@ def test_startup_refuses_pipelines_the_runner_cannot_run_before_loading() -> Non
     ],
 )
 def test_the_real_flags_fire_the_v1_rule_of_vllm(argv, feature) -> None:
-    config = _parse("--model", "dummy:qwen3-0.6b", "--device", "cpu", *argv)
+    config = config_from_flags("--model", "dummy:qwen3-0.6b", "--device", "cpu", *argv)
     choice = select_runner(selection_input(config, "qwen3"), probe_platform("cpu"))
     assert (choice.runner, choice.rule) == ("v1", "unsupported_features")
     assert feature in choice.reason

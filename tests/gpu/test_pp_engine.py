@@ -16,7 +16,6 @@ ranks spawned, gloo.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actors.core.engine_startup import load_engine
 from actors.protocol.config import ConfigError, EngineConfig
@@ -27,6 +26,7 @@ from tests._embedded_model import needs_embedded_model
 from tests.gpu._parallel_engine import (
     DEAD_WITHIN_S,
     ENGINE_OPTIONS,
+    NCCL,
     PROMPTS,
     alive,
     kill_rank_mid_generation,
@@ -37,13 +37,6 @@ from tests.gpu.models._tiny_moe_models import TINY_MOE_SIZES, save_tiny_moe_chec
 
 pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
 
-NCCL = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-    ],
-)
 PROMPT_LOGPROBS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
 
 

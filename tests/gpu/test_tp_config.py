@@ -2,33 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from actors.core.engine_startup import load_engine
 from actors.protocol.config import ConfigError, EngineConfig
-from app.engine_args import add_engine_args, engine_config_from_args
 from gpu.distributed.tp_config import TensorParallelError, validate_tensor_parallel
 from gpu.models.presets import PRESETS
 from tests._embedded_model import needs_embedded_model
+from tests._engine_flags import config_from_flags
 
 LLAMA_8B = PRESETS["llama-3.1-8b"]
 
 
-def _parse(*argv: str) -> EngineConfig:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_config_from_args(parser.parse_args(list(argv)))
-
-
 def test_the_flag_its_short_form_and_its_environment_variable(monkeypatch) -> None:
-    assert _parse().tensor_parallel_size == 1
-    assert _parse("--tensor-parallel-size", "4").tensor_parallel_size == 4
-    assert _parse("-tp", "2").tensor_parallel_size == 2
+    assert config_from_flags().tensor_parallel_size == 1
+    assert config_from_flags("--tensor-parallel-size", "4").tensor_parallel_size == 4
+    assert config_from_flags("-tp", "2").tensor_parallel_size == 2
     monkeypatch.setenv("TANDEM_TENSOR_PARALLEL_SIZE", "8")
-    assert _parse().tensor_parallel_size == 8
-    assert _parse("-tp", "2").tensor_parallel_size == 2
+    assert config_from_flags().tensor_parallel_size == 8
+    assert config_from_flags("-tp", "2").tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
 

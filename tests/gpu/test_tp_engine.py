@@ -18,7 +18,6 @@ import time
 
 import anyio
 import pytest
-import torch
 
 from actors.core.engine_startup import choose_runner, load_engine
 from actors.inprocess_engine import InProcessEngine
@@ -35,6 +34,7 @@ from tests.gpu._parallel_engine import (
     ENGINE_OPTIONS,
     GREEDY,
     HUNG_TIMEOUT_S,
+    NCCL,
     PROMPTS,
     alive,
     kill_rank_mid_generation,
@@ -43,14 +43,6 @@ from tests.gpu._parallel_engine import (
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
-
-NCCL = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-    ],
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", NCCL])
