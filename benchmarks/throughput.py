@@ -8,6 +8,8 @@ then through transformers on the same weights (`generate` on static batches, and
     python -m benchmarks.throughput --workload CPU --quantization none  # ... in float32
     python -m benchmarks.throughput --workload W3 --quantization fp8   # FP8 projections
     python -m benchmarks.throughput --workload W3 --kv-cache-dtype fp8  # an FP8 KV cache
+    python -m benchmarks.throughput --workload W4 --num-prompts 90 -tp 2 -pp 2 --arms v2,v1
+        # TP x PP on four GPUs, V2 against V1 (the shape of vLLM issue 55139)
 
 Every request is submitted at t=0, as in vLLM's `bench throughput`; a run's wall time goes
 from the first submission to the last finish. Each request's first-token and finish times
@@ -97,8 +99,17 @@ def parse_args(argv: list[str] | None) -> Any:
         help="tandem's --kv-cache-dtype: fp8 stores the paged KV cache in e4m3 (half of "
         "bf16's bytes per token)",
     )
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="tandem's, for both runners"
+    )
+    p.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=1, help="tandem's, for both runners"
+    )
     args = p.parse_args(argv)
     args.default_arms = args.arms is None
+    multi_rank = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    if args.arms is None and multi_rank:
+        args.arms = ",".join(TANDEM_ARMS)
     if args.arms is None:
         default = TANDEM_ARMS if args.quantization == "fp8" else TANDEM_ARMS + HF_ARMS
         args.arms = ",".join(default)
@@ -112,6 +123,8 @@ def parse_args(argv: list[str] | None) -> Any:
         p.error(
             "--quantization fp8: the transformers arms cannot share FP8 weights; pass --arms v2,v1"
         )
+    if multi_rank and set(arms) & set(HF_ARMS):
+        p.error("-tp/-pp above 1: the transformers arms run on one device; pass --arms v2,v1")
     args.arms = arms
     return args
 
@@ -138,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "enforce_eager": args.enforce_eager,
         "quantization": args.quantization,
     }
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:  # older engines lack pp
+        engine_options["tensor_parallel_size"] = args.tensor_parallel_size
+        engine_options["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.kv_cache_dtype != "auto":  # engines older than the option run the default
         engine_options["kv_cache_dtype"] = args.kv_cache_dtype
     if workload.device == "cuda":

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from actors.protocol.messages import StepStats
-from benchmarks.throughput import main
-from benchmarks.throughput_arms import abba_order
+from benchmarks.throughput import main, parse_args
+from benchmarks.throughput_arms import HF_ARMS, TANDEM_ARMS, abba_order
 from benchmarks.throughput_engine import EngineRun, RequestTiming
 from benchmarks.throughput_figures import gpu_idle_figures, latency_figures
 from benchmarks.workloads import (
@@ -91,6 +91,15 @@ def test_bad_arms_and_workloads_are_usage_errors() -> None:
     assert bad_arm.returncode == 2 and "--arms must start with v2" in bad_arm.stderr
     bad_workload = throughput("--workload", "W7", "--not-a-result")
     assert bad_workload.returncode == 2 and "invalid choice: 'W7'" in bad_workload.stderr
+
+
+def test_tensor_and_pipeline_parallel_runs_compare_the_two_runners_only() -> None:
+    args = parse_args(["-tp", "2", "-pp", "2", "--not-a-result"])
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 2)
+    assert args.arms == list(TANDEM_ARMS)
+    with pytest.raises(SystemExit):
+        parse_args(["-pp", "2", "--arms", "v2,v1,hf_static", "--not-a-result"])
+    assert parse_args(["--not-a-result"]).arms == [*TANDEM_ARMS, *HF_ARMS]
 
 
 def test_abba_order_alternates_which_arm_goes_first() -> None:
