@@ -8,8 +8,9 @@ then through transformers on the same weights (`generate` on static batches, and
     python -m benchmarks.throughput --workload CPU --quantization none  # ... in float32
     python -m benchmarks.throughput --workload W3 --quantization fp8   # FP8 projections
     python -m benchmarks.throughput --workload W3 --kv-cache-dtype fp8  # an FP8 KV cache
-    python -m benchmarks.throughput --workload W4 --num-prompts 90 -tp 2 -pp 2 --arms v2,v1
-        # TP x PP on four GPUs, V2 against V1 (the shape of vLLM issue 55139)
+    python -m benchmarks.throughput --workload W3 --num-prompts 90 -tp 2 -pp 2
+        # TP x PP on four GPUs, V2 against V1 (vLLM issue 55139's shape; its gpt-oss-20b,
+        # W4, splits into stages but not yet over TP ranks: -pp 2 only)
 
 Every request is submitted at t=0, as in vLLM's `bench throughput`; a run's wall time goes
 from the first submission to the last finish. Each request's first-token and finish times
