@@ -337,12 +337,14 @@ class KVCacheManager:
             entry.cache_salt,
         )
         self._requests[entry.request_id] = state
+        counted = (0, 0)
         if self.enable_prefix_caching:
-            self._num_query_tokens += num_tokens
-            self._num_hit_tokens += len(hit_block_ids) * self.block_size  # the device pool's
+            counted = (num_tokens, len(hit_block_ids) * self.block_size)  # the device pool's
+            self._num_query_tokens += counted[0]
+            self._num_hit_tokens += counted[1]
         offload = self.offload
         if num_loaded or (offload and any(offload.is_loading(b) for b in hit_block_ids)):
-            self._held.hold(entry.request_id, num_cached)
+            self._held.hold(entry.request_id, num_cached, counted)
             return None
         return self._grant(entry.request_id, state, num_cached, num_new)
 
@@ -364,6 +366,9 @@ class KVCacheManager:
         """Free holds no allocation granted; their blocks stay cached, their loads done by
         any later step (its forward waits for them)."""
         for request_id in held.request_ids():
+            num_queried, num_hit = held.counted(request_id)  # counted again when admitted
+            self._num_query_tokens -= num_queried
+            self._num_hit_tokens -= num_hit
             state = self._requests.pop(request_id)
             self._waiting_hashes[request_id] = state.block_hashes
             self.pool.free(reversed(state.block_ids))

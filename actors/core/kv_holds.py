@@ -37,6 +37,10 @@ class Holds:
 
     def __init__(self) -> None:
         self._num_cached_tokens: dict[str, int] = {}
+        self._counted: dict[str, tuple[int, int]] = {}
+        """Held request ids -> the (queried, hit) prefix-cache tokens their admission
+        counted: a hold released ungranted takes them back, as its next admission counts
+        them again."""
         self._waited_for_reads: set[str] = set()
         """Waiting requests that have waited for disk reads once."""
 
@@ -46,14 +50,23 @@ class Holds:
     def __len__(self) -> int:
         return len(self._num_cached_tokens)
 
-    def hold(self, request_id: str, num_cached_tokens: int) -> None:
+    def hold(
+        self, request_id: str, num_cached_tokens: int, counted: tuple[int, int] = (0, 0)
+    ) -> None:
         self._num_cached_tokens[request_id] = num_cached_tokens
+        self._counted[request_id] = counted
 
     def pop(self, request_id: str) -> int:
+        self._counted.pop(request_id, None)
         return self._num_cached_tokens.pop(request_id)
+
+    def counted(self, request_id: str) -> tuple[int, int]:
+        """The (queried, hit) tokens the request's admission counted."""
+        return self._counted.get(request_id, (0, 0))
 
     def discard(self, request_id: str) -> None:
         self._num_cached_tokens.pop(request_id, None)
+        self._counted.pop(request_id, None)
         self._waited_for_reads.discard(request_id)
 
     def lookup(
@@ -74,6 +87,7 @@ class Holds:
         requests that waited for reads stay."""
         taken = Holds()
         taken._num_cached_tokens, self._num_cached_tokens = self._num_cached_tokens, {}
+        taken._counted, self._counted = self._counted, {}
         return taken
 
     def request_ids(self) -> list[str]:

@@ -188,12 +188,16 @@ def test_a_hold_the_next_allocation_does_not_grant_is_released_its_blocks_cached
     assert transfer is not None and len(transfer.load_gpu_block_ids) == 3
     assert not transfer.loads_read_now  # "r" runs beside the loads
     loaded = transfer.load_gpu_block_ids
+    queried_before = manager.stats().prefix_cache_queries_tokens
     too_big = RunningAllocs(("r",), (8 * BLOCK_SIZE + 1,))
     failed = manager.allocate_step(AllocateStep((), too_big, waiting, 10_000))
     assert failed.num_running_ok == 0 and not manager.has_request("d")
     manager.check_invariants()
     manager.free(["r"])
+    # The released hold's admission is taken back: its next one counts d's prompt once.
+    assert manager.stats().prefix_cache_queries_tokens == queried_before - 13
     again, transfer = _admit(manager, "d", prompt)
+    assert manager.stats().prefix_cache_queries_tokens == queried_before
     assert again.num_cached_tokens == 12 and again.block_ids[:3] == loaded
     assert transfer is None or not transfer.load_host_slots  # device hits: no second load
 
