@@ -173,8 +173,9 @@ class LLM:
         if self._follower is not None:  # rank 0 runs the same call: take its outputs
             return list(self._follower.follow() or ())
         results = anyio.run(self._generate, prompt_list, params_list, on_finished)
-        if self.worker.tp_leader is not None and self.worker.tp_leader.workers is None:
-            self.worker.tp_leader.send_result(results)  # the launched ranks return these
+        leader = self.worker.tp_leader
+        if leader is not None and self.config.distributed_executor_backend == "external_launcher":
+            leader.send_result(results)  # the launched ranks return these
         return results
 
     def _ready(self, prompt: Prompt) -> _ReadyPrompt:

@@ -108,12 +108,17 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     args = p.parse_args(argv)
     args.default_arms = args.arms is None
+    args.arms = _checked_arms(p, args)
+    return args
+
+
+def _checked_arms(p: Any, args: Any) -> list[str]:
+    """--arms as a list (its default for the run's ranks and quantization); a usage error
+    for arms that cannot run together."""
     multi_rank = args.tensor_parallel_size * args.pipeline_parallel_size > 1
-    if args.arms is None and multi_rank:
-        args.arms = ",".join(TANDEM_ARMS)
-    if args.arms is None:
-        default = TANDEM_ARMS if args.quantization == "fp8" else TANDEM_ARMS + HF_ARMS
-        args.arms = ",".join(default)
+    if args.arms is None:  # transformers runs one device's unquantized weights only
+        with_hf = not multi_rank and args.quantization != "fp8"
+        args.arms = ",".join(TANDEM_ARMS + HF_ARMS if with_hf else TANDEM_ARMS)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or arms[0] != "v2" or not set(arms) <= {*TANDEM_ARMS, *HF_ARMS}:
         p.error(
@@ -126,8 +131,7 @@ def parse_args(argv: list[str] | None) -> Any:
         )
     if multi_rank and set(arms) & set(HF_ARMS):
         p.error("-tp/-pp above 1: the transformers arms run on one device; pass --arms v2,v1")
-    args.arms = arms
-    return args
+    return arms
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,35 +137,7 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.runner not in ("auto", "v1", "v2"):
             raise ConfigError(f"runner must be auto, v1 or v2, got {self.runner!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ConfigError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
-            )
-        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
-            raise ConfigError(
-                "pipeline_parallel_size must be an integer >= 1, "
-                f"got {self.pipeline_parallel_size!r}"
-            )
-        if self.pipeline_parallel_size > 1 and self.speculative_config is not None:
-            raise ConfigError(
-                "speculative decoding does not run with --pipeline-parallel-size > 1 yet"
-            )
-        if self.enable_sequence_parallelism and self.tensor_parallel_size == 1:
-            raise ConfigError("enable_sequence_parallelism needs tensor_parallel_size > 1")
-        if self.enable_sequence_parallelism and self.compile_level != 0:
-            raise ConfigError(
-                "enable_sequence_parallelism does not work with compile_level > 0 (the "
-                "compiled layers all-reduce)"
-            )
-        if not self.distributed_timeout_s > 0:
-            raise ConfigError(
-                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}"
-            )
-        if self.distributed_executor_backend not in ("mp", "external_launcher"):
-            raise ConfigError(
-                "distributed_executor_backend must be mp or external_launcher, "
-                f"got {self.distributed_executor_backend!r}"
-            )
+        _check_parallelism(self)
         if self.compile_level not in (0, 1, 2):
             raise ConfigError(f"compile_level must be 0, 1 or 2, got {self.compile_level!r}")
         if isinstance(self.logits_processors, str):
@@ -177,15 +149,6 @@ class EngineConfig:
             or self.cpu_threads < 1
         ):
             raise ConfigError(f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ConfigError(
-                f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}"
-            )
-        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ConfigError(
-                f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
-                f"got {self.data_parallel_rank!r}"
-            )
         if self.enable_prompt_embeds and self.compile_level != 0:
             raise ConfigError(
                 "enable_prompt_embeds does not work with compile_level > 0 (the compiled "
@@ -212,6 +175,46 @@ class EngineConfig:
     def num_ranks(self) -> int:
         """Worker ranks of one engine core: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _check_parallelism(config: EngineConfig) -> None:
+    """The ranks of a core (tensor x pipeline), sequence parallelism, who starts the ranks,
+    their collectives' timeout, and the data-parallel cores."""
+    if not isinstance(config.tensor_parallel_size, int) or config.tensor_parallel_size < 1:
+        raise ConfigError(
+            f"tensor_parallel_size must be an integer >= 1, got {config.tensor_parallel_size!r}"
+        )
+    if not isinstance(config.pipeline_parallel_size, int) or config.pipeline_parallel_size < 1:
+        raise ConfigError(
+            f"pipeline_parallel_size must be an integer >= 1, got {config.pipeline_parallel_size!r}"
+        )
+    if config.pipeline_parallel_size > 1 and config.speculative_config is not None:
+        raise ConfigError("speculative decoding does not run with --pipeline-parallel-size > 1 yet")
+    if config.enable_sequence_parallelism and config.tensor_parallel_size == 1:
+        raise ConfigError("enable_sequence_parallelism needs tensor_parallel_size > 1")
+    if config.enable_sequence_parallelism and config.compile_level != 0:
+        raise ConfigError(
+            "enable_sequence_parallelism does not work with compile_level > 0 (the "
+            "compiled layers all-reduce)"
+        )
+    if not config.distributed_timeout_s > 0:
+        raise ConfigError(
+            f"distributed_timeout_s must be positive, got {config.distributed_timeout_s!r}"
+        )
+    if config.distributed_executor_backend not in ("mp", "external_launcher"):
+        raise ConfigError(
+            "distributed_executor_backend must be mp or external_launcher, "
+            f"got {config.distributed_executor_backend!r}"
+        )
+    if not isinstance(config.data_parallel_size, int) or config.data_parallel_size < 1:
+        raise ConfigError(
+            f"data_parallel_size must be an integer >= 1, got {config.data_parallel_size!r}"
+        )
+    if not 0 <= config.data_parallel_rank < config.data_parallel_size:
+        raise ConfigError(
+            f"data_parallel_rank must be in [0, {config.data_parallel_size}), "
+            f"got {config.data_parallel_rank!r}"
+        )
 
 
 def _check_kv_offload(config: EngineConfig) -> None:
