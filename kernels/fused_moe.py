@@ -4,8 +4,19 @@
     expert_e(x) = act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]
 
 Rows [0, I) of w13 are the gate projection, rows [I, 2I) the up projection. Weights are in
-the model dtype or MXFP4 (`MXFP4Tensor`, gpt-oss). Products accumulate in float32; the
-activation is rounded to the model dtype between the two GEMMs.
+the model dtype, MXFP4 (`MXFP4Tensor`, gpt-oss) or FP8 e4m3 (`Fp8Experts`: FP8 checkpoints
+such as Qwen3-30B-A3B-FP8, and --quantization fp8) with per-output-channel scales or
+128x128 block scales (w13's gate and up halves blocked separately, as the checkpoints'
+gate_proj and up_proj are). Products accumulate in float32; the activation is rounded to
+the model dtype between the two GEMMs.
+
+FP8 experts are weight-only: the activations stay in the model dtype and are never
+quantized. Each weight tile is read as e4m3 (half the bytes of bf16: at decode the experts'
+weight bytes are the layer's cost), converted to the activations' dtype in registers
+(exactly) and multiplied on the tensor cores with float32 accumulation; the scales
+multiply the float32 sums (kernels/_moe_gemm.py). This is the simplest correct design:
+no activation quantization launch, the accuracy of the dequantized bf16 model, and the
+kernels of the bf16 path with a conversion added.
 
 GPU path, five launches after routing, all with static shapes and no host sync (so a decode
 step can be captured in a CUDA graph):
@@ -29,15 +40,30 @@ import torch.nn.functional as F
 
 from kernels._checks import check_triton_device, need_triton
 from kernels._moe_align import MoEGrouping, group_pairs_triton, max_num_blocks
-from kernels._moe_gemm import ACT_SILU, ACT_SWIGLU_CLAMPED
+from kernels._moe_gemm import (
+    ACT_SILU,
+    ACT_SWIGLU_CLAMPED,
+    WEIGHTS_FP8_BLOCK,
+    WEIGHTS_FP8_CHANNEL,
+    WEIGHTS_MXFP4,
+    WEIGHTS_PLAIN,
+)
 from kernels._triton import HAS_TRITON, triton
+from kernels.fp8_experts import (
+    FP8_EXPERT_BLOCK,
+    Fp8Experts,
+    check_fp8_experts,
+    dequantize_fp8_experts,
+)
 from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 if HAS_TRITON:
     from kernels._moe_gemm import _moe_gemm1_kernel, _moe_gemm2_kernel
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-Weights = torch.Tensor | MXFP4Tensor
+Weights = torch.Tensor | MXFP4Tensor | Fp8Experts
+GATED_PARTS = 2
+"""w13's rows: the gate half, then the up half (each blocked on its own when FP8)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +97,9 @@ def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileCo
     (benchmarks/results/moe_*.json, `python -m benchmarks.moe --sweep`): decode (a few rows
     per expert) wants the smallest block_m, since weight bytes, not math, bound it; prefill
     grows block_m so that each weight tile feeds more rows. MXFP4 experts, whose tiles are
-    dequantized in registers, stop at block_m 64 (128 measured 1.2x slower)."""
+    dequantized in registers, stop at block_m 64 (128 measured 1.2x slower). FP8 experts
+    take the model dtype's table (not measured apart yet); its block_k of 64 or 128 keeps
+    every K tile inside one 128-column scale block."""
     rows_per_expert = num_pairs / num_experts
     if mxfp4:
         if rows_per_expert <= 2:
@@ -119,9 +147,11 @@ def _check_args(
     num_experts, intermediate = shape13[0], shape13[1] // 2
     if shape2 != (num_experts, hidden_size, intermediate):
         raise ValueError(f"w2 must be {(num_experts, hidden_size, intermediate)}, got {shape2}")
-    for name, w in (("w13", w13), ("w2", w2)):
+    for name, w, num_parts in (("w13", w13, GATED_PARTS), ("w2", w2, 1)):
         if isinstance(w, torch.Tensor) and w.dtype != hidden.dtype:
             raise ValueError(f"{name} must be {hidden.dtype} like hidden, got {w.dtype}")
+        if isinstance(w, Fp8Experts):
+            check_fp8_experts(name, w, num_parts)
     for name, bias, width in (
         ("w13_bias", w13_bias, 2 * intermediate),
         ("w2_bias", w2_bias, hidden_size),
@@ -140,9 +170,11 @@ def _activate(gate_up: torch.Tensor, activation: MoEActivation) -> torch.Tensor:
     return (up + 1) * gate * torch.sigmoid(activation.alpha * gate)
 
 
-def _expert_weight(w: Weights, expert: int) -> torch.Tensor:  # [rows, cols] float32
+def _expert_weight(w: Weights, expert: int, num_parts: int) -> torch.Tensor:  # [rows, cols] fp32
     if isinstance(w, MXFP4Tensor):
         return dequantize_mxfp4(w[expert], torch.float32)
+    if isinstance(w, Fp8Experts):
+        return dequantize_fp8_experts(w.expert(expert), torch.float32, num_parts)[0]
     return w[expert].float()
 
 
@@ -150,8 +182,8 @@ def fused_moe_ref(
     hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16/fp16/fp32
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32
-    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size] hidden's dtype, or MXFP4
-    w2: Weights,  # [num_experts, hidden_size, intermediate] hidden's dtype, or MXFP4
+    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size] hidden's dtype, MXFP4 or FP8
+    w2: Weights,  # [num_experts, hidden_size, intermediate] hidden's dtype, MXFP4 or FP8
     w13_bias: torch.Tensor | None,  # [num_experts, 2 * intermediate]
     w2_bias: torch.Tensor | None,  # [num_experts, hidden_size]
     activation: MoEActivation,
@@ -172,44 +204,45 @@ def fused_moe_ref(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        gate_up = hidden[tokens].float() @ _expert_weight(w13, expert).T
+        gate_up = hidden[tokens].float() @ _expert_weight(w13, expert, GATED_PARTS).T
         if w13_bias is not None:
             gate_up += w13_bias[expert].float()
         act = _activate(gate_up, activation).to(hidden.dtype).float()
-        expert_out = act @ _expert_weight(w2, expert).T
+        expert_out = act @ _expert_weight(w2, expert, 1).T
         if w2_bias is not None:
             expert_out += w2_bias[expert].float()
         out.index_add_(0, tokens, expert_out * flat_weights[pairs, None])
     return out.to(hidden.dtype)
 
 
-def _weight_args(w: Weights) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
+def _weight_args(w: Weights) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, int]:
     """(values, scales, expert stride, row stride, scale expert stride, scale row stride,
-    is_mxfp4) of a weight as the GEMM kernels read it."""
+    kind: kernels/_moe_gemm.py's WEIGHTS) of a weight as the GEMM kernels read it."""
     if isinstance(w, MXFP4Tensor):
         blocks, scales = w.blocks.contiguous(), w.scales.contiguous()
-        num_experts, num_rows = blocks.shape[:2]
-        packed = blocks.view(num_experts, num_rows, -1)
-        return (
-            packed,
-            scales,
-            packed.stride(0),
-            packed.stride(1),
-            scales.stride(0),
-            scales.stride(1),
-            True,
-        )
-    if w.stride(2) != 1:
+        values, kind = blocks.view(*blocks.shape[:2], -1), WEIGHTS_MXFP4
+    elif isinstance(w, Fp8Experts):
+        values, scales = w.weight, w.scale.contiguous()
+        kind = WEIGHTS_FP8_BLOCK if w.block else WEIGHTS_FP8_CHANNEL
+    else:
+        values, scales, kind = w, w, WEIGHTS_PLAIN
+    if values.stride(2) != 1:
         raise ValueError("expert weight rows must be contiguous")
-    return w, w, w.stride(0), w.stride(1), 0, 0, False
+    if kind == WEIGHTS_PLAIN:
+        scale_strides = (0, 0)
+    elif kind == WEIGHTS_FP8_CHANNEL:  # [E, N], read by weight row
+        scale_strides = (scales.stride(0), 1)
+    else:  # MXFP4 [E, N, K / 32], block FP8 [E, N blocks, K blocks]
+        scale_strides = (scales.stride(0), scales.stride(1))
+    return values, scales, values.stride(0), values.stride(1), *scale_strides, kind
 
 
 def fused_moe_triton(
     hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16/fp16/fp32
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32
-    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size], or MXFP4
-    w2: Weights,  # [num_experts, hidden_size, intermediate], or MXFP4
+    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size], MXFP4 or FP8
+    w2: Weights,  # [num_experts, hidden_size, intermediate], MXFP4 or FP8
     w13_bias: torch.Tensor | None,  # [num_experts, 2 * intermediate]
     w2_bias: torch.Tensor | None,  # [num_experts, hidden_size]
     activation: MoEActivation,
@@ -221,13 +254,14 @@ def fused_moe_triton(
     num_experts, intermediate, hidden_size = _check_args(
         hidden, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias
     )
-    check_triton_device("fused_moe_triton", hidden.device)
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    config = tile or tile_config(num_pairs, num_experts, isinstance(w13, MXFP4Tensor))
+    _check_tile(config, w13, w2)
+    check_triton_device("fused_moe_triton", hidden.device)
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden.contiguous()
-    config = tile or tile_config(num_pairs, num_experts, isinstance(w13, MXFP4Tensor))
     grouping = group_pairs_triton(topk_ids.contiguous(), num_experts, config.block_m)
     intermediate_out = torch.empty(
         (num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device
@@ -237,6 +271,15 @@ def fused_moe_triton(
     route_weights = topk_weights.contiguous().view(-1)
     _launch_gemm2(intermediate_out, w2, w2_bias, route_weights, slot_out, grouping, config)
     return slot_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def _check_tile(config: TileConfig, w13: Weights, w2: Weights) -> None:
+    block_scaled = any(isinstance(w, Fp8Experts) and w.block for w in (w13, w2))
+    if block_scaled and FP8_EXPERT_BLOCK % config.block_k:
+        raise ValueError(
+            f"block-scaled FP8 experts need a block_k that divides {FP8_EXPERT_BLOCK} (one "
+            f"scale per K tile), got {config.block_k}"
+        )
 
 
 def _interpreted() -> bool:
@@ -258,7 +301,7 @@ def _launch_gemm1(
     config: TileConfig,
 ) -> None:
     num_pairs, intermediate = out.shape
-    values, scales, w_e, w_r, s_e, s_r, is_mxfp4 = _weight_args(w13)
+    values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w13)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(intermediate, config.block_n))
     _moe_gemm1_kernel[grid](
@@ -269,7 +312,7 @@ def _launch_gemm1(
         activation.alpha, activation.limit,
         TOP_K=top_k,
         HAS_BIAS=bias is not None,
-        IS_MXFP4=is_mxfp4,
+        WEIGHTS=kind,
         ACTIVATION=ACT_SILU if activation.kind == "silu" else ACT_SWIGLU_CLAMPED,
         PRECISION=_precision(hidden.dtype),
         UPCAST_DOT=_interpreted(),
@@ -291,7 +334,7 @@ def _launch_gemm2(
     config: TileConfig,
 ) -> None:
     num_pairs, hidden_size = out.shape
-    values, scales, w_e, w_r, s_e, s_r, is_mxfp4 = _weight_args(w2)
+    values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w2)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(hidden_size, config.block_n))
     _moe_gemm2_kernel[grid](
@@ -300,7 +343,7 @@ def _launch_gemm2(
         num_pairs, hidden_size, act.shape[1],
         w_e, w_r, s_e, s_r, bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
-        IS_MXFP4=is_mxfp4,
+        WEIGHTS=kind,
         PRECISION=_precision(act.dtype),
         UPCAST_DOT=_interpreted(),
         BLOCK_M=config.block_m,
@@ -315,8 +358,8 @@ def fused_moe(
     hidden: torch.Tensor,  # [num_tokens, hidden_size] bf16/fp16/fp32
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32
-    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size] hidden's dtype, or MXFP4
-    w2: Weights,  # [num_experts, hidden_size, intermediate] hidden's dtype, or MXFP4
+    w13: Weights,  # [num_experts, 2 * intermediate, hidden_size] hidden's dtype, MXFP4 or FP8
+    w2: Weights,  # [num_experts, hidden_size, intermediate] hidden's dtype, MXFP4 or FP8
     w13_bias: torch.Tensor | None,  # [num_experts, 2 * intermediate]
     w2_bias: torch.Tensor | None,  # [num_experts, hidden_size]
     activation: MoEActivation,
@@ -330,6 +373,7 @@ def fused_moe(
 
 
 __all__ = [
+    "Fp8Experts",
     "MoEActivation",
     "MXFP4Tensor",
     "fused_moe",

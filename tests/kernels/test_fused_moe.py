@@ -1,17 +1,23 @@
 """fused_moe: the reference against a per-token loop, the grouping, Triton vs reference (in the
-interpreter and at model shapes on a GPU), CUDA-graph replay."""
+interpreter and at model shapes on a GPU), CUDA-graph replay; experts in the model dtype,
+MXFP4 and FP8 (per-channel and 128x128 block scales, with shapes that are not multiples of
+128), and FP8 scales of the wrong shape refused."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels._moe_align import group_pairs_ref, group_pairs_triton, max_num_blocks
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import (
+    Fp8Experts,
     MoEActivation,
+    TileConfig,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -22,10 +28,45 @@ from tests.kernels._triton_interpreter import (
     assert_interpreted,
     cuda_test,
     interpreted_test,
+    needs_triton,
 )
 
 SILU = MoEActivation("silu")
 SWIGLU = MoEActivation("swiglu_clamped")
+FP8_BLOCK = 128
+
+
+def _fp8_experts(
+    w: torch.Tensor, kind: str, num_parts: int, generator: torch.Generator
+) -> Fp8Experts:
+    """Random e4m3 values under random scales of w's size ([E, N] per channel, or 128x128
+    blocks of each of `num_parts` row parts) that differ up to 100x, so that a scale read
+    from the wrong row or block shows; the dequantized values have w's standard deviation."""
+    num_experts, num_rows, num_cols = w.shape
+    values = (torch.randn(w.shape, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX)
+    part_blocks = -(-num_rows // num_parts // FP8_BLOCK)
+    scale_shape = (
+        (num_experts, num_rows)
+        if kind == "channel"
+        else (num_experts, num_parts * part_blocks, -(-num_cols // FP8_BLOCK))
+    )
+    spread = torch.exp(torch.rand(scale_shape, generator=generator) * 4.6)
+    scale = spread * (float(w.std()) / 64 / float(spread.mean()))
+    return Fp8Experts(values.to(FP8_DTYPE), scale)
+
+
+def _fp8_dequantized(w: Fp8Experts, num_parts: int) -> torch.Tensor:  # [E, N, K] float64
+    """The format's definition, element by element: value x the scale of its row, or of
+    the block of its row part and column."""
+    values = w.weight.double()
+    if w.scale.dim() == 2:
+        return values * w.scale.double()[:, :, None]
+    num_rows, num_cols = values.shape[1:]
+    part_rows = num_rows // num_parts
+    rows = torch.arange(num_rows)
+    block_rows = (rows // part_rows) * -(-part_rows // FP8_BLOCK) + (rows % part_rows) // FP8_BLOCK
+    block_cols = torch.arange(num_cols) // FP8_BLOCK
+    return values * w.scale.double()[:, block_rows][:, :, block_cols]
 
 
 def _case(
@@ -38,6 +79,7 @@ def _case(
     *,
     seed=0,
     mxfp4=False,
+    fp8=None,
     bias=True,
     device="cpu",
     routing=None,
@@ -57,6 +99,10 @@ def _case(
         w13, w2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
         w13 = MXFP4Tensor(w13.blocks.to(device), w13.scales.to(device))
         w2 = MXFP4Tensor(w2.blocks.to(device), w2.scales.to(device))
+    elif fp8 is not None:  # "channel" or "block" scales
+        w13, w2 = _fp8_experts(w13, fp8, 2, g), _fp8_experts(w2, fp8, 1, g)
+        w13 = Fp8Experts(w13.weight.to(device), w13.scale.to(device))
+        w2 = Fp8Experts(w2.weight.to(device), w2.scale.to(device))
     else:
         w13, w2 = w13.to(dtype).to(device), w2.to(dtype).to(device)
 
@@ -70,6 +116,8 @@ def _per_token_loop(x, weights, ids, w13, w2, b13, b2, activation):
     """out_t = sum_j w_tj expert_e(x_t), one token and slot at a time, in float64."""
     if isinstance(w13, MXFP4Tensor):
         w13, w2 = dequantize_mxfp4(w13, torch.float64), dequantize_mxfp4(w2, torch.float64)
+    if isinstance(w13, Fp8Experts):
+        w13, w2 = _fp8_dequantized(w13, 2), _fp8_dequantized(w2, 1)
     out = torch.zeros(x.shape, dtype=torch.float64)
     intermediate = w2.shape[2]
     for t in range(x.shape[0]):
@@ -90,21 +138,64 @@ def _per_token_loop(x, weights, ids, w13, w2, b13, b2, activation):
     return out
 
 
+WEIGHT_KINDS = {"plain": {}, "mxfp4": {"mxfp4": True}, "fp8_channel": {"fp8": "channel"}}
+
+
 @pytest.mark.parametrize("activation", [SILU, SWIGLU], ids=lambda a: a.kind)
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_reference_equals_per_token_loop(activation: MoEActivation, mxfp4: bool) -> None:
-    args = _case(9, 64, 32, 6, 3, torch.float32, mxfp4=mxfp4, seed=1)
+@pytest.mark.parametrize("kind", WEIGHT_KINDS)
+def test_reference_equals_per_token_loop(activation: MoEActivation, kind: str) -> None:
+    weights = WEIGHT_KINDS[kind]
+    args = _case(9, 64, 32, 6, 3, torch.float32, seed=1, **weights)
     expected = _per_token_loop(*args, activation)
     torch.testing.assert_close(
         fused_moe_ref(*args, activation).double(), expected, rtol=1e-5, atol=1e-5
     )
     assert torch.equal(fused_moe(*args, activation), fused_moe_ref(*args, activation))
-    bf16 = _case(9, 64, 32, 6, 3, torch.bfloat16, mxfp4=mxfp4, seed=1, bias=False)
+    bf16 = _case(9, 64, 32, 6, 3, torch.bfloat16, seed=1, bias=False, **weights)
     out = fused_moe_ref(*bf16, activation)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(
         out.double(), _per_token_loop(*bf16, activation), rtol=1e-2, atol=1e-2
     )
+
+
+def test_block_scaled_reference_reads_each_half_of_w13_in_its_own_blocks() -> None:
+    # hidden 192 and intermediate 160: partial blocks along both dims, and the up half
+    # starting inside the fused rows' second 128-row block
+    args = _case(7, 192, 160, 4, 2, torch.float32, fp8="block", seed=4)
+    expected = _per_token_loop(*args, SILU)
+    torch.testing.assert_close(
+        fused_moe_ref(*args, SILU).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max()
+    )
+
+
+def test_fp8_scales_of_the_wrong_shape_are_refused() -> None:
+    x, w, ids, w13, w2, _, _ = _case(2, 192, 160, 4, 2, torch.float32, fp8="block", bias=False)
+    # blocks of the fused rows (ceil(320 / 128) = 3) instead of each half's (2 + 2)
+    fused_blocks = Fp8Experts(w13.weight, w13.scale[:, :3].contiguous())
+    with pytest.raises(
+        ValueError, match=r"w13 scale must be \[4, 320\] or \[4, 4, 2\], got \[4, 3, 2\]"
+    ):
+        fused_moe_ref(x, w, ids, fused_blocks, w2, None, None, SILU)
+    per_input_column = Fp8Experts(w2.weight, torch.ones(4, 160))
+    with pytest.raises(
+        ValueError, match=r"w2 scale must be \[4, 192\] or \[4, 2, 2\], got \[4, 160\]"
+    ):
+        fused_moe(x, w, ids, w13, per_input_column, None, None, SILU)
+    with pytest.raises(ValueError, match="w2 scale must be a float32 tensor"):
+        fused_moe(x, w, ids, w13, Fp8Experts(w2.weight, w2.scale.double()), None, None, SILU)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn, got torch.bfloat16"):
+        Fp8Experts(w2.weight.bfloat16(), w2.scale)
+
+
+@needs_triton
+def test_the_launcher_refuses_bad_fp8_scales_and_tiles_before_launching() -> None:
+    x, w, ids, w13, w2, _, _ = _case(2, 192, 160, 4, 2, torch.float32, fp8="block", bias=False)
+    with pytest.raises(ValueError, match=r"w13 scale must be \[4, 320\] or \[4, 4, 2\]"):
+        fused_moe_triton(x, w, ids, Fp8Experts(w13.weight, w13.scale[:, :3]), w2, None, None, SILU)
+    tile = TileConfig(16, 64, 256, 4, 3)  # a K tile across two scale blocks
+    with pytest.raises(ValueError, match="block_k that divides 128"):
+        fused_moe_triton(x, w, ids, w13, w2, None, None, SILU, tile)
 
 
 def test_swiglu_clamps_gate_and_up() -> None:
@@ -251,7 +342,23 @@ def _interpreter_cases() -> list[dict]:
             routing=every,
         )
     )
-    return cases
+    return cases + _fp8_cases()
+
+
+def _fp8_cases() -> list[dict[str, Any]]:
+    """FP8 experts: per-channel scales with and without bias; block scales at hidden 192
+    and intermediate 160 (partial blocks along both dims of both GEMMs, the up half of w13
+    blocked apart from the gate); and with experts 0 and 1 receiving every token."""
+    every = [[0, 1]] * 17
+    return [
+        dict(shape=(5, 64, 32, 8, 4), dtype="bfloat16", activation="swiglu_clamped", fp8="channel"),
+        dict(shape=(17, 64, 32, 8, 2), dtype="float32", activation="silu", fp8="channel",
+             bias=False, routing=every),
+        dict(shape=(3, 192, 160, 4, 2), dtype="bfloat16", activation="silu", fp8="block",
+             bias=False),
+        dict(shape=(17, 192, 160, 8, 2), dtype="float32", activation="silu", fp8="block",
+             routing=every),
+    ]  # fmt: skip
 
 
 test_triton_matches_reference_in_interpreter = interpreted_test(
@@ -313,19 +420,39 @@ def test_qwen3_30b_a3b_shapes_on_cuda(num_tokens: int) -> None:
     compare_fused("cuda", [_at(_QWEN3_30B, num_tokens)])
 
 
+def _has_fp8_conversions() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_fp8 = pytest.mark.skipif(
+    not _has_fp8_conversions(), reason="needs compute capability >= 8.9 (e4m3 conversions)"
+)
+
+
+@cuda_test
+@needs_fp8
+@pytest.mark.parametrize("fp8", ["block", "channel"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_qwen3_30b_a3b_fp8_shapes_on_cuda(num_tokens: int, fp8: str) -> None:
+    """Qwen3-30B-A3B-FP8's experts (intermediate 768: six 128-row blocks a half)."""
+    compare_fused("cuda", [_at({**_QWEN3_30B, "fp8": fp8}, num_tokens)])
+
+
 @cuda_test
 def test_small_cases_and_grouping_on_cuda() -> None:
-    compare_fused("cuda", _interpreter_cases())
+    fp8_ok = _has_fp8_conversions()  # e4m3 conversions: compute capability >= 8.9
+    compare_fused("cuda", [c for c in _interpreter_cases() if fp8_ok or "fp8" not in c])
     compare_grouping("cuda", [(1, 128, 8, 16), (2048, 128, 8, 128), (4096, 32, 4, 64)])
     check_blocks_past_the_padded_count_exit("cuda")
 
 
 @cuda_test
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_cuda_graph_replay_follows_new_routing(mxfp4: bool) -> None:
+@pytest.mark.parametrize("kind", ["plain", "mxfp4", pytest.param("fp8_block", marks=needs_fp8)])
+def test_cuda_graph_replay_follows_new_routing(kind: str) -> None:
     num_tokens, num_experts, top_k = 8, 32, 4
+    weights = {"plain": {}, "mxfp4": {"mxfp4": True}, "fp8_block": {"fp8": "block"}}[kind]
     x, w, ids, w13, w2, b13, b2 = _case(
-        num_tokens, 256, 128, num_experts, top_k, torch.bfloat16, mxfp4=mxfp4, device="cuda"
+        num_tokens, 256, 128, num_experts, top_k, torch.bfloat16, device="cuda", **weights
     )
     fused_moe(x, w, ids, w13, w2, b13, b2, SWIGLU)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
