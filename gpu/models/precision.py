@@ -27,23 +27,25 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu.models.config import ModelConfig, UnsupportedModelError
-from gpu.models.parallel_layers import head_shard, intermediate_shard
-from gpu.models.quant_config import FP8_BLOCK_SIZE, Fp8Checkpoint, Int4Checkpoint
+from gpu.models.projection_groups import (  # noqa: F401 - re-exported for the model and loaders
+    DOWN_GROUP,
+    GATE_UP_GROUP,
+    GROUP_PARTS,
+    O_GROUP,
+    QKV_GROUP,
+    PartSlice,
+    block_aligned,
+    group_of,
+    layer_geometry,
+    local_name,
+    part_modules,
+)
+from gpu.models.quant_config import Fp8Checkpoint, Int4Checkpoint
 
 QUANTIZATIONS = ("auto", "fp8", "int4", "none")
 """--quantization's values (actors/protocol/config.py lists the same)."""
 FP8_MIN_CAPABILITY = (8, 9)
 """Ada / Hopper and later: the first GPUs with FP8 tensor cores."""
-QKV_GROUP, O_GROUP = "self_attn.qkv_proj", "self_attn.o_proj"
-GATE_UP_GROUP, DOWN_GROUP = "mlp.gate_up_proj", "mlp.down_proj"
-GROUP_PARTS = {
-    QKV_GROUP: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    O_GROUP: ("self_attn.o_proj",),
-    GATE_UP_GROUP: ("mlp.gate_proj", "mlp.up_proj"),
-    DOWN_GROUP: ("mlp.down_proj",),
-}
-"""Fused parameter (name within a layer) -> the checkpoint modules fused along its rows."""
-_GROUP_OF_PART = {part: group for group, parts in GROUP_PARTS.items() for part in parts}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +116,11 @@ class WeightPrecision:
 
     @property
     def num_fp8_projections(self) -> int:
-        return sum(len(GROUP_PARTS[_local(g)]) for g in self.fp8_schemes)
+        return sum(len(GROUP_PARTS[local_name(g)]) for g in self.fp8_schemes)
 
     @property
     def num_int4_projections(self) -> int:
-        return sum(len(GROUP_PARTS[_local(g)]) for g in self.int4_schemes)
+        return sum(len(GROUP_PARTS[local_name(g)]) for g in self.int4_schemes)
 
     def scheme(self, group: str) -> ProjectionScheme | None:
         return self.schemes.get(group)
@@ -165,24 +167,6 @@ class WeightPrecision:
         return self.checkpoint.is_quantized(expert)
 
 
-def group_of(module: str) -> str | None:
-    """The fused projection of a checkpoint module ("model.layers.3.self_attn.k_proj" ->
-    "model.layers.3.self_attn.qkv_proj"); None for a module that is not part of a dense
-    projection (experts, routers, the LM head)."""
-    parts = module.split(".", 3)
-    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
-        return None
-    group = _GROUP_OF_PART.get(parts[3])
-    return None if group is None else f"model.layers.{parts[2]}.{group}"
-
-
-def part_modules(group: str) -> list[str]:
-    """The checkpoint modules of a fused projection ("model.layers.3.self_attn.qkv_proj"),
-    in row order."""
-    _, _, layer, local = group.split(".", 3)
-    return [f"model.layers.{layer}.{part}" for part in GROUP_PARTS[local]]
-
-
 def resolve_precision(
     config: ModelConfig,
     requested: str,
@@ -204,7 +188,7 @@ def resolve_precision(
             f"--quantization must be auto, fp8, int4 or none, got {requested!r}"
         )
     checkpoint = config.fp8
-    geometry = _layer_geometry(config, tp_rank, tp_size)
+    geometry = layer_geometry(config, tp_rank, tp_size)
     if checkpoint is not None and checkpoint.strategy == "block":
         _check_block_shards(config.name or config.architecture, geometry, tp_size)
     base = WeightPrecision(dtype, checkpoint, num_projections=_count_projections(config))
@@ -263,61 +247,13 @@ def _check_fp8_device(
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:
-    module: str
-    """Checkpoint module within the layer ("self_attn.q_proj")."""
-    start: int
-    """First row (column-parallel) or input column (row-parallel) of this rank's slice."""
-    length: int
-    full: int
-    """Rows (or input columns) of the whole tensor."""
-
-
-def _layer_geometry(
-    config: ModelConfig, tp_rank: int, tp_size: int
-) -> list[dict[str, list[_Part]]]:
-    """Per layer: group -> its parts' slices on this rank (rows for q/k/v and gate/up,
-    input columns for o and down), for the layers' dense projections."""
-    heads = head_shard(config, tp_rank, tp_size)
-    hd = config.head_dim
-    q_full, kv_full = config.num_heads * hd, config.num_kv_heads * hd
-    q = (heads.head_start * hd, heads.num_heads * hd, q_full)
-    kv = (heads.kv_head_start * hd, heads.num_kv_heads * hd, kv_full)
-    qkv = [
-        _Part("self_attn.q_proj", *q),
-        _Part("self_attn.k_proj", *kv),
-        _Part("self_attn.v_proj", *kv),
-    ]
-    groups = {QKV_GROUP: qkv, O_GROUP: [_Part("self_attn.o_proj", *q)]}
-    mlp_start, mlp_width = intermediate_shard(config, tp_rank, tp_size)
-    mlp = (mlp_start, mlp_width, config.intermediate_size)
-    dense = {
-        GATE_UP_GROUP: [_Part("mlp.gate_proj", *mlp), _Part("mlp.up_proj", *mlp)],
-        DOWN_GROUP: [_Part("mlp.down_proj", *mlp)],
-    }
-    return [
-        groups if config.is_moe_layer(layer) else {**groups, **dense}
-        for layer in range(config.num_layers)
-    ]
-
-
-def _block_aligned(parts: list[_Part]) -> bool:
-    """Whether the parts' 128-blocks line up with their slices and, fused, with each
-    other: every slice starts on a block boundary and all but a last one that reaches the
-    tensor's end span whole blocks."""
-    for index, part in enumerate(parts):
-        reaches_end = index == len(parts) - 1 and part.start + part.length == part.full
-        if part.start % FP8_BLOCK_SIZE or (part.length % FP8_BLOCK_SIZE and not reaches_end):
-            return False
-    return True
-
-
-def _check_block_shards(name: str, geometry: list[dict[str, list[_Part]]], tp_size: int) -> None:
+def _check_block_shards(
+    name: str, geometry: list[dict[str, list[PartSlice]]], tp_size: int
+) -> None:
     if tp_size == 1:
         return
     for group, parts in {g: p for groups in geometry for g, p in groups.items()}.items():
-        if any(not _block_aligned([part]) for part in parts):
+        if any(not block_aligned([part]) for part in parts):
             raise UnsupportedModelError(
                 f"{name}: block-wise FP8 under tensor parallel size {tp_size} needs each "
                 f"rank's slice of {group} to be whole 128-blocks; use a smaller "
@@ -326,7 +262,7 @@ def _check_block_shards(name: str, geometry: list[dict[str, list[_Part]]], tp_si
 
 
 def _fp8_schemes(
-    base: WeightPrecision, geometry: list[dict[str, list[_Part]]], scheme: Fp8Scheme
+    base: WeightPrecision, geometry: list[dict[str, list[PartSlice]]], scheme: Fp8Scheme
 ) -> WeightPrecision:
     """`scheme` for every fused projection that can run it; the others (parts the
     checkpoint leaves unquantized, block-scaled parts that do not fuse on block
@@ -341,7 +277,7 @@ def _fp8_schemes(
             reason = None
             if not all(quantized):
                 reason = f"{group}: partly unquantized in the checkpoint" if any(quantized) else ""
-            elif scheme.block and not _block_aligned(parts):
+            elif scheme.block and not block_aligned(parts):
                 reason = f"{group}: fused parts are not whole 128-row blocks"
             if reason is None:
                 schemes[f"model.layers.{layer}.{group}"] = scheme
@@ -356,7 +292,7 @@ def _fp8_schemes(
 
 def _int4_schemes(
     base: WeightPrecision,
-    geometry: list[dict[str, list[_Part]]],
+    geometry: list[dict[str, list[PartSlice]]],
     on_one_cpu: bool,
     requested: str,
     gguf: Int4Checkpoint | None,
@@ -382,10 +318,6 @@ def _int4_schemes(
 def _count_projections(config: ModelConfig) -> int:
     num_dense = config.num_layers - config.num_moe_layers
     return 4 * config.num_layers + 3 * num_dense
-
-
-def _local(group: str) -> str:
-    return group.split(".", 3)[3]
 
 
 def _name(dtype: torch.dtype) -> str:
