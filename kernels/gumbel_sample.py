@@ -12,7 +12,10 @@ C. Wellons) computed identically in Triton (uint32) and in torch (int64, masked 
 bits), mapped to u = ((h >> 9) + 0.5) / 2**23, which is exact in float32 and lies in
 (0, 1). So a draw does not depend on the batch it runs in, nor on its place there.
 Ties go to the smallest token id. The Triton kernel writes one (max, argmax) per
-1024-token block; a second tiny kernel picks the best block.
+1024-token block; a second tiny kernel picks the best block. On the CPU,
+`gumbel_sample_cpu` gives the reference's draws bit for bit while computing the noise of
+only the tokens that can still win (kernels/_gumbel_cpu.py: 150 rows of a 49152-token
+vocabulary at temperature 1 in ~50 ms instead of ~600 on one thread).
 
 With `thresholds` ([num_rows], from kernels/sampling_thresholds.py), tokens whose score
 (after the temperature) is below their row's threshold cannot be drawn: min-p, top-k and
@@ -22,10 +25,11 @@ top-p filtering happen here, without writing the logits.
 import torch
 
 from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
+from kernels._gumbel_cpu import draw_cpu
+from kernels._gumbel_hash import gumbel_noise_ref
 from kernels._triton import HAS_TRITON, tl, triton
 
 _BLOCK_SIZE = 1024
-_MASK32 = 0xFFFFFFFF
 
 if HAS_TRITON:
 
@@ -109,41 +113,6 @@ if HAS_TRITON:
         best_block = tl.argmax(block_max, 0, tie_break_left=True)
         token_id = tl.load(block_argmax_ptr + row * num_blocks + best_block)
         tl.store(sampled_ptr + row, token_id.to(tl.int64))
-
-
-def _mul32_ref(values: torch.Tensor, factor: int) -> torch.Tensor:
-    # Low 32 bits of values * factor, split in 16-bit halves so int64 never overflows.
-    low = values * (factor & 0xFFFF)
-    high = ((values * (factor >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _mix32_ref(values: torch.Tensor) -> torch.Tensor:
-    values = values ^ (values >> 16)
-    values = _mul32_ref(values, 0x7FEB352D)
-    values = values ^ (values >> 15)
-    values = _mul32_ref(values, 0x846CA68B)
-    return values ^ (values >> 16)
-
-
-def _step_key_ref(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    key = _mix32_ref((seed & _MASK32) ^ 0x6A09E667)
-    key = _mix32_ref(key ^ ((seed >> 32) & _MASK32))
-    key = _mix32_ref(key ^ (position & _MASK32))
-    return _mix32_ref(key ^ ((position >> 32) & _MASK32))
-
-
-def gumbel_noise_ref(
-    seed: torch.Tensor,  # [num_rows] int64, one seed per logit row
-    positions: torch.Tensor,  # [num_rows] int64
-    vocab_size: int,
-) -> torch.Tensor:  # [num_rows, vocab_size] float32
-    """The Gumbel noise both implementations add (exposed for tests and analysis)."""
-    keys = _step_key_ref(seed.long(), positions.long())[:, None]
-    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)
-    hashed = _mix32_ref(keys ^ _mul32_ref(token_ids, 0x9E3779B9)[None, :])
-    uniform = ((hashed >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(-torch.log(uniform))
 
 
 def _check_args(
@@ -236,6 +205,30 @@ def gumbel_sample_triton(
     return sampled
 
 
+def gumbel_sample_cpu(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+    idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
+    temperature: torch.Tensor,  # [max_num_reqs] float32, 0 = greedy
+    seed: torch.Tensor,  # [max_num_reqs] int64
+    positions: torch.Tensor,  # [num_rows] int64, position of the token being sampled
+    apply_temperature: bool = True,
+    thresholds: torch.Tensor | None = None,  # [num_rows] float32: scores below are not drawn
+) -> torch.Tensor:  # [num_rows] int64
+    """`gumbel_sample_ref`'s draws, bit for bit, with noise for the few tokens of each row
+    that can win (kernels/_gumbel_cpu.py)."""
+    _check_args(logits, idx_mapping, temperature, seed, positions, thresholds)
+    rows = idx_mapping.long()
+    row_temperature = temperature[rows]
+    is_greedy = row_temperature == 0.0
+    scores = logits
+    # x / 1 is x: rows at temperature 0 or 1 need no division
+    if apply_temperature and not bool(((row_temperature == 1.0) | is_greedy).all()):
+        scores = scores / torch.where(is_greedy, 1.0, row_temperature)[:, None]
+    if thresholds is not None:
+        scores = scores.masked_fill(scores < thresholds[:, None], float("-inf"))
+    return draw_cpu(scores, is_greedy, seed[rows], positions)
+
+
 def gumbel_sample(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
     idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
@@ -248,6 +241,10 @@ def gumbel_sample(
     """Sample one token per row (see the module doc); greedy rows take the argmax."""
     if HAS_TRITON and logits.is_cuda:
         return gumbel_sample_triton(
+            logits, idx_mapping, temperature, seed, positions, apply_temperature, thresholds
+        )
+    if logits.device.type == "cpu":
+        return gumbel_sample_cpu(
             logits, idx_mapping, temperature, seed, positions, apply_temperature, thresholds
         )
     return gumbel_sample_ref(
