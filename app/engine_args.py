@@ -71,8 +71,9 @@ def _add_model_args(g: Any) -> None:
         "(CUDA >= 8.9 only). int4: every projection packed int4 on the CPU, in groups of "
         "32 columns (Q4 blocks kept, the rest quantized at load; one CPU device only). "
         "none: dequantize every projection to --dtype (what FP8 checkpoints need on "
-        "older GPUs). The LM head, embeddings, norms and MoE experts "
-        "stay in --dtype (gpt-oss's MXFP4 experts stay MXFP4). "
+        "older GPUs). Qwen3-MoE experts stored in FP8 (or quantized by fp8) stay FP8 on "
+        "such GPUs, weight-only (--dtype activations). The LM head, embeddings, norms "
+        "and MoE routers stay in --dtype (gpt-oss's MXFP4 experts stay MXFP4). "
         "Env: TANDEM_QUANTIZATION",
     )
     g.add_argument(

@@ -17,7 +17,14 @@ from gpu.models.fp8_linear import linear, projection
 from gpu.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, empty_parameter
 from gpu.models.moe import SparseMoE
 from gpu.models.parallel_layers import Collectives, head_shard, intermediate_shard
-from gpu.models.precision import DOWN_GROUP, GATE_UP_GROUP, O_GROUP, QKV_GROUP, ProjectionScheme
+from gpu.models.precision import (
+    DOWN_GROUP,
+    GATE_UP_GROUP,
+    O_GROUP,
+    QKV_GROUP,
+    Fp8Scheme,
+    ProjectionScheme,
+)
 from gpu.models.sequence_parallel import TokenLayout, token_layout
 from kernels.qkv_prologue import qkv_prologue
 
@@ -117,7 +124,10 @@ class DecoderLayer(nn.Module):
         layer_index: int = 0,
         schemes: Mapping[str, ProjectionScheme] | None = None,
         layout: TokenLayout | None = None,
+        expert_scheme: Fp8Scheme | None = None,
     ) -> None:
+        """`schemes`: this layer's FP8 / int4 projections; `expert_scheme`: its experts'
+        FP8 (gpu/models/precision.py)."""
         super().__init__()
         schemes = schemes or {}
         self.layout = layout or token_layout(tp, sequence_parallel=False)
@@ -130,7 +140,7 @@ class DecoderLayer(nn.Module):
         )
         self.mlp: SwiGLUMLP | SparseMoE
         if config.is_moe_layer(layer_index):
-            self.mlp = SparseMoE(config, dtype, device)
+            self.mlp = SparseMoE(config, dtype, device, expert_scheme)
         else:
             _, intermediate_size = intermediate_shard(config, *rank_and_size(tp))
             self.mlp = SwiGLUMLP(

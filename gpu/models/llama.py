@@ -7,9 +7,9 @@ mixture-of-experts models the experts (gpu/models/moe.py replaces the MLP of MoE
 per-layer sliding windows, attention sinks and the o_proj bias (gpt-oss). q/k/v and
 gate/up projections are fused into one matmul each; `load_weights` takes Hugging Face
 tensor names and concatenates them. Any of the four projections of a layer may be FP8
-(gpu/models/fp8_linear.py) or, on the CPU, packed int4 (gpu/models/int4_linear.py; which
-ones, gpu/models/precision.py decides); the LM head and
-the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
+(gpu/models/fp8_linear.py) or, on the CPU, packed int4 (gpu/models/int4_linear.py), and
+the experts FP8 (gpu/models/moe.py; which ones, gpu/models/precision.py decides); the LM
+head and the embeddings are always in the model dtype. Given a TP group (`tp`), the model holds
 one rank's shard and communicates as gpu/models/parallel_layers.py describes (with
 `sequence_parallel`, as gpu/models/sequence_parallel.py does); without one (the default)
 it is the whole model and runs no collective. MoE models run unsharded only. Given a
@@ -128,6 +128,7 @@ class DecoderModel(nn.Module):
                 index,
                 self.precision.layer_schemes(index),
                 self.layout,
+                self.precision.experts,
             )
             for index in self.layer_indices
         )

@@ -7,11 +7,16 @@ multiplies with:
     w2:  [num_experts, hidden, I]
 
 in the model dtype, or as MXFP4 (uint8 blocks and scales, never converted) when the
-checkpoint ships them so (gpt-oss). Checkpoints store them otherwise: Qwen3-MoE one
-tensor per expert and projection, gpt-oss gate and up rows interleaved (gate = rows 0::2,
-up = rows 1::2) and, as transformers saves it unquantized, transposed. `moe_weight_targets`
-maps each checkpoint tensor onto a view of these parameters, so that loading is one
-strided copy per tensor, with no temporary.
+checkpoint ships them so (gpt-oss), or, where gpu/models/precision.py says (`experts`:
+Qwen3-MoE on CUDA), as FP8 e4m3 with float32 scales `w13_scale` / `w2_scale`, per output
+channel ([E, 2I], [E, hidden]) or per 128x128 block of each projection
+([E, 2 * ceil(I/128), ceil(hidden/128)]: the gate's block rows, then the up's;
+[E, ceil(hidden/128), ceil(I/128)]) (kernels/fp8_experts.py). Checkpoints store them
+otherwise: Qwen3-MoE one tensor per expert and projection (FP8 ones with their
+`weight_scale_inv` or `weight_scale`), gpt-oss gate and up rows interleaved (gate = rows
+0::2, up = rows 1::2) and, as transformers saves it unquantized, transposed.
+`moe_weight_targets` maps each checkpoint tensor onto a view of these parameters, so that
+loading is one strided copy per tensor, with no temporary.
 
 The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
 construction: a loader that frees each checkpoint tensor as it is copied then never holds
@@ -27,8 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.models.config import MXFP4_GROUP_SIZE, ModelConfig
+from gpu.models.fp8_linear import BLOCK_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIX
 from gpu.models.layers import empty_parameter
-from kernels.fused_moe import MoEActivation, fused_moe
+from gpu.models.precision import Fp8Scheme
+from kernels.fp8_experts import Fp8Experts, fp8_expert_scale_shapes
+from kernels.fp8_quant import FP8_DTYPE
+from kernels.fused_moe import GATED_PARTS, MoEActivation, fused_moe
 from kernels.moe_routing import moe_route
 from kernels.mxfp4 import MXFP4Tensor
 
@@ -50,9 +59,16 @@ class ViewTarget:
 
 class SparseMoE(nn.Module):
     """softmax router, top-k, and the sum of each token's experts weighted by their
-    routing probability (renormalised over the top-k when `config.norm_topk_prob`)."""
+    routing probability (renormalised over the top-k when `config.norm_topk_prob`).
+    `fp8`: the experts' FP8 scheme (weight-only), None for the model dtype or MXFP4."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fp8: Fp8Scheme | None = None,
+    ) -> None:
         super().__init__()
         num_experts, hidden = config.num_experts, config.hidden_size
         self.width = config.moe_intermediate_size
@@ -61,6 +77,7 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.is_mxfp4 = config.mxfp4_experts
+        self.fp8 = fp8
         self.activation = MoEActivation(
             "silu" if config.moe_activation == "silu" else "swiglu_clamped",
             config.swiglu_alpha,
@@ -82,11 +99,20 @@ class SparseMoE(nn.Module):
         self, num_experts: int, hidden: int
     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         two_width = 2 * self.width
-        if not self.is_mxfp4:
+        shape13, shape2 = (num_experts, two_width, hidden), (num_experts, hidden, self.width)
+        if self.fp8 is not None:
+            (channel13, block13), (channel2, block2) = (
+                fp8_expert_scale_shapes(shape13, GATED_PARTS),
+                fp8_expert_scale_shapes(shape2),
+            )
             return [
-                ("w13_weight", (num_experts, two_width, hidden), self.dtype),
-                ("w2_weight", (num_experts, hidden, self.width), self.dtype),
+                ("w13_weight", shape13, FP8_DTYPE),
+                ("w13_scale", block13 if self.fp8.block else channel13, torch.float32),
+                ("w2_weight", shape2, FP8_DTYPE),
+                ("w2_scale", block2 if self.fp8.block else channel2, torch.float32),
             ]
+        if not self.is_mxfp4:
+            return [("w13_weight", shape13, self.dtype), ("w2_weight", shape2, self.dtype)]
         groups13, groups2 = hidden // MXFP4_GROUP_SIZE, self.width // MXFP4_GROUP_SIZE
         return [
             ("w13_blocks", (num_experts, two_width, groups13, MXFP4_BLOCK_BYTES), torch.uint8),
@@ -107,15 +133,19 @@ class SparseMoE(nn.Module):
                 self.register_parameter(name, nn.Parameter(real, requires_grad=False))
 
     @property
-    def w13(self) -> torch.Tensor | MXFP4Tensor:  # [num_experts, 2 * width, hidden]
+    def w13(self) -> torch.Tensor | MXFP4Tensor | Fp8Experts:  # [num_experts, 2 * width, hidden]
         if self.is_mxfp4:
             return MXFP4Tensor(self.w13_blocks, self.w13_scales)
+        if self.fp8 is not None:
+            return Fp8Experts(self.w13_weight, self.w13_scale)
         return self.w13_weight
 
     @property
-    def w2(self) -> torch.Tensor | MXFP4Tensor:  # [num_experts, hidden, width]
+    def w2(self) -> torch.Tensor | MXFP4Tensor | Fp8Experts:  # [num_experts, hidden, width]
         if self.is_mxfp4:
             return MXFP4Tensor(self.w2_blocks, self.w2_scales)
+        if self.fp8 is not None:
+            return Fp8Experts(self.w2_weight, self.w2_scale)
         return self.w2_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
@@ -145,7 +175,23 @@ def _qwen3_moe_targets(prefix: str, moe: SparseMoE) -> dict[str, torch.Tensor | 
         targets[name + "gate_proj.weight"] = w13[expert, : moe.width]
         targets[name + "up_proj.weight"] = w13[expert, moe.width :]
         targets[name + "down_proj.weight"] = w2[expert]
+        if moe.fp8 is not None:
+            targets.update(_fp8_scale_targets(name, moe, expert))
     return targets
+
+
+def _fp8_scale_targets(name: str, moe: SparseMoE, expert: int) -> dict[str, torch.Tensor]:
+    """Expert `expert`'s scales (checkpoint names after `name`): w13_scale's first half of
+    rows (channels or blocks) is the gate's, the second the up's."""
+    assert moe.fp8 is not None
+    scale13, scale2 = moe.w13_scale.data[expert], moe.w2_scale.data[expert]
+    suffix = BLOCK_SCALE_SUFFIX if moe.fp8.block else WEIGHT_SCALE_SUFFIX
+    half = scale13.shape[0] // GATED_PARTS
+    return {
+        f"{name}gate_proj.{suffix}": scale13[:half],
+        f"{name}up_proj.{suffix}": scale13[half:],
+        f"{name}down_proj.{suffix}": scale2,
+    }
 
 
 def _gpt_oss_targets(prefix: str, moe: SparseMoE) -> dict[str, torch.Tensor | ViewTarget]:

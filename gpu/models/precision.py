@@ -14,8 +14,13 @@ is dequantized at load (the correctness path); on an older GPU it is refused unl
 --quantization none asks for the dequantized model. On one CPU device (no tensor
 parallelism), auto keeps a GGUF's Q4_0 / Q4_1 projections packed as int4 (4 bits a weight
 read per decode step instead of float32's 32); int4 also quantizes every other projection
-at load. The LM head, embeddings, norms, MoE routers and experts stay in the model dtype
-(experts of an FP8 checkpoint are dequantized at load; gpt-oss's MXFP4 experts stay MXFP4).
+at load. The LM head, embeddings, norms and MoE routers stay in the model dtype.
+
+Qwen3-MoE experts run in FP8 on such GPUs (with Triton) where the checkpoint stores them in
+FP8 (block scales, or per tensor / per channel, kept per output channel) or --quantization
+fp8 asks (per output channel, quantized at load): weight-only, the activations unquantized
+(`WeightPrecision.experts`, kernels/fused_moe.py). Elsewhere they are in the model dtype
+(an FP8 checkpoint's dequantized at load); gpt-oss's MXFP4 experts stay MXFP4.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from gpu.models.config import ModelConfig, UnsupportedModelError
 from gpu.models.projection_groups import (  # noqa: F401 - re-exported for the model and loaders
     DOWN_GROUP,
+    EXPERT_PROJECTIONS,
     GATE_UP_GROUP,
     GROUP_PARTS,
     O_GROUP,
@@ -36,6 +42,7 @@ from gpu.models.projection_groups import (  # noqa: F401 - re-exported for the m
     PartSlice,
     block_aligned,
     group_of,
+    is_expert_module,
     layer_geometry,
     local_name,
     part_modules,
@@ -97,6 +104,9 @@ class WeightPrecision:
     """Why FP8 weights are dequantized where they are (logged at load)."""
     num_projections: int = 0
     """Checkpoint projections of the dense parts (q, k, v, o, gate, up, down per layer)."""
+    experts: Fp8Scheme | None = None
+    """The MoE experts' FP8 scheme (weight-only, kernels/fused_moe.py; per channel or per
+    block, never a static input scale); None: the model dtype, or gpt-oss's MXFP4."""
 
     @property
     def fp8_schemes(self) -> dict[str, Fp8Scheme]:
@@ -108,7 +118,7 @@ class WeightPrecision:
 
     @property
     def runs_fp8(self) -> bool:
-        return bool(self.fp8_schemes)
+        return bool(self.fp8_schemes) or self.experts is not None
 
     @property
     def runs_int4(self) -> bool:
@@ -132,22 +142,24 @@ class WeightPrecision:
 
     def describe(self, config: ModelConfig) -> str:
         """One line: what runs in what precision."""
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = _name(self.dtype)
         in_dtype = []
         num_plain = self.num_projections - self.num_fp8_projections - self.num_int4_projections
         if self.schemes and num_plain:
             in_dtype.append(f"{num_plain} projections")
-        if config.is_moe and not config.mxfp4_experts:
+        if config.is_moe and not config.mxfp4_experts and self.experts is None:
             in_dtype.append(
                 "experts (dequantized from fp8)" if self.fp8_experts(config) else "experts"
             )
         if config.is_moe:
             in_dtype.append("routers")
         in_dtype += ["lm_head", "embeddings", "norms"]
-        mxfp4 = "; mxfp4 for experts" if config.mxfp4_experts else ""
-        if not self.schemes:
+        experts = ["mxfp4 for experts"] if config.mxfp4_experts else []
+        if self.experts is not None:
+            experts = [f"fp8 for experts ({_describe_experts(self.experts, dtype)})"]
+        if not self.schemes and self.experts is None:
             origin = " (fp8 checkpoint dequantized at load)" if self.checkpoint else ""
-            return f"weights: {dtype}{origin}{mxfp4}"
+            return "; ".join([f"weights: {dtype}{origin}", *experts])
         packed = []
         for kind, schemes, num in (
             ("fp8", self.fp8_schemes, self.num_fp8_projections),
@@ -156,10 +168,11 @@ class WeightPrecision:
             if schemes:
                 described = "; ".join(sorted({s.describe() for s in schemes.values()}))
                 packed.append(f"{kind} ({described}) for {num} projections")
-        return f"weights: {'; '.join(packed)}; {dtype} for {', '.join(in_dtype)}{mxfp4}"
+        return "weights: " + "; ".join([*packed, f"{dtype} for {', '.join(in_dtype)}", *experts])
 
     def fp8_experts(self, config: ModelConfig) -> bool:
-        """Whether the checkpoint's MoE experts are FP8 (they are dequantized at load)."""
+        """Whether the checkpoint stores its MoE experts in FP8 (run so where `experts` is
+        set, dequantized at load otherwise)."""
         if not config.is_moe or self.checkpoint is None:
             return False
         first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
@@ -210,11 +223,51 @@ def resolve_precision(
         return dataclasses.replace(base, notes=(note,))
     scheme = _fp8_scheme(checkpoint)
     _check_fp8_device(config, scheme, dtype, capability, has_triton)
-    precision = _fp8_schemes(base, geometry, scheme)
-    if precision.fp8_experts(config):  # kernels/fused_moe.py takes bf16 or MXFP4 experts
-        note = f"MoE experts: fp8 in the checkpoint, dequantized to {_name(dtype)} at load"
-        return dataclasses.replace(precision, notes=(*precision.notes, note))
-    return precision
+    return _plan_experts(config, _fp8_schemes(base, geometry, scheme), has_triton)
+
+
+def _plan_experts(
+    config: ModelConfig, precision: WeightPrecision, has_triton: bool
+) -> WeightPrecision:
+    """Qwen3-MoE's experts in FP8 (weight-only, in the fused MoE's Triton GEMMs) where the
+    checkpoint stores them in FP8 or --quantization fp8 asks; a note where they stay in the
+    model dtype instead. Each MoE layer's first expert speaks for the layer (the loader
+    refuses any expert tensor that contradicts the plan)."""
+    if not config.is_moe or config.mxfp4_experts or config.architecture != "qwen3_moe":
+        return _dequantized_experts_note(config, precision, "")
+    checkpoint = precision.checkpoint
+    layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    modules = [f"model.layers.{i}.mlp.experts.0.{p}" for i in layers for p in EXPERT_PROJECTIONS]
+    quantized = [checkpoint is None or checkpoint.is_quantized(m) for m in modules]
+    if not any(quantized):
+        return precision
+    if not all(quantized):
+        return _dequantized_experts_note(config, precision, " (partly unquantized)")
+    if not has_triton:
+        return _dequantized_experts_note(config, precision, " (their FP8 kernel needs Triton)")
+    block = checkpoint is not None and checkpoint.strategy == "block"
+    return dataclasses.replace(
+        precision, experts=Fp8Scheme(block, quantized_at_load=checkpoint is None)
+    )
+
+
+def _dequantized_experts_note(
+    config: ModelConfig, precision: WeightPrecision, why: str
+) -> WeightPrecision:
+    """`precision` with a note saying that the checkpoint's FP8 experts run dequantized."""
+    if not precision.fp8_experts(config):
+        return precision
+    note = (
+        f"MoE experts: fp8 in the checkpoint{why}, dequantized to {_name(precision.dtype)} at load"
+    )
+    return dataclasses.replace(precision, notes=(*precision.notes, note))
+
+
+def _describe_experts(scheme: Fp8Scheme, dtype: str) -> str:
+    scales = "block 128x128 scales" if scheme.block else "per-channel scales"
+    if scheme.quantized_at_load:
+        scales += ", quantized at load"
+    return f"weight-only, {scales}, {dtype} activations"
 
 
 def _fp8_scheme(checkpoint: Fp8Checkpoint | None) -> Fp8Scheme:

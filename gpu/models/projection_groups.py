@@ -1,10 +1,11 @@
 """The fused projections of a decoder layer and the checkpoint modules behind them: their
-names and the slices of them that a tensor-parallel rank holds.
-gpu/models/precision.py plans each projection's precision over these.
+names, the slices of them that a tensor-parallel rank holds, and the per-expert modules of
+Qwen3-MoE checkpoints. gpu/models/precision.py plans each projection's precision over these.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gpu.models.config import ModelConfig
@@ -21,6 +22,8 @@ GROUP_PARTS = {
 }
 """Fused parameter (name within a layer) -> the checkpoint modules fused along its rows."""
 _GROUP_OF_PART = {part: group for group, parts in GROUP_PARTS.items() for part in parts}
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_MODULE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj")
 
 
 def group_of(module: str) -> str | None:
@@ -32,6 +35,12 @@ def group_of(module: str) -> str | None:
         return None
     group = _GROUP_OF_PART.get(parts[3])
     return None if group is None else f"model.layers.{parts[2]}.{group}"
+
+
+def is_expert_module(module: str) -> bool:
+    """Whether `module` is one expert's projection as Qwen3-MoE checkpoints store them
+    ("model.layers.3.mlp.experts.7.up_proj")."""
+    return _EXPERT_MODULE.fullmatch(module) is not None
 
 
 def part_modules(group: str) -> list[str]:

@@ -7,9 +7,12 @@ in the model dtype (`to_load_dtype`); `apply_precision` then, per checkpoint mod
   fused parts with different scales then share one GEMM), a block scale stays
   `weight_scale_inv` [ceil(N/128), ceil(K/128)], a static `input_scale` becomes [1], the
   largest of the fused parts' (a larger scale cannot overflow any part);
-- any other FP8 tensor (CPU, --quantization none, experts, an ignored-but-quantized head):
-  dequantized to the model dtype, its scales dropped;
-- --quantization fp8: each projection weight quantized per output channel.
+- FP8 MoE expert that runs FP8 (`WeightPrecision.experts`, Qwen3-MoE's per-expert
+  modules): the same, but weight-only, so any `input_scale` is dropped;
+- any other FP8 tensor (CPU, --quantization none, experts that run in the model dtype, an
+  ignored-but-quantized head): dequantized to the model dtype, its scales dropped;
+- --quantization fp8: each projection weight, and each expert's where the experts run
+  FP8, quantized per output channel.
 `fp8_expected_shapes` adds the scale tensors to the names and shapes the loaders check.
 Int4 projections (CPU) are then brought into their form by gpu/weights/int4_weights.py.
 """
@@ -24,6 +27,7 @@ from gpu.models.precision import (
     Fp8Scheme,
     WeightPrecision,
     group_of,
+    is_expert_module,
     part_modules,
     resolve_precision,
 )
@@ -116,6 +120,9 @@ def apply_precision(weights: dict[str, torch.Tensor], precision: WeightPrecision
             )
         group = group_of(module)
         scheme = None if group is None else precision.fp8_schemes.get(group)
+        if scheme is None and is_expert_module(module):
+            scheme = precision.experts
+            weights.pop(f"{module}.{INPUT_SCALE_SUFFIX}", None)  # weight-only: never used
         if scheme is None:
             weights[name] = _dequantized(weights, module, checkpoint, precision.dtype)
         else:
@@ -133,25 +140,50 @@ def apply_precision(weights: dict[str, torch.Tensor], precision: WeightPrecision
                 )
         if scheme.static_input_scale:
             _share_input_scale(weights, modules)
+    if precision.experts is not None:
+        _fp8_expert_weights(weights, precision.experts)
     apply_int4_precision(weights, precision)
+
+
+def _fp8_expert_weights(weights: dict[str, torch.Tensor], scheme: Fp8Scheme) -> None:
+    """Quantize each expert's weight at load (--quantization fp8), or check that the
+    checkpoint's are all FP8, as its quantization_config says."""
+    for name, module in [(n, _expert_weight_module(n)) for n in weights]:
+        if module is None:
+            continue
+        if scheme.quantized_at_load:
+            _quantize_at_load(weights, module)
+        elif weights[name].dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{name} is {weights[name].dtype}, but quantization_config says the module is fp8"
+            )
+
+
+def _expert_weight_module(name: str) -> str | None:
+    """The expert module of an expert's `.weight` name; None for any other name."""
+    module = name.removesuffix(".weight")
+    return module if module != name and is_expert_module(module) else None
 
 
 def fp8_expected_shapes(
     expected: dict[str, tuple[int, ...]], precision: WeightPrecision
 ) -> dict[str, tuple[int, ...]]:
     """`expected` (name -> shape of this rank's weights) plus the scales of the FP8
-    projections."""
+    projections and experts."""
     shapes = dict(expected)
-    for group, scheme in precision.fp8_schemes.items():
-        for module in part_modules(group):
-            rows, cols = expected[module + ".weight"]
-            if scheme.block:
-                blocks = (-(-rows // FP8_BLOCK_SIZE), -(-cols // FP8_BLOCK_SIZE))
-                shapes[f"{module}.{BLOCK_SCALE_SUFFIX}"] = blocks
-            else:
-                shapes[f"{module}.{WEIGHT_SCALE_SUFFIX}"] = (rows,)
-            if scheme.static_input_scale:
-                shapes[f"{module}.{INPUT_SCALE_SUFFIX}"] = (1,)
+    modules = [(m, scheme) for g, scheme in precision.fp8_schemes.items() for m in part_modules(g)]
+    if precision.experts is not None:
+        expert_modules = filter(None, map(_expert_weight_module, expected))
+        modules += [(module, precision.experts) for module in expert_modules]
+    for module, scheme in modules:
+        rows, cols = expected[module + ".weight"]
+        if scheme.block:
+            blocks = (-(-rows // FP8_BLOCK_SIZE), -(-cols // FP8_BLOCK_SIZE))
+            shapes[f"{module}.{BLOCK_SCALE_SUFFIX}"] = blocks
+        else:
+            shapes[f"{module}.{WEIGHT_SCALE_SUFFIX}"] = (rows,)
+        if scheme.static_input_scale:
+            shapes[f"{module}.{INPUT_SCALE_SUFFIX}"] = (1,)
     return shapes
 
 

@@ -6,20 +6,23 @@ code under test: block-wise `weight_scale_inv` (quant_method "fp8", 128x128 bloc
 that are not multiples of 128), per-tensor `weight_scale` (quant_method "fp8" without
 blocks, and compressed-tensors "tensor"), per-channel `weight_scale` [N, 1]
 (compressed-tensors "channel"), static `input_scale`, and ignore lists (exact names and
-"re:" patterns). Unquantized tensors are stored in bfloat16, as real FP8 checkpoints
-store them; the reference holds them upcast to float32 (exactly).
+"re:" patterns), and a Qwen3-MoE whose experts are FP8 too, one module per expert with
+its own block scales as Qwen3-30B-A3B-FP8 stores them (its routers left unquantized).
+Unquantized tensors are stored in bfloat16, as real FP8 checkpoints store them; the
+reference holds them upcast to float32 (exactly).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.gpu._tiny_hf_models import seeded_model
 
@@ -39,6 +42,15 @@ FP8_TINY_SIZES: dict[str, Any] = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
     initializer_range=0.15,
+)
+# Qwen3-MoE: layer 0 dense, layer 1 sparse; experts 160 wide, so that each of w13's halves
+# ends in a partial 128-row block and the up half starts inside the fused rows' second.
+FP8_TINY_MOE_SIZES: dict[str, Any] = dict(
+    moe_intermediate_size=160,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
 )
 
 
@@ -129,6 +141,19 @@ FORMATS = {
             static_input=True,
             ignore=("lm_head",),
         ),
+        Fp8Format(
+            "fp8_block_moe",
+            "qwen3_moe",
+            {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK],
+                "modules_to_not_convert": ["lm_head", "model.layers.1.mlp.gate"],
+            },
+            "block",
+            ignore=("lm_head", "model.layers.1.mlp.gate"),
+        ),
         # A quantized LM head (dequantized at load) and an unquantized layer-1 MLP.
         Fp8Format(
             "ct_regex_ignore",
@@ -149,9 +174,11 @@ def build_fp8_tiny_model(architecture: str, seed: int = 0, **sizes: Any) -> Any:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[architecture]
     tied = {"tie_word_embeddings": architecture == "qwen3"}
-    return seeded_model(model_cls, config_cls(**{**FP8_TINY_SIZES, **tied, **sizes}), seed)
+    moe = FP8_TINY_MOE_SIZES if architecture == "qwen3_moe" else {}
+    return seeded_model(model_cls, config_cls(**{**FP8_TINY_SIZES, **tied, **moe, **sizes}), seed)
 
 
 def quantize_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,7 +248,7 @@ def quantized_state(
 def write_fp8_checkpoint(model: Any, fmt: Fp8Format, fp8_dir: Path, plain_dir: Path) -> None:
     """Save `model` quantized in `fmt` to fp8_dir, and its dequantized weights as a plain
     float32 checkpoint to plain_dir (same config.json without quantization_config)."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = _checkpoint_tensors(model)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     fp8, plain = quantized_state(state, fmt)
@@ -234,3 +261,13 @@ def write_fp8_checkpoint(model: Any, fmt: Fp8Format, fp8_dir: Path, plain_dir: P
         save_file(tensors, str(directory / "model.safetensors"))
         with open(directory / "config.json", "w", encoding="utf-8") as f:
             json.dump({**config, "quantization_config": quant} if quant else config, f)
+
+
+def _checkpoint_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """`model`'s tensors under the checkpoint's names: transformers' MoE modules hold the
+    experts stacked, which save_pretrained writes one module per expert, as checkpoints do."""
+    if model.config.model_type != "qwen3_moe":
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        return load_file(Path(directory) / "model.safetensors")

@@ -1,13 +1,18 @@
-"""FP8 checkpoints end to end. On CPU (float32) every format loads to exactly the weights of
-the same checkpoint dequantized and saved plain, and both runners decode the same greedy
-tokens from it; tensor-parallel ranks read their slices of the scales; a tensor that
-contradicts quantization_config is refused. The gpu-marked tests run the FP8 GEMMs on a
-CUDA GPU of compute capability >= 8.9: a tiny FP8 checkpoint against its dequantized bf16
-twin, and dummy weights quantized at load (--quantization fp8) through the V2 runner's
-CUDA graphs."""
+"""FP8 checkpoints end to end. On CPU (float32) every format, a Qwen3-MoE with FP8 experts
+among them, loads to exactly the weights of the same checkpoint dequantized and saved
+plain, and both runners decode the same greedy tokens from it; tensor-parallel ranks read
+their slices of the scales; a tensor that contradicts quantization_config is refused.
+Experts planned FP8 (as on a Hopper GPU) load into the stacked e4m3 tensors and scales
+that the fused MoE reads (block scales from the checkpoint, per-channel ones quantized at
+load), whose CPU reference computes the dequantized model. The gpu-marked tests run the
+FP8 GEMMs on a CUDA GPU of compute capability >= 8.9: a tiny FP8 checkpoint against its
+dequantized bf16 twin, FP8 experts against the bf16 model in eager steps and in V2's
+CUDA graphs, and dummy weights quantized at load (--quantization fp8) through the V2
+runner's CUDA graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 from collections.abc import Callable, Iterator
@@ -20,14 +25,17 @@ from safetensors.torch import load_file, save_file
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from gpu.attention.base import allocate_kv_cache
+from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.config import UnsupportedModelError
 from gpu.models.fp8_linear import Fp8Weight
 from gpu.models.llama import DecoderModel
-from gpu.models.precision import resolve_precision
+from gpu.models.moe import SparseMoE
+from gpu.models.precision import Fp8Scheme, WeightPrecision, resolve_precision
 from gpu.weights.hf_loader import load_hf_config, load_hf_dir
 from gpu.weights.loader import ModelLoadError, load_model_files
 from gpu.weights.shard_layout import take_shard, weight_shard_slices
 from gpu.weights.shard_loader import load_weight_shard
+from kernels.fp8_experts import Fp8Experts
 from tests.gpu._paged_kv_batch import PagedKVBook
 from tests.gpu._tiny_fp8_checkpoints import FORMATS, build_fp8_tiny_model, write_fp8_checkpoint
 
@@ -174,18 +182,79 @@ def test_a_tensor_that_contradicts_quantization_config_is_refused(checkpoint, tm
         load_model_files(str(bf16_dir), torch.float32)
 
 
+def _experts_only(directory: str, requested: str) -> WeightPrecision:
+    """The plan on a Hopper GPU (mocked) less its dense FP8 projections: the experts alone
+    stay FP8, which the fused MoE's CPU reference runs too."""
+    precision = resolve_precision(
+        load_hf_config(directory), requested, torch.float32, "cuda", (9, 0)
+    )
+    return dataclasses.replace(precision, schemes={}, notes=())
+
+
+def _cpu_model(directory: str, precision: WeightPrecision | None = None) -> DecoderModel:
+    config, weights, _ = load_hf_dir(directory, torch.float32, precision=precision)
+    model = DecoderModel(config, TorchAttentionBackend(), torch.float32, "cpu", precision=precision)
+    model.load_weights(weights)
+    return model
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)  # float8 has no CPU comparison kernels
+
+
+def test_fp8_experts_load_stacked_and_compute_the_dequantized_model(checkpoint) -> None:
+    fp8_dir, plain_dir = checkpoint("fp8_block_moe")
+    precision = _experts_only(fp8_dir, "auto")
+    assert precision.experts == Fp8Scheme(block=True)
+    model = _cpu_model(fp8_dir, precision)
+    moe = model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.w13, Fp8Experts) and moe.w13.block
+    assert moe.w13_weight.dtype == moe.w2_weight.dtype == torch.float8_e4m3fn
+    # 160 rows a half: two block rows each (the fused 320 rows would have three)
+    assert moe.w13_scale.shape == (8, 4, 2) and moe.w2_scale.shape == (8, 2, 2)
+    file = load_file(Path(fp8_dir) / "model.safetensors")
+    up, down = "model.layers.1.mlp.experts.5.up_proj", "model.layers.1.mlp.experts.5.down_proj"
+    assert torch.equal(_bits(moe.w13_weight[5, 160:]), _bits(file[up + ".weight"]))
+    assert torch.equal(moe.w13_scale[5, 2:], file[up + ".weight_scale_inv"])
+    assert torch.equal(_bits(moe.w2_weight[5]), _bits(file[down + ".weight"]))
+    assert torch.equal(moe.w2_scale[5], file[down + ".weight_scale_inv"])
+    prompt = _prompts(96)[2]
+    expected = _logits(_cpu_model(plain_dir), prompt, "cpu")
+    torch.testing.assert_close(_logits(model, prompt, "cpu"), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_fp8_quantizes_each_expert_per_output_channel(checkpoint) -> None:
+    _, plain_dir = checkpoint("fp8_block_moe")
+    precision = _experts_only(plain_dir, "fp8")
+    assert precision.experts == Fp8Scheme(block=False, quantized_at_load=True)
+    moe = _cpu_model(plain_dir, precision).layers[1].mlp
+    assert moe.w13_weight.dtype == torch.float8_e4m3fn
+    assert moe.w13_scale.shape == (8, 320) and moe.w2_scale.shape == (8, 192)
+    file = load_file(Path(plain_dir) / "model.safetensors")
+    for rows, name in ((slice(0, 160), "gate_proj"), (slice(160, 320), "up_proj")):
+        weight = file[f"model.layers.1.mlp.experts.2.{name}.weight"]
+        scale = moe.w13_scale[2, rows]
+        assert torch.equal(scale, weight.abs().amax(dim=1) / 448)
+        dequantized = moe.w13_weight[2, rows].float() * scale[:, None]
+        # e4m3 rounds to 3 mantissa bits; below 2**-6 (subnormals) to steps of 2**-9
+        torch.testing.assert_close(
+            dequantized, weight, rtol=2**-4, atol=float(scale.max()) * 2**-10
+        )
+
+
 # ---- CUDA, compute capability >= 8.9 ----------------------------------------------------
 
 
-def _cuda_logits(model: DecoderModel, prompt: list[int]) -> torch.Tensor:
+def _logits(model: DecoderModel, prompt: list[int], device: str = "cuda") -> torch.Tensor:
+    """[len(prompt), vocab] float32 on the CPU: one prefill of the whole prompt."""
     book = PagedKVBook(64, 16, seed=1)
-    positions, metadata = book.step([("r", len(prompt))], device="cuda")
+    positions, metadata = book.step([("r", len(prompt))], device=device)
     config = model.config
     kv_caches = allocate_kv_cache(
-        config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, torch.bfloat16, "cuda"
+        config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, model.dtype, device
     )
     with torch.no_grad():
-        hidden = model(torch.tensor(prompt, device="cuda"), positions, kv_caches, metadata)
+        hidden = model(torch.tensor(prompt, device=device), positions, kv_caches, metadata)
         return model.compute_logits(hidden[: metadata.num_actual_tokens]).cpu()
 
 
@@ -222,7 +291,7 @@ def test_fp8_gemms_on_cuda_stay_close_to_the_dequantized_bf16_model(checkpoint, 
     assert isinstance(layer.mlp.gate_up_proj, Fp8Weight)
     assert not fp8_model.precision.notes
     prompt = _prompts(96)[2]
-    got, expected = _cuda_logits(fp8_model, prompt), _cuda_logits(bf16_model, prompt)
+    got, expected = _logits(fp8_model, prompt), _logits(bf16_model, prompt)
     assert torch.isfinite(got).all()
     assert (got - expected).abs().max() < 0.2 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
@@ -246,3 +315,40 @@ def test_dummy_weights_quantized_at_load_run_through_the_v2_cuda_graphs() -> Non
     prompts = [[5 + i, 17, 300 + i] for i in range(6)]
     first, second = _greedy(llm, prompts), _greedy(llm, prompts)
     assert first == second and all(len(tokens) == NUM_NEW_TOKENS for tokens in first)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_fp8_experts_on_cuda_stay_close_to_the_bf16_model(checkpoint, quantization) -> None:
+    """auto: the checkpoint's block-scaled experts; fp8: the plain twin's experts quantized
+    per output channel at load. Either way the experts stay float8 on the GPU, in eager
+    steps and in the V2 runner's CUDA graphs."""
+    sizes = dict(initializer_range=0.05, hidden_size=256, intermediate_size=512)
+    fp8_dir, plain_dir = checkpoint("fp8_block_moe", **sizes)
+    directory = fp8_dir if quantization == "auto" else plain_dir
+    fp8_model, bf16_model = _cuda_model(directory, quantization), _cuda_model(plain_dir, "auto")
+    moe = fp8_model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.w13, Fp8Experts)
+    assert moe.w13_weight.dtype == moe.w2_weight.dtype == torch.float8_e4m3fn
+    assert moe.w13.block == (quantization == "auto") and not fp8_model.precision.notes
+    assert bf16_model.layers[1].mlp.w13_weight.dtype == torch.bfloat16
+    prompt = _prompts(96)[2]
+    got, expected = _logits(fp8_model, prompt), _logits(bf16_model, prompt)
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() < 0.2 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+    options = dict(device="cuda", max_model_len=128, num_kv_blocks=64, max_num_seqs=4)
+    llm = LLM(directory, runner="v2", quantization=quantization, **options)
+    assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0
+    assert "; fp8 for experts (weight-only, " in llm.worker.weights_precision
+    # the tokens decoded through the graphs are (nearly all) the bf16 model's greedy picks
+    prompts = _prompts(96)
+    picks, gaps = [], []
+    for prompt, tokens in zip(prompts, _greedy(llm, prompts), strict=True):
+        logits = _logits(bf16_model, prompt + tokens[:-1])[len(prompt) - 1 :]
+        chosen = torch.tensor(tokens)
+        picks.append(logits.argmax(-1) == chosen)
+        gaps.append(logits.max(-1).values - logits.gather(1, chosen[:, None])[:, 0])
+    assert torch.cat(picks).float().mean() >= 0.8
+    assert torch.cat(gaps).max() < 0.2 * expected.abs().max()

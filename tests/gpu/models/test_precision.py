@@ -124,18 +124,61 @@ def test_tensor_parallel_slices_must_keep_whole_blocks() -> None:
     assert resolve_precision(channel, "auto", torch.bfloat16, "cuda", HOPPER, 0, 8).runs_fp8
 
 
-def test_moe_experts_stay_in_the_model_dtype() -> None:
+def test_fp8_moe_experts_run_in_fp8_where_their_kernel_can() -> None:
     moe = PRESETS["qwen3-30b-a3b"].replace(fp8=BLOCK)
     precision = resolve_precision(moe, "auto", torch.bfloat16, "cuda", HOPPER)
     assert precision.num_fp8_projections == 48 * 4  # attention only: every layer is MoE
-    assert precision.notes == (
-        "MoE experts: fp8 in the checkpoint, dequantized to bfloat16 at load",
+    assert precision.experts == Fp8Scheme(block=True) and not precision.notes
+    assert precision.describe(moe) == (
+        "weights: fp8 (block 128x128, dynamic per-token-group activations) for 192 "
+        "projections; bfloat16 for routers, lm_head, embeddings, norms; fp8 for experts "
+        "(weight-only, block 128x128 scales, bfloat16 activations)"
     )
-    assert precision.describe(moe).endswith(
+    # per-channel experts without Triton (whose kernel they need): dequantized, with a note
+    channel = moe.replace(fp8=CHANNEL)
+    no_triton = resolve_precision(channel, "auto", torch.bfloat16, "cuda", HOPPER, False)
+    assert no_triton.experts is None and no_triton.runs_fp8  # the attention still runs FP8
+    assert no_triton.notes == (
+        "MoE experts: fp8 in the checkpoint (their FP8 kernel needs Triton), dequantized to "
+        "bfloat16 at load",
+    )
+    assert no_triton.describe(channel).endswith(
         "bfloat16 for experts (dequantized from fp8), routers, lm_head, embeddings, norms"
     )
+    # the CPU and --quantization none dequantize them like every projection
+    for device, requested in (("cpu", "auto"), ("cuda", "none")):
+        plain = resolve_precision(moe, requested, torch.bfloat16, device, HOPPER)
+        assert plain.experts is None and not plain.runs_fp8
+        assert plain.describe(moe) == "weights: bfloat16 (fp8 checkpoint dequantized at load)"
+
+
+def test_experts_ignored_in_some_layers_run_dequantized_in_all() -> None:
+    ignore = ("lm_head", "model.layers.3.mlp")  # layer 3's experts stay bf16 in the file
+    moe = PRESETS["qwen3-30b-a3b"].replace(fp8=Fp8Checkpoint("fp8", "block", False, ignore))
+    precision = resolve_precision(moe, "auto", torch.bfloat16, "cuda", HOPPER)
+    assert precision.experts is None
+    assert precision.notes == (
+        "MoE experts: fp8 in the checkpoint (partly unquantized), dequantized to bfloat16 at load",
+    )
+    unquantized = ("lm_head", "re:.*[.]experts[.].*")
+    moe = moe.replace(fp8=Fp8Checkpoint("fp8", "block", False, unquantized))
+    precision = resolve_precision(moe, "auto", torch.bfloat16, "cuda", HOPPER)
+    assert precision.experts is None and not precision.notes
+
+
+def test_quantization_fp8_quantizes_qwen3_moe_experts_but_gpt_oss_keeps_mxfp4() -> None:
+    moe = PRESETS["qwen3-30b-a3b"]
+    precision = resolve_precision(moe, "fp8", torch.bfloat16, "cuda", HOPPER)
+    assert precision.experts == Fp8Scheme(block=False, quantized_at_load=True)
+    assert precision.describe(moe).endswith(
+        "bfloat16 for routers, lm_head, embeddings, norms; fp8 for experts (weight-only, "
+        "per-channel scales, quantized at load, bfloat16 activations)"
+    )
+    assert resolve_precision(moe, "auto", torch.bfloat16, "cuda", HOPPER).experts is None
     gpt_oss = PRESETS["gpt-oss-20b"]
-    described = resolve_precision(gpt_oss, "fp8", torch.bfloat16, "cuda", HOPPER).describe(gpt_oss)
+    gpt_oss_fp8 = resolve_precision(gpt_oss, "fp8", torch.bfloat16, "cuda", HOPPER)
+    assert gpt_oss_fp8.experts is None
+    described = gpt_oss_fp8.describe(gpt_oss)
     assert described.endswith("bfloat16 for routers, lm_head, embeddings, norms; mxfp4 for experts")
 
 
