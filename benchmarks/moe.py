@@ -2,14 +2,17 @@
 checked against the torch reference first.
 
     python -m benchmarks.moe [--model gpt-oss-20b|qwen3-30b-a3b] [--tokens 1,8,64,256,2048]
-                             [--sweep]
+                             [--expert-dtype auto|fp8|fp8-channel] [--sweep]
 
 On CUDA: eager and CUDA-graph medians of one MoE layer per token count, and the expert weight
 bytes the call must read (each expert hit, once) against the H200's copy bandwidth: at small
 token counts the layer is bound by those bytes. `--sweep` also times a grid of launch shapes
 (block_m, block_n, block_k, warps, stages) at each token count, for
-choosing `tile_config`'s table. On the CPU the torch reference runs (a check that the script
-runs, not a figure to compare).
+choosing `tile_config`'s table. `--expert-dtype fp8` quantizes the experts to e4m3 with
+128x128 block scales (as Qwen3-30B-A3B-FP8 ships them; `fp8-channel`: per output channel),
+which the kernels read weight-only; `auto` keeps the model's (bf16, or gpt-oss's MXFP4).
+On the CPU the torch reference runs (a check that the script runs, not a figure to
+compare).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from benchmarks import recording
 from benchmarks.kernel_timing import PEAK_BYTES_PER_S, default_device, time_call
+from kernels.fp8_experts import quantize_fp8_experts
 from kernels.fused_moe import (
     MoEActivation,
     TileConfig,
@@ -40,6 +44,7 @@ MODELS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8, False, MoEActivation("silu")),
 }
 MAX_REL_ERR = 2e-2
+EXPERT_DTYPES = ("auto", "fp8", "fp8-channel")
 SWEEP = [
     TileConfig(*shape)
     for shape in (
@@ -56,18 +61,26 @@ SWEEP = [
 ]
 
 
-def _weights(hidden, intermediate, num_experts, mxfp4, device, dtype):
+def _weights(hidden, intermediate, num_experts, mxfp4, device, dtype, expert_dtype="auto"):
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) * hidden**-0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=g) * intermediate**-0.5
+    if expert_dtype != "auto":
+        block = expert_dtype == "fp8"
+        return (
+            quantize_fp8_experts(w13.to(device), block, num_row_parts=2),
+            quantize_fp8_experts(w2.to(device), block),
+        )
     if mxfp4:
         q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
         return tuple(MXFP4Tensor(q.blocks.to(device), q.scales.to(device)) for q in (q13, q2))
     return w13.to(device, dtype), w2.to(device, dtype)
 
 
-def _expert_bytes(hidden: int, intermediate: int, mxfp4: bool) -> float:
+def _expert_bytes(hidden: int, intermediate: int, mxfp4: bool, expert_dtype: str) -> float:
     values = 3 * hidden * intermediate
+    if expert_dtype != "auto":
+        return values * 1.0  # e4m3; the float32 scales add under 0.1%
     return values * 17 / 32 if mxfp4 else values * 2  # MXFP4: 4 bits + 1 scale byte / 32
 
 
@@ -97,23 +110,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,8,64,256,2048")
     p.add_argument("--device", default=default_device())
     p.add_argument("--sweep", action="store_true", help="CUDA: also time a grid of tile shapes")
+    p.add_argument(
+        "--expert-dtype",
+        default="auto",
+        choices=EXPERT_DTYPES,
+        help="auto: the model's experts (bf16, or MXFP4 for gpt-oss); fp8: e4m3 with 128x128 "
+        "block scales; fp8-channel: e4m3 with per-output-channel scales",
+    )
     args = p.parse_args(argv)
     hidden, intermediate, num_experts, top_k, mxfp4, activation = MODELS[args.model]
+    expert_dtype = args.expert_dtype
+    mxfp4 = mxfp4 and expert_dtype == "auto"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     token_counts = [int(t) for t in args.tokens.split(",")]
     run = recording.Run(
         "moe",
         args,
-        f"moe_{args.model}" + ("" if args.device == "cuda" else "_cpu"),
+        f"moe_{args.model}"
+        + ("" if expert_dtype == "auto" else f"_{expert_dtype.replace('-', '_')}")
+        + ("" if args.device == "cuda" else "_cpu"),
         {
             "model": args.model,
+            "expert_dtype": expert_dtype,
             "tokens": token_counts,
             "device": args.device,
             "dtype": str(dtype).removeprefix("torch."),
         },
         argv,
     )
-    w13, w2 = _weights(hidden, intermediate, num_experts, mxfp4, args.device, dtype)
+    w13, w2 = _weights(hidden, intermediate, num_experts, mxfp4, args.device, dtype, expert_dtype)
     bias13 = torch.zeros(num_experts, 2 * intermediate, dtype=dtype, device=args.device)
     bias2 = torch.zeros(num_experts, hidden, dtype=dtype, device=args.device)
     g = torch.Generator().manual_seed(1)
@@ -136,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         rel_err = float((layer().float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         if not rel_err <= MAX_REL_ERR:
             raise SystemExit(f"fused_moe disagrees with its reference: max rel err {rel_err:.3g}")
-        weight_bytes = int(torch.unique(ids).numel()) * _expert_bytes(hidden, intermediate, mxfp4)
+        expert_bytes = _expert_bytes(hidden, intermediate, mxfp4, expert_dtype)
+        weight_bytes = int(torch.unique(ids).numel()) * expert_bytes
         default = _bandwidth(time_call(layer, args.device), weight_bytes)
         row: dict[str, Any] = {
             "tile": dataclasses.asdict(tile_config(num_tokens * top_k, num_experts, mxfp4)),
