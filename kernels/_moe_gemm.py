@@ -90,8 +90,8 @@ if HAS_TRITON:
             if WEIGHTS == 0:
                 return _mma(a0, w, acc, PRECISION, UPCAST)
             else:
-                # UPCAST goes through float32 anyway, and float32 is the conversion that
-                # Triton's CPU interpreter surely has
+                # e4m3 to the activations' dtype is exact; under UPCAST (the CPU
+                # interpreter, whose dot takes float32) straight to float32
                 if UPCAST:
                     w = w.to(tl.float32)
                 else:
