@@ -50,6 +50,8 @@ def draw_cpu(
 ) -> torch.Tensor:  # [num_rows] int64
     """`gumbel_sample_ref`'s draw of `scores` (see the module doc)."""
     num_rows, vocab_size = scores.shape
+    if num_rows == 0 or bool(is_greedy.all()):
+        return scores.argmax(dim=1)
     sampled = torch.empty(num_rows, dtype=torch.int64, device=scores.device)
     block_max = (
         scores.view(num_rows, -1, BLOCK).amax(dim=2) if vocab_size % BLOCK == 0 else None

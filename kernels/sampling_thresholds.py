@@ -12,7 +12,9 @@ and the set depends on the values alone. Nothing is written back: the Gumbel ker
 the tokens below the threshold as it samples.
 
 The reference composes the sort-based ops (kernels/temperature.py, kernels/min_p.py,
-kernels/top_k_top_p.py). The Triton version searches for the threshold
+kernels/top_k_top_p.py); on the CPU, `sampling_thresholds_cpu` gives its results bit for
+bit with torch.topk in place of the sort where a row's top-k allows
+(kernels/_threshold_cpu.py). The Triton version searches for the threshold
 (kernels/_threshold_search.py, kernels/_threshold_bins.py): a statistics pass (max, mean,
 spread, and for top-p alone the total mass; min-p alone ends here), then histogram passes
 of 126 bins that narrow a bracket around the answer until it holds at most 1024 tokens
@@ -36,6 +38,7 @@ from kernels import _threshold_bins as bins
 from kernels import _threshold_guess as guess
 from kernels import _threshold_search as search
 from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
+from kernels._threshold_cpu import thresholds_cpu
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.min_p import apply_min_p_ref
 from kernels.temperature import apply_temperature_ref
@@ -409,6 +412,22 @@ def sampling_thresholds_ref(
     return torch.maximum(floor, top)
 
 
+def sampling_thresholds_cpu(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, not modified
+    idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
+    temperature: torch.Tensor,  # [max_num_reqs] float32
+    top_k: torch.Tensor,  # [max_num_reqs] int32, 0 = off
+    top_p: torch.Tensor,  # [max_num_reqs] float32, 1 = off
+    min_p: torch.Tensor,  # [max_num_reqs] float32, 0 = off
+) -> torch.Tensor:  # [num_rows] float32
+    """`sampling_thresholds_ref`'s thresholds, bit for bit, sorting only the rows that need
+    a full sort (kernels/_threshold_cpu.py)."""
+    _check_args(logits, idx_mapping, temperature, top_k, top_p, min_p)
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.float32, device=logits.device)
+    return thresholds_cpu(logits, idx_mapping, temperature, top_k, top_p, min_p)
+
+
 def sampling_thresholds_triton(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, rows contiguous
     idx_mapping: torch.Tensor,  # [num_rows] int32
@@ -540,4 +559,6 @@ def sampling_thresholds(
     (see the module doc): Triton on CUDA, the sort-based reference otherwise."""
     if HAS_TRITON and logits.is_cuda:
         return sampling_thresholds_triton(logits, idx_mapping, temperature, top_k, top_p, min_p)
+    if logits.device.type == "cpu":
+        return sampling_thresholds_cpu(logits, idx_mapping, temperature, top_k, top_p, min_p)
     return sampling_thresholds_ref(logits, idx_mapping, temperature, top_k, top_p, min_p)
