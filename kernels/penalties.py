@@ -126,6 +126,64 @@ def apply_penalties_ref(
     logits.copy_(penalised)
 
 
+def apply_penalties_cpu(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32, penalised in place
+    idx_mapping: torch.Tensor,  # [num_rows] int32, logit row -> request row
+    repetition_penalty: torch.Tensor,  # [max_num_reqs] float32, 1 = off
+    frequency_penalty: torch.Tensor,  # [max_num_reqs] float32, 0 = off
+    presence_penalty: torch.Tensor,  # [max_num_reqs] float32, 0 = off
+    prompt_mask: torch.Tensor,  # [max_num_reqs, vocab_size] bool, token occurs in the prompt
+    output_counts: torch.Tensor,  # [max_num_reqs, vocab_size] int32, times generated so far
+) -> None:
+    """`apply_penalties_ref`'s logits, bit for bit, writing only the tokens it changes: the
+    seen ones (in the prompt or generated). An unseen token's logit x becomes
+    x - frequency * 0 - presence * 0, which is x unless a penalty's sign bit is set (then
+    -0.0 turns into +0.0): such rows take the reference's dense ops, neutral rows none."""
+    _check_args(
+        logits,
+        idx_mapping,
+        repetition_penalty,
+        frequency_penalty,
+        presence_penalty,
+        prompt_mask,
+        output_counts,
+    )
+    rows = idx_mapping.long()
+    repetition, frequency = repetition_penalty[rows], frequency_penalty[rows]
+    presence = presence_penalty[rows]
+    signed = torch.signbit(frequency) | torch.signbit(presence)
+    neutral = (repetition == 1.0) & (frequency == 0.0) & (presence == 0.0) & ~signed
+    dense = signed.nonzero().squeeze(1)
+    if dense.numel():
+        penalised = logits.index_select(0, dense)
+        apply_penalties_ref(
+            penalised,
+            idx_mapping.index_select(0, dense),
+            repetition_penalty,
+            frequency_penalty,
+            presence_penalty,
+            prompt_mask,
+            output_counts,
+        )
+        logits.index_copy_(0, dense, penalised)
+    sparse = (~neutral & ~signed).nonzero().squeeze(1)
+    if sparse.numel() == 0:
+        return
+    reqs = rows.index_select(0, sparse)
+    is_seen = prompt_mask.index_select(0, reqs) | (output_counts.index_select(0, reqs) > 0)
+    at, token_ids = is_seen.nonzero(as_tuple=True)
+    logit_rows = sparse.index_select(0, at)
+    counts = output_counts[reqs.index_select(0, at), token_ids]
+    seen = logits[logit_rows, token_ids]
+    row_repetition = repetition.index_select(0, logit_rows)
+    repeated = torch.where(seen > 0.0, seen / row_repetition, seen * row_repetition)
+    logits[logit_rows, token_ids] = (
+        repeated
+        - frequency.index_select(0, logit_rows) * counts.float()
+        - presence.index_select(0, logit_rows) * (counts > 0).float()
+    )
+
+
 def apply_penalties_triton(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, penalised in place
     idx_mapping: torch.Tensor,  # [num_rows] int32
@@ -176,7 +234,11 @@ def apply_penalties(
     output_counts: torch.Tensor,  # [max_num_reqs, vocab_size] int32, times generated so far
 ) -> None:
     """Apply the repetition, frequency and presence penalties (see the module doc)."""
-    impl = apply_penalties_triton if HAS_TRITON and logits.is_cuda else apply_penalties_ref
+    impl = apply_penalties_ref
+    if HAS_TRITON and logits.is_cuda:
+        impl = apply_penalties_triton
+    elif logits.device.type == "cpu":
+        impl = apply_penalties_cpu
     impl(
         logits,
         idx_mapping,

@@ -1,4 +1,5 @@
-"""apply_penalties: the vLLM/OpenAI formulas by hand, Triton vs reference (interpreter, CUDA)."""
+"""apply_penalties: the vLLM/OpenAI formulas by hand, Triton vs reference (interpreter, CUDA),
+the CPU path vs reference bit for bit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from kernels.penalties import (
     apply_penalties,
+    apply_penalties_cpu,
     apply_penalties_ref,
     apply_penalties_triton,
 )
@@ -59,6 +61,29 @@ def test_prompt_tokens_get_repetition_but_not_frequency_or_presence() -> None:
         output_counts,
     )
     assert logits.tolist() == [[1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("vocab_size", [7, 1000])
+def test_the_cpu_path_writes_the_reference_bits(vocab_size: int) -> None:
+    generator = torch.Generator().manual_seed(vocab_size)
+    num_reqs, num_rows = 12, 40
+    prompt_mask = torch.rand(num_reqs, vocab_size, generator=generator) < 0.05
+    output_counts = torch.randint(0, 4, (num_reqs, vocab_size), generator=generator)
+    output_counts = (output_counts * (torch.rand(num_reqs, vocab_size) < 0.05)).int()
+    logits = torch.randn(num_rows, vocab_size, generator=generator) * 3
+    logits[:, ::5] = 0.0
+    logits[:, 1::5] = -0.0  # an unseen -0.0 stays -0.0 unless a penalty is negative
+    logits[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    # neutral, repetition alone, all three, negative, -0.0 and zero presence, ...
+    repetition = torch.tensor([1.0, 1.3, 0.8, 1.0, 1.0, 2.0, 1.0, 1.1, 1.0, 1.2, 1.0, 1.0])
+    frequency = torch.tensor([0.0, 0.0, 0.5, -0.5, -0.0, 0.1, 0.0, 2.0, 0.3, -2.0, 0.0, 0.0])
+    presence = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.0, -1.0, 0.7, 0.0, 0.0, 0.5, -0.0, 0.0])
+    idx_mapping = torch.randint(0, num_reqs, (num_rows,), generator=generator, dtype=torch.int32)
+    args = (idx_mapping, repetition, frequency, presence, prompt_mask, output_counts)
+    expected, actual = logits.clone(), logits.clone()
+    apply_penalties_ref(expected, *args)
+    apply_penalties_cpu(actual, *args)
+    assert torch.equal(actual.view(torch.int32), expected.view(torch.int32))
 
 
 def test_bad_arguments_name_the_culprit() -> None:
