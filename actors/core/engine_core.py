@@ -323,6 +323,8 @@ def _make_scheduler(
         max_model_len=worker.max_model_len,
         block_size=config.block_size,
         max_steps_in_flight=max_steps_in_flight,
+        # V2 keeps a step per stage in flight; V1 runs one step at a time.
+        step_groups=config.pipeline_parallel_size if max_steps_in_flight > 1 else 1,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         prompt_embeds_hidden_size=(
             worker.model_config.hidden_size if config.enable_prompt_embeds else None

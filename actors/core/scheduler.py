@@ -289,9 +289,12 @@ class Scheduler:
             else None
         )
         batch = StepBatch()
+        max_rows = self._max_running_rows()
         for index, request in enumerate(self._running.values()):
-            if token_budget == 0:
+            if token_budget == 0 or len(batch.requests) == max_rows:
                 break
+            if self.config.step_groups > 1 and request.num_output_placeholders:
+                continue  # its previous step's token is still in the pipeline
             num_pending = request.num_tokens_with_placeholders
             if num_pending >= request.max_total_tokens:
                 continue  # every allowed output is sampled or in flight: about to finish
@@ -304,6 +307,12 @@ class Scheduler:
             batch.add(request, num_new, num_slots, num_pending)
             token_budget -= num_new
         return batch, token_budget
+
+    def _max_running_rows(self) -> int | None:
+        """Running requests one step may hold: a 1/step_groups share of them under the
+        pipeline's batch queue, so that each step in flight carries its part; else all."""
+        groups = self.config.step_groups
+        return None if groups == 1 else -(-len(self._running) // groups)
 
     def _plan_waiting(self, token_budget: int) -> tuple[list[WaitingAlloc], dict[str, Request]]:
         max_entries = min(self.config.max_num_seqs - len(self._running), token_budget)

@@ -17,6 +17,12 @@ class SchedulerConfig:
     """Tokens per KV block."""
     max_steps_in_flight: int = 1
     """Steps scheduled before the oldest one's results arrive (2 overlaps CPU and GPU)."""
+    step_groups: int = 1
+    """Pipeline parallelism's batch queue: with N > 1 the running requests split into N
+    groups that take turns, so N steps are in flight, one per pipeline stage, and no request
+    runs in a step while its previous step's token is still on the way (a stage waits for a
+    step's tokens only where that step's requests run again). 1: a step may hold requests
+    whose previous step is in flight (their tokens reach the inputs on the device)."""
     num_speculative_tokens: int = 0
     """Draft slots per decoding row (ngram speculative decoding); 0: no speculation."""
     prompt_embeds_hidden_size: int | None = None
@@ -30,6 +36,7 @@ class SchedulerConfig:
             "max_model_len",
             "block_size",
             "max_steps_in_flight",
+            "step_groups",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -261,7 +261,7 @@ class StepFollower:
     def _handle(self, kind: bytes, body: memoryview) -> None:
         if kind == STEP:
             self._pending.append(self._runner.execute(self._decoder.decode(body)))
-            if len(self._pending) > MAX_PENDING_STEPS:
+            if len(self._pending) > max(MAX_PENDING_STEPS, self._runner.max_steps_in_flight):
                 self._pending.popleft().result()
         elif kind == OPEN:
             name, config, eager = pickle.loads(body)

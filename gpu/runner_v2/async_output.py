@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from actors.protocol.messages import LogprobsArrays, PromptLogprobs, StepOutput, StepStats
+from gpu.sampling.sampler import SamplerOutput
 
 CopyT = TypeVar("CopyT", bound=Any)
 
@@ -28,6 +30,15 @@ class StepCopy:
     logprob_token_ids: torch.Tensor | None  # [num_reqs, 1 + k], host
     logprobs: torch.Tensor | None  # [num_reqs, 1 + k] float32, host
     sampled_ranks: torch.Tensor | None  # [num_reqs], host
+
+    @classmethod
+    def of(cls, sampled: SamplerOutput) -> StepCopy:
+        return cls(
+            sampled.sampled_token_ids,
+            sampled.logprob_token_ids,
+            sampled.logprobs,
+            sampled.sampled_ranks,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +70,7 @@ class PendingStep:
         step_id: int,
         request_ids: tuple[str, ...],
         samples_token: np.ndarray,
-        copy: StepCopy,
+        copy: StepCopy | Callable[[], StepCopy],
         event: torch.cuda.Event | None,
         stats: StepStats,
         timing: StepTiming | None = None,
@@ -78,17 +89,20 @@ class PendingStep:
     def result(self) -> StepOutput:
         if self._event is not None:
             self._event.synchronize()
+        # A first pipeline stage's tokens come from the last stage: waited for here (the
+        # step's timing events are behind the same wait).
+        copy = self._copy if isinstance(self._copy, StepCopy) else self._copy()
         if self._timing is not None:
             self._stats = self._timing.stats(self._stats)
         keep = self._samples_token
         request_ids = tuple(r for r, k in zip(self.request_ids, keep) if k)
-        sampled = self._copy.sampled_token_ids.numpy()[keep]
+        sampled = copy.sampled_token_ids.numpy()[keep]
         logprobs = None
-        if self._copy.logprobs is not None:
+        if copy.logprobs is not None:
             logprobs = LogprobsArrays(
-                token_ids=self._copy.logprob_token_ids.numpy()[keep],
-                logprobs=self._copy.logprobs.numpy()[keep],
-                sampled_rank=self._copy.sampled_ranks.numpy()[keep],
+                token_ids=copy.logprob_token_ids.numpy()[keep],
+                logprobs=copy.logprobs.numpy()[keep],
+                sampled_rank=copy.sampled_ranks.numpy()[keep],
             )
         return StepOutput(
             step_id=self.step_id,

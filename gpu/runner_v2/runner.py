@@ -22,20 +22,20 @@ import torch
 
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import SchedulerOutput, StepStats
-from gpu.distributed.pipeline import PipelineSampler
-from gpu.input_buffers import InputBuffers
+from gpu.distributed.pipeline import PipelineSampler, SampledReceipt
 from gpu.kv_offload import run_kv_transfer
 from gpu.prompt_embeds import EmbedsOverlay, RequestEmbeds
 from gpu.prompt_logprobs import PromptRequest, plan_prompt_rows, prompt_logprobs
 from gpu.runner import LaunchedStep
 from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.runner_v2.input_batch import build_input_batch
+from gpu.runner_v2.received_tokens import ReceivedTokens
+from gpu.runner_v2.states_sync import sync_rows
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
-from gpu.runner_v2.step_state import V2StepState
+from gpu.runner_v2.step_state import private_step_state
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
-from gpu.sampling.state import unseeded_request_seed
 from gpu.spec_decode.device_drafts import DeviceDrafts
 from gpu.spec_decode.spec_capture import spec_tail_graphs_for
 from gpu.spec_decode.spec_runner import check_speculative_step, launch_spec_step
@@ -72,7 +72,7 @@ class ModelRunnerV2:
                 reason="another V2 runner holds this model's "
                 "step state: this one runs on a private one, without CUDA graphs",
             )
-            self.step_state = _private_step_state(worker)
+            self.step_state = private_step_state(worker)
             self.step_state.try_claim(self, max_num_reqs)
             self.graphs = None
         self.states = self.step_state.states
@@ -86,16 +86,22 @@ class ModelRunnerV2:
         self.sharded_sampler = (
             None if worker.model.tp is None else BatchShardedSampler(self.sampler, worker.model.tp)
         )
-        # Pipeline parallel: the last stage samples and every stage takes its tokens.
+        # Pipeline parallel: the last stage samples and sends the first stage its tokens;
+        # a step per stage is in flight (the scheduler's batch queue).
+        stage = worker.model.pp
         self.pipeline_sampler = (
             None
-            if worker.model.pp is None
-            else PipelineSampler(worker.model.pp, self.sharded_sampler or self.sampler, self.device)
+            if stage is None
+            else PipelineSampler(stage, self.sharded_sampler or self.sampler, self.device)
         )
+        first_stage = stage is not None and stage.is_first
+        self.received = ReceivedTokens(self.states) if first_stage else None
+        if stage is not None:
+            self.max_steps_in_flight = max(self.max_steps_in_flight, stage.pp_size)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
-        self._default_seed = config.seed
-        self._prompt_requests: dict[str, PromptRequest] = {}
+        self.default_seed = config.seed
+        self.prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
         self.embeds = (
@@ -120,6 +126,11 @@ class ModelRunnerV2:
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
+        # Every step's outputs were collected (or the group failed): nothing is awaited.
+        if self.received is not None:
+            self.received.clear()
+        if self.pipeline_sampler is not None:
+            self.pipeline_sampler.stage.forget_sends()
         self.step_state.release(self)
 
     @property
@@ -131,12 +142,14 @@ class ModelRunnerV2:
         started = time.perf_counter()
         self.step_state.check_owner(self)
         start_event = self._record_event()
-        self._sync_states(sched)
+        if self.received is not None:  # before rows are read again or freed
+            self.received.write_before((*sched.scheduled_request_ids, *sched.finished_request_ids))
+        sync_rows(self, sched)
         run_kv_transfer(self.worker, sched.kv_transfer)
         if self.drafts is not None:
             sched = self.drafts.trim_slots(sched, self.states)
             if any(sched.num_draft_slots):
-                check_speculative_step(sched, self._prompt_requests)
+                check_speculative_step(sched, self.prompt_requests)
         self._step_embeds = (
             None
             if self.embeds is None
@@ -157,7 +170,7 @@ class ModelRunnerV2:
             sched.scheduled_request_ids,
             sched.num_computed_tokens,
             sched.num_scheduled_tokens,
-            self._prompt_requests,
+            self.prompt_requests,
         )
         prompt = (
             None
@@ -165,12 +178,7 @@ class ModelRunnerV2:
             else self._prompt_logprobs(hidden, prompt_rows)
         )
         copy, event, stats, timing = self.finish_launch(
-            StepCopy(
-                sampled.sampled_token_ids,
-                sampled.logprob_token_ids,
-                sampled.logprobs,
-                sampled.sampled_ranks,
-            ),
+            sampled if isinstance(sampled, SampledReceipt) else StepCopy.of(sampled),
             sched,
             plan,
             started,
@@ -198,7 +206,11 @@ class ModelRunnerV2:
         """The step's last launches: its end event and the copy of its results to the host;
         and its stats."""
         end_event = self._record_event()
-        copy, event = copy_to_host(to_copy, self.copy_stream)
+        if isinstance(to_copy, SampledReceipt):  # a first pipeline stage's tokens, to come
+            arrived = to_copy.to_host(self.copy_stream)
+            copy, event = (lambda: StepCopy.of(arrived())), None
+        else:
+            copy, event = copy_to_host(to_copy, self.copy_stream)
         num_decode_tokens = sum(sched.samples_token) + sum(sched.num_draft_slots)
         stats = StepStats(
             step_id=sched.step_id,
@@ -212,7 +224,9 @@ class ModelRunnerV2:
         self._last_end_event = end_event
         return copy, event, stats, timing
 
-    def _run(self, plan: StepPlan, sched: SchedulerOutput) -> tuple[SamplerOutput, torch.Tensor]:
+    def _run(
+        self, plan: StepPlan, sched: SchedulerOutput
+    ) -> tuple[SamplerOutput | SampledReceipt, torch.Tensor]:
         """Forward, head and sampling of one planned step: graphs where they hold it; also
         the step's hidden states ([num_tokens, hidden_size]). The grammar mask rewrites the
         head's logits in place between the head and the sample graphs, so constrained
@@ -230,6 +244,7 @@ class ModelRunnerV2:
                 ops,
                 None if max_num_logprobs < 0 else max_num_logprobs,
                 sampler,
+                sched,
             ), hidden
         logits, hidden = self._logits(plan)
         apply_grammar_bitmask(logits, self.deferred_masks.step_mask(sched))
@@ -293,7 +308,8 @@ class ModelRunnerV2:
         ops: BatchOps,
         max_num_logprobs: int | None,
         sampler: Any = None,
-    ) -> SamplerOutput:
+        sched: SchedulerOutput | None = None,
+    ) -> SamplerOutput | SampledReceipt:
         num_reqs = plan.num_reqs
         rows = self.buffers.idx_mapping[:num_reqs]
         seq_lens = self.buffers.seq_lens[:num_reqs]
@@ -307,23 +323,37 @@ class ModelRunnerV2:
             max_num_logprobs,
             ops=ops,
         )
+        if isinstance(sampled, SampledReceipt):  # a first pipeline stage: it never samples
+            assert self.received is not None and sched is not None
+            length_before = self.received.length_before(rows)
+            self._post_update(rows, num_reqs, self.received.placeholders(num_reqs))
+            self.received.record(sampled, rows, length_before, sched)
+            return sampled
         # Only penalty rows read the output counts, and a penalty row's counts are rebuilt
         # from its history when it joins: count only in steps that hold such a row (every
         # step it runs in). The chunk reaching the last known token makes the sample real.
         is_real = seq_lens >= self.states.total_len_gpu[rows] if ops.penalties else None
+        self._post_update(rows, num_reqs, sampled.sampled_token_ids)
+        if is_real is not None:
+            self.sampling_state.record_sampled(rows, sampled.sampled_token_ids, is_real)
+        return sampled
+
+    def _post_update(
+        self,
+        rows: torch.Tensor,  # [num_reqs] int32
+        num_reqs: int,
+        sampled_token_ids: torch.Tensor,  # [num_reqs] int64
+    ) -> None:
         post_update(
             rows,
             self.buffers.query_start_loc[: num_reqs + 1],
-            sampled.sampled_token_ids,
+            sampled_token_ids,
             self.states.num_computed_gpu,
             self.states.total_len_gpu,
             self.states.token_ids_gpu,
             self.states.last_sampled_gpu,
             num_reqs=num_reqs,
         )
-        if is_real is not None:
-            self.sampling_state.record_sampled(rows, sampled.sampled_token_ids, is_real)
-        return sampled
 
     def _prompt_logprobs(
         self,
@@ -350,52 +380,3 @@ class ModelRunnerV2:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
-
-    def _sync_states(self, sched: SchedulerOutput) -> None:
-        for request_id in sorted(sched.finished_request_ids):
-            row = self.states.remove(request_id)
-            self._prompt_requests.pop(request_id, None)
-            if self.embeds is not None:
-                self.embeds.remove(request_id)
-            if row is not None:
-                self.sampling_state.remove_request(row)
-                self.num_logprobs_np[row] = -1
-        for new in sched.new_requests:
-            row = self.states.add(new)
-            params = new.sampling_params
-            if params.prompt_logprobs is not None:
-                self._prompt_requests[new.request_id] = PromptRequest(
-                    params.prompt_logprobs, new.token_ids[: new.prompt_len]
-                )
-            if self.embeds is not None:
-                self.embeds.add(new.request_id, new.prompt_embeds)
-            self.sampling_state.add_request(
-                row,
-                params,
-                () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len],
-                new.token_ids[new.prompt_len :],
-                new.eos_token_ids,
-                unseeded_request_seed(self._default_seed, new.request_id),
-            )
-            self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
-        cached = sched.cached_requests
-        for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):
-            self.states.append_blocks(request_id, block_ids)
-        self.states.apply_staged()
-        self.sampling_state.flush_to_device()
-
-
-def _private_step_state(worker: ModelWorker) -> V2StepState:
-    shared = worker.buffers
-    buffers = InputBuffers(
-        shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req, worker.device
-    )
-    return V2StepState(
-        buffers,
-        worker.max_model_len,
-        worker.max_blocks_per_req,
-        worker.model_config.vocab_size,
-        worker.model_config.hidden_size,
-        worker.dtype,
-        with_graph_outputs=False,
-    )

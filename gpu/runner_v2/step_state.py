@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler
 from gpu.sampling.state import SamplingState
+
+if TYPE_CHECKING:
+    from gpu.worker import ModelWorker
 
 
 class V2StepState:
@@ -78,3 +82,21 @@ class V2StepState:
 
     def _holder(self) -> object | None:
         return None if self._owner is None else self._owner()
+
+
+def private_step_state(worker: ModelWorker) -> V2StepState:
+    """A step state of a runner's own, without graph outputs (another runner holds the
+    model's)."""
+    shared = worker.buffers
+    buffers = InputBuffers(
+        shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req, worker.device
+    )
+    return V2StepState(
+        buffers,
+        worker.max_model_len,
+        worker.max_blocks_per_req,
+        worker.model_config.vocab_size,
+        worker.model_config.hidden_size,
+        worker.dtype,
+        with_graph_outputs=False,
+    )
