@@ -76,12 +76,21 @@ def top_k_top_p_thresholds(
     else:
         candidates = torch.topk(logits, num_candidates, dim=-1, sorted=True).values
     rows = idx_mapping.long()
-    row_top_k = top_k[rows].long()
-    row_top_p = top_p[rows]
+    return thresholds_of_ranked(candidates, top_k[rows], top_p[rows])
+
+
+def thresholds_of_ranked(
+    candidates: torch.Tensor,  # [num_rows, num_candidates] float32, each row descending
+    row_top_k: torch.Tensor,  # [num_rows] int32 or int64, 0 = off
+    row_top_p: torch.Tensor,  # [num_rows] float32, 1 = off
+) -> torch.Tensor:  # [num_rows] float32, -inf where the row keeps everything
+    """`top_k_top_p_thresholds` from each row's largest logits, sorted."""
+    num_candidates = candidates.shape[1]
+    row_top_k = row_top_k.long()
     num_kept_by_k = torch.where(
         (row_top_k > 0) & (row_top_k < num_candidates), row_top_k, num_candidates
     )
-    ranks = torch.arange(num_candidates, device=logits.device)
+    ranks = torch.arange(num_candidates, device=candidates.device)
     in_top_k = ranks[None, :] < num_kept_by_k[:, None]
     probs = torch.softmax(candidates.masked_fill(~in_top_k, float("-inf")), dim=-1)
     # Exclusive prefix sum (mass ranked strictly before each token), shifted rather than
