@@ -104,18 +104,10 @@ def launch_spec_step(
         to_copy, cu_num_logits_np = _launch_eager_tail(
             runner, sched, plan, ops, None if max_num_logprobs < 0 else max_num_logprobs
         )
-    copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, started, start_event)
-    return SpecPendingStep(
-        sched.step_id,
-        sched.scheduled_request_ids,
-        np.asarray(sched.samples_token, dtype=bool),
-        copy,
-        event,
-        stats,
-        timing,
-        cu_num_logits_np=cu_num_logits_np,
-        num_speculative_tokens=drafts.num_speculative_tokens,
-    )
+    return _pending_step(
+        runner, to_copy, sched, plan, (started, start_event), cu_num_logits_np,
+        drafts.num_speculative_tokens,
+    )  # fmt: skip
 
 
 def uniform_shape(
@@ -192,7 +184,23 @@ def launch_uniform_step(
         None,
         None,
     )
-    copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, started, start_event)
+    return _pending_step(
+        runner, to_copy, sched, plan, (started, start_event), None,
+        uniform.drafts.num_speculative_tokens,
+    )  # fmt: skip
+
+
+def _pending_step(
+    runner: SpecStepRunner,
+    to_copy: SpecCopy,
+    sched: SchedulerOutput,
+    plan: StepPlan,
+    start: tuple[float, torch.cuda.Event | None],  # the launch's start time and event
+    cu_num_logits_np: np.ndarray | None,
+    num_speculative_tokens: int,
+) -> SpecPendingStep:
+    """The step's last launches (runner.finish_launch) and its pending outputs."""
+    copy, event, stats, timing = runner.finish_launch(to_copy, sched, plan, *start)
     return SpecPendingStep(
         sched.step_id,
         sched.scheduled_request_ids,
@@ -201,8 +209,8 @@ def launch_uniform_step(
         event,
         stats,
         timing,
-        cu_num_logits_np=None,
-        num_speculative_tokens=uniform.drafts.num_speculative_tokens,
+        cu_num_logits_np=cu_num_logits_np,
+        num_speculative_tokens=num_speculative_tokens,
     )
 
 
