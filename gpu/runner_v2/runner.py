@@ -30,9 +30,8 @@ from gpu.runner import LaunchedStep
 from gpu.runner_v2.async_output import CopyT, PendingStep, StepCopy, StepTiming, copy_to_host
 from gpu.runner_v2.input_batch import build_input_batch
 from gpu.runner_v2.received_tokens import ReceivedTokens
-from gpu.runner_v2.states_sync import sync_rows
+from gpu.runner_v2.states_sync import RowSync
 from gpu.runner_v2.step_plan import GraphSizes, StepPlan, plan_step
-from gpu.runner_v2.step_state import private_step_state
 from gpu.sampling.batch_shard import BatchShardedSampler
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import BatchOps, SamplerOutput, batch_ops
@@ -72,7 +71,7 @@ class ModelRunnerV2:
                 reason="another V2 runner holds this model's "
                 "step state: this one runs on a private one, without CUDA graphs",
             )
-            self.step_state = private_step_state(worker)
+            self.step_state = self.step_state.private_twin()
             self.step_state.try_claim(self, max_num_reqs)
             self.graphs = None
         self.states = self.step_state.states
@@ -100,7 +99,6 @@ class ModelRunnerV2:
             self.max_steps_in_flight = max(self.max_steps_in_flight, stage.pp_size)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
-        self.default_seed = config.seed
         self.prompt_requests: dict[str, PromptRequest] = {}
         """Requests that asked for prompt logprobs."""
         self.deferred_masks = DeferredMasks()
@@ -109,6 +107,14 @@ class ModelRunnerV2:
         )
         self._step_embeds: EmbedsOverlay | None = None
         """The prompt-embedding rows of the step being launched (read by forward_hidden)."""
+        self.row_sync = RowSync(
+            self.states,
+            self.sampling_state,
+            self.num_logprobs_np,
+            self.prompt_requests,
+            self.embeds,
+            config.seed,
+        )
         spec = config.speculative_config
         self.spec_graphs = (
             None
@@ -144,7 +150,7 @@ class ModelRunnerV2:
         start_event = self._record_event()
         if self.received is not None:  # before rows are read again or freed
             self.received.write_before((*sched.scheduled_request_ids, *sched.finished_request_ids))
-        sync_rows(self, sched)
+        self.row_sync.apply(sched)
         run_kv_transfer(self.worker, sched.kv_transfer)
         if self.drafts is not None:
             sched = self.drafts.trim_slots(sched, self.states)

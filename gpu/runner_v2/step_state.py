@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +20,6 @@ from gpu.input_buffers import InputBuffers
 from gpu.runner_v2.states import RequestStates
 from gpu.sampling.sampler import Sampler
 from gpu.sampling.state import SamplingState
-
-if TYPE_CHECKING:
-    from gpu.worker import ModelWorker
 
 
 class V2StepState:
@@ -38,6 +34,7 @@ class V2StepState:
         with_graph_outputs: bool,
     ) -> None:
         device = buffers.device
+        self._sizes = (max_model_len, max_blocks_per_req, vocab_size, hidden_size, dtype)
         self.buffers = buffers
         self.states = RequestStates(buffers.max_num_reqs, max_model_len, max_blocks_per_req, device)
         self.sampling_state = SamplingState(buffers.max_num_reqs, vocab_size, device)
@@ -56,6 +53,18 @@ class V2StepState:
                 buffers.max_num_reqs, vocab_size, dtype=torch.float32, device=device
             )
         self._owner: weakref.ref | None = None
+
+    def private_twin(self) -> V2StepState:
+        """A state of the same sizes for a runner of its own, without graph outputs (while
+        another runner holds this one)."""
+        max_model_len, max_blocks_per_req, vocab_size, hidden_size, dtype = self._sizes
+        shared = self.buffers
+        buffers = InputBuffers(
+            shared.max_num_reqs, shared.max_num_tokens, max_blocks_per_req, shared.device
+        )
+        return V2StepState(
+            buffers, max_model_len, max_blocks_per_req, vocab_size, hidden_size, dtype, False
+        )
 
     def try_claim(self, owner: object, num_rows: int) -> bool:
         """Hand the state to `owner` with every row free (rows [0, num_rows) offered), unless
@@ -82,21 +91,3 @@ class V2StepState:
 
     def _holder(self) -> object | None:
         return None if self._owner is None else self._owner()
-
-
-def private_step_state(worker: ModelWorker) -> V2StepState:
-    """A step state of a runner's own, without graph outputs (another runner holds the
-    model's)."""
-    shared = worker.buffers
-    buffers = InputBuffers(
-        shared.max_num_reqs, shared.max_num_tokens, worker.max_blocks_per_req, worker.device
-    )
-    return V2StepState(
-        buffers,
-        worker.max_model_len,
-        worker.max_blocks_per_req,
-        worker.model_config.vocab_size,
-        worker.model_config.hidden_size,
-        worker.dtype,
-        with_graph_outputs=False,
-    )

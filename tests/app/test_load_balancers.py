@@ -188,7 +188,8 @@ def test_a_draining_replica_leaves_the_pool_while_it_still_answers(pool: Pool) -
 def test_a_killed_replica_is_taken_out_and_new_requests_go_to_the_other(pool: Pool) -> None:
     inter_s, fall = _check_settings()
     _rejoin_if_drained(pool, 1)
-    streams = [TimedStream(pool.haproxy.url, max_tokens=40) for _ in range(2)]
+    # Long enough that the killed replica's stream is still running when it dies.
+    streams = [TimedStream(pool.haproxy.url, max_tokens=120) for _ in range(2)]
     threads = [threading.Thread(target=s.run) for s in streams]
     for stream, thread in zip(streams, threads, strict=True):
         thread.start()  # one after the other: leastconn sends the second to the other replica
