@@ -108,14 +108,23 @@ def _stream_text(client: httpx.Client, body: dict[str, Any], on_first: Any = Non
     return text
 
 
-def _assert_engine_idle(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=10) as http:
+def _assert_engine_idle(url: str, api_server: int | None = None) -> None:
+    """The core runs nothing and holds no KV, as `api_server` (any when None) reports it:
+    a freshly started API server exports the core's gauges only once the core reports."""
+    http = (
+        httpx.Client(base_url=url, timeout=10)
+        if api_server is None
+        else _client_of_api_server(url, api_server)
+    )
+    try:
         wait_until(
             lambda: metric(http, "vllm:num_requests_running") == 0,
             10.0,
             "requests still run in the core",
         )
         assert metric(http, "vllm:kv_cache_usage_perc") == 0.0
+    finally:
+        http.close()
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +344,7 @@ def test_a_stopped_api_server_is_killed_and_restarted_by_the_supervisor(
                 60.0,
                 "the stopped API server was not restarted",
             )
-            _assert_engine_idle(server.url)
+            _assert_engine_idle(server.url, api_server=0)  # the one that kept running
         events = [line for line in server.lines() if line.get("process") == "supervisor"]
         [unresponsive] = [line for line in events if line["event"] == "api_server_unresponsive"]
         assert unresponsive["index"] == 1 and unresponsive["pid"] == victim
