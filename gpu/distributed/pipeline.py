@@ -57,7 +57,7 @@ class PipelineStage:
         self.next_rank = None if self.is_last else layout.rank_of(self.pp_rank + 1, group.tp_rank)
         self.sampler_rank = layout.rank_of(self.pp_size - 1, 0)
         """The rank whose sampled tokens every rank takes."""
-        self.rank = layout.rank_of(self.pp_rank, group.tp_rank)
+        self.rank = group.rank
         self.first_stage_ranks = tuple(layout.rank_of(0, t) for t in range(group.tp_size))
         self._cpu_group = group.cpu_group
         self._sends: list[tuple[Any, torch.Tensor]] = []

@@ -41,9 +41,6 @@ class ReceivedTokens:
         self._states = states
         self._pending: deque[_PendingTokens] = deque()
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def length_before(self, rows: torch.Tensor) -> torch.Tensor:  # [num_reqs] int32
         """The rows' lengths before `post_update` (`record`'s `length_before`)."""
         return self._states.total_len_gpu[rows].clone()
