@@ -235,20 +235,109 @@ def fp8_gemm_blockwise_triton(
     return out
 
 
+CUBLAS_BLOCKWISE_MIN_TOKENS = 64
+"""From this many rows a 128 x 128 block-scaled GEMM goes to cuBLASLt (torch._scaled_mm,
+Hopper) where its probe passed: 2.3x faster than the Triton kernel at 2,048 tokens on an H100
+(benchmarks/NOTES.md, "FP8 GEMMs"), as fast below 64 rows, and cuBLASLt refuses one row."""
+_cublas_blockwise_ok: dict[int, bool] = {}
+
+
 def fp8_gemm_blockwise(
     a_fp8: torch.Tensor,  # [M, K] e4m3
-    a_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32
+    a_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32, row- or token-major
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
     out_dtype: torch.dtype,
     block_size: tuple[int, int] = (128, 128),  # (block_n, block_k)
 ) -> torch.Tensor:  # [M, N] out_dtype
     """Block-scaled fp8 GEMM (1 x block_k activation groups, block_n x block_k weight
-    blocks): the Triton kernel on CUDA with fp8 tensor cores, the torch reference
-    otherwise. No host sync: capturable in a CUDA graph."""
+    blocks): cuBLASLt for prefill-sized M on Hopper when the activation scales are
+    token-major (`quantize_per_token_group(..., scale_m_major=True)`), else the Triton
+    kernel on CUDA with fp8 tensor cores, the torch reference otherwise. No host sync:
+    capturable in a CUDA graph."""
     _check_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
+    if _takes_cublas_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size):
+        return _cublas_blockwise(a_fp8, a_scale, w_fp8, w_scale, out_dtype)
     if HAS_TRITON and supports_fp8(a_fp8.device):
         return fp8_gemm_blockwise_triton(
             a_fp8.contiguous(), a_scale, w_fp8.contiguous(), w_scale, out_dtype, block_size
         )
     return fp8_gemm_blockwise_ref(a_fp8, a_scale, w_fp8, w_scale, out_dtype, block_size)
+
+
+def _cublas_blockwise(
+    a_fp8: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, >= M)
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N / 128, K / 128] float32, rows 16-byte aligned
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] out_dtype
+    # cuBLASLt's 1x128 x 128x128 recipe: A's scales token-major, B = w.T [K, N] column-major
+    # with its scales [K / 128, N / 128] K-major (w_scale transposed, a view).
+    return torch._scaled_mm(
+        a_fp8.contiguous(), w_fp8.contiguous().t(), scale_a=a_scale, scale_b=w_scale.t(),
+        out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def _takes_cublas_blockwise(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    block_size: tuple[int, int],
+) -> bool:
+    (num_tokens, depth), num_out = a_fp8.shape, w_fp8.shape[0]
+    shape_ok = (
+        a_fp8.is_cuda
+        and block_size == (128, 128)
+        and num_tokens >= CUBLAS_BLOCKWISE_MIN_TOKENS
+        and depth % 128 == 0
+        and num_out % 128 == 0
+        and out_dtype == torch.bfloat16
+        and a_scale.stride(0) == 1
+        and a_scale.stride(1) % 4 == 0
+        and w_scale.stride(1) == 1
+        and w_scale.stride(0) % 4 == 0
+    )
+    return shape_ok and _cublas_blockwise_verified(a_fp8.device)
+
+
+def _cublas_blockwise_verified(device: torch.device) -> bool:
+    """Whether cuBLASLt's block-scaled GEMM runs and matches the Triton kernel on this
+    device: probed once, eagerly (never while a CUDA graph is captured: then the Triton
+    kernel serves until an eager call has probed)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cublas_blockwise_ok:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _cublas_blockwise_ok[index] = _probe_cublas_blockwise(torch.device("cuda", index))
+    return _cublas_blockwise_ok[index]
+
+
+def _probe_cublas_blockwise(device: torch.device) -> bool:
+    if not (HAS_TRITON and _device_capability_at_least(device, (9, 0))):
+        return False
+    from kernels.fp8_experts import quantize_fp8_experts
+    from kernels.fp8_quant import quantize_per_token_group
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    for num_tokens in (CUBLAS_BLOCKWISE_MIN_TOKENS, 77, 333):
+        x = torch.randn(num_tokens, 512, device=device, generator=generator)
+        w = torch.randn(384, 512, device=device, generator=generator)
+        experts = quantize_fp8_experts(w[None], block=True)
+        w_fp8, w_scale = experts.weight[0], experts.scale[0]
+        a_fp8, a_scale = quantize_per_token_group(x.bfloat16(), 128, scale_m_major=True)
+        expected = fp8_gemm_blockwise_triton(a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16)
+        try:
+            actual = _cublas_blockwise(a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16)
+        except RuntimeError:
+            return False
+        if not torch.allclose(actual.float(), expected.float(), rtol=2e-2, atol=0.5):
+            return False
+    return True
+
+
+def _device_capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= capability

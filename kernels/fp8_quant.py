@@ -76,8 +76,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _per_group_kernel(
-        x_ptr, q_ptr, scale_ptr, x_stride, q_stride, scale_stride, num_cols, group_size,
-        min_scale, FP8_MAX: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+        x_ptr, q_ptr, scale_ptr, x_stride, q_stride, scale_stride_m, scale_stride_g, num_cols,
+        group_size, min_scale, FP8_MAX: tl.constexpr, GROUPS: tl.constexpr,
+        BLOCK_G: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
@@ -88,7 +89,8 @@ if HAS_TRITON:
         absmax = tl.max(tl.abs(x), axis=1)
         scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), min_scale)  # [GROUPS]
         num_groups = tl.cdiv(num_cols, group_size)
-        tl.store(scale_ptr + row * scale_stride + groups, scale, mask=groups < num_groups)
+        scale_ptrs = scale_ptr + row * scale_stride_m + groups * scale_stride_g
+        tl.store(scale_ptrs, scale, mask=groups < num_groups)
         q = _quantize_values(x, scale[:, None], FP8_MAX)
         tl.store(q_ptr + row * q_stride + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -201,6 +203,7 @@ def quantize_per_token_group_ref(
 def quantize_per_token_group_triton(
     x: torch.Tensor,  # [num_tokens, K] bf16/fp16/fp32, rows contiguous
     group_size: int = 128,
+    scale_m_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x_fp8 [M, K] e4m3, scale [M, ceil(K / G)] float32
     """Triton launcher of `quantize_per_token_group`: one program per row and 8 groups."""
     need_triton("quantize_per_token_group_triton")
@@ -211,27 +214,42 @@ def quantize_per_token_group_triton(
     num_tokens, num_cols = x.shape
     num_groups = triton.cdiv(num_cols, group_size)
     x_fp8 = torch.empty((num_tokens, num_cols), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((num_tokens, num_groups), dtype=torch.float32, device=x.device)
+    scale = _group_scale_buffer(num_tokens, num_groups, x.device, scale_m_major)
     if num_tokens == 0 or num_groups == 0:
         return x_fp8, scale
     block_g = triton.next_power_of_2(group_size)
     groups = max(1, min(_GROUPS_PER_PROGRAM, 1024 // block_g))
     _per_group_kernel[(num_tokens, triton.cdiv(num_groups, groups))](
-        x, x_fp8, scale, x.stride(0), x_fp8.stride(0), scale.stride(0), num_cols, group_size,
-        FP8_MIN_SCALE, FP8_MAX=FP8_MAX, GROUPS=groups, BLOCK_G=block_g,
+        x, x_fp8, scale, x.stride(0), x_fp8.stride(0), scale.stride(0), scale.stride(1),
+        num_cols, group_size, FP8_MIN_SCALE, FP8_MAX=FP8_MAX, GROUPS=groups, BLOCK_G=block_g,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return x_fp8, scale
 
 
+def _group_scale_buffer(
+    num_tokens: int, num_groups: int, device: torch.device, m_major: bool
+) -> torch.Tensor:  # [num_tokens, num_groups] float32
+    """Row-major, or token-major (stride (1, M rounded up to 4)): the layout cuBLASLt's
+    1 x 128 block-scaled GEMM reads, its column stride 16-byte aligned."""
+    if not m_major:
+        return torch.empty((num_tokens, num_groups), dtype=torch.float32, device=device)
+    padded_tokens = -(-num_tokens // 4) * 4
+    storage = torch.empty((num_groups, padded_tokens), dtype=torch.float32, device=device)
+    return storage[:, :num_tokens].t()
+
+
 def quantize_per_token_group(
     x: torch.Tensor,  # [num_tokens, K] bf16/fp16/fp32
     group_size: int = 128,
+    scale_m_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x_fp8 [M, K] e4m3, scale [M, ceil(K / G)] float32
     """Per 1 x group_size group e4m3 quantization (DeepSeek-V3 / Qwen3-FP8 activations; a
-    last partial group uses its own absmax): Triton on fp8-capable GPUs, else the reference."""
+    last partial group uses its own absmax): Triton on fp8-capable GPUs, else the reference.
+    scale_m_major lays the scales out token-major (what `fp8_gemm_blockwise`'s cuBLASLt path
+    reads); the values are the same either way."""
     if HAS_TRITON and isinstance(x, torch.Tensor) and supports_fp8(x.device) and x.dim() == 2:
-        return quantize_per_token_group_triton(x.contiguous(), group_size)
+        return quantize_per_token_group_triton(x.contiguous(), group_size, scale_m_major)
     return quantize_per_token_group_ref(x, group_size)
 
 

@@ -76,7 +76,8 @@ class Fp8Weight(nn.Module):
         if x.shape[0] <= GEMV_MAX_TOKENS and x.is_cuda:
             return fp8_gemv(x, self.weight, self.weight_scale, self.block_scale, bias)
         if self.block_scale is not None:
-            x_fp8, x_scale = quantize_per_token_group(x, FP8_BLOCK_SIZE)  # scale [M, K/128]
+            # scale [M, K/128], token-major: the layout cuBLASLt's block-scaled GEMM reads
+            x_fp8, x_scale = quantize_per_token_group(x, FP8_BLOCK_SIZE, scale_m_major=True)
             out = fp8_gemm_blockwise(x_fp8, x_scale, self.weight, self.block_scale, x.dtype)
             return out if bias is None else out.add_(bias)
         assert self.weight_scale is not None

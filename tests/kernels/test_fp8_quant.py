@@ -206,6 +206,10 @@ def _compare(num_rows: int, num_cols: int, device: str) -> None:
             expected = quantize_per_token_group_ref(x_cpu, group_size)
             assert torch.equal(got[1].cpu(), expected[1])
             _assert_fp8_equal(got[0], expected[0])
+            m_major = quantize_per_token_group_triton(x, group_size, scale_m_major=True)
+            assert m_major[1].stride(0) == 1 and m_major[1].stride(1) % 4 == 0
+            assert torch.equal(m_major[1].cpu(), expected[1])
+            _assert_fp8_equal(m_major[0], expected[0])
 
 
 test_triton_matches_reference_in_interpreter, test_triton_matches_reference_on_cuda = (
