@@ -3,7 +3,8 @@
 One rule covers prefill and decode: each step, a request's computed tokens catch up with
 its known-or-placeholder tokens, within the step's token budget. Running requests go first
 (decodes and continuing prefill chunks, in admission order); waiting requests then fill
-what is left of the budget, a long prompt running in chunks over several steps.
+what is left of the budget, a long prompt running in chunks over several steps. Those
+choices are actors/core/step_planning.py's; this class allocates, preempts and commits.
 
 Scheduling is optimistic: `num_computed_tokens` advances when a step is scheduled, and a
 step whose chunk reaches the end of a request's tokens adds an output placeholder that the
@@ -35,7 +36,7 @@ from actors.core.kv_allocation import (
 from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.request import Request, RequestStatus
 from actors.core.scheduler_config import SchedulerConfig
-from actors.core.spec_scheduling import blocks_speculation, emitted_counts, wanted_draft_slots
+from actors.core.spec_scheduling import blocks_speculation, emitted_counts
 from actors.core.step_batch import (
     StepBatch,
     StepResult,
@@ -47,6 +48,7 @@ from actors.core.step_batch import (
     offer_completed_blocks,
     start_rows,
 )
+from actors.core.step_planning import pick_victim, plan_running, plan_waiting
 from actors.protocol.messages import (
     CachedRequestData,
     EngineRequest,
@@ -187,8 +189,16 @@ class Scheduler:
         if len(self._in_flight) >= self.config.max_steps_in_flight:
             return None
         started = time.perf_counter()
-        running, token_budget = self._plan_running()
-        waiting_entries, waiting_requests = self._plan_waiting(token_budget)
+        running, token_budget = plan_running(
+            self.config,
+            self._running.values(),
+            self._blocking_speculation.values(),
+            self._waiting,
+            self._next_step_id,
+        )
+        waiting_entries, waiting_requests = plan_waiting(
+            self.config, self._waiting, len(self._running), token_budget
+        )
         if not running and not waiting_entries:
             self.free_finished_blocks()
             return None
@@ -270,76 +280,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
                 result.finished.append((request, RequestFinish(request_id, "error", error=error)))
 
-    # ---- planning -------------------------------------------------------------------
-
-    def _plan_running(self) -> tuple[StepBatch, int]:
-        token_budget = self.config.max_num_batched_tokens
-        num_speculative_tokens = self.config.num_speculative_tokens
-        wanted_slots = (
-            wanted_draft_slots(
-                self._running.values(),
-                self._blocking_speculation.values(),
-                num_speculative_tokens,
-                self._next_step_id,
-                token_budget,
-                prefill_expected=bool(self._waiting)
-                and len(self._running) < self.config.max_num_seqs,
-            )
-            if num_speculative_tokens
-            else None
-        )
-        batch = StepBatch()
-        max_rows = self._max_running_rows()
-        for index, request in enumerate(self._running.values()):
-            if token_budget == 0 or len(batch.requests) == max_rows:
-                break
-            if self.config.step_groups > 1 and request.num_output_placeholders:
-                continue  # its previous step's token is still in the pipeline
-            num_pending = request.num_tokens_with_placeholders
-            if num_pending >= request.max_total_tokens:
-                continue  # every allowed output is sampled or in flight: about to finish
-            num_slots = (
-                0 if wanted_slots is None else max(0, min(wanted_slots[index], token_budget - 1))
-            )
-            num_new = min(num_pending - request.num_computed_tokens + num_slots, token_budget)
-            if num_new <= 0:
-                continue
-            batch.add(request, num_new, num_slots, num_pending)
-            token_budget -= num_new
-        return batch, token_budget
-
-    def _max_running_rows(self) -> int | None:
-        """Running requests one step may hold: a 1/step_groups share of them under the
-        pipeline's batch queue, so that each step in flight carries its part; else all."""
-        groups = self.config.step_groups
-        return None if groups == 1 else -(-len(self._running) // groups)
-
-    def _plan_waiting(self, token_budget: int) -> tuple[list[WaitingAlloc], dict[str, Request]]:
-        max_entries = min(self.config.max_num_seqs - len(self._running), token_budget)
-        entries: list[WaitingAlloc] = []
-        requests: dict[str, Request] = {}
-        if max_entries <= 0:
-            return entries, requests
-        for request in self._waiting.best_first():
-            if request.num_output_placeholders > 0:
-                continue  # preempted with tokens in flight: resume once they have arrived
-            token_ids = (
-                request.all_token_ids if request.output_token_ids else request.prompt_token_ids
-            )
-            entries.append(
-                WaitingAlloc(
-                    request.request_id,
-                    token_ids,
-                    request.num_prompt_tokens,
-                    self.config.max_num_batched_tokens,
-                    request.cache_salt,
-                    reuse_cached_prefix=request.sampling_params.prompt_logprobs is None,
-                )
-            )
-            requests[request.request_id] = request
-            if len(entries) == max_entries:
-                break
-        return entries, requests
+    # ---- allocating -----------------------------------------------------------------
 
     def _allocate(
         self, running: StepBatch, waiting: list[WaitingAlloc], token_budget: int
@@ -366,19 +307,13 @@ class Scheduler:
             pending.set_new_block_ids(allocation.new_block_ids)
             if num_ok == len(pending):
                 return granted.joined(pending), allocation.waiting
-            victim = self._pick_victim()
+            victim = pick_victim(self._running.values())
             self._preempt(victim)
             granted = granted.joined(pending.rows(0, num_ok)).without(victim)
             pending = pending.rows(num_ok, len(pending)).without(victim)
             waiting_entries = ()
             if not pending:
                 return granted, ()
-
-    def _pick_victim(self) -> Request:
-        # Lowest priority (highest value) first; among equals the most recently admitted.
-        return max(enumerate(self._running.values()), key=lambda item: (item[1].priority, item[0]))[
-            1
-        ]
 
     # ---- committing -----------------------------------------------------------------
 
