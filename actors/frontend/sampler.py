@@ -20,8 +20,8 @@ from typing import assert_never
 import structlog
 
 from actors.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer, TokenDecoder
-from actors.frontend.logprob_text import TokenTextCache, floor_logprobs
-from actors.frontend.output_stream import LogprobEntry, RequestStream, TopLogprob
+from actors.frontend.logprob_text import LogprobEntryBuilder
+from actors.frontend.output_stream import LogprobEntry, RequestStream
 from actors.frontend.stop_checker import StopStringChecker
 from actors.protocol.mailbox import Actor
 from actors.protocol.messages import (
@@ -78,7 +78,7 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._on_request_finished = on_request_finished
         self._requests: dict[str, _RequestState] = {}
-        self._token_texts = TokenTextCache(tokenizer) if tokenizer is not None else None
+        self._logprobs = LogprobEntryBuilder(tokenizer)
 
     @property
     def num_requests(self) -> int:
@@ -212,7 +212,8 @@ class OutputProcessor:
                 token_id = tokens[position]
                 core_finish = finish if position == end - 1 else None
                 if entries is not None:
-                    entries.extend(self._logprob_entries(state, position, token_id, logprobs))
+                    num_top = state.request.sampling_params.logprobs or 0
+                    entries.extend(self._logprobs.sampled(logprobs, position, token_id, num_top))
                 reason, stop_reason, text = self._append_token(state, token_id, core_finish)
                 pieces.append(text)
                 if reason is not None:
@@ -291,47 +292,9 @@ class OutputProcessor:
             state = self._requests.get(request_id)
             if state is not None:
                 num_top = state.request.sampling_params.prompt_logprobs or 0
-                entries = [
-                    self._logprob_entry(
-                        row + i,
-                        int(prompt.logprobs.token_ids[row + i, 0]),
-                        prompt.logprobs,
-                        num_top,
-                    )
-                    for i in range(count)
-                ]
+                entries = self._logprobs.prompt(prompt.logprobs, row, count, num_top)
                 state.stream.set_prompt_logprobs(start, entries)
             row += count
-
-    def _logprob_entries(
-        self, state: _RequestState, row: int, token_id: int, logprobs: LogprobsArrays | None
-    ) -> tuple[LogprobEntry, ...]:
-        if logprobs is None:
-            return ()
-        return (
-            self._logprob_entry(
-                row, token_id, logprobs, state.request.sampling_params.logprobs or 0
-            ),
-        )
-
-    def _logprob_entry(
-        self, row: int, token_id: int, logprobs: LogprobsArrays, num_top: int
-    ) -> LogprobEntry:
-        ids = logprobs.token_ids[row, : num_top + 1].tolist()
-        values = floor_logprobs(logprobs.logprobs[row, : num_top + 1]).tolist()
-        token, token_bytes = self._token_text(token_id)
-        top = tuple(
-            TopLogprob(top_id, *self._token_text(top_id), value)
-            for top_id, value in zip(ids[1:], values[1:])
-        )
-        return LogprobEntry(
-            token_id, token, token_bytes, values[0], int(logprobs.sampled_rank[row]), top
-        )
-
-    def _token_text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
-        if self._token_texts is None:  # no tokenizer: logprob entries carry ids only
-            return "", ()
-        return self._token_texts.get(token_id)
 
     def _finish_early(self, request_id: str, reason: str, error: str | None, now: float) -> bool:
         """Finish a tracked request outside the token path (abort, error), releasing any
