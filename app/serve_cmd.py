@@ -47,7 +47,19 @@ def add_parser(sub: Any) -> None:
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED=true turns "
         "them off.",
     )
-    net = p.add_argument_group("server")
+    server = p.add_argument_group("server")
+    _add_listener_args(server)
+    _add_connection_timeout_args(server)
+    _add_admission_args(p.add_argument_group("admission"))
+    _add_api_args(p.add_argument_group("api"))
+    _add_logging_args(p.add_argument_group("logging"))
+    _add_process_args(p.add_argument_group("processes"))
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_listener_args(net: Any) -> None:
+    """Where the server listens, under which model names, for whom, and how large a body."""
     net.add_argument(
         "--host",
         default=_env("host", "127.0.0.1"),
@@ -81,6 +93,10 @@ def add_parser(sub: Any) -> None:
         default=_env("max_request_body_bytes", 16 * 1024 * 1024, int),
         help="larger request bodies get 413 (default 16 MiB). Env: TANDEM_MAX_REQUEST_BODY_BYTES",
     )
+
+
+def _add_connection_timeout_args(net: Any) -> None:
+    """How long connections, bodies, responses and shutdown may take."""
     net.add_argument(
         "--keep-alive-interval",
         type=float,
@@ -121,14 +137,10 @@ def add_parser(sub: Any) -> None:
         "default (5) fits the 10 s docker and podman give a container to stop. "
         "Env: TANDEM_SHUTDOWN_TIMEOUT",
     )
-    _add_admission_args(p)
-    _add_process_args(p)
-    add_engine_args(p)
-    p.set_defaults(run=run)
 
 
-def _add_admission_args(p: Any) -> None:
-    adm = p.add_argument_group("admission")
+def _add_admission_args(adm: Any) -> None:
+    """Which requests are taken and queued, and when the engine counts as unable to serve."""
     adm.add_argument(
         "--max-queued-requests",
         type=int,
@@ -188,7 +200,10 @@ def _add_admission_args(p: Any) -> None:
         help="shorten max_tokens to fit the context instead of answering 400. "
         "Env: TANDEM_CLAMP_MAX_TOKENS=1",
     )
-    api = p.add_argument_group("api")
+
+
+def _add_api_args(api: Any) -> None:
+    """How the OpenAI API's tool calls and structured outputs are handled."""
     api.add_argument(
         "--tool-call-parser",
         choices=("auto", "hermes", "llama3_json", "none"),
@@ -210,8 +225,8 @@ def _add_admission_args(p: Any) -> None:
     )
 
 
-def _add_process_args(p: Any) -> None:
-    log = p.add_argument_group("logging")
+def _add_logging_args(log: Any) -> None:
+    """The log's level and format (on stderr), and whether every HTTP request is logged."""
     log.add_argument(
         "--log-level",
         choices=_LOG_LEVELS,
@@ -231,7 +246,10 @@ def _add_process_args(p: Any) -> None:
         default=_env_flag("access_log"),
         help="log every HTTP request (Hypercorn access log). Env: TANDEM_ACCESS_LOG=1",
     )
-    proc = p.add_argument_group("processes")
+
+
+def _add_process_args(proc: Any) -> None:
+    """How many API server processes and engine cores run, and how they are watched."""
     proc.add_argument(
         "--api-server-count",
         type=int,
