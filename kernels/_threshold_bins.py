@@ -11,6 +11,7 @@ The next pass sums the exact mass above the new bracket and the search restarts 
 the answer is not in it, so the bounds decide only how many passes it takes.
 """
 
+from kernels import _threshold_candidates as candidates
 from kernels import _threshold_search as search
 from kernels._triton import HAS_TRITON, tl, triton
 
@@ -287,7 +288,7 @@ if HAS_TRITON:
             if COPIES:
                 if is_copy:
                     top = tl.where(action == search.COMPACT_ALL, float("inf"), hi)
-                    search.compact_chunk_pass(
+                    candidates.compact_chunk_pass(
                         logits_row,
                         partials,
                         candidates_ptr + row * search.CAP,
@@ -333,7 +334,7 @@ if HAS_TRITON:
                     CHUNKS_P2,
                 )
             else:
-                search.decide_after_compaction(
+                candidates.decide_after_compaction(
                     state_f,
                     state_i,
                     pivots_ptr + row * search.PIVOTS,

@@ -2,7 +2,7 @@
 
 Rather than a histogram, the search's first pass can copy out the tokens where a normal
 fit of the row (mean, std, count; for top-p also the exact total mass) puts the answer.
-The copy-out's exact totals check the guess (kernels/_threshold_search.py,
+The copy-out's exact totals check the guess (kernels/_threshold_candidates.py,
 decide_after_compaction): when it holds, that one pass resolves the row in registers;
 when it does not, the row searches by histogram as if no guess had been made, one pass
 later. A guess decides only how many passes a row takes, never its threshold.
