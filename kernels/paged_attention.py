@@ -23,13 +23,13 @@ folds k_scale into the softmax scale and multiplies v_scale into the unnormalise
 (both are linear), so the inner loop does no extra multiply.
 """
 
-import functools
 import math
 
 import torch
 
 from kernels._kv_fp8 import is_fp8_kv
 from kernels._paged_attention_checks import check_args, check_window_and_sinks
+from kernels._paged_attention_tiling import MAX_WINDOW, Tiling, choose_tiling
 from kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
@@ -255,29 +255,43 @@ def paged_attention_triton(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, k_scale, v_scale
     )
     check_window_and_sinks(query, sliding_window, sinks)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, num_reqs = key_cache.shape[2], seq_lens.shape[0]
-    group_size = num_heads // num_kv_heads
-    is_decode = max_query_len <= 1
-    block_m = max(query_tile or (16 if is_decode else 64), triton.next_power_of_2(group_size))
-    block_q = block_m // group_size
-    tile_n = kv_tile_len or 64
-    if num_kv_splits is None:  # only a decode-only batch may split its context
-        num_kv_splits = (
-            _default_num_kv_splits(
-                query.device, num_reqs * num_kv_heads, max_seq_len, tile_n, sliding_window
-            )
-            if is_decode
-            else 1
-        )
-    if num_kv_splits > 1 and not is_decode:
-        raise ValueError(
-            f"num_kv_splits={num_kv_splits} needs max_query_len <= 1, got {max_query_len}"
-        )
+    tiling = choose_tiling(
+        query, key_cache.shape[2], seq_lens.shape[0], max_query_len, max_seq_len,
+        num_kv_splits, kv_tile_len, query_tile, sliding_window,
+    )  # fmt: skip
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_tokens == 0 or num_reqs == 0:
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    _launch(
+        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, tiling,
+        sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _launch(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], num_tokens > 0
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, num_reqs > 0
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+    tiling: Tiling,
+    *,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32
+    k_scale: torch.Tensor | None,  # [] float32
+    v_scale: torch.Tensor | None,  # [] float32
+    num_warps: int | None,
+    num_stages: int | None,
+) -> None:
+    """The attention kernel and, with the context split, the kernel merging the splits."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    num_kv_splits, head_dim_padded = tiling.num_kv_splits, tiling.head_dim_padded
     partial_shape = (num_tokens, num_heads, num_kv_splits)
     partial_max = partial_sum = partial_acc = out  # placeholders, unused with one split
     if num_kv_splits > 1:
@@ -286,27 +300,25 @@ def paged_attention_triton(
         partial_acc = torch.empty(
             (*partial_shape, head_dim_padded), dtype=torch.float32, device=query.device
         )
-    one_q_block_per_req = max_query_len <= block_q
-    num_q_blocks = num_reqs if one_q_block_per_req else num_tokens // block_q + num_reqs
-    grid = (num_q_blocks, num_kv_heads, num_kv_splits)
-    window = 0 if sliding_window is None else min(sliding_window, _MAX_WINDOW)
+    window = 0 if sliding_window is None else min(sliding_window, MAX_WINDOW)
     sinks_arg = out if sinks is None else sinks  # placeholder pointer without HAS_SINKS
     kv_fp8 = is_fp8_kv(key_cache.dtype)
     k_scale_arg = k_scale if kv_fp8 else out  # placeholder pointers without KV_FP8
     v_scale_arg = v_scale if kv_fp8 else out
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[tiling.grid](
         out, partial_acc, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, sinks_arg,
         k_scale_arg, v_scale_arg,
         scale * math.log2(math.e), num_reqs, num_heads, num_kv_splits, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
-        NUM_QUERIES_PER_KV=group_size, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=one_q_block_per_req,
+        NUM_QUERIES_PER_KV=num_heads // key_cache.shape[2], HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=tiling.block_q,
+        BLOCK_M=tiling.block_m, TILE_N=tiling.tile_n,
+        SPLIT_KV=num_kv_splits > 1, ONE_Q_BLOCK_PER_REQ=tiling.one_q_block_per_req,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, KV_FP8=kv_fp8,
-        num_warps=num_warps or 4, num_stages=num_stages or (3 if block_m <= 16 else 2),
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if tiling.block_m <= 16 else 2),
     )  # fmt: skip
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
@@ -315,7 +327,6 @@ def paged_attention_triton(
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
             NUM_SPLITS_PADDED=triton.next_power_of_2(num_kv_splits), HAS_SINKS=sinks is not None,
         )  # fmt: skip
-    return out
 
 
 def paged_attention(
@@ -349,32 +360,3 @@ def paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
         sliding_window=sliding_window, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-
-
-_MAX_WINDOW = 2**30  # any longer window sees every key; keeps the kernel's argument int32
-
-
-def _default_num_kv_splits(
-    device: torch.device,
-    num_programs: int,
-    max_seq_len: int | None,
-    tile_n: int,
-    sliding_window: int | None = None,
-) -> int:
-    """Enough splits to give every SM about two programs, while each split keeps >= 4 of
-    the tiles a decode reads (with a window: its keys, one partial tile more at most)."""
-    if device.type != "cuda":
-        return 1
-    wanted = math.ceil(2 * _num_sms(device) / max(num_programs, 1))
-    max_kv_len = max_seq_len
-    if sliding_window is not None:
-        window_kv_len = sliding_window + tile_n - 1
-        max_kv_len = window_kv_len if max_seq_len is None else min(max_seq_len, window_kv_len)
-    if max_kv_len is not None:
-        wanted = min(wanted, math.ceil(max_kv_len / (4 * tile_n)))
-    return max(1, min(wanted, 32))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels import _paged_attention_tiling as tiling_module
 from kernels import paged_attention as paged_attention_module
 from kernels.paged_attention import (
     paged_attention,
@@ -187,8 +188,8 @@ def test_bad_window_or_sinks_raise_clear_errors(kwargs: dict, message: str) -> N
 
 
 def test_split_heuristic_counts_only_the_window_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
-    splits = paged_attention_module._default_num_kv_splits
+    monkeypatch.setattr(tiling_module, "_num_sms", lambda device: 132)
+    splits = tiling_module.default_num_kv_splits
     cuda = torch.device("cuda")
     # one request, 8 kv heads, 4k context: 16 splits of 4 tiles of 64 keys
     assert splits(cuda, 8, 4096, 64) == 16
