@@ -12,7 +12,9 @@ prefix up to the end of turn k's answer).
         --answer-len 16 --concurrency 2
     # the host tier's target: the device pool too small to keep conversations between
     # turns (--num-kv-blocks), with --kv-offload-cpu-gb 16 against without; the tiers' hits
-    # are tandem:kv_offload_hits_total in the server counters
+    # are tandem:kv_offload_hits_total in the server counters. --think-time lets other
+    # conversations' turns run between a conversation's turns (as users pause to read),
+    # which is when a small pool evicts them
     # random weights whose answers do not survive detokenizing and tokenizing again (the 8B
     # dummies): the turns as token ids, each answer's exact ids sent back
     python -m benchmarks.multi_turn --result multi_turn_qwen3_8b --server "--model \
@@ -78,7 +80,7 @@ from benchmarks.server_process import SERVER_READY_TIMEOUT_S, model_and_version,
 from benchmarks.workloads import ServeWorkload
 
 COUNTS = tuple("conversations turns system_len user_len answer_len concurrency clients".split())
-WORKLOAD = (*COUNTS, "temperature", "seed", "tokenizer", "token_ids")
+WORKLOAD = (*COUNTS, "temperature", "seed", "tokenizer", "token_ids", "think_time_s")
 
 
 def parse_args(argv: list[str] | None) -> Any:
@@ -107,6 +109,13 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--clients", type=int, default=1, help="client processes (default 1)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the random texts")
+    think_help = (
+        "seconds a conversation pauses before each later turn, its slot given to another "
+        "conversation meanwhile (default 0: a conversation keeps its slot for all its turns). "
+        "With more conversations than --concurrency, other conversations' turns then run "
+        "between a conversation's turns, as a chat service's users do: what the KV tiers are for"
+    )
+    p.add_argument("--think-time", dest="think_time_s", type=float, default=0.0, help=think_help)
     add_timeout_option(p, default_s=3600.0)
     args = p.parse_args(argv)
     if args.compare is None:
@@ -122,6 +131,8 @@ def settings_from_args(args: Any) -> Settings:
     for name in COUNTS:
         least = 0 if name == "system_len" else 1
         require_at_least(f"--{name.replace('_', '-')}", getattr(args, name), least)
+    if args.think_time_s < 0:
+        raise ValueError("--think-time must be >= 0")
     if args.token_ids and not args.tokenizer:
         raise ValueError("--token-ids needs --tokenizer")
     if args.clients > min(args.concurrency, args.conversations):

@@ -5,6 +5,7 @@ run turn after turn."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +37,9 @@ class Settings:
     tokenizer: str | None
     token_ids: bool = False
     """Turns go to /v1/completions as token ids, each answer's exact ids sent back."""
+    think_time_s: float = 0.0
+    """Pause before each later turn, with the conversation's slot given up meanwhile (0: a
+    conversation holds its slot for all its turns, the next turn sent at once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +160,18 @@ async def run_share(
     ) as client:
         send_turn: Any = token_turn if settings.token_ids else chat_turn
 
+        thinking = settings.think_time_s > 0
+        conversation_slot = contextlib.nullcontext() if thinking else limiter
+        turn_slot = limiter if thinking else contextlib.nullcontext()
+
         async def converse(chat: Conversation) -> None:
-            async with limiter:
+            async with conversation_slot:
                 answers: list[Any] = []  # texts, or id tuples with token_ids
                 while len(answers) < settings.turns:
-                    record, answer = await send_turn(client, base, chat, answers)
+                    if answers and thinking:
+                        await anyio.sleep(settings.think_time_s)
+                    async with turn_slot:
+                        record, answer = await send_turn(client, base, chat, answers)
                     records.append(record)
                     if not record.success:
                         return  # no answer to build the next turn on

@@ -194,6 +194,31 @@ def test_a_failed_turn_ends_its_conversation(fake: FakeServer) -> None:
     assert any(line.startswith("first error") for line in describe(details))
 
 
+def _conversation_order(fake: FakeServer) -> list[str]:
+    """Each request's conversation (its first user word), in the order the server got them."""
+    return [next(m for m in b["messages"] if m["role"] == "user")["content"] for b in fake.bodies]
+
+
+def test_think_time_gives_the_slot_to_other_conversations_between_turns(
+    fake: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(multi_turn, "read_counters", lambda url, key=None: {})
+    flags = "--conversations 2 --turns 2 --system-len 4 --user-len 2 --answer-len 2"
+    held = multi_turn.run(_settings(*flags.split(), "--concurrency", "1"))
+    held_order = _conversation_order(fake)
+    fake.bodies.clear()
+    thinking = _settings(*flags.split(), "--concurrency", "1", "--think-time", "0.2")
+    assert thinking.think_time_s == 0.2
+    multi_turn.run(thinking)
+    think_order = _conversation_order(fake)
+    first, second = held_order[0], held_order[2]
+    assert first != second and held["overall"]["failed"] == 0
+    # Held: one conversation's turns back to back. Thinking: the other's first turn comes
+    # while the first conversation pauses.
+    assert held_order == [first, first, second, second]
+    assert think_order == [first, second, first, second]
+
+
 # ---- figures ------------------------------------------------------------------------------
 
 
@@ -353,6 +378,7 @@ def test_defaults_are_the_issue_workload() -> None:
         (["--answer-len", "0"], "--answer-len"),
         (["--concurrency", "0"], "--concurrency"),
         (["--clients", "3", "--concurrency", "2"], "--clients"),
+        (["--think-time", "-1"], "--think-time"),
         (["--base-url", "127.0.0.1:8000"], "--base-url"),
         (["--server", "--device cpu", "--compare", "a", "b"], "not allowed with"),
         (["--base-url", "http://h:1", "--server", "--device cpu"], "not allowed with"),
