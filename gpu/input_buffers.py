@@ -45,6 +45,15 @@ class InputBuffers:
         self.idx_mapping = self.step_meta[_NUM_COUNTS : _NUM_COUNTS + max_num_reqs]
         self.query_start_loc = self.step_meta[_NUM_COUNTS + max_num_reqs :]
 
+    def check_fits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """A runner's batch limits must fit these buffers (allocated once, at load)."""
+        if max_num_seqs > self.max_num_reqs or max_num_batched_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"the runner's max_num_seqs {max_num_seqs} / max_num_batched_tokens "
+                f"{max_num_batched_tokens} exceed the loaded model's "
+                f"{self.max_num_reqs} / {self.max_num_tokens}"
+            )
+
     def upload_step_meta(
         self,
         idx_mapping_np: np.ndarray,  # [num_reqs] int32

@@ -84,31 +84,7 @@ class ModelWorker:
         check_kv_cache_dtype(config.kv_cache_dtype, platform)
         started = time.perf_counter()
         self.attn_backend = _make_attention_backend(self.device, platform)
-        if tp_group is None:
-            files = load_model_files(
-                config.model, self.dtype, self.device, quantization=config.quantization
-            )
-            self.model = DecoderModel(
-                files.config,
-                self.attn_backend,
-                self.dtype,
-                self.device,
-                precision=files.precision,
-            )
-            # consume: each tensor is freed once copied, so loading peaks near one copy
-            self.model.load_weights(files.weights, consume=True)
-            self.model_source = files.source
-            del files
-        else:
-            self.model = load_tp_model(
-                config.model,
-                self.dtype,
-                tp_group,
-                self.attn_backend,
-                config.quantization,
-                sequence_parallel=config.enable_sequence_parallelism,
-            )
-            self.model_source = resolve_model_path(config.model)
+        self.model, self.model_source = self._load_model()
         self.model_config: ModelConfig = self.model.config
         self.weights_precision = self.model.precision.describe(self.model_config)
         """What runs in what precision, one line (reported in /version)."""
@@ -140,6 +116,36 @@ class ModelWorker:
             self.kv_cache_dtype,
             self.device,
         )
+        self._log_loaded()
+        self.graph_memory_bytes = 0
+        self.graphs: StepGraphs | None = self._capture_graphs(graph_sizes)
+        self.ready_time_s = time.perf_counter() - started
+
+    def _load_model(self) -> tuple[DecoderModel, str]:
+        """The model with its weights on self.device (this rank's shard under TP/PP), and
+        where they came from."""
+        config = self.config
+        if self.tp_group is not None:
+            model = load_tp_model(
+                config.model,
+                self.dtype,
+                self.tp_group,
+                self.attn_backend,
+                config.quantization,
+                sequence_parallel=config.enable_sequence_parallelism,
+            )
+            return model, resolve_model_path(config.model)
+        files = load_model_files(
+            config.model, self.dtype, self.device, quantization=config.quantization
+        )
+        model = DecoderModel(
+            files.config, self.attn_backend, self.dtype, self.device, precision=files.precision
+        )
+        # consume: each tensor is freed once copied, so loading peaks near one copy
+        model.load_weights(files.weights, consume=True)
+        return model, files.source
+
+    def _log_loaded(self) -> None:
         log.info(
             "model_loaded",
             source=self.model_source,
@@ -153,9 +159,6 @@ class ModelWorker:
             kv_tokens=self.kv_spec.num_tokens,
             kv_bytes=self.kv_spec.num_bytes,
         )
-        self.graph_memory_bytes = 0
-        self.graphs: StepGraphs | None = self._capture_graphs(graph_sizes)
-        self.ready_time_s = time.perf_counter() - started
 
     @property
     def max_blocks_per_req(self) -> int:

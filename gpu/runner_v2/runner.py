@@ -54,49 +54,15 @@ class ModelRunnerV2:
         self.device = worker.device
         self.block_size = config.block_size
         max_num_reqs = config.max_num_seqs
-        if (
-            max_num_reqs > worker.buffers.max_num_reqs
-            or config.max_num_batched_tokens > worker.buffers.max_num_tokens
-        ):
-            raise ValueError(
-                f"the runner's max_num_seqs {max_num_reqs} / max_num_batched_tokens "
-                f"{config.max_num_batched_tokens} exceed the loaded model's "
-                f"{worker.buffers.max_num_reqs} / {worker.buffers.max_num_tokens}"
-            )
-        self.step_state = worker.step_state
-        self.graphs = None if config.enforce_eager else worker.graphs
-        if not self.step_state.try_claim(self, max_num_reqs):
-            log.warning(
-                "v2_step_state_busy",
-                reason="another V2 runner holds this model's "
-                "step state: this one runs on a private one, without CUDA graphs",
-            )
-            self.step_state = self.step_state.private_twin()
-            self.step_state.try_claim(self, max_num_reqs)
-            self.graphs = None
+        worker.buffers.check_fits(max_num_reqs, config.max_num_batched_tokens)
+        self._claim_step_state(config)
         self.states = self.step_state.states
         self.sampling_state = self.step_state.sampling_state
         self.sampler = self.step_state.sampler
         self.buffers = self.step_state.buffers
         self._graph_sizes: GraphSizes | None = None if self.graphs is None else self.graphs.sizes
         self.num_logprobs_np = np.full(max_num_reqs, -1, dtype=np.int64)
-        # Tensor parallel: each rank's LM head gives its vocabulary slice; the ranks sample
-        # the batch between them (gpu/sampling/batch_shard.py).
-        self.sharded_sampler = (
-            None if worker.model.tp is None else BatchShardedSampler(self.sampler, worker.model.tp)
-        )
-        # Pipeline parallel: the last stage samples and sends the first stage its tokens;
-        # a step per stage is in flight (the scheduler's batch queue).
-        stage = worker.model.pp
-        self.pipeline_sampler = (
-            None
-            if stage is None
-            else PipelineSampler(stage, self.sharded_sampler or self.sampler, self.device)
-        )
-        first_stage = stage is not None and stage.is_first
-        self.received = ReceivedTokens(self.states) if first_stage else None
-        if stage is not None:
-            self.max_steps_in_flight = max(self.max_steps_in_flight, stage.pp_size)
+        self._set_up_parallel_sampling()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_end_event: torch.cuda.Event | None = None
         self.prompt_requests: dict[str, PromptRequest] = {}
@@ -115,11 +81,49 @@ class ModelRunnerV2:
             self.embeds,
             config.seed,
         )
+        self._set_up_speculation(config)
+
+    def _claim_step_state(self, config: EngineConfig) -> None:
+        """Take the model's step state (and its CUDA graphs), or a private twin without
+        graphs when another V2 runner holds it."""
+        self.step_state = self.worker.step_state
+        self.graphs = None if config.enforce_eager else self.worker.graphs
+        if not self.step_state.try_claim(self, config.max_num_seqs):
+            log.warning(
+                "v2_step_state_busy",
+                reason="another V2 runner holds this model's "
+                "step state: this one runs on a private one, without CUDA graphs",
+            )
+            self.step_state = self.step_state.private_twin()
+            self.step_state.try_claim(self, config.max_num_seqs)
+            self.graphs = None
+
+    def _set_up_parallel_sampling(self) -> None:
+        model = self.worker.model
+        # Tensor parallel: each rank's LM head gives its vocabulary slice; the ranks sample
+        # the batch between them (gpu/sampling/batch_shard.py).
+        self.sharded_sampler = (
+            None if model.tp is None else BatchShardedSampler(self.sampler, model.tp)
+        )
+        # Pipeline parallel: the last stage samples and sends the first stage its tokens;
+        # a step per stage is in flight (the scheduler's batch queue).
+        stage = model.pp
+        self.pipeline_sampler = (
+            None
+            if stage is None
+            else PipelineSampler(stage, self.sharded_sampler or self.sampler, self.device)
+        )
+        first_stage = stage is not None and stage.is_first
+        self.received = ReceivedTokens(self.states) if first_stage else None
+        if stage is not None:
+            self.max_steps_in_flight = max(self.max_steps_in_flight, stage.pp_size)
+
+    def _set_up_speculation(self, config: EngineConfig) -> None:
         spec = config.speculative_config
         self.spec_graphs = (
             None
             if self.graphs is None
-            else spec_tail_graphs_for(self.graphs, worker.model, self.step_state, config)
+            else spec_tail_graphs_for(self.graphs, self.worker.model, self.step_state, config)
         )
         # With tail graphs, the draft tables are the ones those graphs read and write.
         self.drafts = (
@@ -127,7 +131,7 @@ class ModelRunnerV2:
             if self.spec_graphs is not None
             else None
             if spec is None
-            else DeviceDrafts(spec, max_num_reqs, self.device)
+            else DeviceDrafts(spec, config.max_num_seqs, self.device)
         )
 
     def close(self) -> None:
