@@ -238,7 +238,9 @@ def fp8_gemm_blockwise_triton(
 CUBLAS_BLOCKWISE_MIN_TOKENS = 64
 """From this many rows a 128 x 128 block-scaled GEMM goes to cuBLASLt (torch._scaled_mm,
 Hopper) where its probe passed: 2.3x faster than the Triton kernel at 2,048 tokens on an H100
-(benchmarks/NOTES.md, "FP8 GEMMs"), as fast below 64 rows, and cuBLASLt refuses one row."""
+(benchmarks/NOTES.md, "FP8 GEMMs"), as fast below 64 rows. cuBLASLt takes only row counts
+that are multiples of 4 (the token-major scales' leading dimension must be 16-byte aligned:
+65, 77 or 333 rows are CUBLAS_STATUS_NOT_SUPPORTED on an H100); other counts run Triton."""
 _cublas_blockwise_ok: dict[int, bool] = {}
 
 
@@ -267,7 +269,7 @@ def fp8_gemm_blockwise(
 
 def _cublas_blockwise(
     a_fp8: torch.Tensor,  # [M, K] e4m3
-    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, >= M)
+    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, M), M a multiple of 4
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [N / 128, K / 128] float32, rows 16-byte aligned
     out_dtype: torch.dtype,
@@ -293,11 +295,12 @@ def _takes_cublas_blockwise(
         a_fp8.is_cuda
         and block_size == (128, 128)
         and num_tokens >= CUBLAS_BLOCKWISE_MIN_TOKENS
+        and num_tokens % 4 == 0
         and depth % 128 == 0
         and num_out % 128 == 0
         and out_dtype == torch.bfloat16
         and a_scale.stride(0) == 1
-        and a_scale.stride(1) % 4 == 0
+        and a_scale.stride(1) == num_tokens
         and w_scale.stride(1) == 1
         and w_scale.stride(0) % 4 == 0
     )
@@ -323,7 +326,7 @@ def _probe_cublas_blockwise(device: torch.device) -> bool:
     from kernels.fp8_quant import quantize_per_token_group
 
     generator = torch.Generator(device=device).manual_seed(0)
-    for num_tokens in (CUBLAS_BLOCKWISE_MIN_TOKENS, 77, 333):
+    for num_tokens in (CUBLAS_BLOCKWISE_MIN_TOKENS, 200, 1000):
         x = torch.randn(num_tokens, 512, device=device, generator=generator)
         w = torch.randn(384, 512, device=device, generator=generator)
         experts = quantize_fp8_experts(w[None], block=True)

@@ -230,13 +230,11 @@ def quantize_per_token_group_triton(
 def _group_scale_buffer(
     num_tokens: int, num_groups: int, device: torch.device, m_major: bool
 ) -> torch.Tensor:  # [num_tokens, num_groups] float32
-    """Row-major, or token-major (stride (1, M rounded up to 4)): the layout cuBLASLt's
-    1 x 128 block-scaled GEMM reads, its column stride 16-byte aligned."""
+    """Row-major, or token-major (stride (1, num_tokens)): the layout cuBLASLt's 1 x 128
+    block-scaled GEMM reads."""
     if not m_major:
         return torch.empty((num_tokens, num_groups), dtype=torch.float32, device=device)
-    padded_tokens = -(-num_tokens // 4) * 4
-    storage = torch.empty((num_groups, padded_tokens), dtype=torch.float32, device=device)
-    return storage[:, :num_tokens].t()
+    return torch.empty((num_groups, num_tokens), dtype=torch.float32, device=device).t()
 
 
 def quantize_per_token_group(

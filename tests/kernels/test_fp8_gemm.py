@@ -224,10 +224,11 @@ def test_rowwise_scaled_mm_matches_reference_on_cuda(num_tokens: int) -> None:
 @fp8_cuda_test
 @pytest.mark.parametrize("num_tokens", [64, 77, 2048])
 def test_blockwise_cublas_path_matches_reference_on_hopper(num_tokens: int) -> None:
-    """Token-major activation scales from prefill-sized M on route to cuBLASLt (where its
-    probe passes: asserted on Hopper, where it was measured) and stay as close to the
-    reference as the Triton kernel does."""
+    """Token-major activation scales from prefill-sized M, a multiple of 4, route to
+    cuBLASLt (where its probe passes: asserted on Hopper, where it was measured), other M
+    to Triton, and both stay as close to the reference as the Triton kernel does."""
     hopper = torch.cuda.get_device_capability() == (9, 0)
+    cublas_rows = num_tokens % 4 == 0
     for num_out, depth in _MODEL_SHAPES + [(4096, 4096)]:
         x = _activations(num_tokens, depth, "cuda")
         w_fp8, w_scale = _blockwise_weight(num_out, depth, (128, 128), "cuda")
@@ -235,7 +236,9 @@ def test_blockwise_cublas_path_matches_reference_on_hopper(num_tokens: int) -> N
         routed = fp8_gemm._takes_cublas_blockwise(
             a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16, (128, 128)
         )
-        assert routed or not hopper, "cuBLASLt's block-scaled GEMM was refused on Hopper"
+        # cuBLASLt's recipe takes whole 128-row weight blocks (576 rows: Triton)
+        expected = hopper and cublas_rows and num_out % 128 == 0
+        assert routed == expected, f"{num_out} x {depth}: routed to cuBLASLt: {routed}"
         args = (a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16, (128, 128))
         _assert_close_to_reference(
             fp8_gemm_blockwise(*args), fp8_gemm_blockwise_ref(*args), _BF16_RTOL
