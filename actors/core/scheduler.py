@@ -14,8 +14,8 @@ When a running request cannot get KV blocks, the lowest-priority, most recently 
 running request is preempted: its blocks and runner row are freed, and it waits at the
 front of the queue to be recomputed from prompt + outputs.
 
-The scheduler owns the KV cache manager and calls it directly (once per step); both live
-on the engine loop (actors/core/engine_loop.py), the only caller.
+It owns the KV cache manager (called once per step); both live on the engine loop
+(actors/core/engine_loop.py), the only caller.
 """
 
 from __future__ import annotations
@@ -27,12 +27,7 @@ from concurrent.futures import Future
 
 from actors.core.grammar import GrammarError, GrammarMatcher
 from actors.core.grammar_state import GrammarState
-from actors.core.kv_allocation import (
-    AllocateStep,
-    KVUsage,
-    WaitingAlloc,
-    WaitingGrant,
-)
+from actors.core.kv_allocation import AllocateStep, KVUsage, WaitingAlloc, WaitingGrant
 from actors.core.kv_cache_manager import KVCacheManager
 from actors.core.request import Request, RequestStatus
 from actors.core.scheduler_config import SchedulerConfig
@@ -99,9 +94,6 @@ class Scheduler:
     @property
     def num_steps_in_flight(self) -> int:
         return len(self._in_flight)
-
-    def unfinished_request_ids(self) -> list[str]:
-        return list(self._requests)
 
     def unfinished_requests(self) -> list[Request]:
         return list(self._requests.values())

@@ -86,7 +86,7 @@ def _run_conversations(
             assert request is not None
             requests.append((request, salt))
             runner.register(request_id, min(max_tokens, MAX_MODEL_LEN - len(prompt)))
-        unfinished = scheduler.unfinished_request_ids()
+        unfinished = [r.request_id for r in scheduler.unfinished_requests()]
         if unfinished and rng.random() < abort_probability:
             victim = rng.choice(unfinished)
             scheduler.abort_requests([victim])

@@ -143,7 +143,7 @@ def _scheduler_configs(draw: st.DrawFn) -> SchedulerConfig:
 def _check_scheduler(scheduler: Scheduler, manager: KVCacheManager) -> None:
     manager.check_invariants()
     assert scheduler.num_running <= scheduler.config.max_num_seqs
-    for request_id in scheduler.unfinished_request_ids():
+    for request_id in [r.request_id for r in scheduler.unfinished_requests()]:
         request = scheduler.get_request(request_id)
         assert request is not None and not request.is_finished
         max_tokens = request.max_total_tokens - request.num_prompt_tokens
@@ -212,7 +212,7 @@ def test_scheduler_random_workloads(
                 request.request_id,
                 min(max_tokens or config.max_model_len, config.max_model_len - len(prompt)),
             )
-        unfinished = scheduler.unfinished_request_ids()
+        unfinished = [r.request_id for r in scheduler.unfinished_requests()]
         if unfinished and rng.random() < abort_probability:
             victim = rng.choice(unfinished)
             assert scheduler.abort_requests([victim]) == [victim]

@@ -317,7 +317,7 @@ def _run_random_workload(
         )
     aborted = set()
     for _ in range(5000):
-        unfinished = scheduler.unfinished_request_ids()
+        unfinished = [r.request_id for r in scheduler.unfinished_requests()]
         if unfinished and rng.random() < abort_probability:
             victim = rng.choice(unfinished)
             scheduler.abort_requests([victim])
