@@ -17,9 +17,16 @@ from benchmarks.stream_client import auth_headers
 
 COUNTERS = ("vllm:prefix_cache_", "vllm:prompt_tokens_", "tandem:kv_offload_hits")
 """/metrics counters read before and after the run, with every one about preemption."""
-PHASES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+PHASES = (
+    "time_to_first_token",
+    "request_queue_time",
+    "request_prefill_time",
+    "inter_token_latency",
+)
 """The server's own latency histograms (seconds), whose means over the run split the
-client's TTFT into waiting, prefill and the rest (the front end and the client itself)."""
+client's TTFT into waiting, prefill and the rest (the front end and the client itself);
+the inter-token latency's mean is the running requests' decode period, which copies from
+the KV tiers must not stretch (the same run with and without a tier compares them)."""
 RATIO_KEYS = ("ttft_p50_ms", "computed_prefill_tokens_mean")
 
 
@@ -104,6 +111,8 @@ def headline(details: dict[str, Any]) -> dict[str, Any]:
     figures["turn1_ttft_p50_ms"] = details["turns"][0]["ttft_p50_ms"]
     figures["turns_2_on_ttft_p50_ms"] = later["ttft_p50_ms"]
     figures["turns_2_on_computed_prefill_mean"] = later["computed_prefill_tokens_mean"]
+    counters = details.get("server_counters") or {}
+    figures["server_itl_mean_ms"] = counters.get("server_inter_token_latency_mean_ms")
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
 
 

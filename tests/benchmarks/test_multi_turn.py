@@ -279,12 +279,19 @@ def test_counter_deltas_and_headline() -> None:
         "vllm:time_to_first_token_seconds_count": 3,
     }
     queue = {"vllm:request_queue_time_seconds_sum": 0.2, "vllm:request_queue_time_seconds_count": 2}
-    phases = counter_deltas({}, ttft | queue)
+    itl = {
+        "vllm:inter_token_latency_seconds_sum": 0.06,
+        "vllm:inter_token_latency_seconds_count": 4,
+    }
+    phases = counter_deltas({}, ttft | queue | itl)
     assert phases["server_time_to_first_token_mean_ms"] == pytest.approx(500)
     assert phases["server_request_queue_time_mean_ms"] == pytest.approx(100)
+    assert phases["server_inter_token_latency_mean_ms"] == pytest.approx(15)
     assert "vllm:time_to_first_token_seconds_sum" not in phases
     details = {"turns": per_turn(RECORDS, 2), "overall": overall(RECORDS, 2.0, 10)}
+    details["server_counters"] = phases
     figures = headline(details)
+    assert figures["server_itl_mean_ms"] == pytest.approx(15)
     assert figures["turn1_ttft_p50_ms"] == pytest.approx(200)
     assert figures["turns_2_on_ttft_p50_ms"] == pytest.approx(30)
     assert figures["turns_2_on_computed_prefill_mean"] == pytest.approx(33)
