@@ -10,8 +10,8 @@ A block is in exactly one of three states:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
 
 from actors.core.prefix_hash import BlockHash
 
@@ -175,6 +175,29 @@ class BlockPool:
             num_hashed == len(self._cached_block_ids),
             f"{num_hashed} blocks carry a hash but the index holds {len(self._cached_block_ids)}",
         )
+
+    def check_holders(self, tables: Mapping[str, Sequence[int]]) -> None:
+        """Raise AssertionError unless each block's refcount is the number of block tables
+        (request id -> block ids) that hold it, no table holds a block twice, and a block in
+        several tables is a cached (hashed) one."""
+        holders: Counter[int] = Counter()
+        for request_id, block_ids in tables.items():
+            _require(
+                len(set(block_ids)) == len(block_ids),
+                f"request {request_id} holds a block twice: {block_ids}",
+            )
+            holders.update(block_ids)
+        for block_id in range(self.num_blocks):
+            num_holders = holders.get(block_id, 0)
+            _require(
+                self._ref_counts[block_id] == num_holders,
+                f"block {block_id} has refcount {self._ref_counts[block_id]} but "
+                f"{num_holders} block tables hold it",
+            )
+            _require(
+                num_holders <= 1 or self._block_hashes[block_id] is not None,
+                f"block {block_id} is in {num_holders} tables but is not a shared cached block",
+            )
 
 
 def _require(ok: bool, message: str) -> None:

@@ -32,7 +32,6 @@ is held a step before it runs, so the loads overlap a forward (actors/core/kv_ho
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -199,23 +198,7 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.check_invariants()
         self._held.check_invariants(self._requests.keys())
-        holders: Counter[int] = Counter()
-        for request_id, state in self._requests.items():
-            if len(set(state.block_ids)) != len(state.block_ids):
-                raise AssertionError(f"request {request_id} holds a block twice: {state.block_ids}")
-            holders.update(state.block_ids)
-        for block_id in range(self.pool.num_blocks):
-            num_holders = holders.get(block_id, 0)
-            if self.pool.ref_count(block_id) != num_holders:
-                raise AssertionError(
-                    f"block {block_id} has refcount "
-                    f"{self.pool.ref_count(block_id)} but {num_holders} block "
-                    f"tables hold it"
-                )
-            if num_holders > 1 and self.pool.block_hash(block_id) is None:
-                raise AssertionError(
-                    f"block {block_id} is in {num_holders} tables but is not a shared cached block"
-                )
+        self.pool.check_holders({rid: state.block_ids for rid, state in self._requests.items()})
 
     # ---- internals ------------------------------------------------------------------
 

@@ -145,3 +145,18 @@ def test_invariant_check_reports_a_corrupted_refcount() -> None:
     pool._ref_counts[2] = 1  # a free block that claims a holder
     with pytest.raises(AssertionError, match="free"):
         pool.check_invariants()
+
+
+def test_holders_check_names_each_broken_table() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.check_holders({"r1": [a, b]})
+    with pytest.raises(AssertionError, match=f"block {a} has refcount 1 but 0 block tables"):
+        pool.check_holders({"r1": [b]})
+    with pytest.raises(AssertionError, match="holds a block twice"):
+        pool.check_holders({"r1": [a, b, a]})
+    pool.touch([a])  # a second holder of an uncached block
+    with pytest.raises(AssertionError, match=f"block {a} is in 2 tables but is not a shared"):
+        pool.check_holders({"r1": [a, b], "r2": [a]})
+    pool.register(a, hash_block(None, [1, 2, 3, 4]))
+    pool.check_holders({"r1": [a, b], "r2": [a]})
