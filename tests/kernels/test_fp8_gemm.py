@@ -236,9 +236,10 @@ def test_blockwise_cublas_path_matches_reference_on_hopper(num_tokens: int) -> N
         routed = fp8_gemm._takes_cublas_blockwise(
             a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16, (128, 128)
         )
-        # cuBLASLt's recipe takes whole 128-row weight blocks (576 rows: Triton)
-        expected = hopper and cublas_rows and num_out % 128 == 0
-        assert routed == expected, f"{num_out} x {depth}: routed to cuBLASLt: {routed}"
+        # cuBLASLt's recipe takes whole 128-row weight blocks (576 rows: Triton); on other
+        # GPUs the route is whatever the probe found (only Hopper's was measured)
+        expected = cublas_rows and num_out % 128 == 0
+        assert routed == expected or not hopper, f"{num_out} x {depth}: routed: {routed}"
         args = (a_fp8, a_scale, w_fp8, w_scale, torch.bfloat16, (128, 128))
         _assert_close_to_reference(
             fp8_gemm_blockwise(*args), fp8_gemm_blockwise_ref(*args), _BF16_RTOL
