@@ -38,7 +38,7 @@ from gpu.runner_v1.compiled_model import compiled_decoder
 from gpu.runner_v1.logits_processors import LogitsProcessorBatch
 from gpu.sampling.grammar_mask import DeferredMasks, apply_grammar_bitmask
 from gpu.sampling.sampler import Sampler, SamplerOutput
-from gpu.sampling.state import SamplingState, unseeded_request_seed
+from gpu.sampling.state import SamplingState
 from gpu.spec_decode.ngram_proposer import NgramProposer
 from gpu.spec_decode.spec_runner import check_speculative_step
 from gpu.spec_decode.v1_spec import execute_spec_step
@@ -285,14 +285,7 @@ class ModelRunnerV1:
                     else embeds_tensor(new.prompt_embeds, self.worker.dtype)
                 ),
             )
-            self.sampling_state.add_request(
-                row,
-                params,
-                () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len],
-                new.token_ids[new.prompt_len :],
-                new.eos_token_ids,
-                unseeded_request_seed(self._default_seed, new.request_id),
-            )
+            self.sampling_state.add_new_request(row, new, self._default_seed)
             if self.proposer is not None:
                 self.proposer.add_request(row, new.token_ids)
             if self.logits_processors is not None:

@@ -10,7 +10,7 @@ from actors.protocol.messages import SchedulerOutput
 from gpu.prompt_embeds import RequestEmbeds
 from gpu.prompt_logprobs import PromptRequest
 from gpu.runner_v2.states import RequestStates
-from gpu.sampling.state import SamplingState, unseeded_request_seed
+from gpu.sampling.state import SamplingState
 
 
 class RowSync:
@@ -44,14 +44,7 @@ class RowSync:
                 )
             if self.embeds is not None:
                 self.embeds.add(new.request_id, new.prompt_embeds)
-            self.sampling_state.add_request(
-                row,
-                params,
-                () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len],
-                new.token_ids[new.prompt_len :],
-                new.eos_token_ids,
-                unseeded_request_seed(self.default_seed, new.request_id),
-            )
+            self.sampling_state.add_new_request(row, new, self.default_seed)
             self.num_logprobs_np[row] = -1 if params.logprobs is None else params.logprobs
         cached = sched.cached_requests
         for request_id, block_ids in zip(cached.request_ids, cached.new_block_ids):

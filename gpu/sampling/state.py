@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from actors.protocol.messages import NewRequestData
 from actors.protocol.sampling_params import SamplingParams, SamplingParamsError
 
 GREEDY_TEMPERATURE = 1e-5
@@ -148,6 +149,15 @@ class SamplingState:
     @property
     def stop_token_ids_gpu(self) -> torch.Tensor:  # [max_num_reqs, stop_width] int32
         return self._tables.device["stop_token_ids"]
+
+    def add_new_request(self, row: int, new: NewRequestData, engine_seed: int) -> None:
+        """`add_request` for a request the scheduler starts (or resumes) in `row`: penalties
+        see its prompt tokens (none with prompt embeddings) and the outputs before a
+        preemption; an unseeded request samples from a seed of the engine's seed and its id."""
+        prompt = () if new.prompt_embeds is not None else new.token_ids[: new.prompt_len]
+        seed = unseeded_request_seed(engine_seed, new.request_id)
+        outputs = new.token_ids[new.prompt_len :]
+        self.add_request(row, new.sampling_params, prompt, outputs, new.eos_token_ids, seed)
 
     def add_request(
         self,
