@@ -39,6 +39,7 @@ from kernels import _threshold_bins as bins
 from kernels import _threshold_search as search
 from kernels import _threshold_stats as first_pass
 from kernels._checks import check_logits, check_tensor, check_triton_device, need_triton
+from kernels._threshold_buffers import SearchBuffers
 from kernels._threshold_cpu import thresholds_cpu
 from kernels._triton import HAS_TRITON, tl, triton
 from kernels.min_p import apply_min_p_ref
@@ -286,30 +287,43 @@ def _launch(
     """The launch sequence, with num_rounds graphed rounds (NUM_GRAPHED_ROUNDS by default);
     the int state tells tests how far each row got before the finishing kernel (phase,
     restarts)."""
-    temperature = filters[1]
     num_rows, vocab_size = logits.shape
-    thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     num_chunks = triton.cdiv(vocab_size, chunk)
-    chunks_p2 = triton.next_power_of_2(num_chunks)
-    device = logits.device
-    stats = torch.empty(
-        (num_rows, num_chunks, first_pass.NUM_CHUNK_STATS), dtype=torch.float32, device=device
+    buffers = SearchBuffers.allocate(num_rows, num_chunks, logits.device)
+    _launch_first_pass(logits, filters, buffers, chunk)
+    for _ in range(NUM_GRAPHED_ROUNDS if num_rounds is None else num_rounds):
+        _launch_round(logits, idx_mapping, filters[1], buffers, chunk)
+    thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    _finish_kernel[(num_rows,)](
+        logits,
+        logits.stride(0),
+        idx_mapping,
+        filters[1],
+        *buffers.round_args(),
+        thresholds,
+        vocab_size,
+        num_chunks,
+        max_finish_rounds,
+        CHUNK=chunk,
+        BLOCK=BLOCK,
+        CHUNKS_P2=triton.next_power_of_2(num_chunks),
     )
-    state_f = torch.empty((num_rows, search.NUM_F), dtype=torch.float32, device=device)
-    state_i = torch.empty((num_rows, search.NUM_I), dtype=torch.int32, device=device)
-    pivots = torch.empty((num_rows, search.NUM_PIVOTS), dtype=torch.float32, device=device)
-    partials = torch.empty(
-        (num_rows, num_chunks, search.NUM_PARTIALS), dtype=torch.float32, device=device
-    )
-    bin_counts = torch.empty(
-        (num_rows, num_chunks, search.NUM_BINS), dtype=torch.int32, device=device
-    )
-    candidates = torch.empty((num_rows, search.CAPACITY), dtype=torch.float32, device=device)
+    return thresholds, buffers.state_i
+
+
+def _launch_first_pass(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    filters: tuple[torch.Tensor, ...],  # idx_mapping, temperature, top_k, top_p, min_p
+    buffers: SearchBuffers,
+    chunk: int,
+) -> None:
+    """Per-chunk statistics, then each row's plan (its first bracket) from them."""
+    (num_rows, vocab_size), num_chunks = logits.shape, buffers.stats.shape[1]
     first_pass.stats_kernel[(num_rows, num_chunks)](
         logits,
         logits.stride(0),
         *filters,
-        stats,
+        buffers.stats,
         vocab_size,
         CHUNK=chunk,
         BLOCK=BLOCK,
@@ -317,57 +331,51 @@ def _launch(
     )
     first_pass.plan_kernel[(num_rows,)](
         *filters,
-        stats,
-        state_f,
-        state_i,
+        buffers.stats,
+        buffers.state_f,
+        buffers.state_i,
         vocab_size,
         num_chunks,
-        CHUNKS_P2=chunks_p2,
+        CHUNKS_P2=triton.next_power_of_2(num_chunks),
         NUM_STATS=first_pass.NUM_CHUNK_STATS,
     )
-    buffers = (partials, bin_counts, candidates, state_f, state_i, pivots)
-    pivots_in_rounds = any(kinds[0] for kinds in ROUND_LAUNCHES)
-    for _ in range(NUM_GRAPHED_ROUNDS if num_rounds is None else num_rounds):
-        for with_pivots, with_histograms, with_copies in ROUND_LAUNCHES:
-            _round_kernel[(num_rows, num_chunks)](
-                logits,
-                logits.stride(0),
-                idx_mapping,
-                temperature,
-                *buffers,
-                vocab_size,
-                PIVOTS=with_pivots,
-                HISTOGRAMS=with_histograms,
-                COPIES=with_copies,
-                CHUNK=chunk,
-                BLOCK=BLOCK,
-            )
-        _decide_kernel[(num_rows,)](
-            state_f,
-            state_i,
-            pivots,
-            partials,
-            bin_counts,
-            candidates,
-            num_chunks,
-            CHUNKS_P2=chunks_p2,
-            PIVOTS=pivots_in_rounds,
+
+
+def _launch_round(
+    logits: torch.Tensor,  # [num_rows, vocab_size] float32
+    idx_mapping: torch.Tensor,  # [num_rows] int32
+    temperature: torch.Tensor,  # per request row, float32
+    buffers: SearchBuffers,
+    chunk: int,
+) -> None:
+    """One graphed round: the passes over the chunks (ROUND_LAUNCHES), then each row's
+    decision on its bracket."""
+    (num_rows, vocab_size), num_chunks = logits.shape, buffers.stats.shape[1]
+    for with_pivots, with_histograms, with_copies in ROUND_LAUNCHES:
+        _round_kernel[(num_rows, num_chunks)](
+            logits,
+            logits.stride(0),
+            idx_mapping,
+            temperature,
+            *buffers.round_args(),
+            vocab_size,
+            PIVOTS=with_pivots,
+            HISTOGRAMS=with_histograms,
+            COPIES=with_copies,
+            CHUNK=chunk,
+            BLOCK=BLOCK,
         )
-    _finish_kernel[(num_rows,)](
-        logits,
-        logits.stride(0),
-        idx_mapping,
-        temperature,
-        *buffers,
-        thresholds,
-        vocab_size,
+    _decide_kernel[(num_rows,)](
+        buffers.state_f,
+        buffers.state_i,
+        buffers.pivots,
+        buffers.partials,
+        buffers.bin_counts,
+        buffers.candidates,
         num_chunks,
-        max_finish_rounds,
-        CHUNK=chunk,
-        BLOCK=BLOCK,
-        CHUNKS_P2=chunks_p2,
+        CHUNKS_P2=triton.next_power_of_2(num_chunks),
+        PIVOTS=any(kinds[0] for kinds in ROUND_LAUNCHES),
     )
-    return thresholds, state_i
 
 
 def sampling_thresholds(
