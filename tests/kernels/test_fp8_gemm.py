@@ -5,6 +5,7 @@ reference on CUDA, and both GEMMs with their quantizers replayed from a CUDA gra
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -221,6 +222,23 @@ def test_rowwise_scaled_mm_matches_reference_on_cuda(num_tokens: int) -> None:
         _assert_close_to_reference(fp8_gemm_rowwise(*args), fp8_gemm_rowwise_ref(*args), _FP32_RTOL)
 
 
+def _replay_with_new_input(
+    forward: Callable[[], Any], x: torch.Tensor, new_x: torch.Tensor
+) -> tuple[Any, Any, Any]:
+    """forward() run eagerly (compiling the Triton kernels outside the capture), captured
+    in a CUDA graph, and replayed after x is overwritten with new_x: (the eager outputs
+    before, the replay's outputs, forward() run eagerly on new_x)."""
+    before = forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return before, captured, forward()
+
+
 @fp8_cuda_test
 @pytest.mark.parametrize("num_tokens", [64, 77, 2048])
 def test_blockwise_cublas_path_matches_reference_on_hopper(num_tokens: int) -> None:
@@ -251,15 +269,9 @@ def test_blockwise_cublas_path_matches_reference_on_hopper(num_tokens: int) -> N
         g_fp8, g_scale = quantize_per_token_group(static_x, 128, scale_m_major=True)
         return fp8_gemm_blockwise(g_fp8, g_scale, w_fp8, w_scale, torch.bfloat16)
 
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward()
-    static_x.copy_(_activations(num_tokens, depth, "cuda", seed=9))
-    graph.replay()
-    torch.cuda.synchronize()
-    _assert_close_to_reference(captured, forward(), 2**-8)
+    new_x = _activations(num_tokens, depth, "cuda", seed=9)
+    _, captured, eager = _replay_with_new_input(forward, static_x, new_x)
+    _assert_close_to_reference(captured, eager, 2**-8)
 
 
 @fp8_cuda_test
@@ -281,15 +293,8 @@ def test_cuda_graph_replay_follows_new_input() -> None:
             fp8_gemm_blockwise(g_fp8, g_scale, wb_fp8, wb_scale, torch.bfloat16),
         ]
 
-    before = forward()  # compiles the Triton kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward()
-    x.copy_(_activations(num_tokens, depth, "cuda", seed=5))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = forward()
+    new_x = _activations(num_tokens, depth, "cuda", seed=5)
+    before, captured, eager = _replay_with_new_input(forward, x, new_x)
     for replayed, expected, old in zip(captured, eager, before, strict=True):
         assert not torch.equal(replayed, old), "the replay did not follow the new input"
         # the same kernels on the same data; cuBLASLt may pick another algorithm in capture
