@@ -240,7 +240,8 @@ CUBLAS_BLOCKWISE_MIN_TOKENS = 64
 Hopper) where its probe passed: 2.3x faster than the Triton kernel at 2,048 tokens on an H100
 (benchmarks/NOTES.md, "FP8 GEMMs"), as fast below 64 rows. cuBLASLt takes only row counts
 that are multiples of 4 (the token-major scales' leading dimension must be 16-byte aligned:
-65, 77 or 333 rows are CUBLAS_STATUS_NOT_SUPPORTED on an H100); other counts run Triton."""
+65, 77 or 333 rows are CUBLAS_STATUS_NOT_SUPPORTED on an H100): other counts are padded
+with up to 3 zero rows, a copy of the fp8 activations that is small next to the GEMM."""
 _cublas_blockwise_ok: dict[int, bool] = {}
 
 
@@ -269,17 +270,38 @@ def fp8_gemm_blockwise(
 
 def _cublas_blockwise(
     a_fp8: torch.Tensor,  # [M, K] e4m3
-    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, M), M a multiple of 4
+    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, M)
     w_fp8: torch.Tensor,  # [N, K] e4m3
     w_scale: torch.Tensor,  # [N / 128, K / 128] float32, rows 16-byte aligned
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N] out_dtype
+    if a_fp8.shape[0] % 4:
+        return _cublas_blockwise_padded(a_fp8, a_scale, w_fp8, w_scale, out_dtype)
     # cuBLASLt's 1x128 x 128x128 recipe: A's scales token-major, B = w.T [K, N] column-major
     # with its scales [K / 128, N / 128] K-major (w_scale transposed, a view).
     return torch._scaled_mm(
         a_fp8.contiguous(), w_fp8.contiguous().t(), scale_a=a_scale, scale_b=w_scale.t(),
         out_dtype=out_dtype,
     )  # fmt: skip
+
+
+def _cublas_blockwise_padded(
+    a_fp8: torch.Tensor,  # [M, K] e4m3, M not a multiple of 4
+    a_scale: torch.Tensor,  # [M, K / 128] float32, stride (1, M)
+    w_fp8: torch.Tensor,  # [N, K] e4m3
+    w_scale: torch.Tensor,  # [N / 128, K / 128] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] out_dtype, a view of the padded product's first M rows
+    num_tokens, depth = a_fp8.shape
+    padded_tokens = -(-num_tokens // 4) * 4
+    a_padded = torch.zeros((padded_tokens, depth), dtype=a_fp8.dtype, device=a_fp8.device)
+    a_padded[:num_tokens].copy_(a_fp8)
+    scale_padded = torch.ones(
+        (a_scale.shape[1], padded_tokens), dtype=a_scale.dtype, device=a_scale.device
+    ).t()  # [padded_tokens, K / 128], stride (1, padded_tokens)
+    scale_padded[:num_tokens].copy_(a_scale)
+    out = _cublas_blockwise(a_padded, scale_padded, w_fp8, w_scale, out_dtype)
+    return out[:num_tokens]
 
 
 def _takes_cublas_blockwise(
@@ -295,7 +317,6 @@ def _takes_cublas_blockwise(
         a_fp8.is_cuda
         and block_size == (128, 128)
         and num_tokens >= CUBLAS_BLOCKWISE_MIN_TOKENS
-        and num_tokens % 4 == 0
         and depth % 128 == 0
         and num_out % 128 == 0
         and out_dtype == torch.bfloat16
@@ -326,7 +347,7 @@ def _probe_cublas_blockwise(device: torch.device) -> bool:
     from kernels.fp8_quant import quantize_per_token_group
 
     generator = torch.Generator(device=device).manual_seed(0)
-    for num_tokens in (CUBLAS_BLOCKWISE_MIN_TOKENS, 200, 1000):
+    for num_tokens in (CUBLAS_BLOCKWISE_MIN_TOKENS, 201, 1000):
         x = torch.randn(num_tokens, 512, device=device, generator=generator)
         w = torch.randn(384, 512, device=device, generator=generator)
         experts = quantize_fp8_experts(w[None], block=True)
