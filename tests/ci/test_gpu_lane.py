@@ -321,3 +321,31 @@ def test_every_runtime_dependency_reaches_the_gpu_machine() -> None:
     }
     reach = {*lane.IMAGE_PACKAGES, *lane.WHEELS}
     assert sorted(names - reach) == []
+
+
+def test_parts_at_once_installs_once_and_runs_every_part_beside_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installs: list[bool] = []
+    started: list[tuple[list[str], str]] = []
+
+    class FakeChild:
+        def __init__(self, command: list[str], env: dict[str, str], **_: Any) -> None:
+            started.append((command, env["OUT"]))
+            self.status = 1 if "--part=2/3" in command else 0
+            Path(env["OUT"], "run.out").write_text(f"summary of {command[3]}\n")
+
+        def wait(self) -> int:
+            assert len(started) == 3, "a part was waited for before every part had started"
+            return self.status
+
+    monkeypatch.setattr(lane, "install_wheels", lambda: installs.append(True) or [])
+    monkeypatch.setattr(lane.subprocess, "Popen", FakeChild)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    status = lane.main(["run", "--parts-at-once", "3", "--budget", "500", "--", "-k", "fp8"])
+    assert status == 1 and installs == [True]  # one part red: the call is red
+    assert [out for _, out in started] == [str(tmp_path / f"part-{k}") for k in (1, 2, 3)]
+    for index, (command, _) in enumerate(started, start=1):
+        assert command[2:4] == ["run", f"--part={index}/3"]
+        assert "--installed" in command and command[-3:] == ["--", "-k", "fp8"]
+    assert lane.main(["run", "--parts-at-once", "2", "--part", "1/2"]) == 2
