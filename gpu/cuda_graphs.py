@@ -42,6 +42,7 @@ import torch
 
 from gpu.attention.base import AttentionMetadata
 from gpu.input_buffers import InputBuffers
+from gpu.replayable import Replayable
 from gpu.runner_v2.step_plan import ForwardShape, GraphSizes, padded_batch_size
 from gpu.runner_v2.step_state import V2StepState
 from kernels.post_update import post_update
@@ -64,7 +65,6 @@ long chunk's keys a quarter as often."""
 
 __all__ = [
     "StepGraphs",
-    "Replayable",
     "capture_sizes",
     "mixed_capture_sizes",
     "padded_batch_size",
@@ -136,37 +136,6 @@ def _mixed_metadata(
         seq_lens_cpu=np.zeros(shape.num_reqs, dtype=np.int32),
         query_tile=16 if decode_tiles else None,
     )
-
-
-class Replayable:
-    """One captured function: a CUDA graph replaying its kernels (and returning the same
-    output tensor every time), or off CUDA the function itself."""
-
-    def __init__(
-        self,
-        fn: Callable[[], torch.Tensor | None],
-        device: torch.device,
-        pool: tuple[int, int] | None,
-    ) -> None:
-        self._fn = fn
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self.output: torch.Tensor | None = None
-        if device.type != "cuda":
-            return
-        side = torch.cuda.Stream()  # warm up: Triton compiles, cuBLAS picks its kernels
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph, pool=pool):
-            self.output = fn()
-
-    def __call__(self) -> torch.Tensor | None:
-        if self._graph is None:
-            return self._fn()
-        self._graph.replay()
-        return self.output
 
 
 class StepGraphs:

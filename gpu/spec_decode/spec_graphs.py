@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from actors.protocol.speculative_config import SpeculativeConfig
-from gpu.cuda_graphs import Replayable, StepGraphs
+from gpu.cuda_graphs import StepGraphs
+from gpu.replayable import Replayable
 from gpu.runner_v2.step_state import V2StepState
 from gpu.spec_decode.device_drafts import DeviceDrafts
 from gpu.spec_decode.spec_tail import padded_rows, spec_tail

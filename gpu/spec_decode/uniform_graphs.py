@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from gpu.attention.base import AttentionMetadata
-from gpu.cuda_graphs import Replayable, StepGraphs
+from gpu.cuda_graphs import StepGraphs
+from gpu.replayable import Replayable
 from gpu.runner_v2.step_plan import ForwardShape, padded_batch_size
 from gpu.runner_v2.step_state import V2StepState
 from gpu.spec_decode.device_drafts import DeviceDrafts

@@ -39,7 +39,8 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         max_model_len=1024,
-        gpu_memory_utilization=0.2,
+        # room for the other lane parts' processes, whose memory counts as non-torch here
+        gpu_memory_utilization=0.4,
     )
     worker = llm.worker
     report = worker.memory_report
@@ -57,7 +58,7 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
         + report.runner_state_bytes
         + report.kv_budget_bytes
     )
-    assert total_planned <= 0.2 * report.total_bytes + (1 << 20)
+    assert total_planned <= 0.4 * report.total_bytes + (1 << 20)
     sizes = worker.graphs.sizes
     assert worker.graphs.num_captured == 4 * len(sizes.decode) + len(sizes.mixed)
     assert 0 < worker.graph_memory_bytes < 4 * report.graph_estimate_bytes + (256 << 20)
