@@ -20,7 +20,11 @@ shrinks under an in-flight step.
 A request whose slots emitted nothing (no draft matched, or every draft was rejected)
 pauses its speculation for a number of steps that doubles with each such run, up to
 MAX_BACKOFF_STEPS: where drafts do not pay (text that repeats nothing, random weights)
-the wider forward is paid about once every MAX_BACKOFF_STEPS steps. Until one of its
+the wider forward is paid about once every MAX_BACKOFF_STEPS steps. An isolated miss of a
+request whose drafts are mostly accepted (measured acceptance of its first draft still at
+least KEEP_ACCEPTING_RATE) pauses nothing. The pause holds only where it saves something:
+a pure-decode step that speculates runs every row at K + 1 tokens anyway, so there a
+pausing row takes its slots too, and an accepted draft ends its pause early. Until one of its
 speculative steps has emitted a draft (a new request, or one whose latest speculative step
 reported nothing accepted), a request speculates in one step at a time: with two steps in
 flight, the step after a probe is planned before the probe reports, and would pay the
@@ -45,7 +49,7 @@ counts, reserves and corrects only a row's own slots.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from actors.core.request import Request, RequestStatus
 from actors.core.spec_policy import choose_draft_len, record_acceptance
@@ -67,6 +71,10 @@ def speculates(request: Request) -> bool:
 MAX_BACKOFF_STEPS = 64
 """Longest pause in a request's speculation after its drafts kept failing."""
 
+KEEP_ACCEPTING_RATE = 0.5
+"""Measured acceptance of a request's first draft (actors/core/spec_policy.py) from which
+a speculative step that emitted no draft does not pause its speculation."""
+
 PROBE_PENDING = sys.maxsize
 """spec_resume_step of a request whose unconfirmed speculative step has not reported."""
 
@@ -79,12 +87,19 @@ def start_speculating(request: Request) -> None:
 
 
 def num_draft_slots(
-    request: Request, num_speculative_tokens: int, token_budget: int, step_id: int
+    request: Request,
+    num_speculative_tokens: int,
+    token_budget: int,
+    step_id: int,
+    backing_off_too: bool = False,
 ) -> int:
     """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
-    token left to compute), speculates and is not backing off; never more outputs than
-    max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
-    if num_speculative_tokens == 0 or step_id < request.spec_resume_step:
+    token left to compute), speculates and is not backing off (unless backing_off_too);
+    never more outputs than max_tokens allows, nor more tokens than the budget holds (the
+    last token comes first)."""
+    if num_speculative_tokens == 0:
+        return 0
+    if step_id < request.spec_resume_step and not backing_off_too:
         return 0
     if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
         return 0
@@ -103,7 +118,7 @@ def blocks_speculation(request: Request) -> bool:
 
 
 def wanted_draft_slots(
-    running: Iterable[Request],
+    running: Collection[Request],
     blockers: Iterable[Request],
     num_speculative_tokens: int,
     step_id: int,
@@ -142,14 +157,20 @@ def wanted_draft_slots(
                 (num_slots, request.spec_accept_rates if request.spec_accepting else ())
             )
     num_other_tokens = min(num_other_tokens, token_budget)
+    uniform = num_other_tokens == 0 and not prefill_expected
     draft_len = choose_draft_len(
-        drafting,
-        num_decoding,
-        num_other_tokens,
-        num_speculative_tokens,
-        uniform=num_other_tokens == 0 and not prefill_expected,
+        drafting, num_decoding, num_other_tokens, num_speculative_tokens, uniform
     )
-    return [min(n, draft_len) for n in wanted] if draft_len else None
+    if not draft_len:
+        return None
+    if uniform:
+        # Every row of a padded step runs K + 1 tokens: slots cost the rows backing off
+        # nothing more, and tell them early when their drafts start to pay.
+        wanted = [
+            num_draft_slots(r, num_speculative_tokens, num_speculative_tokens + 1, step_id, True)
+            for r in running
+        ]
+    return [min(n, draft_len) for n in wanted]
 
 
 def correct_after_step(
@@ -163,7 +184,11 @@ def correct_after_step(
     in a row. Tokens never depend on this, only the speed does."""
     if num_slots:
         record_acceptance(request.spec_accept_rates, num_slots, num_emitted - 1)
-        request.spec_accepting = num_emitted > 1
+        # One miss among accepted drafts is not a change of text: measured acceptance
+        # still above KEEP_ACCEPTING_RATE keeps the request speculating without a pause.
+        request.spec_accepting = num_emitted > 1 or (
+            request.spec_accepting and request.spec_accept_rates[0] >= KEEP_ACCEPTING_RATE
+        )
         if request.spec_accepting:
             request.spec_backoff_steps = 0
         else:
