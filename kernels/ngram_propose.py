@@ -8,17 +8,20 @@ T = total_len[r]:
       L(e) = max{n <= max_n : t[e-n+1 .. e] == t[T-n .. T-1]};
 - the n-gram used is the longest matched one, n* = max_e L(e); if n* < prompt_lookup_min
   there is no draft;
-- among the occurrences of that n-gram, the latest one wins (largest e), and the drafts
-  are the tokens that followed it: t[e+1 .. e+k], k = min(K, T - 1 - e, max_model_len - T).
+- among the occurrences of that n-gram, the one that drafts the most tokens wins, and of
+  those the latest (largest e); the drafts are the tokens that followed it:
+  t[e+1 .. e+k], k(e) = min(K, T - 1 - e, max_model_len - T).
 
 So n runs from prompt_lookup_max down to prompt_lookup_min and the first length with an
 earlier occurrence is taken, as in vLLM. The occurrence may overlap the suffix itself
 (a repeated token drafts more of itself), must end before the last token, and always
 leaves at least one token to draft. Tie-break: vLLM's proposers (CPU KMP and ngram_gpu)
-take the earliest occurrence; tandem takes the latest, the text nearest to where
-generation is, which is what the copy-heavy workloads (edit / summarise a given text)
-continue from. `max_model_len - T` keeps drafts (and the bonus token after them) inside the
-context, as vLLM does.
+take the earliest occurrence; tandem takes the latest that still drafts all it can: the
+text nearest to where generation is, which is what the copy-heavy workloads (edit /
+summarise a given text) continue from, except that a loop shorter than K (a token or a
+short phrase repeating) drafts K tokens only from an occurrence at least K back (the
+latest one would draft a single period). `max_model_len - T` keeps drafts (and the bonus
+token after them) inside the context, as vLLM does.
 
 Outputs per batch position: draft_token_ids [num_reqs, K] int32 (-1 past the drafts) and
 num_draft_tokens [num_reqs] int32. The Triton kernel runs one program per scheduled row
@@ -71,7 +74,7 @@ if HAS_TRITON:
         total = tl.load(total_len_ptr + row)
         history = token_ids_ptr + row * token_ids_stride
         best_len = tl.zeros((), dtype=tl.int32)
-        best_end = tl.full((), -1, dtype=tl.int32)
+        best_score = tl.full((), -1, dtype=tl.int32)
         for block_start in range(0, total - 1, BLOCK_SIZE):
             ends = block_start + tl.arange(0, BLOCK_SIZE)
             matching = ends < total - 1
@@ -90,12 +93,16 @@ if HAS_TRITON:
                 matching = in_row & (token == suffix_token)
                 match_len += matching.to(tl.int32)
             block_len = tl.max(match_len, 0)
-            block_end = tl.max(tl.where(match_len == block_len, ends, -1), 0)
-            # Blocks run in increasing end position, so an equal length later is a later
-            # occurrence and replaces the earlier one.
-            take = (block_len > 0) & (block_len >= best_len)
+            # score = drafts it gives, then position: an int32 for any real context
+            num_after = tl.minimum(tl.minimum(total - 1 - ends, max_model_len - total), NUM_SPEC)
+            score = num_after * (max_model_len + 1) + ends
+            block_score = tl.max(tl.where(match_len == block_len, score, -1), 0)
+            take = (block_len > 0) & (
+                (block_len > best_len) | ((block_len == best_len) & (block_score > best_score))
+            )
             best_len = tl.where(take, block_len, best_len)
-            best_end = tl.where(take, block_end, best_end)
+            best_score = tl.where(take, block_score, best_score)
+        best_end = tl.where(best_score >= 0, best_score % (max_model_len + 1), -1)
         draft_start = best_end + 1
         num_drafts = tl.minimum(tl.minimum(total - draft_start, max_model_len - total), NUM_SPEC)
         num_drafts = tl.where(best_len >= MIN_N, tl.maximum(num_drafts, 0), 0)
@@ -172,7 +179,11 @@ def ngram_propose_ref(
         matching &= (positions >= 0) & (j < total) & (token == suffix_token)
         match_len += matching.long()
     best_len = match_len.max(dim=1, keepdim=True).values
-    best_end = torch.where((match_len == best_len) & (best_len > 0), ends, -1).max(dim=1).values
+    num_after = (total - 1 - ends).clamp(max=min(num_speculative_tokens, max_model_len))
+    num_after = torch.minimum(num_after, max_model_len - total)
+    score = num_after * (max_model_len + 1) + ends  # drafts it gives, then the latest
+    best = torch.where((match_len == best_len) & (best_len > 0), score, -1).max(dim=1).values
+    best_end = torch.where(best >= 0, best % (max_model_len + 1), -1)
     draft_start = best_end + 1
     num_drafts = torch.minimum(total[:, 0] - draft_start, max_model_len - total[:, 0])
     num_drafts = num_drafts.clamp(min=0, max=num_speculative_tokens)

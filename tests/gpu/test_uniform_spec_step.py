@@ -86,9 +86,10 @@ class _Driver:
             )
         )
 
-    def decode(self, slots: dict[str, int]) -> list[int]:
-        """One decode step of every request, slots[name] draft slots each; the counts."""
-        names = list(self.prompts)
+    def decode(self, slots: dict[str, int], names: list[str] | None = None) -> list[int]:
+        """One decode step of `names` (default every request), slots[name] draft slots
+        each; the counts."""
+        names = list(self.prompts) if names is None else names
         num_slots = tuple(slots.get(n, 0) for n in names)
         return self._run(
             SchedulerOutput(
@@ -122,8 +123,9 @@ def _generate(engine: _Engine, prompts: dict, num_tokens: int, slot_plan) -> dic
     driver) draft slots per request."""
     driver = _Driver(engine, prompts)
     driver.prefill()
-    while min(driver.total[n] - len(prompts[n]) for n in prompts) < num_tokens:
-        driver.decode(slot_plan(driver.step_id, driver))
+    while unfinished := [n for n in prompts if driver.total[n] - len(prompts[n]) < num_tokens]:
+        # a row done stops: one whose drafts keep being accepted would outrun the context
+        driver.decode(slot_plan(driver.step_id, driver), unfinished)
     return {n: driver.history(n, len(prompts[n]) + num_tokens) for n in prompts}
 
 

@@ -14,16 +14,19 @@ from tests.kernels._triton_interpreter import triton_vs_reference_tests
 
 def oracle(tokens: list[int], k: int, min_n: int, max_n: int, max_model_len: int) -> list[int]:
     """The module doc's rule, written as directly as possible: n from max_n down to min_n,
-    the latest earlier occurrence of the last n tokens that leaves a token to draft."""
+    of the earlier occurrences of the last n tokens that leave a token to draft the one
+    that drafts the most, the latest of those."""
     total = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n > total:
             continue
         suffix = tokens[total - n :]
-        for start in range(total - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                num = min(k, total - (start + n), max_model_len - total)
-                return tokens[start + n : start + n + max(num, 0)]
+        starts = [s for s in range(total - n) if tokens[s : s + n] == suffix]
+        if starts:
+            num_drafts = [min(k, total - (s + n), max_model_len - total) for s in starts]
+            _, start = max(zip(num_drafts, starts))
+            num = min(k, total - (start + n), max_model_len - total)
+            return tokens[start + n : start + n + max(num, 0)]
     return []
 
 
@@ -62,9 +65,11 @@ CRAFTED = [
     # (tokens, k, min_n, max_n, max_model_len, expected drafts)
     ([1, 2, 3, 4, 2, 3], 4, 2, 3, 32, [4, 2, 3]),  # vLLM's doc example: [2,3] matches, 3 follow
     ([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2, 1, 3, 32, [8, 5]),  # latest of two 3-gram hits
-    ([5, 6, 7, 1, 6, 7, 2, 7], 3, 1, 3, 32, [2, 7]),  # only the 1-gram [7] matches; latest
+    ([5, 6, 7, 1, 6, 7, 2, 7], 3, 1, 3, 32, [1, 6, 7]),  # 1-gram [7]: the hit drafting 3
+    ([5, 7, 1, 6, 0, 7, 2, 3, 7], 2, 1, 3, 32, [2, 3]),  # both hits draft 2: the latest
     ([5, 6, 7, 1, 6, 7, 2, 7], 3, 2, 3, 32, []),  # min_n 2: nothing
-    ([4, 4, 4, 4], 3, 1, 2, 32, [4]),  # overlapping occurrence ending at T-2 drafts one token
+    ([4, 4, 4, 4], 3, 1, 2, 32, [4, 4]),  # a repeated token: the hit that leaves 2 tokens
+    ([4, 4, 4, 4, 4, 4, 4], 3, 1, 2, 32, [4, 4, 4]),  # not the latest (1 token) nor earliest
     ([1, 2, 1, 2, 1, 2], 5, 2, 4, 32, [1, 2]),  # 4-gram [1,2,1,2] at start 0 (overlap)
     ([3], 2, 1, 1, 32, []),  # a single token has no earlier occurrence
     ([], 2, 1, 1, 32, []),  # empty row
