@@ -113,7 +113,7 @@ class HostKVPool:
     def _save(self, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
         for start in range(0, len(block_ids), _MAX_BLOCKS_PER_COPY):
             chunk = slice(start, start + _MAX_BLOCKS_PER_COPY)
-            index = torch.tensor(block_ids[chunk], dtype=torch.long).to(self.device)
+            index = self._device_index(block_ids[chunk])
             # [n, num_layers, 2, block_size, heads, head_bytes]
             staged = torch.stack([layer[:, index].transpose(0, 1) for layer in self._layers_u8], 1)
             for position, slot in enumerate(host_slots[chunk]):
@@ -128,9 +128,18 @@ class HostKVPool:
             )
             for position, slot in enumerate(slots):
                 staged[position].copy_(self.slots_cpu[slot], non_blocking=self.pinned)
-            index = torch.tensor(block_ids[chunk], dtype=torch.long).to(self.device)
+            index = self._device_index(block_ids[chunk])
             for layer_index, layer in enumerate(self._layers_u8):
                 layer[:, index] = staged[:, layer_index].transpose(0, 1)
+
+    def _device_index(self, block_ids: Sequence[int]) -> torch.Tensor:  # [n] int64
+        index = torch.tensor(block_ids, dtype=torch.long)
+        if self._stream is None or not self.pinned:
+            return index.to(self.device)
+        # From pageable memory the copy would block this thread (the step loop's) until the
+        # side stream's earlier copies are through; from pinned memory (torch's caching host
+        # allocator, which keeps the buffer until the copy is done) it is queued like them.
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _spill(self, host_slots: Sequence[int], block_hashes: Sequence[bytes]) -> None:
         if self.disk is None:
