@@ -110,6 +110,8 @@ def step_profile(steps: tuple[Any, ...]) -> dict[str, dict[str, float | int]]:
             "launch_ms": 1e3 * statistics.fmean(s.prepare_time_s for s in group),
             "idle_ms": 1e3 * statistics.fmean(s.gpu_idle_s for s in group),
             "output_tokens_per_step": num_tokens / len(group),
+            # K + 1 per row in a padded step: what the draft-length policy's cost model prices
+            "query_tokens_per_step": statistics.fmean(s.num_tokens for s in group),
             "device_ms_per_output_token": 1e3 * device_s / num_tokens if num_tokens else 0.0,
         }
     return profile
@@ -333,7 +335,8 @@ def print_table(summary: dict[str, Any], launches: dict[str, Any]) -> None:
         for arm in ("on", "off"):
             for kind, steps in row[f"steps_{arm}"].items():
                 print(
-                    f"{'':>8}{arm:>3} {kind:>7}: {steps['num_steps']:5d} steps, device "
+                    f"{'':>8}{arm:>3} {kind:>7}: {steps['num_steps']:5d} steps of "
+                    f"{steps['query_tokens_per_step']:.0f} tokens, device "
                     f"{steps['device_ms']:.3f} ms ({steps['device_ms_per_output_token']:.4f} "
                     f"per output token), launch {steps['launch_ms']:.3f} ms, idle "
                     f"{steps['idle_ms']:.3f} ms"

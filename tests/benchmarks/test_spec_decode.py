@@ -61,9 +61,11 @@ def test_a_cpu_run_checks_tokens_and_records_both_arms(tmp_path: Path) -> None:
 
 def _step(step_id: int, num_reqs: int, accepted: int | None, prefill: int = 0) -> StepStats:
     spec = None
+    num_tokens = num_reqs + prefill
     if accepted is not None:
         spec = SpecDecodeStats(num_reqs, 2 * num_reqs, accepted, (accepted,))
-    return StepStats(step_id, num_reqs, num_reqs, prefill, step_time_s=0.002, spec=spec)
+        num_tokens = 3 * num_reqs  # K = 2 slots per row
+    return StepStats(step_id, num_reqs, num_tokens, prefill, step_time_s=0.002, spec=spec)
 
 
 def test_step_profile_counts_emitted_tokens_per_kind_of_step() -> None:
@@ -71,6 +73,11 @@ def test_step_profile_counts_emitted_tokens_per_kind_of_step() -> None:
     profile = step_profile(steps)
     assert profile["spec"]["num_steps"] == 2
     assert profile["spec"]["output_tokens_per_step"] == pytest.approx((10 + 6) / 2)
+    assert (
+        profile["spec"]["query_tokens_per_step"]
+        == 12
+        == 3 * profile["plain"]["query_tokens_per_step"]
+    )
     assert profile["spec"]["device_ms_per_output_token"] == pytest.approx(4.0 / 16)
     assert profile["plain"]["device_ms_per_output_token"] == pytest.approx(2.0 / 4)
     assert profile["prefill"]["num_steps"] == 1
