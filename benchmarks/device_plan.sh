@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The open issues' GPU runs in groups ("plans"), each short enough to share one device call
+# (600 s) with another: device time is scarce, and a call that starts a machine pays minutes.
+#
+#   bash benchmarks/device_plan.sh lane spec       # run on the GPU machine, in order
+#
+# Plans (seconds each took on one H100 at 296bdea):
+#   lane   the GPU lane, its 3 parts side by side (.ci/gpu-lane run --parts-at-once 3; 115-175)
+#   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
+#   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
+#   moe    issue 25: W4 (gpt-oss-20b) and W5 (qwen3-30b-a3b) batch 1 and offline (~150)
+#   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
+# Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
+# back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
+#
+# Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
+#   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
+#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/qwen3 .lane/.tok/
+#   python -m benchmarks.recording stamp --tree .lane --commit HEAD
+#   run(command="cd .lane && bash benchmarks/device_plan.sh lane spec", carry=[".lane"])
+# After it: untar each archive; `.ci/gpu-lane merge lane/part-*/gpu-lane.json`; copy the
+# result files (<plan>/<result>.json) over benchmarks/results/.
+set -uo pipefail
+FINAL_OUT=${OUT:-/tmp/tandem_out}
+export WHEELS=${WHEELS:-.gpu-lane/wheels}
+T="python3 -m benchmarks.throughput --arms v2 --repeats 1"
+ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 0.9"
+SPEC="python3 -m benchmarks.spec_decode --device cuda --dtype bfloat16"
+TIER_SERVER="--model dummy:qwen3-0.6b --tokenizer .tok/qwen3 --max-num-seqs 256 --max-model-len 8192"
+
+step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's folder
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T), limit ${limit} s)"
+  timeout "$limit" bash benchmarks/device_run.sh "$@" > "$OUT/$name.log" 2>&1
+  echo "   exit $?; $(grep -E 'tok/s \(|equal|TPOT|overall' "$OUT/$name.log" | tail -1 | cut -c1-150)"
+}
+
+plan_lane() {
+  python3 .ci/gpu-lane run --parts-at-once 3 --budget 300 2>&1 | grep -E "passed|FAILED|ERROR"
+}
+
+plan_spec() {
+  step spec_f32 90 $SPEC --model dummy:qwen3-0.6b --dtype float32 --concurrency 1 32 --check-only
+  step spec_qwen3 150 $SPEC --model dummy:qwen3-0.6b --concurrency 1 32 128 --max-tokens 128
+  grep -E "^ +(greedy|temperature)_c" "$OUT/spec_qwen3.log"
+  step spec_llama8b 150 $SPEC --model dummy:llama-3.1-8b --concurrency 1 32 128 \
+    --max-tokens 128 --repeats 1 --result spec_decode_llama8b
+}
+
+plan_fp8() {
+  step w3_fp8_b1 80 $T --workload W3 $ONE --quantization fp8 --result throughput_w3_fp8_batch1
+  step q32_fp8_b1 120 $T --workload W3 --model dummy:qwen3-32b $ONE --quantization fp8 \
+    --result throughput_qwen3_32b_fp8_batch1
+  step w3_fp8 110 $T --workload W3 --quantization fp8 --result throughput_w3_fp8
+  step w3_fp8_kv 110 $T --workload W3 --quantization fp8 --kv-cache-dtype fp8 \
+    --result throughput_w3_fp8_kv
+}
+
+plan_moe() {
+  step w4_b1 90 $T --workload W4 $ONE --result throughput_w4_batch1
+  step w5_b1 90 $T --workload W5 $ONE --result throughput_w5_batch1
+  step w4 140 $T --workload W4 --gpu-memory-utilization 0.9 --result throughput_w4
+  step w5 140 $T --workload W5 --gpu-memory-utilization 0.92 --result throughput_w5
+}
+
+plan_tiers() {
+  local arm name flags
+  for arm in "unlimited|--gpu-memory-utilization 0.85" "limited|--num-kv-blocks 24000" \
+    "host|--num-kv-blocks 24000 --kv-offload-cpu-gb 16"; do
+    name=${arm%%|*}
+    flags=${arm#*|}
+    step "tiers_$name" 150 python3 -m benchmarks.multi_turn \
+      --result "multi_turn_qwen3_tiers_$name" --server "$TIER_SERVER $flags" \
+      --tokenizer .tok/qwen3 --clients 4 --think-time 2
+  done
+}
+
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+for plan in "$@"; do
+  if ! declare -F "plan_$plan" > /dev/null; then
+    echo "unknown plan $plan (lane, spec, fp8, moe, tiers)" >&2
+    exit 2
+  fi
+done
+for plan in "$@"; do
+  export OUT="/tmp/device_plan/$plan"
+  rm -rf "$OUT" && mkdir -p "$OUT"
+  echo "=== plan $plan ($(date +%T))"
+  "plan_$plan"
+  tar -czf "$FINAL_OUT/$plan.tgz" -C "$OUT" .
+done
