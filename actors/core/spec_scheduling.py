@@ -123,6 +123,7 @@ def wanted_draft_slots(
     num_speculative_tokens: int,
     step_id: int,
     token_budget: int,
+    block_size: int,
     prefill_expected: bool = False,
 ) -> list[int] | None:
     """The draft slots each of `running` takes in step `step_id` (`num_draft_slots` before
@@ -165,12 +166,24 @@ def wanted_draft_slots(
         return None
     if uniform:
         # Every row of a padded step runs K + 1 tokens: slots cost the rows backing off
-        # nothing more, and tell them early when their drafts start to pay.
+        # nothing more, and tell them early when their drafts start to pay; but only within
+        # the blocks they hold (a new block could cost another request its place).
         wanted = [
-            num_draft_slots(r, num_speculative_tokens, num_speculative_tokens + 1, step_id, True)
-            for r in running
+            n or min(_free_ride_slots(r, num_speculative_tokens, step_id), _room(r, block_size))
+            for n, r in zip(wanted, running)
         ]
     return [min(n, draft_len) for n in wanted]
+
+
+def _free_ride_slots(request: Request, num_speculative_tokens: int, step_id: int) -> int:
+    """Slots of a request backing off, in a padded step (see `wanted_draft_slots`)."""
+    budget = num_speculative_tokens + 1
+    return num_draft_slots(request, num_speculative_tokens, budget, step_id, True)
+
+
+def _room(request: Request, block_size: int) -> int:
+    """Positions past its next token that `request`'s blocks already hold."""
+    return max(0, len(request.block_ids) * block_size - request.num_computed_tokens - 1)
 
 
 def correct_after_step(

@@ -39,6 +39,7 @@ def plan_running(
             num_speculative_tokens,
             step_id,
             token_budget,
+            config.block_size,
             prefill_expected=bool(waiting) and len(running) < config.max_num_seqs,
         )
         if num_speculative_tokens

@@ -206,17 +206,26 @@ def test_an_isolated_miss_among_accepted_drafts_does_not_pause_speculation() -> 
 def test_rows_backing_off_take_slots_in_a_padded_step_that_speculates_anyway() -> None:
     # Two rows: "plain0" keeps having its drafts accepted, "plain1" never does. In a
     # pure-decode step every row runs K + 1 tokens, so plain1's back-off saves nothing
-    # there: it takes its slots whenever plain0's make the step speculate.
+    # there: it takes its slots whenever plain0's make the step speculate, as many as the
+    # blocks it holds have room for (a new block might cost another request its place).
     scheduler = _decoding_batch(2, 0, k=2)
-    pairs = []
-    for _ in range(6):
+    failing = scheduler._requests["plain1"]
+    probe = scheduler.schedule()  # both rows' first drafts: plain1's fail, it backs off
+    assert probe.num_draft_slots == (2, 2)
+    scheduler.update_from_step(_emit(probe, [[5, 6, 7], [5]]))
+    pairs, rooms = [], []
+    for _ in range(8):
+        rooms.append(len(failing.block_ids) * 4 - failing.num_computed_tokens - 1)
+        num_blocks = len(failing.block_ids)
         out = scheduler.schedule()
-        assert out.num_reqs == 2
         pairs.append(out.num_draft_slots)
+        if out.num_draft_slots[1]:
+            assert len(failing.block_ids) == num_blocks  # its slots took no new block
         runs = [[5, 6, 7][: 1 + n] if i == 0 else [5] for i, n in enumerate(out.num_draft_slots)]
-        scheduler.update_from_step(_emit(out, runs or [[5], [5]]))
-    assert pairs == [(2, 2)] * 6
-    assert scheduler._requests["plain1"].spec_backoff_steps == 32  # alone it would not probe
+        scheduler.update_from_step(_emit(out, runs))
+    assert pairs == [(2, min(2, max(room, 0))) for room in rooms]
+    assert {0, 1, 2} <= {p[1] for p in pairs}
+    assert failing.spec_backoff_steps >= 16  # alone it would hardly probe any more
 
 
 def test_an_unconfirmed_request_speculates_in_one_step_in_flight_at_a_time() -> None:
