@@ -1,0 +1,55 @@
+"""benchmarks/device_plan.sh, with a stand-in for device_run.sh: each plan runs its steps
+with their logs in a folder of its own and leaves one archive in $OUT."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan(tree: Path, *plans: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "benchmarks/device_plan.sh", *plans],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"], "OUT": str(tree / "out")},
+    )
+
+
+def test_each_plan_leaves_one_archive_of_its_steps_logs_and_results(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    # the stand-in records its command line as a result file, as device_run.sh's runs do
+    (tmp_path / "benchmarks" / "device_run.sh").write_text(
+        'echo "ran $*"; echo "$*" > "$OUT/result-$RANDOM.json"\n'
+    )
+    result = _plan(tmp_path, "fp8", "moe")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["fp8.tgz", "moe.tgz"]
+    with tarfile.open(tmp_path / "out" / "fp8.tgz") as archive:
+        names = sorted(Path(n).name for n in archive.getnames() if n.endswith((".log", ".json")))
+        log = archive.extractfile("./w3_fp8_kv.log")
+        assert log is not None and b"--kv-cache-dtype fp8" in log.read()
+    logs = [n for n in names if n.endswith(".log")]
+    assert logs == ["q32_fp8_b1.log", "w3_fp8.log", "w3_fp8_b1.log", "w3_fp8_kv.log"]
+    assert len(names) == 2 * len(logs)  # each step's result file came along
+    assert "== w5 " in result.stdout
+
+
+def test_an_unknown_plan_runs_nothing(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    result = _plan(tmp_path, "fp8", "bogus")
+    assert result.returncode == 2 and "unknown plan bogus" in result.stderr
+    assert list((tmp_path / "out").iterdir()) == []
+    usage = _plan(tmp_path)
+    assert usage.returncode == 2 and "lane   the GPU lane" in usage.stdout
