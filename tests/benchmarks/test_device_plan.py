@@ -29,7 +29,7 @@ def test_each_plan_leaves_one_archive_of_its_steps_logs_and_results(tmp_path: Pa
     shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
     # the stand-in records its command line as a result file, as device_run.sh's runs do
     (tmp_path / "benchmarks" / "device_run.sh").write_text(
-        'echo "ran $*"; echo "$*" > "$OUT/result-$RANDOM.json"\n'
+        'echo "ran $*"; echo "$*" > "$(mktemp -p "$OUT" result-XXXXXX.json)"\n'
     )
     result = _plan(tmp_path, "fp8", "moe")
     assert result.returncode == 0, result.stderr
