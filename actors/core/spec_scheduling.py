@@ -86,20 +86,11 @@ def start_speculating(request: Request) -> None:
         request.spec_resume_step = PROBE_PENDING
 
 
-def num_draft_slots(
-    request: Request,
-    num_speculative_tokens: int,
-    token_budget: int,
-    step_id: int,
-    backing_off_too: bool = False,
-) -> int:
-    """Draft slots for a running request in step `step_id`: 0 unless it is decoding (one
-    token left to compute), speculates and is not backing off (unless backing_off_too);
-    never more outputs than max_tokens allows, nor more tokens than the budget holds (the
-    last token comes first)."""
+def num_draft_slots(request: Request, num_speculative_tokens: int, token_budget: int) -> int:
+    """Draft slots a running request could take, backing off or not: 0 unless it is
+    decoding (one token left to compute) and speculates; never more outputs than
+    max_tokens allows, nor more tokens than the budget holds (the last token comes first)."""
     if num_speculative_tokens == 0:
-        return 0
-    if step_id < request.spec_resume_step and not backing_off_too:
         return 0
     if request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
         return 0
@@ -126,10 +117,11 @@ def wanted_draft_slots(
     block_size: int,
     prefill_expected: bool = False,
 ) -> list[int] | None:
-    """The draft slots each of `running` takes in step `step_id` (`num_draft_slots` before
-    the token budget, cut to the policy's K), or None when the step runs none: one of the
-    unfinished `blockers` (`blocks_speculation`) may sample under a grammar or score its
-    prompt in it, or the policy finds speculation does not pay (actors/core/spec_policy.py).
+    """The draft slots each of `running` takes in step `step_id` (`num_draft_slots` unless
+    it backs off, before the token budget, cut to the policy's K), or None when the step
+    runs none: one of the unfinished `blockers` (`blocks_speculation`) may sample under a
+    grammar or score its prompt in it, or the policy finds speculation does not pay
+    (actors/core/spec_policy.py).
     prefill_expected: waiting requests may join the step (it is not pure decode)."""
     for request in blockers:
         if (
@@ -138,14 +130,14 @@ def wanted_draft_slots(
             or request.num_computed_tokens < request.num_prompt_tokens
         ):
             return None  # a grammar row, or a prompt to score (now or once admitted)
-    wanted = []
-    drafting = []
+    wanted, free_rides, drafting = [], [], []
     num_decoding = num_other_tokens = 0
     for request in running:
-        num_slots = num_draft_slots(
-            request, num_speculative_tokens, num_speculative_tokens + 1, step_id
-        )
+        eligible = num_draft_slots(request, num_speculative_tokens, num_speculative_tokens + 1)
+        backing_off = step_id < request.spec_resume_step
+        num_slots = 0 if backing_off else eligible
         wanted.append(num_slots)
+        free_rides.append(min(eligible, _room(request, block_size)) if backing_off else 0)
         num_pending = request.num_tokens_with_placeholders - request.num_computed_tokens
         if num_pending == 1:
             num_decoding += 1
@@ -168,17 +160,8 @@ def wanted_draft_slots(
         # Every row of a padded step runs K + 1 tokens: slots cost the rows backing off
         # nothing more, and tell them early when their drafts start to pay; but only within
         # the blocks they hold (a new block could cost another request its place).
-        wanted = [
-            n or min(_free_ride_slots(r, num_speculative_tokens, step_id), _room(r, block_size))
-            for n, r in zip(wanted, running)
-        ]
+        wanted = [n + free for n, free in zip(wanted, free_rides)]
     return [min(n, draft_len) for n in wanted]
-
-
-def _free_ride_slots(request: Request, num_speculative_tokens: int, step_id: int) -> int:
-    """Slots of a request backing off, in a padded step (see `wanted_draft_slots`)."""
-    budget = num_speculative_tokens + 1
-    return num_draft_slots(request, num_speculative_tokens, budget, step_id, True)
 
 
 def _room(request: Request, block_size: int) -> int:
