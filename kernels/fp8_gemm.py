@@ -294,12 +294,14 @@ def _cublas_blockwise_padded(
 ) -> torch.Tensor:  # [M, N] out_dtype, a view of the padded product's first M rows
     num_tokens, depth = a_fp8.shape
     padded_tokens = -(-num_tokens // 4) * 4
-    a_padded = torch.zeros((padded_tokens, depth), dtype=a_fp8.dtype, device=a_fp8.device)
+    a_padded = torch.empty((padded_tokens, depth), dtype=a_fp8.dtype, device=a_fp8.device)
     a_padded[:num_tokens].copy_(a_fp8)
-    scale_padded = torch.ones(
+    a_padded[num_tokens:].zero_()
+    scale_padded = torch.empty(
         (a_scale.shape[1], padded_tokens), dtype=a_scale.dtype, device=a_scale.device
     ).t()  # [padded_tokens, K / 128], stride (1, padded_tokens)
     scale_padded[:num_tokens].copy_(a_scale)
+    scale_padded[num_tokens:].fill_(1.0)
     out = _cublas_blockwise(a_padded, scale_padded, w_fp8, w_scale, out_dtype)
     return out[:num_tokens]
 
