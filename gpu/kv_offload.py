@@ -9,17 +9,21 @@ then block; WSL2 without forced pinning).
 On CUDA the copies run on a side stream that first waits for the work already queued on
 the compute stream (so a save reads a block after every step that wrote it, and a load
 writes a block after every step that read its old contents). The step's forward waits for
-the saves only, since the blocks they read are reused at once; the loads overlap it. No row
-of the step reads a block it loads (the engine core holds such a request for a step), so
-the compute stream waits for the loads before the next step's forward, whatever that step
-carries, and any later reader or writer of the blocks comes after them. A step whose
-transfer says `loads_read_now` (an idle engine ran the request at once) waits for its loads
-too. Spills and fills touch slots on the CPU, so they first wait for the side stream's
-earlier copies. On the CPU every copy is a plain tensor copy, done before `apply` returns.
+the saves only, since the blocks they read are reused at once; the loads overlap it and as
+many later steps as they take: a long prefix comes back over PCIe in more time than a decode
+step takes, and making the next step wait for it stalled every running request. No row
+reads or rewrites a loaded block until the engine core knows the load is done, from
+`loads_done_through` (read with each step's outputs: an event query, no wait), or has told a
+step to wait for it (KVTransfer.wait_loads_through, which also orders the other ranks of a
+tensor-parallel group after loads rank 0 finished). Spills and fills touch slots on the CPU,
+so they first wait for the side stream's earlier copies. On the CPU every copy is a plain
+tensor copy, done before `apply` returns.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -60,35 +64,72 @@ class HostKVPool:
         self.slots_cpu, self.pinned = _host_slots((num_slots, *self.slot_shape), pin_memory)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: torch.cuda.Event | None = None
-        self._loads_done: torch.cuda.Event | None = None
-        """The previous step's loads, which the next step's forward waits for."""
+        self._loads_in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
+        """(load id, its end on the side stream), oldest first, not yet seen done."""
+        self._done_through = -1
+        self._loads_lock = threading.Lock()
+        """The step thread queues loads; the thread that reads step outputs asks about them."""
 
     @property
     def bytes_per_slot(self) -> int:
         return self.slots_cpu[0].numel()
 
+    def start_over(self) -> None:
+        """For a new engine core, whose load ids start from 0: the earlier one's copies
+        end first."""
+        self._wait_for_copies()
+        with self._loads_lock:
+            self._loads_in_flight.clear()
+            self._done_through = -1
+
+    def loads_done_through(self) -> int:
+        """The newest load id whose copies are done, every earlier one too (-1: none)."""
+        with self._loads_lock:
+            while self._loads_in_flight and self._loads_in_flight[0][1].query():
+                self._done_through = self._loads_in_flight.popleft()[0]
+            return self._done_through
+
     @torch.inference_mode()
     def apply(self, transfer: KVTransfer | None) -> None:
         """Start a step's copies (None: none), before its forward is queued: the forward
-        comes after the earlier step's loads and this step's saves (and this step's loads
-        with `loads_read_now`)."""
-        compute = None if self._stream is None else torch.cuda.current_stream(self.device)
-        if compute is not None and self._loads_done is not None:
-            compute.wait_event(self._loads_done)
-            self._loads_done = None
+        comes after this step's saves and the loads `wait_loads_through` names."""
         if transfer is None:
             return
         if transfer.spill_host_slots or transfer.fill_host_slots:
             self._wait_for_copies()
             self._spill(transfer.spill_host_slots, transfer.spill_hashes)
-        if self._stream is None or compute is None:
-            self._save(transfer.save_gpu_block_ids, transfer.save_host_slots)
-            self._fill(transfer.fill_host_slots, transfer.fill_data)
-            self._load(transfer.load_host_slots, transfer.load_gpu_block_ids)
+        if self._stream is None:
+            self._copy_now(transfer)
             return
+        compute = torch.cuda.current_stream(self.device)
+        if transfer.save_host_slots or transfer.fill_host_slots or transfer.load_host_slots:
+            self._copy_beside(transfer, compute)
+        with self._loads_lock:
+            for load_id, done in self._loads_in_flight:
+                if load_id <= transfer.wait_loads_through:
+                    compute.wait_event(done)
+
+    def slot_bytes(self, host_slot: int) -> bytes:
+        """A slot's bytes (for tests and spills); waits for copies into it."""
+        self._wait_for_copies()
+        return self.slots_cpu[host_slot].numpy().tobytes()
+
+    # ---- the copies -----------------------------------------------------------------
+
+    def _copy_now(self, transfer: KVTransfer) -> None:
+        self._save(transfer.save_gpu_block_ids, transfer.save_host_slots)
+        self._fill(transfer.fill_host_slots, transfer.fill_data)
+        self._load(transfer.load_host_slots, transfer.load_gpu_block_ids)
+        if transfer.load_host_slots:
+            with self._loads_lock:
+                self._done_through = transfer.load_id
+
+    def _copy_beside(self, transfer: KVTransfer, compute: torch.cuda.Stream) -> None:
+        """Queue the copies on the side stream; the compute stream waits for the saves."""
+        assert self._stream is not None
         self._stream.wait_stream(compute)
         # The step's slots are distinct (the engine core pins them), so the CPU's fills
-        # race with none of its saves; the earlier steps' copies are done (above).
+        # race with none of its saves; the earlier steps' copies are done (apply).
         self._fill(transfer.fill_host_slots, transfer.fill_data)
         saves_done, loads_done = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(self._stream):
@@ -98,17 +139,9 @@ class HostKVPool:
             loads_done.record(self._stream)
         self._last_copy = loads_done
         compute.wait_event(saves_done)
-        if transfer.loads_read_now:
-            compute.wait_event(loads_done)
-        elif transfer.load_host_slots:
-            self._loads_done = loads_done
-
-    def slot_bytes(self, host_slot: int) -> bytes:
-        """A slot's bytes (for tests and spills); waits for copies into it."""
-        self._wait_for_copies()
-        return self.slots_cpu[host_slot].numpy().tobytes()
-
-    # ---- the copies -----------------------------------------------------------------
+        if transfer.load_host_slots:
+            with self._loads_lock:
+                self._loads_in_flight.append((transfer.load_id, loads_done))
 
     def _save(self, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
         for start in range(0, len(block_ids), _MAX_BLOCKS_PER_COPY):
@@ -189,17 +222,24 @@ def attach_host_pool(
     pool: HostKVPool | None = getattr(worker, "kv_offload", None)
     if pool is None or pool.num_slots != num_slots:
         pool = HostKVPool(kv_caches, num_slots, pin_memory=pin_memory, disk=disk)
-    elif pool.disk is not None and pool.disk is not disk:
-        getattr(pool.disk, "close", lambda: None)()  # the earlier engine's writer thread
+    else:
+        if pool.disk is not None and pool.disk is not disk:
+            getattr(pool.disk, "close", lambda: None)()  # the earlier engine's writer thread
+        pool.start_over()
     pool.disk = disk
     worker.kv_offload = pool  # type: ignore[attr-defined]
     return pool
 
 
+def kv_loads_done_through(worker: object) -> int:
+    """The worker's host pool's `loads_done_through` (-1 without a pool)."""
+    pool: HostKVPool | None = getattr(worker, "kv_offload", None)
+    return -1 if pool is None else pool.loads_done_through()
+
+
 def run_kv_transfer(worker: object, transfer: KVTransfer | None) -> None:
     """Start a step's offload copies on the worker's host pool; runners call this for every
-    step before its forward, with or without copies (the previous step's loads are waited
-    for here)."""
+    step before its forward."""
     pool: HostKVPool | None = getattr(worker, "kv_offload", None)
     if pool is None:
         if transfer is None:

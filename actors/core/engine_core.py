@@ -94,8 +94,12 @@ class EngineCore:
             config.num_kv_blocks or worker.kv_spec.num_blocks, worker.kv_spec.num_blocks
         )
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
-        self.gpu_actor = GPUActor(self._make_runner(worker, runner, config))
+        model_runner = self._make_runner(worker, runner, config)
         self.offload_tiers = make_offload_tiers(worker, config)
+        self.gpu_actor = GPUActor(
+            model_runner,
+            None if self.offload_tiers is None else self.offload_tiers.loads_done_through,
+        )
         self.scheduler = _make_scheduler(
             worker,
             config,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -31,8 +32,13 @@ Done = asyncio.Future[StepOutput]
 
 
 class GPUActor:
-    def __init__(self, runner: Runner) -> None:
+    def __init__(
+        self, runner: Runner, kv_loads_done_through: Callable[[], int] | None = None
+    ) -> None:
+        """`kv_loads_done_through`: the worker's newest finished offload load, reported
+        with each step's outputs (when the offload tiers are on)."""
         self.runner = runner
+        self._kv_loads_done_through = kv_loads_done_through
         self.name = f"gpu_{runner.name}"
         self._to_launch: queue.SimpleQueue[tuple[SchedulerOutput, Done] | None] = (
             queue.SimpleQueue()
@@ -103,6 +109,10 @@ class GPUActor:
                 out = step.result()
             except Exception as exc:  # noqa: BLE001 - the step fails, the engine goes on
                 out = failed_step(step.step_id, step.request_ids, exc)
+            if self._kv_loads_done_through is not None:
+                out = msgspec.structs.replace(
+                    out, kv_loads_done_through=self._kv_loads_done_through()
+                )
             assert self._loop is not None
             self._loop.call_soon_threadsafe(_resolve, done, out)
 

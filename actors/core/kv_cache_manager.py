@@ -27,7 +27,8 @@ whether they were prompt or output (a chat's next turn sends the previous answer
   count is an upper bound only past its last known token: actors/core/spec_scheduling.py).
 
 Offload tiers (actors/core/kv_offload.py): a request whose prefix is loaded from host memory
-is held a step before it runs, so the loads overlap a forward (actors/core/kv_holds.py).
+is held until the loads are done, so they overlap other requests' steps instead of stalling
+them (actors/core/kv_holds.py).
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ class KVCacheManager:
             prefix_cache_hits_tokens=self._num_hit_tokens,
             kv_tiers=() if self.offload is None else self.offload.stats(),
         )
+
+    def loads_done(self, through_load_id: int) -> None:
+        """The worker finished the offload loads numbered up to `through_load_id`."""
+        if self.offload is not None:
+            self.offload.loads_done(through_load_id)
 
     def take_transfer(self) -> KVTransfer | None:
         """The offload copies decided since the last call, for the step being built."""
@@ -238,6 +244,10 @@ class KVCacheManager:
                 self._keep_waiting_hashes(entries[position:], old_hashes)
                 break
             request_id = entry.request_id
+            if request_id in held and self._is_loading(request_id):
+                held.move(request_id, self._held)
+                new_holds.append(entry)
+                continue
             if request_id in held:
                 admitted: WaitingGrant | _Wait | None = self._grant_held(
                     entry, held.pop(request_id), token_budget
@@ -272,7 +282,7 @@ class KVCacheManager:
             token_budget -= grant.num_new_tokens
             grants.append(grant)
         if self.offload is not None:
-            self.offload.read_now()
+            self.offload.wait_for_loads()
         return grants
 
     def _keep_waiting_hashes(
@@ -331,6 +341,12 @@ class KVCacheManager:
             return None
         return self._grant(entry.request_id, state, num_cached, num_new)
 
+    def _is_loading(self, request_id: str) -> bool:
+        """Whether some of the request's blocks may still be loading from the tiers."""
+        offload = self.offload
+        state = self._requests[request_id]
+        return offload is not None and any(offload.is_loading(b) for b in state.block_ids)
+
     def _grant_held(self, entry: WaitingAlloc, num_cached: int, token_budget: int) -> WaitingGrant:
         """A held request's grant, within the blocks it holds (at least one token)."""
         state = self._requests[entry.request_id]
@@ -346,8 +362,8 @@ class KVCacheManager:
         return WaitingGrant(request_id, tuple(state.block_ids), num_cached, num_new)
 
     def _release(self, held: Holds) -> None:
-        """Free holds no allocation granted; their blocks stay cached, their loads done by
-        any later step (its forward waits for them)."""
+        """Free holds this allocation did not reach; their blocks stay cached (and marked
+        loading until their loads are done)."""
         for request_id in held.request_ids():
             num_queried, num_hit = held.counted(request_id)  # counted again when admitted
             self._num_query_tokens -= num_queried
@@ -358,10 +374,12 @@ class KVCacheManager:
 
     def _allocate_blocks(self, num_blocks: int) -> list[int]:
         block_ids = self.pool.allocate(num_blocks)
-        evicted = self.pool.evicted
-        if evicted and self.offload is not None:
-            self.offload.save_evicted(evicted)
-            evicted.clear()
+        if self.offload is not None:
+            evicted = self.pool.evicted
+            if evicted:
+                self.offload.save_evicted(evicted)
+                evicted.clear()
+            self.offload.reuse(block_ids)
         return block_ids
 
     def _find_offloaded(self, request_id: str, hashes: Sequence[BlockHash]) -> Lookup | None:
@@ -375,8 +393,8 @@ class KVCacheManager:
         self, lookup: Lookup, hashes: Sequence[BlockHash], block_ids: Sequence[int]
     ) -> None:
         """Copy the tiers' hits into the request's new blocks and publish them now: the
-        request is held, and so is any other that hits them before the step takes the
-        loads (`KVOffload.is_loading`), so every reader comes after the loads."""
+        request is held, and so is any other that hits them while they load
+        (`KVOffload.is_loading`), so every reader comes after the loads."""
         if self.offload is None:
             return
         for slot, block_hash, block_id in zip(lookup.host_slots, hashes, block_ids, strict=False):

@@ -1,25 +1,26 @@
-"""Requests held a step while their prefix is loaded from the offload tiers, so the loads
-overlap a forward instead of stalling one.
+"""Requests held while their prefix is loaded from the offload tiers, so the loads overlap
+other requests' steps instead of stalling them.
 
-A prompt whose next blocks are in host memory gets device blocks for them, loaded by the
-step being built; the worker starts the loads beside that step's forward and makes only
-the next step's forward wait for them (gpu/kv_offload.py). So no row of the step that
-issues the loads may read those blocks: the request (and any other whose device hits
-include a block still loading) is *held*. It keeps its blocks and its place in the waiting
-queue but gets no grant; the KV cache manager's next allocation grants it within the blocks
-it holds, or, when that allocation does not reach it (too little budget, a preemption),
-releases its blocks, which stay cached with their loaded KV, and it is admitted later like
-any waiting request. A hold never outlives one allocation, so held blocks never starve a
-preempted or higher-priority request, and the scheduler never sees a held request: it
-stays waiting until granted. An abort frees its blocks like any other request's.
+A prompt whose next blocks are in host memory gets device blocks for them, loaded beside
+the step being built; the worker starts the loads on a side stream and reports, with each
+step's output, which loads are done (gpu/kv_offload.py). No row may read those blocks before
+then: the request (and any other whose device hits include a block still loading) is
+*held*. It keeps its blocks and its place in the waiting queue but gets no grant; each
+allocation that reaches it holds it again while its loads run and grants it within the
+blocks it holds once they are done, or, when the allocation does not reach it (too little
+budget, a preemption), releases its blocks, which stay cached with their loaded KV (still
+marked loading until done), and it is admitted later like any waiting request. So held
+blocks never starve a preempted or higher-priority request, and the scheduler never sees a
+held request: it stays waiting until granted. An abort frees its blocks like any other
+request's; a step that reuses a block still loading waits for the load.
 
 When nothing else would run in the step (no running row and no other grant), there is
 nothing to overlap: the held requests are granted at once and the step's forward waits for
-its loads (KVTransfer.loads_read_now).
+every load (KVTransfer.wait_loads_through).
 
 A request whose next blocks are on disk is not admitted while the disk store's reader thread
 reads them (the entries after it go first); once they are in host memory it is admitted as a
-host hit, held a step like any. It waits for reads once: at its later tries it waits for the
+host hit, held like any. It waits for reads once: at its later tries it waits for the
 reads still in flight but starts no more, so it cannot chase blocks that its own fills, or
 others', pushed out of host memory meanwhile.
 """
@@ -59,6 +60,11 @@ class Holds:
     def pop(self, request_id: str) -> int:
         self._counted.pop(request_id, None)
         return self._num_cached_tokens.pop(request_id)
+
+    def move(self, request_id: str, to: Holds) -> None:
+        """Hold the request in `to` instead, with what its admission counted."""
+        to.hold(request_id, self._num_cached_tokens[request_id], self.counted(request_id))
+        self.pop(request_id)
 
     def counted(self, request_id: str) -> tuple[int, int]:
         """The (queried, hit) tokens the request's admission counted."""

@@ -3,14 +3,18 @@ host memory (and on disk), and which copies the worker must run.
 
 A block evicted from the device pool (BlockPool's LRU) is saved to a host slot; a prefix
 hit in host memory is loaded into a fresh device block, which is published under its hash
-at once. The load overlaps the step that issues it: no row of that step may read the block
-(the KV cache manager holds such requests a step, actors/core/kv_holds.py), so this index
-reports which device blocks the step being built loads (`is_loading`). With a disk tier, a
-host slot that must make room is spilled to a file first; a disk hit is read by the disk
-store's reader thread (`lookup` starts the reads and answers None meanwhile: the request
-waits), and each block read back, its checksum checked, is filled into a host slot at the
-next allocation (`poll_reads`), from where it loads as a host hit. A bad or missing file is
-a miss. The engine core never waits for the disk.
+at once. The load overlaps the steps after the one that issues it, for as long as it takes:
+no row may read the block, nor reuse it, before the worker reports the load done
+(`loads_done`, from each step's output) or the step waits for it. So this index knows which
+device blocks are still loading (`is_loading`: the KV cache manager holds the requests that
+read them, actors/core/kv_holds.py), and a step that must touch one (a reused block, an idle
+engine running a held request at once) carries a wait (KVTransfer.wait_loads_through).
+
+With a disk tier, a host slot that must make room is spilled to a file first; a disk hit is
+read by the disk store's reader thread (`lookup` starts the reads and answers None
+meanwhile: the request waits), and each block read back, its checksum checked, is filled
+into a host slot at the next allocation (`poll_reads`), from where it loads as a host hit.
+A bad or missing file is a miss. The engine core never waits for the disk.
 
 Slot reuse within one step is what could go wrong: the worker runs all spills, then all
 saves, then fills, then loads. So a slot touched by the step's copies is pinned until the
@@ -144,9 +148,8 @@ class _PendingTransfer:
     fill_data: list[bytes] = field(default_factory=list)
     load_host_slots: list[int] = field(default_factory=list)
     load_gpu_block_ids: list[int] = field(default_factory=list)
-    loading: set[int] = field(default_factory=set)
-    """load_gpu_block_ids as a set."""
-    loads_read_now: bool = False
+    wait_for_every_load: bool = False
+    """A row of the step reads or writes a block still loading: its forward waits."""
 
 
 @dataclass(slots=True)
@@ -181,6 +184,14 @@ class KVOffload:
         self._host_counts = _TierCounts()
         self._disk_counts = _TierCounts()
         self._pending = _PendingTransfer()
+        self._loading: dict[int, int] = {}
+        """Device blocks whose load may not be done yet -> the load's number."""
+        self._next_load_id = 0
+        self._pending_wait = -1
+        """The `wait_loads_through` of the next transfer (-1: none)."""
+        self._waited_through = -1
+        """The newest load every rank's later steps come after (reported done, or waited
+        for by a step already built)."""
         self._reads: dict[BlockHash, Future[bytes | None]] = {}
         """Disk reads in flight, by hash (dropped by a reset: their bytes are not used)."""
         self._from_disk: set[BlockHash] = set()
@@ -252,19 +263,33 @@ class KVOffload:
             self._disk_counts.loaded_bytes += self.bytes_per_block
 
     def is_loading(self, gpu_block_id: int) -> bool:
-        """Whether the step being built loads into the device block."""
-        return gpu_block_id in self._pending.loading
+        """Whether a load into the device block may still be running: no row may read it."""
+        return gpu_block_id in self._loading
 
-    def read_now(self) -> None:
-        """A row of the step being built reads blocks it loads: its forward must wait."""
-        self._pending.loads_read_now = True
+    def wait_for_loads(self) -> None:
+        """A row of the step being built reads blocks still loading (nothing else could run
+        beside it): its forward waits for every load."""
+        self._pending.wait_for_every_load = True
+
+    def reuse(self, gpu_block_ids: Iterable[int]) -> None:
+        """The pool hands out these device blocks for new KV: the step being built waits for
+        any load still writing one of them."""
+        for block_id in gpu_block_ids:
+            if self._loading.pop(block_id, None) is not None:
+                self._pending.wait_for_every_load = True
+
+    def loads_done(self, through_load_id: int) -> None:
+        """The worker reports every load numbered up to `through_load_id` done on rank 0;
+        the next step tells every rank to wait for them (a no-op where they are done)."""
+        if through_load_id > self._waited_through:
+            self._forget_loads_through(through_load_id)
 
     def load(self, host_slot: int, gpu_block_id: int) -> None:
         """Copy a host slot (from `lookup`) into a device block, beside the step being
-        built (its rows must not read the block)."""
+        built and maybe the next ones (their rows must not read the block)."""
         self._pending.load_host_slots.append(host_slot)
         self._pending.load_gpu_block_ids.append(gpu_block_id)
-        self._pending.loading.add(gpu_block_id)
+        self._loading[gpu_block_id] = self._next_load_id
         self._host_counts.loaded_bytes += self.bytes_per_block
 
     def commit(self, lookup: Lookup) -> None:
@@ -279,6 +304,15 @@ class KVOffload:
         """The copies decided since the last call, for the step being built; unpins."""
         pending, self._pending = self._pending, _PendingTransfer()
         self.host.release_pins()
+        load_id = -1
+        if pending.load_host_slots:
+            load_id = self._next_load_id
+            self._next_load_id += 1
+        wait_through = self._pending_wait
+        if pending.wait_for_every_load and self._next_load_id - 1 > self._waited_through:
+            wait_through = self._next_load_id - 1
+            self._forget_loads_through(wait_through)
+        self._pending_wait = -1
         transfer = KVTransfer(
             spill_host_slots=tuple(pending.spill_host_slots),
             spill_hashes=tuple(pending.spill_hashes),
@@ -288,7 +322,8 @@ class KVOffload:
             fill_data=tuple(pending.fill_data),
             load_host_slots=tuple(pending.load_host_slots),
             load_gpu_block_ids=tuple(pending.load_gpu_block_ids),
-            loads_read_now=pending.loads_read_now and bool(pending.load_host_slots),
+            load_id=load_id,
+            wait_loads_through=wait_through,
         )
         return None if transfer.is_empty else transfer
 
@@ -318,6 +353,15 @@ class KVOffload:
         self.host.check_invariants()
 
     # ---- internals ------------------------------------------------------------------
+
+    def _forget_loads_through(self, load_id: int) -> None:
+        """Loads up to `load_id` are done, or the next step waits for them: their blocks
+        are readable by every later step."""
+        self._waited_through = load_id
+        self._pending_wait = load_id
+        done = [block_id for block_id, number in self._loading.items() if number <= load_id]
+        for block_id in done:
+            del self._loading[block_id]
 
     def _spill(self, host_slot: int, block_hash: BlockHash) -> None:
         if self.disk is None or self.num_disk_blocks <= 0:

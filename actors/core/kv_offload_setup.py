@@ -5,6 +5,7 @@ what was made (the startup log, /version)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -23,6 +24,8 @@ class OffloadTiers:
     offload: KVOffload
     description: str
     """One line for /version and the startup log, e.g. 'cpu 4096 blocks (8.0 GiB, pinned)'."""
+    loads_done_through: Callable[[], int]
+    """The worker's newest finished load (HostKVPool.loads_done_through)."""
 
 
 def make_offload_tiers(worker: ModelWorker, config: EngineConfig) -> OffloadTiers | None:
@@ -57,7 +60,7 @@ def make_offload_tiers(worker: ModelWorker, config: EngineConfig) -> OffloadTier
     offload = KVOffload(num_host_slots, config.block_size, bytes_per_slot, disk, num_disk_blocks)
     description = _describe(num_host_slots, bytes_per_slot, pool.pinned, disk, num_disk_blocks)
     log.info("kv_offload_tiers", tiers=description)
-    return OffloadTiers(offload, description)
+    return OffloadTiers(offload, description, pool.loads_done_through)
 
 
 def _describe(

@@ -212,6 +212,7 @@ class Scheduler:
         the step but got no token is finished with 'error'.
         """
         sampling, draft_slots = self._pop_in_flight(out)
+        self.kv.loads_done(out.kv_loads_done_through)
         result = StepResult()
         if out.error is not None:
             self._fail(out.failed_request_ids, out.error, result)

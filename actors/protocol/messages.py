@@ -403,10 +403,11 @@ class KVTransfer(msgspec.Struct, frozen=True):
     """KV block copies between the device pool and the prefix cache's offload tiers,
     decided by the KV cache manager and started by the worker when the step starts, in
     field order (gpu/kv_offload.py): spills, saves, fills, loads. The step's forward waits
-    for the saves (their blocks are reused) but not for the loads: no row of the step reads
-    a loaded block (the request waits a step, actors/core/kv_holds.py) unless
-    `loads_read_now`; the next step's forward waits for them. Each rank of a tensor-
-    parallel group copies its own shard of the same blocks."""
+    for the saves (their blocks are reused) but not for the loads, which may outlast
+    several steps: no row reads a loaded block, nor writes one, until the worker has
+    reported the load done (StepOutput.kv_loads_done_through; the request waits,
+    actors/core/kv_holds.py) or the step waits for it (`wait_loads_through`). Each rank of
+    a tensor-parallel group copies its own shard of the same blocks."""
 
     spill_host_slots: tuple[int, ...] = ()
     """Host slots whose block goes to the disk tier (before a save reuses the slot)."""
@@ -420,9 +421,12 @@ class KVTransfer(msgspec.Struct, frozen=True):
     load_host_slots: tuple[int, ...] = ()
     """Host slots copied into the device blocks `load_gpu_block_ids` (prefix hits)."""
     load_gpu_block_ids: tuple[int, ...] = ()
-    loads_read_now: bool = False
-    """A row of this step reads blocks these loads write (nothing else could run, so the
-    request was not held a step): the step's forward waits for the loads too."""
+    load_id: int = -1
+    """The loads' number (increasing from 0 with each transfer that loads; -1: no loads)."""
+    wait_loads_through: int = -1
+    """The step's forward waits for every load numbered up to this one, on this rank, this
+    transfer's own included (-1: none): for loads rank 0 reported done (so every rank's
+    later steps come after them), or that a row of this step reads or a block it reuses."""
 
     @property
     def is_empty(self) -> bool:
@@ -431,6 +435,7 @@ class KVTransfer(msgspec.Struct, frozen=True):
             or self.save_host_slots
             or self.fill_host_slots
             or self.load_host_slots
+            or self.wait_loads_through >= 0
         )
 
 
@@ -497,6 +502,9 @@ class StepOutput(msgspec.Struct, frozen=True):
     """Speculative steps: tokens each request emitted (its accepted drafts plus one)."""
     num_draft_tokens: np.ndarray | None = None  # [len(request_ids)] int32
     """Speculative steps: drafts each request verified (0 where it had none)."""
+    kv_loads_done_through: int = -1
+    """The newest offload load (KVTransfer.load_id) whose copies are done on rank 0's
+    device when the step's outputs were read, all earlier ones too (-1: none or no tier)."""
 
 
 # ==== inside the engine core: the engine loop's mailbox (actors/core/engine_loop.py) ====

@@ -123,7 +123,8 @@ def test_evicted_blocks_are_saved_and_a_later_prefix_hit_is_loaded() -> None:
 
     again, transfer = _admit(manager, "c", prompt)
     assert again.num_cached_tokens == 12 and again.num_new_tokens == 1
-    assert transfer is not None and transfer.loads_read_now  # nothing else runs: no hold
+    assert transfer is not None  # nothing else runs: no hold, the step waits for the loads
+    assert transfer.wait_loads_through == transfer.load_id >= 0
     # a's three blocks come back from the slots they were saved to, into c's first blocks
     assert transfer.load_gpu_block_ids == again.block_ids[:3]
     assert transfer.load_host_slots == tuple(saved[b] for b in first.block_ids[:3])
@@ -186,7 +187,7 @@ def test_a_hold_the_next_allocation_does_not_grant_is_released_its_blocks_cached
     assert held.waiting == () and manager.has_request("d")
     transfer = manager.take_transfer()
     assert transfer is not None and len(transfer.load_gpu_block_ids) == 3
-    assert not transfer.loads_read_now  # "r" runs beside the loads
+    assert transfer.wait_loads_through < transfer.load_id  # "r" runs beside the loads
     loaded = transfer.load_gpu_block_ids
     queried_before = manager.stats().prefix_cache_queries_tokens
     too_big = RunningAllocs(("r",), (8 * BLOCK_SIZE + 1,))

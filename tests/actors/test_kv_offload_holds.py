@@ -103,23 +103,48 @@ def _step_loading(engine: _Engine, request_ids: tuple[str, ...]) -> SchedulerOut
     """The next step: it loads the requests' blocks while "c" runs, and runs none of them."""
     out = engine.step()
     assert out is not None and out.kv_transfer is not None
-    assert len(out.kv_transfer.load_gpu_block_ids) == 3 and not out.kv_transfer.loads_read_now
+    transfer = out.kv_transfer
+    assert len(transfer.load_gpu_block_ids) == 3
+    assert transfer.wait_loads_through < transfer.load_id  # the step does not wait for them
     assert "c" in out.scheduled_request_ids  # the other rows run
     for request_id in request_ids:
         assert request_id not in out.scheduled_request_ids and _new(out, request_id) is None
     return out
 
 
+def _step_until_admitted(engine: _Engine, request_id: str) -> NewRequestData:
+    """Step until the held request runs (its loads reported done); "c" runs meanwhile."""
+    for _ in range(8):
+        out = engine.step()
+        new = _new(out, request_id)
+        if new is not None:
+            return new
+        assert out is not None and "c" in out.scheduled_request_ids
+    raise AssertionError(f"{request_id} is still held")
+
+
+@pytest.mark.parametrize("load_delay_steps", [1, 4])
 @pytest.mark.parametrize("max_steps_in_flight", [1, 2])
-def test_a_host_hit_runs_in_the_step_after_the_one_that_loads_it(
-    max_steps_in_flight: int,
+def test_a_host_hit_runs_once_its_loads_are_reported_done(
+    max_steps_in_flight: int, load_delay_steps: int
 ) -> None:
+    """However many steps the loads take, the running request steps beside them (no step
+    waits for them) and the held one runs in the first step built after the device
+    reported them done."""
     engine = _Engine(max_steps_in_flight)
+    engine.runner.load_delay_steps = load_delay_steps
     engine.evict_prompt()
     engine.add("d", PROMPT, 3)
     loading = _step_loading(engine, ("d",))
-    assert engine.scheduler.num_waiting == 1  # held: its place kept, not running
-    out = engine.step()
+    load_id = loading.kv_transfer.load_id  # type: ignore[union-attr]
+    num_held_steps = 0
+    while (out := engine.step()) is not None and _new(out, "d") is None:
+        assert "c" in out.scheduled_request_ids and engine.scheduler.num_waiting == 1
+        transfer = out.kv_transfer
+        assert transfer is None or transfer.wait_loads_through < load_id  # nobody waits
+        num_held_steps += 1
+    assert num_held_steps >= load_delay_steps  # the step that lands it reports it
+    assert engine.runner.loads_done_through >= load_id
     new = _new(out, "d")
     assert new is not None and new.num_computed_tokens == 12
     assert new.block_ids[:3] == loading.kv_transfer.load_gpu_block_ids  # type: ignore[union-attr]
@@ -134,7 +159,11 @@ def test_requests_hitting_the_same_host_blocks_share_one_load() -> None:
         engine.add(request_id, PROMPT, 2)
     _step_loading(engine, ("d1", "d2", "d3"))
     out = engine.step()
-    news = [_new(out, r) for r in ("d1", "d2", "d3")]
+    for _ in range(8):
+        if _new(out, "d1") is not None:
+            break
+        out = engine.step()
+    news = [_new(out, r) for r in ("d1", "d2", "d3")]  # released together
     assert all(new is not None and new.num_computed_tokens == 12 for new in news)
     assert len({new.block_ids[:3] for new in news if new is not None}) == 1
     engine.drain()
@@ -164,8 +193,8 @@ def test_a_reset_during_a_load_keeps_the_held_request_right() -> None:
     engine.scheduler.free_finished_blocks()  # as POST /reset_prefix_cache does
     engine.manager.reset_prefix_cache()
     assert engine.manager.reset_offload_tiers() > 0
-    new = _new(engine.step(), "d")
-    assert new is not None and new.num_computed_tokens == 12  # its blocks were its own
+    new = _step_until_admitted(engine, "d")
+    assert new.num_computed_tokens == 12  # its blocks were its own
     engine.drain()
 
 
@@ -191,8 +220,8 @@ def test_a_disk_read_in_flight_never_stops_the_other_requests() -> None:
     disk.end_reads()
     loading = _step_loading(engine, ("d",))
     assert len(loading.kv_transfer.fill_host_slots) == 3  # type: ignore[union-attr]
-    new = _new(engine.step(), "d")
-    assert new is not None and new.num_computed_tokens == 12
+    new = _step_until_admitted(engine, "d")
+    assert new.num_computed_tokens == 12
     engine.drain()
     (_, disk_tier) = engine.manager.stats().kv_tiers
     assert disk_tier.hits_tokens == 12 and disk_tier.loaded_bytes == 3 * BLOCK_SIZE * TOKEN_BYTES

@@ -1,12 +1,12 @@
 """Random multi-turn workloads on a device pool too small to keep the conversations, with the
 host tier (and a disk tier) behind it, through the real scheduler and a fake device that
 runs each step's KVTransfer on simulated host slots and disk files, in order, as the worker
-does: its loads land only when the next step starts (the worker overlaps them with the
-step's forward), unless the step reads them at once (`loads_read_now`). The fake device
-checks that every position a step attends to holds its token: so every block loaded back
-from a tier holds the right KV, no step reads or writes a block whose load is still in
-flight, under two steps in flight, preemption and finishing requests. Disk reads end a
-random number of steps after they start, while the other requests run."""
+does: its loads land one to four steps later (the worker overlaps them with as many
+forwards), or when a step waits for them (`wait_loads_through`). The fake device checks
+that every position a step attends to holds its token: so every block loaded back from a
+tier holds the right KV, no step reads or writes a block whose load is still in flight,
+under two steps in flight, preemption and finishing requests. Disk reads end a random
+number of steps after they start, while the other requests run."""
 
 from __future__ import annotations
 
@@ -43,7 +43,12 @@ def _run(
     )
     scheduler = Scheduler(config, manager)
     runner = OffloadFakeRunner(
-        block_size=BLOCK_SIZE, max_num_seqs=3, manager=manager, rng=rng, disk=disk
+        block_size=BLOCK_SIZE,
+        max_num_seqs=3,
+        manager=manager,
+        rng=rng,
+        disk=disk,
+        load_delay_steps=rng.choice([1, 2, 4]),
     )
     system = [rng.randrange(50) for _ in range(rng.randrange(3, 10))]
     histories = {f"c{i}": list(system) for i in range(5)}
@@ -85,7 +90,7 @@ def test_blocks_loaded_from_the_tiers_hold_the_right_kv(
     max_steps_in_flight: int, with_disk: bool
 ) -> None:
     hits_tokens = {"cpu": 0, "disk": 0}
-    num_overlapped_loads = 0
+    num_overlapped_loads = num_long_loads = 0
     for seed in range(12):
         manager, runner = _run(seed, max_steps_in_flight, with_disk)
         for tier in manager.stats().kv_tiers:
@@ -93,9 +98,10 @@ def test_blocks_loaded_from_the_tiers_hold_the_right_kv(
         num_overlapped_loads += sum(
             1
             for t in runner.transfers
-            if t is not None and t.load_host_slots and not t.loads_read_now
+            if t is not None and t.load_host_slots and t.wait_loads_through < t.load_id
         )
-    # the workloads do come back from the tiers, with loads beside other rows (else the
-    # checks above prove nothing)
-    assert hits_tokens["cpu"] > 0 and num_overlapped_loads > 0
+        num_long_loads += runner.load_delay_steps > 1 and num_overlapped_loads > 0
+    # the workloads do come back from the tiers, with loads beside other rows, some of them
+    # outlasting a step (else the checks above prove nothing)
+    assert hits_tokens["cpu"] > 0 and num_overlapped_loads > 0 and num_long_loads > 0
     assert (hits_tokens["disk"] > 0) == with_disk

@@ -1,16 +1,19 @@
 """The worker's host pool (gpu/kv_offload.py) on the CPU: a block saved to a host slot and
 loaded into another device block holds the same bytes, in every layer, K and V; spills go
-to the disk writer and fills come back; the same code runs on CUDA with a side stream,
-where the step's forward waits for its saves and the next step's for its loads."""
+to the disk writer and fills come back; loads report when they are done; the same code runs
+on CUDA with a side stream, where the step's forward waits for its saves, and for loads
+only when its transfer names them."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from actors.protocol.messages import KVTransfer
 from gpu.attention.base import allocate_kv_cache
-from gpu.kv_offload import HostKVPool, attach_host_pool, run_kv_transfer
+from gpu.kv_offload import HostKVPool, attach_host_pool, kv_loads_done_through, run_kv_transfer
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 3, 6, 4, 2, 8
 
@@ -113,10 +116,32 @@ def test_every_step_passes_through_the_pool_with_or_without_copies() -> None:
     attach_host_pool(worker, caches, 2, pin_memory=False, disk=None)
     expected = _block(caches, 1)
     run_kv_transfer(worker, KVTransfer(save_gpu_block_ids=(1,), save_host_slots=(0,)))
-    run_kv_transfer(worker, KVTransfer(load_host_slots=(0,), load_gpu_block_ids=(4,)))
-    run_kv_transfer(worker, None)  # the next step: on the CPU the load is already done
+    assert kv_loads_done_through(worker) == -1
+    load = KVTransfer(load_host_slots=(0,), load_gpu_block_ids=(4,), load_id=0)
+    run_kv_transfer(worker, load)
+    assert kv_loads_done_through(worker) == 0  # on the CPU a load is done when it returns
     for want, got in zip(expected, _block(caches, 4), strict=True):
         assert torch.equal(want, got)
+
+
+def test_a_reused_pool_counts_loads_from_the_start_again() -> None:
+    """A new engine core numbers its loads from 0: the pool it reuses must not report the
+    earlier core's (a stale report would release a request before its loads)."""
+
+    class Worker:
+        pass
+
+    worker = Worker()
+    caches = _random_caches(torch.float32)
+    attach_host_pool(worker, caches, 2, pin_memory=False, disk=None)
+    run_kv_transfer(worker, KVTransfer(save_gpu_block_ids=(1,), save_host_slots=(0,)))
+    for load_id in range(3):
+        run_kv_transfer(
+            worker, KVTransfer(load_host_slots=(0,), load_gpu_block_ids=(4,), load_id=load_id)
+        )
+    assert kv_loads_done_through(worker) == 2
+    attach_host_pool(worker, caches, 2, pin_memory=False, disk=None)
+    assert kv_loads_done_through(worker) == -1
 
 
 def test_attach_reuses_a_pool_of_the_same_size() -> None:
@@ -148,19 +173,30 @@ def test_round_trip_on_cuda_through_pinned_memory() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("read_now", [False, True])
-def test_on_cuda_a_load_is_ordered_before_the_step_that_reads_it(read_now: bool) -> None:
-    """Without `loads_read_now` the compute stream waits for the loads at the next step's
-    start; with it, before this step's forward. Either way a reader queued then sees them."""
+@pytest.mark.parametrize("wait", ["same step", "later step", "reported"])
+def test_on_cuda_a_load_is_ordered_before_the_step_that_reads_it(wait: str) -> None:
+    """A reader queued on the compute stream sees the loaded block once a transfer named
+    the load in `wait_loads_through` (its own step's or a later one without copies), or
+    once the pool reported it done."""
     caches = _random_caches(torch.float32, "cuda")
     pool = HostKVPool(caches, num_slots=4, pin_memory=True)
     expected = _block(caches, 2)
     pool.apply(KVTransfer(save_gpu_block_ids=(2,), save_host_slots=(1,)))
     torch.cuda.synchronize()
-    pool.apply(KVTransfer(load_host_slots=(1,), load_gpu_block_ids=(5,), loads_read_now=read_now))
-    if not read_now:
-        pool.apply(None)  # the next step
+    same_step = 0 if wait == "same step" else -1
+    pool.apply(
+        KVTransfer(
+            load_host_slots=(1,), load_gpu_block_ids=(5,), load_id=0, wait_loads_through=same_step
+        )
+    )
+    if wait == "later step":
+        pool.apply(KVTransfer(wait_loads_through=0))
+    elif wait == "reported":
+        deadline = time.monotonic() + 10
+        while pool.loads_done_through() < 0:
+            assert time.monotonic() < deadline, "the load never reported done"
     got = _block(caches, 5)  # queued on the compute stream
     torch.cuda.synchronize()
     for want, actual in zip(expected, got, strict=True):
         assert torch.equal(want, actual)
+    assert pool.loads_done_through() == 0
