@@ -249,9 +249,7 @@ class KVCacheManager:
                 new_holds.append(entry)
                 continue
             if request_id in held:
-                admitted: WaitingGrant | _Wait | None = self._grant_held(
-                    entry, held.pop(request_id), token_budget
-                )
+                admitted: WaitingGrant | _Wait | None = self._grant_held(entry, held, token_budget)
             else:
                 hashes = self._hash_prompt(entry, old_hashes.get(request_id, ()))
                 admitted = self._admit(entry, hashes, token_budget)
@@ -278,7 +276,7 @@ class KVCacheManager:
         for entry in entries:
             if token_budget <= 0:
                 break
-            grant = self._grant_held(entry, self._held.pop(entry.request_id), token_budget)
+            grant = self._grant_held(entry, self._held, token_budget)
             token_budget -= grant.num_new_tokens
             grants.append(grant)
         if self.offload is not None:
@@ -333,13 +331,18 @@ class KVCacheManager:
         counted = (0, 0)
         if self.enable_prefix_caching:
             counted = (num_tokens, len(hit_block_ids) * self.block_size)  # the device pool's
-            self._num_query_tokens += counted[0]
-            self._num_hit_tokens += counted[1]
         offload = self.offload
         if num_loaded or (offload and any(offload.is_loading(b) for b in hit_block_ids)):
             self._held.hold(entry.request_id, num_cached, counted)
             return None
+        self._count_lookup(counted)
         return self._grant(entry.request_id, state, num_cached, num_new)
+
+    def _count_lookup(self, counted: tuple[int, int]) -> None:
+        """Count a granted admission's (queried, hit) tokens: only when granted, since the
+        totals feed monotonic counters and a released hold is admitted (and counted) again."""
+        self._num_query_tokens += counted[0]
+        self._num_hit_tokens += counted[1]
 
     def _is_loading(self, request_id: str) -> bool:
         """Whether some of the request's blocks may still be loading from the tiers."""
@@ -347,8 +350,11 @@ class KVCacheManager:
         state = self._requests[request_id]
         return offload is not None and any(offload.is_loading(b) for b in state.block_ids)
 
-    def _grant_held(self, entry: WaitingAlloc, num_cached: int, token_budget: int) -> WaitingGrant:
-        """A held request's grant, within the blocks it holds (at least one token)."""
+    def _grant_held(self, entry: WaitingAlloc, held: Holds, token_budget: int) -> WaitingGrant:
+        """A held request's grant (popped from `held`), within the blocks it holds (at least
+        one token)."""
+        self._count_lookup(held.counted(entry.request_id))
+        num_cached = held.pop(entry.request_id)
         state = self._requests[entry.request_id]
         num_free_slots = len(state.block_ids) * self.block_size - num_cached
         num_left = len(entry.token_ids) - num_cached
@@ -365,9 +371,6 @@ class KVCacheManager:
         """Free holds this allocation did not reach; their blocks stay cached (and marked
         loading until their loads are done)."""
         for request_id in held.request_ids():
-            num_queried, num_hit = held.counted(request_id)  # counted again when admitted
-            self._num_query_tokens -= num_queried
-            self._num_hit_tokens -= num_hit
             state = self._requests.pop(request_id)
             self._waiting_hashes[request_id] = state.block_hashes
             self.pool.free(reversed(state.block_ids))

@@ -39,9 +39,9 @@ class Holds:
     def __init__(self) -> None:
         self._num_cached_tokens: dict[str, int] = {}
         self._counted: dict[str, tuple[int, int]] = {}
-        """Held request ids -> the (queried, hit) prefix-cache tokens their admission
-        counted: a hold released ungranted takes them back, as its next admission counts
-        them again."""
+        """Held request ids -> the (queried, hit) prefix-cache tokens their admission found,
+        counted when the request is granted (a hold released ungranted counts nothing: its
+        next admission looks again)."""
         self._waited_for_reads: set[str] = set()
         """Waiting requests that have waited for disk reads once."""
 
@@ -67,7 +67,7 @@ class Holds:
         self.pop(request_id)
 
     def counted(self, request_id: str) -> tuple[int, int]:
-        """The (queried, hit) tokens the request's admission counted."""
+        """The (queried, hit) tokens the request's admission found."""
         return self._counted.get(request_id, (0, 0))
 
     def discard(self, request_id: str) -> None:

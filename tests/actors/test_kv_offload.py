@@ -195,10 +195,11 @@ def test_a_hold_the_next_allocation_does_not_grant_is_released_its_blocks_cached
     assert failed.num_running_ok == 0 and not manager.has_request("d")
     manager.check_invariants()
     manager.free(["r"])
-    # The released hold's admission is taken back: its next one counts d's prompt once.
-    assert manager.stats().prefix_cache_queries_tokens == queried_before - 13
-    again, transfer = _admit(manager, "d", prompt)
+    # A hold counts its lookups only when granted (the totals feed monotonic counters):
+    # the released one counted nothing, and d's granted admission counts its prompt once.
     assert manager.stats().prefix_cache_queries_tokens == queried_before
+    again, transfer = _admit(manager, "d", prompt)
+    assert manager.stats().prefix_cache_queries_tokens == queried_before + 13
     assert again.num_cached_tokens == 12 and again.block_ids[:3] == loaded
     assert transfer is None or not transfer.load_host_slots  # device hits: no second load
 

@@ -5,8 +5,9 @@ does: its loads land one to four steps later (the worker overlaps them with as m
 forwards), or when a step waits for them (`wait_loads_through`). The fake device checks
 that every position a step attends to holds its token: so every block loaded back from a
 tier holds the right KV, no step reads or writes a block whose load is still in flight,
-under two steps in flight, preemption and finishing requests. Disk reads end a random
-number of steps after they start, while the other requests run."""
+under two steps in flight, preemption and finishing requests; and the prefix cache's query
+and hit totals never go down. Disk reads end a random number of steps after they start,
+while the other requests run."""
 
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ def _run(
 
     for conversation in histories:
         start_turn(conversation)
+    counted = (0, 0)
     while current:
         while (out := scheduler.schedule()) is not None:
             runner.execute(out)
+            usage = manager.stats()  # the totals feed Prometheus counters: never down
+            now = (usage.prefix_cache_queries_tokens, usage.prefix_cache_hits_tokens)
+            assert now[0] >= counted[0] and now[1] >= counted[1], (counted, now)
+            counted = now
         if runner.pending_updates:
             runner.deliver_oldest(scheduler)
         if disk is not None and (rng.random() < 0.3 or not runner.pending_updates):
