@@ -10,12 +10,13 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b) and W5 (qwen3-30b-a3b) batch 1 and offline (~150)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
+#   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
-#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/qwen3 .lane/.tok/
+#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/qwen3 .tok/gptoss .lane/.tok/
 #   python -m benchmarks.recording stamp --tree .lane --commit HEAD
 #   run(command="cd .lane && bash benchmarks/device_plan.sh lane spec", carry=[".lane"])
 # After it: untar each archive; `.ci/gpu-lane merge lane/part-*/gpu-lane.json`; copy the
@@ -76,10 +77,23 @@ plan_tiers() {
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+plan_serve_moe() {
+  local pair name model tokenizer
+  for pair in "w4|gpt-oss-20b|gptoss" "w5|qwen3-30b-a3b|qwen3"; do
+    IFS='|' read -r name model tokenizer <<< "$pair"
+    step "serve_$name" 240 python3 -m benchmarks.serve --result "serve_chat_$name" \
+      --server "--model dummy:$model --tokenizer .tok/$tokenizer --max-num-seqs 256 \
+      --max-num-batched-tokens 16384 --gpu-memory-utilization 0.9 --max-queued-requests 8192 \
+      --api-server-count 4" --endpoint chat --tokenizer ".tok/$tokenizer" --input-len 128 \
+      --output-len 512 --ignore-eos --temperature 1.0 --concurrency 64,256 --num-prompts 1024 \
+      --warmup 32 --clients 4
+  done
+}
+
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, moe, tiers)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, serve_moe)" >&2
     exit 2
   fi
 done
