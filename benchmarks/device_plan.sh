@@ -10,13 +10,15 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b) and W5 (qwen3-30b-a3b) batch 1 and offline (~150)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
+#   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, whose conversations outgrow an
+#          H100's KV pool at 0.85 (hit rate 0.84): that pool, then with 48 GB of host tier
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
-#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/qwen3 .tok/gptoss .lane/.tok/
+#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/{qwen3,gptoss,llama3} .lane/.tok/
 #   python -m benchmarks.recording stamp --tree .lane --commit HEAD
 #   run(command="cd .lane && bash benchmarks/device_plan.sh lane spec", carry=[".lane"])
 # After it: untar each archive; `.ci/gpu-lane merge lane/part-*/gpu-lane.json`; copy the
@@ -77,23 +79,36 @@ plan_tiers() {
   done
 }
 
+plan_tiers8b() {
+  local arm name flags
+  local server="--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256"
+  for arm in "limited|" "host|--kv-offload-cpu-gb 48"; do
+    name=${arm%%|*}
+    flags=${arm#*|}
+    step "tiers8b_$name" 130 python3 -m benchmarks.multi_turn \
+      --result "multi_turn_llama8b_tiers_$name" \
+      --server "$server --gpu-memory-utilization 0.85 $flags" \
+      --tokenizer .tok/llama3 --clients 4 --think-time 2
+  done
+}
+
 plan_serve_moe() {
   local pair name model tokenizer
   for pair in "w4|gpt-oss-20b|gptoss" "w5|qwen3-30b-a3b|qwen3"; do
     IFS='|' read -r name model tokenizer <<< "$pair"
-    step "serve_$name" 240 python3 -m benchmarks.serve --result "serve_chat_$name" \
+    step "serve_$name" 160 python3 -m benchmarks.serve --result "serve_chat_$name" \
       --server "--model dummy:$model --tokenizer .tok/$tokenizer --max-num-seqs 256 \
       --max-num-batched-tokens 16384 --gpu-memory-utilization 0.9 --max-queued-requests 8192 \
       --api-server-count 4" --endpoint chat --tokenizer ".tok/$tokenizer" --input-len 128 \
-      --output-len 512 --ignore-eos --temperature 1.0 --concurrency 64,256 --num-prompts 1024 \
+      --output-len 512 --ignore-eos --temperature 1.0 --concurrency 64,256 --num-prompts 512 \
       --warmup 32 --clients 4
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, serve_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, tiers8b, serve_moe)" >&2
     exit 2
   fi
 done
