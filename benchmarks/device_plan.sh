@@ -10,8 +10,8 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b) and W5 (qwen3-30b-a3b) batch 1 and offline (~150)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
-#   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, whose conversations outgrow an
-#          H100's KV pool at 0.85 (hit rate 0.84): that pool, then with 48 GB of host tier
+#   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
+#          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
@@ -82,13 +82,13 @@ plan_tiers() {
 plan_tiers8b() {
   local arm name flags
   local server="--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256"
-  for arm in "limited|" "host|--kv-offload-cpu-gb 48"; do
+  for arm in "unlimited|--gpu-memory-utilization 0.9" "limited|--num-kv-blocks 10000" \
+    "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32"; do
     name=${arm%%|*}
     flags=${arm#*|}
     step "tiers8b_$name" 130 python3 -m benchmarks.multi_turn \
-      --result "multi_turn_llama8b_tiers_$name" \
-      --server "$server --gpu-memory-utilization 0.85 $flags" \
-      --tokenizer .tok/llama3 --clients 4 --think-time 2
+      --result "multi_turn_llama8b_tiers_$name" --server "$server $flags" \
+      --tokenizer .tok/llama3 --conversations 64 --clients 4 --think-time 2
   done
 }
 
