@@ -244,7 +244,7 @@ class KVCacheManager:
                 self._keep_waiting_hashes(entries[position:], old_hashes)
                 break
             request_id = entry.request_id
-            if request_id in held and self._is_loading(request_id):
+            if request_id in held and self._loading(self._requests[request_id].block_ids):
                 held.move(request_id, self._held)
                 new_holds.append(entry)
                 continue
@@ -308,7 +308,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit_block_ids.append(block_id)
-        lookup = self._find_offloaded(entry.request_id, hashes[len(hit_block_ids) : max_hit_blocks])
+        offloaded = hashes[len(hit_block_ids) : max_hit_blocks]
+        lookup = self._held.lookup(self.offload, entry.request_id, offloaded)
         if lookup is None:
             return _Wait.READING
         num_loaded = len(lookup.host_slots)
@@ -331,24 +332,19 @@ class KVCacheManager:
         counted = (0, 0)
         if self.enable_prefix_caching:
             counted = (num_tokens, len(hit_block_ids) * self.block_size)  # the device pool's
-        offload = self.offload
-        if num_loaded or (offload and any(offload.is_loading(b) for b in hit_block_ids)):
+        if num_loaded or self._loading(hit_block_ids):
             self._held.hold(entry.request_id, num_cached, counted)
             return None
         self._count_lookup(counted)
         return self._grant(entry.request_id, state, num_cached, num_new)
 
     def _count_lookup(self, counted: tuple[int, int]) -> None:
-        """Count a granted admission's (queried, hit) tokens: only when granted, since the
-        totals feed monotonic counters and a released hold is admitted (and counted) again."""
+        """Count a granted admission's lookups (not a hold's, which may be released)."""
         self._num_query_tokens += counted[0]
         self._num_hit_tokens += counted[1]
 
-    def _is_loading(self, request_id: str) -> bool:
-        """Whether some of the request's blocks may still be loading from the tiers."""
-        offload = self.offload
-        state = self._requests[request_id]
-        return offload is not None and any(offload.is_loading(b) for b in state.block_ids)
+    def _loading(self, block_ids: Sequence[int]) -> bool:
+        return self.offload is not None and self.offload.any_loading(block_ids)
 
     def _grant_held(self, entry: WaitingAlloc, held: Holds, token_budget: int) -> WaitingGrant:
         """A held request's grant (popped from `held`), within the blocks it holds (at least
@@ -368,8 +364,7 @@ class KVCacheManager:
         return WaitingGrant(request_id, tuple(state.block_ids), num_cached, num_new)
 
     def _release(self, held: Holds) -> None:
-        """Free holds this allocation did not reach; their blocks stay cached (and marked
-        loading until their loads are done)."""
+        """Free holds this allocation did not reach; their blocks stay cached (loading)."""
         for request_id in held.request_ids():
             state = self._requests.pop(request_id)
             self._waiting_hashes[request_id] = state.block_hashes
@@ -385,19 +380,11 @@ class KVCacheManager:
             self.offload.reuse(block_ids)
         return block_ids
 
-    def _find_offloaded(self, request_id: str, hashes: Sequence[BlockHash]) -> Lookup | None:
-        """The blocks after the device pool's hits that host memory holds, in order up to
-        the first it misses; None while some are being read from disk."""
-        if self.offload is None:
-            return Lookup()
-        return self._held.lookup(self.offload, request_id, hashes)
-
     def _load_offloaded(
         self, lookup: Lookup, hashes: Sequence[BlockHash], block_ids: Sequence[int]
     ) -> None:
-        """Copy the tiers' hits into the request's new blocks and publish them now: the
-        request is held, and so is any other that hits them while they load
-        (`KVOffload.is_loading`), so every reader comes after the loads."""
+        """Copy the tiers' hits into the request's new blocks and publish them now: whoever
+        hits them while they load is held (`KVOffload.is_loading`)."""
         if self.offload is None:
             return
         for slot, block_hash, block_id in zip(lookup.host_slots, hashes, block_ids, strict=False):

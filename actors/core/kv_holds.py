@@ -76,10 +76,13 @@ class Holds:
         self._waited_for_reads.discard(request_id)
 
     def lookup(
-        self, offload: KVOffload, request_id: str, hashes: Sequence[BlockHash]
+        self, offload: KVOffload | None, request_id: str, hashes: Sequence[BlockHash]
     ) -> Lookup | None:
-        """`offload.lookup` for a waiting request, which starts disk reads only the first
-        time it must wait for some."""
+        """`offload.lookup` for a waiting request (the blocks after the device pool's hits
+        that host memory holds, up to the first it misses; None while some are read from
+        disk), which starts disk reads only the first time it must wait for some."""
+        if offload is None:
+            return Lookup()
         waited = self._waited_for_reads
         lookup = offload.lookup(hashes, start_reads=request_id not in waited)
         if lookup is None:

@@ -1,18 +1,16 @@
-"""The offload tiers' bookkeeping in the engine core (actors/core/kv_offload.py): the tier
-index's LRU and pins, the copies the KV cache manager orders when the device pool evicts a
-cached block and when a later prompt hits it in host memory or on disk, salt isolation.
-Here nothing else runs, so a host hit is granted in the step that loads it (the holds of a
-busy engine: test_kv_offload_holds.py); a disk hit waits for its read first."""
+"""The offload tiers' bookkeeping in the engine core (actors/core/kv_offload.py): the copies
+the KV cache manager orders when the device pool evicts a cached block and when a later
+prompt hits it in host memory or on disk, salt isolation. Here nothing else runs, so a host
+hit is granted in the step that loads it (the holds of a busy engine:
+test_kv_offload_holds.py); a disk hit waits for its read first."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 
-import pytest
-
 from actors.core.kv_allocation import AllocateStep, RunningAllocs, WaitingAlloc, WaitingGrant
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.core.kv_offload import KVOffload, TierIndex
+from actors.core.kv_offload import KVOffload
 from actors.core.prefix_hash import hash_full_blocks
 from actors.protocol.messages import KVTransfer
 
@@ -70,41 +68,6 @@ def _admit(
     manager.free([request_id])
     manager.check_invariants()
     return grant, manager.take_transfer()
-
-
-# ---- the tier index -------------------------------------------------------------------
-
-
-def test_tier_index_evicts_least_recently_used_unpinned_slot() -> None:
-    index = TierIndex(2)
-    slot_a, evicted = index.insert(b"a")  # type: ignore[misc]
-    assert evicted is None
-    slot_b, _ = index.insert(b"b")  # type: ignore[misc]
-    index.release_pins()
-    assert index.lookup(b"a") == slot_a  # a is now the most recent (and pinned)
-    index.release_pins()
-    assert index.insert(b"c") == (slot_b, b"b")
-    assert b"b" not in index and index.lookup(b"c") == slot_b
-    index.check_invariants()
-
-
-def test_pinned_slots_are_never_evicted_within_a_step() -> None:
-    index = TierIndex(2)
-    index.insert(b"a")
-    index.insert(b"b")
-    assert index.insert(b"c") is None  # both slots serve copies not yet taken
-    index.release_pins()
-    assert index.insert(b"c") is not None
-
-
-def test_clearing_keeps_pinned_slots_until_their_copies_are_taken() -> None:
-    index = TierIndex(2)
-    slot_a, _ = index.insert(b"a")  # type: ignore[misc]
-    assert index.clear() == 1 and len(index) == 0
-    slot_b, _ = index.insert(b"b")  # type: ignore[misc]
-    assert slot_b != slot_a  # slot a may still be read by this step's copies
-    index.release_pins()
-    index.check_invariants()
 
 
 # ---- the manager's copies -------------------------------------------------------------
@@ -260,9 +223,3 @@ def test_the_disk_bound_deletes_least_recently_used_blocks() -> None:
     assert transfer is not None and len(transfer.spill_hashes) == 3
     assert manager.stats().kv_tiers[1].num_blocks == 2
     assert disk.deleted == [transfer.spill_hashes[0]]  # the least recently spilled
-
-
-@pytest.mark.parametrize("num_host_slots", [0, -1])
-def test_a_tier_needs_at_least_one_slot(num_host_slots: int) -> None:
-    with pytest.raises(ValueError):
-        TierIndex(num_host_slots)
