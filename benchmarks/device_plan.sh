@@ -67,29 +67,27 @@ plan_moe() {
   step w5 140 $T --workload W5 --gpu-memory-utilization 0.92 --result throughput_w5
 }
 
-plan_tiers() {
-  local arm name flags
-  for arm in "unlimited|--gpu-memory-utilization 0.85" "limited|--num-kv-blocks 24000" \
-    "host|--num-kv-blocks 24000 --kv-offload-cpu-gb 16"; do
-    name=${arm%%|*}
-    flags=${arm#*|}
-    step "tiers_$name" 150 python3 -m benchmarks.multi_turn \
-      --result "multi_turn_qwen3_tiers_$name" --server "$TIER_SERVER $flags" \
-      --tokenizer .tok/qwen3 --clients 4 --think-time 2
+tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FLAGS"...
+  local prefix=$1 server=$2 client=$3 arm
+  shift 3
+  for arm in "$@"; do
+    # shellcheck disable=SC2086  # the client flags are words
+    step "${prefix}_${arm%%|*}" 150 python3 -m benchmarks.multi_turn \
+      --result "multi_turn_${prefix}_${arm%%|*}" --server "$server ${arm#*|}" $client
   done
 }
 
+plan_tiers() {
+  tier_arms qwen3_tiers "$TIER_SERVER" "--tokenizer .tok/qwen3 --clients 4 --think-time 2" \
+    "unlimited|--gpu-memory-utilization 0.85" "limited|--num-kv-blocks 24000" \
+    "host|--num-kv-blocks 24000 --kv-offload-cpu-gb 16"
+}
+
 plan_tiers8b() {
-  local arm name flags
-  local server="--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256"
-  for arm in "unlimited|--gpu-memory-utilization 0.9" "limited|--num-kv-blocks 10000" \
-    "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32"; do
-    name=${arm%%|*}
-    flags=${arm#*|}
-    step "tiers8b_$name" 130 python3 -m benchmarks.multi_turn \
-      --result "multi_turn_llama8b_tiers_$name" --server "$server $flags" \
-      --tokenizer .tok/llama3 --conversations 64 --clients 4 --think-time 2
-  done
+  tier_arms llama8b_tiers "--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256" \
+    "--tokenizer .tok/llama3 --conversations 64 --clients 4 --think-time 2" \
+    "unlimited|--gpu-memory-utilization 0.9" "limited|--num-kv-blocks 10000" \
+    "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32"
 }
 
 plan_serve_moe() {
