@@ -21,7 +21,10 @@ import app.server
 from benchmarks.soak_server import resident_bytes
 from tests.app._server_fixtures import ENGINE, RunningServer
 
-MAX_HEALTH_S = 1.0
+MAX_HEALTH_S = 2.0
+"""The freezes these tests guard against held /health for 4-27 s; on a quiet machine it
+answers within 0.1 s, and on two shared cores beside a second test worker scheduling alone
+has delayed it 1.2 s."""
 RSS_SLACK_BYTES = 150 * 1024 * 1024
 """Allocator caches and the engine's own buffers move RSS by tens of MiB; the defects these
 tests guard against moved it by hundreds of MiB to gigabytes."""
