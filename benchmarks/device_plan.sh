@@ -13,14 +13,16 @@
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
+#   hf_moe  issue 25: W4 and W5 offline against transformers' static generate, same weights
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
-#   cp -r .gpu-lane .lane/ && mkdir -p .lane/.tok && cp -r .tok/{qwen3,gptoss,llama3} .lane/.tok/
+#   cp -r .gpu-lane .lane/ && tar -czf .lane/tok.tgz .tok/{qwen3,gptoss,llama3}
 #   python -m benchmarks.recording stamp --tree .lane --commit HEAD
-#   run(command="cd .lane && bash benchmarks/device_plan.sh lane spec", carry=[".lane"])
+#   run(command="cd .lane && tar -xzf tok.tgz && bash benchmarks/device_plan.sh lane spec",
+#       carry=[".lane"])        # the tokenizers travel packed: a call carries 64 MiB at most
 # After it: untar each archive; `.ci/gpu-lane merge lane/part-*/gpu-lane.json`; copy the
 # result files (<plan>/<result>.json) over benchmarks/results/.
 set -uo pipefail
@@ -103,10 +105,17 @@ plan_serve_moe() {
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+plan_hf_moe() {
+  step hf_w4 300 $T --workload W4 --arms v2,hf_static --hf-num-prompts 128 \
+    --hf-batch-size 128 --gpu-memory-utilization 0.9 --result throughput_w4_hf
+  step hf_w5 300 $T --workload W5 --arms v2,hf_static --hf-num-prompts 64 \
+    --hf-batch-size 64 --gpu-memory-utilization 0.9 --result throughput_w5_hf
+}
+
+[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, tiers8b, serve_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done
