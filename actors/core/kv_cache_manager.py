@@ -244,12 +244,13 @@ class KVCacheManager:
                 self._keep_waiting_hashes(entries[position:], old_hashes)
                 break
             request_id = entry.request_id
-            if request_id in held and self._loading(self._requests[request_id].block_ids):
-                held.move(request_id, self._held)
-                new_holds.append(entry)
-                continue
+            admitted: WaitingGrant | _Wait | None
             if request_id in held:
-                admitted: WaitingGrant | _Wait | None = self._grant_held(entry, held, token_budget)
+                if self._loading(self._requests[request_id].block_ids):
+                    held.move(request_id, self._held)  # its loads still run: held again
+                    new_holds.append(entry)
+                    continue
+                admitted = self._grant_held(entry, held, token_budget)
             else:
                 hashes = self._hash_prompt(entry, old_hashes.get(request_id, ()))
                 admitted = self._admit(entry, hashes, token_budget)

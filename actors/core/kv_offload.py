@@ -108,11 +108,11 @@ class KVOffload:
         self._loading: dict[int, int] = {}
         """Device blocks whose load may not be done yet -> the load's number."""
         self._next_load_id = 0
-        self._pending_wait = -1
-        """The `wait_loads_through` of the next transfer (-1: none)."""
         self._waited_through = -1
-        """The newest load every rank's later steps come after (reported done, or waited
-        for by a step already built)."""
+        """The newest load whose blocks every later step may read (done on rank 0, or
+        waited for by the step being built): the next transfer waits for it on every rank."""
+        self._sent_wait_through = -1
+        """The newest load a transfer already told every rank to wait for."""
         self._reads: dict[BlockHash, Future[bytes | None]] = {}
         """Disk reads in flight, by hash (dropped by a reset: their bytes are not used)."""
         self._from_disk: set[BlockHash] = set()
@@ -232,11 +232,11 @@ class KVOffload:
         if pending.load_host_slots:
             load_id = self._next_load_id
             self._next_load_id += 1
-        wait_through = self._pending_wait
         if pending.wait_for_every_load and self._next_load_id - 1 > self._waited_through:
-            wait_through = self._next_load_id - 1
-            self._forget_loads_through(wait_through)
-        self._pending_wait = -1
+            self._forget_loads_through(self._next_load_id - 1)
+        wait_through = -1
+        if self._waited_through > self._sent_wait_through:
+            wait_through = self._sent_wait_through = self._waited_through
         transfer = KVTransfer(
             spill_host_slots=tuple(pending.spill_host_slots),
             spill_hashes=tuple(pending.spill_hashes),
@@ -282,7 +282,6 @@ class KVOffload:
         """Loads up to `load_id` are done, or the next step waits for them: their blocks
         are readable by every later step."""
         self._waited_through = load_id
-        self._pending_wait = load_id
         done = [block_id for block_id, number in self._loading.items() if number <= load_id]
         for block_id in done:
             del self._loading[block_id]
