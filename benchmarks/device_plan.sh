@@ -15,7 +15,9 @@
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 #   hf_moe  issue 25: W4 and W5 offline against transformers' static generate, same weights
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
-# back at most 8 files. Each step has its own time limit, so a slow step costs only itself.
+# back at most 8 files. Each step has its own time limit, so a slow step costs only itself,
+# and no step runs past PLAN_BUDGET_S (default 570) from the start: the call's own limit
+# (600 s) would kill the plan before it leaves its archive. A step cut short or skipped says so.
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
@@ -33,9 +35,16 @@ ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 
 SPEC="python3 -m benchmarks.spec_decode --device cuda --dtype bfloat16"
 TIER_SERVER="--model dummy:qwen3-0.6b --tokenizer .tok/qwen3 --max-num-seqs 256 --max-model-len 8192"
 
+PLAN_END=$(($(date +%s) + ${PLAN_BUDGET_S:-570}))
+
 step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's folder
-  local name=$1 limit=$2
+  local name=$1 limit=$2 left=$((PLAN_END - $(date +%s) - 5))
   shift 2
+  if [ "$left" -lt 30 ]; then
+    echo "== $name skipped: ${left} s left of PLAN_BUDGET_S"
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "== $name ($(date +%T), limit ${limit} s)"
   timeout "$limit" bash benchmarks/device_run.sh "$@" > "$OUT/$name.log" 2>&1
   echo "   exit $?; $(grep -E 'tok/s \(|equal|TPOT|overall' "$OUT/$name.log" | tail -1 | cut -c1-150)"
