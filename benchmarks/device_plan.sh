@@ -31,7 +31,7 @@ set -uo pipefail
 FINAL_OUT=${OUT:-/tmp/tandem_out}
 export WHEELS=${WHEELS:-.gpu-lane/wheels}
 T="python3 -m benchmarks.throughput --arms v2 --repeats 1"
-ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 0.9"
+ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 0.9 --kernel-profile"
 SPEC="python3 -m benchmarks.spec_decode --device cuda --dtype bfloat16"
 TIER_SERVER="--model dummy:qwen3-0.6b --tokenizer .tok/qwen3 --max-num-seqs 256 --max-model-len 8192"
 

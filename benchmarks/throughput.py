@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=1, help="tandem's, for both runners"
     )
+    p.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="CUDA: one more v2 run under torch.profiler, its device time per step by "
+        "kernel (recorded as kernel_profile)",
+    )
     args = p.parse_args(argv)
     args.default_arms = args.arms is None
     args.arms = _checked_arms(p, args)

@@ -54,6 +54,9 @@ def run_arms(
         details["summary"] = summarise_runs(details["runs"])
         checkpoint(details)
         print(_describe(details["runs"][-1]), flush=True)
+    if getattr(args, "kernel_profile", False) and engine_options["device"] == "cuda":
+        details["kernel_profile"] = _profile_v2(v2, prompts, workload.output_len)
+        checkpoint(details)
     hf_arms = [a for a in HF_ARMS if a in args.arms]
     if hf_arms:
         _run_hf_arms(
@@ -61,6 +64,18 @@ def run_arms(
         )
     details["summary"] = summarise_runs(details["runs"])
     return details
+
+
+def _profile_v2(v2: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """One untimed v2 run under torch.profiler: device time per step by kernel."""
+    from benchmarks.kernel_profile import format_kernels, profile_kernels
+
+    def run() -> int:
+        return len(run_engine(v2, prompts, fixed_length_params(output_len)).steps)
+
+    summary = profile_kernels(run)
+    print(format_kernels(summary), flush=True)
+    return summary
 
 
 def abba_order(arms: tuple[str, ...], repeats: int) -> list[str]:
