@@ -200,3 +200,27 @@ def test_on_cuda_a_load_is_ordered_before_the_step_that_reads_it(wait: str) -> N
     for want, actual in zip(expected, got, strict=True):
         assert torch.equal(want, actual)
     assert pool.loads_done_through() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_saved", [1, 40, 70])  # one, two and three staging chunks
+def test_on_cuda_blocks_rewritten_right_after_their_save_reach_the_host_intact(
+    num_saved: int,
+) -> None:
+    """The step's forward waits for the saves' gathers only, not for their copies over
+    PCIe: blocks rewritten on the compute stream right after `apply` still arrive whole."""
+    caches = allocate_kv_cache(
+        NUM_LAYERS, 80, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, torch.bfloat16, "cuda"
+    )
+    for layer in caches:
+        layer.copy_(torch.randn(layer.shape, device="cuda").to(torch.bfloat16))
+    pool = HostKVPool(caches, num_slots=num_saved, pin_memory=True)
+    block_ids = tuple(range(5, 5 + num_saved))
+    expected = [_block(caches, block_id) for block_id in block_ids]
+    pool.apply(KVTransfer(save_gpu_block_ids=block_ids, save_host_slots=tuple(range(num_saved))))
+    for layer in caches:  # the next step's forward, queued at once
+        layer.mul_(-1.0)
+    for slot, want in enumerate(expected):
+        host = torch.frombuffer(bytearray(pool.slot_bytes(slot)), dtype=torch.bfloat16)
+        assert torch.equal(host, torch.stack(want).cpu().flatten())
