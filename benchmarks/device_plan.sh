@@ -74,8 +74,10 @@ plan_fp8() {
 plan_moe() {
   step w4_b1 90 $T --workload W4 $ONE --result throughput_w4_batch1
   step w5_b1 90 $T --workload W5 $ONE --result throughput_w5_batch1
-  step w4 140 $T --workload W4 --gpu-memory-utilization 0.9 --result throughput_w4
-  step w5 140 $T --workload W5 --gpu-memory-utilization 0.92 --result throughput_w5
+  step w4 170 $T --workload W4 --gpu-memory-utilization 0.9 --kernel-profile \
+    --result throughput_w4
+  step w5 200 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
+    --result throughput_w5
 }
 
 tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FLAGS"...
