@@ -13,6 +13,7 @@ from app.tool_calls.output import ToolCallOutput
 
 if TYPE_CHECKING:
     from app.harmony.output import HarmonyOutput
+    from app.reasoning.output import ReasoningOutput
 from telemetry.records import RequestRecord
 
 LOGPROB_FLOOR = -9999.0
@@ -160,16 +161,20 @@ def chat_response(
     prompt_token_ids: Sequence[int] | None = None,
     tool_calls: Callable[[], ToolCallOutput] | None = None,
     harmony: Callable[[], HarmonyOutput] | None = None,
+    reasoning: Callable[[], ReasoningOutput] | None = None,
 ) -> dict[str, Any]:
     """`tool_calls`: makes each choice's tool-call reader when the request has tools;
     `harmony`: each choice's reader of a harmony (gpt-oss) completion, which fills
-    `reasoning_content` and `tool_calls` too."""
+    `reasoning_content` and `tool_calls` too; `reasoning`: the same for a `<think>`
+    model's completion (it reads the tool calls itself)."""
     body_choices = []
     for choice in choices:
         message: dict[str, Any] = {"content": echo_prefix + choice.text}
         finish_reason = choice.finish_reason
         if harmony is not None:
             message, finish_reason = harmony().message(choice.token_ids, choice.finish_reason)
+        elif reasoning is not None:
+            message, finish_reason = reasoning().message(choice.text, choice.finish_reason)
         elif tool_calls is not None:
             message, finish_reason = tool_calls().message(choice.text, choice.finish_reason)
         body_choice: dict[str, Any] = {

@@ -32,6 +32,7 @@ from app.prompts import (
     sampling_params,
     truncate_and_check,
 )
+from app.reasoning.output import reasoning_output_factory
 from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response
 from app.route_answers import collect, continuous_usage, json_response, stream_response
@@ -62,6 +63,9 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
     prompt_logprobs.check_num_entries(params, [len(prompt.token_ids)], 1, "prompt_logprobs")
     new_tool_output = tools.output_factory()
     new_harmony_output = None if harmony is None else harmony_output_factory(harmony, req, tools)
+    new_reasoning_output = reasoning_output_factory(
+        state.settings.reasoning_parser, req, chat.prompt.text, new_tool_output, params
+    )
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]
@@ -82,6 +86,7 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
             echo_prefix=chat.echo_prefix,
             tool_calls=new_tool_output,
             harmony=new_harmony_output,
+            reasoning=new_reasoning_output,
         )
         return stream_response(group, formatter, req, state, request_id, call)
     if not await collect(request, group, choices, request_id, call, [num_prompt_tokens]):
@@ -95,6 +100,7 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
         prompt_token_ids=prompt_ids,
         tool_calls=new_tool_output,
         harmony=new_harmony_output,
+        reasoning=new_reasoning_output,
     )
     prompt_logprobs.add_to_chat(body, choices)
     return json_response(body)

@@ -65,3 +65,29 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise UserFacingError(message)
+    problem = _reasoning_parser_problem(args.reasoning_parser, args.model)
+    if problem is not None:
+        raise UserFacingError(problem)
+
+
+def _reasoning_parser_problem(parser: str, model: str) -> str | None:
+    """Why --reasoning-parser cannot read this model's chat: harmony (gpt-oss) has its own
+    parser, the others read `<think>` blocks."""
+    from app.harmony.model import is_gpt_oss
+    from app.reasoning.parsers import HARMONY_PARSER
+
+    if parser == "none":
+        return None
+    harmony = is_gpt_oss(model)
+    if parser == HARMONY_PARSER and not harmony:
+        return (
+            f"--reasoning-parser {parser} reads gpt-oss's harmony format, and --model "
+            f"{model} is not a gpt-oss model; use qwen3, deepseek_r1 or none"
+        )
+    if parser != HARMONY_PARSER and harmony:
+        return (
+            f"--reasoning-parser {parser} reads <think> blocks, and --model {model} is a "
+            f"gpt-oss model, whose reasoning is read from harmony anyway; use "
+            f"{HARMONY_PARSER} or none"
+        )
+    return None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.engine_args import add_engine_args, engine_config_from_args
+from app.reasoning.parsers import REASONING_PARSERS
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -214,6 +215,25 @@ def _add_api_args(api: Any) -> None:
         "chat template). Env: TANDEM_TOOL_CALL_PARSER",
     )
     api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=_env_flag("enable_auto_tool_choice"),
+        help="vLLM's; a no-op (tool_choice 'auto' is always served). "
+        "Env: TANDEM_ENABLE_AUTO_TOOL_CHOICE=1",
+    )
+    api.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=_env("reasoning_parser", "none"),
+        help="read chat reasoning out of the text into reasoning_content: qwen3 "
+        "(<think>...</think>, opened by the completion or left open by the prompt), "
+        "deepseek_r1 (reasoning from the start to </think>), openai_gptoss (gpt-oss only, "
+        "read so anyway) or none (default). Output constraints (response_format, "
+        "tool_choice required or named) bind the completion from its first token: the "
+        "model cannot open a think block and answers without thinking. "
+        "Env: TANDEM_REASONING_PARSER",
+    )
+    api.add_argument(
         "--grammar-compile-timeout",
         type=float,
         default=_env("grammar_compile_timeout", 10.0, float),
@@ -321,6 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         log_format=args.log_format,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
 

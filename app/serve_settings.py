@@ -49,6 +49,10 @@ class ServeSettings:
     tool_call_parser: str = "auto"
     """How tool calls are read out of model text: hermes, llama3_json, none, or auto (from
     the chat template)."""
+    reasoning_parser: str = "none"
+    """How a chat completion's reasoning is read out of its text: qwen3 or deepseek_r1
+    (`<think>` blocks, app/reasoning/); none or openai_gptoss leave it to the model's format
+    (harmony models have theirs read anyway)."""
     grammar_compile_timeout_s: float = 10.0
     """The most a new structured output spec may take to compile (in a checker process)."""
     api_server_count: int = 1

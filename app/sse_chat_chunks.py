@@ -1,12 +1,12 @@
-"""The chat completion chunks of a streamed choice: the role chunk, then content, tool-call
-or harmony (reasoning, content, tool-call) deltas, then the finish chunk. A chat stream's
-first chunk carries `prompt_logprobs` once. Separate from text completions because tool
-calls and harmony shape the chat deltas and nothing else."""
+"""The chat completion chunks of a streamed choice: the role chunk, then content, tool-call,
+or reasoning, content and tool-call deltas (harmony, --reasoning-parser), then the finish
+chunk. A chat stream's first chunk carries `prompt_logprobs` once. Separate from text
+completions because tool calls and reasoning shape the chat deltas and nothing else."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from actors.frontend.output_stream import StreamDelta
 from app import prompt_logprobs
@@ -16,6 +16,9 @@ from app.tool_calls.output import ToolCallOutput
 
 if TYPE_CHECKING:
     from app.harmony.output import HarmonyOutput
+    from app.reasoning.output import ReasoningOutput
+
+Reader = TypeVar("Reader")
 
 
 class ChatChunkFormatter(ChunkFormatter):
@@ -30,10 +33,12 @@ class ChatChunkFormatter(ChunkFormatter):
         echo_prefix: str = "",
         tool_calls: Callable[[], ToolCallOutput] | None = None,
         harmony: Callable[[], HarmonyOutput] | None = None,
+        reasoning: Callable[[], ReasoningOutput] | None = None,
     ) -> None:
         """`tool_calls`: makes each choice's tool-call reader when the request has tools;
         `harmony`: each choice's reader of a harmony (gpt-oss) completion, whose chunks
-        carry `reasoning_content`, `content` and `tool_calls` deltas."""
+        carry `reasoning_content`, `content` and `tool_calls` deltas; `reasoning`: the
+        same for a `<think>` model's completion (it reads the tool calls itself)."""
         super().__init__(meta, prompt_lens, choices, continuous_usage)
         self.role = role
         self.echo_prefix = echo_prefix
@@ -41,6 +46,8 @@ class ChatChunkFormatter(ChunkFormatter):
         self._tool_outputs: dict[int, ToolCallOutput] = {}
         self._new_harmony_output = harmony
         self._harmony_outputs: dict[int, HarmonyOutput] = {}
+        self._new_reasoning_output = reasoning
+        self._reasoning_outputs: dict[int, ReasoningOutput] = {}
         self._sent_prompt_logprobs = False
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
@@ -58,6 +65,8 @@ class ChatChunkFormatter(ChunkFormatter):
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
         if self._new_harmony_output is not None:
             return out + self._harmony_chunks(choice.index, delta, logprobs)
+        if self._new_reasoning_output is not None:
+            return out + self._reasoning_chunks(choice.index, delta, logprobs)
         if self._new_tool_output is not None:
             return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
@@ -75,7 +84,7 @@ class ChatChunkFormatter(ChunkFormatter):
         """Content, then one chunk per tool-call entry (header, argument fragments), then
         the finish chunk: each call's pieces arrive in order, as from OpenAI."""
         assert self._new_tool_output is not None
-        output = self._tool_outputs.setdefault(index, self._new_tool_output())
+        output = _reader(self._tool_outputs, index, self._new_tool_output)
         content, entries, finish_reason = output.feed(delta.text, delta.finish_reason)
         out = []
         if content or logprobs:
@@ -88,11 +97,29 @@ class ChatChunkFormatter(ChunkFormatter):
     def _harmony_chunks(
         self, index: int, delta: StreamDelta, logprobs: Any
     ) -> list[dict[str, Any]]:
+        assert self._new_harmony_output is not None
+        output = _reader(self._harmony_outputs, index, self._new_harmony_output)
+        pieces, finish_reason = output.feed(delta.token_ids, delta.finish_reason)
+        return self._piece_chunks(index, delta, logprobs, pieces, finish_reason)
+
+    def _reasoning_chunks(
+        self, index: int, delta: StreamDelta, logprobs: Any
+    ) -> list[dict[str, Any]]:
+        assert self._new_reasoning_output is not None
+        output = _reader(self._reasoning_outputs, index, self._new_reasoning_output)
+        pieces, finish_reason = output.feed(delta.text, delta.finish_reason)
+        return self._piece_chunks(index, delta, logprobs, pieces, finish_reason)
+
+    def _piece_chunks(
+        self,
+        index: int,
+        delta: StreamDelta,
+        logprobs: Any,
+        pieces: list[dict[str, Any]],
+        finish_reason: str | None,
+    ) -> list[dict[str, Any]]:
         """One chunk per reasoning, content or tool-call piece, in the order the model wrote
         them (the delta's logprobs ride on the first), then the finish chunk."""
-        assert self._new_harmony_output is not None
-        output = self._harmony_outputs.setdefault(index, self._new_harmony_output())
-        pieces, finish_reason = output.feed(delta.token_ids, delta.finish_reason)
         if logprobs and not pieces:
             pieces = [{"content": ""}]
         out = [
@@ -120,3 +147,12 @@ class ChatChunkFormatter(ChunkFormatter):
                 "stop_reason": stop_reason,
             }
         )
+
+
+def _reader(readers: dict[int, Reader], index: int, new: Callable[[], Reader]) -> Reader:
+    """Choice `index`'s reader, made on its first delta (setdefault would make one per
+    delta and drop it)."""
+    reader = readers.get(index)
+    if reader is None:
+        reader = readers[index] = new()
+    return reader

@@ -84,7 +84,7 @@ class HermesParser(ToolCallParser):
             if self._reader is None:
                 tag = self.text.find(self.OPEN, self._pos)
                 if tag < 0:
-                    safe = len(self.text) if final else _safe_end(self.text, self.OPEN)
+                    safe = len(self.text) if final else safe_end(self.text, self.OPEN)
                     content += self._content(self.text[self._pos : safe], final)
                     self._pos = max(self._pos, safe)
                     return content, deltas
@@ -222,7 +222,7 @@ def _end_sequence(
     return content, deltas
 
 
-def _safe_end(text: str, tag: str) -> int:
+def safe_end(text: str, tag: str) -> int:
     """End of the text that cannot be the start of `tag`."""
     for keep in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-keep:]):

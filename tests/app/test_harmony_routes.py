@@ -6,31 +6,30 @@ sent with the request must take the scripted completion."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from actors.core.grammar import GrammarMatcher, compile_matcher
 from actors.core.grammar_worker import SpecChecker
-from actors.frontend.admission import AdmissionLimits
-from actors.frontend.admitted_group import AdmittedGroup
-from actors.frontend.output_stream import LogprobEntry, RequestStream, StreamDelta, TopLogprob
 from actors.protocol.config import EngineConfig
 from actors.protocol.messages import GrammarCheckerStart
 from actors.protocol.structured_output import StructuredOutputSpec
-from app.endpoints import exception_handlers
 from app.harmony.render import render_prompt
 from app.harmony.vocab import ENCODINGS_BASE_ENV
-from app.routes_openai import openai_routes
 from app.serve_settings import ServeSettings
 from app.server_state import ServerState
 from app.tokenizer_loader import load_tokenizer
 from tests._gpt_oss_tokenizer import gpt_oss_model_dir
+from tests.app._scripted_chat import (
+    joined_deltas,
+    routes_client,
+    scripted_state,
+    stream_chunks,
+)
 
 VOCAB_SIZE = 201_088
 EOS_TOKEN_IDS = (200002, 199999, 200012)
@@ -62,38 +61,6 @@ ANSWER = (
 )
 
 
-class ScriptedStream(RequestStream):
-    """Hands out one scripted token per read (with made-up logprobs when asked), then
-    finishes at the last one."""
-
-    def __init__(
-        self, request_id: str, num_prompt_tokens: int, tokens: list[int], logprobs: bool
-    ) -> None:
-        super().__init__(request_id, num_prompt_tokens)
-        self._script = list(tokens)
-        self._with_logprobs = logprobs
-
-    async def get(self) -> StreamDelta | None:
-        if self._script:
-            token = self._script.pop(0)
-            finished = not self._script
-            self.push(
-                [token],
-                f"<{token}>",
-                [_logprob(token)] if self._with_logprobs else None,
-                finish_reason="stop" if finished else None,
-                stop_reason=token if finished else None,
-            )
-        return await super().get()
-
-
-def _logprob(token_id: int) -> LogprobEntry:
-    """A distinct, recognisable entry per token: logprob -token_id / 1e6."""
-    token = f"t{token_id}"
-    other = TopLogprob(token_id + 1, f"t{token_id + 1}", tuple(b"x"), -20.0)
-    return LogprobEntry(token_id, token, tuple(token.encode()), -token_id / 1e6, 1, (other,))
-
-
 class InProcessChecker:
     """The grammar checker's verdicts, compiled in this process (as its worker does)."""
 
@@ -106,23 +73,6 @@ class InProcessChecker:
         return self.checker.verdict(spec).error
 
 
-class ScriptedAdmission:
-    def __init__(self) -> None:
-        self.limits = AdmissionLimits(max_num_running=8)
-        self.script: list[int] = []
-        self.requests: list[Any] = []
-
-    async def admit(self, requests: list[Any], params: Any) -> AdmittedGroup:
-        self.requests += requests
-        streams: list[RequestStream] = [
-            ScriptedStream(
-                r.request_id, len(r.prompt_token_ids), self.script, params.logprobs is not None
-            )
-            for r in requests
-        ]
-        return AdmittedGroup(lambda ids, abort=False: None, streams)
-
-
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
     root = tmp_path_factory.mktemp("gpt-oss")
@@ -131,21 +81,15 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
         patch.delenv(ENCODINGS_BASE_ENV)
         patch.setenv("TANDEM_CACHE_DIR", os.fspath(root / "cache"))
         model = gpt_oss_model_dir(root)
-        served = ServerState(ServeSettings(engine=EngineConfig(model=model), port=0))
-        served.tokenizer = load_tokenizer(model)
-        served.eos_token_ids = served.tokenizer.eos_token_ids
-        served.max_model_len, served.vocab_size = 4096, VOCAB_SIZE
-        served.admission = ScriptedAdmission()  # type: ignore[assignment]
-        served.grammar_checker = InProcessChecker(served.tokenizer.raw.to_str())  # type: ignore[assignment]
-        served.phase = "serving"
-        yield served
+        tokenizer = load_tokenizer(model)
+        checker = InProcessChecker(tokenizer.raw.to_str())
+        settings = ServeSettings(engine=EngineConfig(model=model), port=0)
+        yield scripted_state(settings, tokenizer, VOCAB_SIZE, checker)
 
 
 @pytest.fixture(scope="module")
 def client(state: ServerState) -> Iterator[TestClient]:
-    app = Starlette(routes=openai_routes(), exception_handlers=exception_handlers())
-    app.state.tandem = state
-    with TestClient(app) as test_client:
+    with routes_client(state) as test_client:
         yield test_client
 
 
@@ -159,31 +103,7 @@ def _chat(client: TestClient, **body: Any) -> Any:
 
 
 def _stream(client: TestClient, **body: Any) -> list[dict[str, Any]]:
-    with client.stream(
-        "POST", "/v1/chat/completions", json={"model": "gpt-oss-20b", "stream": True, **body}
-    ) as response:
-        assert response.status_code == 200
-        raw = b"".join(response.iter_bytes()).decode()
-    events = [e.removeprefix("data: ") for e in raw.strip().split("\n\n")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
-def _joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The streamed deltas put together as the openai SDK accumulates them."""
-    reasoning, content, calls, finish = "", "", {}, None
-    for chunk in chunks:
-        (choice,) = chunk["choices"]
-        delta = choice["delta"]
-        reasoning += delta.get("reasoning_content") or ""
-        content += delta.get("content") or ""
-        for entry in delta.get("tool_calls") or []:
-            call = calls.setdefault(entry["index"], {"id": None, "name": None, "arguments": ""})
-            call["id"] = entry.get("id") or call["id"]
-            call["name"] = entry["function"].get("name") or call["name"]
-            call["arguments"] += entry["function"]["arguments"]
-        finish = choice["finish_reason"] or finish
-    return {"reasoning": reasoning, "content": content, "calls": calls, "finish": finish}
+    return stream_chunks(client, "gpt-oss-20b", **body)
 
 
 def test_tool_call_streamed_and_not(client: TestClient, state: ServerState) -> None:
@@ -207,7 +127,7 @@ def test_tool_call_streamed_and_not(client: TestClient, state: ServerState) -> N
     _script(state, WITH_CALL)
     chunks = _stream(client, messages=ASK, tools=[WEATHER], reasoning_effort="low")
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    joined = _joined(chunks)
+    joined = joined_deltas(chunks)
     assert joined["reasoning"] == message["reasoning_content"]
     assert joined["content"] == message["content"]
     assert joined["finish"] == "tool_calls"
@@ -229,7 +149,7 @@ def test_final_answer(client: TestClient, state: ServerState) -> None:
     assert choice["message"]["reasoning_content"] == "Simple."
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
     _script(state, ANSWER)
-    joined = _joined(_stream(client, messages=ASK, include_reasoning=False))
+    joined = joined_deltas(_stream(client, messages=ASK, include_reasoning=False))
     assert joined == {"reasoning": "", "content": "Sunny, 21 °C.", "calls": {}, "finish": "stop"}
 
 
@@ -355,7 +275,9 @@ def test_forced_tool_choice(
     assert _grammar_takes(state, spec, _tokens(state, other)) == (tool_choice == "required")
 
     _script(state, CALL_ONLY)
-    joined = _joined(_stream(client, messages=ASK, tools=[TIME, WEATHER], tool_choice=tool_choice))
+    joined = joined_deltas(
+        _stream(client, messages=ASK, tools=[TIME, WEATHER], tool_choice=tool_choice)
+    )
     assert joined["finish"] == finish_reason
     assert [c["arguments"] for c in joined["calls"].values()] == ['{"city":"Paris"}']
 
@@ -411,7 +333,7 @@ def test_logprobs_cover_every_output_token(client: TestClient, state: ServerStat
         for entry in ((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
     ]
     assert streamed == entries
-    joined = _joined(chunks)
+    joined = joined_deltas(chunks)
     assert joined["reasoning"] == "The user wants the weather. Ça va: call the tool."
     assert joined["calls"][0]["arguments"] == '{"city": "Paris"}'
 
