@@ -54,9 +54,12 @@ def run_arms(
         details["summary"] = summarise_runs(details["runs"])
         checkpoint(details)
         print(_describe(details["runs"][-1]), flush=True)
-    if getattr(args, "kernel_profile", False) and engine_options["device"] == "cuda":
-        details["kernel_profile"] = _profile_v2(v2, prompts, workload.output_len)
-        checkpoint(details)
+    if getattr(args, "kernel_profile", False):
+        if engine_options["device"] == "cuda":
+            details["kernel_profile"] = _profile_v2(v2, prompts, workload.output_len)
+            checkpoint(details)
+        else:
+            print("--kernel-profile: CUDA kernels only; nothing to profile on the CPU")
     hf_arms = [a for a in HF_ARMS if a in args.arms]
     if hf_arms:
         _run_hf_arms(
