@@ -151,6 +151,15 @@ def next_text_offset(logprobs: dict[str, Any] | None, default: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
+def with_reasoning_alias(fields: dict[str, Any]) -> dict[str, Any]:
+    """A chat message or delta whose `reasoning_content` is also sent as `reasoning`: vLLM
+    names the field `reasoning` since 0.17 (OpenAI's guidance for gpt-oss), while DeepSeek's
+    `reasoning_content` is what most clients still read, so both carry the same text."""
+    if "reasoning_content" not in fields:
+        return fields
+    return {**fields, "reasoning": fields["reasoning_content"]}
+
+
 def chat_response(
     meta: ResponseMeta,
     choices: Sequence[ChoiceState],
@@ -179,7 +188,7 @@ def chat_response(
             message, finish_reason = tool_calls().message(choice.text, choice.finish_reason)
         body_choice: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": role, **message},
+            "message": {"role": role, **with_reasoning_alias(message)},
             "logprobs": chat_logprobs(choice.logprobs),
             "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,

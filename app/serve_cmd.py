@@ -225,7 +225,7 @@ def _add_api_args(api: Any) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=_env("reasoning_parser", "none"),
-        help="read chat reasoning out of the text into reasoning_content: qwen3 "
+        help="read chat reasoning out of the text into reasoning (and reasoning_content): qwen3 "
         "(<think>...</think>, opened by the completion or left open by the prompt), "
         "deepseek_r1 (reasoning from the start to </think>), openai_gptoss (gpt-oss only, "
         "read so anyway) or none (default). Output constraints (response_format, "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from actors.frontend.output_stream import StreamDelta
 from app import prompt_logprobs
-from app.responses import ChoiceState, ResponseMeta, chat_logprobs
+from app.responses import ChoiceState, ResponseMeta, chat_logprobs, with_reasoning_alias
 from app.sse_chunks import ChunkFormatter
 from app.tool_calls.output import ToolCallOutput
 
@@ -123,7 +123,7 @@ class ChatChunkFormatter(ChunkFormatter):
         if logprobs and not pieces:
             pieces = [{"content": ""}]
         out = [
-            self._choice(index, piece, logprobs if i == 0 else None)
+            self._choice(index, with_reasoning_alias(piece), logprobs if i == 0 else None)
             for i, piece in enumerate(pieces)
         ]
         if delta.finished:

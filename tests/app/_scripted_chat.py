@@ -138,6 +138,8 @@ def joined_deltas(chunks: list[dict[str, Any]], index: int = 0) -> dict[str, Any
             if choice["index"] != index:
                 continue
             delta = choice["delta"]
+            # vLLM's `reasoning` and DeepSeek's `reasoning_content` always carry the same text
+            assert delta.get("reasoning") == delta.get("reasoning_content"), delta
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
             for entry in delta.get("tool_calls") or []:

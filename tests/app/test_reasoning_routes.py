@@ -123,6 +123,7 @@ def test_qwen3_reasoning_then_content(client: TestClient, state: ServerState) ->
         "role": "assistant",
         "content": "\n\nSunny.",
         "reasoning_content": "\nThe user asks. <tool_call> is not needed.",
+        "reasoning": "\nThe user asks. <tool_call> is not needed.",
     }
     assert choice["finish_reason"] == "stop"
 
@@ -217,7 +218,12 @@ def test_include_reasoning_false(client: TestClient, state: ServerState, stream:
         assert joined_deltas(chunks)["content"] == "\n\nSunny."
         return
     message = _chat(client, messages=ASK, include_reasoning=False)["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "\n\nSunny.", "reasoning_content": None}
+    assert message == {
+        "role": "assistant",
+        "content": "\n\nSunny.",
+        "reasoning_content": None,
+        "reasoning": None,
+    }
 
 
 def test_parser_none_leaves_the_text_as_content(client: TestClient, state: ServerState) -> None:
