@@ -72,6 +72,21 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument(
         "--hf-batch-size", type=int, default=256, help="batch size of the static transformers arm"
     )
+    _add_engine_args(p)
+    p.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="CUDA: one more v2 run under torch.profiler, its device time per step by "
+        "kernel (recorded as kernel_profile)",
+    )
+    args = p.parse_args(argv)
+    args.default_arms = args.arms is None
+    args.arms = _checked_arms(p, args)
+    return args
+
+
+def _add_engine_args(p: Any) -> None:
+    """The options tandem's engine runs under (both runners)."""
     p.add_argument(
         "--max-num-seqs", type=int, help="default 1024 on CUDA, the number of prompts on the CPU"
     )
@@ -106,16 +121,6 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=1, help="tandem's, for both runners"
     )
-    p.add_argument(
-        "--kernel-profile",
-        action="store_true",
-        help="CUDA: one more v2 run under torch.profiler, its device time per step by "
-        "kernel (recorded as kernel_profile)",
-    )
-    args = p.parse_args(argv)
-    args.default_arms = args.arms is None
-    args.arms = _checked_arms(p, args)
-    return args
 
 
 def _checked_arms(p: Any, args: Any) -> list[str]:
