@@ -63,9 +63,11 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
     prompt_logprobs.check_num_entries(params, [len(prompt.token_ids)], 1, "prompt_logprobs")
     new_tool_output = tools.output_factory()
     new_harmony_output = None if harmony is None else harmony_output_factory(harmony, req, tools)
-    new_reasoning_output = reasoning_output_factory(
-        state.settings.reasoning_parser, req, chat.prompt.text, new_tool_output, params
-    )
+    new_reasoning_output = None
+    if harmony is None:  # harmony has its own reasoning channel
+        new_reasoning_output = reasoning_output_factory(
+            state.settings.reasoning_parser, req, chat.prompt.text, new_tool_output, params
+        )
     meta = ResponseMeta(f"chatcmpl-{req.request_id or request_id}", int(time.time()), model)
     call.set_request(model, params, stream=bool(req.stream), response_id=meta.response_id)
     choices = [ChoiceState(index=i) for i in range(params.n)]

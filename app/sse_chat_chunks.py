@@ -44,10 +44,12 @@ class ChatChunkFormatter(ChunkFormatter):
         self.echo_prefix = echo_prefix
         self._new_tool_output = tool_calls
         self._tool_outputs: dict[int, ToolCallOutput] = {}
-        self._new_harmony_output = harmony
-        self._harmony_outputs: dict[int, HarmonyOutput] = {}
-        self._new_reasoning_output = reasoning
-        self._reasoning_outputs: dict[int, ReasoningOutput] = {}
+        # a chat reads harmony or <think> blocks, never both (routes_chat)
+        self._new_piece_output: Callable[[], HarmonyOutput | ReasoningOutput] | None = (
+            harmony or reasoning
+        )
+        self._reads_token_ids = harmony is not None
+        self._piece_outputs: dict[int, HarmonyOutput | ReasoningOutput] = {}
         self._sent_prompt_logprobs = False
 
     def chunks(self, choice: ChoiceState, delta: StreamDelta, first: bool) -> list[dict[str, Any]]:
@@ -63,10 +65,9 @@ class ChatChunkFormatter(ChunkFormatter):
             if self.echo_prefix:
                 out.append(self._choice(choice.index, {"content": self.echo_prefix}))
         logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
-        if self._new_harmony_output is not None:
-            return out + self._harmony_chunks(choice.index, delta, logprobs)
-        if self._new_reasoning_output is not None:
-            return out + self._reasoning_chunks(choice.index, delta, logprobs)
+        if self._new_piece_output is not None:
+            read = delta.token_ids if self._reads_token_ids else delta.text
+            return out + self._piece_chunks(choice.index, delta, logprobs, read)
         if self._new_tool_output is not None:
             return out + self._tool_chunks(choice.index, delta, logprobs)
         if delta.finished:
@@ -94,32 +95,16 @@ class ChatChunkFormatter(ChunkFormatter):
             out.append(self._choice(index, {}, None, finish_reason, delta.stop_reason))
         return out
 
-    def _harmony_chunks(
-        self, index: int, delta: StreamDelta, logprobs: Any
-    ) -> list[dict[str, Any]]:
-        assert self._new_harmony_output is not None
-        output = _reader(self._harmony_outputs, index, self._new_harmony_output)
-        pieces, finish_reason = output.feed(delta.token_ids, delta.finish_reason)
-        return self._piece_chunks(index, delta, logprobs, pieces, finish_reason)
-
-    def _reasoning_chunks(
-        self, index: int, delta: StreamDelta, logprobs: Any
-    ) -> list[dict[str, Any]]:
-        assert self._new_reasoning_output is not None
-        output = _reader(self._reasoning_outputs, index, self._new_reasoning_output)
-        pieces, finish_reason = output.feed(delta.text, delta.finish_reason)
-        return self._piece_chunks(index, delta, logprobs, pieces, finish_reason)
-
     def _piece_chunks(
-        self,
-        index: int,
-        delta: StreamDelta,
-        logprobs: Any,
-        pieces: list[dict[str, Any]],
-        finish_reason: str | None,
+        self, index: int, delta: StreamDelta, logprobs: Any, read: Any
     ) -> list[dict[str, Any]]:
         """One chunk per reasoning, content or tool-call piece, in the order the model wrote
-        them (the delta's logprobs ride on the first), then the finish chunk."""
+        them (the delta's logprobs ride on the first), then the finish chunk. `read`: the
+        delta's part the choice's reader takes (a harmony reader its token ids, a `<think>`
+        reader its text)."""
+        assert self._new_piece_output is not None
+        output = _reader(self._piece_outputs, index, self._new_piece_output)
+        pieces, finish_reason = output.feed(read, delta.finish_reason)
         if logprobs and not pieces:
             pieces = [{"content": ""}]
         out = [
