@@ -8,7 +8,8 @@
 #   lane   the GPU lane, its 3 parts side by side (.ci/gpu-lane run --parts-at-once 3; 115-175)
 #   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
-#   moe    issue 25: W4 (gpt-oss-20b) and W5 (qwen3-30b-a3b) batch 1 and offline (~150)
+#   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
+#          batch 1 (~150 without the 120b)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
@@ -74,6 +75,8 @@ plan_fp8() {
 plan_moe() {
   step w4_b1 90 $T --workload W4 $ONE --result throughput_w4_batch1
   step w5_b1 90 $T --workload W5 $ONE --result throughput_w5_batch1
+  step oss120_b1 90 $T --workload W4 --model dummy:gpt-oss-120b $ONE \
+    --result throughput_gpt_oss_120b_batch1
   step w4 170 $T --workload W4 --gpu-memory-utilization 0.9 --kernel-profile \
     --result throughput_w4
   step w5 200 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
