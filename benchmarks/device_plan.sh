@@ -10,6 +10,8 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1 (~150 without the 120b)
+#   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-64 tokens, every tile shape of the
+#          sweep (tensor cores and CUDA cores)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
@@ -83,6 +85,11 @@ plan_moe() {
     --result throughput_w5
 }
 
+plan_moe_tiles() {
+  step moe_tiles 200 python3 -m benchmarks.moe --model gpt-oss-20b --tokens 1,4,16,64 --sweep \
+    --result moe_gpt-oss-20b_decode_tiles
+}
+
 tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FLAGS"...
   local prefix=$1 server=$2 client=$3 arm
   shift 3
@@ -131,10 +138,10 @@ plan_hf_moe() {
     --hf-batch-size 64 --gpu-memory-utilization 0.9 --result throughput_w5_hf
 }
 
-[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, moe, tiers, tiers8b, serve_moe, hf_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, moe, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done

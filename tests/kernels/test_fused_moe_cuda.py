@@ -36,6 +36,14 @@ def test_gpt_oss_20b_shapes_on_cuda(num_tokens: int) -> None:
 
 
 @cuda_test
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_gpt_oss_20b_shapes_on_the_cuda_cores(num_tokens: int) -> None:
+    """Decode tiles without `tl.dot` (block_m 1 and 2), as the benchmark sweep times."""
+    for tile in ((1, 32, 128, 4, 4, False), (2, 64, 64, 4, 3, False)):
+        compare_fused("cuda", [{**_at(_GPT_OSS_20B, num_tokens), "tile": tile}])
+
+
+@cuda_test
 @pytest.mark.parametrize("num_tokens", [1, 64, 2048])
 def test_qwen3_30b_a3b_shapes_on_cuda(num_tokens: int) -> None:
     compare_fused("cuda", [_at(_QWEN3_30B, num_tokens)])
