@@ -12,6 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from actors.protocol.structured_output import ReasoningLead
 from app import prompt_logprobs
 from app.endpoints import CLIENT_CLOSED_STATUS
 from app.errors import APIError
@@ -33,6 +34,7 @@ from app.prompts import (
     truncate_and_check,
 )
 from app.reasoning.output import reasoning_output_factory
+from app.reasoning.parsers import THINK_CLOSE, THINK_OPEN, constraint_lead
 from app.request_telemetry import RequestTelemetry
 from app.responses import ChoiceState, ResponseMeta, chat_response
 from app.route_answers import collect, continuous_usage, json_response, stream_response
@@ -42,6 +44,14 @@ from app.server_state import ServerState
 from app.sse_chat_chunks import ChatChunkFormatter
 from app.structured_outputs import constrain_params
 from app.tool_calls.request import ToolPlan, resolve_parser, tool_plan
+
+
+def _constraint_lead(state: ServerState, prompt: str | None) -> ReasoningLead:
+    tokenizer = state.tokenizer
+    has_think_tokens = tokenizer is not None and all(
+        tokenizer.is_added_token(tag) for tag in (THINK_OPEN, THINK_CLOSE)
+    )
+    return constraint_lead(state.settings.reasoning_parser, prompt, has_think_tokens)
 
 
 async def chat_completions(request: Request, request_id: str, call: RequestTelemetry) -> Response:
@@ -57,7 +67,10 @@ async def chat_completions(request: Request, request_id: str, call: RequestTelem
     params = sampling_params(state, req, [len(prompt.token_ids)])
     num_ranks = state.settings.engine.num_ranks
     if harmony is None:
-        params = await constrain_params(params, req, state.grammar_checker, tools, num_ranks)
+        lead = _constraint_lead(state, chat.prompt.text)
+        params = await constrain_params(
+            params, req, state.grammar_checker, tools, num_ranks, reasoning=lead
+        )
     else:
         params = await harmony_params(harmony, params, req, tools, state.grammar_checker, num_ranks)
     prompt_logprobs.check_num_entries(params, [len(prompt.token_ids)], 1, "prompt_logprobs")

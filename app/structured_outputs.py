@@ -17,12 +17,17 @@ problem, found by compiling it as the engine will, in a checker process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from actors.protocol.sampling_params import SamplingParams
-from actors.protocol.structured_output import JSON_OBJECT_SCHEMA, StructuredOutputSpec
+from actors.protocol.structured_output import (
+    JSON_OBJECT_SCHEMA,
+    ReasoningLead,
+    StructuredOutputSpec,
+)
 from app.bounded_text import json_text_problem, spec_size_problem
 from app.errors import APIError, bad_request
 from app.grammar_checker import GrammarChecker, GrammarCheckerUnavailable
@@ -62,10 +67,12 @@ async def constrain_params(
     checker: GrammarChecker,
     tools: ToolPlan = NO_TOOLS,
     num_ranks: int = 1,
+    reasoning: ReasoningLead = "",
 ) -> SamplingParams:
     """`params` with the request's checked output constraint (from its fields, or from a
-    required / named tool choice) and the decoding its tool-call parser needs. `checker`
-    compiles new specs where they can harm no one."""
+    required / named tool choice, after `reasoning`: app.reasoning.parsers.constraint_lead)
+    and the decoding its tool-call parser needs. `checker` compiles new specs where they can
+    harm no one."""
     fields = {name: getattr(request, name, None) for name in CONSTRAINT_FIELDS}
     found = structured_output_spec(fields)
     if tools.structured_output is not None:
@@ -84,6 +91,8 @@ async def constrain_params(
                 "--tensor-parallel-size or --pipeline-parallel-size > 1",
                 found[1],
             )
+        if reasoning:
+            found = (dataclasses.replace(found[0], reasoning=reasoning), found[1])
         await check_structured_output(checker, *found)
         changes["structured_output"] = found[0]
     if tools.needs_special_tokens:

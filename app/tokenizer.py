@@ -169,6 +169,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.raw.token_to_id(token)
 
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is one of the tokenizer's added tokens (a grammar can name those
+        as tokens: `<think>`)."""
+        token_id = self.raw.token_to_id(text)
+        return token_id is not None and token_id in self._added_token_ids
+
     # chat
 
     def apply_chat_template(

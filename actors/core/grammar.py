@@ -40,6 +40,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
 from actors.core.grammar_limits import COMPILE_STACK_BYTES, check_json_schema, check_lark_grammar
+from actors.core.grammar_reasoning import after_reasoning
 from actors.protocol.structured_output import StructuredOutputSpec
 
 T = TypeVar("T")
@@ -66,9 +67,15 @@ class GrammarError(ValueError):
 
 
 def grammar_definition(spec: StructuredOutputSpec) -> str:
-    """The llguidance grammar for a spec (not yet checked). Raises GrammarError when the
-    spec's text is not even well-formed (a schema that is not a JSON object, ...) or is over
-    one of actors.core.grammar_limits' budgets."""
+    """The llguidance grammar for a spec (not yet checked), after its reasoning lead when it
+    has one (actors.core.grammar_reasoning). Raises GrammarError when the spec's text is not
+    even well-formed (a schema that is not a JSON object, ...) or is over one of
+    actors.core.grammar_limits' budgets."""
+    definition = _answer_definition(spec)
+    return after_reasoning(definition, spec.reasoning) if spec.reasoning else definition
+
+
+def _answer_definition(spec: StructuredOutputSpec) -> str:
     try:
         if spec.kind == "json":
             schema: Any = json.loads(spec.text)

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 StructuredOutputKind = Literal["json", "regex", "choice", "grammar"]
+ReasoningLead = Literal["", "may_think", "thinking"]
+"""What may come before the constrained text (a `<think>` model under a reasoning parser):
+"" nothing, the constraint binds from the first token; "may_think" an optional
+`<think>...</think>` block; "thinking" reasoning up to `</think>` (the prompt opened the
+block; a leading `<think>` is allowed). Free text either way, then at most two spaces or
+newlines, then the constrained text."""
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 """`response_format: json_object`: any JSON object."""
 
@@ -21,3 +27,4 @@ class StructuredOutputSpec:
     strict: bool = True
     """json only: refuse schema keywords the grammar cannot enforce (False ignores them,
     as OpenAI's non-strict json_schema does)."""
+    reasoning: ReasoningLead = ""

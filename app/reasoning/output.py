@@ -77,11 +77,13 @@ def reasoning_output_factory(
 ) -> Callable[[], ReasoningOutput] | None:
     """Makes one choice's reader under --reasoning-parser `parser` (None when it reads no
     `<think>` blocks); `prompt` is the rendered prompt's text, `tools` the request's
-    tool-call readers, `params` its final sampling parameters (their output constraint
-    binds the completion from its first token)."""
+    tool-call readers, `params` its final sampling parameters (an output constraint without
+    a reasoning lead binds the completion from its first token: no reasoning)."""
     if parser not in THINK_PARSERS:
         return None
-    in_reasoning = starts_in_reasoning(parser, prompt, params.structured_output is not None)
+    spec = params.structured_output
+    bound_from_start = spec is not None and not spec.reasoning
+    in_reasoning = not bound_from_start and starts_in_reasoning(parser, prompt)
     include_reasoning = req.include_reasoning is not False
     return lambda: ReasoningOutput(
         ThinkSplitter(in_reasoning), None if tools is None else tools(), include_reasoning

@@ -9,17 +9,21 @@ its text as it streams.
 
 A leading `<think>` is dropped. In reasoning, the first `</think>` ends it and all that
 follows is content, as written (the newlines after `</think>` stay, as in vLLM); with no
-`</think>` the whole completion is reasoning. A completion under an output constraint
-(response_format, a forced tool choice) is bound by its grammar from the first token, so
-it cannot be reasoning the prompt opened: it starts as content.
+`</think>` the whole completion is reasoning.
 
-    splitter = ThinkSplitter(starts_in_reasoning("qwen3", prompt_text, constrained=False))
+An output constraint (response_format, a forced tool choice) binds what follows the
+reasoning (`constraint_lead`: the grammar lets the model think first), where the
+tokenizer has `<think>` and `</think>` as tokens of their own; otherwise the constraint
+binds from the first token and the completion starts as content.
+
+    splitter = ThinkSplitter(starts_in_reasoning("qwen3", prompt_text))
     reasoning, content = splitter.feed(text_piece)   # as the output streams
     reasoning, content = splitter.finish()           # at the end: what was held back
 """
 
 from __future__ import annotations
 
+from actors.protocol.structured_output import ReasoningLead
 from app.tool_calls.parsers import safe_end
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -37,11 +41,18 @@ def prompt_leaves_think_open(prompt: str | None) -> bool:
     return start >= 0 and prompt.find(THINK_CLOSE, start) < 0
 
 
-def starts_in_reasoning(parser: str, prompt: str | None, constrained: bool) -> bool:
+def starts_in_reasoning(parser: str, prompt: str | None) -> bool:
     """Whether a completion that does not open with `<think>` is reasoning from its start."""
-    if constrained:
-        return False
     return parser == "deepseek_r1" or prompt_leaves_think_open(prompt)
+
+
+def constraint_lead(parser: str, prompt: str | None, has_think_tokens: bool) -> ReasoningLead:
+    """What an output constraint lets come before the text it binds: reasoning under a
+    think parser, when `has_think_tokens` (the tokenizer has `<think>` and `</think>` as
+    tokens of their own, which the grammar names); else nothing."""
+    if parser not in THINK_PARSERS or not has_think_tokens:
+        return ""
+    return "thinking" if starts_in_reasoning(parser, prompt) else "may_think"
 
 
 class ThinkSplitter:

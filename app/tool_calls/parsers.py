@@ -168,6 +168,7 @@ class NamedFunctionParser(ToolCallParser):
         super().__init__()
         self._reader = self._new_reader(name)
         self._header_sent = False
+        self._arguments_started = False
 
     def _advance(self, final: bool) -> Parsed:
         deltas = []
@@ -175,6 +176,9 @@ class NamedFunctionParser(ToolCallParser):
             reader = self._reader
             deltas.append(ToolCallDelta(reader.index, "", reader.call_id, reader.name))
             self._header_sent = True
+        if not self._arguments_started:  # the blank line a model writes after reasoning
+            self._pos = skip_whitespace(self.text, self._pos)
+            self._arguments_started = self._pos < len(self.text)
         if len(self.text) > self._pos:
             deltas.append(ToolCallDelta(self._reader.index, self.text[self._pos :]))
             self._pos = len(self.text)
@@ -182,7 +186,8 @@ class NamedFunctionParser(ToolCallParser):
 
     @property
     def calls(self) -> list[ParsedCall]:
-        return [ParsedCall(self._reader.call_id, self._reader.name or "", self.text)]
+        arguments = self.text[skip_whitespace(self.text, 0) :]
+        return [ParsedCall(self._reader.call_id, self._reader.name or "", arguments)]
 
 
 def _read_sequence(

@@ -11,6 +11,7 @@ import pytest
 from app.reasoning.output import ReasoningOutput
 from app.reasoning.parsers import (
     ThinkSplitter,
+    constraint_lead,
     prompt_leaves_think_open,
     starts_in_reasoning,
 )
@@ -112,11 +113,18 @@ def test_prompt_leaves_think_open(prompt: str | None, is_open: bool) -> None:
 
 def test_where_a_completion_starts() -> None:
     opened, closed = "assistant\n<think>\n", "assistant\n"
-    assert starts_in_reasoning("deepseek_r1", closed, constrained=False)
-    assert starts_in_reasoning("qwen3", opened, constrained=False)
-    assert not starts_in_reasoning("qwen3", closed, constrained=False)
-    assert not starts_in_reasoning("deepseek_r1", opened, constrained=True)
-    assert not starts_in_reasoning("qwen3", opened, constrained=True)
+    assert starts_in_reasoning("deepseek_r1", closed)
+    assert starts_in_reasoning("qwen3", opened)
+    assert not starts_in_reasoning("qwen3", closed)
+
+
+def test_what_a_constraint_lets_come_first() -> None:
+    opened, closed = "assistant\n<think>\n", "assistant\n"
+    assert constraint_lead("qwen3", closed, True) == "may_think"
+    assert constraint_lead("qwen3", opened, True) == "thinking"
+    assert constraint_lead("deepseek_r1", closed, True) == "thinking"
+    assert constraint_lead("qwen3", opened, False) == ""  # no think tokens to name
+    assert constraint_lead("none", opened, True) == ""
 
 
 CALL_TEXT = (

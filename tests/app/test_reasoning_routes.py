@@ -1,57 +1,31 @@
 """Chat completions of `<think>` models under --reasoning-parser, through the real routes
 and SSE writer, on a scripted engine: the completion's text pieces are fixed, one piece per
 read, and the reading of them (reasoning_content, content, tool_calls) must agree streamed
-and not. The chat template is a shortened Qwen3 one: its `<tool_call>` picks the hermes
-tool-call parser; `enable_thinking: false` closes an empty think block in the prompt and
-`think_open: true` leaves one open, as Qwen3 Thinking-2507 templates do."""
+and not (the chat: tests/app/_reasoning_chat.py). The tokenizer here has no `<think>`
+token of its own, so an output constraint binds from the first token (after reasoning:
+test_reasoning_constraints.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
-from actors.protocol.config import EngineConfig
-from actors.protocol.structured_output import StructuredOutputSpec
-from app.serve_settings import ServeSettings
 from app.server_state import ServerState
-from app.tokenizer import Tokenizer
 from tests.actors._tokenizer_fixtures import tiny_tokenizer
-from tests.app._scripted_chat import (
-    ScriptedAdmission,
-    joined_deltas,
-    routes_client,
-    scripted_state,
-    stream_chunks,
+from tests.app._reasoning_chat import (
+    ASK,
+    MODEL,
+    WEATHER,
+    chat,
+    chat_stream,
+    qwen3_like_state,
+    serve_script,
 )
+from tests.app._scripted_chat import joined_deltas, routes_client
 
-MODEL = "qwen3-test"
-TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
-Call them as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% elif think_open %}<think>
-{% endif %}{% endif %}"""
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 THOUGHT = [
     "<th",
     "ink>",
@@ -71,42 +45,15 @@ CALL = [
 ]
 
 
-class AcceptingChecker:
-    async def check(self, spec: StructuredOutputSpec) -> str | None:
-        return None
-
-
 @pytest.fixture(scope="module")
 def state() -> Iterator[ServerState]:
-    settings = ServeSettings(
-        engine=EngineConfig(model="dummy:qwen3-0.6b"), port=0, served_model_names=(MODEL,)
-    )
-    tokenizer = Tokenizer(tiny_tokenizer(), eos_token_id=0, chat_template=TEMPLATE)
-    yield scripted_state(settings, tokenizer, tokenizer.vocab_size, AcceptingChecker())
+    yield qwen3_like_state(tiny_tokenizer())
 
 
 @pytest.fixture(scope="module")
 def client(state: ServerState) -> Iterator[TestClient]:
     with routes_client(state) as test_client:
         yield test_client
-
-
-def _serve(state: ServerState, parser: str, script: list[str], finish: str = "stop") -> None:
-    state.settings = dataclasses.replace(state.settings, reasoning_parser=parser)
-    admission: ScriptedAdmission = state.admission  # type: ignore[assignment]
-    admission.script = [1000 + i for i in range(len(script))]
-    admission.texts, admission.finish_reason = script, finish
-
-
-def _chat(client: TestClient, **body: Any) -> dict[str, Any]:
-    response = client.post("/v1/chat/completions", json={"model": MODEL, **body})
-    assert response.status_code == 200, response.text
-    result: dict[str, Any] = response.json()
-    return result
-
-
-def _stream(client: TestClient, **body: Any) -> list[dict[str, Any]]:
-    return stream_chunks(client, MODEL, **body)
 
 
 def _kinds(chunks: list[dict[str, Any]]) -> list[str]:
@@ -117,8 +64,8 @@ def _kinds(chunks: list[dict[str, Any]]) -> list[str]:
 
 
 def test_qwen3_reasoning_then_content(client: TestClient, state: ServerState) -> None:
-    _serve(state, "qwen3", THOUGHT)
-    (choice,) = _chat(client, messages=ASK)["choices"]
+    serve_script(state, "qwen3", THOUGHT)
+    (choice,) = chat(client, messages=ASK)["choices"]
     assert choice["message"] == {
         "role": "assistant",
         "content": "\n\nSunny.",
@@ -127,7 +74,7 @@ def test_qwen3_reasoning_then_content(client: TestClient, state: ServerState) ->
     }
     assert choice["finish_reason"] == "stop"
 
-    chunks = _stream(client, messages=ASK)
+    chunks = chat_stream(client, messages=ASK)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert joined_deltas(chunks) == {
         "reasoning": choice["message"]["reasoning_content"],
@@ -142,8 +89,8 @@ def test_qwen3_reasoning_then_content(client: TestClient, state: ServerState) ->
 
 
 def test_qwen3_without_thinking_is_content(client: TestClient, state: ServerState) -> None:
-    _serve(state, "qwen3", ["Sunny", ".</think> stays"])
-    body = _chat(client, messages=ASK, chat_template_kwargs={"enable_thinking": False})
+    serve_script(state, "qwen3", ["Sunny", ".</think> stays"])
+    body = chat(client, messages=ASK, chat_template_kwargs={"enable_thinking": False})
     prompt = state.tokenizer.decode(list(state.admission.requests[-1].prompt_token_ids))
     assert prompt.endswith("<think>\n\n</think>\n\n")
     message = body["choices"][0]["message"]
@@ -151,11 +98,11 @@ def test_qwen3_without_thinking_is_content(client: TestClient, state: ServerStat
 
 
 def test_qwen3_prompt_that_opens_the_think_block(client: TestClient, state: ServerState) -> None:
-    _serve(state, "qwen3", ["Because.</thi", "nk>\n\nSunny."])
+    serve_script(state, "qwen3", ["Because.</thi", "nk>\n\nSunny."])
     kwargs = {"think_open": True}
-    message = _chat(client, messages=ASK, chat_template_kwargs=kwargs)["choices"][0]["message"]
+    message = chat(client, messages=ASK, chat_template_kwargs=kwargs)["choices"][0]["message"]
     assert message["reasoning_content"] == "Because." and message["content"] == "\n\nSunny."
-    joined = joined_deltas(_stream(client, messages=ASK, chat_template_kwargs=kwargs))
+    joined = joined_deltas(chat_stream(client, messages=ASK, chat_template_kwargs=kwargs))
     assert (joined["reasoning"], joined["content"]) == ("Because.", "\n\nSunny.")
 
 
@@ -165,9 +112,9 @@ def test_deepseek_r1_reasoning_that_never_ends(
 ) -> None:
     """Cut off by max_tokens before `</think>`: all of it is reasoning, even a held-back
     partial tag."""
-    _serve(state, "deepseek_r1", ["Let me", " think", " more </thi"], finish="length")
+    serve_script(state, "deepseek_r1", ["Let me", " think", " more </thi"], finish="length")
     if stream:
-        joined = joined_deltas(_stream(client, messages=ASK))
+        joined = joined_deltas(chat_stream(client, messages=ASK))
         assert joined == {
             "reasoning": "Let me think more </thi",
             "content": "",
@@ -175,14 +122,14 @@ def test_deepseek_r1_reasoning_that_never_ends(
             "finish": "length",
         }
         return
-    (choice,) = _chat(client, messages=ASK)["choices"]
+    (choice,) = chat(client, messages=ASK)["choices"]
     assert choice["message"]["reasoning_content"] == "Let me think more </thi"
     assert choice["message"]["content"] == "" and choice["finish_reason"] == "length"
 
 
 def test_deepseek_r1_without_opening_tag(client: TestClient, state: ServerState) -> None:
-    _serve(state, "deepseek_r1", ["Hmm.", "</think>", "Sunny."])
-    message = _chat(client, messages=ASK)["choices"][0]["message"]
+    serve_script(state, "deepseek_r1", ["Hmm.", "</think>", "Sunny."])
+    message = chat(client, messages=ASK)["choices"][0]["message"]
     assert message["reasoning_content"] == "Hmm." and message["content"] == "Sunny."
 
 
@@ -190,15 +137,15 @@ def test_deepseek_r1_without_opening_tag(client: TestClient, state: ServerState)
 def test_reasoning_then_hermes_tool_call(
     client: TestClient, state: ServerState, parser: str
 ) -> None:
-    _serve(state, parser, CALL)
-    (choice,) = _chat(client, messages=ASK, tools=[WEATHER])["choices"]
+    serve_script(state, parser, CALL)
+    (choice,) = chat(client, messages=ASK, tools=[WEATHER])["choices"]
     message = choice["message"]
     assert message["reasoning_content"] == "\nCall it." and message["content"] is None
     (call,) = message["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert call["id"].startswith("call_") and choice["finish_reason"] == "tool_calls"
 
-    chunks = _stream(client, messages=ASK, tools=[WEATHER])
+    chunks = chat_stream(client, messages=ASK, tools=[WEATHER])
     joined = joined_deltas(chunks)
     assert joined["reasoning"] == "\nCall it." and joined["content"] == ""
     (streamed_call,) = joined["calls"].values()
@@ -211,13 +158,13 @@ def test_reasoning_then_hermes_tool_call(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_include_reasoning_false(client: TestClient, state: ServerState, stream: bool) -> None:
-    _serve(state, "qwen3", THOUGHT)
+    serve_script(state, "qwen3", THOUGHT)
     if stream:
-        chunks = _stream(client, messages=ASK, include_reasoning=False)
+        chunks = chat_stream(client, messages=ASK, include_reasoning=False)
         assert all("reasoning_content" not in c["choices"][0]["delta"] for c in chunks)
         assert joined_deltas(chunks)["content"] == "\n\nSunny."
         return
-    message = _chat(client, messages=ASK, include_reasoning=False)["choices"][0]["message"]
+    message = chat(client, messages=ASK, include_reasoning=False)["choices"][0]["message"]
     assert message == {
         "role": "assistant",
         "content": "\n\nSunny.",
@@ -229,10 +176,10 @@ def test_include_reasoning_false(client: TestClient, state: ServerState, stream:
 def test_parser_none_leaves_the_text_as_content(client: TestClient, state: ServerState) -> None:
     """Today's shapes: the message has no reasoning_content; each piece is one content
     chunk as it came, the last one on the finish chunk."""
-    _serve(state, "none", THOUGHT)
-    (choice,) = _chat(client, messages=ASK)["choices"]
+    serve_script(state, "none", THOUGHT)
+    (choice,) = chat(client, messages=ASK)["choices"]
     assert choice["message"] == {"role": "assistant", "content": "".join(THOUGHT)}
-    chunks = _stream(client, messages=ASK)
+    chunks = chat_stream(client, messages=ASK)
     deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
     assert deltas == [{"content": piece} for piece in THOUGHT]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -242,11 +189,11 @@ def test_parser_none_leaves_the_text_as_content(client: TestClient, state: Serve
 def test_logprobs_cover_every_token(client: TestClient, state: ServerState, parser: str) -> None:
     """Pieces held back (a partial tag) still send their token's entry, on a content chunk
     of their own; the stream's entries are the whole response's."""
-    _serve(state, parser, THOUGHT)
-    body = _chat(client, messages=ASK, logprobs=True, top_logprobs=1)
+    serve_script(state, parser, THOUGHT)
+    body = chat(client, messages=ASK, logprobs=True, top_logprobs=1)
     entries = body["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in entries] == [f"t{1000 + i}" for i in range(len(THOUGHT))]
-    chunks = _stream(client, messages=ASK, logprobs=True, top_logprobs=1)
+    chunks = chat_stream(client, messages=ASK, logprobs=True, top_logprobs=1)
     streamed = [
         entry
         for chunk in chunks
@@ -259,8 +206,8 @@ def test_logprobs_cover_every_token(client: TestClient, state: ServerState, pars
 
 
 def test_each_choice_has_its_own_reader(client: TestClient, state: ServerState) -> None:
-    _serve(state, "qwen3", THOUGHT)
-    chunks = _stream(client, messages=ASK, n=2)
+    serve_script(state, "qwen3", THOUGHT)
+    chunks = chat_stream(client, messages=ASK, n=2)
     for index in (0, 1):
         joined = joined_deltas(chunks, index)
         assert joined["reasoning"] == "\nThe user asks. <tool_call> is not needed."
@@ -269,10 +216,10 @@ def test_each_choice_has_its_own_reader(client: TestClient, state: ServerState) 
 
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
 def test_constrained_output_is_content(client: TestClient, state: ServerState, parser: str) -> None:
-    """A JSON answer is bound from its first token, so there is no reasoning to read, even
-    where the prompt opens a think block."""
-    _serve(state, parser, ['{"t": ', "21}"])
-    body = _chat(
+    """Without think tokens to name in a grammar, a JSON answer is bound from its first
+    token, so there is no reasoning to read, even where the prompt opens a think block."""
+    serve_script(state, parser, ['{"t": ', "21}"])
+    body = chat(
         client,
         messages=ASK,
         response_format={"type": "json_object"},
@@ -284,16 +231,16 @@ def test_constrained_output_is_content(client: TestClient, state: ServerState, p
 
 
 def test_named_tool_choice_reads_the_arguments(client: TestClient, state: ServerState) -> None:
-    _serve(state, "deepseek_r1", ['{"city": ', '"Paris"}'])
+    serve_script(state, "deepseek_r1", ['{"city": ', '"Paris"}'])
     named = {"type": "function", "function": {"name": "get_weather"}}
-    (choice,) = _chat(client, messages=ASK, tools=[WEATHER], tool_choice=named)["choices"]
+    (choice,) = chat(client, messages=ASK, tools=[WEATHER], tool_choice=named)["choices"]
     (call,) = choice["message"]["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert choice["message"]["reasoning_content"] is None and choice["finish_reason"] == "stop"
 
 
 def test_text_completions_are_not_parsed(client: TestClient, state: ServerState) -> None:
-    _serve(state, "qwen3", THOUGHT)
+    serve_script(state, "qwen3", THOUGHT)
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "".join(THOUGHT)
