@@ -11,7 +11,7 @@
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1 (~150 without the 120b)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-64 tokens, every tile shape of the
-#          sweep (tensor cores and CUDA cores)
+#          sweep (benchmarks/moe.py SWEEP)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier

@@ -57,13 +57,6 @@ SWEEP = [
         (64, 128, 64, 4, 3),
         (128, 64, 64, 8, 3),
         (128, 128, 64, 8, 3),
-        # on the CUDA cores (no tl.dot): decode's one or two rows per expert, unpadded
-        (1, 32, 128, 4, 4, False),
-        (1, 64, 128, 4, 3, False),
-        (1, 16, 256, 4, 3, False),
-        (2, 32, 128, 4, 4, False),
-        (4, 32, 64, 4, 4, False),
-        (8, 32, 64, 4, 3, False),
     )
 ]
 

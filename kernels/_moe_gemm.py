@@ -17,11 +17,6 @@ accumulation; the scales multiply float32 sums, so they add no rounding to the o
 per-channel scales the finished sums (once, after the K loop), block scales each K tile's
 partial product (BLOCK_K divides 128, so a tile lies in one block column).
 
-Tiles multiply on the tensor cores (`tl.dot`, BLOCK_M >= 16) or, when DOT is off, on the
-CUDA cores as float32 multiply-adds: a decode step gives each expert one or two rows, and
-`tl.dot` pads them to 16, while MXFP4 tiles on the CUDA cores skip the conversion of the
-dequantized values into the tensor cores' operand layout.
-
 GEMM 1: act(x @ w13[e, :I].T + b, x @ w13[e, I:].T + b) -> intermediate[pair] (model dtype)
 GEMM 2: weight[pair] * (intermediate[pair] @ w2[e].T + b2) -> slot_out[pair]
 """
@@ -70,7 +65,6 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
-        DOT: tl.constexpr,
     ):
         """acc + a[:, k_start : k_start + BLOCK_K] @ w[rows, k_start : ...].T, block-scaled
         for WEIGHTS 3 (per-channel scales are applied by the caller, after the K loop)."""
@@ -86,46 +80,39 @@ if HAS_TRITON:
                 mask=(groups[:, None] < K // 32) & row_ok[None, :],
                 other=0,
             )
-            if DOT:
-                low, high = mxfp4_dequant_nibbles(packed, scales, a0.dtype)
-            else:
-                low, high = mxfp4_dequant_nibbles(packed, scales, tl.float32)
-            acc = _mma(a0, low, acc, PRECISION, UPCAST, DOT)
-            return _mma(a1, high, acc, PRECISION, UPCAST, DOT)
+            low, high = mxfp4_dequant_nibbles(packed, scales, a0.dtype)
+            acc = _mma(a0, low, acc, PRECISION, UPCAST)
+            return _mma(a1, high, acc, PRECISION, UPCAST)
         else:
             cols = k_start + tl.arange(0, BLOCK_K)
             mask = (cols[:, None] < K) & row_ok[None, :]
             w = tl.load(w_ptr + rows[None, :] * w_row_stride + cols[:, None], mask=mask, other=0.0)
             if WEIGHTS == 0:
-                return _mma(a0, w, acc, PRECISION, UPCAST, DOT)
+                return _mma(a0, w, acc, PRECISION, UPCAST)
             else:
                 # e4m3 to the activations' dtype is exact; under UPCAST (the CPU
-                # interpreter, whose dot takes float32) or off the tensor cores straight
-                # to float32
-                if UPCAST or not DOT:
+                # interpreter, whose dot takes float32) straight to float32
+                if UPCAST:
                     w = w.to(tl.float32)
                 else:
                     w = w.to(a0.dtype)
                 if WEIGHTS == 2:
-                    return _mma(a0, w, acc, PRECISION, UPCAST, DOT)
+                    return _mma(a0, w, acc, PRECISION, UPCAST)
                 else:
                     scale = tl.load(
                         scale_ptr + scale_rows * scale_row_stride + k_start // 128,
                         mask=row_ok,
                         other=0.0,
                     )
-                    part = _mma(a0, w, tl.zeros_like(acc), PRECISION, UPCAST, DOT)
+                    part = _mma(a0, w, tl.zeros_like(acc), PRECISION, UPCAST)
                     return acc + part * scale[None, :]
 
     @triton.jit
-    def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr, DOT: tl.constexpr):
-        """acc + a @ b ([M, K] @ [K, N]). UPCAST (Triton's CPU interpreter only): its dot
-        multiplies bf16 operands' raw bits, so they go in as float32, whose products of
-        bf16 or fp16 values are exact, as on the tensor cores. Without DOT, float32
-        multiply-adds on the CUDA cores, summed over K."""
-        if not DOT:
-            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        elif UPCAST:
+    def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + a @ b. UPCAST (Triton's CPU interpreter only): its dot multiplies bf16
+        operands' raw bits, so they go in as float32, whose products of bf16 or fp16
+        values are exact, as on the tensor cores."""
+        if UPCAST:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             return tl.dot(a, b, acc, input_precision=PRECISION)
@@ -173,7 +160,6 @@ if HAS_TRITON:
         ACTIVATION: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
-        DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -199,11 +185,11 @@ if HAS_TRITON:
                 x0, x1 = _load_rows(x_rows, row_ok, k_start, K, WEIGHTS, BLOCK_K)
                 gate = _weight_mma(
                     gate, x0, x1, w_expert, s_expert, cols, gate_scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT, DOT,
+                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
                 )  # fmt: skip
                 up = _weight_mma(
                     up, x0, x1, w_expert, s_expert, N + cols, up_scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT, DOT,
+                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
                 )  # fmt: skip
             gate = _channel_scale(gate, s_expert, cols, col_ok, WEIGHTS)
             up = _channel_scale(up, s_expert, N + cols, col_ok, WEIGHTS)
@@ -246,7 +232,6 @@ if HAS_TRITON:
         WEIGHTS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
-        DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -268,7 +253,7 @@ if HAS_TRITON:
                 a0, a1 = _load_rows(a_rows, row_ok, k_start, K, WEIGHTS, BLOCK_K)
                 acc = _weight_mma(
                     acc, a0, a1, w_expert, s_expert, cols, scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT, DOT,
+                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
                 )  # fmt: skip
             acc = _channel_scale(acc, s_expert, cols, col_ok, WEIGHTS)
             if HAS_BIAS:

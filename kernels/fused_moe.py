@@ -63,8 +63,6 @@ if HAS_TRITON:
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Weights = torch.Tensor | MXFP4Tensor | Fp8Experts
 GATED_PARTS = 2
-MIN_DOT_BLOCK_M = 16
-"""`tl.dot`'s smallest M."""
 """w13's rows: the gate half, then the up half (each blocked on its own when FP8)."""
 
 
@@ -85,15 +83,13 @@ class MoEActivation:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape of the two grouped GEMMs; `dot` False multiplies on the CUDA cores
-    instead of the tensor cores (kernels/_moe_gemm.py), which lets block_m go under 16."""
+    """Launch shape of the two grouped GEMMs."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    dot: bool = True
 
 
 def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
@@ -278,8 +274,6 @@ def fused_moe_triton(
 
 
 def _check_tile(config: TileConfig, w13: Weights, w2: Weights) -> None:
-    if config.dot and config.block_m < MIN_DOT_BLOCK_M:
-        raise ValueError(f"tensor-core tiles need block_m >= {MIN_DOT_BLOCK_M}, got {config}")
     block_scaled = any(isinstance(w, Fp8Experts) and w.block for w in (w13, w2))
     if block_scaled and FP8_EXPERT_BLOCK % config.block_k:
         raise ValueError(
@@ -322,7 +316,6 @@ def _launch_gemm1(
         ACTIVATION=ACT_SILU if activation.kind == "silu" else ACT_SWIGLU_CLAMPED,
         PRECISION=_precision(hidden.dtype),
         UPCAST_DOT=_interpreted(),
-        DOT=config.dot,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -353,7 +346,6 @@ def _launch_gemm2(
         WEIGHTS=kind,
         PRECISION=_precision(act.dtype),
         UPCAST_DOT=_interpreted(),
-        DOT=config.dot,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

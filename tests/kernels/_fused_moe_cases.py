@@ -15,7 +15,6 @@ from kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import (
     Fp8Experts,
     MoEActivation,
-    TileConfig,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -143,10 +142,8 @@ def compare_fused(device: str, cases: list[dict]) -> None:
         routing = case.pop("routing", None)
         if routing is not None:
             routing = torch.tensor(routing)
-        tile = case.pop("tile", None)
-        tile = TileConfig(*tile) if tile is not None else None
         args = _case(*case.pop("shape"), dtype, device=device, routing=routing, **case)
-        out = fused_moe_triton(*args, activation, tile)
+        out = fused_moe_triton(*args, activation)
         _assert_close_to_reference(out, fused_moe_ref(*args, activation))
         if device == "cuda":
             assert torch.equal(fused_moe(*args, activation), out), "not reproducible"
@@ -193,23 +190,7 @@ def _interpreter_cases() -> list[dict]:
             routing=every,
         )
     )
-    return cases + _fp8_cases() + cuda_core_cases()
-
-
-def cuda_core_cases() -> list[dict[str, Any]]:
-    """Tiles multiplied on the CUDA cores (`dot` off), block_m 1 to 4: each weight kind,
-    a block with padding rows, one expert receiving every token, partial FP8 blocks."""
-    every = [[0, 1]] * 17
-    return [
-        dict(shape=(1, 64, 32, 8, 4), dtype="bfloat16", activation="swiglu_clamped", mxfp4=True,
-             tile=(1, 32, 64, 4, 2, False)),
-        dict(shape=(17, 64, 32, 8, 2), dtype="bfloat16", activation="swiglu_clamped",
-             mxfp4=True, routing=every, tile=(4, 16, 64, 4, 2, False)),
-        dict(shape=(5, 64, 32, 8, 4), dtype="float32", activation="silu",
-             tile=(2, 16, 32, 4, 2, False)),
-        dict(shape=(3, 192, 160, 4, 2), dtype="bfloat16", activation="silu", fp8="block",
-             bias=False, tile=(2, 32, 64, 4, 2, False)),
-    ]  # fmt: skip
+    return cases + _fp8_cases()
 
 
 def _fp8_cases() -> list[dict[str, Any]]:

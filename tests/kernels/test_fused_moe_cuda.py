@@ -4,6 +4,8 @@ the early exit of blocks past the padded count, and CUDA-graph replay following 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -25,6 +27,15 @@ _GPT_OSS_20B = dict(
 _QWEN3_30B = dict(shape=(0, 2048, 768, 128, 8), dtype="bfloat16", activation="silu", bias=False)
 
 
+@pytest.fixture(autouse=True)
+def _return_cached_memory() -> Iterator[None]:
+    """Model-shaped cases cache gigabytes in torch's allocator; the GPU lane runs other test
+    processes beside this one, which need that memory back."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _at(case: dict, num_tokens: int) -> dict:
     return {**case, "shape": (num_tokens, *case["shape"][1:])}
 
@@ -33,14 +44,6 @@ def _at(case: dict, num_tokens: int) -> dict:
 @pytest.mark.parametrize("num_tokens", [1, 64, 2048])
 def test_gpt_oss_20b_shapes_on_cuda(num_tokens: int) -> None:
     compare_fused("cuda", [_at(_GPT_OSS_20B, num_tokens)])
-
-
-@cuda_test
-@pytest.mark.parametrize("num_tokens", [1, 4])
-def test_gpt_oss_20b_shapes_on_the_cuda_cores(num_tokens: int) -> None:
-    """Decode tiles without `tl.dot` (block_m 1 and 2), as the benchmark sweep times."""
-    for tile in ((1, 32, 128, 4, 4, False), (2, 64, 64, 4, 3, False)):
-        compare_fused("cuda", [{**_at(_GPT_OSS_20B, num_tokens), "tile": tile}])
 
 
 @cuda_test
