@@ -81,7 +81,7 @@ plan_moe() {
     --result throughput_gpt_oss_120b_batch1
   step w4 170 $T --workload W4 --gpu-memory-utilization 0.9 --kernel-profile \
     --result throughput_w4
-  step w5 200 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
+  step w5 260 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
     --result throughput_w5
 }
 
