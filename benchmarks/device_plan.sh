@@ -12,6 +12,8 @@
 #          batch 1 (~150 without the 120b)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-64 tokens, every tile shape of the
 #          sweep (benchmarks/moe.py SWEEP)
+#   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections,
+#          weights read from HBM, with a tile sweep (benchmarks/fp8_gemv.py)
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
@@ -90,6 +92,13 @@ plan_moe_tiles() {
     --result moe_gpt-oss-20b_decode_tiles
 }
 
+plan_fp8_gemv() {
+  local model
+  for model in llama-3.1-8b qwen3-32b; do
+    step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep
+  done
+}
+
 tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FLAGS"...
   local prefix=$1 server=$2 client=$3 arm
   shift 3
@@ -138,10 +147,10 @@ plan_hf_moe() {
     --hf-batch-size 64 --gpu-memory-utilization 0.9 --result throughput_w5_hf
 }
 
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, moe, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, moe, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done

@@ -1,13 +1,14 @@
 """The kernel benchmarks run where the CPU runs the kernels' torch references: a small
-`python -m benchmarks.paged_attention` and `python -m benchmarks.sampler`, checked against
-the reference first, and what they record."""
+`python -m benchmarks.paged_attention`, `python -m benchmarks.sampler` and `python -m
+benchmarks.fp8_gemv`, checked against the reference first, and what they record."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks import paged_attention, sampler
+from benchmarks import fp8_gemv, paged_attention, sampler
+from kernels.fp8_gemv import fp8_gemv_config
 
 
 def test_paged_attention_checks_the_kernel_then_times_it(tmp_path: Path) -> None:
@@ -69,3 +70,25 @@ def test_sampler_times_each_path(tmp_path: Path) -> None:
     paths = record["details"]["paths"]
     assert paths["temperature_logprobs5"]["max_num_logprobs"] == 5
     assert all(p["median_ms"] > 0 and "graph_median_ms" not in p for p in paths.values())
+
+
+def test_fp8_gemv_checks_each_projection_then_times_it(tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    assert fp8_gemv.main(["--device", "cpu", "--not-a-result", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    projections = record["details"]["projections"]
+    assert set(projections) == {"qkv", "down"} and set(record["figures"]) == {"qkv_us", "down_us"}
+    for row in projections.values():
+        assert row["max_rel_err_vs_ref"] <= 1e-5  # on the CPU the reference itself runs
+        assert row["us"] > 0 and "sweep" not in row
+
+
+def test_fp8_gemv_sweep_covers_splits_around_the_default() -> None:
+    default = fp8_gemv_config(1, 4096, 14336)
+    configs = fp8_gemv._sweep_configs(default)
+    assert default in configs and len(configs) == len(set(configs))
+    assert {c.split_k for c in configs} == {
+        default.split_k // 2,
+        default.split_k,
+        default.split_k * 2,
+    }
