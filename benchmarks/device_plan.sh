@@ -10,10 +10,10 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1 (~150 without the 120b)
-#   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-64 tokens, every tile shape of the
-#          sweep (benchmarks/moe.py SWEEP)
-#   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections,
-#          weights read from HBM, with a tile sweep (benchmarks/fp8_gemv.py)
+#   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
+#          sweep (benchmarks/moe.py SWEEP, both orientations); the same layer with bf16 experts
+#   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
+#          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
@@ -88,13 +88,15 @@ plan_moe() {
 }
 
 plan_moe_tiles() {
-  step moe_tiles 200 python3 -m benchmarks.moe --model gpt-oss-20b --tokens 1,4,16,64 --sweep \
-    --result moe_gpt-oss-20b_decode_tiles
+  step moe_tiles 260 python3 -m benchmarks.moe --model gpt-oss-20b --tokens 1,16,256,1024,4096 \
+    --sweep --result moe_gpt-oss-20b_tiles
+  step moe_bf16 60 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype bf16 \
+    --tokens 1,1024,4096 --result moe_gpt-oss-20b_bf16
 }
 
 plan_fp8_gemv() {
   local model
-  for model in llama-3.1-8b qwen3-32b; do
+  for model in ${FP8_GEMV_MODELS:-llama-3.1-8b qwen3-32b}; do
     step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep
   done
 }

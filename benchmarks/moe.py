@@ -2,15 +2,17 @@
 checked against the torch reference first.
 
     python -m benchmarks.moe [--model gpt-oss-20b|qwen3-30b-a3b] [--tokens 1,8,64,256,2048]
-                             [--expert-dtype auto|fp8|fp8-channel] [--sweep]
+                             [--expert-dtype auto|bf16|fp8|fp8-channel] [--sweep]
 
 On CUDA: eager and CUDA-graph medians of one MoE layer per token count, and the expert weight
 bytes the call must read (each expert hit, once) against the H200's copy bandwidth: at small
 token counts the layer is bound by those bytes. `--sweep` also times a grid of launch shapes
-(block_m, block_n, block_k, warps, stages) at each token count, for
-choosing `tile_config`'s table. `--expert-dtype fp8` quantizes the experts to e4m3 with
-128x128 block scales (as Qwen3-30B-A3B-FP8 ships them; `fp8-channel`: per output channel),
-which the kernels read weight-only; `auto` keeps the model's (bf16, or gpt-oss's MXFP4).
+(block_m, block_n, block_k, warps, stages, and tiles computed transposed: swap_ab) at each
+token count, for choosing `tile_config`'s table. `--expert-dtype fp8` quantizes the experts
+to e4m3 with 128x128 block scales (as Qwen3-30B-A3B-FP8 ships them; `fp8-channel`: per
+output channel), which the kernels read weight-only; `auto` keeps the model's (bf16, or
+gpt-oss's MXFP4); `bf16` gives gpt-oss bf16 experts too (what MXFP4's in-register
+dequantization costs).
 On the CPU the torch reference runs (a check that the script runs, not a figure to
 compare).
 """
@@ -44,7 +46,7 @@ MODELS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8, False, MoEActivation("silu")),
 }
 MAX_REL_ERR = 2e-2
-EXPERT_DTYPES = ("auto", "fp8", "fp8-channel")
+EXPERT_DTYPES = ("auto", "bf16", "fp8", "fp8-channel")
 SWEEP = [
     TileConfig(*shape)
     for shape in (
@@ -57,6 +59,15 @@ SWEEP = [
         (64, 128, 64, 4, 3),
         (128, 64, 64, 8, 3),
         (128, 128, 64, 8, 3),
+        # transposed tiles, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py)
+        (16, 64, 128, 4, 4, True),
+        (16, 128, 128, 4, 3, True),
+        (16, 64, 256, 4, 3, True),
+        (32, 128, 128, 4, 3, True),
+        (64, 128, 64, 4, 3, True),
+        (64, 128, 128, 8, 3, True),
+        (128, 128, 64, 8, 3, True),
+        (64, 256, 64, 8, 3, True),
     )
 ]
 
@@ -65,7 +76,7 @@ def _weights(hidden, intermediate, num_experts, mxfp4, device, dtype, expert_dty
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) * hidden**-0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=g) * intermediate**-0.5
-    if expert_dtype != "auto":
+    if expert_dtype.startswith("fp8"):
         block = expert_dtype == "fp8"
         return (
             quantize_fp8_experts(w13.to(device), block, num_row_parts=2),
@@ -79,7 +90,7 @@ def _weights(hidden, intermediate, num_experts, mxfp4, device, dtype, expert_dty
 
 def _expert_bytes(hidden: int, intermediate: int, mxfp4: bool, expert_dtype: str) -> float:
     values = 3 * hidden * intermediate
-    if expert_dtype != "auto":
+    if expert_dtype.startswith("fp8"):
         return values * 1.0  # e4m3; the float32 scales add under 0.1%
     return values * 17 / 32 if mxfp4 else values * 2  # MXFP4: 4 bits + 1 scale byte / 32
 
@@ -114,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         "--expert-dtype",
         default="auto",
         choices=EXPERT_DTYPES,
-        help="auto: the model's experts (bf16, or MXFP4 for gpt-oss); fp8: e4m3 with 128x128 "
-        "block scales; fp8-channel: e4m3 with per-output-channel scales",
+        help="auto: the model's experts (bf16, or MXFP4 for gpt-oss); bf16: bf16 experts "
+        "for every model; fp8: e4m3 with 128x128 block scales; fp8-channel: e4m3 with "
+        "per-output-channel scales",
     )
     args = p.parse_args(argv)
     hidden, intermediate, num_experts, top_k, mxfp4, activation = MODELS[args.model]

@@ -59,6 +59,7 @@ from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 if HAS_TRITON:
     from kernels._moe_gemm import _moe_gemm1_kernel, _moe_gemm2_kernel
+    from kernels._moe_gemm_swapped import _moe_gemm1_swapped_kernel, _moe_gemm2_swapped_kernel
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Weights = torch.Tensor | MXFP4Tensor | Fp8Experts
@@ -83,13 +84,15 @@ class MoEActivation:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape of the two grouped GEMMs."""
+    """Launch shape of the two grouped GEMMs. `swap_ab`: the kernels that compute each
+    tile transposed, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
 
 
 def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
@@ -304,7 +307,8 @@ def _launch_gemm1(
     values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w13)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(intermediate, config.block_n))
-    _moe_gemm1_kernel[grid](
+    kernel = _moe_gemm1_swapped_kernel if config.swap_ab else _moe_gemm1_kernel
+    kernel[grid](
         hidden, values, scales, bias if bias is not None else hidden, out,
         grouping.sorted_pair_ids, grouping.block_expert_ids, grouping.num_padded_rows,
         num_pairs, intermediate, hidden.shape[1], hidden.stride(0),
@@ -337,7 +341,8 @@ def _launch_gemm2(
     values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w2)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(hidden_size, config.block_n))
-    _moe_gemm2_kernel[grid](
+    kernel = _moe_gemm2_swapped_kernel if config.swap_ab else _moe_gemm2_kernel
+    kernel[grid](
         act, values, scales, bias if bias is not None else act, route_weights, out,
         grouping.sorted_pair_ids, grouping.block_expert_ids, grouping.num_padded_rows,
         num_pairs, hidden_size, act.shape[1],

@@ -15,6 +15,7 @@ from kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import (
     Fp8Experts,
     MoEActivation,
+    TileConfig,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -131,10 +132,17 @@ def _assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor) -> 
 
 
 def compare_fused(device: str, cases: list[dict]) -> None:
+    """Each case (_case's arguments, and optionally a `tile`: TileConfig's fields) through
+    fused_moe_triton against the reference."""
     if device == "cpu":
-        from kernels import _moe_gemm
+        from kernels import _moe_gemm, _moe_gemm_swapped
 
-        assert_interpreted(_moe_gemm._moe_gemm1_kernel, _moe_gemm._moe_gemm2_kernel)
+        assert_interpreted(
+            _moe_gemm._moe_gemm1_kernel,
+            _moe_gemm._moe_gemm2_kernel,
+            _moe_gemm_swapped._moe_gemm1_swapped_kernel,
+            _moe_gemm_swapped._moe_gemm2_swapped_kernel,
+        )
     for case in cases:
         case = dict(case)
         activation = SILU if case.pop("activation") == "silu" else SWIGLU
@@ -142,11 +150,18 @@ def compare_fused(device: str, cases: list[dict]) -> None:
         routing = case.pop("routing", None)
         if routing is not None:
             routing = torch.tensor(routing)
+        tile = case.pop("tile", None)
+        tile = None if tile is None else TileConfig(*tile)
         args = _case(*case.pop("shape"), dtype, device=device, routing=routing, **case)
-        out = fused_moe_triton(*args, activation)
+        out = fused_moe_triton(*args, activation, tile)
         _assert_close_to_reference(out, fused_moe_ref(*args, activation))
         if device == "cuda":
-            assert torch.equal(fused_moe(*args, activation), out), "not reproducible"
+            again = (
+                fused_moe(*args, activation)
+                if tile is None
+                else fused_moe_triton(*args, activation, tile)
+            )
+            assert torch.equal(again, out), "not reproducible"
 
 
 def _interpreter_cases() -> list[dict]:
@@ -191,6 +206,14 @@ def _interpreter_cases() -> list[dict]:
         )
     )
     return cases + _fp8_cases()
+
+
+def swapped_cases() -> list[dict[str, Any]]:
+    """The interpreter's cases again through the transposed kernels (TileConfig.swap_ab),
+    with N tiles wider and narrower than the weights' rows and K tiles across one MXFP4
+    scale group and across several."""
+    tiles = ((16, 32, 64, 4, 1, True), (32, 64, 32, 4, 1, True))  # TileConfig fields
+    return [{**case, "tile": tiles[i % 2]} for i, case in enumerate(_interpreter_cases())]
 
 
 def _fp8_cases() -> list[dict[str, Any]]:
