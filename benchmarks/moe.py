@@ -104,12 +104,21 @@ def _bandwidth(timing: dict[str, float], weight_bytes: float) -> dict[str, float
     }
 
 
-def _sweep(layer_with_tile, device: str) -> list[dict[str, Any]]:
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+
+
+def _sweep(layer_with_tile, ref: torch.Tensor, device: str) -> list[dict[str, Any]]:
+    """Each tile shape's timing, and its output's error against the reference (a tile that
+    computes wrong is reported, not timed as if it counted)."""
     rows = []
     for tile in SWEEP:
         knobs = dataclasses.asdict(tile)
         try:
-            rows.append({**knobs, **time_call(functools.partial(layer_with_tile, tile), device)})
+            call = functools.partial(layer_with_tile, tile)
+            rel_err = _rel_err(call(), ref)
+            timing = time_call(call, device) if rel_err <= MAX_REL_ERR else {}
+            rows.append({**knobs, **timing, "max_rel_err_vs_ref": rel_err})
         except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
             rows.append({**knobs, "error": f"{type(error).__name__}: {error}"[:200]})
     return rows
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
         weights, ids = moe_route(logits, top_k, True)
         ref = fused_moe_ref(x, weights, ids, w13, w2, bias13, bias2, activation).float()
-        rel_err = float((layer().float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        rel_err = _rel_err(layer(), ref)
         if not rel_err <= MAX_REL_ERR:
             raise SystemExit(f"fused_moe disagrees with its reference: max rel err {rel_err:.3g}")
         expert_bytes = _expert_bytes(hidden, intermediate, mxfp4, expert_dtype)
@@ -182,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_rel_err_vs_ref": rel_err,
         }
         if args.sweep and args.device == "cuda":
-            row["sweep"] = _sweep(layer_with_tile, args.device)
+            row["sweep"] = _sweep(layer_with_tile, ref, args.device)
         details[f"tokens_{num_tokens}"] = row
         best_ms = min(v for k, v in default.items() if k.endswith("median_ms"))
         figures[f"tokens_{num_tokens}_us"] = round(1e3 * best_ms, 1)
