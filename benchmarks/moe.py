@@ -60,13 +60,17 @@ SWEEP = [
         (128, 64, 64, 8, 3),
         (128, 128, 64, 8, 3),
         # transposed tiles, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py)
+        # (and MXFP4 tiles multiplied as two column halves)
         (16, 64, 128, 4, 4, True),
+        (16, 64, 128, 4, 4, True, True),
         (16, 128, 128, 4, 3, True),
-        (16, 64, 256, 4, 3, True),
+        (16, 64, 256, 4, 3, True, True),
         (32, 128, 128, 4, 3, True),
         (64, 128, 64, 4, 3, True),
+        (64, 128, 64, 4, 3, True, True),
         (64, 128, 128, 8, 3, True),
         (128, 128, 64, 8, 3, True),
+        (128, 128, 64, 8, 3, True, True),
         (64, 256, 64, 8, 3, True),
     )
 ]

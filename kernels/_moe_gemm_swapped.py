@@ -20,21 +20,27 @@ if HAS_TRITON:
     from kernels.mxfp4 import mxfp4_dequant_rows
 
     @triton.jit
-    def _weight_tile(
-        w_ptr,  # this expert's [N, K] weights (or [N, K // 2] bytes)
-        scale_ptr,  # this expert's MXFP4 scales [N, K // 32] uint8 (WEIGHTS 1 only)
+    def _weight_mma_t(
+        acc,  # [BLOCK_N, BLOCK_M] float32
+        x,  # [BLOCK_M, BLOCK_K] activations (multiplied transposed)
+        w_ptr,  # this expert's [N, K] weights (or MXFP4 bytes [N, K // 2])
+        scale_ptr,  # this expert's MXFP4 [N, K // 32] uint8; block FP8 [N blocks, K blocks]
         rows,  # [BLOCK_N] weight rows
+        scale_rows,  # [BLOCK_N] block FP8: each row's block row
         row_ok,
         k_start,
         K,
         w_row_stride,
         scale_row_stride,
-        dtype: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        MXFP4_HALVES: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        """[BLOCK_N, BLOCK_K] weights, columns [k_start, k_start + BLOCK_K), in `dtype`:
-        MXFP4 dequantized, FP8 converted (exact; its scales are the caller's)."""
+        """acc + w[rows, k_start : k_start + BLOCK_K] @ x.T, block-scaled for WEIGHTS 3.
+        MXFP4 tiles are multiplied as their even and odd columns against x's (two dots,
+        MXFP4_HALVES) or interleaved back into one tile (one dot)."""
         if WEIGHTS == 1:
             byte_cols = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(
@@ -48,56 +54,39 @@ if HAS_TRITON:
                 mask=row_ok[:, None] & (groups[None, :] < K // 32),
                 other=0,
             )
-            return mxfp4_dequant_rows(packed, scales, dtype)
+            even, odd = mxfp4_dequant_rows(packed, scales, x.dtype)
+            if MXFP4_HALVES:
+                x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))
+                acc = _mma(even, tl.trans(x_even), acc, PRECISION, UPCAST)
+                return _mma(odd, tl.trans(x_odd), acc, PRECISION, UPCAST)
+            else:
+                w = tl.reshape(tl.join(even, odd), (even.shape[0], BLOCK_K))
+                return _mma(w, tl.trans(x), acc, PRECISION, UPCAST)
         else:
             cols = k_start + tl.arange(0, BLOCK_K)
             w = tl.load(
                 w_ptr + rows[:, None] * w_row_stride + cols[None, :],
                 mask=row_ok[:, None] & (cols[None, :] < K),
                 other=0.0,
-            )
-            return w.to(dtype)
+            ).to(x.dtype)  # FP8: exact; its scales are applied to float32 sums
+            if WEIGHTS == 3:
+                scale = tl.load(
+                    scale_ptr + scale_rows * scale_row_stride + k_start // 128,
+                    mask=row_ok,
+                    other=0.0,
+                )
+                part = _mma(w, tl.trans(x), tl.zeros_like(acc), PRECISION, UPCAST)
+                return acc + part * scale[:, None]
+            else:
+                return _mma(w, tl.trans(x), acc, PRECISION, UPCAST)
 
     @triton.jit
-    def _weight_mma_t(
-        acc,  # [BLOCK_N, BLOCK_M] float32
-        x_t,  # [BLOCK_K, BLOCK_M] activations, transposed
-        w_ptr,
-        scale_ptr,  # MXFP4 [N, K // 32]; block FP8 [N blocks, K blocks] float32
-        rows,
-        scale_rows,  # [BLOCK_N] block FP8: each row's block row
-        row_ok,
-        k_start,
-        K,
-        w_row_stride,
-        scale_row_stride,
-        WEIGHTS: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        """acc + w[rows, k_start : k_start + BLOCK_K] @ x_t, block-scaled for WEIGHTS 3."""
-        w = _weight_tile(
-            w_ptr, scale_ptr, rows, row_ok, k_start, K, w_row_stride, scale_row_stride,
-            x_t.dtype, WEIGHTS, BLOCK_K,
-        )  # fmt: skip
-        if WEIGHTS == 3:
-            scale = tl.load(
-                scale_ptr + scale_rows * scale_row_stride + k_start // 128, mask=row_ok, other=0.0
-            )
-            return acc + _mma(w, x_t, tl.zeros_like(acc), PRECISION, UPCAST) * scale[:, None]
-        else:
-            return _mma(w, x_t, acc, PRECISION, UPCAST)
-
-    @triton.jit
-    def _load_rows_t(row_ptrs, row_ok, k_start, K, BLOCK_K: tl.constexpr):
-        """[BLOCK_K, BLOCK_M]: columns [k_start, k_start + BLOCK_K) of the rows, transposed
-        (loaded along the rows' contiguous K, then transposed in the layout)."""
+    def _load_rows(row_ptrs, row_ok, k_start, K, BLOCK_K: tl.constexpr):
+        """[BLOCK_M, BLOCK_K]: columns [k_start, k_start + BLOCK_K) of the rows."""
         ks = k_start + tl.arange(0, BLOCK_K)
-        tile = tl.load(
+        return tl.load(
             row_ptrs[:, None] + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0
         )
-        return tl.trans(tile)
 
     @triton.jit
     def _scale_rows(acc, scale_ptr, rows, row_ok, WEIGHTS: tl.constexpr):
@@ -115,6 +104,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        MXFP4_HALVES: tl.constexpr,
         ACTIVATION: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
@@ -139,14 +129,16 @@ if HAS_TRITON:
             up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             x_rows = x_ptr + (pairs // TOP_K) * x_row_stride
             for k_start in range(0, K, BLOCK_K):
-                x_t = _load_rows_t(x_rows, pair_ok, k_start, K, BLOCK_K)
+                x = _load_rows(x_rows, pair_ok, k_start, K, BLOCK_K)
                 gate = _weight_mma_t(
-                    gate, x_t, w_expert, s_expert, cols, gate_scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
+                    gate, x, w_expert, s_expert, cols, gate_scale_rows, col_ok, k_start, K,
+                    w_row_stride, scale_row_stride, WEIGHTS, MXFP4_HALVES, BLOCK_K, PRECISION,
+                    UPCAST_DOT,
                 )  # fmt: skip
                 up = _weight_mma_t(
-                    up, x_t, w_expert, s_expert, N + cols, up_scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
+                    up, x, w_expert, s_expert, N + cols, up_scale_rows, col_ok, k_start, K,
+                    w_row_stride, scale_row_stride, WEIGHTS, MXFP4_HALVES, BLOCK_K, PRECISION,
+                    UPCAST_DOT,
                 )  # fmt: skip
             gate = _scale_rows(gate, s_expert, cols, col_ok, WEIGHTS)
             up = _scale_rows(up, s_expert, N + cols, col_ok, WEIGHTS)
@@ -168,6 +160,7 @@ if HAS_TRITON:
         scale_row_stride, bias_expert_stride,
         HAS_BIAS: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        MXFP4_HALVES: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -188,10 +181,11 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             a_rows = a_ptr + pairs * K
             for k_start in range(0, K, BLOCK_K):
-                a_t = _load_rows_t(a_rows, pair_ok, k_start, K, BLOCK_K)
+                a = _load_rows(a_rows, pair_ok, k_start, K, BLOCK_K)
                 acc = _weight_mma_t(
-                    acc, a_t, w_expert, s_expert, cols, scale_rows, col_ok, k_start, K,
-                    w_row_stride, scale_row_stride, WEIGHTS, BLOCK_K, PRECISION, UPCAST_DOT,
+                    acc, a, w_expert, s_expert, cols, scale_rows, col_ok, k_start, K,
+                    w_row_stride, scale_row_stride, WEIGHTS, MXFP4_HALVES, BLOCK_K, PRECISION,
+                    UPCAST_DOT,
                 )  # fmt: skip
             acc = _scale_rows(acc, s_expert, cols, col_ok, WEIGHTS)
             if HAS_BIAS:

@@ -85,7 +85,9 @@ class MoEActivation:
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape of the two grouped GEMMs. `swap_ab`: the kernels that compute each
-    tile transposed, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py)."""
+    tile transposed, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py);
+    with it, `mxfp4_halves` multiplies MXFP4 tiles as even and odd column halves (two
+    dots) instead of one interleaved tile."""
 
     block_m: int
     block_n: int
@@ -93,6 +95,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     swap_ab: bool = False
+    mxfp4_halves: bool = False
 
 
 def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
@@ -293,6 +296,21 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _tile_args(config: TileConfig) -> dict[str, int | bool]:
+    """The launch's tile constexprs and its warps and stages (the swapped kernels also take
+    MXFP4_HALVES)."""
+    args: dict[str, int | bool] = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+    if config.swap_ab:
+        args["MXFP4_HALVES"] = config.mxfp4_halves
+    return args
+
+
 def _launch_gemm1(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: Weights,  # [num_experts, 2 * intermediate, hidden_size]
@@ -320,11 +338,7 @@ def _launch_gemm1(
         ACTIVATION=ACT_SILU if activation.kind == "silu" else ACT_SWIGLU_CLAMPED,
         PRECISION=_precision(hidden.dtype),
         UPCAST_DOT=_interpreted(),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **_tile_args(config),
     )  # fmt: skip
 
 
@@ -351,11 +365,7 @@ def _launch_gemm2(
         WEIGHTS=kind,
         PRECISION=_precision(act.dtype),
         UPCAST_DOT=_interpreted(),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **_tile_args(config),
     )  # fmt: skip
 
 

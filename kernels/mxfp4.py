@@ -149,17 +149,18 @@ if HAS_TRITON:
 
     @triton.jit
     def mxfp4_dequant_rows(packed, scales, out_dtype: tl.constexpr):
-        """[R, 2 * C] values in `out_dtype` of an [R, C] uint8 tile of packed bytes whose
-        rows run across the quantized dimension (byte column c holds value columns 2c and
-        2c + 1; scale column c // 16 of `scales`, [R, C // 16] uint8, is its group's)."""
+        """(even, odd): [R, C] values in `out_dtype` of the even and the odd value columns
+        of an [R, C] uint8 tile of packed bytes whose rows run across the quantized
+        dimension (byte column c holds value columns 2c and 2c + 1; scale column c // 16 of
+        `scales`, [R, C // 16] uint8, is its group's)."""
         ROWS: tl.constexpr = packed.shape[0]
         COLS: tl.constexpr = packed.shape[1]
         scale = _e8m0_to_float32(scales)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
         b = packed.to(tl.uint32)
-        low = _nibble_values(((b & 0x07) << 22) | ((b & 0x08) << 28), scale).to(out_dtype)
-        high = _nibble_values(((b & 0x70) << 18) | ((b & 0x80) << 24), scale).to(out_dtype)
-        return tl.reshape(tl.join(low, high), (ROWS, 2 * COLS))
+        low = _nibble_values(((b & 0x07) << 22) | ((b & 0x08) << 28), scale)
+        high = _nibble_values(((b & 0x70) << 18) | ((b & 0x80) << 24), scale)
+        return low.to(out_dtype), high.to(out_dtype)
 
     @triton.jit
     def mxfp4_dequant_nibbles(packed, scales, out_dtype: tl.constexpr):

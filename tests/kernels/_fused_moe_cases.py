@@ -210,10 +210,15 @@ def _interpreter_cases() -> list[dict]:
 
 def swapped_cases() -> list[dict[str, Any]]:
     """The interpreter's cases again through the transposed kernels (TileConfig.swap_ab),
-    with N tiles wider and narrower than the weights' rows and K tiles across one MXFP4
-    scale group and across several."""
-    tiles = ((16, 32, 64, 4, 1, True), (32, 64, 32, 4, 1, True))  # TileConfig fields
-    return [{**case, "tile": tiles[i % 2]} for i, case in enumerate(_interpreter_cases())]
+    with N tiles wider and narrower than the weights' rows, K tiles across one MXFP4 scale
+    group and across several, and MXFP4 tiles multiplied whole and as column halves."""
+    tiles = (  # TileConfig's fields
+        (16, 32, 64, 4, 1, True, False),
+        (32, 64, 32, 4, 1, True, True),
+        (16, 64, 64, 4, 1, True, True),
+    )
+    # the cases come in threes (float32, bf16, MXFP4): rotate so that each kind meets each tile
+    return [{**c, "tile": tiles[(i + i // 3) % 3]} for i, c in enumerate(_interpreter_cases())]
 
 
 def _fp8_cases() -> list[dict[str, Any]]:

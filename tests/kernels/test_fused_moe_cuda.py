@@ -71,7 +71,7 @@ def test_qwen3_30b_a3b_fp8_shapes_on_cuda(num_tokens: int, fp8: str) -> None:
     compare_fused("cuda", [_at({**_QWEN3_30B, "fp8": fp8}, num_tokens)])
 
 
-_SWAPPED_TILES = [(16, 64, 128, 4, 4, True), (64, 128, 64, 8, 3, True)]  # TileConfig fields
+_SWAPPED_TILES = [(16, 64, 128, 4, 4, True, True), (64, 128, 64, 8, 3, True, False)]
 
 
 @cuda_test
