@@ -107,6 +107,17 @@ def _add_cache_args(g: Any) -> None:
         "Env: TANDEM_KV_CACHE_DTYPE",
     )
     g.add_argument(
+        "--mxfp4-bf16-copy",
+        action="store_true",
+        default=_bool_env("mxfp4_bf16_copy", False),
+        help="keep MXFP4 experts (gpt-oss) also in bf16 on the GPU, for steps with many "
+        "tokens per expert (prefill, large decode batches), where multiplying bf16 "
+        "experts is faster than dequantizing MXFP4 tiles in registers; small steps keep "
+        "reading MXFP4. Same outputs (bf16 holds every MXFP4 value); costs the experts' "
+        "bf16 bytes (gpt-oss-20b: 38 GB, gpt-oss-120b: 230 GB, which no single GPU holds), "
+        "taken from the KV cache. Env: TANDEM_MXFP4_BF16_COPY",
+    )
+    g.add_argument(
         "--num-kv-blocks",
         type=int,
         default=_env("num_kv_blocks", None),
@@ -331,6 +342,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_caching": not args.no_prefix_caching,
         "runner": args.runner,
         "enforce_eager": args.enforce_eager,
+        "mxfp4_bf16_copy": args.mxfp4_bf16_copy,
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,

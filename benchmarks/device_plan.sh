@@ -12,7 +12,7 @@
 #          batch 1 (~150 without the 120b)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
 #          sweep (benchmarks/moe.py SWEEP, both orientations); the same layer with bf16
-#          experts; qwen3-30b-a3b's layer at 1-4,096 tokens with the sweep
+#          experts; W4 offline with --mxfp4-bf16-copy; qwen3-30b-a3b's layer swept
 #   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
@@ -89,11 +89,13 @@ plan_moe() {
 }
 
 plan_moe_tiles() {
-  step moe_tiles 260 python3 -m benchmarks.moe --model gpt-oss-20b --tokens 1,16,256,1024,4096 \
-    --sweep --result moe_gpt-oss-20b_tiles
-  step moe_bf16 60 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype bf16 \
-    --tokens 1,1024,4096 --result moe_gpt-oss-20b_bf16
-  step moe_tiles_qwen3 120 python3 -m benchmarks.moe --model qwen3-30b-a3b --tokens 1,1024,4096 \
+  step moe_tiles 200 python3 -m benchmarks.moe --model gpt-oss-20b --tokens 1,256,4096 --sweep \
+    --result moe_gpt-oss-20b_tiles
+  step moe_bf16 45 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype bf16 \
+    --tokens 1,256,4096 --result moe_gpt-oss-20b_bf16
+  step w4_bf16_copy 170 $T --workload W4 --gpu-memory-utilization 0.9 --mxfp4-bf16-copy \
+    --kernel-profile --result throughput_w4_mxfp4_bf16_copy
+  step moe_tiles_qwen3 100 python3 -m benchmarks.moe --model qwen3-30b-a3b --tokens 1,4096 \
     --sweep --result moe_qwen3-30b-a3b_tiles
 }
 

@@ -116,6 +116,12 @@ def _add_engine_args(p: Any) -> None:
         "bf16's bytes per token)",
     )
     p.add_argument(
+        "--mxfp4-bf16-copy",
+        action="store_true",
+        help="tandem's --mxfp4-bf16-copy: gpt-oss's MXFP4 experts also kept in bf16 for "
+        "steps with many tokens per expert",
+    )
+    p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=1, help="tandem's, for both runners"
     )
     p.add_argument(
@@ -172,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_options["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.kv_cache_dtype != "auto":  # engines older than the option run the default
         engine_options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.mxfp4_bf16_copy:
+        engine_options["mxfp4_bf16_copy"] = True
     if workload.device == "cuda":
         engine_options["gpu_memory_utilization"] = args.gpu_memory_utilization
     run = recording.Run(

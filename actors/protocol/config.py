@@ -51,6 +51,10 @@ class EngineConfig:
     """KV cache element type (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (=
     fp8_e4m3) = float8_e4m3fn with a per-layer k_scale / v_scale (1.0 unless the checkpoint
     has them), half of bf16's bytes per token (gpu/attention/kv_cache_dtype.py)."""
+    mxfp4_bf16_copy: bool = False
+    """Keep MXFP4 experts also in the model dtype for steps with many rows per expert
+    (--mxfp4-bf16-copy; gpu/models/moe.py); refused for a model without MXFP4 experts on
+    the device."""
     max_num_seqs: int = 256
     """Most requests in one step (also the runner's row count)."""
     max_num_batched_tokens: int = 2048
