@@ -18,6 +18,10 @@ otherwise: Qwen3-MoE one tensor per expert and projection (FP8 ones with their
 `moe_weight_targets` maps each checkpoint tensor onto a view of these parameters, so that
 loading is one strided copy per tensor, with no temporary.
 
+With --mxfp4-bf16-copy, MXFP4 experts also get a copy in the model dtype
+(`add_mxfp4_bf16_copies`), which steps of at least BF16_COPY_MIN_ROWS rows per expert
+multiply with.
+
 The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
 construction: a loader that frees each checkpoint tensor as it is copied then never holds
 much more than one copy of the experts on the device.
