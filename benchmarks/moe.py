@@ -7,8 +7,8 @@ checked against the torch reference first.
 On CUDA: eager and CUDA-graph medians of one MoE layer per token count, and the expert weight
 bytes the call must read (each expert hit, once) against the H200's copy bandwidth: at small
 token counts the layer is bound by those bytes. `--sweep` also times a grid of launch shapes
-(block_m, block_n, block_k, warps, stages, and tiles computed transposed: swap_ab) at each
-token count, for choosing `tile_config`'s table. `--expert-dtype fp8` quantizes the experts
+(block_m, block_n, block_k, warps, stages) at each token count, each checked against the
+reference first, for choosing `tile_config`'s table. `--expert-dtype fp8` quantizes the experts
 to e4m3 with 128x128 block scales (as Qwen3-30B-A3B-FP8 ships them; `fp8-channel`: per
 output channel), which the kernels read weight-only; `auto` keeps the model's (bf16, or
 gpt-oss's MXFP4); `bf16` gives gpt-oss bf16 experts too (what MXFP4's in-register
@@ -59,19 +59,6 @@ SWEEP = [
         (64, 128, 64, 4, 3),
         (128, 64, 64, 8, 3),
         (128, 128, 64, 8, 3),
-        # transposed tiles, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py)
-        # (and MXFP4 tiles multiplied as two column halves)
-        (16, 64, 128, 4, 4, True),
-        (16, 64, 128, 4, 4, True, True),
-        (16, 128, 128, 4, 3, True),
-        (16, 64, 256, 4, 3, True, True),
-        (32, 128, 128, 4, 3, True),
-        (64, 128, 64, 4, 3, True),
-        (64, 128, 64, 4, 3, True, True),
-        (64, 128, 128, 8, 3, True),
-        (128, 128, 64, 8, 3, True),
-        (128, 128, 64, 8, 3, True, True),
-        (64, 256, 64, 8, 3, True),
     )
 ]
 

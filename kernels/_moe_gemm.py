@@ -118,17 +118,6 @@ if HAS_TRITON:
             return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def gated_activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
-        """ACT_SILU: silu(gate) * up; ACT_SWIGLU_CLAMPED (gpt-oss): gate <= limit,
-        |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)."""
-        if ACTIVATION == 0:
-            return gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            return (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-
-    @triton.jit
     def _block_rows(sorted_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
         """(pair ids, valid rows, expert) of this program's block of grouped rows."""
         block = tl.program_id(0)
@@ -208,7 +197,12 @@ if HAS_TRITON:
                 bias_row = bias_ptr + expert * bias_expert_stride
                 gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            act = gated_activation(gate, up, alpha, limit, ACTIVATION)
+            if ACTIVATION == 0:  # silu(gate) * up
+                act = gate / (1.0 + tl.exp(-gate)) * up
+            else:  # gpt-oss: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
             tl.store(
                 out_ptr + pairs[:, None] * N + cols[None, :],
                 act.to(out_ptr.dtype.element_ty),

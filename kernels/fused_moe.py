@@ -59,7 +59,6 @@ from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 if HAS_TRITON:
     from kernels._moe_gemm import _moe_gemm1_kernel, _moe_gemm2_kernel
-    from kernels._moe_gemm_swapped import _moe_gemm1_swapped_kernel, _moe_gemm2_swapped_kernel
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Weights = torch.Tensor | MXFP4Tensor | Fp8Experts
@@ -84,18 +83,13 @@ class MoEActivation:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape of the two grouped GEMMs. `swap_ab`: the kernels that compute each
-    tile transposed, weights as the MMA's left operand (kernels/_moe_gemm_swapped.py);
-    with it, `mxfp4_halves` multiplies MXFP4 tiles as even and odd column halves (two
-    dots) instead of one interleaved tile."""
+    """Launch shape of the two grouped GEMMs."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    swap_ab: bool = False
-    mxfp4_halves: bool = False
 
 
 def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
@@ -296,21 +290,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _tile_args(config: TileConfig) -> dict[str, int | bool]:
-    """The launch's tile constexprs and its warps and stages (the swapped kernels also take
-    MXFP4_HALVES)."""
-    args: dict[str, int | bool] = {
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-    }
-    if config.swap_ab:
-        args["MXFP4_HALVES"] = config.mxfp4_halves
-    return args
-
-
 def _launch_gemm1(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: Weights,  # [num_experts, 2 * intermediate, hidden_size]
@@ -325,8 +304,7 @@ def _launch_gemm1(
     values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w13)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(intermediate, config.block_n))
-    kernel = _moe_gemm1_swapped_kernel if config.swap_ab else _moe_gemm1_kernel
-    kernel[grid](
+    _moe_gemm1_kernel[grid](
         hidden, values, scales, bias if bias is not None else hidden, out,
         grouping.sorted_pair_ids, grouping.block_expert_ids, grouping.num_padded_rows,
         num_pairs, intermediate, hidden.shape[1], hidden.stride(0),
@@ -338,7 +316,11 @@ def _launch_gemm1(
         ACTIVATION=ACT_SILU if activation.kind == "silu" else ACT_SWIGLU_CLAMPED,
         PRECISION=_precision(hidden.dtype),
         UPCAST_DOT=_interpreted(),
-        **_tile_args(config),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -355,8 +337,7 @@ def _launch_gemm2(
     values, scales, w_e, w_r, s_e, s_r, kind = _weight_args(w2)
     bias = bias.contiguous() if bias is not None else None
     grid = (grouping.block_expert_ids.shape[0], triton.cdiv(hidden_size, config.block_n))
-    kernel = _moe_gemm2_swapped_kernel if config.swap_ab else _moe_gemm2_kernel
-    kernel[grid](
+    _moe_gemm2_kernel[grid](
         act, values, scales, bias if bias is not None else act, route_weights, out,
         grouping.sorted_pair_ids, grouping.block_expert_ids, grouping.num_padded_rows,
         num_pairs, hidden_size, act.shape[1],
@@ -365,7 +346,11 @@ def _launch_gemm2(
         WEIGHTS=kind,
         PRECISION=_precision(act.dtype),
         UPCAST_DOT=_interpreted(),
-        **_tile_args(config),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
 
 

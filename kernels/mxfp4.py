@@ -8,9 +8,8 @@ Each row of `num_cols` values is cut into groups of 32 that share one E8M0 expon
 This is the checkpoint layout of gpt-oss (`*_blocks`, `*_scales`). Dequantization equals
 transformers' `convert_moe_packed_tensors` up to its final transpose (it returns the
 [..., num_cols, num_rows] layout its experts multiply with). The Triton routine
-`mxfp4_dequant_nibbles` (and `mxfp4_dequant_rows`, for tiles whose rows run along the
-quantized dimension) turn a tile of packed bytes into model-dtype values in registers; the
-MoE GEMMs (kernels/_moe_gemm.py, kernels/_moe_gemm_swapped.py) call them before `tl.dot`.
+`mxfp4_dequant_nibbles` turns a tile of packed bytes into model-dtype values in
+registers; the MoE GEMMs (kernels/_moe_gemm.py) call it before `tl.dot`.
 """
 
 from __future__ import annotations
@@ -142,27 +141,6 @@ if HAS_TRITON:
         return tl.where(s == 0, power * 0.5, power)
 
     @triton.jit
-    def _nibble_values(nibble_bits, scale):
-        """The e2m1 values x scale of codes already shifted into float32 position (see
-        mxfp4_dequant_nibbles)."""
-        return nibble_bits.to(tl.float32, bitcast=True) * 2.0**126 * scale
-
-    @triton.jit
-    def mxfp4_dequant_rows(packed, scales, out_dtype: tl.constexpr):
-        """(even, odd): [R, C] values in `out_dtype` of the even and the odd value columns
-        of an [R, C] uint8 tile of packed bytes whose rows run across the quantized
-        dimension (byte column c holds value columns 2c and 2c + 1; scale column c // 16 of
-        `scales`, [R, C // 16] uint8, is its group's)."""
-        ROWS: tl.constexpr = packed.shape[0]
-        COLS: tl.constexpr = packed.shape[1]
-        scale = _e8m0_to_float32(scales)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
-        b = packed.to(tl.uint32)
-        low = _nibble_values(((b & 0x07) << 22) | ((b & 0x08) << 28), scale)
-        high = _nibble_values(((b & 0x70) << 18) | ((b & 0x80) << 24), scale)
-        return low.to(out_dtype), high.to(out_dtype)
-
-    @triton.jit
     def mxfp4_dequant_nibbles(packed, scales, out_dtype: tl.constexpr):
         """(low, high): the values in `out_dtype` of the low and high nibbles of an [R, C]
         uint8 tile of packed bytes, where byte row r belongs to scale row r // 16 of
@@ -178,4 +156,6 @@ if HAS_TRITON:
         # would overflow for scales above 128.)
         low = ((b & 0x07) << 22) | ((b & 0x08) << 28)
         high = ((b & 0x70) << 18) | ((b & 0x80) << 24)
-        return _nibble_values(low, scale).to(out_dtype), _nibble_values(high, scale).to(out_dtype)
+        low = low.to(tl.float32, bitcast=True) * 2.0**126 * scale
+        high = high.to(tl.float32, bitcast=True) * 2.0**126 * scale
+        return low.to(out_dtype), high.to(out_dtype)

@@ -15,7 +15,6 @@ from kernels.fp8_quant import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import (
     Fp8Experts,
     MoEActivation,
-    TileConfig,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -132,17 +131,10 @@ def _assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor) -> 
 
 
 def compare_fused(device: str, cases: list[dict]) -> None:
-    """Each case (_case's arguments, and optionally a `tile`: TileConfig's fields) through
-    fused_moe_triton against the reference."""
     if device == "cpu":
-        from kernels import _moe_gemm, _moe_gemm_swapped
+        from kernels import _moe_gemm
 
-        assert_interpreted(
-            _moe_gemm._moe_gemm1_kernel,
-            _moe_gemm._moe_gemm2_kernel,
-            _moe_gemm_swapped._moe_gemm1_swapped_kernel,
-            _moe_gemm_swapped._moe_gemm2_swapped_kernel,
-        )
+        assert_interpreted(_moe_gemm._moe_gemm1_kernel, _moe_gemm._moe_gemm2_kernel)
     for case in cases:
         case = dict(case)
         activation = SILU if case.pop("activation") == "silu" else SWIGLU
@@ -150,18 +142,11 @@ def compare_fused(device: str, cases: list[dict]) -> None:
         routing = case.pop("routing", None)
         if routing is not None:
             routing = torch.tensor(routing)
-        tile = case.pop("tile", None)
-        tile = None if tile is None else TileConfig(*tile)
         args = _case(*case.pop("shape"), dtype, device=device, routing=routing, **case)
-        out = fused_moe_triton(*args, activation, tile)
+        out = fused_moe_triton(*args, activation)
         _assert_close_to_reference(out, fused_moe_ref(*args, activation))
         if device == "cuda":
-            again = (
-                fused_moe(*args, activation)
-                if tile is None
-                else fused_moe_triton(*args, activation, tile)
-            )
-            assert torch.equal(again, out), "not reproducible"
+            assert torch.equal(fused_moe(*args, activation), out), "not reproducible"
 
 
 def _interpreter_cases() -> list[dict]:
@@ -206,19 +191,6 @@ def _interpreter_cases() -> list[dict]:
         )
     )
     return cases + _fp8_cases()
-
-
-def swapped_cases() -> list[dict[str, Any]]:
-    """The interpreter's cases again through the transposed kernels (TileConfig.swap_ab),
-    with N tiles wider and narrower than the weights' rows, K tiles across one MXFP4 scale
-    group and across several, and MXFP4 tiles multiplied whole and as column halves."""
-    tiles = (  # TileConfig's fields
-        (16, 32, 64, 4, 1, True, False),
-        (32, 64, 32, 4, 1, True, True),
-        (16, 64, 64, 4, 1, True, True),
-    )
-    # the cases come in threes (float32, bf16, MXFP4): rotate so that each kind meets each tile
-    return [{**c, "tile": tiles[(i + i // 3) % 3]} for i, c in enumerate(_interpreter_cases())]
 
 
 def _fp8_cases() -> list[dict[str, Any]]:

@@ -29,7 +29,6 @@ from tests.kernels._fused_moe_cases import (
     check_blocks_past_the_padded_count_exit,
     compare_fused,
     compare_grouping,
-    swapped_cases,
 )
 from tests.kernels._triton_interpreter import interpreted_test, needs_triton
 
@@ -182,13 +181,6 @@ test_triton_matches_reference_in_interpreter = interpreted_test(
     compare_fused.__code__.co_filename,
     compare_fused.__name__,
     kwargs={"device": "cpu", "cases": _interpreter_cases()},
-)
-
-
-test_swapped_kernels_match_reference_in_interpreter = interpreted_test(
-    compare_fused.__code__.co_filename,
-    compare_fused.__name__,
-    kwargs={"device": "cpu", "cases": swapped_cases()},
 )
 
 

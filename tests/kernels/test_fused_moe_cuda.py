@@ -18,7 +18,6 @@ from tests.kernels._fused_moe_cases import (
     check_blocks_past_the_padded_count_exit,
     compare_fused,
     compare_grouping,
-    swapped_cases,
 )
 from tests.kernels._triton_interpreter import cuda_test
 
@@ -71,26 +70,10 @@ def test_qwen3_30b_a3b_fp8_shapes_on_cuda(num_tokens: int, fp8: str) -> None:
     compare_fused("cuda", [_at({**_QWEN3_30B, "fp8": fp8}, num_tokens)])
 
 
-_SWAPPED_TILES = [(16, 64, 128, 4, 4, True, True), (64, 128, 64, 8, 3, True, False)]
-
-
-@cuda_test
-@pytest.mark.parametrize("tile", _SWAPPED_TILES, ids=["decode", "prefill"])
-@pytest.mark.parametrize("num_tokens", [1, 2048])
-def test_swapped_tiles_at_model_shapes_on_cuda(num_tokens: int, tile: tuple) -> None:
-    """The transposed kernels at gpt-oss-20b's MXFP4 and Qwen3-30B-A3B's bf16 and
-    block-FP8 shapes."""
-    cases = [_GPT_OSS_20B, _QWEN3_30B]
-    if _has_fp8_conversions():
-        cases.append({**_QWEN3_30B, "fp8": "block"})
-    compare_fused("cuda", [{**_at(case, num_tokens), "tile": tile} for case in cases])
-
-
 @cuda_test
 def test_small_cases_and_grouping_on_cuda() -> None:
     fp8_ok = _has_fp8_conversions()  # e4m3 conversions: compute capability >= 8.9
-    cases = _interpreter_cases() + swapped_cases()
-    compare_fused("cuda", [c for c in cases if fp8_ok or "fp8" not in c])
+    compare_fused("cuda", [c for c in _interpreter_cases() if fp8_ok or "fp8" not in c])
     compare_grouping("cuda", [(1, 128, 8, 16), (2048, 128, 8, 128), (4096, 32, 4, 64)])
     check_blocks_past_the_padded_count_exit("cuda")
 
