@@ -113,7 +113,7 @@ def _add_cache_args(g: Any) -> None:
         help="keep MXFP4 experts (gpt-oss) also in bf16 on the GPU, for steps with many "
         "tokens per expert (prefill, large decode batches), where multiplying bf16 "
         "experts is faster than dequantizing MXFP4 tiles in registers; small steps keep "
-        "reading MXFP4. Same outputs (bf16 holds every MXFP4 value); costs the experts' "
+        "reading MXFP4. The same products (bf16 holds every MXFP4 value); costs the experts' "
         "bf16 bytes (gpt-oss-20b: 38 GB, gpt-oss-120b: 230 GB, which no single GPU holds), "
         "taken from the KV cache. Env: TANDEM_MXFP4_BF16_COPY",
     )

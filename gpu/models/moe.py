@@ -162,7 +162,8 @@ class SparseMoE(nn.Module):
 
     def add_bf16_copy(self) -> int:
         """Keep the MXFP4 experts also in the model dtype (bf16 holds every MXFP4 value
-        exactly, so the products are the same), for steps with at least
+        exactly, so the products are the same; only the tiles' summation order differs),
+        for steps with at least
         BF16_COPY_MIN_ROWS grouped rows per expert: there the GEMMs are bound by the tensor
         cores and the in-register dequantization, not by the weight bytes. Dequantized one
         expert at a time (small temporaries). Returns the bytes added."""

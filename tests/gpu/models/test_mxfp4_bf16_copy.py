@@ -1,6 +1,7 @@
 """--mxfp4-bf16-copy: gpt-oss's MXFP4 experts also kept in the model dtype, which steps with
-many rows per expert multiply with (the same outputs: the copy holds every MXFP4 value
-exactly), while small steps keep reading MXFP4; refused for a model without MXFP4 experts."""
+many rows per expert multiply with (the same products: the copy holds every MXFP4 value
+exactly; on a GPU summed in another tile order), while small steps keep reading MXFP4;
+refused for a model without MXFP4 experts."""
 
 from __future__ import annotations
 
