@@ -115,6 +115,36 @@ def _sweep(layer_with_tile, ref: torch.Tensor, device: str) -> list[dict[str, An
     return rows
 
 
+def _measure(x, logits, top_k, experts, expert_bytes, mxfp4, args):
+    """One token count: the layer checked against the reference and timed with the default
+    tile (and the sweep's). Returns (its record, the default tile's timing)."""
+    num_experts = logits.shape[1]
+
+    def layer():
+        weights, ids = moe_route(logits, top_k, True)
+        return fused_moe(x, weights, ids, *experts)
+
+    def layer_with_tile(tile):
+        weights, ids = moe_route(logits, top_k, True)
+        return fused_moe_triton(x, weights, ids, *experts, tile)
+
+    weights, ids = moe_route(logits, top_k, True)
+    ref = fused_moe_ref(x, weights, ids, *experts).float()
+    rel_err = _rel_err(layer(), ref)
+    if not rel_err <= MAX_REL_ERR:
+        raise SystemExit(f"fused_moe disagrees with its reference: max rel err {rel_err:.3g}")
+    weight_bytes = int(torch.unique(ids).numel()) * expert_bytes
+    default = _bandwidth(time_call(layer, args.device), weight_bytes)
+    row: dict[str, Any] = {
+        "tile": dataclasses.asdict(tile_config(x.shape[0] * top_k, num_experts, mxfp4)),
+        **default,
+        "max_rel_err_vs_ref": rel_err,
+    }
+    if args.sweep and args.device == "cuda":
+        row["sweep"] = _sweep(layer_with_tile, ref, args.device)
+    return row, default
+
+
 def main(argv: list[str] | None = None) -> int:
     p = recording.parser("moe", __doc__)
     p.add_argument("--model", default="gpt-oss-20b", choices=sorted(MODELS))
@@ -156,33 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(1)
     figures: dict[str, Any] = {}
     details: dict[str, Any] = {"peak_bytes_per_s": PEAK_BYTES_PER_S}
+    experts = (w13, w2, bias13, bias2, activation)
+    expert_bytes = _expert_bytes(hidden, intermediate, mxfp4, expert_dtype)
     for num_tokens in token_counts:
         x = torch.randn(num_tokens, hidden, generator=g).to(args.device, dtype)
         logits = torch.randn(num_tokens, num_experts, generator=g).to(args.device)
-
-        def layer(x=x, logits=logits):
-            weights, ids = moe_route(logits, top_k, True)
-            return fused_moe(x, weights, ids, w13, w2, bias13, bias2, activation)
-
-        def layer_with_tile(tile, x=x, logits=logits):
-            weights, ids = moe_route(logits, top_k, True)
-            return fused_moe_triton(x, weights, ids, w13, w2, bias13, bias2, activation, tile)
-
-        weights, ids = moe_route(logits, top_k, True)
-        ref = fused_moe_ref(x, weights, ids, w13, w2, bias13, bias2, activation).float()
-        rel_err = _rel_err(layer(), ref)
-        if not rel_err <= MAX_REL_ERR:
-            raise SystemExit(f"fused_moe disagrees with its reference: max rel err {rel_err:.3g}")
-        expert_bytes = _expert_bytes(hidden, intermediate, mxfp4, expert_dtype)
-        weight_bytes = int(torch.unique(ids).numel()) * expert_bytes
-        default = _bandwidth(time_call(layer, args.device), weight_bytes)
-        row: dict[str, Any] = {
-            "tile": dataclasses.asdict(tile_config(num_tokens * top_k, num_experts, mxfp4)),
-            **default,
-            "max_rel_err_vs_ref": rel_err,
-        }
-        if args.sweep and args.device == "cuda":
-            row["sweep"] = _sweep(layer_with_tile, ref, args.device)
+        row, default = _measure(x, logits, top_k, experts, expert_bytes, mxfp4, args)
         details[f"tokens_{num_tokens}"] = row
         best_ms = min(v for k, v in default.items() if k.endswith("median_ms"))
         figures[f"tokens_{num_tokens}_us"] = round(1e3 * best_ms, 1)

@@ -46,10 +46,18 @@ running ones: both children stay busy while pytest runs the tests in between).""
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
 
+ON_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+"""The marks of a GPU-only test (`gpu`, skipped without CUDA), for one parameter too."""
+
+
 def cuda_test(test: Callable[..., None]) -> Callable[..., None]:
     """Marks a GPU-only test: `gpu`, and skipped without CUDA."""
-    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-    return pytest.mark.gpu(needs_cuda(test))
+    for mark in reversed(ON_CUDA):
+        test = mark(test)
+    return test
 
 
 def run_in_triton_interpreter(

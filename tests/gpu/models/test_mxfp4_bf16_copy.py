@@ -24,11 +24,7 @@ from gpu.worker import ModelWorker, WorkerConfigError
 from tests._engine_flags import config_from_flags
 from tests.gpu.models._moe_cases import _shrunk
 from tests.gpu.test_runner_selection import CPU_ONLY
-
-ON_CUDA = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from tests.kernels._triton_interpreter import ON_CUDA
 
 
 def _gpt_oss_with_mxfp4_experts(device: str, dtype: torch.dtype) -> DecoderModel:
