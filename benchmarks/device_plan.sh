@@ -144,12 +144,9 @@ plan_serve_moe() {
 
 plan_hf_moe() {
   # transformers keeps its own bf16 copy of gpt-oss-20b's experts (38 GB, its layout is not
-  # tandem's): tandem's share leaves it room, 0.6 of an H200 or 0.4 of an H100
-  local mib share=0.4
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  [ "${mib:-0}" -lt 100000 ] || share=0.6
+  # tandem's): the benchmark frees tandem's KV cache and graphs before it builds that model
   step hf_w4 300 $T --workload W4 --arms v2,hf_static --hf-num-prompts 128 \
-    --hf-batch-size 128 --gpu-memory-utilization $share --result throughput_w4_hf
+    --hf-batch-size 128 --gpu-memory-utilization 0.9 --result throughput_w4_hf
   step hf_w5 300 $T --workload W5 --arms v2,hf_static --hf-num-prompts 64 \
     --hf-batch-size 64 --gpu-memory-utilization 0.9 --result throughput_w5_hf
 }

@@ -14,11 +14,12 @@ gives, and runs MXFP4 experts only with kernels fetched from the hub. The transf
 model of a gpt-oss checkpoint therefore holds its own copy, in the model dtype, of the
 gate/up experts, and, when tandem holds MXFP4 experts, of the down experts too
 (dequantized); down_proj of unquantized experts stays a view. `hf_own_weight_bytes` gives
-the size: for gpt-oss-20b 38.2 GB (35.6 GiB) of bf16 experts beside tandem's weights, so
-tandem must leave that much free (a lower --gpu-memory-utilization); gpt-oss-120b would
-need 229 GB and is refused (the check runs on CUDA). gpt-oss runs transformers' eager
-attention (its SDPA path has no attention sinks; flex_attention, CUDA only, is allowed on
-request), which honours the sinks and, through its masks, the sliding windows.
+the size: for gpt-oss-20b 38.2 GB (35.6 GiB) of bf16 experts beside tandem's weights
+(benchmarks.throughput frees tandem's KV cache and graphs before it builds this model);
+gpt-oss-120b would need 229 GB and is refused (the check runs on CUDA). gpt-oss runs
+transformers' eager attention (its SDPA path has no attention sinks; flex_attention, CUDA
+only, is allowed on request), which honours the sinks and, through its masks, the sliding
+windows.
 """
 
 from __future__ import annotations

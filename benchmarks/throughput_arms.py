@@ -22,8 +22,6 @@ HF_ARMS = ("hf_static", "hf_continuous")
 def run_arms(
     workload: Workload, engine_options: dict[str, Any], args: Any, checkpoint: Any
 ) -> dict[str, Any]:
-    from app.llm import LLM
-
     details: dict[str, Any] = {
         "sampling": "temperature 1.0, top_p 1.0, ignore_eos, min_tokens = max_tokens = output_len",
         "arms": args.arms,
@@ -33,6 +31,30 @@ def run_arms(
         "order": "tandem arms ABBA (v2 v1 v1 v2 ...), then each transformers arm once",
         "runs": [],
     }
+    model, prompts = _run_tandem_arms(details, workload, engine_options, args, checkpoint)
+    hf_arms = [a for a in HF_ARMS if a in args.arms]
+    if hf_arms:
+        # The engines are gone by now; their KV cache and CUDA graphs are freed so that
+        # transformers' own copies (gpt-oss's bf16 experts: 38 GB) fit beside the weights.
+        _free_device_memory()
+        _run_hf_arms(
+            details, hf_arms, model, prompts[: args.hf_num_prompts], workload, args.hf_batch_size
+        )
+    details["summary"] = summarise_runs(details["runs"])
+    return details
+
+
+def _run_tandem_arms(
+    details: dict[str, Any],
+    workload: Workload,
+    engine_options: dict[str, Any],
+    args: Any,
+    checkpoint: Any,
+) -> tuple[Any, list[list[int]]]:
+    """tandem's arms (and the kernel profile): their records go into `details`. Returns the
+    loaded model and the prompts; the engines are closed and unreferenced on return."""
+    from app.llm import LLM
+
     triton_cache_was_empty = _triton_cache_is_empty()
     started = time.perf_counter()
     v2 = LLM(workload.model, runner="v2", **engine_options)
@@ -60,13 +82,9 @@ def run_arms(
             checkpoint(details)
         else:
             print("--kernel-profile: CUDA kernels only; nothing to profile on the CPU")
-    hf_arms = [a for a in HF_ARMS if a in args.arms]
-    if hf_arms:
-        _run_hf_arms(
-            details, hf_arms, v2, prompts[: args.hf_num_prompts], workload, args.hf_batch_size
-        )
-    details["summary"] = summarise_runs(details["runs"])
-    return details
+    for llm in llms.values():
+        llm.close()
+    return v2.worker.model, prompts
 
 
 def _profile_v2(v2: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -153,7 +171,7 @@ def _tandem_run_record(arm: str, run: EngineRun, v2: Any, workload: Workload) ->
 def _run_hf_arms(
     details: dict[str, Any],
     arms: list[str],
-    v2: Any,
+    model: Any,
     prompts: list[list[int]],
     workload: Workload,
     batch_size: int,
@@ -168,7 +186,7 @@ def _run_hf_arms(
     )
 
     try:  # a transformers model that cannot be built (no room for its copies) is reported
-        hf = hf_model_sharing_weights(v2.worker.model)
+        hf = hf_model_sharing_weights(model)
         warm_up_hf(hf, prompts)
     except Exception as exc:  # noqa: BLE001
         for arm in arms:
@@ -203,6 +221,16 @@ def _run_hf_arms(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(_describe(details["runs"][-1]), flush=True)
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()  # the engines' actors and runners hold cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _describe(run: dict[str, Any]) -> str:

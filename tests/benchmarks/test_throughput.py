@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_a_run_on_the_embedded_model_records_every_arm(tmp_path: Path) -> None:
+def test_a_run_on_the_embedded_model_records_every_arm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv_caches = _kv_caches_seen_by_transformers(monkeypatch)
     out = tmp_path / "w.json"
     argv = [
         "--workload",
@@ -68,12 +71,40 @@ def test_a_run_on_the_embedded_model_records_every_arm(tmp_path: Path) -> None:
         assert run["tpot"]["median_ms"] > 0 and run["ttft"]["median_ms"] > 0
         assert run["floor"]["fraction_of_roofline"] > 0
     assert details["runs"][2]["output_tokens"] == 2 * 5
+    assert kv_caches == ["freed"]  # the engines' KV cache was gone before transformers built
     figures = record["figures"]
     assert figures["v2_output_tok_s"] == pytest.approx(
         details["summary"]["v2"]["median_output_tok_s"], abs=0.05
     )
     assert {"v1_output_tok_s", "hf_static_output_tok_s", "v2_over_v1", "ready_s"} <= set(figures)
     assert details["startup"]["runner"] == "v2"
+
+
+def _kv_caches_seen_by_transformers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Whether the engines' KV caches still live when the transformers model is built
+    ("freed" or "alive", once per build): gpt-oss's own bf16 experts need their room."""
+    import weakref
+
+    import app.llm
+    import benchmarks.hf_arms
+
+    refs: list[weakref.ref] = []
+    seen: list[str] = []
+
+    class TrackedLLM(app.llm.LLM):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            refs.extend(weakref.ref(kv) for kv in self.worker.kv_caches)
+
+    build = benchmarks.hf_arms.hf_model_sharing_weights
+
+    def spy(model: object, *args: object) -> object:
+        seen.append("freed" if refs and all(ref() is None for ref in refs) else "alive")
+        return build(model, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app.llm, "LLM", TrackedLLM)
+    monkeypatch.setattr(benchmarks.hf_arms, "hf_model_sharing_weights", spy)
+    return seen
 
 
 def test_bad_arms_and_workloads_are_usage_errors() -> None:
@@ -195,10 +226,6 @@ def test_a_transformers_model_that_cannot_be_built_is_reported_per_arm(
 
     monkeypatch.setattr(benchmarks.hf_arms, "hf_model_sharing_weights", no_room)
     details: dict = {"runs": []}
-
-    class V2:
-        worker = type("Worker", (), {"model": None})()
-
-    _run_hf_arms(details, ["hf_static", "hf_continuous"], V2(), [[1, 2]], WORKLOADS["W4"], 8)
+    _run_hf_arms(details, ["hf_static", "hf_continuous"], None, [[1, 2]], WORKLOADS["W4"], 8)
     assert [run["arm"] for run in details["runs"]] == ["hf_static", "hf_continuous"]
     assert all("38.2 GB" in run["error"] for run in details["runs"])
