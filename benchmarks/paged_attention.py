@@ -51,22 +51,7 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    workload = {
-        k: getattr(args, k)
-        for k in (
-            "batch",
-            "context",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "block_size",
-            "device",
-        )
-    }
-    if args.sliding_window is not None:
-        workload["sliding_window"] = args.sliding_window
-    if args.sinks:
-        workload["sinks"] = True
+    workload = _workload(args)
     result_name = "paged_attention" if args.device == "cuda" else "paged_attention_cpu"
     run = recording.Run(
         "paged_attention",
@@ -76,15 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
     )
     inputs: dict[str, Any] = decode_inputs(args, dtype)
-    keys_read = min(args.context, args.sliding_window or args.context)
-    kv_bytes = (
-        2
-        * args.batch
-        * keys_read
-        * args.num_kv_heads
-        * args.head_dim
-        * inputs["query"].element_size()
-    )
+    kv_bytes = _kv_bytes_read(args, inputs["query"].element_size())
     scale = args.head_dim**-0.5
     generator = torch.Generator().manual_seed(1)
     sinks = torch.randn(args.num_heads, generator=generator).to(args.device) if args.sinks else None
@@ -113,18 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     default = _bandwidth(time_call(call, args.device), kv_bytes)
     print(_describe("default", default))
-    sweep: list[dict[str, Any]] = []
-    if args.sweep and args.device == "cuda":
-        for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-            knobs: dict[str, Any] = {"kv_tile_len": tile, "num_warps": warps, "num_stages": stages}
-            result: dict[str, Any]
-            try:
-                timing = time_call(functools.partial(call, **knobs), args.device)
-                result = {**knobs, **_bandwidth(timing, kv_bytes)}
-            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
-                result = {**knobs, "error": f"{type(error).__name__}: {error}"[:200]}
-            sweep.append(result)
-            print(_describe(str(knobs), result))
+    sweep = _sweep(call, kv_bytes, args.device) if args.sweep and args.device == "cuda" else []
     figures = {
         "median_us": round(1e3 * default["median_ms"], 2),
         "tb_per_s": round(default["tb_per_s"], 3),
@@ -141,6 +107,38 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
+
+
+def _workload(args: Any) -> dict[str, Any]:
+    names = ("batch", "context", "num_heads", "num_kv_heads", "head_dim", "block_size", "device")
+    workload = {name: getattr(args, name) for name in names}
+    if args.sliding_window is not None:
+        workload["sliding_window"] = args.sliding_window
+    if args.sinks:
+        workload["sinks"] = True
+    return workload
+
+
+def _kv_bytes_read(args: Any, element_size: int) -> int:
+    """Keys and values of every request's context (its window, for a sliding window)."""
+    keys_read = min(args.context, args.sliding_window or args.context)
+    return 2 * args.batch * keys_read * args.num_kv_heads * args.head_dim * element_size
+
+
+def _sweep(call: Any, kv_bytes: int, device: str) -> list[dict[str, Any]]:
+    """Each tile shape timed; a shape that fails (e.g. out of shared memory) says why."""
+    sweep: list[dict[str, Any]] = []
+    for tile, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        knobs: dict[str, Any] = {"kv_tile_len": tile, "num_warps": warps, "num_stages": stages}
+        result: dict[str, Any]
+        try:
+            timing = time_call(functools.partial(call, **knobs), device)
+            result = {**knobs, **_bandwidth(timing, kv_bytes)}
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
+            result = {**knobs, "error": f"{type(error).__name__}: {error}"[:200]}
+        sweep.append(result)
+        print(_describe(str(knobs), result))
+    return sweep
 
 
 def decode_inputs(args: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
