@@ -43,27 +43,51 @@ GREEDY_CHAT = {
 
 class FreshConnectionProbe:
     """GETs /health on a new connection each time (a kept-alive one could belong to a
-    stopped API server), in a thread; records each (status, body status) and the slowest
-    answer."""
+    stopped API server), in a thread; records each (status, body status), the failures and
+    the slowest answer.
+
+    `stopped_at`, set when an API server is stopped: a probe that connected before then and
+    ends with its connection reset was accepted by that server just before the stop (the
+    API servers share one listening socket), so no other process could answer it; it ends
+    when the supervisor kills the stopped one, and counts neither as a failure nor for the
+    latency. Any other probe does."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.answers: list[tuple[int, str]] = []
-        self.max_latency_s = 0.0
-        self.failures: list[str] = []
+        self.stopped_at: float | None = None
+        self._attempts: list[tuple[float, float, Exception | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
+            error: Exception | None = None
             try:
                 response = httpx.get(self.url + "/health", timeout=30)
                 self.answers.append((response.status_code, response.json()["status"]))
             except httpx.HTTPError as exc:
-                self.failures.append(repr(exc))
-            self.max_latency_s = max(self.max_latency_s, time.monotonic() - started)
+                error = exc
+            self._attempts.append((started, time.monotonic() - started, error))
             self._stop.wait(0.05)
+
+    def _counted(self) -> list[tuple[float, float, Exception | None]]:
+        return [a for a in self._attempts if not self._taken_by_the_stopped_server(*a)]
+
+    def _taken_by_the_stopped_server(
+        self, started: float, latency_s: float, error: Exception | None
+    ) -> bool:
+        reset = isinstance(error, httpx.ReadError | httpx.RemoteProtocolError)
+        return reset and self.stopped_at is not None and started < self.stopped_at
+
+    @property
+    def failures(self) -> list[str]:
+        return [repr(error) for _, _, error in self._counted() if error is not None]
+
+    @property
+    def max_latency_s(self) -> float:
+        return max((latency_s for _, latency_s, _ in self._counted()), default=0.0)
 
 
 @contextmanager
@@ -323,10 +347,11 @@ def test_a_stopped_api_server_is_killed_and_restarted_by_the_supervisor(
     try:
         victim = _api_server_pids(server)[1]
         client = _client_of_api_server(server.url, 1)
-        with probed(server):
+        with probed(server) as probe:
             stopped_at: list[float] = []
 
             def stop_api_server() -> None:
+                probe.stopped_at = time.monotonic()
                 os.kill(victim, signal.SIGSTOP)
                 stopped_at.append(time.monotonic())
 
