@@ -17,7 +17,8 @@
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
-#          KV pool holds): unlimited, 10,000 blocks, the same plus 32 GB of host tier
+#          KV pool holds) sent as token ids (its random answers do not survive a text round
+#          trip): unlimited, 10,000 blocks, the same plus 32 GB of host tier
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 #   hf_moe  issue 25: W4 and W5 offline against transformers' static generate, same weights
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
@@ -124,7 +125,7 @@ plan_tiers() {
 
 plan_tiers8b() {
   tier_arms llama8b_tiers "--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256" \
-    "--tokenizer .tok/llama3 --conversations 64 --clients 4 --think-time 2" \
+    "--tokenizer .tok/llama3 --token-ids --conversations 64 --clients 4 --think-time 2" \
     "unlimited|--gpu-memory-utilization 0.9" "limited|--num-kv-blocks 10000" \
     "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32"
 }
