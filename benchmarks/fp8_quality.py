@@ -22,10 +22,10 @@ sequence (teacher forcing). Reported per arm against bf16:
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 from benchmarks import recording
+from benchmarks.throughput_engine import free_device_memory
 from benchmarks.workloads import random_prompts
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -62,7 +62,7 @@ def measure(args: Any, arms: list[str]) -> dict[str, Any]:
     reference: dict[str, Any] = {}
     for arm in arms:
         details["arms"][arm] = _measure_arm(args, arm, reference)
-        _free_gpu_memory()  # the arm's engine is gone once _measure_arm returns
+        free_device_memory()  # the arm's engine is gone once _measure_arm returns
         print(arm, details["arms"][arm], flush=True)
     return details
 
@@ -103,14 +103,6 @@ def _load(args: Any, options: dict[str, Any]) -> Any:
         **memory,
         **options,
     )
-
-
-def _free_gpu_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _greedy(llm: Any, prompts: list[list[int]], output_len: int) -> list[list[int]]:

@@ -11,7 +11,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.throughput_engine import EngineRun, fixed_length_params, run_engine
+from benchmarks.throughput_engine import (
+    EngineRun,
+    fixed_length_params,
+    free_device_memory,
+    run_engine,
+)
 from benchmarks.throughput_figures import gpu_idle_figures, latency_figures, summarise_runs
 from benchmarks.workloads import Workload, floors, random_prompts
 
@@ -36,7 +41,7 @@ def run_arms(
     if hf_arms:
         # The engines are gone by now; their KV cache and CUDA graphs are freed so that
         # transformers' own copies (gpt-oss's bf16 experts: 38 GB) fit beside the weights.
-        _free_device_memory()
+        free_device_memory()
         _run_hf_arms(
             details, hf_arms, model, prompts[: args.hf_num_prompts], workload, args.hf_batch_size
         )
@@ -221,16 +226,6 @@ def _run_hf_arms(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(_describe(details["runs"][-1]), flush=True)
-
-
-def _free_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()  # the engines' actors and runners hold cycles
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _describe(run: dict[str, Any]) -> str:

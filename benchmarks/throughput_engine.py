@@ -4,6 +4,7 @@ finish times from its stream, and every step's statistics from the step observer
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -109,3 +110,14 @@ async def _collect_finished(streams: list[Any], started: float) -> list[RequestT
         for index in range(len(streams)):
             tg.start_soon(read, index)
     return [t for t in timings if t is not None]
+
+
+def free_device_memory() -> None:
+    """What closed engines held on the device (their KV cache, CUDA graphs) back to it: the
+    engines' actors and runners hold reference cycles, and torch's allocator keeps freed
+    blocks cached."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -73,11 +73,9 @@ class FreshConnectionProbe:
             self._stop.wait(0.05)
 
     def _counted(self) -> list[tuple[float, float, Exception | None]]:
-        return [a for a in self._attempts if not self._taken_by_the_stopped_server(*a)]
+        return [a for a in self._attempts if not self._taken_by_the_stopped_server(a[0], a[2])]
 
-    def _taken_by_the_stopped_server(
-        self, started: float, latency_s: float, error: Exception | None
-    ) -> bool:
+    def _taken_by_the_stopped_server(self, started: float, error: Exception | None) -> bool:
         reset = isinstance(error, httpx.ReadError | httpx.RemoteProtocolError)
         return reset and self.stopped_at is not None and started < self.stopped_at
 
