@@ -1,0 +1,154 @@
+"""The open issues' targets, each read from the results that measure it (benchmarks/targets.py
+prints them). An issue's table row is one Target; "report" rows carry no bound."""
+
+from __future__ import annotations
+
+from benchmarks.targets import BeforeCommit, Detail, Figure, Ratio, Reader, Target
+
+REUSE_BASELINE_COMMIT = "95c77a7"
+"""The commit before decoded blocks joined the prefix cache (issue 29's "without")."""
+
+
+def _tokens_per_s(result: str) -> Reader:
+    return Figure(result, "v2_output_tok_s")
+
+
+def _tpot(result: str) -> Reader:
+    return Figure(result, "v2_tpot_median_ms")
+
+
+def _vs_transformers(result: str) -> Reader:
+    return Ratio(_tokens_per_s(result), Figure(result, "hf_static_output_tok_s"))
+
+
+def _kv_tokens(result: str) -> Reader:
+    return Detail(result, lambda d: d["startup"]["kv_cache_tokens"])
+
+
+def _preemptions(result: str) -> Reader:
+    return Detail(result, lambda d: max(run["num_preemptions"] for run in d["runs"]))
+
+
+def _tiers(prefix: str, key: str, arm: str, against: str) -> Reader:
+    return Ratio(Figure(f"{prefix}_{arm}", key), Figure(f"{prefix}_{against}", key))
+
+
+def _moe_targets() -> list[Target]:
+    ms, tok_s, x = " ms", " tok/s", "x"
+    return [
+        Target(25, "gpt-oss-20b batch-1 TPOT", _tpot("throughput_w4_batch1"), 3.5, True, ms),
+        Target(25, "gpt-oss-20b offline", _tokens_per_s("throughput_w4"), 25_000, unit=tok_s),
+        Target(
+            25,
+            "gpt-oss-20b offline, bf16 copy of the experts",
+            _tokens_per_s("throughput_w4_mxfp4_bf16_copy"),
+            25_000,
+            unit=tok_s,
+        ),
+        Target(25, "gpt-oss-20b vs transformers", _vs_transformers("throughput_w4_hf"), 10, unit=x),
+        Target(25, "qwen3-30b-a3b batch-1 TPOT", _tpot("throughput_w5_batch1"), 5, True, ms),
+        Target(25, "qwen3-30b-a3b offline", _tokens_per_s("throughput_w5"), 20_000, unit=tok_s),
+        Target(
+            25, "qwen3-30b-a3b vs transformers", _vs_transformers("throughput_w5_hf"), 10, unit=x
+        ),
+        Target(25, "gpt-oss-120b batch-1 TPOT", _tpot("throughput_gpt_oss_120b_batch1"), unit=ms),
+        Target(
+            25,
+            "gpt-oss-20b served c256 / offline at 256 rows",
+            Ratio(
+                Figure("serve_chat_w4", "c256_output_tok_s"), _tokens_per_s("throughput_w4_seqs256")
+            ),
+            unit=x,
+        ),
+    ]
+
+
+def _fp8_targets() -> list[Target]:
+    ms, tok_s, x = " ms", " tok/s", "x"
+    return [
+        Target(
+            26, "llama-3.1-8b FP8 batch-1 TPOT", _tpot("throughput_w3_fp8_batch1"), 3.0, True, ms
+        ),
+        Target(26, "W3 FP8 offline", _tokens_per_s("throughput_w3_fp8"), 30_000, unit=tok_s),
+        Target(
+            26,
+            "W3 FP8 KV tokens / bf16 KV's",
+            Ratio(_kv_tokens("throughput_w3_fp8_kv"), _kv_tokens("throughput_w3_fp8")),
+            1.9,
+            unit=x,
+        ),
+        Target(
+            26,
+            "W3 FP8 KV tok/s / bf16 KV's",
+            Ratio(_tokens_per_s("throughput_w3_fp8_kv"), _tokens_per_s("throughput_w3_fp8")),
+            1.0,
+            unit=x,
+        ),
+        Target(26, "W3 FP8 KV preemptions", _preemptions("throughput_w3_fp8_kv"), 0, True),
+        Target(
+            26, "qwen3-32b FP8 batch-1 TPOT", _tpot("throughput_qwen3_32b_fp8_batch1"), 10, True, ms
+        ),
+    ]
+
+
+def _tier_targets(model: str, prefix: str) -> list[Target]:
+    x = "x"
+    return [
+        Target(
+            29,
+            f"{model} host tier: hit rate / unlimited pool's",
+            _tiers(prefix, "hit_rate", "host", "unlimited"),
+            0.8,
+            unit=x,
+        ),
+        Target(
+            29,
+            f"{model} host tier: TTFT p50 turns 2-8 / unlimited pool's",
+            _tiers(prefix, "turns_2_on_ttft_p50_ms", "host", "unlimited"),
+            1.5,
+            True,
+            x,
+        ),
+        Target(
+            29,
+            f"{model} host tier: server ITL / same pool without copies",
+            _tiers(prefix, "server_itl_mean_ms", "host", "limited"),
+            1.1,
+            True,
+            x,
+        ),
+    ]
+
+
+def _reuse_targets() -> list[Target]:
+    def with_against_without(key: str) -> Reader:
+        result = "multi_turn_qwen3"
+        return Ratio(Figure(result, key), BeforeCommit(result, key, REUSE_BASELINE_COMMIT))
+
+    return [
+        Target(
+            29,
+            "qwen3-0.6b decoded reuse: computed prefill turns 2-8, with / without",
+            with_against_without("turns_2_on_computed_prefill_mean"),
+            0.5,
+            True,
+            "x",
+        ),
+        Target(
+            29,
+            "qwen3-0.6b decoded reuse: TTFT p50 turns 2-8, with / without",
+            with_against_without("turns_2_on_ttft_p50_ms"),
+            0.5,
+            True,
+            "x",
+        ),
+    ]
+
+
+TARGETS: list[Target] = [
+    *_moe_targets(),
+    *_fp8_targets(),
+    *_reuse_targets(),
+    *_tier_targets("qwen3-0.6b", "multi_turn_qwen3_tiers"),
+    *_tier_targets("llama-3.1-8b", "multi_turn_llama8b_tiers"),
+]
