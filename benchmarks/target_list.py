@@ -91,32 +91,19 @@ def _fp8_targets() -> list[Target]:
     ]
 
 
+TIER_TARGETS = (  # what, figure, the arm it is held against, bound, at most
+    ("hit rate / unlimited pool's", "hit_rate", "unlimited", 0.8, False),
+    ("TTFT p50 turns 2-8 / unlimited pool's", "turns_2_on_ttft_p50_ms", "unlimited", 1.5, True),
+    ("server ITL / same pool without copies", "server_itl_mean_ms", "limited", 1.1, True),
+)
+
+
 def _tier_targets(model: str, prefix: str) -> list[Target]:
-    x = "x"
     return [
         Target(
-            29,
-            f"{model} host tier: hit rate / unlimited pool's",
-            _tiers(prefix, "hit_rate", "host", "unlimited"),
-            0.8,
-            unit=x,
-        ),
-        Target(
-            29,
-            f"{model} host tier: TTFT p50 turns 2-8 / unlimited pool's",
-            _tiers(prefix, "turns_2_on_ttft_p50_ms", "host", "unlimited"),
-            1.5,
-            True,
-            x,
-        ),
-        Target(
-            29,
-            f"{model} host tier: server ITL / same pool without copies",
-            _tiers(prefix, "server_itl_mean_ms", "host", "limited"),
-            1.1,
-            True,
-            x,
-        ),
+            29, f"{model} host tier: {what}", _tiers(prefix, key, "host", arm), bound, at_most, "x"
+        )
+        for what, key, arm, bound, at_most in TIER_TARGETS
     ]
 
 
