@@ -185,6 +185,14 @@ def _add_scheduling_args(g: Any) -> None:
         help="disable reuse of cached prompt blocks across requests",
     )
     g.add_argument(
+        "--no-prefix-caching-outputs",
+        action="store_true",
+        default=_bool_env("no_prefix_caching_outputs", False),
+        help="publish only prompt blocks to the prefix cache, not the blocks that decoding "
+        "completes (by default a chat's next turn hits its previous answer; this turns that "
+        "off, to measure what it gives). Env: TANDEM_NO_PREFIX_CACHING_OUTPUTS",
+    )
+    g.add_argument(
         "--enable-prompt-embeds",
         action="store_true",
         default=_bool_env("enable_prompt_embeds", False),
@@ -340,6 +348,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_logprobs": args.max_logprobs,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "prefix_caching_outputs": not args.no_prefix_caching_outputs,
         "runner": args.runner,
         "enforce_eager": args.enforce_eager,
         "mxfp4_bf16_copy": args.mxfp4_bf16_copy,

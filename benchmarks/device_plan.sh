@@ -15,10 +15,12 @@
 #          layer swept
 #   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
-#   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host (~165)
+#   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
+#          and unlimited without the answers' reuse (--no-prefix-caching-outputs) (~220)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
 #          KV pool holds) sent as token ids (its random answers do not survive a text round
-#          trip): unlimited, 10,000 blocks, the same plus 32 GB of host tier
+#          trip): unlimited, 10,000 blocks, the same plus 32 GB of host tier, unlimited
+#          without the answers' reuse
 #   serve_moe  issue 25: the streamed chat of W4 and W5 (real tokenizers) at 64 and 256 clients
 #   hf_moe  issue 25: W4 and W5 offline against transformers' static generate, same weights
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
@@ -120,14 +122,16 @@ tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FL
 plan_tiers() {
   tier_arms qwen3_tiers "$TIER_SERVER" "--tokenizer .tok/qwen3 --clients 4 --think-time 2" \
     "unlimited|--gpu-memory-utilization 0.85" "limited|--num-kv-blocks 24000" \
-    "host|--num-kv-blocks 24000 --kv-offload-cpu-gb 16"
+    "host|--num-kv-blocks 24000 --kv-offload-cpu-gb 16" \
+    "noreuse|--gpu-memory-utilization 0.85 --no-prefix-caching-outputs"
 }
 
 plan_tiers8b() {
   tier_arms llama8b_tiers "--model dummy:llama-3.1-8b --tokenizer .tok/llama3 --max-num-seqs 256" \
     "--tokenizer .tok/llama3 --token-ids --conversations 64 --clients 4 --think-time 2" \
     "unlimited|--gpu-memory-utilization 0.9" "limited|--num-kv-blocks 10000" \
-    "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32"
+    "host|--num-kv-blocks 10000 --kv-offload-cpu-gb 32" \
+    "noreuse|--gpu-memory-utilization 0.9 --no-prefix-caching-outputs"
 }
 
 plan_serve_moe() {

@@ -107,35 +107,49 @@ def _tier_targets(model: str, prefix: str) -> list[Target]:
     ]
 
 
-def _reuse_targets() -> list[Target]:
-    def with_against_without(key: str) -> Reader:
-        result = "multi_turn_qwen3"
-        return Ratio(Figure(result, key), BeforeCommit(result, key, REUSE_BASELINE_COMMIT))
+REUSE_TARGETS = (  # what, figure
+    ("computed prefill turns 2-8", "turns_2_on_computed_prefill_mean"),
+    ("TTFT p50 turns 2-8", "turns_2_on_ttft_p50_ms"),
+)
 
+
+def _reuse_targets(model: str, prefix: str) -> list[Target]:
+    """Decoded blocks reused against the same tree without (--no-prefix-caching-outputs)."""
     return [
         Target(
             29,
-            "qwen3-0.6b decoded reuse: computed prefill turns 2-8, with / without",
-            with_against_without("turns_2_on_computed_prefill_mean"),
+            f"{model} decoded reuse: {what}, with / without",
+            _tiers(prefix, key, "unlimited", "noreuse"),
             0.5,
             True,
             "x",
-        ),
+        )
+        for what, key in REUSE_TARGETS
+    ]
+
+
+def _reuse_targets_across_commits() -> list[Target]:
+    """The first measurement: the tree before decoded blocks were cached as the without."""
+    result = "multi_turn_qwen3"
+    return [
         Target(
             29,
-            "qwen3-0.6b decoded reuse: TTFT p50 turns 2-8, with / without",
-            with_against_without("turns_2_on_ttft_p50_ms"),
+            f"qwen3-0.6b decoded reuse: {what}, with / without ({REUSE_BASELINE_COMMIT})",
+            Ratio(Figure(result, key), BeforeCommit(result, key, REUSE_BASELINE_COMMIT)),
             0.5,
             True,
             "x",
-        ),
+        )
+        for what, key in REUSE_TARGETS
     ]
 
 
 TARGETS: list[Target] = [
     *_moe_targets(),
     *_fp8_targets(),
-    *_reuse_targets(),
+    *_reuse_targets_across_commits(),
+    *_reuse_targets("qwen3-0.6b", "multi_turn_qwen3_tiers"),
+    *_reuse_targets("llama-3.1-8b", "multi_turn_llama8b_tiers"),
     *_tier_targets("qwen3-0.6b", "multi_turn_qwen3_tiers"),
     *_tier_targets("llama-3.1-8b", "multi_turn_llama8b_tiers"),
 ]

@@ -318,6 +318,7 @@ def _make_scheduler(
         num_blocks=num_kv_blocks,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
+        cache_outputs=config.prefix_caching_outputs,
         offload=offload,
     )
     spec = config.speculative_config

@@ -1,13 +1,12 @@
 """Paged KV cache bookkeeping: per-request block tables over a shared BlockPool.
 
-The scheduler owns its KVCacheManager and calls it directly, once per step
-(actors/core/kv_allocation.py), as vLLM's scheduler owns its KV cache manager: both live on
-the engine loop, so a message between them would buy nothing.
+The scheduler owns it and calls it once per step (actors/core/kv_allocation.py), as vLLM's
+does: both live on the engine loop, so a message between them would buy nothing.
 
 Prefix caching, as vLLM's KVCacheManager: every full block of a request's tokens is hashed,
 chained on the previous block's hash and salted by `cache_salt` (actors/core/prefix_hash.py),
 and published once its KV is computed, so a later request with the same tokens shares it,
-whether they were prompt or output (a chat's next turn sends the previous answer back).
+prompt or output (a chat's next turn sends the answer back; `cache_outputs` False: prompts).
 
 * Hashes: the tokens known at admission (the prompt, or prompt + outputs when a request
   resumes after preemption) are hashed then; a block completed later by decoding is hashed
@@ -27,8 +26,7 @@ whether they were prompt or output (a chat's next turn sends the previous answer
   count is an upper bound only past its last known token: actors/core/spec_scheduling.py).
 
 Offload tiers (actors/core/kv_offload.py): a request whose prefix is loaded from host memory
-is held until the loads are done, so they overlap other requests' steps instead of stalling
-them (actors/core/kv_holds.py).
+is held until the loads are done, so they overlap other steps (actors/core/kv_holds.py).
 """
 
 from __future__ import annotations
@@ -78,12 +76,14 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
+        cache_outputs: bool = True,
     ) -> None:
         """`offload`: the host-memory (and disk) tiers behind the pool, when on."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_outputs = cache_outputs
         self.pool = BlockPool(num_blocks)
         self.offload = offload if enable_prefix_caching else None
         if self.offload is not None:
@@ -160,7 +160,7 @@ class KVCacheManager:
         boundary; the rest waits for the step that schedules the blocks' last positions.
         Unknown ids are ignored (the request's blocks were freed)."""
         state = self._requests.get(request_id)
-        if state is None or not self.enable_prefix_caching:
+        if state is None or not (self.enable_prefix_caching and self.cache_outputs):
             return
         num_full_blocks = (len(prompt_token_ids) + len(output_token_ids)) // self.block_size
         num_hashed_blocks = len(state.block_hashes)

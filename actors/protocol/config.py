@@ -64,6 +64,10 @@ class EngineConfig:
     `prompt_logprobs` (vLLM's --max-logprobs); -1: up to the vocabulary size. Checked by the
     front end (actors/frontend/generation_defaults.py), which the engine core trusts."""
     enable_prefix_caching: bool = True
+    prefix_caching_outputs: bool = True
+    """Blocks completed by decoding join the prefix cache too, so a chat's next turn hits its
+    previous answer; False (--no-prefix-caching-outputs) publishes prompt blocks only, as
+    the cache did before, to measure what the answers' reuse gives."""
     kv_offload_cpu_bytes: int = 0
     """Host-memory tier of the prefix cache (--kv-offload-cpu-gb): blocks evicted from the
     device pool are copied to this much (pinned where possible) host memory and copied

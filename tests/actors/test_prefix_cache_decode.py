@@ -25,6 +25,7 @@ def _scheduler(
     num_blocks: int = 32,
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
+    cache_outputs: bool = True,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=4,
@@ -34,7 +35,12 @@ def _scheduler(
         max_steps_in_flight=max_steps_in_flight,
         num_speculative_tokens=num_speculative_tokens,
     )
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    kv = KVCacheManager(
+        num_blocks,
+        BLOCK_SIZE,
+        enable_prefix_caching=enable_prefix_caching,
+        cache_outputs=cache_outputs,
+    )
     return Scheduler(config, kv)
 
 
@@ -168,6 +174,17 @@ def test_disabled_prefix_caching_publishes_no_decoded_block() -> None:
     scheduler = _scheduler(max_steps_in_flight=1, enable_prefix_caching=False)
     _finish_turn(scheduler, "a", max_tokens=8)
     assert scheduler.kv.stats().num_cached_blocks == 0
+
+
+@pytest.mark.parametrize("cache_outputs", [True, False])
+def test_the_next_turn_hits_the_answer_only_where_outputs_are_cached(cache_outputs: bool) -> None:
+    scheduler = _scheduler(max_steps_in_flight=1, cache_outputs=cache_outputs)
+    turn = _finish_turn(scheduler, "a", max_tokens=10)  # 6 + 10 tokens: 4 full blocks
+    # The last token's KV is never computed, so the fourth block stays out either way.
+    assert _cached(scheduler.kv, turn) == [True, cache_outputs, cache_outputs, False]
+    hit = _admit_cached_tokens(scheduler, "b", turn + (7, 7, 7))
+    assert hit == (3 if cache_outputs else 1) * BLOCK_SIZE
+    scheduler.kv.check_invariants()
 
 
 def test_rejected_drafts_never_publish_and_accepted_ones_do() -> None:

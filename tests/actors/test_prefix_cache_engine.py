@@ -120,3 +120,14 @@ def test_turn_two_reuses_turn_one_prompt_and_answer(options: dict) -> None:
     assert num_cached == (num_turn_1_tokens - 1) // block_size * block_size
     assert num_cached > len(prompt_1)  # the answer, not just the prompt
     assert answer_2 == expected_answer_2
+
+
+def test_without_cached_outputs_turn_two_reuses_turn_one_prompt_only() -> None:
+    """--no-prefix-caching-outputs: the cache as it was before answers were reused."""
+    prompt_2, answer_2, num_cached = _two_turns(
+        CONFIG.replace(runner="v2", prefix_caching_outputs=False)
+    )
+    _, expected_answer_2, _ = _without_prefix_caching()
+    prompt_1 = _turn_tokens()[0]
+    assert num_cached == len(prompt_1) // CONFIG.block_size * CONFIG.block_size > 0
+    assert answer_2 == expected_answer_2

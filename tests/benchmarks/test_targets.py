@@ -106,7 +106,7 @@ def test_every_target_reads_a_result_that_a_benchmark_writes() -> None:
     planned |= {
         f"multi_turn_{p}_{a}"
         for p in ("qwen3_tiers", "llama8b_tiers")
-        for a in ("unlimited", "limited", "host")
+        for a in ("unlimited", "limited", "host", "noreuse")
     }
     planned |= {"serve_chat_w4", "serve_chat_w5"}
     committed = {p.stem for p in RESULTS_DIR.glob("*.json")}
