@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from actors.core.engine_startup import LoadedEngine, load_engine, reuse_engine
+from actors.core.kv_cache_manager import KVCacheManager
 from actors.frontend.admission import child_sampling_params
 from actors.frontend.generation_defaults import check_logprobs_within, logprobs_limit
 from actors.frontend.output_stream import RequestStream
@@ -90,6 +91,8 @@ class LLM:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         )
         self._next_id = 0
+        self._kv_cache: KVCacheManager | None = None
+        """The last call's KV cache manager: the next call's engine keeps its prefix cache."""
         self.last_num_preemptions = 0
         self.last_step_stats: tuple[StepStats, ...] = ()
 
@@ -125,6 +128,12 @@ class LLM:
     def runner_reason(self) -> str:
         return self.loaded.runner.reason
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache that earlier `generate` calls filled (as vLLM's
+        `LLM.reset_prefix_cache`): the next call computes every prompt whole."""
+        if self._kv_cache is not None:
+            self._kv_cache.reset_prefix_cache()
+
     def apply_chat_template(self, prompt: str) -> str:
         """`prompt` as one user turn of the model's chat, as text (a gpt-oss model's in its
         harmony format). To generate from, prefer `chat_prompt`."""
@@ -152,7 +161,9 @@ class LLM:
         on_finished: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt (text, a list of token ids, or {"prompt_embeds": tensor}) and
-        return outputs in input order."""
+        return outputs in input order. The prefix cache lasts from call to call (a later
+        call reuses the blocks an earlier one computed, its outputs' included) until
+        `reset_prefix_cache`, or until another LLM sharing this one's model runs."""
         prompt_list = [self._ready(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -200,7 +211,11 @@ class LLM:
         on_finished: Callable[[RequestOutput], None] | None,
     ) -> list[RequestOutput]:
         engine = InProcessEngine(
-            self.worker, self.loaded.runner, self.config, tokenizer=self.tokenizer
+            self.worker,
+            self.loaded.runner,
+            self.config,
+            tokenizer=self.tokenizer,
+            kv_cache=self._kv_cache,
         )
         results: list[RequestOutput | None] = [None] * len(prompts)
         async with anyio.create_task_group() as tg:
@@ -211,6 +226,7 @@ class LLM:
                         self._run_one, engine, i, prompt, p, results, on_finished
                     )
             engine.stop()
+        self._kv_cache = engine.core.scheduler.kv
         self.last_num_preemptions = engine.num_preemptions_total
         self.last_step_stats = engine.recent_step_stats()
         return [r for r in results if r is not None]

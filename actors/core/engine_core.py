@@ -24,6 +24,7 @@ from actors.core.engine_loop import EngineLoop
 from actors.core.gpu_actor import GPUActor
 from actors.core.grammar_state import GrammarState
 from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_claims import claim_kv_tensors, reusable
 from actors.core.kv_offload import KVOffload
 from actors.core.kv_offload_setup import make_offload_tiers
 from actors.core.scheduler import Scheduler
@@ -80,12 +81,15 @@ class EngineCore:
         max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
         started_at: float | None = None,
         known_clients: set[int] | None = None,
+        kv_cache: KVCacheManager | None = None,
     ) -> None:
         """`runner`: the runner the startup rules chose. `config` may narrow the worker's
         (scheduling limits, a smaller KV pool); the model, device and block size are the
         worker's. After `max_consecutive_failed_steps` failed steps in a row the core is
         dead: every front end hears EngineDead. `known_clients`: front ends that said hello
-        before the core was built (while the model loaded)."""
+        before the core was built (while the model loaded). `kv_cache`: the KV cache
+        manager of an earlier core on this worker, whose prefix cache this one keeps where
+        it fits (actors/core/kv_claims.py); None: a new one."""
         config = config or worker.config
         self.worker, self.config, self.runner_choice = worker, config, runner
         self.endpoint = endpoint
@@ -106,7 +110,9 @@ class EngineCore:
             self.num_kv_blocks,
             self.gpu_actor.max_steps_in_flight,
             None if self.offload_tiers is None else self.offload_tiers.offload,
+            kv_cache,
         )
+        claim_kv_tensors(worker, self.scheduler.kv)
         self.engine_loop = EngineLoop(
             self.scheduler, self.gpu_actor, CoreOutputs(self._send), self.step_health
         )
@@ -313,14 +319,17 @@ def _make_scheduler(
     num_kv_blocks: int,
     max_steps_in_flight: int,
     offload: KVOffload | None = None,
+    kept_kv: KVCacheManager | None = None,
 ) -> Scheduler:
-    kv = KVCacheManager(
-        num_blocks=num_kv_blocks,
-        block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching,
-        cache_outputs=config.prefix_caching_outputs,
-        offload=offload,
-    )
+    kv = kept_kv
+    if kv is None or offload is not None or not reusable(kv, num_kv_blocks, config.block_size):
+        kv = KVCacheManager(
+            num_blocks=num_kv_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            cache_outputs=config.prefix_caching_outputs,
+            offload=offload,
+        )
     spec = config.speculative_config
     scheduler_config = SchedulerConfig(
         max_num_seqs=config.max_num_seqs,

@@ -1,0 +1,65 @@
+"""LLM.generate keeps the prefix cache from call to call, as vLLM's LLM does: a chat's next
+turn hits the previous call's prompt and answer; `reset_prefix_cache` forgets it, and so
+does another LLM running on the same loaded model in between (its steps rewrite the KV
+blocks the first one's cache points at)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.protocol.sampling_params import SamplingParams
+from app.llm import LLM
+from tests.app._server_fixtures import shared_llm
+
+BLOCK_SIZE = 16
+PROMPT = list(range(1000, 1000 + 3 * BLOCK_SIZE + 5))
+ANSWER = SamplingParams(temperature=0.0, max_tokens=2 * BLOCK_SIZE, ignore_eos=True)
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _llm(**options: object) -> LLM:
+    """The session's float32 model: a hit's tokens equal a full prefill's."""
+    return LLM(
+        "default",
+        reuse=shared_llm(),
+        runner="v2",
+        quantization="none",
+        max_num_seqs=4,
+        max_model_len=512,
+        **options,
+    )
+
+
+def _turns(llm: LLM) -> tuple[list[int], int]:
+    """Turn 2's prompt (turn 1's prompt and answer, then new tokens) and its cached tokens."""
+    answer = llm.generate([PROMPT], ANSWER)[0].outputs[0].token_ids
+    turn_2 = PROMPT + list(answer) + [7] * BLOCK_SIZE
+    return turn_2, llm.generate([turn_2], ONE)[0].num_cached_tokens
+
+
+# Turn 1's last token was sampled but never ran: its KV was not computed.
+TURN_1_BLOCKS = (len(PROMPT) + ANSWER.max_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("cache_outputs", [True, False])
+def test_the_next_call_hits_the_previous_calls_prompt_and_answer(cache_outputs: bool) -> None:
+    llm = _llm(prefix_caching_outputs=cache_outputs)
+    assert llm.config.block_size == BLOCK_SIZE
+    turn_2, num_cached = _turns(llm)
+    prompt_blocks = len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    assert num_cached == (TURN_1_BLOCKS if cache_outputs else prompt_blocks)
+    # The hit changes no token: the same prompt computed whole on a fresh cache.
+    hit = llm.generate([turn_2], ANSWER)[0]
+    llm.reset_prefix_cache()
+    whole = llm.generate([turn_2], ANSWER)[0]
+    assert hit.num_cached_tokens > 0 and whole.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == whole.outputs[0].token_ids
+
+
+def test_another_llm_on_the_same_model_in_between_empties_the_cache() -> None:
+    first, second = _llm(), _llm()
+    first.generate([PROMPT], ANSWER)
+    second.generate([[5] * 40], ANSWER)  # rewrites blocks the first one's cache holds
+    assert first.generate([PROMPT], ONE)[0].num_cached_tokens == 0
+    # ... and the first one caches again from there.
+    assert first.generate([PROMPT], ONE)[0].num_cached_tokens == len(PROMPT) // 16 * 16
