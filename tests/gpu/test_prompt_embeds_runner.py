@@ -67,6 +67,7 @@ def test_the_rows_are_what_runs_not_the_placeholders() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
     # The same batch shape each time, so that every chunk sums in the same order.
     same, other = llm.generate([prompt, shifted], params)
+    llm.reset_prefix_cache()  # `shifted` would hit its blocks, which sums in another order
     reference = llm.generate([LONG_IDS, shifted], params)[0]
     assert same.outputs[0].logprobs == reference.outputs[0].logprobs
     assert other.outputs[0].logprobs != reference.outputs[0].logprobs
@@ -88,8 +89,8 @@ def test_a_preempted_request_recomputes_its_rows() -> None:
 def test_the_prefix_cache_keys_blocks_by_the_rows(runner: str) -> None:
     llm = _llm(runner, max_num_batched_tokens=2048)
     prompt = _embeds(llm, LONG_IDS)
-    # Each generate() runs a fresh engine: the cache lives for one call. Neither the same
-    # rows' tokens nor the placeholder ids nor other rows share the rows' blocks.
+    # A new LLM's first call starts with an empty cache. Neither the same rows' tokens nor
+    # the placeholder ids nor other rows share the rows' blocks.
     other = {"prompt_embeds": prompt["prompt_embeds"].flip(0)}
     first, again, tokens, placeholders, flipped = llm.generate(
         [prompt, prompt, LONG_IDS, [0] * len(LONG_IDS), other], GREEDY
