@@ -163,7 +163,8 @@ class LLM:
         """Run every prompt (text, a list of token ids, or {"prompt_embeds": tensor}) and
         return outputs in input order. The prefix cache lasts from call to call (a later
         call reuses the blocks an earlier one computed, its outputs' included) until
-        `reset_prefix_cache`, or until another LLM sharing this one's model runs."""
+        `reset_prefix_cache`, or until another LLM sharing this one's model runs (with the
+        KV offload tiers on, each call starts with an empty cache)."""
         prompt_list = [self._ready(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
