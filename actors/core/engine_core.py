@@ -322,7 +322,7 @@ def _make_scheduler(
     kept_kv: KVCacheManager | None = None,
 ) -> Scheduler:
     kv = kept_kv
-    if kv is None or offload is not None or not reusable(kv, num_kv_blocks, config.block_size):
+    if kv is None or not reusable(kv, num_kv_blocks, config):
         kv = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=config.block_size,

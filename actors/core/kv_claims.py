@@ -15,6 +15,7 @@ from __future__ import annotations
 from weakref import WeakKeyDictionary
 
 from actors.core.kv_cache_manager import KVCacheManager
+from actors.protocol.config import EngineConfig
 
 _LAST_CLAIM: WeakKeyDictionary[object, KVCacheManager] = WeakKeyDictionary()
 
@@ -27,13 +28,17 @@ def claim_kv_tensors(worker: object, kv: KVCacheManager) -> None:
     _LAST_CLAIM[worker] = kv
 
 
-def reusable(kv: KVCacheManager, num_blocks: int, block_size: int) -> bool:
-    """Whether a kept manager fits a new core: the same pool, and no request holds a block
-    (a call that failed part-way may have left some)."""
+def reusable(kv: KVCacheManager, num_blocks: int, config: EngineConfig) -> bool:
+    """Whether a kept manager fits a new core: the same pool and caching options, no
+    offload tiers (their host memory belongs to the core that made them), and no request
+    holding a block (a call that failed part-way may have left some)."""
     usage = kv.stats()
     return (
         usage.num_total_blocks == num_blocks
-        and kv.block_size == block_size
+        and kv.block_size == config.block_size
+        and kv.enable_prefix_caching == config.enable_prefix_caching
+        and kv.cache_outputs == config.prefix_caching_outputs
         and kv.offload is None
+        and not config.kv_offload_cpu_bytes
         and usage.num_used_blocks == 0
     )
