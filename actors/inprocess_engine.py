@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from actors.core.engine_core import EngineCore
-from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_claims import KeptPrefixCache
 from actors.frontend.engine_client import EngineClient
 from actors.frontend.output_stream import RequestStream
 from actors.protocol.config import EngineConfig
@@ -31,12 +31,12 @@ class InProcessEngine:
         roundtrip: bool = False,
         warm_up: bool = False,
         max_consecutive_failed_steps: int = 5,
-        kv_cache: KVCacheManager | None = None,
+        kept_prefix_cache: KeptPrefixCache | None = None,
         **client_callbacks: Any,
     ) -> None:
-        """`kv_cache`: an earlier core's KV cache manager, to keep its prefix cache
-        (EngineCore's). `client_callbacks`: the EngineClient's on_request_finished,
-        step_observers, on_scheduler_stats and on_dead."""
+        """`kept_prefix_cache`: an earlier core's prefix cache to go on with (EngineCore's).
+        `client_callbacks`: the EngineClient's on_request_finished, step_observers,
+        on_scheduler_stats and on_dead."""
         self._channel = InProcessChannel(roundtrip=roundtrip)
         self.core = EngineCore(
             worker,
@@ -44,7 +44,7 @@ class InProcessEngine:
             self._channel.core,
             config,
             max_consecutive_failed_steps=max_consecutive_failed_steps,
-            kv_cache=kv_cache,
+            kept_prefix_cache=kept_prefix_cache,
         )
         self.step_stats: collections.deque[StepStats] = collections.deque(
             maxlen=MAX_RECENT_STEP_STATS

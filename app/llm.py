@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from actors.core.engine_startup import LoadedEngine, load_engine, reuse_engine
-from actors.core.kv_cache_manager import KVCacheManager
+from actors.core.kv_claims import KeptPrefixCache
 from actors.frontend.admission import child_sampling_params
 from actors.frontend.generation_defaults import check_logprobs_within, logprobs_limit
 from actors.frontend.output_stream import RequestStream
@@ -91,8 +91,8 @@ class LLM:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         )
         self._next_id = 0
-        self._kv_cache: KVCacheManager | None = None
-        """The last call's KV cache manager: the next call's engine keeps its prefix cache."""
+        self._prefix_cache: KeptPrefixCache | None = None
+        """The last call's prefix cache, which the next call's engine goes on with."""
         self.last_num_preemptions = 0
         self.last_step_stats: tuple[StepStats, ...] = ()
 
@@ -131,8 +131,9 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget the prefix cache that earlier `generate` calls filled (as vLLM's
         `LLM.reset_prefix_cache`): the next call computes every prompt whole."""
-        if self._kv_cache is not None:
-            self._kv_cache.reset_prefix_cache()
+        if self._prefix_cache is not None:
+            self._prefix_cache.kv.reset_prefix_cache()
+            self._prefix_cache.kv.reset_offload_tiers()
 
     def apply_chat_template(self, prompt: str) -> str:
         """`prompt` as one user turn of the model's chat, as text (a gpt-oss model's in its
@@ -163,8 +164,7 @@ class LLM:
         """Run every prompt (text, a list of token ids, or {"prompt_embeds": tensor}) and
         return outputs in input order. The prefix cache lasts from call to call (a later
         call reuses the blocks an earlier one computed, its outputs' included) until
-        `reset_prefix_cache`, or until another LLM sharing this one's model runs (with the
-        KV offload tiers on, each call starts with an empty cache)."""
+        `reset_prefix_cache`, or until another LLM sharing this one's model runs."""
         prompt_list = [self._ready(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -216,7 +216,7 @@ class LLM:
             self.loaded.runner,
             self.config,
             tokenizer=self.tokenizer,
-            kv_cache=self._kv_cache,
+            kept_prefix_cache=self._prefix_cache,
         )
         results: list[RequestOutput | None] = [None] * len(prompts)
         async with anyio.create_task_group() as tg:
@@ -227,7 +227,7 @@ class LLM:
                         self._run_one, engine, i, prompt, p, results, on_finished
                     )
             engine.stop()
-        self._kv_cache = engine.core.scheduler.kv
+        self._prefix_cache = engine.core.prefix_cache
         self.last_num_preemptions = engine.num_preemptions_total
         self.last_step_stats = engine.recent_step_stats()
         return [r for r in results if r is not None]

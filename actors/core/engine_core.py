@@ -24,7 +24,7 @@ from actors.core.engine_loop import EngineLoop
 from actors.core.gpu_actor import GPUActor
 from actors.core.grammar_state import GrammarState
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.core.kv_claims import claim_kv_tensors, reusable
+from actors.core.kv_claims import KeptPrefixCache, claim_kv_tensors, take_kept
 from actors.core.kv_offload import KVOffload
 from actors.core.kv_offload_setup import make_offload_tiers
 from actors.core.scheduler import Scheduler
@@ -81,15 +81,15 @@ class EngineCore:
         max_consecutive_failed_steps: int = DEFAULT_MAX_CONSECUTIVE_FAILED_STEPS,
         started_at: float | None = None,
         known_clients: set[int] | None = None,
-        kv_cache: KVCacheManager | None = None,
+        kept_prefix_cache: KeptPrefixCache | None = None,
     ) -> None:
         """`runner`: the runner the startup rules chose. `config` may narrow the worker's
         (scheduling limits, a smaller KV pool); the model, device and block size are the
         worker's. After `max_consecutive_failed_steps` failed steps in a row the core is
         dead: every front end hears EngineDead. `known_clients`: front ends that said hello
-        before the core was built (while the model loaded). `kv_cache`: the KV cache
-        manager of an earlier core on this worker, whose prefix cache this one keeps where
-        it fits (actors/core/kv_claims.py); None: a new one."""
+        before the core was built (while the model loaded). `kept_prefix_cache`: an earlier
+        core's `prefix_cache` on this worker, which this one goes on with where it still
+        holds and fits (actors/core/kv_claims.py); None: an empty one."""
         config = config or worker.config
         self.worker, self.config, self.runner_choice = worker, config, runner
         self.endpoint = endpoint
@@ -99,7 +99,8 @@ class EngineCore:
         )
         self.step_health = StepFailureMonitor(max_consecutive_failed_steps, self._on_dead)
         model_runner = self._make_runner(worker, runner, config)
-        self.offload_tiers = make_offload_tiers(worker, config)
+        kept = take_kept(worker, kept_prefix_cache, self.num_kv_blocks, config)
+        self.offload_tiers = kept.offload_tiers if kept else make_offload_tiers(worker, config)
         self.gpu_actor = GPUActor(
             model_runner,
             None if self.offload_tiers is None else self.offload_tiers.loads_done_through,
@@ -110,9 +111,10 @@ class EngineCore:
             self.num_kv_blocks,
             self.gpu_actor.max_steps_in_flight,
             None if self.offload_tiers is None else self.offload_tiers.offload,
-            kv_cache,
+            None if kept is None else kept.kv,
         )
         claim_kv_tensors(worker, self.scheduler.kv)
+        self.prefix_cache = KeptPrefixCache(self.scheduler.kv, self.offload_tiers)
         self.engine_loop = EngineLoop(
             self.scheduler, self.gpu_actor, CoreOutputs(self._send), self.step_health
         )
@@ -322,7 +324,7 @@ def _make_scheduler(
     kept_kv: KVCacheManager | None = None,
 ) -> Scheduler:
     kv = kept_kv
-    if kv is None or not reusable(kv, num_kv_blocks, config):
+    if kv is None:
         kv = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=config.block_size,

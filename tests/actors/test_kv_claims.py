@@ -1,13 +1,13 @@
-"""actors/core/kv_claims.py: a kept KV cache manager keeps its cached blocks only while no
-other manager ran on the worker, and fits a new core only with the same pool and options
-and no block held (the offline LLM end to end: tests/app/test_llm_prefix_cache.py)."""
+"""actors/core/kv_claims.py: a new core goes on with a kept prefix cache only while no other
+manager ran on the worker since, with the same pool, options and tiers, and no block held
+(the offline LLM end to end: tests/app/test_llm_prefix_cache.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from actors.core.kv_cache_manager import KVCacheManager
-from actors.core.kv_claims import claim_kv_tensors, reusable
+from actors.core.kv_claims import KeptPrefixCache, claim_kv_tensors, take_kept
 from actors.core.scheduler import Scheduler
 from actors.core.scheduler_config import SchedulerConfig
 from actors.protocol.config import EngineConfig
@@ -49,25 +49,29 @@ def _cache_blocks(kv: KVCacheManager, num_tokens: int = 40) -> KVCacheManager:
     return kv
 
 
-def test_a_manager_keeps_its_cache_while_it_was_the_last_on_the_worker() -> None:
+def test_a_kept_cache_is_taken_only_while_its_manager_was_the_last_on_the_worker() -> None:
     worker, kv = _Worker(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
     claim_kv_tensors(worker, kv)  # an LLM's first call
     _cache_blocks(kv)
-    claim_kv_tensors(worker, kv)  # its next call
-    assert kv.stats().num_cached_blocks == 2
-    other = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
-    claim_kv_tensors(worker, other)  # another engine wrote the blocks
+    kept = KeptPrefixCache(kv, None)
+    assert take_kept(worker, kept, NUM_BLOCKS, CONFIG) is kept  # its next call
+    assert take_kept(worker, None, NUM_BLOCKS, CONFIG) is None
+    claim_kv_tensors(worker, KVCacheManager(NUM_BLOCKS, BLOCK_SIZE))  # another engine ran
+    assert take_kept(worker, kept, NUM_BLOCKS, CONFIG) is None
+    assert take_kept(_Worker(), kept, NUM_BLOCKS, CONFIG) is None  # another model
+
+
+def test_a_kept_cache_is_taken_only_where_it_fits() -> None:
+    worker, kv = _Worker(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
     claim_kv_tensors(worker, kv)
-    assert kv.stats().num_cached_blocks == 0
-    kv.check_invariants()
-
-
-def test_a_manager_is_kept_only_where_it_fits() -> None:
-    kv = _cache_blocks(KVCacheManager(NUM_BLOCKS, BLOCK_SIZE))
-    assert reusable(kv, NUM_BLOCKS, CONFIG)
-    assert not reusable(kv, NUM_BLOCKS - 1, CONFIG)  # another pool size
-    assert not reusable(kv, NUM_BLOCKS, CONFIG.replace(prefix_caching_outputs=False))
-    assert not reusable(kv, NUM_BLOCKS, CONFIG.replace(enable_prefix_caching=False))
-    assert not reusable(kv, NUM_BLOCKS, CONFIG.replace(kv_offload_cpu_bytes=1 << 30))
+    kept = KeptPrefixCache(_cache_blocks(kv), None)
+    assert take_kept(worker, kept, NUM_BLOCKS, CONFIG) is kept
+    for num_blocks, config in [
+        (NUM_BLOCKS - 1, CONFIG),  # another pool size
+        (NUM_BLOCKS, CONFIG.replace(prefix_caching_outputs=False)),
+        (NUM_BLOCKS, CONFIG.replace(enable_prefix_caching=False)),
+        (NUM_BLOCKS, CONFIG.replace(kv_offload_cpu_bytes=1 << 30)),  # tiers it lacks
+    ]:
+        assert take_kept(worker, kept, num_blocks, config) is None
     kv.pool.allocate(1)  # as if a failed call left a request's block behind
-    assert not reusable(kv, NUM_BLOCKS, CONFIG)
+    assert take_kept(worker, kept, NUM_BLOCKS, CONFIG) is None

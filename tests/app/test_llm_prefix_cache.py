@@ -1,7 +1,7 @@
 """LLM.generate keeps the prefix cache from call to call, as vLLM's LLM does: a chat's next
-turn hits the previous call's prompt and answer; `reset_prefix_cache` forgets it, and so
-does another LLM running on the same loaded model in between (its steps rewrite the KV
-blocks the first one's cache points at)."""
+turn hits the previous call's prompt and answer, from the device pool or the host tier;
+`reset_prefix_cache` forgets it, and so does another LLM running on the same loaded model
+in between (its steps rewrite the KV blocks the first one's cache points at)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,19 @@ def test_another_llm_on_the_same_model_in_between_empties_the_cache() -> None:
     assert first.generate([PROMPT], ONE)[0].num_cached_tokens == 0
     # ... and the first one caches again from there.
     assert first.generate([PROMPT], ONE)[0].num_cached_tokens == len(PROMPT) // 16 * 16
+
+
+def test_the_host_tier_lasts_from_call_to_call_too() -> None:
+    # 8 device blocks: a second prompt of 7 evicts the first one's blocks to host memory.
+    llm = _llm(num_kv_blocks=8, kv_offload_cpu_bytes=50 << 20)
+    first = llm.generate([PROMPT], ONE)[0]
+    llm.generate([list(range(2000, 2000 + 7 * BLOCK_SIZE - 4))], ONE)
+    again = llm.generate([PROMPT], ONE)[0]
+    assert again.num_cached_tokens == len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    kept = llm._prefix_cache  # the KV cache manager's own counts say which tier hit
+    assert kept is not None
+    (host,) = (t for t in kept.kv.stats().kv_tiers if t.tier == "cpu")
+    assert host.hits_tokens >= 2 * BLOCK_SIZE  # the evicted blocks came back from host memory
+    llm.reset_prefix_cache()  # both tiers
+    assert llm.generate([PROMPT], ONE)[0].num_cached_tokens == 0
