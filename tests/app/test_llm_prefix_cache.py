@@ -37,6 +37,8 @@ def _turns(llm: LLM) -> tuple[list[int], int]:
     return turn_2, llm.generate([turn_2], ONE)[0].num_cached_tokens
 
 
+PROMPT_BLOCKS = len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+"""The prompt's tokens in whole blocks: what a later prompt starting with it can hit."""
 # Turn 1's last token was sampled but never ran: its KV was not computed.
 TURN_1_BLOCKS = (len(PROMPT) + ANSWER.max_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
@@ -46,8 +48,7 @@ def test_the_next_call_hits_the_previous_calls_prompt_and_answer(cache_outputs: 
     llm = _llm(prefix_caching_outputs=cache_outputs)
     assert llm.config.block_size == BLOCK_SIZE
     turn_2, num_cached = _turns(llm)
-    prompt_blocks = len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
-    assert num_cached == (TURN_1_BLOCKS if cache_outputs else prompt_blocks)
+    assert num_cached == (TURN_1_BLOCKS if cache_outputs else PROMPT_BLOCKS)
     # The hit changes no token: the same prompt computed whole on a fresh cache.
     hit = llm.generate([turn_2], ANSWER)[0]
     llm.reset_prefix_cache()
@@ -62,7 +63,7 @@ def test_another_llm_on_the_same_model_in_between_empties_the_cache() -> None:
     second.generate([[5] * 40], ANSWER)  # rewrites blocks the first one's cache holds
     assert first.generate([PROMPT], ONE)[0].num_cached_tokens == 0
     # ... and the first one caches again from there.
-    assert first.generate([PROMPT], ONE)[0].num_cached_tokens == len(PROMPT) // 16 * 16
+    assert first.generate([PROMPT], ONE)[0].num_cached_tokens == PROMPT_BLOCKS
 
 
 def test_the_host_tier_lasts_from_call_to_call_too() -> None:
@@ -71,7 +72,7 @@ def test_the_host_tier_lasts_from_call_to_call_too() -> None:
     first = llm.generate([PROMPT], ONE)[0]
     llm.generate([list(range(2000, 2000 + 7 * BLOCK_SIZE - 4))], ONE)
     again = llm.generate([PROMPT], ONE)[0]
-    assert again.num_cached_tokens == len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    assert again.num_cached_tokens == PROMPT_BLOCKS
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     kept = llm._prefix_cache  # the KV cache manager's own counts say which tier hit
     assert kept is not None
