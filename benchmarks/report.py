@@ -96,14 +96,21 @@ def describe(
 def comparable(entry: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The latest earlier entry with the same workload on the same kind of hardware."""
     for earlier in reversed(history):
-        if earlier.get("workload") == entry.get("workload") and _hardware_kind(
-            earlier
-        ) == _hardware_kind(entry):
+        if same_run(earlier, entry):
             return earlier
     return None
 
 
-def _hardware_kind(entry: dict[str, Any]) -> str:
+def same_run(entry: dict[str, Any], other: dict[str, Any]) -> bool:
+    """The same workload on the same kind of hardware."""
+    return (entry.get("workload"), hardware_kind(entry)) == (
+        other.get("workload"),
+        hardware_kind(other),
+    )
+
+
+def hardware_kind(entry: dict[str, Any]) -> str:
+    """The entry's GPUs by name, or its CPU."""
     hardware = entry.get("hardware")
     if isinstance(hardware, dict):
         return ", ".join(hardware.get("gpus") or []) or f"cpu: {hardware.get('cpu')}"
@@ -113,7 +120,7 @@ def _hardware_kind(entry: dict[str, Any]) -> str:
 def _entry_line(entry: dict[str, Any]) -> str:
     commit = str(entry.get("commit") or "no commit")[:12]
     unclean = "" if entry.get("clean") else " (uncommitted changes)"
-    return f"{entry.get('date', '?')} {commit}{unclean} on {_hardware_kind(entry)}"
+    return f"{entry.get('date', '?')} {commit}{unclean} on {hardware_kind(entry)}"
 
 
 def _value(value: Any) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.recording import RESULTS_DIR, load_result
+from benchmarks.report import hardware_kind, same_run
 
 TARGET_CARD = "H200"
 
@@ -114,14 +115,10 @@ class BeforeCommit(Reader):
             return None
         current = result["current"]
         for entry in reversed(result.get("history", [])):
-            if _same_run(entry, current) and str(entry.get("commit")).startswith(self.commit):
+            if same_run(entry, current) and str(entry.get("commit")).startswith(self.commit):
                 if _is_number(entry["figures"].get(self.key)):
                     return Reading(float(entry["figures"][self.key]), (entry,))
         return None
-
-
-def _same_run(entry: dict[str, Any], other: dict[str, Any]) -> bool:
-    return (entry.get("workload"), card(entry)) == (other.get("workload"), card(other))
 
 
 @dataclass(frozen=True)
@@ -148,16 +145,10 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
-def card(entry: dict[str, Any]) -> str:
-    hardware = entry.get("hardware")
-    gpus = hardware.get("gpus") if isinstance(hardware, dict) else None
-    return ", ".join(sorted(set(gpus))) if gpus else "cpu"
-
-
 def status(target: Target, reading: Reading | None) -> str:
     if reading is None:
         return "not measured"
-    cards = {card(entry) for entry in reading.entries}
+    cards = {hardware_kind(entry) for entry in reading.entries}
     on_target_card = len(cards) == 1 and TARGET_CARD in next(iter(cards))
     holds = target.holds(reading.value)
     if holds is None:
@@ -174,7 +165,7 @@ def describe(target: Target, reading: Reading | None) -> str:
     sources = ""
     if reading is not None:
         named = (
-            f"{card(e)} {str(e.get('commit'))[:7]} {str(e.get('date'))[:10]}"
+            f"{hardware_kind(e)} {str(e.get('commit'))[:7]} {str(e.get('date'))[:10]}"
             for e in reading.entries
         )
         sources = "; ".join(dict.fromkeys(named))

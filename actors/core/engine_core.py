@@ -114,7 +114,6 @@ class EngineCore:
             None if kept is None else kept.kv,
         )
         claim_kv_tensors(worker, self.scheduler.kv)
-        self.prefix_cache = KeptPrefixCache(self.scheduler.kv, self.offload_tiers)
         self.engine_loop = EngineLoop(
             self.scheduler, self.gpu_actor, CoreOutputs(self._send), self.step_health
         )
@@ -136,6 +135,11 @@ class EngineCore:
             lambda reason: loop.call_soon_threadsafe(self.step_health.declare_dead, reason)
         )
         return ParallelRunner(worker, config, choice.runner)
+
+    @property
+    def prefix_cache(self) -> KeptPrefixCache:
+        """This core's prefix cache, for the next core on the worker to go on with."""
+        return KeptPrefixCache(self.scheduler.kv, self.offload_tiers)
 
     # ---- the loop ---------------------------------------------------------------------
 
