@@ -9,7 +9,8 @@ then block; WSL2 without forced pinning).
 On CUDA the copies run on a side stream that first waits for the work already queued on
 the compute stream (so a save reads a block after every step that wrote it, and a load
 writes a block after every step that read its old contents). The step's forward waits for
-the saves only, since the blocks they read are reused at once; the loads overlap it and as
+the saves' reads only (a gather into a device staging buffer), since the blocks they read
+are reused at once; their copies to the host, and the loads, overlap it and as
 many later steps as they take: a long prefix comes back over PCIe in more time than a decode
 step takes, and making the next step wait for it stalled every running request. No row
 reads or rewrites a loaded block until the engine core knows the load is done, from
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import structlog
@@ -131,24 +132,41 @@ class HostKVPool:
         # The step's slots are distinct (the engine core pins them), so the CPU's fills
         # race with none of its saves; the earlier steps' copies are done (apply).
         self._fill(transfer.fill_host_slots, transfer.fill_data)
-        saves_done, loads_done = torch.cuda.Event(), torch.cuda.Event()
+        saves_read, loads_done = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(self._stream):
-            self._save(transfer.save_gpu_block_ids, transfer.save_host_slots)
-            saves_done.record(self._stream)
+            self._save(
+                transfer.save_gpu_block_ids,
+                transfer.save_host_slots,
+                on_read=lambda: saves_read.record(self._stream),
+            )
             self._load(transfer.load_host_slots, transfer.load_gpu_block_ids)
             loads_done.record(self._stream)
         self._last_copy = loads_done
-        compute.wait_event(saves_done)
+        compute.wait_event(saves_read)
         if transfer.load_host_slots:
             with self._loads_lock:
                 self._loads_in_flight.append((transfer.load_id, loads_done))
 
-    def _save(self, block_ids: Sequence[int], host_slots: Sequence[int]) -> None:
-        for start in range(0, len(block_ids), _MAX_BLOCKS_PER_COPY):
+    def _save(
+        self,
+        block_ids: Sequence[int],
+        host_slots: Sequence[int],
+        on_read: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Gather the blocks into a device staging buffer, a chunk at a time, and copy it to
+        the slots. `on_read` runs once the last chunk is gathered, before its copy over PCIe:
+        from there on the blocks may be rewritten, so the step's forward waits for the
+        gathers only and overlaps the slowest part (a step's saves usually fit one chunk)."""
+        starts = range(0, len(block_ids), _MAX_BLOCKS_PER_COPY)
+        if not starts:
+            on_read()
+        for start in starts:
             chunk = slice(start, start + _MAX_BLOCKS_PER_COPY)
             index = self._device_index(block_ids[chunk])
             # [n, num_layers, 2, block_size, heads, head_bytes]
             staged = torch.stack([layer[:, index].transpose(0, 1) for layer in self._layers_u8], 1)
+            if start == starts[-1]:
+                on_read()
             for position, slot in enumerate(host_slots[chunk]):
                 self.slots_cpu[slot].copy_(staged[position], non_blocking=self.pinned)
 

@@ -208,8 +208,8 @@ def test_on_cuda_a_load_is_ordered_before_the_step_that_reads_it(wait: str) -> N
 def test_on_cuda_blocks_rewritten_right_after_their_save_reach_the_host_intact(
     num_saved: int,
 ) -> None:
-    """Blocks rewritten on the compute stream right after `apply` (the next step's
-    forward) still reach the host whole, however many staging chunks the save takes."""
+    """The step's forward waits for the saves' gathers only, not for their copies over
+    PCIe: blocks rewritten on the compute stream right after `apply` still arrive whole."""
     caches = allocate_kv_cache(
         NUM_LAYERS, 80, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, torch.bfloat16, "cuda"
     )
