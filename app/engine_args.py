@@ -107,15 +107,16 @@ def _add_cache_args(g: Any) -> None:
         "Env: TANDEM_KV_CACHE_DTYPE",
     )
     g.add_argument(
-        "--mxfp4-bf16-copy",
-        action="store_true",
-        default=_bool_env("mxfp4_bf16_copy", False),
-        help="keep MXFP4 experts (gpt-oss) also in bf16 on the GPU, for steps with many "
-        "tokens per expert (prefill, large decode batches), where multiplying bf16 "
-        "experts is faster than dequantizing MXFP4 tiles in registers; small steps keep "
-        "reading MXFP4. The same products (bf16 holds every MXFP4 value); costs the experts' "
-        "bf16 bytes (gpt-oss-20b: 38 GB, gpt-oss-120b: 230 GB, which no single GPU holds), "
-        "taken from the KV cache. Env: TANDEM_MXFP4_BF16_COPY",
+        "--mxfp4-copy",
+        choices=["none", "bf16", "fp8"],
+        default=_env("mxfp4_copy", _DEFAULTS.mxfp4_copy),
+        help="keep MXFP4 experts (gpt-oss) also in bf16 or FP8 on the GPU, for steps with "
+        "many tokens per expert (prefill, large decode batches), where these multiply faster "
+        "than MXFP4 tiles dequantized in registers; small steps keep reading MXFP4. The "
+        "activations stay bf16 and the products the same (bf16 holds every MXFP4 value; FP8 "
+        "with a power-of-two scale per row nearly every one: a count that rounds is logged). "
+        "Costs the experts' bytes, taken from the KV cache: gpt-oss-20b 38 GB in bf16, 19 GB "
+        "in FP8. Env: TANDEM_MXFP4_COPY",
     )
     g.add_argument(
         "--num-kv-blocks",
@@ -351,7 +352,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "prefix_caching_outputs": not args.no_prefix_caching_outputs,
         "runner": args.runner,
         "enforce_eager": args.enforce_eager,
-        "mxfp4_bf16_copy": args.mxfp4_bf16_copy,
+        "mxfp4_copy": args.mxfp4_copy,
         "seed": args.seed,
         "tokenizer": args.tokenizer or None,
         "tensor_parallel_size": args.tensor_parallel_size,

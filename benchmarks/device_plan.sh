@@ -9,10 +9,10 @@
 #   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
-#          batch 1, W4 offline with --mxfp4-bf16-copy (~150 without the 120b and the copy)
+#          batch 1, W4 offline with --mxfp4-copy fp8 and bf16 (~150 without the 120b and copies)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
-#          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts; qwen3-30b-a3b's
-#          layer swept
+#          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts and with FP8
+#          per-channel ones (what --mxfp4-copy multiplies); qwen3-30b-a3b's layer swept
 #   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
@@ -87,7 +87,9 @@ plan_moe() {
     --result throughput_gpt_oss_120b_batch1
   step w4 170 $T --workload W4 --gpu-memory-utilization 0.9 --kernel-profile \
     --result throughput_w4
-  step w4_bf16_copy 170 $T --workload W4 --gpu-memory-utilization 0.9 --mxfp4-bf16-copy \
+  step w4_fp8_copy 170 $T --workload W4 --gpu-memory-utilization 0.9 --mxfp4-copy fp8 \
+    --kernel-profile --result throughput_w4_mxfp4_fp8_copy
+  step w4_bf16_copy 170 $T --workload W4 --gpu-memory-utilization 0.9 --mxfp4-copy bf16 \
     --kernel-profile --result throughput_w4_mxfp4_bf16_copy
   step w5 260 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
     --result throughput_w5
@@ -98,6 +100,8 @@ plan_moe_tiles() {
     --result moe_gpt-oss-20b_tiles
   step moe_bf16 45 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype bf16 \
     --tokens 1,256,4096 --result moe_gpt-oss-20b_bf16
+  step moe_fp8 45 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype fp8-channel \
+    --tokens 1,256,4096 --result moe_gpt-oss-20b_fp8_channel
   step moe_tiles_qwen3 100 python3 -m benchmarks.moe --model qwen3-30b-a3b --tokens 1,4096 \
     --sweep --result moe_qwen3-30b-a3b_tiles
 }

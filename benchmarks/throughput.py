@@ -116,9 +116,10 @@ def _add_engine_args(p: Any) -> None:
         "bf16's bytes per token)",
     )
     p.add_argument(
-        "--mxfp4-bf16-copy",
-        action="store_true",
-        help="tandem's --mxfp4-bf16-copy: gpt-oss's MXFP4 experts also kept in bf16 for "
+        "--mxfp4-copy",
+        choices=["none", "bf16", "fp8"],
+        default="none",
+        help="tandem's --mxfp4-copy: gpt-oss's MXFP4 experts also kept in bf16 or FP8 for "
         "steps with many tokens per expert",
     )
     p.add_argument(
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_options["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.kv_cache_dtype != "auto":  # engines older than the option run the default
         engine_options["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.mxfp4_bf16_copy:
-        engine_options["mxfp4_bf16_copy"] = True
+    if args.mxfp4_copy != "none":
+        engine_options["mxfp4_copy"] = args.mxfp4_copy
     if workload.device == "cuda":
         engine_options["gpu_memory_utilization"] = args.gpu_memory_utilization
     run = recording.Run(

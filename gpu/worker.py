@@ -28,7 +28,7 @@ from gpu.input_buffers import InputBuffers
 from gpu.kv_sizing import MemoryReport, StepShape, kv_bytes_per_block, profile_kv_budget
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
-from gpu.models.moe import add_mxfp4_bf16_copies, mxfp4_bf16_copy_bytes
+from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes
 from gpu.platform import Platform
 from gpu.runner_v2.step_plan import GraphSizes
 from gpu.runner_v2.step_state import V2StepState
@@ -87,8 +87,8 @@ class ModelWorker:
         self.attn_backend = _make_attention_backend(self.device, platform)
         self.model, self.model_source = self._load_model()
         self.model_config: ModelConfig = self.model.config
-        if config.mxfp4_bf16_copy:
-            self._add_mxfp4_bf16_copies()
+        if config.mxfp4_copy != "none":
+            self._add_mxfp4_copies(config.mxfp4_copy)
         self.weights_precision = self.model.precision.describe(self.model_config)
         """What runs in what precision, one line (reported in /version)."""
         for note in self.model.precision.notes:
@@ -148,22 +148,23 @@ class ModelWorker:
         model.load_weights(files.weights, consume=True)
         return model, files.source
 
-    def _add_mxfp4_bf16_copies(self) -> None:
-        """--mxfp4-bf16-copy, before the KV cache is sized (the copies' bytes are not KV's)."""
-        needed = mxfp4_bf16_copy_bytes(self.model)
+    def _add_mxfp4_copies(self, kind: str) -> None:
+        """--mxfp4-copy, before the KV cache is sized (the copies' bytes are not KV's)."""
+        needed = mxfp4_copy_bytes(self.model, kind)
         if needed == 0:
             raise WorkerConfigError(
-                f"--mxfp4-bf16-copy: {self.model_source} keeps no MXFP4 experts on "
+                f"--mxfp4-copy {kind}: {self.model_source} keeps no MXFP4 experts on "
                 f"{self.device} (only gpt-oss checkpoints on a GPU do)"
             )
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
             if needed > free:
                 raise WorkerConfigError(
-                    f"--mxfp4-bf16-copy needs {needed / 2**30:.1f} GiB for the experts' bf16 "
+                    f"--mxfp4-copy {kind} needs {needed / 2**30:.1f} GiB for the experts' "
                     f"copy, but {free / 2**30:.1f} GiB of {self.device} are free; drop the flag"
                 )
-        log.info("mxfp4_bf16_copy", bytes=add_mxfp4_bf16_copies(self.model))
+        report = add_mxfp4_copies(self.model, kind)
+        log.info("mxfp4_copy", kind=kind, bytes=report.num_bytes, rounded=report.num_rounded)
 
     def _log_loaded(self) -> None:
         log.info(

@@ -23,6 +23,7 @@ import torch
 
 from kernels._checks import check_scale
 from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, quantize_weight_per_channel
+from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 FP8_EXPERT_BLOCK = 128
 
@@ -130,3 +131,27 @@ def quantize_fp8_experts(
         blocks.append(quantized[:, :rows, :num_cols])
         scales.append(scale)
     return Fp8Experts(torch.cat(blocks, dim=1).contiguous(), torch.cat(scales, dim=1).contiguous())
+
+
+def fp8_experts_from_mxfp4(w: MXFP4Tensor) -> tuple[Fp8Experts, int]:
+    """MXFP4 experts [num_experts, N, K] as FP8 with a power-of-two scale per output row
+    (the largest that keeps the row's absmax within 448). The MXFP4 values are e2m1 (one
+    mantissa bit) times power-of-two group scales, and e4m3 holds one mantissa bit at every
+    exponent from 2^-9 up, so each value is exact unless its group scale lies more than
+    about 16 binades below the row's largest; such values round to the nearest e4m3.
+    Returns the experts and the number of values that rounded. Dequantized one expert at a
+    time (float32 temporaries of one expert)."""
+    num_experts, num_rows, num_cols = w.shape
+    device = w.blocks.device
+    weight = torch.empty(num_experts, num_rows, num_cols, dtype=FP8_DTYPE, device=device)
+    scale = torch.empty(num_experts, num_rows, dtype=torch.float32, device=device)
+    num_rounded = 0
+    for expert in range(num_experts):
+        values = dequantize_mxfp4(w[expert], torch.float32)  # [N, K], exact
+        _, exponent = torch.frexp(values.abs().amax(dim=1) / FP8_MAX)
+        row_scale = torch.ldexp(torch.ones_like(values[:, 0]), exponent)  # amax / it < 448
+        weight[expert] = (values / row_scale[:, None]).to(FP8_DTYPE)
+        scale[expert] = row_scale
+        rounded = weight[expert].float() * row_scale[:, None] != values
+        num_rounded += int(rounded.sum())
+    return Fp8Experts(weight, scale), num_rounded

@@ -13,6 +13,7 @@ DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationChoice = Literal["auto", "fp8", "int4", "none"]
 QUANTIZATION_CHOICES = ("auto", "fp8", "int4", "none")
 KVCacheDTypeChoice = Literal["auto", "fp8", "fp8_e4m3"]
+MXFP4CopyChoice = Literal["none", "bf16", "fp8"]
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's default --max-logprobs."""
 
@@ -51,9 +52,9 @@ class EngineConfig:
     """KV cache element type (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (=
     fp8_e4m3) = float8_e4m3fn with a per-layer k_scale / v_scale (1.0 unless the checkpoint
     has them), half of bf16's bytes per token (gpu/attention/kv_cache_dtype.py)."""
-    mxfp4_bf16_copy: bool = False
-    """Keep MXFP4 experts also in the model dtype for steps with many rows per expert
-    (--mxfp4-bf16-copy; gpu/models/moe.py); refused for a model without MXFP4 experts on
+    mxfp4_copy: MXFP4CopyChoice = "none"
+    """Keep MXFP4 experts also in bf16 or FP8 for steps with many rows per expert
+    (--mxfp4-copy; gpu/models/mxfp4_copy.py); refused for a model without MXFP4 experts on
     the device."""
     max_num_seqs: int = 256
     """Most requests in one step (also the runner's row count)."""
@@ -175,6 +176,8 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
             )
+        if self.mxfp4_copy not in ("none", "bf16", "fp8"):
+            raise ConfigError(f"mxfp4_copy must be none, bf16 or fp8, got {self.mxfp4_copy!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

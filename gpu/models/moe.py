@@ -18,8 +18,8 @@ otherwise: Qwen3-MoE one tensor per expert and projection (FP8 ones with their
 `moe_weight_targets` maps each checkpoint tensor onto a view of these parameters, so that
 loading is one strided copy per tensor, with no temporary.
 
-With --mxfp4-bf16-copy, MXFP4 experts also get a copy in the model dtype
-(`add_mxfp4_bf16_copies`), which steps of at least BF16_COPY_MIN_ROWS rows per expert
+With --mxfp4-copy, MXFP4 experts also get a copy in bf16 or FP8
+(gpu/models/mxfp4_copy.py), which steps of at least COPY_MIN_ROWS rows per expert
 multiply with.
 
 The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
@@ -29,7 +29,6 @@ much more than one copy of the experts on the device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +43,12 @@ from kernels.fp8_experts import Fp8Experts, fp8_expert_scale_shapes
 from kernels.fp8_quant import FP8_DTYPE
 from kernels.fused_moe import GATED_PARTS, MoEActivation, fused_moe
 from kernels.moe_routing import moe_route
-from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
+from kernels.mxfp4 import MXFP4Tensor
 
 MXFP4_BLOCK_BYTES = MXFP4_GROUP_SIZE // 2
-BF16_COPY_MIN_ROWS = 64
-"""Mean grouped rows per expert from which a step multiplies with the MXFP4 experts' bf16
-copy (where there is one). One gpt-oss-20b layer on an H100 (benchmarks/NOTES.md): MXFP4
+COPY_MIN_ROWS = 64
+"""Mean grouped rows per expert from which a step multiplies with the MXFP4 experts' copy
+(where there is one). One gpt-oss-20b layer on an H100 (benchmarks/NOTES.md): MXFP4
 0.56 ms against bf16's 0.62 at 32 rows per expert, 4.2 ms against 2.0 at 512."""
 _META = torch.device("meta")
 
@@ -103,9 +102,9 @@ class SparseMoE(nn.Module):
             self.w2_bias = empty_parameter(num_experts, hidden, dtype=dtype, device=device)
         for name, shape, param_dtype in self._expert_shapes(num_experts, hidden):
             self.register_parameter(name, empty_parameter(*shape, dtype=param_dtype, device=_META))
-        self.w13_bf16: torch.Tensor | None = None
-        self.w2_bf16: torch.Tensor | None = None
-        """MXFP4 experts' copy in the model dtype, where add_bf16_copy made one."""
+        self.expert_copy: tuple[torch.Tensor | Fp8Experts, torch.Tensor | Fp8Experts] | None = None
+        """(w13, w2) of the MXFP4 experts' copy for large steps, where --mxfp4-copy made
+        one (gpu/models/mxfp4_copy.py)."""
 
     def _expert_shapes(
         self, num_experts: int, hidden: int
@@ -160,55 +159,17 @@ class SparseMoE(nn.Module):
             return Fp8Experts(self.w2_weight, self.w2_scale)
         return self.w2_weight
 
-    def add_bf16_copy(self) -> int:
-        """Keep the MXFP4 experts also in the model dtype (bf16 holds every MXFP4 value
-        exactly, so the products are the same; only the tiles' summation order differs),
-        for steps with at least
-        BF16_COPY_MIN_ROWS grouped rows per expert: there the GEMMs are bound by the tensor
-        cores and the in-register dequantization, not by the weight bytes. Dequantized one
-        expert at a time (small temporaries). Returns the bytes added."""
-        assert self.is_mxfp4 and self.is_materialized
-        w13, w2 = self.w13, self.w2
-        assert isinstance(w13, MXFP4Tensor) and isinstance(w2, MXFP4Tensor)
-        copies = []
-        for w in (w13, w2):
-            dense = torch.empty(w.shape, dtype=self.dtype, device=self.device)
-            for expert in range(dense.shape[0]):
-                dense[expert] = dequantize_mxfp4(w[expert], self.dtype)
-            copies.append(dense)
-        self.w13_bf16, self.w2_bf16 = copies
-        return sum(t.numel() * t.element_size() for t in copies)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         router_logits = F.linear(x, self.router, self.router_bias)  # [num_tokens, num_experts]
         topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
         w13, w2 = self.w13, self.w2
         # x's row count is fixed per captured graph, so the choice is too
         num_rows_per_expert = x.shape[0] * self.top_k / self.router.shape[0]
-        if self.w13_bf16 is not None and num_rows_per_expert >= BF16_COPY_MIN_ROWS:
-            w13, w2 = self.w13_bf16, self.w2_bf16
+        if self.expert_copy is not None and num_rows_per_expert >= COPY_MIN_ROWS:
+            w13, w2 = self.expert_copy
         return fused_moe(
             x, topk_weights, topk_ids, w13, w2, self.w13_bias, self.w2_bias, self.activation
         )
-
-
-def _mxfp4_layers(model: nn.Module) -> list[SparseMoE]:
-    return [m for m in model.modules() if isinstance(m, SparseMoE) and m.is_mxfp4]
-
-
-def mxfp4_bf16_copy_bytes(model: nn.Module) -> int:
-    """What add_mxfp4_bf16_copies would add; 0 where the model has no MXFP4 experts."""
-    return sum(
-        math.prod(w.shape) * layer.dtype.itemsize
-        for layer in _mxfp4_layers(model)
-        for w in (layer.w13, layer.w2)
-    )
-
-
-def add_mxfp4_bf16_copies(model: nn.Module) -> int:
-    """SparseMoE.add_bf16_copy on every layer with MXFP4 experts (--mxfp4-bf16-copy); the
-    bytes added."""
-    return sum(layer.add_bf16_copy() for layer in _mxfp4_layers(model))
 
 
 def moe_weight_targets(

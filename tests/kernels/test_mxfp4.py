@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels._triton import HAS_TRITON, tl, triton
+from kernels.fp8_experts import dequantize_fp8_experts, fp8_experts_from_mxfp4
 from kernels.mxfp4 import E2M1_VALUES, MXFP4Tensor, dequantize_mxfp4, quantize_mxfp4
 from tests.kernels._triton_interpreter import (
     assert_interpreted,
@@ -144,3 +145,28 @@ def test_quantize_on_cuda_equals_cpu() -> None:
     on_cpu, on_gpu = quantize_mxfp4(w), quantize_mxfp4(w.cuda())
     assert torch.equal(on_gpu.blocks.cpu(), on_cpu.blocks)
     assert torch.equal(on_gpu.scales.cpu(), on_cpu.scales)
+
+
+def test_as_fp8_with_a_power_of_two_per_row_every_value_is_exact_within_its_rows_range() -> None:
+    # scales within 14 binades of each row's largest: every value exact in e4m3 (--mxfp4-copy)
+    w = _random_mxfp4((3, 8, 96), seed=4, scale_range=(114, 130))
+    w.scales[1, 2] = 0  # a row of the smallest scale: exact on its own scale
+    experts, num_rounded = fp8_experts_from_mxfp4(w)
+    assert num_rounded == 0 and experts.scale.shape == (3, 8)
+    exponents = torch.frexp(experts.scale)[1]
+    assert torch.equal(experts.scale, torch.ldexp(torch.ones(3, 8), exponents - 1))
+    assert torch.equal(
+        dequantize_fp8_experts(experts, torch.float32), dequantize_mxfp4(w, torch.float32)
+    )
+
+
+def test_as_fp8_a_group_far_below_its_row_rounds_and_is_counted() -> None:
+    w = _random_mxfp4((2, 4, 64), seed=5, scale_range=(126, 128))
+    w.blocks[0, 1, 0] = 0x11  # every value of that group is the code 1 (0.5 x its scale)
+    w.scales[0, 1, 0] = 127 - 30  # 2^-31: under e4m3's 2^-9 at the row's scale
+    experts, num_rounded = fp8_experts_from_mxfp4(w)
+    got = dequantize_fp8_experts(experts, torch.float32)
+    want = dequantize_mxfp4(w, torch.float32)
+    assert num_rounded == int((got != want).sum()) == 32
+    assert torch.equal(got[0, 1, :32], torch.zeros(32))  # rounded to zero
+    assert torch.equal(got[:, :, 32:], want[:, :, 32:])

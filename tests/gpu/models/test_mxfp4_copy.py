@@ -1,7 +1,7 @@
-"""--mxfp4-bf16-copy: gpt-oss's MXFP4 experts also kept in the model dtype, which steps with
-many rows per expert multiply with (the same products: the copy holds every MXFP4 value
-exactly; on a GPU summed in another tile order), while small steps keep reading MXFP4;
-refused for a model without MXFP4 experts."""
+"""--mxfp4-copy: gpt-oss's MXFP4 experts also kept in bf16 or FP8, which steps with many
+rows per expert multiply with (the same products: either copy holds every MXFP4 value of
+these weights exactly; on a GPU summed in another tile order), while small steps keep
+reading MXFP4; refused for a model without MXFP4 experts."""
 
 from __future__ import annotations
 
@@ -10,17 +10,14 @@ import math
 import pytest
 import torch
 
-from actors.protocol.config import EngineConfig
+from actors.protocol.config import ConfigError, EngineConfig
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.llama import DecoderModel
-from gpu.models.moe import (
-    BF16_COPY_MIN_ROWS,
-    SparseMoE,
-    add_mxfp4_bf16_copies,
-    mxfp4_bf16_copy_bytes,
-)
+from gpu.models.moe import COPY_MIN_ROWS, SparseMoE
+from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes
 from gpu.weights.dummy import dummy_weights
 from gpu.worker import ModelWorker, WorkerConfigError
+from kernels.fp8_experts import Fp8Experts
 from tests._engine_flags import config_from_flags
 from tests.gpu.models._moe_cases import _shrunk
 from tests.gpu.test_runner_selection import CPU_ONLY
@@ -46,17 +43,25 @@ def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 def _token_counts(moe: SparseMoE) -> tuple[int, int]:
     """A step below the copy's threshold of rows per expert, and one at it."""
     num_experts = moe.router.shape[0]
-    at_threshold = math.ceil(BF16_COPY_MIN_ROWS * num_experts / moe.top_k)
+    at_threshold = math.ceil(COPY_MIN_ROWS * num_experts / moe.top_k)
     return at_threshold // 8, at_threshold
 
 
+def _expected_bytes(layers: list[SparseMoE], kind: str, dtype: torch.dtype) -> int:
+    shapes = [w.shape for m in layers for w in (m.w13, m.w2)]
+    if kind == "bf16":
+        return sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+    return sum(e * n * k + e * n * 4 for e, n, k in shapes)  # e4m3 + a float32 scale a row
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize(
     "device, dtype",
     [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=ON_CUDA)],
 )
 @torch.no_grad()
 def test_large_steps_multiply_with_the_copy_and_get_the_same_outputs(
-    device: str, dtype: torch.dtype
+    device: str, dtype: torch.dtype, kind: str
 ) -> None:
     model = _gpt_oss_with_mxfp4_experts(device, dtype)
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
@@ -69,12 +74,16 @@ def test_large_steps_multiply_with_the_copy_and_get_the_same_outputs(
     ]
     before = [moe(x) for x in steps]
 
-    expected_bytes = (
-        sum(math.prod(m.w13.shape) + math.prod(m.w2.shape) for m in layers) * dtype.itemsize
-    )
-    assert mxfp4_bf16_copy_bytes(model) == expected_bytes
-    assert add_mxfp4_bf16_copies(model) == expected_bytes
-    assert moe.w13_bf16 is not None and moe.w13_bf16.dtype == dtype
+    expected_bytes = _expected_bytes(layers, kind, dtype)
+    assert mxfp4_copy_bytes(model, kind) == expected_bytes
+    report = add_mxfp4_copies(model, kind)
+    assert report.num_bytes == expected_bytes and report.num_rounded == 0
+    assert moe.expert_copy is not None
+    w13_copy = moe.expert_copy[0]
+    if kind == "fp8":
+        assert isinstance(w13_copy, Fp8Experts) and not w13_copy.block
+    else:
+        assert isinstance(w13_copy, torch.Tensor) and w13_copy.dtype == dtype
     assert all(_same(moe(x), out) for x, out in zip(steps, before, strict=True))
 
     # Only the small step still reads the MXFP4 tensors.
@@ -86,14 +95,18 @@ def test_large_steps_multiply_with_the_copy_and_get_the_same_outputs(
 
 
 def test_a_model_without_mxfp4_experts_is_refused_in_one_line() -> None:
-    config = EngineConfig(model="dummy:smollm2-135m", device="cpu", mxfp4_bf16_copy=True)
-    with pytest.raises(WorkerConfigError, match="--mxfp4-bf16-copy: .* keeps no MXFP4 experts"):
+    config = EngineConfig(model="dummy:smollm2-135m", device="cpu", mxfp4_copy="fp8")
+    with pytest.raises(WorkerConfigError, match="--mxfp4-copy fp8: .* keeps no MXFP4 experts"):
         ModelWorker(config, CPU_ONLY)
 
 
-def test_the_flag_and_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TANDEM_MXFP4_BF16_COPY", raising=False)
-    assert config_from_flags().mxfp4_bf16_copy is False
-    assert config_from_flags("--mxfp4-bf16-copy").mxfp4_bf16_copy is True
-    monkeypatch.setenv("TANDEM_MXFP4_BF16_COPY", "1")
-    assert config_from_flags().mxfp4_bf16_copy is True
+def test_the_flag_its_environment_variable_and_a_bad_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TANDEM_MXFP4_COPY", raising=False)
+    assert config_from_flags().mxfp4_copy == "none"
+    assert config_from_flags("--mxfp4-copy", "fp8").mxfp4_copy == "fp8"
+    monkeypatch.setenv("TANDEM_MXFP4_COPY", "bf16")
+    assert config_from_flags().mxfp4_copy == "bf16"
+    with pytest.raises(ConfigError, match="mxfp4_copy must be none, bf16 or fp8, got 'fp4'"):
+        EngineConfig(model="default", mxfp4_copy="fp4")  # type: ignore[arg-type]
