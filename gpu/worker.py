@@ -28,7 +28,7 @@ from gpu.input_buffers import InputBuffers
 from gpu.kv_sizing import MemoryReport, StepShape, kv_bytes_per_block, profile_kv_budget
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
-from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes
+from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes, mxfp4_copy_description
 from gpu.platform import Platform
 from gpu.runner_v2.step_plan import GraphSizes
 from gpu.runner_v2.step_state import V2StepState
@@ -87,10 +87,11 @@ class ModelWorker:
         self.attn_backend = _make_attention_backend(self.device, platform)
         self.model, self.model_source = self._load_model()
         self.model_config: ModelConfig = self.model.config
-        if config.mxfp4_copy != "none":
-            self._add_mxfp4_copies(config.mxfp4_copy)
         self.weights_precision = self.model.precision.describe(self.model_config)
         """What runs in what precision, one line (reported in /version)."""
+        if config.mxfp4_copy != "none":
+            self._add_mxfp4_copies(config.mxfp4_copy)
+            self.weights_precision += "; " + mxfp4_copy_description(config.mxfp4_copy)
         for note in self.model.precision.notes:
             log.warning("fp8_weights_dequantized", reason=note)
         self.max_model_len = _resolve_max_model_len(config, self.model_config, self.model_source)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu.models.moe import SparseMoE
+from gpu.models.moe import COPY_MIN_ROWS, SparseMoE
 from kernels.fp8_experts import Fp8Experts, fp8_experts_from_mxfp4
 from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
@@ -52,6 +52,11 @@ def mxfp4_copy_bytes(model: nn.Module, kind: str) -> int:
             else:
                 total += math.prod(w.shape) * layer.dtype.itemsize
     return total
+
+
+def mxfp4_copy_description(kind: str) -> str:
+    """The copy's part of the line that says what runs in what precision (/version)."""
+    return f"{kind} copy of the mxfp4 experts for steps of >= {COPY_MIN_ROWS} rows per expert"
 
 
 def add_mxfp4_copies(model: nn.Module, kind: str) -> MXFP4CopyReport:
