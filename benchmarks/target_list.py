@@ -40,7 +40,14 @@ def _moe_targets() -> list[Target]:
         Target(25, "gpt-oss-20b offline", _tokens_per_s("throughput_w4"), 25_000, unit=tok_s),
         Target(
             25,
-            "gpt-oss-20b offline, bf16 copy of the experts",
+            "gpt-oss-20b offline, --mxfp4-copy fp8",
+            _tokens_per_s("throughput_w4_mxfp4_fp8_copy"),
+            25_000,
+            unit=tok_s,
+        ),
+        Target(
+            25,
+            "gpt-oss-20b offline, --mxfp4-copy bf16",
             _tokens_per_s("throughput_w4_mxfp4_bf16_copy"),
             25_000,
             unit=tok_s,
