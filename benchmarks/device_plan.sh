@@ -11,8 +11,9 @@
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1, W4 offline with --mxfp4-copy fp8 and bf16 (~150 without the 120b and copies)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
-#          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts and with FP8
-#          per-channel ones (what --mxfp4-copy multiplies); qwen3-30b-a3b's layer swept
+#          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts, and with FP8
+#          per-channel ones (what --mxfp4-copy fp8 multiplies) swept too; qwen3-30b-a3b's
+#          layer swept
 #   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
@@ -100,8 +101,9 @@ plan_moe_tiles() {
     --result moe_gpt-oss-20b_tiles
   step moe_bf16 45 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype bf16 \
     --tokens 1,256,4096 --result moe_gpt-oss-20b_bf16
-  step moe_fp8 45 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype fp8-channel \
-    --tokens 1,256,4096 --result moe_gpt-oss-20b_fp8_channel
+  # per-channel FP8 is what --mxfp4-copy fp8 multiplies; it runs on the bf16 table's tiles
+  step moe_fp8 150 python3 -m benchmarks.moe --model gpt-oss-20b --expert-dtype fp8-channel \
+    --tokens 1,256,1024,4096 --sweep --result moe_gpt-oss-20b_fp8_channel
   step moe_tiles_qwen3 100 python3 -m benchmarks.moe --model qwen3-30b-a3b --tokens 1,4096 \
     --sweep --result moe_qwen3-30b-a3b_tiles
 }

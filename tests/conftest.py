@@ -40,8 +40,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _one_torch_thread_per_test_worker() -> Iterator[None]:
     """The test workers already keep every CPU busy: a second intra-op thread per worker
     only waits at barriers for a descheduled peer (on two CPUs the kernel, engine and
-    offload tests ran 9% faster with one; the servers the tests start choose their own
-    count). An engine a test loads sets its own count, as in a server."""
+    offload tests ran 9% faster with one; the whole suite, mostly servers in their own
+    processes, within its noise). An engine a test loads sets its own count, as a server's
+    does."""
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     yield
