@@ -4,6 +4,7 @@ check, both arms interleaved, the record's fields), and its figures on hand-buil
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,10 @@ def test_a_cpu_run_checks_tokens_and_records_both_arms(tmp_path: Path) -> None:
     runs = details["runs"]
     assert [r["arm"] for r in runs[:4]] == ["off", "on", "on", "off"]
     assert len(runs) == 2 * 4
-    assert all(r["tpot_ms"] > 0 and "prefill" in r["steps"] for r in runs)
+    # TPOT is the difference of two timed batches (n tokens and 1), so on a busy CPU only
+    # its presence is certain, not its sign
+    assert all(r["total_s"] > 0 and r["first_token_s"] > 0 for r in runs)
+    assert all(math.isfinite(r["tpot_ms"]) and "prefill" in r["steps"] for r in runs)
     # Whether an 'on' step finds a draft depends on the tokens so far, so only the 'off'
     # arm's kinds are fixed: it never speculates.
     assert all(set(r["steps"]) == {"prefill", "plain"} for r in runs if r["arm"] == "off")
