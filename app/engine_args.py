@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any
 
-from actors.protocol.config import QUANTIZATION_CHOICES, EngineConfig
+from actors.protocol.config import MXFP4_COPY_CHOICES, QUANTIZATION_CHOICES, EngineConfig
 from actors.protocol.logits_processors import parse_logits_processor_specs
 from actors.protocol.speculative_config import parse_speculative_config
 
@@ -108,7 +108,7 @@ def _add_cache_args(g: Any) -> None:
     )
     g.add_argument(
         "--mxfp4-copy",
-        choices=["none", "bf16", "fp8"],
+        choices=list(MXFP4_COPY_CHOICES),
         default=_env("mxfp4_copy", _DEFAULTS.mxfp4_copy),
         help="keep MXFP4 experts (gpt-oss) also in bf16 or FP8 on the GPU, for steps with "
         "many tokens per expert (prefill, large decode batches), where these multiply faster "

@@ -14,6 +14,7 @@ QuantizationChoice = Literal["auto", "fp8", "int4", "none"]
 QUANTIZATION_CHOICES = ("auto", "fp8", "int4", "none")
 KVCacheDTypeChoice = Literal["auto", "fp8", "fp8_e4m3"]
 MXFP4CopyChoice = Literal["none", "bf16", "fp8"]
+MXFP4_COPY_CHOICES = ("none", "bf16", "fp8")
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's default --max-logprobs."""
 
@@ -176,7 +177,7 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
             )
-        if self.mxfp4_copy not in ("none", "bf16", "fp8"):
+        if self.mxfp4_copy not in MXFP4_COPY_CHOICES:
             raise ConfigError(f"mxfp4_copy must be none, bf16 or fp8, got {self.mxfp4_copy!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
