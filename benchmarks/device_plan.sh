@@ -10,6 +10,8 @@
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1, W4 offline with --mxfp4-copy fp8 and bf16 (~150 without the 120b and copies)
+#   fp8_copy  issue 25: W4 batch 1 and offline with --mxfp4-copy fp8; for an A/B of two trees
+#          run it with BASELINE=DIR (device_run.sh runs each step on DIR's engine first)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
 #          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts, and with FP8
 #          per-channel ones (what --mxfp4-copy fp8 multiplies) swept too; qwen3-30b-a3b's
@@ -39,6 +41,7 @@
 # result files (<plan>/<result>.json) over benchmarks/results/.
 set -uo pipefail
 FINAL_OUT=${OUT:-/tmp/tandem_out}
+mkdir -p "$FINAL_OUT"
 export WHEELS=${WHEELS:-.gpu-lane/wheels}
 T="python3 -m benchmarks.throughput --arms v2 --repeats 1"
 ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 0.9 --kernel-profile"
@@ -94,6 +97,13 @@ plan_moe() {
     --kernel-profile --result throughput_w4_mxfp4_bf16_copy
   step w5 260 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
     --result throughput_w5
+}
+
+plan_fp8_copy() {
+  step w4_fp8_copy_b1 150 $T --workload W4 $ONE --mxfp4-copy fp8 \
+    --result throughput_w4_mxfp4_fp8_copy_batch1
+  step w4_fp8_copy 300 $T --workload W4 --gpu-memory-utilization 0.9 --mxfp4-copy fp8 \
+    --kernel-profile --result throughput_w4_mxfp4_fp8_copy
 }
 
 plan_moe_tiles() {
@@ -162,10 +172,10 @@ plan_hf_moe() {
     --hf-batch-size 64 --gpu-memory-utilization 0.9 --result throughput_w5_hf
 }
 
-[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/{/^#/p}' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, moe, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, moe, fp8_copy, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done

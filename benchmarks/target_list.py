@@ -37,6 +37,14 @@ def _moe_targets() -> list[Target]:
     ms, tok_s, x = " ms", " tok/s", "x"
     return [
         Target(25, "gpt-oss-20b batch-1 TPOT", _tpot("throughput_w4_batch1"), 3.5, True, ms),
+        Target(
+            25,
+            "gpt-oss-20b batch-1 TPOT, --mxfp4-copy fp8",
+            _tpot("throughput_w4_mxfp4_fp8_copy_batch1"),
+            3.5,
+            True,
+            ms,
+        ),
         Target(25, "gpt-oss-20b offline", _tokens_per_s("throughput_w4"), 25_000, unit=tok_s),
         Target(
             25,
