@@ -73,6 +73,29 @@ def run_hf_static(hf: Any, prompts: list[list[int]], output_len: int, batch_size
     return HFRun(time.perf_counter() - started, num_tokens, len(prompts), batch_size)
 
 
+MIN_STATIC_BATCH = 8
+
+
+def run_hf_static_fitting(
+    hf: Any, prompts: list[list[int]], output_len: int, batch_size: int
+) -> tuple[HFRun, list[int]]:
+    """`run_hf_static` at `batch_size`, or, where a batch runs out of device memory, at half
+    of it, down to MIN_STATIC_BATCH: transformers' fairest figure is its largest batch that
+    fits (gpt-oss-20b's 128 did not beside its own 38 GB of bf16 experts on an H100).
+    Returns the run and the batch sizes that did not fit."""
+    too_large: list[int] = []
+    while True:
+        try:
+            return run_hf_static(hf, prompts, output_len, batch_size), too_large
+        except torch.OutOfMemoryError:
+            too_large.append(batch_size)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if batch_size // 2 < MIN_STATIC_BATCH:
+                raise
+            batch_size //= 2
+
+
 # No inference_mode here: generate_batch runs its loop in a background thread, outside
 # inference mode, on tensors it created in this one.
 @torch.no_grad()

@@ -186,7 +186,7 @@ def _run_hf_arms(
     from benchmarks.hf_arms import (
         hf_model_sharing_weights,
         run_hf_continuous,
-        run_hf_static,
+        run_hf_static_fitting,
         warm_up_hf,
     )
 
@@ -204,8 +204,9 @@ def _run_hf_arms(
     }
     for arm in arms:
         try:
+            too_large: list[int] = []
             if arm == "hf_static":
-                run = run_hf_static(hf, prompts, workload.output_len, batch_size)
+                run, too_large = run_hf_static_fitting(hf, prompts, workload.output_len, batch_size)
             else:
                 run = run_hf_continuous(hf, prompts, workload.output_len)
             details["runs"].append(
@@ -213,6 +214,7 @@ def _run_hf_arms(
                     "arm": arm,
                     "num_prompts": run.num_prompts,
                     "batch_size": run.batch_size,
+                    "batch_sizes_out_of_memory": too_large,
                     "elapsed_s": run.elapsed_s,
                     "output_tokens": run.num_output_tokens,
                     "all_outputs_full_length": run.num_output_tokens

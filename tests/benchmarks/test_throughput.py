@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from actors.protocol.messages import StepStats
 from benchmarks.throughput import main, parse_args
@@ -229,3 +230,34 @@ def test_a_transformers_model_that_cannot_be_built_is_reported_per_arm(
     _run_hf_arms(details, ["hf_static", "hf_continuous"], None, [[1, 2]], WORKLOADS["W4"], 8)
     assert [run["arm"] for run in details["runs"]] == ["hf_static", "hf_continuous"]
     assert all("38.2 GB" in run["error"] for run in details["runs"])
+
+
+class _HFFittingBatches:
+    """A stand-in for a transformers model whose `generate` runs out of device memory above
+    `max_batch` rows."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = max_batch
+        self.batches: list[int] = []
+
+    def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: object):
+        if ids.shape[0] > self.max_batch:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.91 GiB.")
+        self.batches.append(ids.shape[0])
+        new_tokens = torch.zeros(ids.shape[0], int(kwargs["max_new_tokens"]), dtype=ids.dtype)
+        return torch.cat([ids, new_tokens], dim=1)
+
+
+def test_static_generate_halves_its_batch_until_it_fits() -> None:
+    from benchmarks.hf_arms import run_hf_static_fitting
+
+    prompts = [[1, 2, 3]] * 64
+    hf = _HFFittingBatches(max_batch=20)
+    run, too_large = run_hf_static_fitting(hf, prompts, 5, 64)
+    assert too_large == [64, 32] and run.batch_size == 16
+    assert hf.batches == [16] * 4 and run.num_output_tokens == 64 * 5
+
+    with pytest.raises(torch.OutOfMemoryError):  # not even the smallest batch fits
+        run_hf_static_fitting(_HFFittingBatches(max_batch=4), prompts, 5, 64)
