@@ -29,7 +29,8 @@
 # Each plan writes into its own folder and leaves one archive, $OUT/<plan>.tgz: a call brings
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself,
 # and no step runs past PLAN_BUDGET_S (default 570) from the start: the call's own limit
-# (600 s) would kill the plan before it leaves its archive. A step cut short or skipped says so.
+# (600 s) would kill the plan before it leaves its archive. A step cut short or skipped says so;
+# SKIP_STEPS="w4 w5_b1" leaves out the steps so named (what an earlier call measured already).
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
@@ -53,6 +54,10 @@ PLAN_END=$(($(date +%s) + ${PLAN_BUDGET_S:-570}))
 step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's folder
   local name=$1 limit=$2 left=$((PLAN_END - $(date +%s) - 5))
   shift 2
+  if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then
+    echo "== $name skipped: in SKIP_STEPS"
+    return
+  fi
   if [ "$left" -lt 30 ]; then
     echo "== $name skipped: ${left} s left of PLAN_BUDGET_S"
     return

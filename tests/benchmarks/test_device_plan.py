@@ -12,14 +12,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _plan(tree: Path, *plans: str) -> subprocess.CompletedProcess[str]:
+def _plan(tree: Path, *plans: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "benchmarks/device_plan.sh", *plans],
         cwd=tree,
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": os.environ["PATH"], "OUT": str(tree / "out")},
+        env={"PATH": os.environ["PATH"], "OUT": str(tree / "out"), **env},
     )
 
 
@@ -53,3 +53,17 @@ def test_an_unknown_plan_runs_nothing(tmp_path: Path) -> None:
     assert list((tmp_path / "out").iterdir()) == []
     usage = _plan(tmp_path)
     assert usage.returncode == 2 and "lane   the GPU lane" in usage.stdout
+
+
+def test_skip_steps_leaves_out_the_steps_it_names(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    result = _plan(tmp_path, "fp8", SKIP_STEPS="w3_fp8")
+    assert result.returncode == 0, result.stderr
+    assert "== w3_fp8 skipped: in SKIP_STEPS" in result.stdout
+    with tarfile.open(tmp_path / "out" / "fp8.tgz") as archive:
+        logs = sorted(Path(n).name for n in archive.getnames() if n.endswith(".log"))
+    # only the exact name is skipped, not the steps it is a prefix of
+    assert logs == ["q32_fp8_b1.log", "w3_fp8_b1.log", "w3_fp8_kv.log"]
