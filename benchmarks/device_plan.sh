@@ -30,7 +30,9 @@
 # back at most 8 files. Each step has its own time limit, so a slow step costs only itself,
 # and no step runs past PLAN_BUDGET_S (default 570) from the start: the call's own limit
 # (600 s) would kill the plan before it leaves its archive. A step cut short or skipped says so;
-# SKIP_STEPS="w4 w5_b1" leaves out the steps so named (what an earlier call measured already).
+# SKIP_STEPS="w4 w5_b1" leaves out the steps so named (what an earlier call measured already);
+# PLAN_END=$(($(date +%s) + 575)) set once holds two invocations (one with BASELINE, one
+# without) to one deadline.
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
@@ -49,7 +51,8 @@ ONE="--num-prompts 1 --output-len 256 --max-num-seqs 4 --gpu-memory-utilization 
 SPEC="python3 -m benchmarks.spec_decode --device cuda --dtype bfloat16"
 TIER_SERVER="--model dummy:qwen3-0.6b --tokenizer .tok/qwen3 --max-num-seqs 256 --max-model-len 8192"
 
-PLAN_END=$(($(date +%s) + ${PLAN_BUDGET_S:-570}))
+# PLAN_END (epoch seconds) from the caller holds several invocations of one call to one end
+PLAN_END=${PLAN_END:-$(($(date +%s) + ${PLAN_BUDGET_S:-570}))}
 
 step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's folder
   local name=$1 limit=$2 left=$((PLAN_END - $(date +%s) - 5))

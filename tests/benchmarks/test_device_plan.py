@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +68,14 @@ def test_skip_steps_leaves_out_the_steps_it_names(tmp_path: Path) -> None:
         logs = sorted(Path(n).name for n in archive.getnames() if n.endswith(".log"))
     # only the exact name is skipped, not the steps it is a prefix of
     assert logs == ["q32_fp8_b1.log", "w3_fp8_b1.log", "w3_fp8_kv.log"]
+
+
+def test_plan_end_from_the_caller_holds_the_steps_to_it(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    past = str(int(time.time()) + 10)  # under the 30 s a step needs
+    result = _plan(tmp_path, "fp8", PLAN_END=past, PLAN_BUDGET_S="570")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("s left of PLAN_BUDGET_S") == 4
