@@ -75,7 +75,7 @@ def test_plan_end_from_the_caller_holds_the_steps_to_it(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
     (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
-    past = str(int(time.time()) + 10)  # under the 30 s a step needs
-    result = _plan(tmp_path, "fp8", PLAN_END=past, PLAN_BUDGET_S="570")
+    soon = str(int(time.time()) + 10)  # under the 30 s a step needs
+    result = _plan(tmp_path, "fp8", PLAN_END=soon, PLAN_BUDGET_S="570")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("s left of PLAN_BUDGET_S") == 4
