@@ -57,6 +57,7 @@ PLAN_END=${PLAN_END:-$(($(date +%s) + ${PLAN_BUDGET_S:-570}))}
 step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's folder
   local name=$1 limit=$2 left=$((PLAN_END - $(date +%s) - 5))
   shift 2
+  [ -z "${BASELINE:-}" ] || limit=$((limit * 2))  # an A/B runs the step on both trees
   if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then
     echo "== $name skipped: in SKIP_STEPS"
     return

@@ -79,3 +79,14 @@ def test_plan_end_from_the_caller_holds_the_steps_to_it(tmp_path: Path) -> None:
     result = _plan(tmp_path, "fp8", PLAN_END=soon, PLAN_BUDGET_S="570")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("s left of PLAN_BUDGET_S") == 4
+
+
+def test_an_a_b_run_gives_each_step_twice_its_time(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    alone = _plan(tmp_path, "fp8", SKIP_STEPS="q32_fp8_b1 w3_fp8 w3_fp8_kv")
+    both = _plan(tmp_path, "fp8", SKIP_STEPS="q32_fp8_b1 w3_fp8 w3_fp8_kv", BASELINE="base")
+    assert "== w3_fp8_b1 (" in alone.stdout and "limit 80 s)" in alone.stdout
+    assert "limit 160 s)" in both.stdout
