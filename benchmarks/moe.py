@@ -32,6 +32,7 @@ from kernels.fp8_experts import quantize_fp8_experts
 from kernels.fused_moe import (
     MoEActivation,
     TileConfig,
+    expert_format,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -115,7 +116,7 @@ def _sweep(layer_with_tile, ref: torch.Tensor, device: str) -> list[dict[str, An
     return rows
 
 
-def _measure(x, logits, top_k, experts, expert_bytes, mxfp4, args):
+def _measure(x, logits, top_k, experts, expert_bytes, args):
     """One token count: the layer checked against the reference and timed with the default
     tile (and the sweep's). Returns (its record, the default tile's timing)."""
     num_experts = logits.shape[1]
@@ -136,7 +137,9 @@ def _measure(x, logits, top_k, experts, expert_bytes, mxfp4, args):
     weight_bytes = int(torch.unique(ids).numel()) * expert_bytes
     default = _bandwidth(time_call(layer, args.device), weight_bytes)
     row: dict[str, Any] = {
-        "tile": dataclasses.asdict(tile_config(x.shape[0] * top_k, num_experts, mxfp4)),
+        "tile": dataclasses.asdict(
+            tile_config(x.shape[0] * top_k, num_experts, expert_format(experts[0]))
+        ),
         **default,
         "max_rel_err_vs_ref": rel_err,
     }
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     for num_tokens in token_counts:
         x = torch.randn(num_tokens, hidden, generator=g).to(args.device, dtype)
         logits = torch.randn(num_tokens, num_experts, generator=g).to(args.device)
-        row, default = _measure(x, logits, top_k, experts, expert_bytes, mxfp4, args)
+        row, default = _measure(x, logits, top_k, experts, expert_bytes, args)
         details[f"tokens_{num_tokens}"] = row
         best_ms = min(v for k, v in default.items() if k.endswith("median_ms"))
         figures[f"tokens_{num_tokens}_us"] = round(1e3 * best_ms, 1)

@@ -92,16 +92,27 @@ class TileConfig:
     num_stages: int
 
 
-def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileConfig:
-    """Tile sizes from the mean rows per expert, as measured on the H200
-    (benchmarks/results/moe_*.json, `python -m benchmarks.moe --sweep`): decode (a few rows
-    per expert) wants the smallest block_m, since weight bytes, not math, bound it; prefill
-    grows block_m so that each weight tile feeds more rows. MXFP4 experts, whose tiles are
-    dequantized in registers, stop at block_m 64 (128 measured 1.2x slower). FP8 experts
-    take the model dtype's table (not measured apart yet); its block_k of 64 or 128 keeps
-    every K tile inside one 128-column scale block."""
+ExpertFormat = Literal["plain", "mxfp4", "fp8"]
+
+
+def expert_format(w: Weights) -> ExpertFormat:
+    """How the experts' weights are stored, which picks the tile table."""
+    if isinstance(w, MXFP4Tensor):
+        return "mxfp4"
+    return "fp8" if isinstance(w, Fp8Experts) else "plain"
+
+
+def tile_config(num_pairs: int, num_experts: int, fmt: ExpertFormat = "plain") -> TileConfig:
+    """Tile sizes from the mean rows per expert, as measured (benchmarks/results/moe_*.json,
+    `python -m benchmarks.moe --sweep`): decode (a few rows per expert) wants the smallest
+    block_m, since weight bytes, not math, bound it; prefill grows block_m so that each
+    weight tile feeds more rows. Experts dequantized in registers take smaller tiles at many
+    rows per expert: MXFP4 stops at block_m 64 (128 measured 1.2x slower); FP8 keeps
+    block_n 64 (gpt-oss-20b's layer with per-channel FP8 experts on an H100: 128x64 tiles
+    1.4x faster than 128x128 at 128 rows per expert, 1.2x at 512). FP8's block_k of 64 or
+    128 keeps every K tile inside one 128-column scale block."""
     rows_per_expert = num_pairs / num_experts
-    if mxfp4:
+    if fmt == "mxfp4":
         if rows_per_expert <= 2:
             return TileConfig(16, 32, 128, 4, 4)
         if rows_per_expert <= 16:
@@ -113,6 +124,8 @@ def tile_config(num_pairs: int, num_experts: int, mxfp4: bool = False) -> TileCo
         return TileConfig(32, 64, 128, 4, 4)
     if rows_per_expert <= 96:
         return TileConfig(64, 64, 64, 4, 3)
+    if fmt == "fp8":
+        return TileConfig(128, 64, 64, 8, 3)
     return TileConfig(128, 128, 64, 8, 3)
 
 
@@ -256,7 +269,7 @@ def fused_moe_triton(
     )
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    config = tile or tile_config(num_pairs, num_experts, isinstance(w13, MXFP4Tensor))
+    config = tile or tile_config(num_pairs, num_experts, expert_format(w13))
     _check_tile(config, w13, w2)
     check_triton_device("fused_moe_triton", hidden.device)
     if num_tokens == 0:
@@ -373,6 +386,7 @@ def fused_moe(
 
 
 __all__ = [
+    "ExpertFormat",
     "Fp8Experts",
     "MoEActivation",
     "MXFP4Tensor",
@@ -381,5 +395,6 @@ __all__ = [
     "fused_moe_triton",
     "max_num_blocks",
     "TileConfig",
+    "expert_format",
     "tile_config",
 ]

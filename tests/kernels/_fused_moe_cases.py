@@ -196,7 +196,8 @@ def _interpreter_cases() -> list[dict]:
 def _fp8_cases() -> list[dict[str, Any]]:
     """FP8 experts: per-channel scales with and without bias; block scales at hidden 192
     and intermediate 160 (partial blocks along both dims of both GEMMs, the up half of w13
-    blocked apart from the gate); and with experts 0 and 1 receiving every token."""
+    blocked apart from the gate); with experts 0 and 1 receiving every token; and 400 tokens,
+    over 96 rows per expert, where FP8 takes its own wide-M tile."""
     every = [[0, 1]] * 17
     return [
         dict(shape=(5, 64, 32, 8, 4), dtype="bfloat16", activation="swiglu_clamped", fp8="channel"),
@@ -206,6 +207,10 @@ def _fp8_cases() -> list[dict[str, Any]]:
              bias=False),
         dict(shape=(17, 192, 160, 8, 2), dtype="float32", activation="silu", fp8="block",
              routing=every),
+        dict(shape=(400, 64, 32, 8, 2), dtype="bfloat16", activation="swiglu_clamped",
+             fp8="channel"),
+        dict(shape=(400, 192, 160, 8, 2), dtype="float32", activation="silu", fp8="block",
+             bias=False),
     ]  # fmt: skip
 
 

@@ -194,5 +194,6 @@ test_blocks_past_the_padded_count_exit_in_interpreter = interpreted_test(
 def test_tile_config_grows_block_m_with_rows_per_expert() -> None:
     decode, prefill = tile_config(8, 128), tile_config(2048 * 8, 128)
     assert decode.block_m == 16 and prefill.block_m == 128
-    assert tile_config(2048 * 4, 32, mxfp4=True).block_m == 64  # dequantizing tiles: smaller
+    assert tile_config(2048 * 4, 32, "mxfp4").block_m == 64  # dequantizing tiles: smaller
+    assert tile_config(2048 * 4, 32, "fp8").block_n == 64
     assert max_num_blocks(8, 128, 16) == 8  # batch 1, top 8: at most one block per expert
