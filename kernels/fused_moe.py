@@ -106,20 +106,19 @@ def tile_config(num_pairs: int, num_experts: int, fmt: ExpertFormat = "plain") -
     """Tile sizes from the mean rows per expert, as measured (benchmarks/results/moe_*.json,
     `python -m benchmarks.moe --sweep`): decode (a few rows per expert) wants the smallest
     block_m, since weight bytes, not math, bound it; prefill grows block_m so that each
-    weight tile feeds more rows. Experts dequantized in registers take smaller tiles at many
-    rows per expert: MXFP4 stops at block_m 64 (128 measured 1.2x slower); FP8 keeps
-    block_n 64 (gpt-oss-20b's layer with per-channel FP8 experts on an H100: 128x64 tiles
-    1.4x faster than 128x128 at 128 rows per expert, 1.2x at 512). FP8's block_k of 64 or
-    128 keeps every K tile inside one 128-column scale block."""
+    weight tile feeds more rows. Experts dequantized in registers take narrower tiles at one
+    or two rows per expert (FP8: 72 against 82 us for gpt-oss-20b's layer at one token on
+    an H100) and smaller ones at many: MXFP4 stops at block_m 64 (128 measured 1.2x
+    slower); FP8 keeps block_n 64 (128x64 tiles 1.4x faster than 128x128 at 128 rows per
+    expert, 1.2x at 512). FP8's block_k of 64 or 128 keeps every K tile inside one
+    128-column scale block."""
     rows_per_expert = num_pairs / num_experts
-    if fmt == "mxfp4":
-        if rows_per_expert <= 2:
-            return TileConfig(16, 32, 128, 4, 4)
-        if rows_per_expert <= 16:
-            return TileConfig(16, 64, 128, 4, 4)
-        return TileConfig(64, 64, 64, 4, 3)
+    if fmt != "plain" and rows_per_expert <= 2:
+        return TileConfig(16, 32, 128, 4, 4)
     if rows_per_expert <= 16:
         return TileConfig(16, 64, 128, 4, 4)
+    if fmt == "mxfp4":
+        return TileConfig(64, 64, 64, 4, 3)
     if rows_per_expert <= 48:
         return TileConfig(32, 64, 128, 4, 4)
     if rows_per_expert <= 96:

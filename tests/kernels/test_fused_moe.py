@@ -196,4 +196,5 @@ def test_tile_config_grows_block_m_with_rows_per_expert() -> None:
     assert decode.block_m == 16 and prefill.block_m == 128
     assert tile_config(2048 * 4, 32, "mxfp4").block_m == 64  # dequantizing tiles: smaller
     assert tile_config(2048 * 4, 32, "fp8").block_n == 64
+    assert tile_config(4, 32, "fp8").block_n == tile_config(4, 32, "mxfp4").block_n == 32
     assert max_num_blocks(8, 128, 16) == 8  # batch 1, top 8: at most one block per expert
