@@ -19,7 +19,7 @@ otherwise: Qwen3-MoE one tensor per expert and projection (FP8 ones with their
 loading is one strided copy per tensor, with no temporary.
 
 With --mxfp4-copy, MXFP4 experts also get a copy in bf16 or FP8
-(gpu/models/mxfp4_copy.py), which steps of at least COPY_MIN_ROWS rows per expert
+(gpu/models/mxfp4_copy.py), which steps of at least COPY_MIN_ROWS[kind] rows per expert
 multiply with.
 
 The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
@@ -46,10 +46,12 @@ from kernels.moe_routing import moe_route
 from kernels.mxfp4 import MXFP4Tensor
 
 MXFP4_BLOCK_BYTES = MXFP4_GROUP_SIZE // 2
-COPY_MIN_ROWS = 64
+COPY_MIN_ROWS = {"bf16": 64.0, "fp8": 0.0}
 """Mean grouped rows per expert from which a step multiplies with the MXFP4 experts' copy
-(where there is one). One gpt-oss-20b layer on an H100 (benchmarks/NOTES.md): MXFP4
-0.56 ms against bf16's 0.62 at 32 rows per expert, 4.2 ms against 2.0 at 512."""
+of each kind (where there is one). One gpt-oss-20b layer on an H100 (benchmarks/NOTES.md):
+MXFP4 0.56 ms against bf16's 0.62 at 32 rows per expert, 4.2 ms against 2.0 at 512; the
+FP8 copy ran faster than MXFP4 at every count measured (72 against about 82 us at one
+token, 0.49 against 0.56 ms at 32 rows per expert), so it serves every step."""
 _META = torch.device("meta")
 
 
@@ -103,8 +105,9 @@ class SparseMoE(nn.Module):
         for name, shape, param_dtype in self._expert_shapes(num_experts, hidden):
             self.register_parameter(name, empty_parameter(*shape, dtype=param_dtype, device=_META))
         self.expert_copy: tuple[torch.Tensor | Fp8Experts, torch.Tensor | Fp8Experts] | None = None
-        """(w13, w2) of the MXFP4 experts' copy for large steps, where --mxfp4-copy made
-        one (gpu/models/mxfp4_copy.py)."""
+        """(w13, w2) of the MXFP4 experts' copy for steps of at least copy_min_rows rows
+        per expert, where --mxfp4-copy made one (gpu/models/mxfp4_copy.py)."""
+        self.copy_min_rows = 0.0
 
     def _expert_shapes(
         self, num_experts: int, hidden: int
@@ -165,7 +168,7 @@ class SparseMoE(nn.Module):
         w13, w2 = self.w13, self.w2
         # x's row count is fixed per captured graph, so the choice is too
         num_rows_per_expert = x.shape[0] * self.top_k / self.router.shape[0]
-        if self.expert_copy is not None and num_rows_per_expert >= COPY_MIN_ROWS:
+        if self.expert_copy is not None and num_rows_per_expert >= self.copy_min_rows:
             w13, w2 = self.expert_copy
         return fused_moe(
             x, topk_weights, topk_ids, w13, w2, self.w13_bias, self.w2_bias, self.activation

@@ -1,8 +1,8 @@
 """--mxfp4-copy: gpt-oss's MXFP4 experts also kept in a format that the fused MoE's GEMMs
 multiply faster on steps with many rows per expert (prefill, large decode batches), where
-dequantizing MXFP4 tiles in registers halves the tensor cores' rate; steps with few rows
-per expert keep reading MXFP4, whose bytes are fewer (SparseMoE.forward picks by
-COPY_MIN_ROWS).
+dequantizing MXFP4 tiles in registers halves the tensor cores' rate. With the bf16 copy,
+steps with few rows per expert keep reading MXFP4, whose bytes are fewer; the FP8 copy
+serves every step (SparseMoE.forward picks by COPY_MIN_ROWS).
 
     bf16  the model dtype: 2 bytes a weight (gpt-oss-20b: 38 GB); exact, since bf16 holds
           every MXFP4 value.
@@ -56,7 +56,9 @@ def mxfp4_copy_bytes(model: nn.Module, kind: str) -> int:
 
 def mxfp4_copy_description(kind: str) -> str:
     """The copy's part of the line that says what runs in what precision (/version)."""
-    return f"{kind} copy of the mxfp4 experts for steps of >= {COPY_MIN_ROWS} rows per expert"
+    min_rows = COPY_MIN_ROWS[kind]
+    steps = f"steps of >= {min_rows:g} rows per expert" if min_rows else "every step"
+    return f"{kind} copy of the mxfp4 experts for {steps}"
 
 
 def add_mxfp4_copies(model: nn.Module, kind: str) -> MXFP4CopyReport:
@@ -72,6 +74,7 @@ def add_mxfp4_copies(model: nn.Module, kind: str) -> MXFP4CopyReport:
             num_rounded += rounded
             num_bytes += _num_bytes(copy)
         layer.expert_copy = (copies[0], copies[1])
+        layer.copy_min_rows = COPY_MIN_ROWS[kind]
     return MXFP4CopyReport(num_bytes, num_rounded)
 
 

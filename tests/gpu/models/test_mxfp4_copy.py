@@ -1,7 +1,8 @@
 """--mxfp4-copy: gpt-oss's MXFP4 experts also kept in bf16 or FP8, which steps with many
-rows per expert multiply with (the same products: either copy holds every MXFP4 value of
-these weights exactly; on a GPU summed in another tile order), while small steps keep
-reading MXFP4; refused for a model without MXFP4 experts."""
+rows per expert (bf16) or every step (FP8) multiply with (the same products: either copy
+holds every MXFP4 value of these weights exactly; on a GPU summed in another tile order),
+while the bf16 copy's small steps keep reading MXFP4; refused for a model without MXFP4
+experts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from actors.protocol.config import ConfigError, EngineConfig
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import COPY_MIN_ROWS, SparseMoE
-from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes
+from gpu.models.mxfp4_copy import add_mxfp4_copies, mxfp4_copy_bytes, mxfp4_copy_description
 from gpu.weights.dummy import dummy_weights
 from gpu.worker import ModelWorker, WorkerConfigError
 from kernels.fp8_experts import Fp8Experts
@@ -41,9 +42,9 @@ def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def _token_counts(moe: SparseMoE) -> tuple[int, int]:
-    """A step below the copy's threshold of rows per expert, and one at it."""
+    """A step below the bf16 copy's threshold of rows per expert, and one at it."""
     num_experts = moe.router.shape[0]
-    at_threshold = math.ceil(COPY_MIN_ROWS * num_experts / moe.top_k)
+    at_threshold = math.ceil(COPY_MIN_ROWS["bf16"] * num_experts / moe.top_k)
     return at_threshold // 8, at_threshold
 
 
@@ -84,14 +85,15 @@ def test_large_steps_multiply_with_the_copy_and_get_the_same_outputs(
         assert isinstance(w13_copy, Fp8Experts) and not w13_copy.block
     else:
         assert isinstance(w13_copy, torch.Tensor) and w13_copy.dtype == dtype
-    assert all(_same(moe(x), out) for x, out in zip(steps, before, strict=True))
+    with_copy = [moe(x) for x in steps]
+    assert all(_same(out, ref) for out, ref in zip(with_copy, before, strict=True))
 
-    # Only the small step still reads the MXFP4 tensors.
+    # With the bf16 copy only the small step still reads the MXFP4 tensors; with FP8 none.
     moe.w13_blocks.zero_()
     moe.w2_blocks.zero_()
     small, large = (moe(x) for x in steps)
-    assert not torch.equal(small, before[0])
-    assert torch.equal(large, before[1])
+    assert torch.equal(small, with_copy[0]) == (kind == "fp8")
+    assert torch.equal(large, with_copy[1])
 
 
 def test_a_model_without_mxfp4_experts_is_refused_in_one_line() -> None:
@@ -110,3 +112,8 @@ def test_the_flag_its_environment_variable_and_a_bad_choice(
     assert config_from_flags().mxfp4_copy == "bf16"
     with pytest.raises(ConfigError, match="mxfp4_copy must be none, bf16 or fp8, got 'fp4'"):
         EngineConfig(model="default", mxfp4_copy="fp4")  # type: ignore[arg-type]
+
+
+def test_the_precision_line_says_which_steps_each_copy_serves() -> None:
+    assert mxfp4_copy_description("fp8") == "fp8 copy of the mxfp4 experts for every step"
+    assert mxfp4_copy_description("bf16").endswith("steps of >= 64 rows per expert")
