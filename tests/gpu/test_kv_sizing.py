@@ -32,6 +32,11 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     allocated_before = torch.cuda.memory_allocated()  # earlier tests' live tensors, if any
+    # The other lane parts' processes count as non-torch memory here, and at 0.4 of the
+    # device they once left this engine no KV: room for what they hold now, plus 0.25
+    # of the device for their growth and this small model.
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    utilization = min(0.95, 1 - free_bytes / total_bytes + 0.25)
     llm = LLM(
         "dummy:qwen3-0.6b",
         runner="v2",
@@ -39,8 +44,7 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         max_model_len=1024,
-        # room for the other lane parts' processes, whose memory counts as non-torch here
-        gpu_memory_utilization=0.4,
+        gpu_memory_utilization=utilization,
     )
     worker = llm.worker
     report = worker.memory_report
@@ -58,7 +62,7 @@ def test_startup_measures_every_term_and_the_largest_batch_fits() -> None:
         + report.runner_state_bytes
         + report.kv_budget_bytes
     )
-    assert total_planned <= 0.4 * report.total_bytes + (1 << 20)
+    assert total_planned <= utilization * report.total_bytes + (1 << 20)
     sizes = worker.graphs.sizes
     assert worker.graphs.num_captured == 4 * len(sizes.decode) + len(sizes.mixed)
     assert 0 < worker.graph_memory_bytes < 4 * report.graph_estimate_bytes + (256 << 20)
