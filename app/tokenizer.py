@@ -134,7 +134,11 @@ class Tokenizer:
         return self.raw.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self.raw.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it lets go of the GIL while it works.
+        # A long prompt is tokenized in a worker thread, and `encode` would stop the event
+        # loop, and with it every stream the server sends, for the whole of it (a
+        # 3,700-token chat: about 8 ms of a 2-core Xeon's time, against 1-2 ms).
+        ids = self.raw.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids.insert(0, self.bos_token_id)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -249,3 +250,26 @@ def test_hf_dir_reads_bos_from_post_processor_and_named_templates(tokenizer, tmp
     assert from_dir.encode("hi") == tokenizer.encode("hi")
     assert (from_dir.bos_token_id, from_dir.eos_token_id, from_dir.eos_token_ids) == (1, 2, (2, 0))
     assert from_dir.chat_template == "D"
+
+
+def test_encoding_a_long_text_lets_other_threads_run(tokenizer):
+    """The server tokenizes a long prompt in a worker thread while its event loop sends
+    other streams' tokens; an encode that held the GIL would stop the loop for all of it."""
+    text = " ".join(TRICKY_TEXTS) * 300  # about 100k tokens: tens of ms
+    started, done = threading.Event(), threading.Event()
+
+    def encode() -> None:
+        started.set()
+        tokenizer.encode(text)
+        done.set()
+
+    worker = threading.Thread(target=encode)
+    worker.start()
+    started.wait()
+    time.sleep(0)  # let the worker reach the tokenizer
+    ran_meanwhile = 0
+    while not done.is_set():
+        ran_meanwhile += 1
+        time.sleep(0.0005)
+    worker.join()
+    assert ran_meanwhile > 0
