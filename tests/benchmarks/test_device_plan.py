@@ -13,6 +13,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _tree(tmp_path: Path, device_run: str | None) -> None:
+    """device_plan.sh in a tree of its own, with `device_run` as its device_run.sh."""
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    if device_run is not None:
+        (tmp_path / "benchmarks" / "device_run.sh").write_text(device_run)
+
+
 def _plan(tree: Path, *plans: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "benchmarks/device_plan.sh", *plans],
@@ -25,13 +34,8 @@ def _plan(tree: Path, *plans: str, **env: str) -> subprocess.CompletedProcess[st
 
 
 def test_each_plan_leaves_one_archive_of_its_steps_logs_and_results(tmp_path: Path) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "out").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
     # the stand-in records its command line as a result file, as device_run.sh's runs do
-    (tmp_path / "benchmarks" / "device_run.sh").write_text(
-        'echo "ran $*"; echo "$*" > "$(mktemp -p "$OUT" result-XXXXXX.json)"\n'
-    )
+    _tree(tmp_path, 'echo "ran $*"; echo "$*" > "$(mktemp -p "$OUT" result-XXXXXX.json)"\n')
     result = _plan(tmp_path, "fp8", "moe")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["fp8.tgz", "moe.tgz"]
@@ -46,9 +50,7 @@ def test_each_plan_leaves_one_archive_of_its_steps_logs_and_results(tmp_path: Pa
 
 
 def test_an_unknown_plan_runs_nothing(tmp_path: Path) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "out").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
+    _tree(tmp_path, None)
     result = _plan(tmp_path, "fp8", "bogus")
     assert result.returncode == 2 and "unknown plan bogus" in result.stderr
     assert list((tmp_path / "out").iterdir()) == []
@@ -57,10 +59,7 @@ def test_an_unknown_plan_runs_nothing(tmp_path: Path) -> None:
 
 
 def test_skip_steps_leaves_out_the_steps_it_names(tmp_path: Path) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "out").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
-    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    _tree(tmp_path, 'echo "ran $*"\n')
     result = _plan(tmp_path, "fp8", SKIP_STEPS="w3_fp8")
     assert result.returncode == 0, result.stderr
     assert "== w3_fp8 skipped: in SKIP_STEPS" in result.stdout
@@ -71,10 +70,7 @@ def test_skip_steps_leaves_out_the_steps_it_names(tmp_path: Path) -> None:
 
 
 def test_plan_end_from_the_caller_holds_the_steps_to_it(tmp_path: Path) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "out").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
-    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    _tree(tmp_path, 'echo "ran $*"\n')
     soon = str(int(time.time()) + 10)  # under the 30 s a step needs
     result = _plan(tmp_path, "fp8", PLAN_END=soon, PLAN_BUDGET_S="570")
     assert result.returncode == 0, result.stderr
@@ -82,10 +78,7 @@ def test_plan_end_from_the_caller_holds_the_steps_to_it(tmp_path: Path) -> None:
 
 
 def test_an_a_b_run_gives_each_step_twice_its_time(tmp_path: Path) -> None:
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "out").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_plan.sh", tmp_path / "benchmarks")
-    (tmp_path / "benchmarks" / "device_run.sh").write_text('echo "ran $*"\n')
+    _tree(tmp_path, 'echo "ran $*"\n')
     alone = _plan(tmp_path, "fp8", SKIP_STEPS="q32_fp8_b1 w3_fp8 w3_fp8_kv")
     both = _plan(tmp_path, "fp8", SKIP_STEPS="q32_fp8_b1 w3_fp8 w3_fp8_kv", BASELINE="base")
     assert "== w3_fp8_b1 (" in alone.stdout and "limit 80 s)" in alone.stdout
