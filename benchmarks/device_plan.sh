@@ -9,7 +9,8 @@
 #   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
-#          batch 1, W4 offline with --mxfp4-copy fp8 and bf16 (~150 without the 120b and copies)
+#          batch 1, W4 offline with --mxfp4-copy fp8 and bf16, W5 offline with FP8 experts
+#          (--quantization fp8) (~150 without the 120b, the copies and W5's FP8)
 #   fp8_copy  issue 25: W4 batch 1 and offline with --mxfp4-copy fp8; for an A/B of two trees
 #          run it with BASELINE=DIR (device_run.sh runs each step on DIR's engine first)
 #   moe_tiles  issue 25: one gpt-oss-20b MoE layer at 1-4,096 tokens, every tile shape of the
@@ -106,6 +107,9 @@ plan_moe() {
     --kernel-profile --result throughput_w4_mxfp4_bf16_copy
   step w5 260 $T --workload W5 --gpu-memory-utilization 0.92 --kernel-profile \
     --result throughput_w5
+  # FP8 experts halve W5's 61 GB of weights: the KV pool an H100 lacks for W5 in bf16
+  step w5_fp8 200 $T --workload W5 --gpu-memory-utilization 0.9 --quantization fp8 \
+    --kernel-profile --result throughput_w5_fp8
 }
 
 plan_fp8_copy() {
