@@ -33,7 +33,8 @@
 # (600 s) would kill the plan before it leaves its archive. A step cut short or skipped says so;
 # SKIP_STEPS="w4 w5_b1" leaves out the steps so named (what an earlier call measured already);
 # PLAN_END=$(($(date +%s) + 575)) set once holds two invocations (one with BASELINE, one
-# without) to one deadline.
+# without) to one deadline; KERNEL_PROFILE=0 drops the steps' --kernel-profile runs (the
+# figures only, in about half the time: for a call that must fetch many target figures).
 #
 # Here, before the call (the tree travels as .lane; the lane checks it against the stamp):
 #   .ci/gpu-lane prepare && rm -rf .lane && mkdir .lane && git archive HEAD | tar -x -C .lane
@@ -66,6 +67,11 @@ step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's f
   if [ "$left" -lt 30 ]; then
     echo "== $name skipped: ${left} s left of PLAN_BUDGET_S"
     return
+  fi
+  if [ "${KERNEL_PROFILE:-1}" = 0 ]; then  # a profile is one more run of the benchmark
+    local arg kept=()
+    for arg in "$@"; do [ "$arg" = --kernel-profile ] || kept+=("$arg"); done
+    set -- "${kept[@]}"
   fi
   [ "$limit" -le "$left" ] || limit=$left
   echo "== $name ($(date +%T), limit ${limit} s)"

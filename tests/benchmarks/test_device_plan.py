@@ -83,3 +83,19 @@ def test_an_a_b_run_gives_each_step_twice_its_time(tmp_path: Path) -> None:
     both = _plan(tmp_path, "fp8", SKIP_STEPS="q32_fp8_b1 w3_fp8 w3_fp8_kv", BASELINE="base")
     assert "== w3_fp8_b1 (" in alone.stdout and "limit 80 s)" in alone.stdout
     assert "limit 160 s)" in both.stdout
+
+
+def test_kernel_profile_0_drops_the_profile_runs(tmp_path: Path) -> None:
+    _tree(tmp_path, 'echo "ran $*"\n')
+    skip = "q32_fp8_b1 w3_fp8 w3_fp8_kv"
+    profiled = _plan(tmp_path, "fp8", SKIP_STEPS=skip)
+    with tarfile.open(tmp_path / "out" / "fp8.tgz") as archive:
+        log = archive.extractfile("./w3_fp8_b1.log")
+        assert log is not None and b"--kernel-profile" in log.read()
+    plain = _plan(tmp_path, "fp8", SKIP_STEPS=skip, KERNEL_PROFILE="0")
+    assert profiled.returncode == plain.returncode == 0, plain.stderr
+    with tarfile.open(tmp_path / "out" / "fp8.tgz") as archive:
+        log = archive.extractfile("./w3_fp8_b1.log")
+        assert log is not None
+        text = log.read()
+    assert b"--kernel-profile" not in text and b"--quantization fp8" in text
