@@ -7,7 +7,8 @@
 # Plans (seconds each took on one H100 at 296bdea):
 #   lane   the GPU lane, its 3 parts side by side (.ci/gpu-lane run --parts-at-once 3; 115-175)
 #   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
-#   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130)
+#   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130 without
+#          the offline runs' kernel profiles, which say where W3 FP8's offline step goes)
 #   moe    issue 25: W4 (gpt-oss-20b), W5 (qwen3-30b-a3b) batch 1 and offline, gpt-oss-120b
 #          batch 1, W4 offline with --mxfp4-copy fp8 and bf16, W5 offline with FP8 experts
 #          (--quantization fp8) (~150 without the 120b, the copies and W5's FP8)
@@ -95,9 +96,10 @@ plan_fp8() {
   step w3_fp8_b1 80 $T --workload W3 $ONE --quantization fp8 --result throughput_w3_fp8_batch1
   step q32_fp8_b1 120 $T --workload W3 --model dummy:qwen3-32b $ONE --quantization fp8 \
     --result throughput_qwen3_32b_fp8_batch1
-  step w3_fp8 110 $T --workload W3 --quantization fp8 --result throughput_w3_fp8
-  step w3_fp8_kv 110 $T --workload W3 --quantization fp8 --kv-cache-dtype fp8 \
-    --result throughput_w3_fp8_kv
+  step w3_fp8 170 $T --workload W3 --quantization fp8 --kernel-profile \
+    --result throughput_w3_fp8
+  step w3_fp8_kv 170 $T --workload W3 --quantization fp8 --kv-cache-dtype fp8 \
+    --kernel-profile --result throughput_w3_fp8_kv
 }
 
 plan_moe() {
