@@ -35,6 +35,7 @@ from starlette.middleware import Middleware
 from app import http_protocol
 from app.connection_balance import ConnectionLoads, serve_balanced
 from app.endpoints import exception_handlers
+from app.loop_lag import watch_loop_lag
 from app.routes_admin import admin_routes
 from app.routes_openai import openai_routes
 from app.serve_settings import ServeSettings
@@ -70,6 +71,7 @@ def create_app(state: ServerState) -> Starlette:
         async with anyio.create_task_group() as tg:
             tg.start_soon(state.run_engine)
             tg.start_soon(state.keep_alive.run)
+            tg.start_soon(watch_loop_lag, state.metrics)
             yield
             state.stop_engine()
             with anyio.move_on_after(_ENGINE_STOP_S):

@@ -18,15 +18,17 @@ from benchmarks.stream_client import auth_headers
 COUNTERS = ("vllm:prefix_cache_", "vllm:prompt_tokens_", "tandem:kv_offload_hits")
 """/metrics counters read before and after the run, with every one about preemption."""
 PHASES = (
-    "time_to_first_token",
-    "request_queue_time",
-    "request_prefill_time",
-    "inter_token_latency",
+    "vllm:time_to_first_token",
+    "vllm:request_queue_time",
+    "vllm:request_prefill_time",
+    "vllm:inter_token_latency",
+    "tandem:api_server_event_loop_lag",
 )
 """The server's own latency histograms (seconds), whose means over the run split the
 client's TTFT into waiting, prefill and the rest (the front end and the client itself);
 the inter-token latency's mean is the running requests' decode period, which copies from
-the KV tiers must not stretch (the same run with and without a tier compares them)."""
+the KV tiers must not stretch (the same run with and without a tier compares them); the
+event loop's lag is how long the front end's one thread kept everything else waiting."""
 RATIO_KEYS = ("ttft_p50_ms", "computed_prefill_tokens_mean")
 
 
@@ -87,9 +89,9 @@ def read_counters(base_url: str, api_key: str | None = None) -> dict[str, float]
             ours = s.name.startswith(COUNTERS) or "preempt" in s.name
             if ours and s.name.startswith(("vllm:", "tandem:")) and s.name.endswith("_total"):
                 found[s.name] += s.value
-            if s.name.removeprefix("vllm:").removesuffix("_seconds_sum") in PHASES:
+            if s.name.removesuffix("_seconds_sum") in PHASES:
                 found[s.name] += s.value
-            if s.name.removeprefix("vllm:").removesuffix("_seconds_count") in PHASES:
+            if s.name.removesuffix("_seconds_count") in PHASES:
                 found[s.name] += s.value
     return dict(found)
 
@@ -99,8 +101,9 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     q, h = (deltas.get(f"vllm:prefix_cache_{k}_total") for k in ("queries", "hits"))
     means_ms = {}
     for phase in PHASES:
-        total_s, count = (deltas.pop(f"vllm:{phase}_seconds_{k}", 0.0) for k in ("sum", "count"))
-        means_ms[f"server_{phase}_mean_ms"] = 1000 * total_s / count if count else None
+        total_s, count = (deltas.pop(f"{phase}_seconds_{k}", 0.0) for k in ("sum", "count"))
+        name = phase.split(":")[1]
+        means_ms[f"server_{name}_mean_ms"] = 1000 * total_s / count if count else None
     return deltas | {"server_hit_rate": h / q if q and h is not None else None} | means_ms
 
 

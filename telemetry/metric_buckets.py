@@ -128,3 +128,6 @@ CPU_TIME_BUCKETS_S = (
     0.1,
     0.25,
 )
+LOOP_LAG_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""How late an API server's event loop runs a timer: under a millisecond when idle; tens of
+milliseconds are what each request and stream waits on top of its own work."""

@@ -16,6 +16,8 @@ Calls come per step or per finished request, never per token:
 - `set_runner(runner, reason, rule)`, `record_rejection(reason)`, `record_disconnect()`,
   `record_predecessor_aborts(num)`: rare events.
 - `set_unsent(num)`: at scrape time, from the admission actor.
+- `observe_loop_lag(lag_s)`: twenty times a second, from each API server's event loop
+  (app/loop_lag.py).
 
 What one engine core reports takes its `engine_index` (`--data-parallel-size N` runs N):
 those series carry vLLM's `engine` label (telemetry/core_metrics.py).
@@ -46,6 +48,7 @@ from telemetry.legacy_names import with_legacy_names
 from telemetry.metric_buckets import (
     CPU_TIME_BUCKETS_S,
     GPU_IDLE_BUCKETS_S,
+    LOOP_LAG_BUCKETS_S,
     PER_TOKEN_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,
     STEP_DURATION_BUCKETS_S,
@@ -188,6 +191,12 @@ class EngineMetrics:
             "tandem:num_requests_unsent",
             "Requests the engine has finished whose output the client has not yet taken.",
         )
+        self._loop_lag = self._histogram(
+            "tandem:api_server_event_loop_lag_seconds",
+            "How late an API server's event loop woke for a timer that was due: the time "
+            "its one thread spent on other work (requests, streams) that everything waited on.",
+            LOOP_LAG_BUCKETS_S,
+        )
 
     # ---- per step -----------------------------------------------------------------------
 
@@ -262,6 +271,10 @@ class EngineMetrics:
         """Admitted requests done in the engine whose output is still being sent (a client
         that reads slowly or not at all); they hold no engine capacity."""
         self._num_unsent.set(num_requests)
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        """How late this API server's event loop ran a timer that was due."""
+        self._loop_lag.observe(lag_s)
 
     # ---- exposition ---------------------------------------------------------------------
 

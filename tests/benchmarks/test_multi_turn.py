@@ -283,7 +283,12 @@ def test_counter_deltas_and_headline() -> None:
         "vllm:inter_token_latency_seconds_sum": 0.06,
         "vllm:inter_token_latency_seconds_count": 4,
     }
-    phases = counter_deltas({}, ttft | queue | itl)
+    lag = {
+        "tandem:api_server_event_loop_lag_seconds_sum": 0.03,
+        "tandem:api_server_event_loop_lag_seconds_count": 10,
+    }
+    phases = counter_deltas({}, ttft | queue | itl | lag)
+    assert phases["server_api_server_event_loop_lag_mean_ms"] == pytest.approx(3)
     assert phases["server_time_to_first_token_mean_ms"] == pytest.approx(500)
     assert phases["server_request_queue_time_mean_ms"] == pytest.approx(100)
     assert phases["server_inter_token_latency_mean_ms"] == pytest.approx(15)

@@ -125,6 +125,7 @@ def test_every_name_is_exported_with_its_type_and_model_label() -> None:
         "tandem:rejected_requests": "counter",
         "tandem:client_disconnects": "counter",
         "tandem:num_requests_unsent": "gauge",
+        "tandem:api_server_event_loop_lag_seconds": "histogram",
     }
     for name, kind in expected.items():
         assert families[name].type == kind, name
