@@ -128,9 +128,13 @@ class PipelineStage:
         table = _new_table(num_rows, max_num_logprobs, device)
         return SampledReceipt(dist.irecv(table, src=self.sampler_rank), table, max_num_logprobs)
 
-    def forget_sends(self) -> None:
-        """Drop the sent tables (the runner closes: every step's outputs were collected,
-        or the group failed and nobody will receive them)."""
+    def finish_sends(self) -> None:
+        """Wait until every first-stage rank has taken the tables sent to it (the runner
+        closes). A first-stage rank other than 0 may still be behind, waiting on the last
+        steps' tables, when rank 0 has every output and closes: were this rank to leave the
+        group first, that rank's receive would fail with the connection."""
+        for work, _ in self._sends:
+            work.wait()
         self._sends.clear()
 
     def share_object(self, obj: Any) -> Any:

@@ -136,12 +136,15 @@ class ModelRunnerV2:
 
     def close(self) -> None:
         """Give the model's step state back (the next runner on this model may take it)."""
-        # Every step's outputs were collected (or the group failed): nothing is awaited.
+        # Every step's outputs were collected here: nothing is awaited but the sampled
+        # tables this stage still sends to the others.
         if self.received is not None:
             self.received.clear()
-        if self.pipeline_sampler is not None:
-            self.pipeline_sampler.stage.forget_sends()
-        self.step_state.release(self)
+        try:
+            if self.pipeline_sampler is not None:
+                self.pipeline_sampler.stage.finish_sends()
+        finally:
+            self.step_state.release(self)
 
     @property
     def num_free_rows(self) -> int:

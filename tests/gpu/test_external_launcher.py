@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +28,10 @@ from tests.gpu._parallel_engine import ENGINE_OPTIONS, alive, outputs
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "_torchrun_program.py")
-JOB_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = 180.0
+"""A job takes 5-10 s alone and under 30 s beside two others on two CPUs; a rank still
+running after 60 s writes its threads' stacks (tests/gpu/_torchrun_program.py), which a
+timed-out job's failure shows."""
 KILLED_JOB_ENDS_WITHIN_S = 30.0
 
 
@@ -38,9 +42,18 @@ def _torchrun(model_dir: str, out_dir: str, tp: int, pp: int, runner: str, *extr
         *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=env, check=False
-    )
+    # A session of its own: a job that runs out of time is killed with all its ranks.
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    ) as job:  # fmt: skip
+        try:
+            stdout, stderr = job.communicate(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            stderr = job.communicate()[1]
+            pytest.fail(f"torchrun job still running after {JOB_TIMEOUT_S} s:\n{stderr[-12000:]}")
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
