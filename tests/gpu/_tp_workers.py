@@ -347,3 +347,23 @@ def failing_rank(rank: int, world_size: int, init_method: str, mode: str, timeou
         if rank == 1 and mode == "hang":
             time.sleep(3600)
         Communicator(group).all_reduce(torch.ones(4))
+
+
+def late_receiver_rank(
+    rank: int, world_size: int, init_method: str, config: ModelConfig, receive_after_s: float
+) -> list[int] | None:
+    """Two pipeline stages of one rank: the last (the sampler) sends one step's sampled
+    table, finishes its sends and leaves the group at once; the first posts its receive
+    only after `receive_after_s`, as a rank behind the others does. The tokens the first
+    stage received; None on the last."""
+    spec = TPGroupSpec(rank, world_size, init_method, "cpu", GROUP_TIMEOUT_S, pp_size=2)
+    with init_tp_group(spec) as group:
+        stage = PipelineStage(group, config)
+        tokens = torch.tensor([11, 12, 13])
+        if stage.is_last:
+            stage.send_sampled(SamplerOutput(tokens, None, None, None), None)
+            stage.finish_sends()
+            return None
+        time.sleep(receive_after_s)
+        receipt = stage.recv_sampled(len(tokens), None, torch.device("cpu"))
+        return receipt.on_device().sampled_token_ids.tolist()

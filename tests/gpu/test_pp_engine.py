@@ -10,7 +10,9 @@ ranks spawned, gloo.
 - each stage holds and caches only its own layers;
 - the V1 runner over TP 2, PP 2 and TP 2 x PP 2 ranks gives the tokens of one device too;
 - killing the last stage's process mid-generation fails the running requests and the
-  engine within a bounded time, and leaves no worker process behind.
+  engine within a bounded time, and leaves no worker process behind;
+- the sampler's last tables reach a first-stage rank that receives them late, though the
+  sampler leaves the group right after its runner closes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from actors.protocol.config import ConfigError, EngineConfig
 from actors.protocol.sampling_params import SamplingParams
 from actors.protocol.speculative_config import parse_speculative_config
 from app.llm import LLM
+from gpu.models.presets import PRESETS
 from tests._embedded_model import needs_embedded_model
 from tests.gpu._parallel_engine import (
     DEAD_WITHIN_S,
@@ -31,8 +34,10 @@ from tests.gpu._parallel_engine import (
     alive,
     kill_rank_mid_generation,
     outputs,
+    run_ranks,
 )
 from tests.gpu._tiny_checkpoints import save_sharded, tiny_hf_model
+from tests.gpu._tp_workers import late_receiver_rank
 from tests.gpu.models._tiny_moe_models import TINY_MOE_SIZES, save_tiny_moe_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ranks_wait_passively")
@@ -170,3 +175,10 @@ def test_pp3_on_the_embedded_gguf_model_gives_the_greedy_tokens_of_one_device() 
         assert list(llm.worker.model.layer_indices) == list(range(10))
         staged = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in staged] == [o.outputs[0].token_ids for o in single]
+
+
+def test_a_first_stage_rank_behind_the_sampler_still_gets_its_last_table(tmp_path) -> None:
+    # The sampler sends without waiting; without finishing its sends at close it would
+    # leave while the receive was not yet posted, and that receive would fail.
+    ranks = run_ranks(tmp_path, late_receiver_rank, 2, PRESETS["smollm2-135m"], 1.0)
+    assert ranks == [[11, 12, 13], None]
