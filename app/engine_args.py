@@ -112,12 +112,12 @@ def _add_cache_args(g: Any) -> None:
         default=_env("mxfp4_copy", _DEFAULTS.mxfp4_copy),
         help="keep MXFP4 experts (gpt-oss) also in bf16 or FP8 on the GPU, for steps with "
         "many tokens per expert (prefill, large decode batches), where these multiply faster "
-        "than MXFP4 tiles dequantized in registers (the FP8 copy serves every step; with the "
-        "bf16 copy small steps keep reading MXFP4). The "
+        "than MXFP4 tiles dequantized in registers (the FP8 copy serves every step and "
+        "replaces the MXFP4 experts; with the bf16 copy small steps keep reading MXFP4). The "
         "activations stay bf16 and the products the same (bf16 holds every MXFP4 value; FP8 "
         "with a power-of-two scale per row nearly every one: a count that rounds is logged). "
-        "Costs the experts' bytes, taken from the KV cache: gpt-oss-20b 38 GB in bf16, 19 GB "
-        "in FP8. Env: TANDEM_MXFP4_COPY",
+        "Costs the experts' bytes, taken from the KV cache: gpt-oss-20b 38 GB in bf16, 9 GB "
+        "in FP8 (19 GB less the MXFP4 experts it replaces). Env: TANDEM_MXFP4_COPY",
     )
     g.add_argument(
         "--num-kv-blocks",

@@ -20,7 +20,7 @@ loading is one strided copy per tensor, with no temporary.
 
 With --mxfp4-copy, MXFP4 experts also get a copy in bf16 or FP8
 (gpu/models/mxfp4_copy.py), which steps of at least COPY_MIN_ROWS[kind] rows per expert
-multiply with.
+multiply with; a copy that serves every step (FP8) replaces them (`drop_mxfp4_experts`).
 
 The stacked expert tensors are allocated when their weights arrive (`materialize`), not at
 construction: a loader that frees each checkpoint tensor as it is copied then never holds
@@ -108,6 +108,8 @@ class SparseMoE(nn.Module):
         """(w13, w2) of the MXFP4 experts' copy for steps of at least copy_min_rows rows
         per expert, where --mxfp4-copy made one (gpu/models/mxfp4_copy.py)."""
         self.copy_min_rows = 0.0
+        self.mxfp4_dropped = False
+        """True once drop_mxfp4_experts freed the MXFP4 experts for a copy."""
 
     def _expert_shapes(
         self, num_experts: int, hidden: int
@@ -146,8 +148,19 @@ class SparseMoE(nn.Module):
                 real = torch.empty(param.shape, dtype=param.dtype, device=self.device)
                 self.register_parameter(name, nn.Parameter(real, requires_grad=False))
 
+    def drop_mxfp4_experts(self) -> None:
+        """Free the MXFP4 experts once a copy serves every step (copy_min_rows 0), so that
+        their bytes go to the KV cache; w13 and w2 are the copy's from then on."""
+        assert self.is_mxfp4 and self.expert_copy is not None and self.copy_min_rows == 0
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+            delattr(self, name)
+        self.mxfp4_dropped = True
+
     @property
     def w13(self) -> torch.Tensor | MXFP4Tensor | Fp8Experts:  # [num_experts, 2 * width, hidden]
+        if self.mxfp4_dropped:
+            assert self.expert_copy is not None
+            return self.expert_copy[0]
         if self.is_mxfp4:
             return MXFP4Tensor(self.w13_blocks, self.w13_scales)
         if self.fp8 is not None:
@@ -156,6 +169,9 @@ class SparseMoE(nn.Module):
 
     @property
     def w2(self) -> torch.Tensor | MXFP4Tensor | Fp8Experts:  # [num_experts, hidden, width]
+        if self.mxfp4_dropped:
+            assert self.expert_copy is not None
+            return self.expert_copy[1]
         if self.is_mxfp4:
             return MXFP4Tensor(self.w2_blocks, self.w2_scales)
         if self.fp8 is not None:
@@ -165,11 +181,12 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         router_logits = F.linear(x, self.router, self.router_bias)  # [num_tokens, num_experts]
         topk_weights, topk_ids = moe_route(router_logits, self.top_k, self.renormalize)
-        w13, w2 = self.w13, self.w2
         # x's row count is fixed per captured graph, so the choice is too
         num_rows_per_expert = x.shape[0] * self.top_k / self.router.shape[0]
         if self.expert_copy is not None and num_rows_per_expert >= self.copy_min_rows:
             w13, w2 = self.expert_copy
+        else:
+            w13, w2 = self.w13, self.w2
         return fused_moe(
             x, topk_weights, topk_ids, w13, w2, self.w13_bias, self.w2_bias, self.activation
         )

@@ -1,8 +1,8 @@
 """--mxfp4-copy: gpt-oss's MXFP4 experts also kept in bf16 or FP8, which steps with many
 rows per expert (bf16) or every step (FP8) multiply with (the same products: either copy
 holds every MXFP4 value of these weights exactly; on a GPU summed in another tile order),
-while the bf16 copy's small steps keep reading MXFP4; refused for a model without MXFP4
-experts."""
+while the bf16 copy's small steps keep reading MXFP4 and the FP8 copy replaces them;
+refused for a model without MXFP4 experts."""
 
 from __future__ import annotations
 
@@ -88,11 +88,17 @@ def test_large_steps_multiply_with_the_copy_and_get_the_same_outputs(
     with_copy = [moe(x) for x in steps]
     assert all(_same(out, ref) for out, ref in zip(with_copy, before, strict=True))
 
-    # With the bf16 copy only the small step still reads the MXFP4 tensors; with FP8 none.
+    if kind == "fp8":  # it serves every step, so it replaced the MXFP4 experts
+        names = {name for layer in layers for name, _ in layer.named_parameters()}
+        assert not {"w13_blocks", "w13_scales", "w2_blocks", "w2_scales"} & names
+        assert all(m.mxfp4_dropped and m.w13 is m.expert_copy[0] for m in layers)  # type: ignore[index]
+        assert mxfp4_copy_bytes(model, kind) == 0  # nothing left to copy
+        return
+    # With the bf16 copy only the small step still reads the MXFP4 tensors.
     moe.w13_blocks.zero_()
     moe.w2_blocks.zero_()
     small, large = (moe(x) for x in steps)
-    assert torch.equal(small, with_copy[0]) == (kind == "fp8")
+    assert not torch.equal(small, with_copy[0])
     assert torch.equal(large, with_copy[1])
 
 
@@ -115,5 +121,7 @@ def test_the_flag_its_environment_variable_and_a_bad_choice(
 
 
 def test_the_precision_line_says_which_steps_each_copy_serves() -> None:
-    assert mxfp4_copy_description("fp8") == "fp8 copy of the mxfp4 experts for every step"
+    assert mxfp4_copy_description("fp8") == (
+        "fp8 copy of the mxfp4 experts for every step, which replaces them"
+    )
     assert mxfp4_copy_description("bf16").endswith("steps of >= 64 rows per expert")
