@@ -33,6 +33,7 @@ import torch
 from gpu.models.config import ModelConfig
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import SparseMoE
+from kernels.fp8_experts import Fp8Experts, dequantize_fp8_experts
 from kernels.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 
@@ -297,7 +298,7 @@ def _gpt_oss_experts(moe: SparseMoE) -> dict[str, torch.Tensor]:
         w13 = _expert_weight(moe.w13, expert, moe.dtype)  # [2I, H]: [gate; up] rows
         gate_up[expert].copy_(w13.view(2, width, hidden).permute(2, 1, 0))
     down = moe.w2  # [E, H, I]
-    if isinstance(down, MXFP4Tensor):
+    if not isinstance(down, torch.Tensor):
         down = _dequantized(down, moe.dtype)
     gate_up_bias = moe.w13_bias.data.view(num_experts, 2, width).transpose(1, 2)
     return {
@@ -309,18 +310,20 @@ def _gpt_oss_experts(moe: SparseMoE) -> dict[str, torch.Tensor]:
 
 
 def _expert_weight(
-    weight: torch.Tensor | MXFP4Tensor, expert: int, dtype: torch.dtype
+    weight: torch.Tensor | MXFP4Tensor | Fp8Experts, expert: int, dtype: torch.dtype
 ) -> torch.Tensor:  # [rows, cols] of one expert in `dtype`
     if isinstance(weight, MXFP4Tensor):
         return dequantize_mxfp4(weight[expert], dtype)
+    if isinstance(weight, Fp8Experts):  # --mxfp4-copy fp8, which replaced the MXFP4 experts
+        return dequantize_fp8_experts(weight.expert(expert), dtype)[0]
     return weight[expert]
 
 
-def _dequantized(packed: MXFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(packed: MXFP4Tensor | Fp8Experts, dtype: torch.dtype) -> torch.Tensor:
     """[E, rows, cols] in `dtype`, dequantized one expert at a time."""
     out = torch.empty(packed.shape, dtype=dtype, device=packed.device)
     for expert in range(out.shape[0]):
-        out[expert].copy_(dequantize_mxfp4(packed[expert], dtype))
+        out[expert].copy_(_expert_weight(packed, expert, dtype))
     return out
 
 

@@ -238,6 +238,8 @@ def _gpt_oss_targets(prefix: str, moe: SparseMoE) -> dict[str, torch.Tensor | Vi
         experts + "gate_up_proj_bias": _deinterleaved(moe.w13_bias.data, rows_dim=1),
         experts + "down_proj_bias": moe.w2_bias.data,
     }
+    if moe.mxfp4_dropped:  # the FP8 copy that replaced them is no checkpoint tensor
+        return targets
     if moe.is_mxfp4:
         targets[experts + "gate_up_proj_blocks"] = _deinterleaved(moe.w13_blocks.data, 1)
         targets[experts + "gate_up_proj_scales"] = _deinterleaved(moe.w13_scales.data, 1)

@@ -5,6 +5,7 @@ storage where the layouts agree, and its own copy (of the size it declares) wher
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from benchmarks.hf_arms import (
 from gpu.attention.torch_backend import TorchAttentionBackend
 from gpu.models.llama import DecoderModel
 from gpu.models.moe import SparseMoE
+from gpu.models.mxfp4_copy import add_mxfp4_copies
 from gpu.models.presets import PRESETS
 from gpu.weights.hf_loader import load_hf_dir
 from tests.gpu.models._tiny_moe_models import SLIDING_WINDOW, save_tiny_moe_checkpoint
@@ -143,3 +145,18 @@ def test_room_check_refuses_what_cannot_fit_beside_tandem() -> None:
     assert too_little is not None and "gpu-memory-utilization" in too_little
     never = hf_room_problem(oss120, torch.bfloat16, 79 * GB, 80 * GB)
     assert never is not None and "gpt-oss-120b" in never and "cannot run" in never
+
+
+@torch.no_grad()
+def test_gpt_oss_whose_fp8_copy_replaced_its_mxfp4_experts(tmp_path: Path) -> None:
+    """--mxfp4-copy fp8 frees the MXFP4 experts: the twin takes the copy's values, which
+    are the MXFP4 ones exactly for these weights (none rounded)."""
+    save_tiny_moe_checkpoint("gpt_oss_mxfp4", tmp_path)
+    config, weights, _ = load_hf_dir(str(tmp_path), torch.float32)
+    model = DecoderModel(config, TorchAttentionBackend(), torch.float32, "cpu")
+    model.load_weights(weights)
+    ids = _prompt(config.vocab_size)
+    before = hf_model_sharing_weights(model)(ids).logits
+    assert add_mxfp4_copies(model, "fp8").num_rounded == 0
+    assert all(moe.mxfp4_dropped for moe, _ in _moe_layers(model, hf_model_sharing_weights(model)))
+    assert torch.equal(hf_model_sharing_weights(model)(ids).logits, before)
