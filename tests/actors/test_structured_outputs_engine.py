@@ -17,6 +17,7 @@ from actors.protocol.structured_output import StructuredOutputSpec
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
 from tests.actors.test_grammar import SCHEMAS
+from tests.app._server_fixtures import shared_llm
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -62,8 +63,14 @@ def test_every_constrained_output_validates(
         jsonschema.validate(json.loads(completion.text), schema)
 
 
-def test_constrained_and_free_requests_share_batches_and_runners_agree(llm: LLM) -> None:
-    v1 = LLM("default", reuse=llm, runner="v1", **OPTIONS)
+def test_constrained_and_free_requests_share_batches_and_runners_agree() -> None:
+    """On float32 weights, as tests/app/_server_fixtures.py says why: the runners put
+    different numbers of rows in a step, and the packed int4 default multiplies steps of up
+    to 8 rows on its int4 kernel and larger ones on its bf16 copy, which round apart (on an
+    AMD EPYC host the tokens parted at a near-tie)."""
+    float32 = {**OPTIONS, "quantization": "none"}
+    llm = LLM("default", reuse=shared_llm(), runner="v2", **float32)
+    v1 = LLM("default", reuse=llm, runner="v1", **float32)
     prompts = [
         llm.apply_chat_template(q)
         for q in (

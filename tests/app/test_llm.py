@@ -113,18 +113,23 @@ def test_capital_of_france(llm: LLM) -> None:
     assert out[0].runner == "v2"
 
 
-def test_v1_and_v2_agree_on_16_mixed_prompts(llm: LLM) -> None:
+def test_v1_and_v2_agree_on_16_mixed_prompts(llm_float32: LLM) -> None:
+    """Float32 (see llm_float32): V2's overlapped loop puts a different number of rows in
+    some steps than V1 does, and the packed default multiplies steps of up to 8 rows on its
+    int4 kernel and larger ones on its bf16 copy, which round apart (on an AMD EPYC host
+    prompt 0 parted at token 11, a near-tie)."""
     v1 = LLM(
         "default",
-        reuse=llm,
+        reuse=llm_float32,
         runner="v1",
+        quantization="none",
         max_num_seqs=32,
         max_num_batched_tokens=2048,
         max_model_len=1024,
     )
     assert v1.runner == "v1"
-    prompts = _prompts(llm, 16)
-    tokens_v2 = _tokens(llm.generate(prompts, GREEDY_32))
+    prompts = _prompts(llm_float32, 16)
+    tokens_v2 = _tokens(llm_float32.generate(prompts, GREEDY_32))
     tokens_v1 = _tokens(v1.generate(prompts, GREEDY_32))
     assert all(len(t) == 32 for t in tokens_v2)
     assert tokens_v1 == tokens_v2
