@@ -1,7 +1,7 @@
-"""What test_fused_moe.py and test_fused_moe_cuda.py share: random MoE cases (experts in
-the model dtype, MXFP4 or FP8 with per-channel or 128x128 block scales) and the checks that
-run them, in the Triton interpreter or on a GPU: Triton's grouping and fused MoE against
-their references, and blocks past the padded count exiting early."""
+"""What test_fused_moe.py and the CUDA tests test_fused_moe*_cuda.py share: random MoE cases
+(experts in the model dtype, MXFP4 or FP8 with per-channel or 128x128 block scales) and the
+checks that run them, in the Triton interpreter or on a GPU: Triton's grouping and fused MoE
+against their references, and blocks past the padded count exiting early."""
 
 from __future__ import annotations
 

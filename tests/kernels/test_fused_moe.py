@@ -1,7 +1,7 @@
 """fused_moe: the reference against a per-token loop, the grouping, Triton vs reference in
 the interpreter; experts in the model dtype, MXFP4 and FP8 (per-channel and 128x128 block
 scales, with shapes that are not multiples of 128), and FP8 scales of the wrong shape
-refused (at model shapes on a GPU, and CUDA-graph replay: test_fused_moe_cuda.py)."""
+refused (at model shapes on a GPU, and CUDA-graph replay: test_fused_moe*_cuda.py)."""
 
 from __future__ import annotations
 
