@@ -18,8 +18,9 @@
 #          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts, and with FP8
 #          per-channel ones (what --mxfp4-copy fp8 multiplies) swept too; qwen3-30b-a3b's
 #          layer swept
-#   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
-#          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
+#   fp8_gemv  issue 26: the FP8 GEMVs at batch 1 on llama-3.1-8b's and qwen3-32b's projections
+#          (FP8_GEMV_MODELS picks), weights read from HBM: the weight-only kernel, the W8A8
+#          one (its tiles swept) and bf16 cuBLAS on the same weights
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
 #          and unlimited without the answers' reuse (--no-prefix-caching-outputs) (~220)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
@@ -142,7 +143,7 @@ plan_moe_tiles() {
 plan_fp8_gemv() {
   local model
   for model in ${FP8_GEMV_MODELS:-llama-3.1-8b qwen3-32b}; do
-    step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep
+    step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep w8a8
   done
 }
 
