@@ -17,7 +17,7 @@ from actors.protocol.structured_output import StructuredOutputSpec
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
 from tests.actors.test_grammar import SCHEMAS
-from tests.app._server_fixtures import shared_llm
+from tests.app._server_fixtures import shared_llm, shared_packed_llm
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -33,7 +33,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default", runner="v2", **OPTIONS)
+    return LLM("default", reuse=shared_packed_llm(), runner="v2", **OPTIONS)
 
 
 def _json(schema: dict[str, Any], **params: Any) -> SamplingParams:

@@ -10,6 +10,7 @@ import torch
 from actors.protocol.sampling_params import SamplingParams
 from app.llm import LLM
 from tests._embedded_model import needs_embedded_model
+from tests.app._server_fixtures import shared_llm
 
 pytestmark = [pytest.mark.slow, needs_embedded_model]
 
@@ -33,7 +34,7 @@ SMALL = dict(
 def test_compiled_v1_matches_eager_and_compiles_only_at_startup() -> None:
     from torch._dynamo.utils import counters
 
-    eager = LLM("default", runner="v1", **SMALL)
+    eager = LLM("default", reuse=shared_llm(), runner="v1", **SMALL)
     prompts = [eager.apply_chat_template(q) for q in QUESTIONS]
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
 
