@@ -5,7 +5,8 @@
 #   bash benchmarks/device_plan.sh lane spec       # run on the GPU machine, in order
 #
 # Plans (seconds each took on one H100 at 296bdea):
-#   lane   the GPU lane, its 3 parts side by side (.ci/gpu-lane run --parts-at-once 3; 115-175)
+#   lane   the GPU lane, its 4 parts side by side (.ci/gpu-lane run --parts-at-once 4; 3 parts
+#          took 115-175 s at 296bdea, and ran part 1 out of its 300 s at 8f15722)
 #   spec   issue 33: speculative decoding, float32 token check and bf16 timings (~150)
 #   fp8    issue 26: W3 FP8 batch 1 and offline, FP8 KV, qwen3-32b FP8 batch 1 (~130 without
 #          the offline runs' kernel profiles, which say where W3 FP8's offline step goes)
@@ -81,7 +82,7 @@ step() {  # step NAME SECONDS COMMAND...: one benchmark, its log in the plan's f
 }
 
 plan_lane() {
-  python3 .ci/gpu-lane run --parts-at-once 3 --budget 300 2>&1 | grep -E "passed|FAILED|ERROR"
+  python3 .ci/gpu-lane run --parts-at-once 4 --budget 300 2>&1 | grep -E "passed|FAILED|ERROR"
 }
 
 plan_spec() {
