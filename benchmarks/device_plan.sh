@@ -19,6 +19,8 @@
 #          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts, and with FP8
 #          per-channel ones (what --mxfp4-copy fp8 multiplies) swept too; qwen3-30b-a3b's
 #          layer swept
+#   fp8_gemv_ncu  issue 26: Nsight Compute's counters (throughput, stalls, occupancy) for one
+#          gate/up call of each GEMV kernel (benchmarks/fp8_gemv_ncu.py; NCU names the binary)
 #   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
 #          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
@@ -147,6 +149,12 @@ plan_fp8_gemv() {
   done
 }
 
+plan_fp8_gemv_ncu() {
+  step gemv_ncu 240 "${NCU:-ncu}" --clock-control none --nvtx --nvtx-include "profile/" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section SchedulerStats python3 -m benchmarks.fp8_gemv_ncu
+}
+
 tier_arms() {  # tier_arms NAME "SERVER FLAGS" "CLIENT FLAGS" "ARM|ITS SERVER FLAGS"...
   local prefix=$1 server=$2 client=$3 arm
   shift 3
@@ -197,7 +205,7 @@ plan_hf_moe() {
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/{/^#/p}' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, moe, fp8_copy, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, fp8_gemv_ncu, moe, fp8_copy, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done

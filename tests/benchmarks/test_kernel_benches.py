@@ -1,14 +1,18 @@
 """The kernel benchmarks run where the CPU runs the kernels' torch references: a small
 `python -m benchmarks.paged_attention`, `python -m benchmarks.sampler` and `python -m
-benchmarks.fp8_gemv`, checked against the reference first, and what they record."""
+benchmarks.fp8_gemv`, checked against the reference first, and what they record; and what
+`benchmarks.fp8_gemv_ncu` hands Nsight Compute."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks import fp8_gemv, paged_attention, sampler
+import torch
+
+from benchmarks import fp8_gemv, fp8_gemv_ncu, paged_attention, sampler
 from kernels.fp8_gemv import fp8_gemv_config
+from kernels.fp8_quant import FP8_DTYPE
 
 
 def test_paged_attention_checks_the_kernel_then_times_it(tmp_path: Path) -> None:
@@ -92,3 +96,13 @@ def test_fp8_gemv_sweep_covers_splits_around_the_default() -> None:
         default.split_k,
         default.split_k * 2,
     }
+
+
+def test_fp8_gemv_ncu_needs_a_gpu_and_names_each_kernel_it_profiles(capsys) -> None:
+    if not torch.cuda.is_available():
+        assert fp8_gemv_ncu.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    w_fp8, w_scale = torch.zeros(64, 128, dtype=FP8_DTYPE), torch.ones(64)
+    kernels = fp8_gemv_ncu._kernels(torch.zeros(1, 128).bfloat16(), w_fp8, w_scale)
+    assert {"w8a16", "bf16"} <= set(kernels) <= {"w8a16", "bf16", "w8a8"}
+    assert torch.equal(kernels["bf16"](), torch.zeros(1, 64).bfloat16())
