@@ -19,14 +19,10 @@
 #          sweep (benchmarks/moe.py SWEEP); the same layer with bf16 experts, and with FP8
 #          per-channel ones (what --mxfp4-copy fp8 multiplies) swept too; qwen3-30b-a3b's
 #          layer swept
-#   w8a8   issue 26: the W8A8 GEMV against the weight-only one: kernels at llama-3.1-8b's
-#          shapes (W8A8 tiles swept), then W3 and qwen3-32b FP8 batch 1 with each
-#          (TANDEM_FP8_GEMV=w8a8) (~400 estimated; KERNEL_PROFILE=0 for less)
 #   fp8_gemv_ncu  issue 26: Nsight Compute's counters (throughput, stalls, occupancy) for one
 #          gate/up call of each GEMV kernel (benchmarks/fp8_gemv_ncu.py; NCU names the binary)
-#   fp8_gemv  issue 26: the FP8 GEMVs at batch 1 on llama-3.1-8b's and qwen3-32b's projections
-#          (FP8_GEMV_MODELS picks), weights read from HBM: the weight-only kernel, the W8A8
-#          one (its tiles swept) and bf16 cuBLAS on the same weights
+#   fp8_gemv  issue 26: the FP8 GEMV at batch 1 on llama-3.1-8b's and qwen3-32b's projections
+#          (FP8_GEMV_MODELS picks), weights read from HBM, with a tile sweep
 #   tiers  issue 29: the host tier on dummy qwen3-0.6b: unlimited, limited, limited + host,
 #          and unlimited without the answers' reuse (--no-prefix-caching-outputs) (~220)
 #   tiers8b  issue 29: the host tier on dummy llama-3.1-8b, 64 conversations (what an H100's
@@ -109,17 +105,6 @@ plan_fp8() {
     --kernel-profile --result throughput_w3_fp8_kv
 }
 
-plan_w8a8() {
-  step gemv_w8a8 200 python3 -m benchmarks.fp8_gemv --model llama-3.1-8b --sweep w8a8
-  step w3_fp8_b1 80 $T --workload W3 $ONE --quantization fp8 --result throughput_w3_fp8_batch1
-  TANDEM_FP8_GEMV=w8a8 step w3_fp8_w8a8_b1 80 $T --workload W3 $ONE --quantization fp8 \
-    --result throughput_w3_fp8_w8a8_batch1
-  step q32_fp8_b1 120 $T --workload W3 --model dummy:qwen3-32b $ONE --quantization fp8 \
-    --result throughput_qwen3_32b_fp8_batch1
-  TANDEM_FP8_GEMV=w8a8 step q32_fp8_w8a8_b1 120 $T --workload W3 --model dummy:qwen3-32b \
-    $ONE --quantization fp8 --result throughput_qwen3_32b_fp8_w8a8_batch1
-}
-
 plan_moe() {
   step w4_b1 90 $T --workload W4 $ONE --result throughput_w4_batch1
   step w5_b1 90 $T --workload W5 $ONE --result throughput_w5_batch1
@@ -160,7 +145,7 @@ plan_moe_tiles() {
 plan_fp8_gemv() {
   local model
   for model in ${FP8_GEMV_MODELS:-llama-3.1-8b qwen3-32b}; do
-    step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep w8a8
+    step "gemv_$model" 270 python3 -m benchmarks.fp8_gemv --model "$model" --sweep
   done
 }
 
@@ -220,7 +205,7 @@ plan_hf_moe() {
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/{/^#/p}' "$0"; exit 2; }
 for plan in "$@"; do
   if ! declare -F "plan_$plan" > /dev/null; then
-    echo "unknown plan $plan (lane, spec, fp8, w8a8, fp8_gemv, fp8_gemv_ncu, moe, fp8_copy, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
+    echo "unknown plan $plan (lane, spec, fp8, fp8_gemv, fp8_gemv_ncu, moe, fp8_copy, moe_tiles, tiers, tiers8b, serve_moe, hf_moe)" >&2
     exit 2
   fi
 done

@@ -148,17 +148,11 @@ def fp8_gemv_config(
     """
     del M, blockwise  # see above
     block_n, block_k = 32, 128
-    return Fp8GemvConfig(block_n, block_k, split_k_for(N, K, block_n, block_k, num_sms))
-
-
-def split_k_for(N: int, K: int, block_n: int, block_k: int, num_sms: int) -> int:
-    """SPLIT_K (a power of two) doubles until the grid has ~4 programs per SM, while each
-    split keeps >= 4 K steps."""
     k_steps, tiles = -(-K // block_k), -(-N // block_n)
     split_k = 1
     while tiles * split_k < 4 * num_sms and k_steps // (2 * split_k) >= 4:
         split_k *= 2
-    return split_k
+    return Fp8GemvConfig(block_n, block_k, split_k)
 
 
 def _check_args(
@@ -201,22 +195,16 @@ def fp8_gemv_ref(
 ) -> torch.Tensor:  # [M, N] x's dtype
     """Torch reference of `fp8_gemv`: dequantize the weight, multiply and add in float32."""
     _check_args(x, w_fp8, w_scale, block_scale, bias)
-    out = x.float() @ dequantized_weight(w_fp8, w_scale, block_scale).T
+    if block_scale is not None:
+        block = (SCALE_BLOCK, SCALE_BLOCK)
+        w = dequantize_blockwise(w_fp8, block_scale, block, torch.float32)
+    else:
+        assert w_scale is not None
+        w = w_fp8.float() * w_scale.reshape(-1, 1)
+    out = x.float() @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
-
-
-def dequantized_weight(
-    w_fp8: torch.Tensor,  # [N, K] e4m3
-    w_scale: torch.Tensor | None,  # [N] or [N, 1] float32, or
-    block_scale: torch.Tensor | None,  # [ceil(N / 128), ceil(K / 128)] float32
-) -> torch.Tensor:  # [N, K] float32
-    if block_scale is not None:
-        block = (SCALE_BLOCK, SCALE_BLOCK)
-        return dequantize_blockwise(w_fp8, block_scale, block, torch.float32)
-    assert w_scale is not None
-    return w_fp8.float() * w_scale.reshape(-1, 1)
 
 
 @functools.cache
@@ -263,7 +251,9 @@ def fp8_gemv_triton(
         return out
     block_n, block_k, split_k, num_warps = config
     k_per_split = triton.cdiv(triton.cdiv(depth, block_k), split_k) * block_k
-    dest = split_k_destination(out, split_k)
+    dest = out
+    if split_k > 1:
+        dest = torch.empty((split_k, num_tokens, num_out), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
     grid = (triton.cdiv(num_out, block_n), split_k, triton.cdiv(num_tokens, _BLOCK_M))
     _gemv_kernel[grid](
@@ -273,34 +263,13 @@ def fp8_gemv_triton(
         BLOCK_K=block_k, SPLIT_K=split_k,
         UPCAST_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
     )  # fmt: skip
-    sum_split_k(dest, bias, out)
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(num_out))
+        _split_k_sum_kernel[(num_tokens, triton.cdiv(num_out, block))](
+            dest, bias_arg, out, num_tokens, num_out, out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
-
-
-def split_k_destination(
-    out: torch.Tensor,  # [M, N]: where a kernel without split-K writes
-    split_k: int,
-) -> torch.Tensor:  # out, or float32 partials [split_k, M, N]
-    if split_k == 1:
-        return out
-    return torch.empty((split_k, *out.shape), dtype=torch.float32, device=out.device)
-
-
-def sum_split_k(
-    dest: torch.Tensor,  # split_k_destination's
-    bias: torch.Tensor | None,  # [N] or None
-    out: torch.Tensor,  # [M, N]
-) -> None:
-    """Add the partials into `out` with the bias, in a fixed order (nothing to do when
-    the kernel wrote `out` itself)."""
-    if dest is out:
-        return
-    split_k, num_tokens, num_out = dest.shape
-    block = min(1024, triton.next_power_of_2(num_out))
-    _split_k_sum_kernel[(num_tokens, triton.cdiv(num_out, block))](
-        dest, bias if bias is not None else dest, out, num_tokens, num_out, out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
-    )  # fmt: skip
 
 
 def fp8_gemv(

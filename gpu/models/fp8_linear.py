@@ -6,9 +6,9 @@ A projection is either a plain parameter [N, K] in the model dtype (F.linear) or
 Its forward quantizes the activations (per token, or per token and 128 columns for block
 scales) and runs the FP8 GEMM of kernels/fp8_gemm.py, which returns the activations'
 dtype; up to GEMV_MAX_TOKENS tokens it runs kernels/fp8_gemv.py's weight-only kernel on the
-unquantized activations instead (or, under GEMV_KERNEL_ENV, the W8A8 one). Neither step
-syncs with the host, so CUDA graphs capture it. gpu/models/precision.py decides which
-projections are FP8; `projection` allocates what it says.
+unquantized activations instead. Neither step syncs with the host, so CUDA graphs capture
+it. gpu/models/precision.py decides which projections are FP8; `projection` allocates what
+it says.
 
 Fused projections (q/k/v, gate/up) are one Fp8Weight whose rows concatenate the parts'.
 Per-channel scales concatenate the same way; block scales do because the precision plan
@@ -16,8 +16,6 @@ fuses block-scaled parts only when each but the last spans whole 128-row blocks.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +26,6 @@ from gpu.models.precision import Fp8Scheme, ProjectionScheme
 from gpu.models.quant_config import FP8_BLOCK_SIZE
 from kernels.fp8_gemm import fp8_gemm_blockwise, fp8_gemm_rowwise
 from kernels.fp8_gemv import fp8_gemv
-from kernels.fp8_gemv_w8a8 import fp8_gemv_w8a8
 from kernels.fp8_quant import FP8_DTYPE, quantize_per_token, quantize_per_token_group
 
 WEIGHT_SCALE_SUFFIX = "weight_scale"
@@ -42,12 +39,6 @@ weight with unquantized activations (kernels/fp8_gemv.py): there the weight read
 cost, and a quantization launch plus cuBLASLt's FP8 GEMM take 1.2-2.5x the time of the
 weight-only kernel (H100, 4096 x 14336: 60 us against 26 us). A static input scale is not
 applied on this path; the activations keep their own precision."""
-GEMV_KERNEL_ENV = "TANDEM_FP8_GEMV"
-"""Which kernel multiplies up to GEMV_MAX_TOKENS tokens: `w8a16` (unset: the weight-only
-kernel above) or `w8a8` (kernels/fp8_gemv_w8a8.py, activations quantized as larger steps
-quantize them, static input scale included). A switch for comparing the two on a GPU
-(benchmarks/NOTES.md), read when the model is built."""
-_GEMV_KERNELS = ("w8a16", "w8a8")
 
 
 class Fp8Weight(nn.Module):
@@ -76,7 +67,6 @@ class Fp8Weight(nn.Module):
             if scheme.static_input_scale
             else None
         )
-        self.gemv_quantizes_activations = _gemv_kernel() == "w8a8"
 
     def forward(
         self,
@@ -84,10 +74,6 @@ class Fp8Weight(nn.Module):
         bias: torch.Tensor | None = None,  # [out_features] or None
     ) -> torch.Tensor:  # [num_tokens, out_features] in x's dtype
         if x.shape[0] <= GEMV_MAX_TOKENS and x.is_cuda:
-            if self.gemv_quantizes_activations:
-                return fp8_gemv_w8a8(
-                    x, self.weight, self.weight_scale, self.block_scale, bias, self.input_scale
-                )
             return fp8_gemv(x, self.weight, self.weight_scale, self.block_scale, bias)
         if self.block_scale is not None:
             # scale [M, K/128], token-major: the layout cuBLASLt's block-scaled GEMM reads
@@ -157,14 +143,6 @@ def part_targets(weight: Projection, parts: list[tuple[str, int, int]]) -> dict[
         else:
             targets[f"{module}.weight"] = weight.data.narrow(0, start, rows)
     return targets
-
-
-def _gemv_kernel() -> str:
-    kernel = os.environ.get(GEMV_KERNEL_ENV) or "w8a16"
-    if kernel not in _GEMV_KERNELS:
-        raise ValueError(f"{GEMV_KERNEL_ENV} must be one of {', '.join(_GEMV_KERNELS)}, "
-                         f"got {kernel!r}")  # fmt: skip
-    return kernel
 
 
 def _num_blocks(size: int) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from benchmarks import fp8_gemv, fp8_gemv_ncu, paged_attention, sampler
+from kernels.fp8_gemv import fp8_gemv_config
 from kernels.fp8_quant import FP8_DTYPE
 
 
@@ -81,34 +81,21 @@ def test_fp8_gemv_checks_each_projection_then_times_it(tmp_path: Path) -> None:
     assert fp8_gemv.main(["--device", "cpu", "--not-a-result", "--output", str(out)]) == 0
     record = json.loads(out.read_text())
     projections = record["details"]["projections"]
-    assert set(projections) == {"qkv", "down"}
-    assert set(record["figures"]) == {
-        f"{name}{suffix}_us" for name in ("qkv", "down") for suffix in ("", "_w8a8", "_bf16")
-    }
+    assert set(projections) == {"qkv", "down"} and set(record["figures"]) == {"qkv_us", "down_us"}
     for row in projections.values():
-        # On the CPU the references themselves run; x's e4m3 rounding moves the W8A8 product.
-        assert row["w8a16_max_rel_err_vs_ref"] <= 1e-5
-        assert row["w8a8_max_rel_err_vs_ref"] <= 1e-5
-        assert 1e-4 < row["w8a8_drift_from_w8a16"] < fp8_gemv.MAX_W8A8_DRIFT
-        for kernel in fp8_gemv.KERNELS:
-            assert row[kernel]["us"] > 0 and "sweep" not in row[kernel]
-    only = tmp_path / "one.json"
-    argv = ["--device", "cpu", "--not-a-result", "--kernels", "w8a8", "--output", str(only)]
-    assert fp8_gemv.main(argv) == 0
-    assert set(json.loads(only.read_text())["figures"]) == {"qkv_w8a8_us", "down_w8a8_us"}
+        assert row["max_rel_err_vs_ref"] <= 1e-5  # on the CPU the reference itself runs
+        assert row["us"] > 0 and "sweep" not in row
 
 
-@pytest.mark.parametrize("kernel", ["w8a16", "w8a8"])
-def test_fp8_gemv_sweep_covers_splits_around_the_default(kernel: str) -> None:
-    default = fp8_gemv._default_config(kernel, 1, 4096, 14336)
-    configs = fp8_gemv._sweep_configs(kernel, default)
+def test_fp8_gemv_sweep_covers_splits_around_the_default() -> None:
+    default = fp8_gemv_config(1, 4096, 14336)
+    configs = fp8_gemv._sweep_configs(default)
     assert default in configs and len(configs) == len(set(configs))
     assert {c.split_k for c in configs} == {
         default.split_k // 2,
         default.split_k,
         default.split_k * 2,
     }
-    assert kernel == "w8a16" or {c.block_k for c in configs} == {128}
 
 
 def test_fp8_gemv_ncu_needs_a_gpu_and_names_each_kernel_it_profiles(capsys) -> None:
@@ -117,5 +104,5 @@ def test_fp8_gemv_ncu_needs_a_gpu_and_names_each_kernel_it_profiles(capsys) -> N
         assert "needs a CUDA GPU" in capsys.readouterr().err
     w_fp8, w_scale = torch.zeros(64, 128, dtype=FP8_DTYPE), torch.ones(64)
     kernels = fp8_gemv_ncu._kernels(torch.zeros(1, 128).bfloat16(), w_fp8, w_scale)
-    assert {"w8a16", "bf16", "w8a8"} == set(kernels)  # this tree has the W8A8 kernel
+    assert {"w8a16", "bf16"} <= set(kernels) <= {"w8a16", "bf16", "w8a8"}
     assert torch.equal(kernels["bf16"](), torch.zeros(1, 64).bfloat16())

@@ -5,6 +5,9 @@ and on CUDA at Llama-3.1-8B's projection shapes, and a CUDA graph replay."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -17,30 +20,71 @@ from kernels.fp8_gemv import (
     fp8_gemv_ref,
     fp8_gemv_triton,
 )
-from kernels.fp8_quant import FP8_DTYPE
-from tests.kernels._fp8_gemv_cases import (
-    assert_close_to_largest,
-    check_graph_replay_follows_new_input,
-    fp8_cuda_test,
-    ieee_float32_matmul,
-    random_activations,
-    random_weight,
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_weight_per_channel
+from tests.kernels._triton_interpreter import (
+    assert_interpreted,
+    cuda_test,
+    interpreted_test,
+    needs_triton,
 )
-from tests.kernels._triton_interpreter import assert_interpreted, interpreted_test, needs_triton
+
+
+def fp8_cuda_test(test: Callable[..., None]) -> Callable[..., None]:
+    """A `gpu` test that also needs fp8 conversions (compute capability 8.9+)."""
+    has_fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    needs_fp8 = pytest.mark.skipif(not has_fp8, reason="needs compute capability >= 8.9")
+    return cuda_test(needs_fp8(test))
+
+
+def _weight(
+    num_out: int, depth: int, blockwise: bool, device: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_fp8 [N, K] and its scale ([N], or [N/128, K/128] blocks). Rows or blocks differ
+    in magnitude by up to 100x, so a scale read from the wrong row or block shows."""
+    generator = torch.Generator().manual_seed(seed)
+    if not blockwise:
+        w = torch.randn(num_out, depth, generator=generator)
+        w *= torch.exp(torch.rand(num_out, 1, generator=generator) * 4.6)
+        w_fp8, w_scale = quantize_weight_per_channel(w)
+        return w_fp8.to(device), w_scale.to(device)
+    grid = (-(-num_out // 128), -(-depth // 128))
+    block_scale = torch.exp(torch.rand(grid, generator=generator) * 4.6) / FP8_MAX
+    w = torch.randn(num_out, depth, generator=generator) * 100
+    w_fp8 = w.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return w_fp8.to(device), block_scale.to(device)
+
+
+def _activations(num_tokens: int, depth: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(num_tokens * 7 + depth)
+    x = torch.randn(num_tokens, depth, generator=generator)
+    x *= torch.exp(torch.rand(num_tokens, 1, generator=generator) * 4)  # rows differ in scale
+    if dtype == torch.float16:
+        x *= 2**-10  # keeps sums over thousands of products inside float16's range
+    return x.to(dtype).to(device)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    """Errors measured against the output's largest value: the sums over K mix signs, so an
+    output can be far smaller than the products it adds up, whose rounding its error
+    follows. A wrong scale, row or block errs by the output's own size."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.isfinite(expected).all(), "the case overflows the output dtype"
+    scale = float(expected.float().abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=rtol * scale)
 
 
 def test_reference_matches_numpy() -> None:
-    x = random_activations(3, 300, torch.float32, "cpu")
+    x = _activations(3, 300, torch.float32, "cpu")
     bias = torch.randn(200)
     x_np = x.numpy().astype(np.float64)
-    w_fp8, w_scale = random_weight(200, 300, False, "cpu")
+    w_fp8, w_scale = _weight(200, 300, False, "cpu")
     w_np = w_fp8.float().numpy().astype(np.float64) * w_scale.numpy()[:, None]
     expected = x_np @ w_np.T + bias.numpy()
     for scale in (w_scale, w_scale[:, None]):
-        assert_close_to_largest(
+        _assert_close(
             fp8_gemv_ref(x, w_fp8, scale, bias=bias), torch.from_numpy(expected).float(), 1e-6
         )
-    wb_fp8, block_scale = random_weight(200, 300, True, "cpu")
+    wb_fp8, block_scale = _weight(200, 300, True, "cpu")
     wb_np = wb_fp8.float().numpy().astype(np.float64)
     expected_b = np.zeros((3, 200))
     for nb in range(2):  # a sum of 128 x 128 block products, each times its scale
@@ -48,7 +92,7 @@ def test_reference_matches_numpy() -> None:
             n, k = slice(nb * 128, (nb + 1) * 128), slice(kb * 128, (kb + 1) * 128)
             expected_b[:, n] += (x_np[:, k] @ wb_np[n, k].T) * float(block_scale[nb, kb])
     out = fp8_gemv_ref(x, wb_fp8, block_scale=block_scale)
-    assert_close_to_largest(out, torch.from_numpy(expected_b).float(), 1e-6)
+    _assert_close(out, torch.from_numpy(expected_b).float(), 1e-6)
     # Without Triton on CUDA the launcher is the reference, in x's dtype.
     x_bf16 = x.bfloat16()
     assert torch.equal(
@@ -112,6 +156,18 @@ def test_config_fits_the_kernel_and_fills_the_gpu(blockwise: bool) -> None:
     assert down.split_k > 1  # 4096 columns alone leave the GPU half idle
 
 
+@contextlib.contextmanager
+def _ieee_float32_matmul() -> Iterator[None]:
+    """The reference's float32 matmul in full precision, whatever another test set
+    (TF32 on CUDA would err by 2^-11)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def compare(cases: list[tuple[int, int, int, str, bool, bool, tuple | None]], device: str) -> None:
     """fp8_gemv_triton vs fp8_gemv_ref on (M, N, K, x dtype, blockwise, bias, config)
     cases; config None takes fp8_gemv_config's."""
@@ -120,11 +176,11 @@ def compare(cases: list[tuple[int, int, int, str, bool, bool, tuple | None]], de
         assert_interpreted(gemv._gemv_kernel, gemv._split_k_sum_kernel)
     for num_tokens, num_out, depth, dtype_name, blockwise, with_bias, config in cases:
         dtype = getattr(torch, dtype_name)
-        x = random_activations(num_tokens, depth, dtype, device)
-        w_fp8, scale = random_weight(num_out, depth, blockwise, device)
+        x = _activations(num_tokens, depth, dtype, device)
+        w_fp8, scale = _weight(num_out, depth, blockwise, device)
         bias = torch.randn(num_out).to(dtype).to(device) * 10 if with_bias else None
         scales = {"block_scale": scale} if blockwise else {"w_scale": scale}
-        with ieee_float32_matmul():
+        with _ieee_float32_matmul():
             expected = fp8_gemv_ref(x, w_fp8, bias=bias, **scales)
         cfg = None if config is None else Fp8GemvConfig(*config)
         got = fp8_gemv_triton(x, w_fp8, bias=bias, config=cfg, **scales)
@@ -135,7 +191,7 @@ def compare(cases: list[tuple[int, int, int, str, bool, bool, tuple | None]], de
         # interpreter truncates float32 to bf16 (GPUs round), one more step.
         rtol = 1e-5 if dtype == torch.float32 else (2**-6 if interpreted else 2**-7)
         try:
-            assert_close_to_largest(got, expected, rtol)
+            _assert_close(got, expected, rtol)
         except AssertionError as error:
             raise AssertionError(
                 f"case {num_tokens, num_out, depth, dtype_name, blockwise, with_bias, config}"
@@ -188,4 +244,26 @@ def test_triton_matches_reference_on_cuda(num_tokens: int) -> None:
 
 @fp8_cuda_test
 def test_cuda_graph_replay_follows_new_input() -> None:
-    check_graph_replay_follows_new_input(fp8_gemv)
+    num_out, depth = 4096, 14336  # split-K: two kernels in the graph
+    x = _activations(1, depth, torch.bfloat16, "cuda")
+    w_fp8, w_scale = _weight(num_out, depth, False, "cuda")
+    wb_fp8, block_scale = _weight(num_out, depth, True, "cuda")
+    bias = torch.randn(num_out, device="cuda").bfloat16()
+
+    def forward() -> list[torch.Tensor]:
+        return [
+            fp8_gemv(x, w_fp8, w_scale, bias=bias),
+            fp8_gemv(x, wb_fp8, block_scale=block_scale),
+        ]
+
+    before = forward()  # compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    x.copy_(_activations(1, depth, torch.bfloat16, "cuda") * -0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    for replayed, eager, old in zip(captured, forward(), before, strict=True):
+        assert not torch.equal(replayed, old), "the replay did not follow the new input"
+        assert torch.equal(replayed, eager)

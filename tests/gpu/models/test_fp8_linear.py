@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.torch_backend import TorchAttentionBackend
-from gpu.models.fp8_linear import GEMV_KERNEL_ENV, Fp8Weight, linear, projection
+from gpu.models.fp8_linear import Fp8Weight, linear, projection
 from gpu.models.llama import DecoderModel
 from gpu.models.precision import Fp8Scheme, resolve_precision
 from gpu.weights.hf_loader import load_hf_config, load_hf_dir
@@ -90,44 +90,6 @@ def test_fp8_linear_is_the_dequantized_linear_of_quantized_activations(name: str
     # ... and the unquantized product within FP8's precision (3 mantissa bits per operand)
     expected = F.linear(x, weight, bias)
     assert (out - expected).norm() < 0.05 * expected.norm()
-
-
-def test_the_small_batch_kernel_is_chosen_by_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv(GEMV_KERNEL_ENV, raising=False)
-    assert not Fp8Weight(N, K, SCHEMES["block"], "cpu").gemv_quantizes_activations
-    monkeypatch.setenv(GEMV_KERNEL_ENV, "w8a8")
-    assert Fp8Weight(N, K, SCHEMES["block"], "cpu").gemv_quantizes_activations
-    monkeypatch.setenv(GEMV_KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="TANDEM_FP8_GEMV must be one of w8a16, w8a8, got 'fast'"):
-        Fp8Weight(N, K, SCHEMES["block"], "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="needs a GPU with fp8 (compute capability >= 8.9)",
-)
-@pytest.mark.parametrize("name", ["per_channel", "block", "static_input"])
-def test_w8a8_small_batches_compute_what_large_batches_compute(monkeypatch, name: str) -> None:
-    """Under TANDEM_FP8_GEMV=w8a8 a token's product at 1 or 16 rows (the GEMV) is the one it
-    gets in a 64-row step (the quantized GEMM): the same quantized activations and weights,
-    summed in another order; the weight-only GEMV is further from it."""
-    monkeypatch.setenv(GEMV_KERNEL_ENV, "w8a8")
-    scheme = SCHEMES[name]
-    weight, _, bias = _inputs()
-    proj, _ = _fp8_weight(scheme, weight)
-    proj = proj.cuda()
-    x = torch.randn(64, K, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
-    if proj.input_scale is not None:
-        proj.input_scale.data.fill_(x.abs().max().item() / 448.0)
-    large = linear(x, proj, bias.cuda().bfloat16()).float()
-    scale = float(large.abs().max())
-    for rows in (1, 16):
-        small = linear(x[:rows], proj, bias.cuda().bfloat16()).float()
-        torch.testing.assert_close(small, large[:rows], rtol=2**-7, atol=2**-7 * scale)
-    proj.gemv_quantizes_activations = False
-    weight_only = linear(x[:16], proj, bias.cuda().bfloat16()).float()
-    assert (weight_only - large[:16]).abs().max() > (small - large[:16]).abs().max()
 
 
 def test_projection_allocates_what_the_scheme_says() -> None:
