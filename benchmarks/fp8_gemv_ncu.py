@@ -24,9 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.fp8_gemv import SHAPES
+from benchmarks.fp8_gemv import SHAPES, _weights
 from kernels.fp8_gemv import fp8_gemv_triton
-from kernels.fp8_quant import FP8_DTYPE
 
 WARMUP_CALLS = 3
 
@@ -63,11 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.projection not in shapes:
         p.error(f"--projection takes one of {', '.join(shapes)}, got {args.projection!r}")
     num_out, depth = shapes[args.projection]
-    generator = torch.Generator().manual_seed(0)
-    w = torch.randn(num_out, depth, generator=generator) * depth**-0.5
-    w_scale = (w.abs().amax(dim=1) / 448.0).float()
-    w_fp8 = (w / w_scale[:, None]).to(FP8_DTYPE).cuda()
-    w_scale = w_scale.cuda()
+    ((w_fp8, w_scale),) = _weights(num_out, depth, 1, "cuda")  # benchmarks.fp8_gemv's
+    generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, depth, generator=generator).bfloat16().cuda()
     for name, call in _kernels(x, w_fp8, w_scale).items():
         for _ in range(WARMUP_CALLS):
